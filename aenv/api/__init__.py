@@ -1,0 +1,1 @@
+"""HTTP surface of a node: control plane, envd data plane, sandbox port proxy."""

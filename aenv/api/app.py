@@ -1,0 +1,166 @@
+"""The node's HTTP surface on one port: control plane, envd data plane and /metrics.
+
+Requests that name a sandbox (``E2b-Sandbox-Id`` header, or a ``<port>-<sandboxID>.<domain>`` host)
+are sandbox traffic; everything else is the control plane, which needs the API key.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request as StarletteRequest
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from aenv import __version__
+from aenv.api import envd
+from aenv.api.sandboxes import router
+from aenv.errors import AenvError, error_body
+from aenv.node import metrics
+from aenv.node.orchestrator import Node
+
+log = logging.getLogger("aenv.api")
+HOST_ROUTE = re.compile(r"^(\d+)-([a-z0-9]+)$")
+PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+
+
+def sandbox_target(headers: dict[str, str]) -> tuple[str, int] | None | str:
+    """(sandbox id, port) for sandbox traffic, None for the control plane, or an error text."""
+    host = headers.get("host", "").rsplit(":", 1)[0] if not headers.get("host", "").startswith("[") else ""
+    sid, port = headers.get("e2b-sandbox-id"), headers.get("e2b-sandbox-port")
+    first = host.split(".", 1)[0]
+    m = HOST_ROUTE.match(first)
+    if m and "." in host:
+        return m.group(2), int(m.group(1))
+    if sid is None and port is None:
+        return None
+    if sid is None or port is None:
+        return "Missing header E2b-Sandbox-Id or E2b-Sandbox-Port"
+    try:
+        return sid, int(port)
+    except ValueError:
+        return "E2b-Sandbox-Port must be a number"
+
+
+def create_app(node: Node, *, start_node: bool = True) -> FastAPI:
+    """The control plane. The node stops with the app (pausing running sandboxes): this must
+    happen inside the server's shutdown, before uvicorn re-raises the signal that stopped it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if start_node:
+            await node.start()
+        try:
+            yield
+        finally:
+            await node.stop()
+
+    app = FastAPI(
+        title="aenv",
+        version=__version__,
+        summary="Isolated, stateful sandboxes for agentic RL: create, exec, pause, snapshot, fork.",
+        lifespan=lifespan,
+    )
+    app.state.node = node
+    app.include_router(router)
+
+    @app.exception_handler(AenvError)
+    async def aenv_error(request: Request, exc: AenvError) -> JSONResponse:
+        headers = {"Should-Retry": "false"} if exc.status in (429, 502, 503, 504) else None
+        if exc.status >= 500:
+            log.warning("%s %s failed: %r", request.method, request.url.path, exc)
+        return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        msg = f"invalid request: {where}: {first.get('msg', 'invalid value')}"
+        return JSONResponse({"code": 400, "message": msg, "error_code": "invalid_request"}, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse(
+            {"code": exc.status_code, "message": str(exc.detail), "error_code": code}, status_code=exc.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse({"code": 500, "message": f"internal error: {type(exc).__name__}: {exc}"}, status_code=500)
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "version": __version__, "templates": sorted(t.name for t in node.templates.values())}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        metrics.observe_node(node)
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.api_key = None
+    return app
+
+
+class SandboxRouter:
+    """Pure ASGI front: sandbox traffic goes to envd or the port proxy; the rest needs the API key."""
+
+    def __init__(self, app: ASGIApp, node: Node, api_key: str | None) -> None:
+        self.app = app
+        self.node = node
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        target = sandbox_target(headers)
+        if isinstance(target, str):
+            await _reply(scope, receive, send, JSONResponse({"code": 400, "message": target}, status_code=400))
+            return
+        if target is not None:
+            sandbox_id, port = target
+            if scope["type"] == "websocket":
+                await envd.proxy_websocket(scope, receive, send, self.node, sandbox_id, port)
+                return
+            request = StarletteRequest(scope, receive)
+            if port == envd.ENVD_PORT:
+                response = await envd.handle(request, self.node, sandbox_id)
+            else:
+                response = await envd.proxy_port(request, self.node, sandbox_id, port)
+            await response(scope, receive, send)
+            return
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and self.api_key:
+            key = headers.get("x-api-key")
+            if key is None or not hmac.compare_digest(key.encode(), self.api_key.encode()):
+                body = {
+                    "code": 401,
+                    "message": "invalid or missing API key (X-API-Key header)",
+                    "error_code": "unauthenticated",
+                }
+                await _reply(scope, receive, send, JSONResponse(body, status_code=401))
+                return
+        await self.app(scope, receive, send)
+
+
+async def _reply(scope: Scope, receive: Receive, send: Send, response: Response) -> None:
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    await response(scope, receive, send)
+
+
+def build(node: Node, api_key: str | None, *, start_node: bool = True) -> ASGIApp:
+    """The whole node application: router in front of the FastAPI control plane."""
+    return SandboxRouter(create_app(node, start_node=start_node), node, api_key)

@@ -1,0 +1,293 @@
+"""Control-plane routes: sandboxes, snapshots, fork, templates (E2B paths where E2B has the concept)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+from urllib.parse import unquote
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from aenv.api.schemas import (
+    ConnectBody,
+    ForkBody,
+    NewSandbox,
+    RefreshBody,
+    SnapshotBody,
+    Timeout,
+    rfc3339,
+    sandbox_detail,
+    sandbox_json,
+    snapshot_json,
+    template_json,
+)
+from aenv.errors import InvalidRequest, error_body
+from aenv.node.orchestrator import Node
+
+router = APIRouter()
+
+
+def node_of(request: Request) -> Node:
+    node: Node = request.app.state.node
+    return node
+
+
+def domain_of(request: Request) -> str | None:
+    node = node_of(request)
+    return node.settings.domain
+
+
+async def _body(request: Request, model: type[Any]) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        return model()
+    try:
+        return model.model_validate_json(raw)
+    except ValueError as exc:
+        raise InvalidRequest(_first_error(exc)) from exc
+
+
+def _first_error(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        items = errors()
+        if items:
+            first = items[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            return f"invalid request body: {where + ': ' if where else ''}{first.get('msg', 'invalid value')}"
+    return f"invalid request body: {exc}"
+
+
+async def _create(request: Request) -> JSONResponse:
+    node = node_of(request)
+    body: NewSandbox = await _body(request, NewSandbox)
+    auto_pause = bool(body.auto_pause)
+    if body.lifecycle is not None and body.lifecycle.on_timeout is not None:
+        if body.lifecycle.on_timeout not in ("pause", "kill"):
+            raise InvalidRequest("lifecycle.onTimeout must be 'pause' or 'kill'")
+        auto_pause = body.lifecycle.on_timeout == "pause"
+    auto_resume = False
+    if isinstance(body.auto_resume, bool):
+        auto_resume = body.auto_resume
+    elif body.auto_resume is not None:
+        auto_resume = body.auto_resume.enabled
+    if body.lifecycle is not None and body.lifecycle.auto_resume is not None:
+        auto_resume = body.lifecycle.auto_resume
+    limits = body.limits.model_dump(exclude_none=True) if body.limits else None
+    rec = await node.create(
+        body.template_id,
+        timeout=body.timeout,
+        metadata=body.metadata,
+        env_vars=body.env_vars,
+        auto_pause=auto_pause,
+        auto_resume=auto_resume,
+        limits=limits,
+        allow_internet_access=bool(body.allow_internet_access),
+        secure=body.secure,
+    )
+    return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
+
+
+router.add_api_route("/sandboxes", _create, methods=["POST"], status_code=201, summary="Create a sandbox")
+router.add_api_route("/v2/sandboxes", _create, methods=["POST"], status_code=201, summary="Create a sandbox (v2)")
+
+
+def parse_metadata_query(raw: str | None) -> dict[str, str]:
+    """E2B's nested encoding: unquote the value, split on & and =, unquote each part."""
+    if not raw:
+        return {}
+    out: dict[str, str] = {}
+    for pair in unquote(raw).split("&"):
+        if not pair:
+            continue
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise InvalidRequest(f"metadata filter '{pair}' is not key=value")
+        out[unquote(key)] = unquote(value)
+    return out
+
+
+def _states(values: list[str]) -> set[str] | None:
+    states = {s.strip() for v in values for s in v.split(",") if s.strip()}
+    allowed = {"running", "paused", "creating", "pausing", "resuming", "snapshotting", "forking", "killing"}
+    bad = states - allowed
+    if bad:
+        raise InvalidRequest(f"unknown state filter(s): {', '.join(sorted(bad))}")
+    return states or None
+
+
+@router.get("/v2/sandboxes", summary="List sandboxes (paginated)")
+async def list_v2(
+    request: Request,
+    state: list[str] = Query(default=[]),
+    metadata: str | None = None,
+    limit: int = Query(100, ge=1, le=100),
+    next_token: str | None = Query(None, alias="nextToken"),
+    template: str | None = None,
+    order: str = "desc",
+) -> Response:
+    node = node_of(request)
+    items = node.list(states=_states(state), metadata=parse_metadata_query(metadata))
+    if template:
+        items = [sb for sb in items if template in (sb.rec.template_id,)]
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be 'asc' or 'desc'")
+    if order == "asc":
+        items.reverse()
+    start = 0
+    if next_token:
+        try:
+            start = int(base64.urlsafe_b64decode(next_token.encode()).decode())
+        except ValueError as exc:
+            raise InvalidRequest("nextToken is not valid") from exc
+    page = items[start : start + limit]
+    headers = {}
+    if start + limit < len(items):
+        headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+    body = [sandbox_detail(node, sb, domain_of(request)) for sb in page]
+    return JSONResponse(body, headers=headers)
+
+
+@router.get("/sandboxes", summary="List sandboxes (legacy: running only)")
+async def list_v1(request: Request, metadata: str | None = None) -> list[dict[str, Any]]:
+    node = node_of(request)
+    items = node.list(states={"running"}, metadata=parse_metadata_query(metadata))
+    return [sandbox_detail(node, sb, domain_of(request)) for sb in items]
+
+
+@router.get("/sandboxes/{sandbox_id}", summary="Get a sandbox")
+async def get_sandbox(request: Request, sandbox_id: str) -> dict[str, Any]:
+    node = node_of(request)
+    return sandbox_detail(node, node.get(sandbox_id), domain_of(request))
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204, summary="Kill a sandbox")
+async def kill_sandbox(request: Request, sandbox_id: str) -> Response:
+    await node_of(request).kill(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204, summary="Set the sandbox's timeout")
+async def set_timeout(request: Request, sandbox_id: str) -> Response:
+    body: Timeout = await _body(request, Timeout) if (await request.body()).strip() else None
+    if body is None:
+        raise InvalidRequest("timeout is required")
+    await node_of(request).set_timeout(sandbox_id, body.timeout)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204, summary="Extend the timeout")
+async def refresh(request: Request, sandbox_id: str) -> Response:
+    body: RefreshBody = await _body(request, RefreshBody)
+    node = node_of(request)
+    sb = node.get(sandbox_id)
+    import time
+
+    await node.set_timeout(sandbox_id, max(body.duration, int(sb.rec.end_at - time.time())))
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204, summary="Pause a sandbox")
+async def pause(request: Request, sandbox_id: str) -> Response:
+    await node_of(request).pause(sandbox_id)
+    return Response(status_code=204)
+
+
+async def _connect(request: Request, sandbox_id: str) -> JSONResponse:
+    node = node_of(request)
+    body: ConnectBody = await _body(request, ConnectBody)
+    rec, resumed = await node.resume(sandbox_id, timeout=body.timeout)
+    return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201 if resumed else 200)
+
+
+router.add_api_route(
+    "/sandboxes/{sandbox_id}/connect", _connect, methods=["POST"], summary="Connect (resumes if paused)"
+)
+router.add_api_route("/v2/sandboxes/{sandbox_id}/connect", _connect, methods=["POST"], summary="Connect (v2)")
+
+
+@router.post("/sandboxes/{sandbox_id}/resume", status_code=201, summary="Resume a paused sandbox (legacy)")
+async def resume(request: Request, sandbox_id: str) -> JSONResponse:
+    node = node_of(request)
+    body: ConnectBody = await _body(request, ConnectBody)
+    sb = node.get(sandbox_id)
+    if sb.state.value == "running":
+        from aenv.errors import WrongState
+
+        raise WrongState(f"sandbox {sandbox_id} is already running", sandbox_id=sandbox_id)
+    rec, _ = await node.resume(sandbox_id, timeout=body.timeout)
+    return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, summary="Snapshot a running sandbox")
+async def create_snapshot(request: Request, sandbox_id: str) -> JSONResponse:
+    body: SnapshotBody = await _body(request, SnapshotBody)
+    snap = await node_of(request).snapshot(sandbox_id, name=body.name)
+    return JSONResponse(snapshot_json(snap), status_code=201)
+
+
+@router.get("/snapshots", summary="List snapshots")
+async def list_snapshots(
+    request: Request, sandbox_id: str | None = Query(None, alias="sandboxID")
+) -> list[dict[str, Any]]:
+    snaps = [s for s in node_of(request).snapshots.values() if not s.ephemeral]
+    if sandbox_id:
+        snaps = [s for s in snaps if s.sandbox_id == sandbox_id]
+    return [snapshot_json(s) for s in sorted(snaps, key=lambda s: s.created_at)]
+
+
+@router.delete("/snapshots/{snapshot_id}", status_code=204, summary="Delete a snapshot")
+async def delete_snapshot(request: Request, snapshot_id: str) -> Response:
+    await node_of(request).delete_snapshot(snapshot_id)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201, summary="Fork a running sandbox into N children")
+async def fork(request: Request, sandbox_id: str) -> JSONResponse:
+    node = node_of(request)
+    body: ForkBody = await _body(request, ForkBody)
+    results = await node.fork(sandbox_id, count=body.count, timeout=body.timeout)
+    out: list[dict[str, Any]] = []
+    for r in results:
+        if r.sandbox is not None:
+            out.append({"sandbox": sandbox_json(node, node.get(r.sandbox.id), domain_of(request))})
+        elif r.error is not None:
+            out.append({"error": error_body(r.error)})
+    return JSONResponse(out, status_code=201)
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics", summary="Resource usage of a sandbox")
+async def metrics(request: Request, sandbox_id: str) -> list[dict[str, Any]]:
+    node = node_of(request)
+    sb = node.get(sandbox_id)
+    if sb.link is None:
+        return []
+    m = await sb.link.call("sys.metrics")
+    limits = node._limits(sb.rec)
+    usage = await node.usage(sandbox_id)
+    return [
+        {
+            "timestamp": rfc3339(m["ts"]),
+            "timestampUnix": int(m["ts"]),
+            "cpuCount": max(1, int(limits.cpu_count)),
+            "cpuUsedPct": float(m["cpu_used_pct"]),
+            "memUsed": int(usage.get("memory_bytes") or m["mem_used"]),
+            "memTotal": limits.memory_mb * 2**20,
+            "memCache": int(m["mem_cache"]),
+            "diskUsed": int(m["disk_used"]),
+            "diskTotal": limits.disk_mb * 2**20,
+        }
+    ]
+
+
+@router.get("/templates", summary="List templates")
+async def list_templates(request: Request) -> list[dict[str, Any]]:
+    node = node_of(request)
+    return [template_json(t, node) for t in sorted(node.templates.values(), key=lambda t: t.created_at)]
+
+
+@router.get("/templates/{template_id}", summary="Get a template")
+async def get_template(request: Request, template_id: str) -> dict[str, Any]:
+    node = node_of(request)
+    return template_json(node.find_template(template_id), node)

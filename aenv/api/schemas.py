@@ -1,0 +1,143 @@
+"""Request bodies and response shapes of the control plane, with E2B's field names."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from aenv.guest.agent import AGENT_VERSION
+from aenv.node.orchestrator import LiveSandbox, Node
+from aenv.node.state import PUBLIC_STATE
+from aenv.node.store import SnapshotRecord, TemplateRecord
+
+
+class Lifecycle(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    on_timeout: str | None = Field(None, alias="onTimeout")
+    auto_resume: bool | None = Field(None, alias="autoResume")
+
+
+class AutoResume(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    enabled: bool = False
+
+
+class Limits(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    cpu_count: float | None = Field(None, alias="cpuCount", gt=0, le=64)
+    memory_mb: int | None = Field(None, alias="memoryMB", ge=128, le=262144)
+    nproc: int | None = Field(None, ge=16, le=65536)
+    disk_mb: int | None = Field(None, alias="diskSizeMB", ge=64, le=1048576)
+
+
+class NewSandbox(BaseModel):
+    """E2B NewSandbox / NewSandboxV2, plus aenv's limits. Unknown keys are ignored, as upstream."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    template_id: str = Field("base", alias="templateID", min_length=1, max_length=200)
+    timeout: int | None = Field(None, gt=0)
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(None, alias="envVars")
+    auto_pause: bool | None = Field(None, alias="autoPause")
+    auto_resume: AutoResume | bool | None = Field(None, alias="autoResume")
+    lifecycle: Lifecycle | None = None
+    secure: bool = True
+    allow_internet_access: bool | None = None
+    limits: Limits | None = None
+
+
+class Timeout(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    timeout: int = Field(..., gt=0)
+
+
+class ConnectBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    timeout: int | None = Field(None, gt=0)
+
+
+class SnapshotBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str | None = Field(None, min_length=1, max_length=200)
+
+
+class ForkBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    count: int = Field(1, ge=1)
+    timeout: int | None = Field(None, gt=0)
+
+
+class RefreshBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    duration: int = Field(60, gt=0, le=3600)
+
+
+def rfc3339(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def sandbox_json(node: Node, sb: LiveSandbox, domain: str | None) -> dict[str, Any]:
+    """E2B's `Sandbox` (create/connect response)."""
+    rec = sb.rec
+    out: dict[str, Any] = {
+        "templateID": rec.template_id,
+        "sandboxID": rec.id,
+        "clientID": "aenv",
+        "envdVersion": AGENT_VERSION,
+        "domain": domain,
+    }
+    if rec.secure:
+        out["envdAccessToken"] = node.access_token(rec.id)
+    if rec.alias:
+        out["alias"] = rec.alias
+    return out
+
+
+def sandbox_detail(node: Node, sb: LiveSandbox, domain: str | None) -> dict[str, Any]:
+    """E2B's `SandboxDetail` / `ListedSandbox`, plus aenv's own fields."""
+    rec = sb.rec
+    limits = node._limits(rec)
+    out = sandbox_json(node, sb, domain)
+    out.update(
+        {
+            "startedAt": rfc3339(rec.started_at),
+            "endAt": rfc3339(rec.end_at),
+            "cpuCount": max(1, int(limits.cpu_count)),
+            "memoryMB": limits.memory_mb,
+            "diskSizeMB": limits.disk_mb,
+            "state": PUBLIC_STATE[rec.state],
+            "metadata": rec.metadata,
+            "allowInternetAccess": rec.allow_internet_access,
+            "lifecycle": {"onTimeout": "pause" if rec.auto_pause else "kill", "autoResume": rec.auto_resume},
+            "aenvState": rec.state.value,
+        }
+    )
+    if rec.parent_id:
+        out["parentID"] = rec.parent_id
+    if rec.snapshot_id:
+        out["snapshotID"] = rec.snapshot_id
+    return out
+
+
+def snapshot_json(snap: SnapshotRecord) -> dict[str, Any]:
+    return {
+        "snapshotID": snap.id,
+        "names": [snap.name] if snap.name else [],
+        "sandboxID": snap.sandbox_id,
+        "templateID": snap.template_id,
+        "createdAt": rfc3339(snap.created_at),
+    }
+
+
+def template_json(t: TemplateRecord, node: Node) -> dict[str, Any]:
+    return {
+        "templateID": t.id,
+        "name": t.name,
+        "aliases": [t.name, *t.aliases],
+        "createdAt": rfc3339(t.created_at),
+        "layers": len(t.layers),
+        "sandboxes": sum(1 for sb in node.sandboxes.values() if sb.rec.template_id in (t.id, t.name)),
+        "envdVersion": AGENT_VERSION,
+    }

@@ -1,0 +1,67 @@
+"""Running a node: API key, the `base` template, then the HTTP server until a signal."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+
+from aenv.api.app import build
+from aenv.config import Settings
+from aenv.node.orchestrator import Node
+
+log = logging.getLogger("aenv.server")
+
+
+def resolve_api_key(settings: Settings) -> str:
+    """AENV_API_KEY if set; else a key generated once and kept in the data dir."""
+    if settings.api_key:
+        return settings.api_key
+    path = settings.data_dir / "api-key"
+    if path.exists():
+        return path.read_text().strip()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    key = "e2b_" + secrets.token_hex(20)  # E2B-shaped, so SDKs that validate key format accept it
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
+async def serve(
+    settings: Settings, *, on_log: Callable[[str], None] | None = None, ready_file: Path | None = None
+) -> None:
+    from aenv.templates.builder import ensure_base
+
+    say = on_log or (lambda line: log.info("%s", line))
+    api_key = resolve_api_key(settings)
+    node = Node(settings)
+    await node.start()
+    try:
+        if settings.build_base:
+            try:
+                node.find_template("base")
+            except LookupError:
+                say("building the `base` template (first start only; takes about a minute)")
+                await ensure_base(node, on_log=say)
+        config = uvicorn.Config(
+            build(node, api_key, start_node=False),
+            host=settings.host,
+            port=settings.port,
+            log_level="info",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            ws="websockets",
+        )
+        server = uvicorn.Server(config)
+        say(f"aenv listening on http://{settings.host}:{settings.port} (API key in {settings.data_dir / 'api-key'})")
+        if ready_file is not None:
+            ready_file.write_text(f"http://{settings.host}:{settings.port}\n")
+    except BaseException:
+        await node.stop()
+        raise
+    await server.serve()  # the app's shutdown stops the node

@@ -1,0 +1,45 @@
+"""Node configuration: explicit argument, then AENV_* environment variable, then default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_DATA_DIR = Path("/var/lib/aenv")
+DEFAULT_TIMEOUT = 300
+DEFAULT_MAX_FORK = 16
+
+
+class Settings(BaseSettings):
+    """Every setting of a node. See docs/configuration.md for the full list."""
+
+    model_config = SettingsConfigDict(env_prefix="AENV_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = 3000
+    data_dir: Path = DEFAULT_DATA_DIR
+    api_key: str | None = None
+    domain: str | None = None  # returned to SDKs for get_host(); None = derive from the request
+
+    driver: Literal["gvisor"] = "gvisor"
+    runsc: str = "runsc"
+    runsc_platform: str = "ptrace"
+    runsc_debug: bool = False
+
+    default_timeout: int = DEFAULT_TIMEOUT
+    max_timeout: int = 24 * 3600
+    max_fork: int = Field(DEFAULT_MAX_FORK, ge=1)
+    max_sandboxes: int = 1000
+    reaper_interval: float = 1.0
+
+    cpu_count: float = 1.0
+    memory_mb: int = 1024
+    nproc: int = 512
+    disk_mb: int = 2048
+
+    debian_mirror: str | None = None  # None = the host's apt sources
+    debian_suite: str = "bookworm"
+    build_base: bool = True  # build the `base` template on start if it is missing

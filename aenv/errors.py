@@ -1,0 +1,154 @@
+"""Every error aenv raises, in one tree, and the one table mapping them to HTTP.
+
+    AenvError
+    ├── InvalidRequest (ValueError)          400 invalid_request
+    ├── Unauthenticated (PermissionError)    401 unauthenticated
+    ├── NotFound (LookupError)               404 not_found
+    │   ├── SandboxNotFound                  404 sandbox_not_found
+    │   ├── TemplateNotFound                 404 template_not_found
+    │   └── SnapshotNotFound                 404 snapshot_not_found
+    ├── Conflict                             409 conflict
+    │   └── WrongState                       409 wrong_state
+    ├── LimitExceeded                        429 limit_exceeded  (Should-Retry: false)
+    ├── SandboxError                         500 sandbox_error
+    │   ├── RuntimeFailure                   500 runtime_failure (a driver binary failed)
+    │   └── AgentUnavailable (ConnectionError)  500 agent_unavailable
+    ├── OperationTimeout (TimeoutError)      500 operation_timeout
+    └── StorageError (OSError)               500 storage_error
+
+The API finds an error's entry by walking its MRO; the SDK maps a response's ``code`` back to the
+class with the same table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class AenvError(Exception):
+    """Root of every aenv error. ``sandbox_id``, ``argv`` and ``stderr`` give context when known."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        sandbox_id: str | None = None,
+        argv: list[str] | None = None,
+        stderr: str | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.sandbox_id = sandbox_id
+        self.argv = argv
+        self.stderr = stderr
+        self.status = status if status is not None else http_status(type(self))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r})"
+
+
+class InvalidRequest(AenvError, ValueError):
+    pass
+
+
+class Unauthenticated(AenvError, PermissionError):
+    pass
+
+
+class NotFound(AenvError, LookupError):
+    pass
+
+
+class SandboxNotFound(NotFound):
+    pass
+
+
+class TemplateNotFound(NotFound):
+    pass
+
+
+class SnapshotNotFound(NotFound):
+    pass
+
+
+class Conflict(AenvError):
+    pass
+
+
+class WrongState(Conflict):
+    pass
+
+
+class LimitExceeded(AenvError):
+    pass
+
+
+class SandboxError(AenvError):
+    pass
+
+
+class RuntimeFailure(SandboxError):
+    pass
+
+
+class AgentUnavailable(SandboxError, ConnectionError):
+    pass
+
+
+class OperationTimeout(AenvError, TimeoutError):
+    pass
+
+
+class StorageError(AenvError, OSError):
+    pass
+
+
+# class -> (http status, code). The only place statuses are chosen.
+ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
+    AenvError: (500, "internal"),
+    InvalidRequest: (400, "invalid_request"),
+    Unauthenticated: (401, "unauthenticated"),
+    NotFound: (404, "not_found"),
+    SandboxNotFound: (404, "sandbox_not_found"),
+    TemplateNotFound: (404, "template_not_found"),
+    SnapshotNotFound: (404, "snapshot_not_found"),
+    Conflict: (409, "conflict"),
+    WrongState: (409, "wrong_state"),
+    LimitExceeded: (429, "limit_exceeded"),
+    SandboxError: (500, "sandbox_error"),
+    RuntimeFailure: (500, "runtime_failure"),
+    AgentUnavailable: (500, "agent_unavailable"),
+    OperationTimeout: (500, "operation_timeout"),
+    StorageError: (500, "storage_error"),
+}
+
+CODE_TO_CLASS: dict[str, type[AenvError]] = {code: cls for cls, (_, code) in ERROR_TABLE.items()}
+
+
+def lookup(cls: type[BaseException]) -> tuple[int, str]:
+    for klass in cls.__mro__:
+        if klass in ERROR_TABLE:
+            return ERROR_TABLE[klass]  # type: ignore[index]
+    return ERROR_TABLE[AenvError]
+
+
+def http_status(cls: type[BaseException]) -> int:
+    return lookup(cls)[0]
+
+
+def error_body(exc: AenvError) -> dict[str, Any]:
+    status, code = lookup(type(exc))
+    return {"code": exc.status or status, "message": exc.message, "error_code": code}
+
+
+def from_body(status: int, body: Any) -> AenvError:
+    """Rebuild an error from a response body (the SDK side of the table)."""
+    if isinstance(body, dict):
+        cls = CODE_TO_CLASS.get(str(body.get("error_code", "")))
+        message = str(body.get("message", ""))
+    else:
+        cls, message = None, str(body)
+    if cls is None:
+        cls = next((c for c, (s, _) in ERROR_TABLE.items() if s == status and c.__mro__[1] is AenvError), AenvError)
+    return cls(message or f"HTTP {status}", status=status)

@@ -1,0 +1,554 @@
+"""The in-sandbox agent: serves processes, files, watches and tunnels over the channel on stdio.
+
+It runs as root inside the sandbox, from a read-only runtime bundle mounted at /.aenv, so the
+image needs no Python of its own. Everything it does is on behalf of the host; it holds no policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aenv.channel import DATA, END, EOF, Channel, ChannelClosed, Stream
+from aenv.guest import files, processes
+from aenv.guest.processes import SIGNALS, ProcessError, ProcessTable
+from aenv.guest.users import UnknownUser, User, lookup
+from aenv.guest.watch import Watcher
+
+AGENT_VERSION = "0.6.4"  # the envd API level this agent implements
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+READ_CHUNK = 256 * 1024
+
+Handler = Callable[["Agent", Stream], Awaitable[Any]]
+HANDLERS: dict[str, Handler] = {}
+STREAMING: set[str] = set()
+
+
+def handler(name: str, *, streaming: bool = False) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        HANDLERS[name] = fn
+        if streaming:
+            STREAMING.add(name)
+        return fn
+
+    return register
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.channel = Channel(on_open=self._serve, on_ctrl=self._on_ctrl)
+        self.procs = ProcessTable()
+        self.env: dict[str, str] = {}
+        self.default_user = "user"
+        self.workdir: str | None = None
+        self.watchers: dict[str, tuple[Watcher, list[dict[str, Any]]]] = {}
+        self.stream_watchers: dict[int, Watcher] = {}
+        self._watch_ids = itertools.count(1)
+
+    # -- plumbing ---------------------------------------------------------------------------
+    async def _serve(self, stream: Stream) -> None:
+        fn = HANDLERS.get(stream.method)
+        try:
+            if fn is None:
+                await stream.end(error=("unimplemented", f"unknown method {stream.method!r}"))
+                return
+            result = await fn(self, stream)
+            if stream.method not in STREAMING:
+                await stream.end(result=result if result is not None else {})
+        except (ProcessError, files.FileError) as exc:
+            await stream.end(error=(exc.code, exc.message))
+        except UnknownUser as exc:
+            await stream.end(error=("unauthenticated", str(exc)))
+        except ChannelClosed:
+            pass
+        except Exception as exc:  # the agent must outlive any one request
+            await stream.end(error=("internal", f"{type(exc).__name__}: {exc}"))
+
+    async def _on_ctrl(self, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        if op == "freeze":
+            await self.channel.ctrl({"op": "frozen"}, force=True)
+            self.channel.hold()
+        elif op == "thaw":
+            if msg.get("fresh"):
+                # A new instance restored from a checkpoint: the host that held the old streams is
+                # not on this pipe. Processes keep running; their old subscribers are gone.
+                self.procs.forget_subscribers()
+                for watcher in self.stream_watchers.values():
+                    watcher.close()
+                self.stream_watchers.clear()
+                self.channel.drop_streams()
+                await self.channel.release(replay=False)
+            else:
+                await self.channel.release(replay=True)
+            if "config" in msg:
+                self.configure(msg["config"])
+            await self.channel.ctrl({"op": "thawed", "pid": os.getpid()})
+        elif op == "ping":
+            await self.channel.ctrl({"op": "pong", "t": msg.get("t")})
+
+    def configure(self, config: dict[str, Any]) -> None:
+        if "env" in config:
+            self.env = {str(k): str(v) for k, v in config["env"].items()}
+        self.default_user = config.get("user", self.default_user)
+        self.workdir = config.get("workdir", self.workdir)
+        sandbox_id = self.env.get("E2B_SANDBOX_ID")
+        if sandbox_id:
+            try:
+                os.makedirs("/run/e2b", exist_ok=True)
+                with open("/run/e2b/.E2B_SANDBOX_ID", "w") as f:
+                    f.write(sandbox_id)
+            except OSError:
+                pass
+
+    def user_of(self, params: dict[str, Any]) -> User:
+        return lookup(params.get("user") or self.default_user)
+
+    def process_env(self, user: User, extra: dict[str, str] | None) -> dict[str, str]:
+        env = {"PATH": DEFAULT_PATH, "HOME": user.home, "USER": user.name, "LOGNAME": user.name, "SHELL": user.shell}
+        env.update(self.env)
+        env.update(extra or {})
+        return env
+
+    async def run(self) -> None:
+        # The channel owns fds 0 and 1; children never inherit them.
+        rfd, wfd = os.dup(0), os.dup(1)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(devnull, 1)
+        os.set_inheritable(rfd, False)
+        os.set_inheritable(wfd, False)
+        reader, writer = stdio_streams(rfd, wfd)
+        self.channel.attach(reader, writer)  # type: ignore[arg-type]
+        asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, lambda: None)
+        await self.channel.ctrl({"op": "ready", "version": AGENT_VERSION, "pid": os.getpid()})
+        await self.channel.closed.wait()
+
+
+def stdio_streams(rfd: int, wfd: int) -> tuple[asyncio.StreamReader, ThreadedWriter]:
+    """Blocking reads and writes on threads instead of epoll.
+
+    The channel's pipes are host file descriptors that runsc re-attaches at restore. Blocking
+    reads and writes on them keep working after a restore; readiness notifications (epoll) on them
+    do not with the runsc these machines have, so the event loop never polls these fds.
+    """
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=2**20, loop=loop)
+
+    def pump() -> None:
+        while True:
+            try:
+                data = os.read(rfd, 256 * 1024)
+            except OSError:
+                data = b""
+            if not data:
+                loop.call_soon_threadsafe(reader.feed_eof)
+                return
+            loop.call_soon_threadsafe(reader.feed_data, data)
+
+    threading.Thread(target=pump, name="channel-reader", daemon=True).start()
+    return reader, ThreadedWriter(wfd, loop)
+
+
+class ThreadedWriter:
+    """The slice of asyncio.StreamWriter that the channel uses, writing on a thread."""
+
+    HIGH_WATER = 8 * 1024 * 1024
+
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        self._fd = fd
+        self._loop = loop
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._closing = False
+        threading.Thread(target=self._run, name="channel-writer", daemon=True).start()
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            self._pending += len(data)
+            if self._pending > self.HIGH_WATER:
+                self._drained.clear()
+        self._queue.put(data)
+
+    async def drain(self) -> None:
+        await self._drained.wait()
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        self._closing = True
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            view = memoryview(data)
+            try:
+                while view:
+                    view = view[os.write(self._fd, view) :]
+            except OSError:
+                return
+            with self._lock:
+                self._pending -= len(data)
+                low = self._pending <= self.HIGH_WATER // 2
+            if low:
+                self._loop.call_soon_threadsafe(self._drained.set)
+
+
+# -- process.Process ----------------------------------------------------------------------------
+def _selector(params: dict[str, Any]) -> dict[str, Any]:
+    return params.get("process") or {}
+
+
+@handler("process.start", streaming=True)
+async def process_start(agent: Agent, stream: Stream) -> None:
+    p = stream.params
+    spec = p.get("process") or {}
+    cmd = spec.get("cmd")
+    if not cmd:
+        raise ProcessError("invalid_argument", "process.cmd is required")
+    user = agent.user_of(p)
+    argv = [cmd, *spec.get("args", [])]
+    env = agent.process_env(user, spec.get("envs"))
+    cwd = files.resolve(spec.get("cwd") or "", user, agent.workdir if not spec.get("cwd") else None)
+    pty_size = None
+    if p.get("pty"):
+        size = p["pty"].get("size") or {}
+        pty_size = (int(size.get("cols", 80)), int(size.get("rows", 24)))
+        env.setdefault("TERM", "xterm-256color")
+    want_stdin = p.get("stdin", True) is not False if pty_size is None else True
+    config = {"cmd": cmd, "args": spec.get("args", []), "envs": spec.get("envs") or {}}
+    if spec.get("cwd"):
+        config["cwd"] = spec["cwd"]
+    proc = await agent.procs.start(
+        argv=argv,
+        env=env,
+        cwd=cwd,
+        user=user,
+        config=config,
+        tag=p.get("tag"),
+        want_stdin=want_stdin,
+        pty_size=pty_size,
+        timeout_ms=p.get("timeoutMs"),
+    )
+    await _follow(proc, stream)
+
+
+async def _follow(proc: processes.Process, stream: Stream) -> None:
+    """Send start, then live events, until the process ends or the host cancels."""
+    await stream.send({"event": {"start": {"pid": proc.pid}}})
+    if proc.end is not None:
+        await stream.send({"event": {"end": proc.end}})
+        await stream.end(result={})
+        return
+    proc.subscribers.add(stream)
+    cancel = asyncio.ensure_future(_until_cancelled(stream))
+    done = asyncio.ensure_future(proc.done.wait())
+    try:
+        await asyncio.wait({cancel, done}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        proc.subscribers.discard(stream)
+        cancel.cancel()
+        done.cancel()
+    if proc.done.is_set():
+        if proc.deadline_hit:
+            await stream.end(error=("deadline_exceeded", "the command exceeded its timeout and was killed"))
+        else:
+            await stream.end(result={})
+
+
+async def _until_cancelled(stream: Stream) -> None:
+    while (await stream.recv()).kind != END:
+        pass
+
+
+@handler("process.connect", streaming=True)
+async def process_connect(agent: Agent, stream: Stream) -> None:
+    await _follow(agent.procs.find(_selector(stream.params)), stream)
+
+
+@handler("process.list")
+async def process_list(agent: Agent, stream: Stream) -> Any:
+    return {"processes": [p.info() for p in agent.procs.running()]}
+
+
+@handler("process.input")
+async def process_input(agent: Agent, stream: Stream) -> Any:
+    proc = agent.procs.find(_selector(stream.params))
+    data = stream.params.get("input") or {}
+    raw = data.get("stdin") or data.get("pty") or ""
+    await proc.write_input(base64.b64decode(raw))
+    return {}
+
+
+@handler("process.close_stdin")
+async def process_close_stdin(agent: Agent, stream: Stream) -> Any:
+    agent.procs.find(_selector(stream.params)).close_stdin()
+    return {}
+
+
+@handler("process.signal")
+async def process_signal(agent: Agent, stream: Stream) -> Any:
+    proc = agent.procs.find(_selector(stream.params))
+    if proc.end is not None:
+        raise ProcessError("not_found", f"process {proc.pid} has already exited")
+    sig = SIGNALS.get(stream.params.get("signal", "SIGNAL_SIGKILL"))
+    if sig is None:
+        raise ProcessError("invalid_argument", f"unknown signal {stream.params.get('signal')!r}")
+    processes.signal_process(proc, sig)
+    return {}
+
+
+@handler("process.update")
+async def process_update(agent: Agent, stream: Stream) -> Any:
+    proc = agent.procs.find(_selector(stream.params))
+    size = (stream.params.get("pty") or {}).get("size")
+    if size:
+        proc.resize(int(size.get("cols", 80)), int(size.get("rows", 24)))
+    return {}
+
+
+# -- filesystem.Filesystem ------------------------------------------------------------------------
+def _path(agent: Agent, params: dict[str, Any], key: str = "path") -> tuple[str, User]:
+    user = agent.user_of(params)
+    return files.resolve(str(params.get(key) or ""), user, agent.workdir), user
+
+
+@handler("fs.stat")
+async def fs_stat(agent: Agent, stream: Stream) -> Any:
+    return files.stat_path(_path(agent, stream.params)[0])
+
+
+@handler("fs.list")
+async def fs_list(agent: Agent, stream: Stream) -> Any:
+    return files.list_dir(_path(agent, stream.params)[0], int(stream.params.get("depth") or 1))
+
+
+@handler("fs.mkdir")
+async def fs_mkdir(agent: Agent, stream: Stream) -> Any:
+    return files.make_dir(*_path(agent, stream.params))
+
+
+@handler("fs.move")
+async def fs_move(agent: Agent, stream: Stream) -> Any:
+    src, user = _path(agent, stream.params, "source")
+    dst, _ = _path(agent, stream.params, "destination")
+    return files.move(src, dst, user)
+
+
+@handler("fs.remove")
+async def fs_remove(agent: Agent, stream: Stream) -> Any:
+    return files.remove(_path(agent, stream.params)[0])
+
+
+@handler("fs.read", streaming=True)
+async def fs_read(agent: Agent, stream: Stream) -> None:
+    path, _ = _path(agent, stream.params)
+    fd, entry = files.open_for_read(path)
+    try:
+        await stream.send({"entry": entry})
+        while chunk := os.read(fd, READ_CHUNK):
+            await stream.send_data(chunk)
+    finally:
+        os.close(fd)
+    await stream.end(result={})
+
+
+@handler("fs.write")
+async def fs_write(agent: Agent, stream: Stream) -> Any:
+    path, user = _path(agent, stream.params)
+    fd = files.open_for_write(path, user)
+    written = 0
+    try:
+        while True:
+            item = await stream.recv()
+            if item.kind == DATA:
+                view = memoryview(item.data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                written += len(item.data)
+            elif item.kind in (EOF, END):
+                break
+    except OSError as exc:
+        raise files.translate(exc, path) from exc
+    finally:
+        os.close(fd)
+    return {"path": path, "name": os.path.basename(path), "type": "file", "size": written}
+
+
+@handler("fs.watch_create")
+async def fs_watch_create(agent: Agent, stream: Stream) -> Any:
+    path, _ = _path(agent, stream.params)
+    if not os.path.isdir(path):
+        files.stat_path(path)
+        raise files.FileError("invalid_argument", f"path '{path}' is not a directory")
+    events: list[dict[str, Any]] = []
+    watcher = Watcher(
+        path, bool(stream.params.get("recursive")), events.append, bool(stream.params.get("includeEntry"))
+    )
+    wid = f"w{next(agent._watch_ids)}"
+    agent.watchers[wid] = (watcher, events)
+    return {"watcherId": wid}
+
+
+@handler("fs.watch_events")
+async def fs_watch_events(agent: Agent, stream: Stream) -> Any:
+    wid = str(stream.params.get("watcherId"))
+    if wid not in agent.watchers:
+        raise files.FileError("not_found", f"watcher '{wid}' not found")
+    _, events = agent.watchers[wid]
+    out = list(events)
+    events.clear()
+    return {"events": out}
+
+
+@handler("fs.watch_remove")
+async def fs_watch_remove(agent: Agent, stream: Stream) -> Any:
+    entry = agent.watchers.pop(str(stream.params.get("watcherId")), None)
+    if entry is None:
+        raise files.FileError("not_found", f"watcher '{stream.params.get('watcherId')}' not found")
+    entry[0].close()
+    return {}
+
+
+@handler("fs.watch", streaming=True)
+async def fs_watch(agent: Agent, stream: Stream) -> None:
+    path, _ = _path(agent, stream.params)
+    if not os.path.isdir(path):
+        files.stat_path(path)
+        raise files.FileError("invalid_argument", f"path '{path}' is not a directory")
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    watcher = Watcher(
+        path, bool(stream.params.get("recursive")), queue.put_nowait, bool(stream.params.get("includeEntry"))
+    )
+    agent.stream_watchers[stream.id] = watcher
+    await stream.send({"start": {}})
+    cancel = asyncio.ensure_future(_until_cancelled(stream))
+    try:
+        while not cancel.done():
+            get = asyncio.ensure_future(queue.get())
+            await asyncio.wait({get, cancel}, return_when=asyncio.FIRST_COMPLETED)
+            if get.done():
+                await stream.send({"filesystem": get.result()})
+            else:
+                get.cancel()
+    finally:
+        if agent.stream_watchers.pop(stream.id, None) is not None:
+            watcher.close()
+
+
+# -- tunnels and system --------------------------------------------------------------------------
+@handler("tunnel.open", streaming=True)
+async def tunnel_open(agent: Agent, stream: Stream) -> None:
+    port = int(stream.params.get("port", 0))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        try:
+            reader, writer = await asyncio.open_connection("::1", port)
+        except OSError:
+            await stream.end(error=("unavailable", f"port {port} is not open"))
+            return
+    await stream.send({"ok": True})
+
+    async def upstream() -> None:  # host -> service
+        while True:
+            item = await stream.recv()
+            if item.kind == DATA:
+                writer.write(item.data)
+                await writer.drain()
+            elif item.kind == EOF:
+                if writer.can_write_eof():
+                    writer.write_eof()
+            elif item.kind == END:
+                return
+
+    async def downstream() -> None:  # service -> host
+        while chunk := await reader.read(READ_CHUNK):
+            await stream.send_data(chunk)
+        await stream.send_eof()
+
+    up = asyncio.ensure_future(upstream())
+    down = asyncio.ensure_future(downstream())
+    try:
+        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+        if down.done() and not up.done():
+            await asyncio.wait({up}, timeout=30)
+    except (ConnectionError, ChannelClosed):
+        pass
+    finally:
+        up.cancel()
+        down.cancel()
+        writer.close()
+    await stream.end(result={})
+
+
+@handler("sys.configure")
+async def sys_configure(agent: Agent, stream: Stream) -> Any:
+    agent.configure(stream.params)
+    return {}
+
+
+@handler("sys.health")
+async def sys_health(agent: Agent, stream: Stream) -> Any:
+    return {"version": AGENT_VERSION, "processes": len(agent.procs.running())}
+
+
+@handler("sys.envs")
+async def sys_envs(agent: Agent, stream: Stream) -> Any:
+    return dict(agent.env)
+
+
+@handler("sys.metrics")
+async def sys_metrics(agent: Agent, stream: Stream) -> Any:
+    mem: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                mem[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    disk = shutil.disk_usage("/")
+    total, free = mem.get("MemTotal", 0), mem.get("MemAvailable", mem.get("MemFree", 0))
+    return {
+        "ts": int(time.time()),
+        "cpu_count": os.cpu_count() or 1,
+        "cpu_used_pct": _cpu_pct(),
+        "mem_total": total,
+        "mem_used": max(total - free, 0),
+        "mem_cache": mem.get("Cached", 0),
+        "disk_used": disk.used,
+        "disk_total": disk.total,
+    }
+
+
+def _cpu_pct() -> float:
+    try:
+        load = os.getloadavg()[0]
+        return round(min(100.0, 100.0 * load / (os.cpu_count() or 1)), 2)
+    except OSError:
+        return 0.0
+
+
+def main() -> None:
+    os.environ.pop("PYTHONHOME", None)  # children get a clean environment built by the agent
+    asyncio.run(Agent().run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Filesystem operations inside the sandbox, answering in E2B envd's filesystem.Filesystem shapes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import errno
+import os
+import shutil
+import stat
+from typing import Any
+
+from aenv.guest.users import User, name_of_gid, name_of_uid
+
+# Go's os.FileMode bits, which E2B reports in EntryInfo.mode.
+GO_DIR = 1 << 31
+GO_SYMLINK = 1 << 27
+GO_PIPE = 1 << 25
+GO_SOCKET = 1 << 24
+GO_SETUID = 1 << 23
+GO_SETGID = 1 << 22
+GO_STICKY = 1 << 20
+
+
+class FileError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def resolve(path: str, user: User, workdir: str | None = None) -> str:
+    """Upstream's rules: '' is the workdir, '~' the user's home, relative paths are under home."""
+    if not path:
+        return workdir or user.home
+    if path == "~":
+        return user.home
+    if path.startswith("~/"):
+        return os.path.normpath(os.path.join(user.home, path[2:]))
+    if not path.startswith("/"):
+        return os.path.normpath(os.path.join(user.home, path))
+    return os.path.normpath(path)
+
+
+def _go_mode(st: os.stat_result) -> int:
+    mode = stat.S_IMODE(st.st_mode) & 0o777
+    if stat.S_ISDIR(st.st_mode):
+        mode |= GO_DIR
+    elif stat.S_ISLNK(st.st_mode):
+        mode |= GO_SYMLINK
+    elif stat.S_ISFIFO(st.st_mode):
+        mode |= GO_PIPE
+    elif stat.S_ISSOCK(st.st_mode):
+        mode |= GO_SOCKET
+    if st.st_mode & stat.S_ISUID:
+        mode |= GO_SETUID
+    if st.st_mode & stat.S_ISGID:
+        mode |= GO_SETGID
+    if st.st_mode & stat.S_ISVTX:
+        mode |= GO_STICKY
+    return mode
+
+
+def _permissions(st: os.stat_result) -> str:
+    """Go's FileMode.String(): 'd' for directories, 'L' for symlinks, then rwx triplets."""
+    kind = "d" if stat.S_ISDIR(st.st_mode) else "L" if stat.S_ISLNK(st.st_mode) else "-"
+    return kind + stat.filemode(st.st_mode)[1:]
+
+
+def _rfc3339(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def entry_info(path: str) -> dict[str, Any]:
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):
+        kind = "FILE_TYPE_DIRECTORY"
+    elif stat.S_ISLNK(st.st_mode):
+        kind = "FILE_TYPE_SYMLINK"
+    else:
+        kind = "FILE_TYPE_FILE"
+    info: dict[str, Any] = {
+        "name": os.path.basename(path) or "/",
+        "type": kind,
+        "path": path,
+        "size": st.st_size,
+        "mode": _go_mode(st),
+        "permissions": _permissions(st),
+        "owner": name_of_uid(st.st_uid),
+        "group": name_of_gid(st.st_gid),
+        "modifiedTime": _rfc3339(st.st_mtime),
+    }
+    if kind == "FILE_TYPE_SYMLINK":
+        info["symlinkTarget"] = os.readlink(path)
+        try:  # E2B reports a symlink to a directory with the directory's type
+            if stat.S_ISDIR(os.stat(path).st_mode):
+                info["type"] = "FILE_TYPE_DIRECTORY"
+        except OSError:
+            pass
+    return info
+
+
+def translate(exc: OSError, path: str) -> FileError:
+    if exc.errno == errno.ENOENT:
+        return FileError("not_found", f"path '{path}' does not exist")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return FileError("permission_denied", f"permission denied: '{path}'")
+    if exc.errno == errno.ENOTDIR:
+        return FileError("invalid_argument", f"path '{path}' is not a directory")
+    if exc.errno == errno.EISDIR:
+        return FileError("invalid_argument", f"path '{path}' is a directory")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return FileError("resource_exhausted", f"not enough disk space for '{path}'")
+    if exc.errno == errno.EEXIST:
+        return FileError("already_exists", f"path '{path}' already exists")
+    return FileError("internal", f"{exc.strerror or exc} ({path})")
+
+
+def stat_path(path: str) -> dict[str, Any]:
+    try:
+        return {"entry": entry_info(path)}
+    except OSError as exc:
+        raise translate(exc, path) from exc
+
+
+def list_dir(path: str, depth: int) -> dict[str, Any]:
+    depth = max(depth, 1)
+    try:
+        if not os.path.isdir(path):
+            os.lstat(path)  # raises not_found for a missing path
+            raise FileError("invalid_argument", f"path '{path}' is not a directory")
+    except OSError as exc:
+        raise translate(exc, path) from exc
+    entries: list[dict[str, Any]] = []
+
+    def walk(directory: str, level: int) -> None:
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            return
+        for name in names:
+            full = os.path.join(directory, name)
+            try:
+                info = entry_info(full)
+            except OSError:
+                continue
+            entries.append(info)
+            if level < depth and os.path.isdir(full) and not os.path.islink(full):
+                walk(full, level + 1)
+
+    walk(path, 1)
+    return {"entries": entries}
+
+
+def _chown(path: str, user: User) -> None:
+    if os.getuid() == 0:
+        os.lchown(path, user.uid, user.gid)
+
+
+def make_parents(path: str, user: User) -> None:
+    """mkdir -p for the parent of ``path``; directories it creates belong to ``user``."""
+    parent = os.path.dirname(path)
+    missing: list[str] = []
+    while parent and not os.path.exists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for directory in reversed(missing):
+        os.mkdir(directory)
+        _chown(directory, user)
+
+
+def make_dir(path: str, user: User) -> dict[str, Any]:
+    try:
+        if os.path.isdir(path):
+            raise FileError("already_exists", f"directory '{path}' already exists")
+        if os.path.lexists(path):
+            raise FileError("invalid_argument", f"path '{path}' already exists and is not a directory")
+        make_parents(path, user)
+        os.mkdir(path)
+        _chown(path, user)
+        return {"entry": entry_info(path)}
+    except OSError as exc:
+        raise translate(exc, path) from exc
+
+
+def move(source: str, destination: str, user: User) -> dict[str, Any]:
+    try:
+        os.lstat(source)
+    except OSError as exc:
+        raise translate(exc, source) from exc
+    try:
+        make_parents(destination, user)
+        try:
+            os.rename(source, destination)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            shutil.move(source, destination)
+        return {"entry": entry_info(destination)}
+    except OSError as exc:
+        raise translate(exc, destination) from exc
+
+
+def remove(path: str) -> dict[str, Any]:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass  # like rm -rf, a missing path is fine
+    except OSError as exc:
+        raise translate(exc, path) from exc
+    return {}
+
+
+def open_for_read(path: str) -> tuple[int, dict[str, Any]]:
+    try:
+        if os.path.isdir(path):
+            raise FileError("invalid_argument", f"path '{path}' is a directory")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return fd, entry_info(path)
+    except OSError as exc:
+        raise translate(exc, path) from exc
+
+
+def open_for_write(path: str, user: User) -> int:
+    try:
+        if os.path.isdir(path):
+            raise FileError("invalid_argument", f"path '{path}' is a directory")
+        make_parents(path, user)
+        existed = os.path.exists(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        if not existed:
+            _chown(path, user)
+        return fd
+    except OSError as exc:
+        raise translate(exc, path) from exc

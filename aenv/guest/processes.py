@@ -1,0 +1,303 @@
+"""Processes inside the sandbox: start (pipes or PTY), stream output, stdin, signals, reconnect.
+
+Messages follow E2B envd's process.Process shapes so the host can forward them verbatim:
+``{"event": {"start"|"data"|"end"|"keepalive": ...}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import fcntl
+import os
+import pty
+import signal
+import struct
+import termios
+import time
+from typing import Any
+
+from aenv.channel import ChannelClosed, Stream
+from aenv.guest.users import User
+
+CHUNK = 32 * 1024
+EXITED_KEEP_SECONDS = 30.0
+
+# Go's syscall.Signal names, which upstream envd reports in "status" and "error".
+SIGNAL_TEXT = {
+    signal.SIGKILL: "killed",
+    signal.SIGTERM: "terminated",
+    signal.SIGINT: "interrupt",
+    signal.SIGHUP: "hangup",
+    signal.SIGPIPE: "broken pipe",
+    signal.SIGSEGV: "segmentation fault",
+    signal.SIGABRT: "aborted",
+    signal.SIGQUIT: "quit",
+    signal.SIGALRM: "alarm clock",
+    signal.SIGUSR1: "user defined signal 1",
+    signal.SIGUSR2: "user defined signal 2",
+}
+
+SIGNALS = {
+    "SIGNAL_SIGKILL": signal.SIGKILL,
+    "SIGNAL_SIGTERM": signal.SIGTERM,
+    "SIGNAL_SIGINT": signal.SIGINT,
+    "SIGNAL_SIGHUP": signal.SIGHUP,
+    "SIGNAL_SIGQUIT": signal.SIGQUIT,
+    "SIGNAL_SIGUSR1": signal.SIGUSR1,
+    "SIGNAL_SIGUSR2": signal.SIGUSR2,
+    "SIGNAL_SIGSTOP": signal.SIGSTOP,
+    "SIGNAL_SIGCONT": signal.SIGCONT,
+    9: signal.SIGKILL,
+    15: signal.SIGTERM,
+}
+
+
+class ProcessError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def end_event(returncode: int) -> dict[str, Any]:
+    if returncode >= 0:
+        status = f"exit status {returncode}"
+        end: dict[str, Any] = {"exitCode": returncode, "exited": True, "status": status}
+        if returncode:
+            end["error"] = status
+        return end
+    sig = -returncode
+    try:
+        text = SIGNAL_TEXT.get(signal.Signals(sig), f"signal {sig}")
+    except ValueError:
+        text = f"signal {sig}"
+    status = f"signal: {text}"
+    return {"exitCode": -1, "exited": False, "status": status, "error": status}
+
+
+class Process:
+    """One started process and the streams subscribed to its output."""
+
+    def __init__(self, pid: int, config: dict[str, Any], tag: str | None, is_pty: bool) -> None:
+        self.pid = pid
+        self.config = config
+        self.tag = tag
+        self.is_pty = is_pty
+        self.subscribers: set[Stream] = set()
+        self.end: dict[str, Any] | None = None
+        self.exited_at = 0.0
+        self.done = asyncio.Event()
+        self.deadline_hit = False
+        self.stdin: asyncio.StreamWriter | None = None
+        self.master_fd: int | None = None
+        self.popen: asyncio.subprocess.Process | None = None
+
+    def info(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"config": self.config, "pid": self.pid}
+        if self.tag is not None:
+            out["tag"] = self.tag
+        return out
+
+    async def publish(self, event: dict[str, Any]) -> None:
+        for sub in list(self.subscribers):
+            try:
+                await sub.send({"event": event})
+            except ChannelClosed:
+                self.subscribers.discard(sub)
+
+    async def write_input(self, data: bytes) -> None:
+        if self.master_fd is not None:
+            await asyncio.get_running_loop().run_in_executor(None, os.write, self.master_fd, data)
+        elif self.stdin is not None and not self.stdin.is_closing():
+            self.stdin.write(data)
+            await self.stdin.drain()
+        else:
+            raise ProcessError("failed_precondition", f"stdin of process {self.pid} is closed")
+
+    def close_stdin(self) -> None:
+        if self.master_fd is not None:
+            raise ProcessError("failed_precondition", "cannot close stdin of a PTY process")
+        if self.stdin is not None:
+            self.stdin.close()
+            self.stdin = None
+
+    def resize(self, cols: int, rows: int) -> None:
+        if self.master_fd is None:
+            raise ProcessError("failed_precondition", f"process {self.pid} has no PTY")
+        fcntl.ioctl(self.master_fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+class ProcessTable:
+    def __init__(self) -> None:
+        self.procs: dict[int, Process] = {}
+
+    def find(self, selector: dict[str, Any]) -> Process:
+        pid = selector.get("pid")
+        tag = selector.get("tag")
+        for proc in self.procs.values():
+            if (pid is not None and proc.pid == int(pid)) or (tag is not None and proc.tag == tag):
+                return proc
+        what = f"pid {pid}" if pid is not None else f"tag '{tag}'"
+        raise ProcessError("not_found", f"process with {what} not found")
+
+    def running(self) -> list[Process]:
+        return [p for p in self.procs.values() if p.end is None]
+
+    def forget_subscribers(self) -> None:
+        for proc in self.procs.values():
+            proc.subscribers.clear()
+
+    def reap_old(self) -> None:
+        now = time.monotonic()
+        for pid in [
+            p.pid for p in self.procs.values() if p.end is not None and now - p.exited_at > EXITED_KEEP_SECONDS
+        ]:
+            del self.procs[pid]
+
+    async def start(
+        self,
+        *,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        user: User,
+        config: dict[str, Any],
+        tag: str | None,
+        want_stdin: bool,
+        pty_size: tuple[int, int] | None,
+        timeout_ms: int | None,
+    ) -> Process:
+        self.reap_old()
+        if not os.path.isdir(cwd):
+            raise ProcessError("invalid_argument", f"cwd '{cwd}' does not exist")
+        creds: dict[str, Any] = {}
+        if os.getuid() == 0 and user.uid != 0:
+            creds = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+        try:
+            if pty_size is not None:
+                proc = await self._start_pty(argv, env, cwd, creds, config, tag, pty_size)
+            else:
+                popen = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.PIPE if want_stdin else asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    env=env,
+                    cwd=cwd,
+                    start_new_session=True,
+                    limit=CHUNK,
+                    **creds,
+                )
+                proc = Process(popen.pid, config, tag, False)
+                proc.popen = popen
+                proc.stdin = popen.stdin
+                readers = [self._pump(proc, popen.stdout, "stdout"), self._pump(proc, popen.stderr, "stderr")]
+                asyncio.ensure_future(self._wait(proc, readers))
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
+            raise ProcessError("invalid_argument", f"cannot start {argv[0]!r}: {exc.strerror}") from exc
+        except OSError as exc:
+            raise ProcessError("resource_exhausted" if exc.errno == 11 else "internal", f"cannot start: {exc}") from exc
+        self.procs[proc.pid] = proc
+        if timeout_ms:
+            asyncio.get_running_loop().call_later(timeout_ms / 1000, self._deadline, proc)
+        return proc
+
+    async def _start_pty(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        creds: dict[str, Any],
+        config: dict[str, Any],
+        tag: str | None,
+        size: tuple[int, int],
+    ) -> Process:
+        master, slave = pty.openpty()
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
+
+        def controlling_tty() -> None:
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        try:
+            popen = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=slave,
+                stdout=slave,
+                stderr=slave,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=controlling_tty,
+                **creds,
+            )
+        finally:
+            os.close(slave)
+        os.set_blocking(master, False)
+        proc = Process(popen.pid, config, tag, True)
+        proc.popen = popen
+        proc.master_fd = master
+        asyncio.ensure_future(self._wait(proc, [self._pump_pty(proc, master)]))
+        return proc
+
+    async def _pump(self, proc: Process, pipe: asyncio.StreamReader | None, name: str) -> None:
+        assert pipe is not None
+        while chunk := await pipe.read(CHUNK):
+            await proc.publish({"data": {name: b64(chunk)}})
+
+    async def _pump_pty(self, proc: Process, fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        loop.add_reader(fd, ready.set)
+        try:
+            while True:
+                await ready.wait()
+                ready.clear()
+                try:
+                    chunk = os.read(fd, 16 * 1024)
+                except BlockingIOError:
+                    continue
+                except OSError:  # EIO: every slave end is closed
+                    return
+                if not chunk:
+                    return
+                await proc.publish({"data": {"pty": b64(chunk)}})
+        finally:
+            loop.remove_reader(fd)
+
+    async def _wait(self, proc: Process, readers: list[Any]) -> None:
+        assert proc.popen is not None
+        pumps = asyncio.gather(*readers, return_exceptions=True)
+        rc = await proc.popen.wait()
+        if proc.master_fd is not None:
+            # Children may keep the slave open; give the pump a moment, then stop reading.
+            try:
+                await asyncio.wait_for(asyncio.shield(pumps), 0.2)
+            except TimeoutError:
+                pumps.cancel()
+            os.close(proc.master_fd)
+            proc.master_fd = None
+        else:
+            await pumps
+        proc.end = end_event(rc)
+        proc.exited_at = time.monotonic()
+        await proc.publish({"end": proc.end})
+        proc.done.set()
+
+    def _deadline(self, proc: Process) -> None:
+        if proc.end is None:
+            proc.deadline_hit = True
+            signal_process(proc, signal.SIGKILL)
+
+
+def signal_process(proc: Process, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the whole session: `bash -c` children die with it
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        os.kill(proc.pid, sig)

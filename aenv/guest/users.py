@@ -1,0 +1,54 @@
+"""User lookup from the sandbox's own /etc/passwd and /etc/group (no NSS, stdlib only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class UnknownUser(LookupError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+    home: str
+    shell: str
+    groups: tuple[int, ...]
+
+
+def _read(path: str) -> list[list[str]]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return [line.rstrip("\n").split(":") for line in f if line.strip() and not line.startswith("#")]
+    except OSError:
+        return []
+
+
+def lookup(name: str) -> User:
+    for row in _read("/etc/passwd"):
+        if len(row) >= 7 and (row[0] == name or (name.isdigit() and row[2] == name)):
+            gid = int(row[3])
+            extra = tuple(
+                int(g[2]) for g in _read("/etc/group") if len(g) >= 4 and row[0] in g[3].split(",") and g[2].isdigit()
+            )
+            return User(row[0], int(row[2]), gid, row[5] or "/", row[6] or "/bin/sh", tuple(sorted({gid, *extra})))
+    if name == "root":
+        return User("root", 0, 0, "/root", "/bin/sh", (0,))
+    raise UnknownUser(f"user '{name}' does not exist in the sandbox")
+
+
+def name_of_uid(uid: int) -> str:
+    for row in _read("/etc/passwd"):
+        if len(row) >= 3 and row[2] == str(uid):
+            return row[0]
+    return str(uid)
+
+
+def name_of_gid(gid: int) -> str:
+    for row in _read("/etc/group"):
+        if len(row) >= 3 and row[2] == str(gid):
+            return row[0]
+    return str(gid)

@@ -1,0 +1,677 @@
+"""The node: sandbox records, their state machine, and every lifecycle operation.
+
+Each operation on a sandbox runs as its own task under the sandbox's lock, so it completes even
+if the client that asked for it goes away, and concurrent requests for the same idempotent
+transition (pause, resume, kill) join the task already running instead of starting a second one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import secrets
+import shutil
+import string
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from aenv.config import Settings
+from aenv.errors import (
+    AenvError,
+    InvalidRequest,
+    LimitExceeded,
+    SandboxNotFound,
+    SnapshotNotFound,
+    TemplateNotFound,
+    WrongState,
+)
+from aenv.node import metrics
+from aenv.node.agentlink import AgentLink
+from aenv.node.state import PUBLIC_STATE, SandboxState, check_transition
+from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
+from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
+from aenv.storage.layers import LayerStore, new_id
+
+log = logging.getLogger("aenv.node")
+T = TypeVar("T")
+S = SandboxState
+ID_ALPHABET = string.ascii_lowercase + string.digits
+DEFAULT_USER = "user"
+
+
+def new_sandbox_id() -> str:
+    return "".join(secrets.choice(ID_ALPHABET) for _ in range(20))
+
+
+@dataclass
+class LiveSandbox:
+    rec: SandboxRecord
+    instance: Instance | None = None
+    link: AgentLink | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ops: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.rec.id
+
+    @property
+    def state(self) -> SandboxState:
+        return self.rec.state
+
+
+@dataclass
+class ForkResult:
+    sandbox: SandboxRecord | None = None
+    error: AenvError | None = None
+
+
+def make_driver(settings: Settings) -> Driver:
+    """Drivers are imported only when chosen."""
+    if settings.driver == "gvisor":
+        from aenv.runtime.gvisor import GVisorDriver
+
+        return GVisorDriver(
+            state_dir=settings.data_dir / "runtime",
+            runsc=settings.runsc,
+            platform=settings.runsc_platform,
+            debug=settings.runsc_debug,
+        )
+    raise InvalidRequest(f"unknown driver {settings.driver!r}")
+
+
+class Node:
+    def __init__(self, settings: Settings, driver: Driver | None = None) -> None:
+        self.settings = settings
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(settings.data_dir / "aenv.db")
+        self.files = LayerStore(settings.data_dir / "fs")
+        self.driver = driver or make_driver(settings)
+        self.sandboxes: dict[str, LiveSandbox] = {}
+        self.templates: dict[str, TemplateRecord] = {}
+        self.snapshots: dict[str, SnapshotRecord] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._secret = b""
+        self._stopped = False
+        self.started_at = time.time()
+
+    # -- start and stop ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.store.open()
+        secret = await self.store.get_meta("token_secret")
+        if secret is None:
+            secret = secrets.token_hex(32)
+            await self.store.set_meta("token_secret", secret)
+        self._secret = secret.encode()
+        self.templates = {t.id: t for t in await self.store.templates()}
+        self.snapshots = {s.id: s for s in await self.store.snapshots()}
+        await self._recover()
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def stop(self, *, pause_running: bool = True) -> None:
+        """Stop the node. Running sandboxes are paused so a restart loses nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+        running = [sb for sb in self.sandboxes.values() if sb.state == S.RUNNING]
+        sem = asyncio.Semaphore(4)
+
+        async def settle(sb: LiveSandbox) -> None:
+            async with sem:
+                try:
+                    await (self.pause(sb.id) if pause_running else self.kill(sb.id))
+                except AenvError as exc:
+                    log.warning("could not pause %s at shutdown: %s", sb.id, exc)
+                    await self.kill(sb.id)
+
+        if running:
+            log.info("stopping: pausing %d running sandboxes", len(running))
+        await asyncio.gather(*(settle(sb) for sb in running), return_exceptions=True)
+        for task in list(self._background):
+            task.cancel()
+        await self.store.close()
+
+    async def _recover(self) -> None:
+        """Reconcile records with reality after a restart: nothing that was running survives a
+        node restart (its channel pipes died with the old process), paused sandboxes do."""
+        for rec in await self.store.sandboxes():
+            if rec.state in (S.PAUSED, S.RESUMING) and rec.image and self.files.image(rec.image).exists():
+                rec.state = S.PAUSED
+                rec.instance_id = ""
+                await self.store.put_sandbox(rec)
+                self.sandboxes[rec.id] = LiveSandbox(rec)
+            else:
+                log.warning("sandbox %s was %s when the node stopped; removing it", rec.id, rec.state.value)
+                self.files.remove_upper(rec.upper)
+                self.files.remove_image(rec.image)
+                await self.store.delete_sandbox(rec.id)
+        removed = await self.driver.cleanup_orphans(keep=set())
+        if removed:
+            log.info("removed %d orphaned instances", len(removed))
+        self._gc_files()
+
+    def _referenced_layers(self) -> set[str]:
+        refs: set[str] = set()
+        for sb in self.sandboxes.values():
+            refs.update(sb.rec.layers)
+        for t in self.templates.values():
+            refs.update(t.layers)
+        for s in self.snapshots.values():
+            refs.update(s.layers)
+        return refs
+
+    def _gc_files(self, min_age: float = 0.0) -> None:
+        """Remove layers, uppers and images that no record names."""
+        now = time.time()
+        layers = self._referenced_layers()
+        uppers = {sb.rec.upper for sb in self.sandboxes.values()}
+        images = {sb.rec.image for sb in self.sandboxes.values()} | {t.image for t in self.templates.values()}
+        images |= {s.image for s in self.snapshots.values()}
+        for directory, keep in ((self.files.layers, layers), (self.files.uppers, uppers), (self.files.images, images)):
+            for path in directory.iterdir():
+                if path.name in keep or path.name.startswith("."):
+                    continue
+                try:
+                    if now - path.stat().st_mtime < min_age:
+                        continue
+                except OSError:
+                    continue
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- lookups ------------------------------------------------------------------------------------
+    def get(self, sandbox_id: str) -> LiveSandbox:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None or sb.state == S.KILLED:
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id=sandbox_id)
+        return sb
+
+    def find_template(self, ref: str) -> TemplateRecord:
+        for t in self.templates.values():
+            if ref in (t.id, t.name) or ref in t.aliases:
+                return t
+        raise TemplateNotFound(f"template '{ref}' not found")
+
+    def find_snapshot(self, ref: str) -> SnapshotRecord:
+        for s in self.snapshots.values():
+            if ref in (s.id, s.name) and not s.ephemeral:
+                return s
+        raise SnapshotNotFound(f"snapshot '{ref}' not found")
+
+    def list(self, *, states: set[str] | None = None, metadata: dict[str, str] | None = None) -> list[LiveSandbox]:
+        out = []
+        for sb in self.sandboxes.values():
+            if sb.state == S.KILLED:
+                continue
+            if states and sb.state.value not in states and _public(sb.state) not in states:
+                continue
+            if metadata and any(sb.rec.metadata.get(k) != v for k, v in metadata.items()):
+                continue
+            out.append(sb)
+        return sorted(out, key=lambda s: s.rec.started_at, reverse=True)
+
+    def access_token(self, sandbox_id: str) -> str:
+        """Derived, never stored: HMAC of the sandbox id under the node's secret."""
+        return hmac.new(self._secret, sandbox_id.encode(), hashlib.sha256).hexdigest()[:40]
+
+    # -- the operation runner -------------------------------------------------------------------------
+    async def _operate(self, sb: LiveSandbox, name: str, fn: Callable[[], Awaitable[T]], *, join: bool) -> T:
+        if join:
+            running = sb.ops.get(name)
+            if running is not None and not running.done():
+                return await asyncio.shield(running)
+
+        async def locked() -> T:
+            async with sb.lock:
+                started = time.monotonic()
+                try:
+                    result = await fn()
+                except BaseException:
+                    metrics.OPERATIONS.labels(op=name, outcome="error").inc()
+                    raise
+                metrics.OPERATIONS.labels(op=name, outcome="ok").inc()
+                metrics.OPERATION_SECONDS.labels(op=name).observe(time.monotonic() - started)
+                return result
+
+        task: asyncio.Task[T] = asyncio.ensure_future(locked())
+        self._background.add(task)
+        if join:
+            sb.ops[name] = task
+
+        def done(t: asyncio.Task[T]) -> None:
+            self._background.discard(t)
+            if sb.ops.get(name) is t:
+                sb.ops.pop(name, None)
+            if not t.cancelled():
+                t.exception()  # retrieved: a client that left must not cause a warning
+
+        task.add_done_callback(done)
+        return await asyncio.shield(task)
+
+    async def _set_state(self, sb: LiveSandbox, target: SandboxState, *, persist: bool = True) -> None:
+        check_transition(sb.id, sb.state, target)
+        sb.rec.state = target
+        if persist:
+            await self.store.put_sandbox(sb.rec)
+
+    def _limits(self, rec: SandboxRecord) -> Limits:
+        s = self.settings
+        base = {"cpu_count": s.cpu_count, "memory_mb": s.memory_mb, "nproc": s.nproc, "disk_mb": s.disk_mb}
+        base.update({k: v for k, v in rec.limits.items() if k in base})
+        return Limits(**base)
+
+    def _agent_config(self, rec: SandboxRecord) -> dict[str, Any]:
+        env = dict(rec.env_vars)
+        env.update({"E2B_SANDBOX": "true", "E2B_SANDBOX_ID": rec.id, "E2B_TEMPLATE_ID": rec.template_id})
+        env.update({"AENV_SANDBOX_ID": rec.id})
+        return {"env": env, "user": DEFAULT_USER}
+
+    def _rootfs(self, layers: list[str], upper: str) -> RootfsSpec:
+        return RootfsSpec(tuple(self.files.layer(x) for x in layers), self.files.upper(upper))
+
+    async def _restore_into(self, sb: LiveSandbox, *, image: str, layers: list[str], upper: str, fresh: bool) -> None:
+        """Start an instance of ``sb`` from a checkpoint image and wire up its agent."""
+        instance_id = new_id()
+        instance = await self.driver.restore(
+            instance_id=instance_id,
+            rootfs=self._rootfs(layers, upper),
+            limits=self._limits(sb.rec),
+            image_dir=self.files.image(image),
+        )
+        link = sb.link if (sb.link is not None and not fresh) else AgentLink(sb.id)
+        try:
+            await link.restored(instance, fresh=fresh, config=self._agent_config(sb.rec))
+        except BaseException:
+            await self.driver.kill(instance)
+            raise
+        sb.instance, sb.link = instance, link
+        sb.rec.instance_id = instance_id
+
+    async def _stop_instance(self, sb: LiveSandbox, reason: str, *, keep_streams: bool = False) -> None:
+        if sb.instance is not None:
+            await self.driver.kill(sb.instance)
+            sb.instance = None
+        if sb.link is not None:
+            if keep_streams:
+                sb.link.channel.detach()
+            else:
+                sb.link.close(reason)
+                sb.link = None
+        sb.rec.instance_id = ""
+
+    async def _checkpoint_stopped(self, sb: LiveSandbox) -> str:
+        """Freeze the agent, checkpoint and stop the instance; return the image id.
+
+        On failure the sandbox is left running and answering, never frozen."""
+        assert sb.instance is not None and sb.link is not None
+        await sb.link.freeze()
+        image = new_id()
+        try:
+            await self.driver.checkpoint(sb.instance, image_dir=self.files.image(image), leave_running=False)
+        except BaseException:
+            self.files.remove_image(image)
+            try:
+                await sb.link.unfreeze()
+            except AenvError:
+                log.error("sandbox %s died in a failed checkpoint", sb.id)
+                await self._stop_instance(sb, "the sandbox died during a failed checkpoint")
+                raise
+            raise
+        return image
+
+    # -- create -----------------------------------------------------------------------------------------
+    async def create(
+        self,
+        template: str = "base",
+        *,
+        timeout: int | None = None,
+        metadata: dict[str, str] | None = None,
+        env_vars: dict[str, str] | None = None,
+        auto_pause: bool = False,
+        auto_resume: bool = False,
+        limits: dict[str, Any] | None = None,
+        allow_internet_access: bool = False,
+        secure: bool = True,
+    ) -> SandboxRecord:
+        timeout = self._check_timeout(timeout)
+        live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
+        if live >= self.settings.max_sandboxes:
+            raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
+        try:
+            tmpl = self.find_template(template)
+            layers, image, template_id = list(tmpl.layers), tmpl.image, tmpl.name
+            base_env, base_limits, snapshot_id = dict(tmpl.env_vars), dict(tmpl.limits), ""
+        except TemplateNotFound:
+            snap = self.find_snapshot(template)
+            layers, image, template_id = list(snap.layers), snap.image, snap.template_id
+            base_env, base_limits, snapshot_id = dict(snap.env_vars), dict(snap.limits), snap.id
+        base_env.update(env_vars or {})
+        base_limits.update(limits or {})
+        now = time.time()
+        rec = SandboxRecord(
+            id=new_sandbox_id(),
+            template_id=template_id,
+            state=S.CREATING,
+            started_at=now,
+            end_at=now + timeout,
+            auto_pause=auto_pause,
+            auto_resume=auto_resume,
+            metadata=dict(metadata or {}),
+            env_vars=base_env,
+            limits=base_limits,
+            layers=layers,
+            upper=self.files.new_upper(),
+            snapshot_id=snapshot_id,
+            allow_internet_access=allow_internet_access,
+            secure=secure,
+        )
+        sb = LiveSandbox(rec)
+        self.sandboxes[rec.id] = sb
+
+        async def run() -> SandboxRecord:
+            try:
+                await self._restore_into(sb, image=image, layers=layers, upper=rec.upper, fresh=True)
+            except BaseException:
+                self.sandboxes.pop(rec.id, None)
+                self.files.remove_upper(rec.upper)
+                raise
+            rec.state = S.RUNNING
+            rec.started_at = time.time()
+            rec.end_at = rec.started_at + timeout
+            await self.store.put_sandbox(rec)
+            return rec
+
+        return await self._operate(sb, "create", run, join=False)
+
+    def _check_timeout(self, timeout: int | None) -> int:
+        if timeout is None:
+            return self.settings.default_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0:
+            raise InvalidRequest("timeout must be a positive number of seconds")
+        if timeout > self.settings.max_timeout:
+            raise InvalidRequest(f"timeout may be at most {self.settings.max_timeout} seconds")
+        return timeout
+
+    # -- pause and resume --------------------------------------------------------------------------------
+    async def pause(self, sandbox_id: str) -> SandboxRecord:
+        sb = self.get(sandbox_id)
+
+        async def run() -> SandboxRecord:
+            if sb.state == S.PAUSED:
+                raise WrongState(f"sandbox {sb.id} is already paused", sandbox_id=sb.id)
+            await self._set_state(sb, S.PAUSING, persist=False)
+            try:
+                image = await self._checkpoint_stopped(sb)
+            except BaseException:
+                sb.rec.state = S.RUNNING if sb.instance is not None else S.KILLING
+                if sb.instance is None:
+                    await self._forget(sb)
+                raise
+            await self._stop_instance(sb, f"sandbox {sb.id} was paused")
+            sb.rec.image = image
+            sb.rec.paused_at = time.time()
+            await self._set_state(sb, S.PAUSED)
+            return sb.rec
+
+        return await self._operate(sb, "pause", run, join=True)
+
+    async def resume(self, sandbox_id: str, *, timeout: int | None = None) -> tuple[SandboxRecord, bool]:
+        """Resume a paused sandbox; returns (record, True if it was resumed, False if it ran)."""
+        sb = self.get(sandbox_id)
+        timeout_s = self._check_timeout(timeout)
+
+        async def run() -> tuple[SandboxRecord, bool]:
+            if sb.state == S.RUNNING:
+                sb.rec.end_at = max(sb.rec.end_at, time.time() + timeout_s)
+                await self.store.put_sandbox(sb.rec)
+                return sb.rec, False
+            await self._set_state(sb, S.RESUMING, persist=False)
+            try:
+                await self._restore_into(sb, image=sb.rec.image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=True)
+            except BaseException:
+                sb.rec.state = S.PAUSED
+                raise
+            self.files.remove_image(sb.rec.image)
+            sb.rec.image = ""
+            sb.rec.end_at = time.time() + timeout_s
+            await self._set_state(sb, S.RUNNING)
+            return sb.rec, True
+
+        return await self._operate(sb, "resume", run, join=True)
+
+    async def ensure_running(self, sandbox_id: str) -> LiveSandbox:
+        """For data-plane traffic: a paused sandbox with auto-resume comes back on use."""
+        sb = self.get(sandbox_id)
+        if sb.state == S.RUNNING and sb.link is not None:
+            return sb
+        if sb.state in (S.PAUSED, S.RESUMING) and sb.rec.auto_resume:
+            await self.resume(sandbox_id)
+            return self.get(sandbox_id)
+        async with sb.lock:  # wait out a transition in progress
+            pass
+        if sb.state == S.RUNNING and sb.link is not None:
+            return sb
+        raise WrongState(f"sandbox {sandbox_id} is {sb.state.value}", sandbox_id=sandbox_id)
+
+    # -- snapshot and fork -------------------------------------------------------------------------------
+    async def _branch(self, sb: LiveSandbox) -> tuple[str, list[str]]:
+        """Checkpoint a running sandbox and seal its upper; returns (image, layers).
+
+        The caller restores the source from that image onto a fresh upper."""
+        image = await self._checkpoint_stopped(sb)
+        await self._stop_instance(sb, "", keep_streams=True)
+        sealed = self.files.seal(sb.rec.upper)
+        layers = [*sb.rec.layers, *([sealed] if sealed else [])]
+        sb.rec.layers = layers
+        sb.rec.upper = self.files.new_upper()
+        return image, layers
+
+    async def _restart_source(self, sb: LiveSandbox, image: str) -> None:
+        try:
+            await self._restore_into(sb, image=image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=False)
+        except BaseException:
+            # The source could not come back; keep it as a paused sandbox rather than lose it.
+            log.exception("sandbox %s could not be restarted after a checkpoint; keeping it paused", sb.id)
+            if sb.link is not None:
+                sb.link.close("sandbox could not be restarted")
+                sb.link = None
+            copy = new_id()
+            shutil.copytree(self.files.image(image), self.files.image(copy))
+            sb.rec.image = copy
+            sb.rec.state = S.PAUSED
+            await self.store.put_sandbox(sb.rec)
+            raise
+
+    async def snapshot(self, sandbox_id: str, *, name: str | None = None) -> SnapshotRecord:
+        sb = self.get(sandbox_id)
+        if name is not None and any(s.name == name for s in self.snapshots.values()):
+            raise InvalidRequest(f"a snapshot named '{name}' already exists")
+
+        async def run() -> SnapshotRecord:
+            await self._set_state(sb, S.SNAPSHOTTING, persist=False)
+            try:
+                image, layers = await self._branch(sb)
+            except BaseException:
+                if sb.instance is not None:
+                    sb.rec.state = S.RUNNING
+                raise
+            snap = SnapshotRecord(
+                id=f"snap_{new_id(16)}",
+                name=name or "",
+                sandbox_id=sb.id,
+                template_id=sb.rec.template_id,
+                layers=layers,
+                image=image,
+                created_at=time.time(),
+                metadata=dict(sb.rec.metadata),
+                env_vars=dict(sb.rec.env_vars),
+                limits=dict(sb.rec.limits),
+            )
+            self.snapshots[snap.id] = snap
+            await self.store.put_snapshot(snap)
+            await self._restart_source(sb, image)
+            sb.rec.state = S.RUNNING
+            await self.store.put_sandbox(sb.rec)
+            return snap
+
+        return await self._operate(sb, "snapshot", run, join=False)
+
+    async def delete_snapshot(self, ref: str) -> None:
+        snap = self.find_snapshot(ref)
+        self.snapshots.pop(snap.id, None)
+        await self.store.delete_snapshot(snap.id)
+        self.files.remove_image(snap.image)
+        self._gc_files(min_age=60)
+
+    async def fork(self, sandbox_id: str, *, count: int = 1, timeout: int | None = None) -> list[ForkResult]:
+        sb = self.get(sandbox_id)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidRequest("count must be a positive integer")
+        if count > self.settings.max_fork:
+            raise InvalidRequest(f"count may be at most {self.settings.max_fork}")
+        child_timeout = self._check_timeout(timeout) if timeout is not None else None
+
+        async def run() -> list[ForkResult]:
+            await self._set_state(sb, S.FORKING, persist=False)
+            try:
+                image, layers = await self._branch(sb)
+            except BaseException:
+                if sb.instance is not None:
+                    sb.rec.state = S.RUNNING
+                raise
+            now = time.time()
+            ttl = child_timeout if child_timeout is not None else max(1, int(sb.rec.end_at - now))
+            children = [self._child_of(sb, layers, now, ttl) for _ in range(count)]
+            for child in children:
+                self.sandboxes[child.id] = child
+            outcomes = await asyncio.gather(
+                self._restart_source(sb, image),
+                *(self._start_child(child, image) for child in children),
+                return_exceptions=True,
+            )
+            self.files.remove_image(image)  # a restored instance no longer needs its image
+            if isinstance(outcomes[0], BaseException):
+                for child in children:
+                    if child.instance is not None:
+                        await self.kill(child.id)
+                raise outcomes[0]
+            sb.rec.state = S.RUNNING
+            await self.store.put_sandbox(sb.rec)
+            results = []
+            for child, outcome in zip(children, outcomes[1:], strict=True):
+                if isinstance(outcome, BaseException):
+                    self.sandboxes.pop(child.id, None)
+                    self.files.remove_upper(child.rec.upper)
+                    err = outcome if isinstance(outcome, AenvError) else AenvError(str(outcome))
+                    results.append(ForkResult(error=err))
+                else:
+                    results.append(ForkResult(sandbox=child.rec))
+            return results
+
+        return await self._operate(sb, "fork", run, join=False)
+
+    def _child_of(self, sb: LiveSandbox, layers: list[str], now: float, ttl: int) -> LiveSandbox:
+        src = sb.rec
+        rec = SandboxRecord(
+            id=new_sandbox_id(),
+            template_id=src.template_id,
+            state=S.CREATING,
+            started_at=now,
+            end_at=now + ttl,
+            auto_pause=src.auto_pause,
+            auto_resume=src.auto_resume,
+            metadata=dict(src.metadata),
+            env_vars=dict(src.env_vars),
+            limits=dict(src.limits),
+            layers=list(layers),
+            upper=self.files.new_upper(),
+            parent_id=src.id,
+            allow_internet_access=src.allow_internet_access,
+            secure=src.secure,
+        )
+        return LiveSandbox(rec)
+
+    async def _start_child(self, child: LiveSandbox, image: str) -> None:
+        async with child.lock:
+            await self._restore_into(child, image=image, layers=child.rec.layers, upper=child.rec.upper, fresh=True)
+            child.rec.state = S.RUNNING
+            await self.store.put_sandbox(child.rec)
+
+    # -- timeouts and kill -------------------------------------------------------------------------------
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
+        sb = self.get(sandbox_id)
+        timeout = self._check_timeout(timeout)
+        sb.rec.end_at = time.time() + timeout
+        await self.store.put_sandbox(sb.rec)
+        return sb.rec
+
+    async def kill(self, sandbox_id: str) -> None:
+        sb = self.get(sandbox_id)
+
+        async def run() -> None:
+            if sb.state == S.KILLED:
+                return
+            sb.rec.state = S.KILLING
+            await self._forget(sb)
+
+        await self._operate(sb, "kill", run, join=True)
+
+    async def _forget(self, sb: LiveSandbox) -> None:
+        await self._stop_instance(sb, f"sandbox {sb.id} was killed")
+        self.files.remove_upper(sb.rec.upper)
+        self.files.remove_image(sb.rec.image)
+        sb.rec.state = S.KILLED
+        self.sandboxes.pop(sb.id, None)
+        await self.store.delete_sandbox(sb.id)
+
+    # -- TTL -------------------------------------------------------------------------------------------
+    async def _reap_forever(self) -> None:
+        last_gc = time.monotonic()
+        while True:
+            await asyncio.sleep(self.settings.reaper_interval)
+            try:
+                await self.reap_once()
+                if time.monotonic() - last_gc > 60:
+                    last_gc = time.monotonic()
+                    self._gc_files(min_age=120)
+            except Exception:
+                log.exception("reaper pass failed")
+
+    async def reap_once(self) -> None:
+        now = time.time()
+        for sb in list(self.sandboxes.values()):
+            if sb.state != S.RUNNING or sb.rec.end_at > now or sb.lock.locked():
+                continue
+            action = self.pause if sb.rec.auto_pause else self.kill
+            log.info("sandbox %s timed out: %s", sb.id, "pausing" if sb.rec.auto_pause else "killing")
+            task = asyncio.ensure_future(action(sb.id))
+            self._background.add(task)
+            task.add_done_callback(_log_failure(sb.id, self._background))
+
+    # -- data-plane helpers -----------------------------------------------------------------------------
+    async def usage(self, sandbox_id: str) -> dict[str, Any]:
+        sb = self.get(sandbox_id)
+        if sb.instance is None:
+            return {}
+        u = await self.driver.usage(sb.instance)
+        return {"cpu_seconds": u.cpu_seconds, "memory_bytes": u.memory_bytes, "pids": u.pids}
+
+
+def _public(state: SandboxState) -> str:
+    return PUBLIC_STATE[state]
+
+
+def _log_failure(sandbox_id: str, tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
+    def done(task: asyncio.Task[Any]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("timeout action on %s failed: %s", sandbox_id, task.exception())
+
+    return done

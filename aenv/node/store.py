@@ -1,0 +1,185 @@
+"""Durable node records in SQLite (WAL): sandboxes, templates and snapshots.
+
+A record is the truth about what exists; node-local directories (layers, uppers, images) are
+named by the ids stored here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiosqlite
+
+from aenv.node.state import SandboxState
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (id TEXT PRIMARY KEY, body TEXT NOT NULL, state TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS templates (id TEXT PRIMARY KEY, name TEXT UNIQUE NOT NULL, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS snapshots (id TEXT PRIMARY KEY, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+@dataclass
+class SandboxRecord:
+    id: str
+    template_id: str
+    state: SandboxState
+    started_at: float
+    end_at: float
+    auto_pause: bool = False
+    auto_resume: bool = False
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    limits: dict[str, Any] = field(default_factory=dict)
+    layers: list[str] = field(default_factory=list)  # layer ids, lowest first
+    upper: str = ""  # upper id (its directory holds upper/ and work/)
+    image: str = ""  # checkpoint image id while paused
+    instance_id: str = ""  # driver instance while running
+    alias: str = ""
+    parent_id: str = ""  # the sandbox this one was forked from
+    snapshot_id: str = ""  # the snapshot this one was created from
+    allow_internet_access: bool = False
+    secure: bool = True
+    paused_at: float = 0.0
+
+    def to_json(self) -> str:
+        body = asdict(self)
+        body["state"] = self.state.value
+        return json.dumps(body)
+
+    @classmethod
+    def from_json(cls, text: str) -> SandboxRecord:
+        body = _known(cls, json.loads(text))
+        body["state"] = SandboxState(body["state"])
+        return cls(**body)
+
+
+@dataclass
+class TemplateRecord:
+    id: str
+    name: str
+    layers: list[str]
+    image: str
+    created_at: float
+    aliases: list[str] = field(default_factory=list)
+    limits: dict[str, Any] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    description: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TemplateRecord:
+        return cls(**_known(cls, json.loads(text)))
+
+
+@dataclass
+class SnapshotRecord:
+    id: str
+    name: str
+    sandbox_id: str
+    template_id: str
+    layers: list[str]
+    image: str
+    created_at: float
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    limits: dict[str, Any] = field(default_factory=dict)
+    ephemeral: bool = False  # made for a fork; removed when its children are up
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> SnapshotRecord:
+        return cls(**_known(cls, json.loads(text)))
+
+
+T = TypeVar("T")
+
+
+def _known(cls: type[Any], body: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in body.items() if k in names}
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._db: aiosqlite.Connection | None = None
+
+    async def open(self) -> None:
+        self._db = await aiosqlite.connect(self.path)
+        await self._db.execute("PRAGMA journal_mode=WAL")
+        await self._db.execute("PRAGMA synchronous=NORMAL")
+        await self._db.executescript(SCHEMA)
+        await self._db.commit()
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> aiosqlite.Connection:
+        assert self._db is not None, "store is not open"
+        return self._db
+
+    # -- sandboxes --------------------------------------------------------------------------------
+    async def put_sandbox(self, rec: SandboxRecord) -> None:
+        await self.db.execute(
+            "INSERT OR REPLACE INTO sandboxes (id, body, state) VALUES (?, ?, ?)",
+            (rec.id, rec.to_json(), rec.state.value),
+        )
+        await self.db.commit()
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        await self.db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+        await self.db.commit()
+
+    async def sandboxes(self) -> list[SandboxRecord]:
+        async with self.db.execute("SELECT body FROM sandboxes") as cur:
+            return [SandboxRecord.from_json(row[0]) async for row in cur]
+
+    # -- templates --------------------------------------------------------------------------------
+    async def put_template(self, rec: TemplateRecord) -> None:
+        await self.db.execute(
+            "INSERT OR REPLACE INTO templates (id, name, body) VALUES (?, ?, ?)", (rec.id, rec.name, rec.to_json())
+        )
+        await self.db.commit()
+
+    async def delete_template(self, template_id: str) -> None:
+        await self.db.execute("DELETE FROM templates WHERE id = ?", (template_id,))
+        await self.db.commit()
+
+    async def templates(self) -> list[TemplateRecord]:
+        async with self.db.execute("SELECT body FROM templates") as cur:
+            return [TemplateRecord.from_json(row[0]) async for row in cur]
+
+    # -- snapshots --------------------------------------------------------------------------------
+    async def put_snapshot(self, rec: SnapshotRecord) -> None:
+        await self.db.execute("INSERT OR REPLACE INTO snapshots (id, body) VALUES (?, ?)", (rec.id, rec.to_json()))
+        await self.db.commit()
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self.db.execute("DELETE FROM snapshots WHERE id = ?", (snapshot_id,))
+        await self.db.commit()
+
+    async def snapshots(self) -> list[SnapshotRecord]:
+        async with self.db.execute("SELECT body FROM snapshots") as cur:
+            return [SnapshotRecord.from_json(row[0]) async for row in cur]
+
+    # -- meta ---------------------------------------------------------------------------------------
+    async def get_meta(self, key: str) -> str | None:
+        async with self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)) as cur:
+            row = await cur.fetchone()
+            return row[0] if row else None
+
+    async def set_meta(self, key: str, value: str) -> None:
+        await self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        await self.db.commit()

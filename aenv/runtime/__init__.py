@@ -1,0 +1,1 @@
+"""Isolation drivers behind one interface (see base.py). Importing this package loads no driver."""

@@ -1,0 +1,78 @@
+"""The isolation-driver contract: boot, checkpoint, restore, kill, a channel, usage.
+
+Pause = checkpoint (stopping) ; snapshot = checkpoint + restore of the source ;
+fork = one checkpoint + N restores ; create-from-template = restore of the template's image.
+Nothing above this module knows which driver runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-sandbox resource limits, all enforced by the driver."""
+
+    cpu_count: float = 1.0
+    memory_mb: int = 1024
+    nproc: int = 512  # processes+threads of one uid inside the sandbox (fork-bomb guard)
+    disk_mb: int = 2048  # bytes the sandbox may write to its filesystem
+
+
+@dataclass(frozen=True, slots=True)
+class RootfsSpec:
+    """A root filesystem: read-only layers (lowest first) under one writable upper directory."""
+
+    layers: tuple[Path, ...]
+    upper: Path  # the directory that holds ``upper/`` and ``work/`` (or a disk image with them)
+
+
+@dataclass(slots=True)
+class Usage:
+    cpu_seconds: float = 0.0
+    memory_bytes: int = 0
+    memory_limit_bytes: int = 0
+    pids: int = 0
+
+
+@dataclass(slots=True)
+class Instance:
+    """A running sandbox instance as its driver sees it."""
+
+    id: str
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    rootfs: RootfsSpec
+    limits: Limits
+    state_dir: Path
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class Driver(Protocol):
+    name: str
+
+    async def boot(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:
+        """Start a fresh instance whose first process is the guest agent."""
+        ...
+
+    async def checkpoint(self, instance: Instance, *, image_dir: Path, leave_running: bool) -> None:
+        """Save the instance's memory and process state to ``image_dir``."""
+        ...
+
+    async def restore(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits, image_dir: Path) -> Instance:
+        """Start an instance from ``image_dir``; one image may be restored any number of times."""
+        ...
+
+    async def kill(self, instance: Instance) -> None:
+        """Stop the instance and release everything it held on the host. Idempotent."""
+        ...
+
+    async def usage(self, instance: Instance) -> Usage: ...
+
+    async def cleanup_orphans(self, keep: set[str]) -> list[str]:
+        """Remove instances left over from an earlier process, except those in ``keep``."""
+        ...

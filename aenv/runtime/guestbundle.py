@@ -1,0 +1,157 @@
+"""The guest runtime bundle: a trimmed CPython, its shared libraries and the agent's code.
+
+It is mounted read-only at ``/.aenv`` in every sandbox and started through its own dynamic
+loader, so an image needs no Python or glibc of its own. Built once per (interpreter, agent code)
+and addressed by a hash of both, so an upgrade never changes a bundle that a checkpoint uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import aenv
+
+GUEST_MOUNT = "/.aenv"
+_SKIP_STDLIB = {
+    "site-packages",
+    "test",
+    "tests",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "ensurepip",
+    "lib2to3",
+    "unittest",
+}
+_AGENT_PACKAGES = ("channel", "guest")
+
+
+COMPAT_SOURCE = Path(__file__).parent / "compat" / "aenv_compat.c"
+COMPAT_LIB = f"{GUEST_MOUNT}/compat/libaenv_compat.so"  # what images list in /etc/ld.so.preload
+
+
+def _agent_sources() -> list[Path]:
+    root = Path(aenv.__file__).parent
+    out = [root / "__init__.py", COMPAT_SOURCE]
+    for pkg in _AGENT_PACKAGES:
+        out += sorted(p for p in (root / pkg).rglob("*.py"))
+    return out
+
+
+def bundle_key() -> str:
+    h = hashlib.sha256()
+    h.update(sys.version.encode())
+    h.update(os.path.realpath(sys.executable).encode())
+    for src in _agent_sources():
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _interpreter() -> Path:
+    exe = Path(sys.executable).resolve()
+    if exe.read_bytes()[:4] != b"\x7fELF":  # e.g. a pyenv shim
+        exe = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return exe.resolve()
+
+
+def _shared_libs(binaries: list[Path]) -> tuple[set[Path], Path]:
+    libs: set[Path] = set()
+    loader: Path | None = None
+    for binary in binaries:
+        out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            if "=>" in parts and len(parts) >= 3 and parts[2].startswith("/"):
+                libs.add(Path(parts[2]))
+            elif parts and parts[0].startswith("/") and "ld-linux" in parts[0]:
+                loader = Path(parts[0])
+    if loader is None:
+        raise RuntimeError("cannot find the dynamic loader of the host interpreter")
+    return libs, loader
+
+
+def loader_name() -> str:
+    return "ld-linux-x86-64.so.2" if os.uname().machine == "x86_64" else "ld-linux-aarch64.so.1"
+
+
+def agent_argv() -> list[str]:
+    """How the runtime starts the agent inside the sandbox."""
+    return [
+        f"{GUEST_MOUNT}/lib/{loader_name()}",
+        "--library-path",
+        f"{GUEST_MOUNT}/lib",
+        f"{GUEST_MOUNT}/bin/python3",
+        "-s",
+        "-B",
+        "-m",
+        "aenv.guest.agent",
+    ]
+
+
+def agent_env() -> list[str]:
+    return [f"PYTHONHOME={GUEST_MOUNT}", f"PYTHONPATH={GUEST_MOUNT}/pkg", "PYTHONUNBUFFERED=1", "LANG=C.UTF-8"]
+
+
+def _build_compat(dest: Path) -> None:
+    """Compile the statx shim from source with the host's compiler (never shipped as a binary)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("a C compiler (gcc) is needed to build the guest compat shim")
+    subprocess.run(
+        [cc, "-O2", "-shared", "-fPIC", "-nostartfiles", "-o", str(dest), str(COMPAT_SOURCE)],
+        check=True,
+        capture_output=True,
+    )
+
+
+def ensure_bundle(cache_dir: Path) -> Path:
+    """Build the bundle under ``cache_dir`` unless it is there already; return its directory."""
+    dest = cache_dir / bundle_key()
+    if (dest / ".complete").exists():
+        return dest
+    tmp = cache_dir / f".{dest.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "bin").mkdir(parents=True)
+    (tmp / "lib").mkdir()
+    exe = _interpreter()
+    shutil.copy2(exe, tmp / "bin" / "python3")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    dynload = stdlib / "lib-dynload"
+    binaries = [exe, *sorted(dynload.glob("*.so"))]
+    libs, loader = _shared_libs(binaries)
+    for lib in libs:
+        shutil.copy2(lib.resolve(), tmp / "lib" / lib.name)
+    shutil.copy2(loader.resolve(), tmp / "lib" / loader_name())
+    shutil.copytree(
+        stdlib,
+        tmp / "lib" / stdlib.name,
+        ignore=lambda d, names: [n for n in names if n in _SKIP_STDLIB or n.startswith("_tkinter")],
+        symlinks=False,
+    )
+    root = Path(aenv.__file__).parent
+    for src in _agent_sources():
+        if src.suffix != ".py":
+            continue
+        target = tmp / "pkg" / "aenv" / src.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+    _build_compat(tmp / "compat" / Path(COMPAT_LIB).name)
+    # Precompile so every sandbox starts without writing bytecode.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(tmp / "pkg")], check=False)
+    (tmp / ".complete").write_text(bundle_key())
+    for path in [tmp, *tmp.rglob("*")]:
+        if path.is_dir():
+            path.chmod(0o755)
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

@@ -1,0 +1,221 @@
+"""gVisor driver: runsc with --platform=ptrace --network=none and an overlayfs root.
+
+The agent's channel is the container's stdin/stdout: two host pipes that runsc hands to the
+sandbox and re-attaches at restore, so one image restores onto fresh pipes any number of times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from aenv.errors import RuntimeFailure
+from aenv.runtime import guestbundle, hostexec
+from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_PARENT = "aenv"
+CAPS = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_RAW",
+    "CAP_SYS_CHROOT",
+    "CAP_MKNOD",
+    "CAP_AUDIT_WRITE",
+    "CAP_SETFCAP",
+]
+
+
+class GVisorDriver:
+    name = "gvisor"
+
+    def __init__(self, *, state_dir: Path, runsc: str = "runsc", platform: str = "ptrace", debug: bool = False) -> None:
+        self.state_dir = state_dir
+        self.runsc = runsc
+        self.platform = platform
+        self.debug = debug
+        self.runsc_root = state_dir / "runsc"
+        self.bundles = state_dir / "instances"
+        self.guest_dir = state_dir / "guest"
+        for d in (self.runsc_root, self.bundles, self.guest_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self._guest: Path | None = None
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _global(self, instance_id: str | None = None) -> list[str]:
+        argv = [self.runsc, "--root", str(self.runsc_root), f"--platform={self.platform}", "--network=none"]
+        if self.debug and instance_id:
+            argv += ["--debug", f"--debug-log={self.bundles / instance_id / 'runsc.log'}"]
+        return argv
+
+    def guest_bundle(self) -> Path:
+        if self._guest is None:
+            self._guest = guestbundle.ensure_bundle(self.guest_dir)
+        return self._guest
+
+    def _spec(self, instance_id: str, limits: Limits) -> dict[str, Any]:
+        nproc = max(limits.nproc, 64)
+        return {
+            "ociVersion": "1.0.2",
+            "process": {
+                "terminal": False,
+                "user": {"uid": 0, "gid": 0},
+                "args": guestbundle.agent_argv(),
+                "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", *guestbundle.agent_env()],
+                "cwd": "/",
+                "capabilities": {k: CAPS for k in ("bounding", "effective", "permitted")},
+                "rlimits": [
+                    {"type": "RLIMIT_NPROC", "hard": nproc, "soft": nproc},
+                    {"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536},
+                ],
+                "noNewPrivileges": False,
+            },
+            "root": {"path": "rootfs", "readonly": False},
+            "hostname": "sandbox",
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+                {
+                    "destination": "/sys",
+                    "type": "sysfs",
+                    "source": "sysfs",
+                    "options": ["nosuid", "noexec", "nodev", "ro"],
+                },
+                {
+                    "destination": "/dev/shm",
+                    "type": "tmpfs",
+                    "source": "shm",
+                    "options": ["nosuid", "nodev", "mode=1777"],
+                },
+                {
+                    "destination": guestbundle.GUEST_MOUNT,
+                    "type": "bind",
+                    "source": str(self.guest_bundle()),
+                    "options": ["rbind", "ro"],
+                },
+            ],
+            "linux": {
+                "cgroupsPath": f"/{CGROUP_PARENT}/{instance_id}",
+                "resources": {
+                    "memory": {"limit": limits.memory_mb * 2**20, "swap": limits.memory_mb * 2**20},
+                    "cpu": {"quota": int(limits.cpu_count * 100_000), "period": 100_000},
+                    # The host pids cgroup also counts the sentry's own threads: a generous backstop
+                    # only. RLIMIT_NPROC above is the real fork-bomb guard.
+                    "pids": {"limit": max(4096, nproc * 8)},
+                },
+                "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],
+            },
+        }
+
+    async def _mount_rootfs(self, bundle: Path, rootfs: RootfsSpec) -> Path:
+        target = bundle / "rootfs"
+        target.mkdir(parents=True, exist_ok=True)
+        upper, work = rootfs.upper / "upper", rootfs.upper / "work"
+        upper.mkdir(parents=True, exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
+        # Paths relative to a common base keep the option string short: the kernel limits it to
+        # one page, and every layer adds one path.
+        base = Path(os.path.commonpath([str(p) for p in (*rootfs.layers, upper)]))
+        lower = ":".join(os.path.relpath(p, base) for p in reversed(rootfs.layers))
+        opts = f"lowerdir={lower},upperdir={os.path.relpath(upper, base)},workdir={os.path.relpath(work, base)}"
+        await hostexec.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(target)], cwd=base)
+        (target / guestbundle.GUEST_MOUNT.lstrip("/")).mkdir(exist_ok=True)
+        return target
+
+    async def _start(self, argv: list[str], instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:
+        bundle = self.bundles / instance_id
+        bundle.mkdir(parents=True, exist_ok=True)
+        (bundle / "config.json").write_text(json.dumps(self._spec(instance_id, limits)))
+        await self._mount_rootfs(bundle, rootfs)
+        to_guest_r, to_guest_w = os.pipe()
+        from_guest_r, from_guest_w = os.pipe()
+        try:
+            await hostexec.run(
+                [*self._global(instance_id), *argv, "--bundle", str(bundle), "--detach", instance_id],
+                timeout=60,
+                stdin=to_guest_r,
+                stdout=from_guest_w,
+                stderr_file=bundle / "agent.log",
+            )
+        except BaseException:
+            for fd in (to_guest_r, to_guest_w, from_guest_r, from_guest_w):
+                os.close(fd)
+            await self._teardown(instance_id)
+            raise
+        os.close(to_guest_r)
+        os.close(from_guest_w)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=2**22)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(from_guest_r, "rb", 0))
+        transport, protocol = await loop.connect_write_pipe(
+            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), os.fdopen(to_guest_w, "wb", 0)
+        )
+        writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        return Instance(instance_id, reader, writer, rootfs, limits, bundle)
+
+    # -- the contract ------------------------------------------------------------------------------
+    async def boot(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:
+        return await self._start(["run"], instance_id, rootfs, limits)
+
+    async def restore(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits, image_dir: Path) -> Instance:
+        return await self._start(["restore", "--image-path", str(image_dir)], instance_id, rootfs, limits)
+
+    async def checkpoint(self, instance: Instance, *, image_dir: Path, leave_running: bool) -> None:
+        image_dir.mkdir(parents=True, exist_ok=True)
+        argv = [*self._global(instance.id), "checkpoint", "--image-path", str(image_dir)]
+        if leave_running:
+            argv.append("--leave-running")
+        await hostexec.run([*argv, instance.id], timeout=120)
+
+    async def kill(self, instance: Instance) -> None:
+        instance.writer.close()
+        await self._teardown(instance.id)
+
+    async def _teardown(self, instance_id: str) -> None:
+        await hostexec.run([*self._global(), "delete", "--force", instance_id], timeout=30, check=False)
+        bundle = self.bundles / instance_id
+        rootfs = bundle / "rootfs"
+        if os.path.ismount(rootfs):
+            try:
+                await hostexec.run(["umount", str(rootfs)], timeout=30)
+            except RuntimeFailure:
+                await hostexec.run(["umount", "-l", str(rootfs)], timeout=30, check=False)
+        shutil.rmtree(bundle, ignore_errors=True)
+        for controller in ("memory", "cpu", "cpuacct", "pids", "cpuset", "freezer", "blkio", "devices"):
+            try:
+                (CGROUP_ROOT / controller / CGROUP_PARENT / instance_id).rmdir()
+            except OSError:
+                pass
+
+    async def usage(self, instance: Instance) -> Usage:
+        def read(controller: str, name: str) -> int:
+            try:
+                return int((CGROUP_ROOT / controller / CGROUP_PARENT / instance.id / name).read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                return 0
+
+        return Usage(
+            cpu_seconds=read("cpuacct", "cpuacct.usage") / 1e9,
+            memory_bytes=read("memory", "memory.usage_in_bytes"),
+            memory_limit_bytes=instance.limits.memory_mb * 2**20,
+            pids=read("pids", "pids.current"),
+        )
+
+    async def cleanup_orphans(self, keep: set[str]) -> list[str]:
+        removed = []
+        ids = {p.name for p in self.bundles.iterdir() if p.is_dir()}
+        ids |= {p.name for p in self.runsc_root.iterdir() if p.is_dir()}
+        for instance_id in sorted(ids - keep):
+            await self._teardown(instance_id)
+            removed.append(instance_id)
+        return removed

@@ -1,0 +1,66 @@
+"""Running host binaries from async code: argv lists, deadlines, captured stderr, one error type."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from aenv.errors import OperationTimeout, RuntimeFailure
+
+
+async def run(
+    argv: Sequence[str],
+    *,
+    timeout: float = 30.0,
+    cwd: Path | None = None,
+    stdin: int | None = asyncio.subprocess.DEVNULL,
+    stdout: int | None = asyncio.subprocess.PIPE,
+    check: bool = True,
+    stderr_file: Path | None = None,
+) -> str:
+    """Run ``argv``; return stdout. Failures raise RuntimeFailure carrying argv and stderr.
+
+    ``stderr_file`` sends stderr to a file instead of a pipe: `runsc run --detach` hands its
+    stdio to the sandbox, so a pipe would never reach EOF.
+    """
+    err_fd = os.open(stderr_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if stderr_file else None
+    start = stderr_file.stat().st_size if stderr_file else 0
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=cwd,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=err_fd if err_fd is not None else asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot run {argv[0]}: {exc}", argv=list(argv)) from exc
+    finally:
+        if err_fd is not None:
+            os.close(err_fd)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        if stderr_file is not None:
+            with open(stderr_file, "rb") as f:
+                f.seek(start)
+                err = f.read()
+    except TimeoutError as exc:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        await proc.wait()
+        raise OperationTimeout(
+            f"{argv[0]} {argv[1] if len(argv) > 1 else ''} timed out after {timeout}s", argv=list(argv)
+        ) from exc
+    if check and proc.returncode != 0:
+        tail = (err or b"").decode(errors="replace").strip()[-2000:]
+        raise RuntimeFailure(
+            f"{Path(argv[0]).name} failed (exit {proc.returncode}): {tail.splitlines()[-1] if tail else ''}",
+            argv=list(argv),
+            stderr=tail,
+        )
+    return (out or b"").decode(errors="replace")

@@ -1,0 +1,197 @@
+"""Template builds: boot layers, run steps as root inside a sandbox, commit a template snapshot.
+
+The committed template is (layers, checkpoint image): creating a sandbox from it is a restore.
+The built-in `base` template starts from a Debian root filesystem made by debootstrap from
+Debian's own packages.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from aenv.errors import AenvError, InvalidRequest
+from aenv.node.agentlink import AgentLink
+from aenv.node.orchestrator import Node
+from aenv.node.store import TemplateRecord
+from aenv.runtime import hostexec
+from aenv.runtime.base import Limits
+from aenv.runtime.guestbundle import COMPAT_LIB
+from aenv.storage.layers import new_id
+
+LogFn = Callable[[str], None]
+BUILD_LIMITS = Limits(cpu_count=2.0, memory_mb=4096, nproc=8192, disk_mb=16384)
+BASE_PACKAGES = [
+    "bash",
+    "coreutils",
+    "procps",
+    "python3",
+    "python3-pip",
+    "python3-venv",
+    "git",
+    "curl",
+    "ca-certificates",
+    "build-essential",
+    "sudo",
+    "less",
+    "iproute2",
+]
+BASE_SETUP = f"""
+set -eu
+echo {COMPAT_LIB} > /etc/ld.so.preload
+id -u user >/dev/null 2>&1 || useradd --create-home --uid 1000 --shell /bin/bash user
+echo 'user ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/user && chmod 0440 /etc/sudoers.d/user
+mkdir -p /run/e2b /home/user && chown user:user /home/user
+echo sandbox > /etc/hostname
+echo '127.0.0.1 localhost sandbox' > /etc/hosts
+echo '::1 localhost ip6-localhost' >> /etc/hosts
+apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
+"""
+
+
+class BuildFailed(AenvError):
+    def __init__(self, message: str, *, step: int, output: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.output = output
+
+
+def host_debian_mirror() -> str:
+    """The Debian mirror this host's apt uses (package registries are all we can reach)."""
+    candidates: list[str] = []
+    for path in sorted(Path("/etc/apt/sources.list.d").glob("*.sources")):
+        text = path.read_text(errors="replace")
+        for block in text.split("\n\n"):
+            if re.search(r"^Suites:.*\b(bookworm|trixie|bullseye|stable)\b(?!-)", block, re.M):
+                m = re.search(r"^URIs:\s*(\S+)", block, re.M)
+                if m and "security" not in m.group(1):
+                    candidates.append(m.group(1))
+    sources = Path("/etc/apt/sources.list")
+    if sources.exists():
+        for line in sources.read_text(errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[0] == "deb" and "security" not in parts[1]:
+                candidates.append(parts[1] if not parts[1].startswith("[") else parts[2])
+    return candidates[0] if candidates else "http://deb.debian.org/debian"
+
+
+async def run_in(link: AgentLink, script: str, *, user: str = "root", on_log: LogFn | None = None) -> tuple[int, str]:
+    """Run a shell script through the agent, streaming its output; return (exit code, output)."""
+    stream = await link.open(
+        "process.start",
+        {
+            "process": {"cmd": "/bin/bash", "args": ["-c", script], "envs": {"DEBIAN_FRONTEND": "noninteractive"}},
+            "user": user,
+        },
+    )
+    output: list[str] = []
+    code = -1
+    while True:
+        item = await stream.recv()
+        if item.msg and "event" in item.msg:
+            event = item.msg["event"]
+            data = event.get("data")
+            if data:
+                text = base64.b64decode(next(iter(data.values()))).decode(errors="replace")
+                output.append(text)
+                if on_log:
+                    for line in text.splitlines():
+                        on_log(line)
+            if "end" in event:
+                code = int(event["end"].get("exitCode", -1))
+        if item.kind == 5:  # END
+            break
+    return code, "".join(output)
+
+
+async def commit_template(
+    node: Node,
+    *,
+    name: str,
+    layers: list[str],
+    steps: list[str],
+    env: dict[str, str] | None = None,
+    on_log: LogFn | None = None,
+) -> TemplateRecord:
+    """Boot ``layers``, run ``steps`` as root, checkpoint and commit a template named ``name``."""
+    log = on_log or (lambda line: None)
+    upper = node.files.new_upper()
+    instance = await node.driver.boot(instance_id=new_id(), rootfs=node._rootfs(layers, upper), limits=BUILD_LIMITS)
+    link = AgentLink(f"build-{name}")
+    try:
+        await link.booted(instance)
+        for i, step in enumerate(steps, 1):
+            log(f"step {i}/{len(steps)}")
+            code, output = await run_in(link, step, on_log=log)
+            if code != 0:
+                raise BuildFailed(f"step {i} failed with exit code {code}", step=i, output=output[-4000:])
+        await link.freeze()
+        image = new_id()
+        await node.driver.checkpoint(instance, image_dir=node.files.image(image), leave_running=False)
+    except BaseException:
+        await node.driver.kill(instance)
+        link.close("build failed")
+        node.files.remove_upper(upper)
+        raise
+    await node.driver.kill(instance)
+    link.close("build finished")
+    sealed = node.files.seal(upper)
+    rec = TemplateRecord(
+        id=new_id(16),
+        name=name,
+        layers=[*layers, *([sealed] if sealed else [])],
+        image=image,
+        created_at=time.time(),
+        env_vars=dict(env or {}),
+    )
+    old = [t for t in node.templates.values() if t.name == name]
+    for t in old:
+        node.templates.pop(t.id, None)
+        await node.store.delete_template(t.id)
+    node.templates[rec.id] = rec
+    await node.store.put_template(rec)
+    log(f"template '{name}' committed ({len(rec.layers)} layers)")
+    return rec
+
+
+async def build_base(node: Node, *, on_log: LogFn | None = None) -> TemplateRecord:
+    """debootstrap a Debian root filesystem and commit it as the `base` template."""
+    log = on_log or (lambda line: None)
+    settings = node.settings
+    mirror = settings.debian_mirror or host_debian_mirror()
+    layer_id, path = node.files.new_layer_dir()
+    log(f"debootstrap {settings.debian_suite} from {mirror}")
+    started = time.monotonic()
+    try:
+        await hostexec.run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={','.join(BASE_PACKAGES)}",
+                settings.debian_suite,
+                str(path),
+                mirror,
+            ],
+            timeout=1800,
+        )
+    except BaseException:
+        node.files.remove_layer(layer_id)
+        raise
+    log(f"root filesystem ready in {time.monotonic() - started:.0f}s")
+    return await commit_template(node, name="base", layers=[layer_id], steps=[BASE_SETUP], on_log=log)
+
+
+async def ensure_base(node: Node, *, on_log: LogFn | None = None) -> TemplateRecord:
+    try:
+        return node.find_template("base")
+    except AenvError:
+        return await build_base(node, on_log=on_log)
+
+
+def validate_name(name: str) -> str:
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,62}", name):
+        raise InvalidRequest("template names are 1-63 characters of a-z, 0-9, '.', '_' and '-'")
+    return name

@@ -1,0 +1,136 @@
+"""Shared fixtures: one real aenv server (real runsc sandboxes) for the whole session.
+
+The server's data dir persists between local runs (AENV_TEST_DATA_DIR, default
+/var/tmp/aenv-test) so the `base` template is built once; CI starts from an empty one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "e2b_" + "0" * 40
+DATA_DIR = Path(os.environ.get("AENV_TEST_DATA_DIR", "/var/tmp/aenv-test"))
+BASE_BUILD_TIMEOUT = 900
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    data_dir: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+    env: dict[str, str]
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"X-API-Key": API_KEY}, timeout=120)
+
+    def restart(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the server (SIGTERM: graceful; SIGKILL: a crash) and start it again in place."""
+        self.stop(sig)
+        fresh = start_server(self.data_dir, port=self.port)
+        self.proc, self.log = fresh.proc, fresh.log
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 120) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(
+    data_dir: Path,
+    *,
+    port: int | None = None,
+    extra_env: dict[str, str] | None = None,
+    timeout: float = BASE_BUILD_TIMEOUT,
+) -> Server:
+    port = port or free_port()
+    env = dict(os.environ)
+    env.update({"AENV_API_KEY": API_KEY, "AENV_REAPER_INTERVAL": "0.5"})
+    env.update(extra_env or {})
+    log = data_dir.parent / f"{data_dir.name}-server-{port}.log"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aenv.cli.main", "server", "--port", str(port), "--data-dir", str(data_dir)],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"aenv server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            r = httpx.get(f"{url}/health", timeout=2)
+            if r.status_code == 200 and "base" in r.json()["templates"]:
+                return Server(url, port, data_dir, proc, log, env)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"aenv server did not become ready:\n{log.read_text()[-4000:]}")
+
+
+def _have_runtime() -> bool:
+    return os.geteuid() == 0 and shutil.which("runsc") is not None and shutil.which("debootstrap") is not None
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    if not _have_runtime():
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the sandbox tests: need root, runsc and debootstrap")
+        pytest.skip("needs root, runsc and debootstrap (the CI machine has them)")
+    srv = start_server(DATA_DIR)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def api(server: Server) -> Iterator[httpx.Client]:
+    with server.client() as client:
+        yield client
+
+
+@pytest.fixture()
+def e2b_env(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
+    monkeypatch.setenv("E2B_API_KEY", API_KEY)
+    monkeypatch.setenv("E2B_API_URL", server.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", server.url)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+    return server
+
+
+@pytest.fixture()
+def sandbox(e2b_env: Server) -> Iterator[object]:
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=300)
+    yield sbx
+    try:
+        sbx.kill()
+    except Exception:
+        pass
