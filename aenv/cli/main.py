@@ -1,20 +1,89 @@
-"""The `aenv` command line: a thin shell over the public SDK (plus `server`, which runs a node)."""
+"""The `aenv` command line: a thin shell over the public SDK (plus `server`, which runs a node).
+
+Tables on a terminal, JSON when piped; errors are caught in one place and become exit code 1.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from rich.table import Table
+
+from aenv.sdk import AenvError, AsyncClient, AsyncSandbox
 
 app = typer.Typer(help="aenv: isolated, forkable sandboxes for agentic RL.", no_args_is_help=True)
+out = Console()
+err = Console(stderr=True)
+T = TypeVar("T")
+_opts: dict[str, str | None] = {"url": None, "api_key": None}
 
 
 @app.callback()
-def _root() -> None:
+def _root(
+    url: str = typer.Option(None, envvar="AENV_URL", help="Server URL [default: http://127.0.0.1:3000]"),
+    api_key: str = typer.Option(None, envvar="AENV_API_KEY", help="API key [default: <data-dir>/api-key]"),
+) -> None:
     """aenv: isolated, forkable sandboxes for agentic RL."""
+    _opts["url"], _opts["api_key"] = url, api_key
+
+
+def _run(fn: Callable[[AsyncClient], Coroutine[Any, Any, T]]) -> T:
+    async def main() -> T:
+        async with AsyncClient(_opts["url"], _opts["api_key"]) as client:
+            return await fn(client)
+
+    try:
+        return asyncio.run(main())
+    except AenvError as exc:
+        err.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(1) from None
+    except OSError as exc:
+        err.print(f"[red]error:[/red] cannot reach the aenv server: {exc}")
+        raise typer.Exit(1) from None
+
+
+def _emit(rows: list[dict[str, Any]], columns: list[str], title: str | None = None) -> None:
+    """A table for people, JSON for programs."""
+    if not out.is_terminal:
+        print(json.dumps(rows, indent=None))
+        return
+    table = Table(title=title, show_edge=False, header_style="bold")
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*(str(row.get(c, "")) for c in columns))
+    out.print(table)
+
+
+async def _with_status(message: str, work: Awaitable[T]) -> T:
+    if not err.is_terminal:
+        return await work
+    started = time.monotonic()
+    with err.status(message):
+        result = await work
+    err.print(f"{message} done in {time.monotonic() - started:.2f}s")
+    return result
+
+
+def _pairs(values: list[str], what: str) -> dict[str, str]:
+    out_: dict[str, str] = {}
+    for v in values:
+        key, sep, value = v.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"{what} must be KEY=VALUE, got {v!r}")
+        out_[key] = value
+    return out_
 
 
 @app.command()
@@ -35,8 +104,267 @@ def server(
         overrides["port"] = port
     if data_dir is not None:
         overrides["data_dir"] = data_dir
-    settings = Settings(**overrides)
-    asyncio.run(serve(settings))
+    asyncio.run(serve(Settings(**overrides)))
+
+
+@app.command()
+def create(
+    template: str = typer.Option("base", "--template", "-t"),
+    timeout: int = typer.Option(None, help="Seconds until the sandbox is paused or killed [default: 300]"),
+    env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE, repeatable"),
+    meta: list[str] = typer.Option([], "--meta", "-m", help="KEY=VALUE metadata, repeatable"),
+    auto_pause: bool = typer.Option(False, "--auto-pause", help="Pause instead of kill on timeout"),
+) -> None:
+    """Create a sandbox and print its id."""
+
+    async def go(c: AsyncClient) -> AsyncSandbox:
+        work = c.create(
+            template, timeout=timeout, envs=_pairs(env, "--env"), metadata=_pairs(meta, "--meta"), auto_pause=auto_pause
+        )
+        return await _with_status(f"creating from {template}", work)
+
+    sbx = _run(go)
+    if out.is_terminal:
+        out.print(sbx.sandbox_id)
+    else:
+        print(json.dumps({"sandboxID": sbx.sandbox_id, "templateID": sbx.template_id}))
+
+
+@app.command("exec", context_settings={"allow_interspersed_args": False})
+def exec_(
+    sandbox_id: str,
+    command: list[str] = typer.Argument(..., help="Command (one argument is run by bash -l -c)"),
+    user: str = typer.Option(None, "--user", "-u"),
+    cwd: str = typer.Option(None, "--cwd"),
+    timeout: float = typer.Option(0, help="Kill the command after this many seconds (0: no limit)"),
+) -> None:
+    """Run a command, streaming its output; exits with the command's exit code."""
+
+    def write(stream: Any) -> Callable[[str], None]:
+        def emit(text: str) -> None:
+            stream.write(text)
+            stream.flush()
+
+        return emit
+
+    async def go(c: AsyncClient) -> int:
+        sbx = await c.connect(sandbox_id)
+        cmd: str | list[str] = command[0] if len(command) == 1 else command
+        result = await sbx.exec(
+            cmd, user=user, cwd=cwd, timeout=timeout or None, on_stdout=write(sys.stdout), on_stderr=write(sys.stderr)
+        )
+        return result.exit_code
+
+    raise typer.Exit(_run(go))
+
+
+@app.command()
+def shell(sandbox_id: str, user: str = typer.Option(None, "--user", "-u")) -> None:
+    """An interactive shell (PTY) inside a sandbox."""
+    import termios
+    import tty
+
+    async def go(c: AsyncClient) -> int:
+        sbx = await c.connect(sandbox_id)
+        cols, rows = os.get_terminal_size() if sys.stdin.isatty() else (80, 24)
+        session = await sbx.pty(cols=cols, rows=rows, user=user)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        loop.add_reader(sys.stdin.fileno(), lambda: queue.put_nowait(os.read(sys.stdin.fileno(), 4096)))
+
+        async def pump_in() -> None:
+            while data := await queue.get():
+                await session.send(data)
+
+        if sys.stdin.isatty():
+            import signal
+
+            def resized() -> None:
+                size = os.get_terminal_size()
+                asyncio.ensure_future(session.resize(size.columns, size.lines))
+
+            loop.add_signal_handler(signal.SIGWINCH, resized)
+        feeder = asyncio.ensure_future(pump_in())
+        try:
+            async for chunk in session.output():
+                os.write(sys.stdout.fileno(), chunk)
+        finally:
+            feeder.cancel()
+            loop.remove_reader(sys.stdin.fileno())
+            await session.close()
+        return session.exit_code or 0
+
+    saved = termios.tcgetattr(sys.stdin) if sys.stdin.isatty() else None
+    try:
+        if saved is not None:
+            tty.setraw(sys.stdin)
+        code = _run(go)
+    finally:
+        if saved is not None:
+            termios.tcsetattr(sys.stdin, termios.TCSADRAIN, saved)
+    raise typer.Exit(code)
+
+
+@app.command()
+def upload(sandbox_id: str, local: Path, remote: str) -> None:
+    """Copy a local file into a sandbox."""
+    data = local.read_bytes()
+
+    async def go(c: AsyncClient) -> None:
+        sbx = await c.connect(sandbox_id)
+        await _with_status(f"uploading {len(data)} bytes", sbx.write(remote, data))
+
+    _run(go)
+
+
+@app.command()
+def download(sandbox_id: str, remote: str, local: Path) -> None:
+    """Copy a file out of a sandbox, with progress."""
+
+    async def go(c: AsyncClient) -> int:
+        sbx = await c.connect(sandbox_id)
+        with (
+            open(local, "wb") as f,
+            Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                console=err,
+                transient=True,
+            ) as progress,
+        ):
+            task = progress.add_task(remote, total=None)
+
+            def sink(chunk: bytes) -> None:
+                f.write(chunk)
+                progress.advance(task, len(chunk))
+
+            return await sbx.read_to(remote, sink)
+
+    size = _run(go)
+    err.print(f"{size} bytes -> {local}")
+
+
+@app.command()
+def ls(sandbox_id: str, path: str = typer.Argument("/home/user"), depth: int = typer.Option(1)) -> None:
+    """List a directory inside a sandbox."""
+
+    async def go(c: AsyncClient) -> list[dict[str, Any]]:
+        return await (await c.connect(sandbox_id)).ls(path, depth=depth)
+
+    entries = _run(go)
+    rows = [
+        {
+            "name": e["path"],
+            "type": e["type"].removeprefix("FILE_TYPE_").lower(),
+            "size": e.get("size", 0),
+            "mode": e.get("permissions", ""),
+        }
+        for e in entries
+    ]
+    _emit(rows, ["mode", "size", "type", "name"])
+
+
+@app.command()
+def pause(sandbox_ids: list[str]) -> None:
+    """Pause sandboxes: their memory and processes go to disk; no CPU or RAM is held."""
+
+    async def go(c: AsyncClient) -> None:
+        for sid in sandbox_ids:
+            await _with_status(f"pausing {sid}", AsyncSandbox(c, {"sandboxID": sid}).pause())
+
+    _run(go)
+
+
+@app.command()
+def resume(sandbox_ids: list[str], timeout: int = typer.Option(None)) -> None:
+    """Resume paused sandboxes."""
+
+    async def go(c: AsyncClient) -> None:
+        for sid in sandbox_ids:
+            await _with_status(f"resuming {sid}", c.connect(sid, timeout=timeout))
+
+    _run(go)
+
+
+@app.command()
+def snapshot(sandbox_id: str, name: str = typer.Option(None, "--name")) -> None:
+    """Snapshot a running sandbox (it keeps running); create new sandboxes from the snapshot id."""
+
+    async def go(c: AsyncClient) -> str:
+        return await _with_status(
+            f"snapshotting {sandbox_id}", AsyncSandbox(c, {"sandboxID": sandbox_id}).snapshot(name)
+        )
+
+    snap = _run(go)
+    print(snap) if out.is_terminal else print(json.dumps({"snapshotID": snap}))
+
+
+@app.command()
+def fork(sandbox_id: str, n: int = typer.Option(1, "-n", "--count"), timeout: int = typer.Option(None)) -> None:
+    """Fork a running sandbox into N children that start from its exact state."""
+
+    async def go(c: AsyncClient) -> list[AsyncSandbox]:
+        return await _with_status(
+            f"forking {sandbox_id} into {n}", AsyncSandbox(c, {"sandboxID": sandbox_id}).fork(n, timeout=timeout)
+        )
+
+    children = _run(go)
+    _emit([{"sandboxID": ch.sandbox_id, "parentID": sandbox_id} for ch in children], ["sandboxID", "parentID"])
+
+
+@app.command()
+def rm(sandbox_ids: list[str]) -> None:
+    """Kill sandboxes."""
+
+    async def go(c: AsyncClient) -> list[str]:
+        missing = []
+        for sid in sandbox_ids:
+            if not await AsyncSandbox(c, {"sandboxID": sid}).kill():
+                missing.append(sid)
+        return missing
+
+    missing = _run(go)
+    if missing:
+        err.print(f"[red]not found:[/red] {' '.join(missing)}")
+        raise typer.Exit(1)
+
+
+@app.command("list")
+def list_(state: list[str] = typer.Option([], "--state"), meta: list[str] = typer.Option([], "--meta", "-m")) -> None:
+    """List sandboxes."""
+
+    async def go(c: AsyncClient) -> list[Any]:
+        return await c.list(state=state or None, metadata=_pairs(meta, "--meta"))
+
+    rows = [
+        {
+            "sandboxID": s.sandbox_id,
+            "template": s.template_id,
+            "state": s.raw.get("aenvState", s.state),
+            "endAt": s.end_at,
+            "metadata": json.dumps(s.metadata),
+        }
+        for s in _run(go)
+    ]
+    _emit(rows, ["sandboxID", "template", "state", "endAt", "metadata"])
+
+
+@app.command()
+def templates() -> None:
+    """List templates."""
+    rows = _run(lambda c: c.templates())
+    _emit(rows, ["name", "templateID", "layers", "sandboxes", "createdAt"])
+
+
+@app.command()
+def snapshots() -> None:
+    """List snapshots."""
+    rows = _run(lambda c: c.snapshots())
+    _emit(
+        [{**r, "names": ",".join(r.get("names", []))} for r in rows], ["snapshotID", "names", "sandboxID", "createdAt"]
+    )
 
 
 def main() -> None:

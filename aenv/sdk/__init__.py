@@ -1,0 +1,54 @@
+"""The native Python SDK: async first, with a sync face derived from it.
+
+from aenv.sdk import Client
+with Client() as c:
+    sbx = c.create()
+    print(sbx.exec("echo hi").stdout)
+    children = sbx.fork(4)
+
+from aenv.sdk import AsyncClient
+async with AsyncClient() as c:
+    sbx = await c.create()
+    result = await sbx.exec("echo hi")
+"""
+
+from aenv.errors import (
+    AenvError,
+    Conflict,
+    InvalidRequest,
+    LimitExceeded,
+    NotFound,
+    OperationTimeout,
+    SandboxError,
+    SandboxNotFound,
+    SnapshotNotFound,
+    TemplateNotFound,
+    Unauthenticated,
+    WrongState,
+)
+from aenv.sdk._async import AsyncClient, AsyncSandbox, CommandResult, PtySession, SandboxInfo
+from aenv.sdk._rl import fork_group
+from aenv.sdk._sync import Client, Sandbox
+
+__all__ = [
+    "AenvError",
+    "AsyncClient",
+    "AsyncSandbox",
+    "Client",
+    "CommandResult",
+    "Conflict",
+    "InvalidRequest",
+    "LimitExceeded",
+    "NotFound",
+    "OperationTimeout",
+    "PtySession",
+    "Sandbox",
+    "SandboxError",
+    "SandboxInfo",
+    "SandboxNotFound",
+    "SnapshotNotFound",
+    "TemplateNotFound",
+    "Unauthenticated",
+    "WrongState",
+    "fork_group",
+]

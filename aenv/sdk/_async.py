@@ -1,0 +1,412 @@
+"""The native async client. The data plane is E2B's envd API (Connect JSON), as the server serves it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from aenv.errors import AenvError, InvalidRequest, OperationTimeout, SandboxError, from_body
+from aenv.sdk._config import ClientConfig
+
+ENVD_PORT = 49983
+ENVELOPE = struct.Struct("!BI")
+OutputFn = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxInfo:
+    sandbox_id: str
+    template_id: str
+    state: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    started_at: str = ""
+    end_at: str = ""
+    parent_id: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> SandboxInfo:
+        return cls(
+            sandbox_id=body["sandboxID"],
+            template_id=body.get("templateID", ""),
+            state=body.get("state", "running"),
+            metadata=dict(body.get("metadata") or {}),
+            started_at=body.get("startedAt", ""),
+            end_at=body.get("endAt", ""),
+            parent_id=body.get("parentID"),
+            raw=dict(body),
+        )
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = response.text
+    raise from_body(response.status_code, body)
+
+
+def _envelope(msg: Any) -> bytes:
+    payload = json.dumps(msg).encode()
+    return ENVELOPE.pack(0, len(payload)) + payload
+
+
+async def _envelopes(response: httpx.Response) -> AsyncIterator[tuple[int, Any]]:
+    buf = b""
+    async for chunk in response.aiter_bytes():
+        buf += chunk
+        while len(buf) >= ENVELOPE.size:
+            flags, length = ENVELOPE.unpack_from(buf)
+            if len(buf) < ENVELOPE.size + length:
+                break
+            payload = buf[ENVELOPE.size : ENVELOPE.size + length]
+            buf = buf[ENVELOPE.size + length :]
+            yield flags, json.loads(payload) if payload else {}
+
+
+def _connect_error(body: Mapping[str, Any]) -> AenvError:
+    code, message = str(body.get("code", "unknown")), str(body.get("message", ""))
+    if code == "deadline_exceeded":
+        return OperationTimeout(message)
+    if code in ("invalid_argument", "not_found", "already_exists"):
+        return InvalidRequest(f"{code}: {message}")
+    return SandboxError(f"{code}: {message}")
+
+
+class PtySession:
+    """An interactive shell inside a sandbox: output events and input, resize, wait."""
+
+    def __init__(
+        self, sandbox: AsyncSandbox, response: httpx.Response, stream: AsyncIterator[tuple[int, Any]], pid: int
+    ) -> None:
+        self.sandbox = sandbox
+        self.pid = pid
+        self._response = response
+        self._stream = stream
+        self.exit_code: int | None = None
+
+    async def output(self) -> AsyncIterator[bytes]:
+        async for flags, msg in self._stream:
+            if flags & 0x02:
+                return
+            event = msg.get("event", {})
+            if "data" in event:
+                yield base64.b64decode(event["data"].get("pty", ""))
+            elif "end" in event:
+                self.exit_code = int(event["end"].get("exitCode", -1))
+
+    async def send(self, data: bytes) -> None:
+        await self.sandbox._rpc(
+            "process.Process/SendInput",
+            {"process": {"pid": self.pid}, "input": {"pty": base64.b64encode(data).decode()}},
+        )
+
+    async def resize(self, cols: int, rows: int) -> None:
+        await self.sandbox._rpc(
+            "process.Process/Update", {"process": {"pid": self.pid}, "pty": {"size": {"cols": cols, "rows": rows}}}
+        )
+
+    async def close(self) -> None:
+        await self._response.aclose()
+
+
+class AsyncSandbox:
+    """One sandbox. Obtain it from :class:`AsyncClient` (create, get, fork)."""
+
+    def __init__(self, client: AsyncClient, body: Mapping[str, Any]) -> None:
+        self.client = client
+        self.sandbox_id: str = body["sandboxID"]
+        self.template_id: str = body.get("templateID", "")
+        self._token: str | None = body.get("envdAccessToken")
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox({self.sandbox_id!r})"
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.kill()
+
+    # -- data plane ------------------------------------------------------------------------------------
+    def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        h = {"E2b-Sandbox-Id": self.sandbox_id, "E2b-Sandbox-Port": str(ENVD_PORT)}
+        if self._token:
+            h["X-Access-Token"] = self._token
+        h.update(extra or {})
+        return h
+
+    async def _rpc(self, path: str, msg: Mapping[str, Any]) -> Any:
+        r = await self.client._http.post(f"/{path}", json=msg, headers=self._headers({"Connect-Protocol-Version": "1"}))
+        if r.status_code == 502:
+            raise SandboxError(f"sandbox {self.sandbox_id} is not running", sandbox_id=self.sandbox_id)
+        if r.status_code >= 400:
+            raise _connect_error(r.json())
+        return r.json()
+
+    async def exec(
+        self,
+        cmd: str | list[str],
+        *,
+        user: str | None = None,
+        cwd: str | None = None,
+        envs: Mapping[str, str] | None = None,
+        timeout: float | None = 60,
+        on_stdout: OutputFn | None = None,
+        on_stderr: OutputFn | None = None,
+    ) -> CommandResult:
+        """Run a command (a shell string through `bash -l -c`, or an argv list) and wait for it."""
+        argv = ["/bin/bash", "-l", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        process: dict[str, Any] = {"cmd": argv[0], "args": argv[1:]}
+        if envs:
+            process["envs"] = dict(envs)
+        if cwd:
+            process["cwd"] = cwd
+        headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}
+        if timeout:
+            headers["Connect-Timeout-Ms"] = str(int(timeout * 1000))
+        if user:
+            headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
+        out: list[str] = []
+        err: list[str] = []
+        exit_code, error = -1, None
+        request_timeout = httpx.Timeout(self.client.config.request_timeout, read=(timeout + 30) if timeout else None)
+        async with self.client._http.stream(
+            "POST",
+            "/process.Process/Start",
+            content=_envelope({"process": process, "stdin": False}),
+            headers=self._headers(headers),
+            timeout=request_timeout,
+        ) as response:
+            if response.status_code != 200:
+                await response.aread()
+                _raise_for(response)
+            async for flags, msg in _envelopes(response):
+                if flags & 0x02:
+                    if msg.get("error"):
+                        raise _connect_error(msg["error"])
+                    break
+                event = msg.get("event", {})
+                data = event.get("data")
+                if data:
+                    for name, sink, fn in (("stdout", out, on_stdout), ("stderr", err, on_stderr)):
+                        if name in data:
+                            text = base64.b64decode(data[name]).decode(errors="replace")
+                            sink.append(text)
+                            if fn:
+                                fn(text)
+                elif "end" in event:
+                    exit_code = int(event["end"].get("exitCode", 0))
+                    error = event["end"].get("error")
+        return CommandResult(exit_code, "".join(out), "".join(err), error)
+
+    async def pty(
+        self, *, cols: int = 80, rows: int = 24, user: str | None = None, cmd: list[str] | None = None
+    ) -> PtySession:
+        argv = cmd or ["/bin/bash", "-i", "-l"]
+        body = {
+            "process": {"cmd": argv[0], "args": argv[1:], "envs": {"TERM": "xterm-256color", "LANG": "C.UTF-8"}},
+            "pty": {"size": {"cols": cols, "rows": rows}},
+        }
+        headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}
+        if user:
+            headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
+        request = self.client._http.build_request(
+            "POST",
+            "/process.Process/Start",
+            content=_envelope(body),
+            headers=self._headers(headers),
+            timeout=httpx.Timeout(30, read=None),
+        )
+        response = await self.client._http.send(request, stream=True)
+        if response.status_code != 200:
+            await response.aread()
+            _raise_for(response)
+        stream = _envelopes(response)
+        flags, first = await stream.__anext__()
+        if flags & 0x02:
+            await response.aclose()
+            raise _connect_error(first.get("error") or {})
+        return PtySession(self, response, stream, int(first["event"]["start"]["pid"]))
+
+    async def write(self, path: str, data: bytes | str, *, user: str | None = None) -> None:
+        payload = data.encode() if isinstance(data, str) else data
+        params = {"path": path, **({"username": user} if user else {})}
+        r = await self.client._http.post(
+            "/files",
+            params=params,
+            content=payload,
+            headers=self._headers({"Content-Type": "application/octet-stream"}),
+        )
+        _raise_for(r)
+
+    async def read(self, path: str, *, user: str | None = None) -> bytes:
+        params = {"path": path, **({"username": user} if user else {})}
+        r = await self.client._http.get("/files", params=params, headers=self._headers())
+        _raise_for(r)
+        return r.content
+
+    async def read_to(self, path: str, sink: Callable[[bytes], object]) -> int:
+        """Stream a file out of the sandbox chunk by chunk; returns its size."""
+        total = 0
+        async with self.client._http.stream("GET", "/files", params={"path": path}, headers=self._headers()) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                _raise_for(r)
+            async for chunk in r.aiter_bytes():
+                sink(chunk)
+                total += len(chunk)
+        return total
+
+    async def ls(self, path: str = "", *, depth: int = 1) -> list[dict[str, Any]]:
+        body = await self._rpc("filesystem.Filesystem/ListDir", {"path": path, "depth": depth})
+        entries: list[dict[str, Any]] = body.get("entries", [])
+        return entries
+
+    async def remove(self, path: str) -> None:
+        await self._rpc("filesystem.Filesystem/Remove", {"path": path})
+
+    # -- control plane ---------------------------------------------------------------------------------
+    async def info(self) -> SandboxInfo:
+        return SandboxInfo.from_json(await self.client._get(f"/sandboxes/{self.sandbox_id}"))
+
+    async def pause(self) -> None:
+        await self.client._post(f"/sandboxes/{self.sandbox_id}/pause", {})
+
+    async def resume(self, *, timeout: int | None = None) -> None:
+        body = await self.client._post(
+            f"/v2/sandboxes/{self.sandbox_id}/connect", {"timeout": timeout} if timeout else {}
+        )
+        self._token = body.get("envdAccessToken", self._token)
+
+    async def snapshot(self, name: str | None = None) -> str:
+        body = await self.client._post(f"/sandboxes/{self.sandbox_id}/snapshots", {"name": name} if name else {})
+        return str(body["snapshotID"])
+
+    async def fork(self, count: int = 1, *, timeout: int | None = None) -> list[AsyncSandbox]:
+        """N children from this sandbox's exact state; raises if any child failed (others are killed)."""
+        payload: dict[str, Any] = {"count": count}
+        if timeout is not None:
+            payload["timeout"] = timeout
+        items = await self.client._post(f"/sandboxes/{self.sandbox_id}/fork", payload)
+        children = [AsyncSandbox(self.client, it["sandbox"]) for it in items if "sandbox" in it]
+        errors = [it["error"] for it in items if "error" in it]
+        if errors:
+            for child in children:
+                await child.kill()
+            raise from_body(int(errors[0].get("code", 500)), errors[0])
+        return children
+
+    async def set_timeout(self, seconds: int) -> None:
+        await self.client._post(f"/sandboxes/{self.sandbox_id}/timeout", {"timeout": seconds})
+
+    async def kill(self) -> bool:
+        r = await self.client._http.delete(f"/sandboxes/{self.sandbox_id}", headers=self.client._auth)
+        if r.status_code == 404:
+            return False
+        _raise_for(r)
+        return True
+
+
+class AsyncClient:
+    """Entry point: ``async with AsyncClient() as c: sbx = await c.create()``."""
+
+    def __init__(
+        self, url: str | None = None, api_key: str | None = None, *, request_timeout: float | None = None
+    ) -> None:
+        self.config = ClientConfig.resolve(url, api_key, request_timeout)
+        self._auth = {"X-API-Key": self.config.api_key} if self.config.api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.config.url, timeout=self.config.request_timeout)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
+        r = await self._http.get(path, params=params, headers=self._auth)
+        _raise_for(r)
+        return r.json()
+
+    async def _post(self, path: str, body: Mapping[str, Any]) -> Any:
+        r = await self._http.post(path, json=body, headers=self._auth)
+        _raise_for(r)
+        return r.json() if r.content else {}
+
+    async def create(
+        self,
+        template: str = "base",
+        *,
+        timeout: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+        envs: Mapping[str, str] | None = None,
+        auto_pause: bool = False,
+        limits: Mapping[str, Any] | None = None,
+    ) -> AsyncSandbox:
+        body: dict[str, Any] = {"templateID": template, "metadata": dict(metadata or {}), "envVars": dict(envs or {})}
+        if timeout is not None:
+            body["timeout"] = timeout
+        if auto_pause:
+            body["autoPause"] = True
+        if limits:
+            body["limits"] = dict(limits)
+        return AsyncSandbox(self, await self._post("/v2/sandboxes", body))
+
+    async def connect(self, sandbox_id: str, *, timeout: int | None = None) -> AsyncSandbox:
+        """A handle on an existing sandbox; a paused one is resumed."""
+        body = await self._post(f"/v2/sandboxes/{sandbox_id}/connect", {"timeout": timeout} if timeout else {})
+        return AsyncSandbox(self, body)
+
+    async def list(
+        self, *, state: list[str] | None = None, metadata: Mapping[str, str] | None = None
+    ) -> list[SandboxInfo]:
+        from urllib.parse import quote
+
+        params: dict[str, Any] = {}
+        if state:
+            params["state"] = ",".join(state)
+        if metadata:
+            params["metadata"] = "&".join(f"{quote(k)}={quote(v)}" for k, v in metadata.items())
+        out: list[SandboxInfo] = []
+        token: str | None = None
+        while True:
+            if token:
+                params["nextToken"] = token
+            r = await self._http.get("/v2/sandboxes", params=params, headers=self._auth)
+            _raise_for(r)
+            out += [SandboxInfo.from_json(b) for b in r.json()]
+            token = r.headers.get("x-next-token")
+            if not token:
+                return out
+
+    async def templates(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = await self._get("/templates")
+        return result
+
+    async def snapshots(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = await self._get("/snapshots")
+        return result
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        r = await self._http.delete(f"/snapshots/{snapshot_id}", headers=self._auth)
+        _raise_for(r)
