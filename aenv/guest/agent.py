@@ -77,6 +77,9 @@ class Agent:
     async def _on_ctrl(self, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         if op == "freeze":
+            # Write the sentry's cached file data through to the host first: the checkpoint's
+            # upper (sealed into a layer on snapshot and fork) must hold what processes wrote.
+            await asyncio.get_running_loop().run_in_executor(None, os.sync)
             await self.channel.ctrl({"op": "frozen"}, force=True)
             self.channel.hold()
         elif op == "thaw":

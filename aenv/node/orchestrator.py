@@ -17,6 +17,7 @@ import string
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from aenv.config import Settings
@@ -150,13 +151,15 @@ class Node:
                 self.sandboxes[rec.id] = LiveSandbox(rec)
             else:
                 log.warning("sandbox %s was %s when the node stopped; removing it", rec.id, rec.state.value)
-                self.files.remove_upper(rec.upper)
+                await self.files.remove_upper(rec.upper)
                 self.files.remove_image(rec.image)
                 await self.store.delete_sandbox(rec.id)
         removed = await self.driver.cleanup_orphans(keep=set())
         if removed:
             log.info("removed %d orphaned instances", len(removed))
-        self._gc_files()
+        await self._gc_files()
+        for layer_id in self._referenced_layers():
+            await self.files.mount_layer(layer_id)
 
     def _referenced_layers(self) -> set[str]:
         refs: set[str] = set()
@@ -168,23 +171,30 @@ class Node:
             refs.update(s.layers)
         return refs
 
-    def _gc_files(self, min_age: float = 0.0) -> None:
-        """Remove layers, uppers and images that no record names."""
+    async def _gc_files(self, min_age: float = 0.0) -> None:
+        """Remove layers, uppers and images that no record names (and older than ``min_age``,
+        so that an operation still building them is never raced)."""
         now = time.time()
+
+        def old(path: Path) -> bool:
+            try:
+                return now - path.stat().st_mtime >= min_age
+            except OSError:
+                return False
+
         layers = self._referenced_layers()
+        for layer_id in self.files.layer_ids() - layers:
+            if old(self.files.layers / layer_id) or old(self.files.layers / f"{layer_id}.img"):
+                await self.files.remove_layer(layer_id)
         uppers = {sb.rec.upper for sb in self.sandboxes.values()}
+        for upper_id in self.files.upper_ids() - uppers:
+            if old(self.files.uppers / upper_id):
+                await self.files.remove_upper(upper_id)
         images = {sb.rec.image for sb in self.sandboxes.values()} | {t.image for t in self.templates.values()}
         images |= {s.image for s in self.snapshots.values()}
-        for directory, keep in ((self.files.layers, layers), (self.files.uppers, uppers), (self.files.images, images)):
-            for path in directory.iterdir():
-                if path.name in keep or path.name.startswith("."):
-                    continue
-                try:
-                    if now - path.stat().st_mtime < min_age:
-                        continue
-                except OSError:
-                    continue
-                shutil.rmtree(path, ignore_errors=True)
+        for image_id in self.files.image_ids() - images:
+            if old(self.files.image(image_id)):
+                self.files.remove_image(image_id)
 
     # -- lookups ------------------------------------------------------------------------------------
     def get(self, sandbox_id: str) -> LiveSandbox:
@@ -262,9 +272,12 @@ class Node:
             await self.store.put_sandbox(sb.rec)
 
     def _limits(self, rec: SandboxRecord) -> Limits:
+        return self._limits_of(rec.limits)
+
+    def _limits_of(self, overrides: dict[str, Any]) -> Limits:
         s = self.settings
         base = {"cpu_count": s.cpu_count, "memory_mb": s.memory_mb, "nproc": s.nproc, "disk_mb": s.disk_mb}
-        base.update({k: v for k, v in rec.limits.items() if k in base})
+        base.update({k: v for k, v in overrides.items() if k in base and v is not None})
         return Limits(**base)
 
     def _agent_config(self, rec: SandboxRecord) -> dict[str, Any]:
@@ -355,6 +368,7 @@ class Node:
         base_env.update(env_vars or {})
         base_limits.update(limits or {})
         now = time.time()
+        upper = await self.files.new_upper(self._limits_of(base_limits).disk_mb)
         rec = SandboxRecord(
             id=new_sandbox_id(),
             template_id=template_id,
@@ -367,7 +381,7 @@ class Node:
             env_vars=base_env,
             limits=base_limits,
             layers=layers,
-            upper=self.files.new_upper(),
+            upper=upper,
             snapshot_id=snapshot_id,
             allow_internet_access=allow_internet_access,
             secure=secure,
@@ -380,7 +394,7 @@ class Node:
                 await self._restore_into(sb, image=image, layers=layers, upper=rec.upper, fresh=True)
             except BaseException:
                 self.sandboxes.pop(rec.id, None)
-                self.files.remove_upper(rec.upper)
+                await self.files.remove_upper(rec.upper)
                 raise
             rec.state = S.RUNNING
             rec.started_at = time.time()
@@ -415,6 +429,7 @@ class Node:
                     await self._forget(sb)
                 raise
             await self._stop_instance(sb, f"sandbox {sb.id} was paused")
+            await self.files.unmount_upper(sb.rec.upper)
             sb.rec.image = image
             sb.rec.paused_at = time.time()
             await self._set_state(sb, S.PAUSED)
@@ -434,6 +449,7 @@ class Node:
                 return sb.rec, False
             await self._set_state(sb, S.RESUMING, persist=False)
             try:
+                await self.files.mount_upper(sb.rec.upper)
                 await self._restore_into(sb, image=sb.rec.image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=True)
             except BaseException:
                 sb.rec.state = S.PAUSED
@@ -467,10 +483,10 @@ class Node:
         The caller restores the source from that image onto a fresh upper."""
         image = await self._checkpoint_stopped(sb)
         await self._stop_instance(sb, "", keep_streams=True)
-        sealed = self.files.seal(sb.rec.upper)
+        sealed = await self.files.seal(sb.rec.upper)
         layers = [*sb.rec.layers, *([sealed] if sealed else [])]
         sb.rec.layers = layers
-        sb.rec.upper = self.files.new_upper()
+        sb.rec.upper = await self.files.new_upper(self._limits(sb.rec).disk_mb)
         return image, layers
 
     async def _restart_source(self, sb: LiveSandbox, image: str) -> None:
@@ -528,7 +544,7 @@ class Node:
         self.snapshots.pop(snap.id, None)
         await self.store.delete_snapshot(snap.id)
         self.files.remove_image(snap.image)
-        self._gc_files(min_age=60)
+        await self._gc_files(min_age=60)
 
     async def fork(self, sandbox_id: str, *, count: int = 1, timeout: int | None = None) -> list[ForkResult]:
         sb = self.get(sandbox_id)
@@ -548,7 +564,7 @@ class Node:
                 raise
             now = time.time()
             ttl = child_timeout if child_timeout is not None else max(1, int(sb.rec.end_at - now))
-            children = [self._child_of(sb, layers, now, ttl) for _ in range(count)]
+            children = [await self._child_of(sb, layers, now, ttl) for _ in range(count)]
             for child in children:
                 self.sandboxes[child.id] = child
             outcomes = await asyncio.gather(
@@ -568,7 +584,7 @@ class Node:
             for child, outcome in zip(children, outcomes[1:], strict=True):
                 if isinstance(outcome, BaseException):
                     self.sandboxes.pop(child.id, None)
-                    self.files.remove_upper(child.rec.upper)
+                    await self.files.remove_upper(child.rec.upper)
                     err = outcome if isinstance(outcome, AenvError) else AenvError(str(outcome))
                     results.append(ForkResult(error=err))
                 else:
@@ -577,8 +593,9 @@ class Node:
 
         return await self._operate(sb, "fork", run, join=False)
 
-    def _child_of(self, sb: LiveSandbox, layers: list[str], now: float, ttl: int) -> LiveSandbox:
+    async def _child_of(self, sb: LiveSandbox, layers: list[str], now: float, ttl: int) -> LiveSandbox:
         src = sb.rec
+        upper = await self.files.new_upper(self._limits(src).disk_mb)
         rec = SandboxRecord(
             id=new_sandbox_id(),
             template_id=src.template_id,
@@ -591,7 +608,7 @@ class Node:
             env_vars=dict(src.env_vars),
             limits=dict(src.limits),
             layers=list(layers),
-            upper=self.files.new_upper(),
+            upper=upper,
             parent_id=src.id,
             allow_internet_access=src.allow_internet_access,
             secure=src.secure,
@@ -625,7 +642,7 @@ class Node:
 
     async def _forget(self, sb: LiveSandbox) -> None:
         await self._stop_instance(sb, f"sandbox {sb.id} was killed")
-        self.files.remove_upper(sb.rec.upper)
+        await self.files.remove_upper(sb.rec.upper)
         self.files.remove_image(sb.rec.image)
         sb.rec.state = S.KILLED
         self.sandboxes.pop(sb.id, None)
@@ -640,7 +657,7 @@ class Node:
                 await self.reap_once()
                 if time.monotonic() - last_gc > 60:
                     last_gc = time.monotonic()
-                    self._gc_files(min_age=120)
+                    await self._gc_files(min_age=120)
             except Exception:
                 log.exception("reaper pass failed")
 

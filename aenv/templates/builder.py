@@ -118,7 +118,7 @@ async def commit_template(
 ) -> TemplateRecord:
     """Boot ``layers``, run ``steps`` as root, checkpoint and commit a template named ``name``."""
     log = on_log or (lambda line: None)
-    upper = node.files.new_upper()
+    upper = await node.files.new_upper(BUILD_LIMITS.disk_mb)
     instance = await node.driver.boot(instance_id=new_id(), rootfs=node._rootfs(layers, upper), limits=BUILD_LIMITS)
     link = AgentLink(f"build-{name}")
     try:
@@ -134,11 +134,11 @@ async def commit_template(
     except BaseException:
         await node.driver.kill(instance)
         link.close("build failed")
-        node.files.remove_upper(upper)
+        await node.files.remove_upper(upper)
         raise
     await node.driver.kill(instance)
     link.close("build finished")
-    sealed = node.files.seal(upper)
+    sealed = await node.files.seal(upper)
     rec = TemplateRecord(
         id=new_id(16),
         name=name,
@@ -178,7 +178,7 @@ async def build_base(node: Node, *, on_log: LogFn | None = None) -> TemplateReco
             timeout=1800,
         )
     except BaseException:
-        node.files.remove_layer(layer_id)
+        await node.files.remove_layer(layer_id)
         raise
     log(f"root filesystem ready in {time.monotonic() - started:.0f}s")
     return await commit_template(node, name="base", layers=[layer_id], steps=[BASE_SETUP], on_log=log)

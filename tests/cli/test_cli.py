@@ -1,0 +1,64 @@
+"""The aenv CLI, in-process, against a real server (JSON output when not on a terminal)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from aenv.cli.main import app
+from tests.conftest import API_KEY, Server
+
+pytestmark = pytest.mark.sandbox
+
+
+@pytest.fixture()
+def cli(server: Server):  # type: ignore[no-untyped-def]
+    runner = CliRunner()
+
+    def run(*args: str) -> tuple[int, str]:
+        result = runner.invoke(app, ["--url", server.url, "--api-key", API_KEY, *args])
+        return result.exit_code, result.stdout
+
+    return run
+
+
+def test_cli_tour(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    code, text = cli("create", "--env", "GREETING=hi", "--meta", "via=cli")
+    assert code == 0, text
+    sid = json.loads(text)["sandboxID"]
+    try:
+        code, text = cli("exec", sid, "echo $GREETING from $E2B_SANDBOX_ID")
+        assert (code, text) == (0, f"hi from {sid}\n")
+        code, _ = cli("exec", sid, "exit 5")
+        assert code == 5
+        src = tmp_path / "in.txt"
+        src.write_text("payload")
+        assert cli("upload", sid, str(src), "/home/user/in.txt")[0] == 0
+        code, text = cli("ls", sid, "/home/user")
+        assert code == 0 and any(e["name"] == "/home/user/in.txt" for e in json.loads(text))
+        dst = tmp_path / "out.txt"
+        assert cli("download", sid, "/home/user/in.txt", str(dst))[0] == 0
+        assert dst.read_text() == "payload"
+        code, text = cli("fork", sid, "-n", "2")
+        assert code == 0, text
+        children = [c["sandboxID"] for c in json.loads(text)]
+        assert len(children) == 2
+        assert cli("pause", sid)[0] == 0
+        code, text = cli("list", "--meta", "via=cli")
+        states = {r["sandboxID"]: r["state"] for r in json.loads(text)}
+        assert states[sid] == "paused" and all(states[c] == "running" for c in children)
+        assert cli("resume", sid)[0] == 0
+        code, text = cli("snapshot", sid)
+        assert code == 0 and json.loads(text)["snapshotID"]
+        code, text = cli("templates")
+        assert any(t["name"] == "base" for t in json.loads(text))
+        assert cli("rm", *children)[0] == 0
+    finally:
+        cli("rm", sid)
+    code, _ = cli("rm", sid)
+    assert code == 1  # already gone
+    code, _ = cli("exec", "nosuchsandbox", "true")
+    assert code == 1

@@ -1,0 +1,58 @@
+"""The native SDK against a real server: async and sync faces, fork groups, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+import aenv.sdk
+from aenv.sdk import AsyncClient, Client, SandboxNotFound, fork_group
+from tests.conftest import API_KEY, Server
+
+pytestmark = pytest.mark.sandbox
+
+
+def test_exported_names_are_sorted_and_complete() -> None:
+    assert aenv.sdk.__all__ == sorted(aenv.sdk.__all__)
+    assert all(hasattr(aenv.sdk, name) for name in aenv.sdk.__all__)
+
+
+async def test_async_lifecycle_and_fork_group(server: Server) -> None:
+    async with AsyncClient(server.url, API_KEY) as client:
+        sbx = await client.create(metadata={"sdk": "async"})
+        try:
+            result = await sbx.exec("echo $((6*7)); echo oops >&2; exit 3")
+            assert (result.exit_code, result.stdout, result.stderr) == (3, "42\n", "oops\n")
+            argv = await sbx.exec(["/usr/bin/printf", "%s-%s", "a b", "c"])
+            assert argv.stdout == "a b-c"
+            await sbx.write("/home/user/data.bin", bytes(range(256)) * 4096)
+            assert await sbx.read("/home/user/data.bin") == bytes(range(256)) * 4096
+            names = [e["name"] for e in await sbx.ls("/home/user")]
+            assert "data.bin" in names
+            async with fork_group(sbx, 2) as rollouts:
+                outs = [await r.exec("cat /home/user/data.bin | wc -c") for r in rollouts]
+                assert [o.stdout.strip() for o in outs] == ["1048576", "1048576"]
+                ids = [r.sandbox_id for r in rollouts]
+            listed = {s.sandbox_id for s in await client.list()}
+            assert not set(ids) & listed  # the group was cleaned up
+            await sbx.pause()
+            assert (await sbx.info()).state == "paused"
+            await sbx.resume()
+            assert (await sbx.exec("echo back")).stdout == "back\n"
+            snap = await sbx.snapshot()
+            assert any(s["snapshotID"] == snap for s in await client.snapshots())
+            await client.delete_snapshot(snap)
+        finally:
+            await sbx.kill()
+        with pytest.raises(SandboxNotFound):
+            await sbx.info()
+
+
+def test_sync_face(server: Server) -> None:
+    with Client(server.url, API_KEY) as client:
+        with client.create() as sbx:
+            assert sbx.exec("id -un", user="root").stdout == "root\n"
+            children = sbx.fork(2)
+            assert len(children) == 2 and all(c.exec("true").exit_code == 0 for c in children)
+            for c in children:
+                assert c.kill() is True
+        assert any(t["name"] == "base" for t in client.templates())
