@@ -47,7 +47,7 @@ async def serve(
                 node.find_template("base")
             except LookupError:
                 say("building the `base` template (first start only; takes about a minute)")
-                await ensure_base(node, on_log=say)
+            await ensure_base(node, on_log=say)
         config = uvicorn.Config(
             build(node, api_key, start_node=False),
             host=settings.host,

@@ -218,6 +218,16 @@ class Channel:
         self.closed.clear()
         self._read_task = asyncio.ensure_future(self._read_loop(reader))
 
+    def suspend_reading(self) -> None:
+        """Stop reading (the peer is frozen and sends nothing); the pipe stays attached."""
+        if self._read_task is not None:
+            self._read_task.cancel()
+            self._read_task = None
+
+    def resume_reading(self) -> None:
+        if self._read_task is None and self._reader is not None:
+            self._read_task = asyncio.ensure_future(self._read_loop(self._reader))
+
     def detach(self) -> None:
         """Stop using the current pipe; streams stay open (used around a checkpoint)."""
         if self._read_task is not None:

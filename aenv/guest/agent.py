@@ -104,6 +104,8 @@ class Agent:
         if "env" in config:
             self.env = {str(k): str(v) for k, v in config["env"].items()}
         self.default_user = config.get("user", self.default_user)
+        if config.get("nproc"):
+            self.procs.nproc = int(config["nproc"])
         self.workdir = config.get("workdir", self.workdir)
         sandbox_id = self.env.get("E2B_SANDBOX_ID")
         if sandbox_id:

@@ -11,6 +11,7 @@ import base64
 import fcntl
 import os
 import pty
+import resource
 import signal
 import struct
 import termios
@@ -135,6 +136,22 @@ class Process:
 class ProcessTable:
     def __init__(self) -> None:
         self.procs: dict[int, Process] = {}
+        # RLIMIT_NPROC for started processes. Set per sandbox by the host: a restored agent keeps
+        # the rlimits it had when its template was checkpointed, so the spec's cannot apply.
+        self.nproc: int | None = None
+
+    def _child_setup(self, pty: bool) -> Any:
+        nproc = self.nproc
+        if nproc is None and not pty:
+            return None
+
+        def setup() -> None:
+            if nproc is not None:
+                resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+            if pty:
+                fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        return setup
 
     def find(self, selector: dict[str, Any]) -> Process:
         pid = selector.get("pid")
@@ -191,6 +208,7 @@ class ProcessTable:
                     cwd=cwd,
                     start_new_session=True,
                     limit=CHUNK,
+                    preexec_fn=self._child_setup(pty=False),
                     **creds,
                 )
                 proc = Process(popen.pid, config, tag, False)
@@ -220,9 +238,6 @@ class ProcessTable:
         master, slave = pty.openpty()
         fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
 
-        def controlling_tty() -> None:
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
         try:
             popen = await asyncio.create_subprocess_exec(
                 *argv,
@@ -232,7 +247,7 @@ class ProcessTable:
                 env=env,
                 cwd=cwd,
                 start_new_session=True,
-                preexec_fn=controlling_tty,
+                preexec_fn=self._child_setup(pty=True),
                 **creds,
             )
         finally:

@@ -19,6 +19,7 @@ class AgentLink:
         self.channel = Channel(on_ctrl=self._on_ctrl)
         self._waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.agent_version = ""
+        self.watcher: asyncio.Future[None] | None = None
 
     async def _on_ctrl(self, msg: dict[str, Any]) -> None:
         fut = self._waiters.pop(str(msg.get("op")), None)
@@ -79,11 +80,25 @@ class AgentLink:
         except ChannelClosed as exc:
             raise AgentUnavailable(f"cannot freeze the sandbox's agent: {exc}", sandbox_id=self.sandbox_id) from exc
         self.channel.hold()
-        await self._await(fut, "freeze", FREEZE_TIMEOUT)
+        try:
+            await self._await(fut, "freeze", FREEZE_TIMEOUT)
+        except BaseException:
+            # Never leave the sandbox half-frozen: release our writes and tell the agent to go on.
+            self._waiters.pop("frozen", None)
+            await self.channel.release(replay=True)
+            try:
+                await self.channel.ctrl({"op": "thaw", "fresh": False})
+            except ChannelClosed:
+                pass
+            raise
+        # The agent now writes nothing until thaw. Stop reading, so the pipe closing under a
+        # checkpoint is not mistaken for the sandbox dying and does not fail our streams.
+        self.channel.suspend_reading()
 
     async def unfreeze(self) -> None:
         """Undo :meth:`freeze` on the same pipe (the checkpoint failed or left the sandbox running)."""
         fut = self._expect("thawed")
+        self.channel.resume_reading()
         await self.channel.release(replay=True)
         await self.channel.ctrl({"op": "thaw", "fresh": False}, force=True)
         await self._await(fut, "thaw", READY_TIMEOUT)
@@ -101,6 +116,8 @@ class AgentLink:
             raise AgentUnavailable(str(exc), sandbox_id=self.sandbox_id) from exc
 
     def close(self, reason: str) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
         self.channel.close(reason)
 
 

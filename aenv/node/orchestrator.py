@@ -284,17 +284,17 @@ class Node:
         env = dict(rec.env_vars)
         env.update({"E2B_SANDBOX": "true", "E2B_SANDBOX_ID": rec.id, "E2B_TEMPLATE_ID": rec.template_id})
         env.update({"AENV_SANDBOX_ID": rec.id})
-        return {"env": env, "user": DEFAULT_USER}
+        return {"env": env, "user": DEFAULT_USER, "nproc": self._limits(rec).nproc}
 
-    def _rootfs(self, layers: list[str], upper: str) -> RootfsSpec:
-        return RootfsSpec(tuple(self.files.layer(x) for x in layers), self.files.upper(upper))
+    def _rootfs(self, layers: list[str], upper: str, guest: str = "") -> RootfsSpec:
+        return RootfsSpec(tuple(self.files.layer(x) for x in layers), self.files.upper(upper), guest)
 
     async def _restore_into(self, sb: LiveSandbox, *, image: str, layers: list[str], upper: str, fresh: bool) -> None:
         """Start an instance of ``sb`` from a checkpoint image and wire up its agent."""
         instance_id = new_id()
         instance = await self.driver.restore(
             instance_id=instance_id,
-            rootfs=self._rootfs(layers, upper),
+            rootfs=self._rootfs(layers, upper, sb.rec.guest),
             limits=self._limits(sb.rec),
             image_dir=self.files.image(image),
         )
@@ -306,6 +306,29 @@ class Node:
             raise
         sb.instance, sb.link = instance, link
         sb.rec.instance_id = instance_id
+        if link.watcher is None:
+            link.watcher = asyncio.ensure_future(self._watch(sb, link))
+
+    async def _watch(self, sb: LiveSandbox, link: AgentLink) -> None:
+        """Notice a sandbox that died on its own (e.g. its memory limit was hit) and clean it up."""
+        while True:
+            await link.channel.closed.wait()
+            if sb.link is not link:
+                return  # closed on purpose: paused or killed
+            await asyncio.sleep(0.05)
+            if sb.lock.locked():
+                # an operation is swapping the pipe (snapshot, fork); look again when it is done
+                async with sb.lock:
+                    pass
+                if sb.link is not link or not link.channel.closed.is_set():
+                    continue
+            reason = "out of memory" if sb.instance and (await self.driver.usage(sb.instance)).oom else "exited"
+            log.warning("sandbox %s stopped on its own (%s); removing it", sb.id, reason)
+            try:
+                await self.kill(sb.id)
+            except AenvError:
+                pass
+            return
 
     async def _stop_instance(self, sb: LiveSandbox, reason: str, *, keep_streams: bool = False) -> None:
         if sb.instance is not None:
@@ -359,11 +382,11 @@ class Node:
             raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
         try:
             tmpl = self.find_template(template)
-            layers, image, template_id = list(tmpl.layers), tmpl.image, tmpl.name
+            layers, image, template_id, guest = list(tmpl.layers), tmpl.image, tmpl.name, tmpl.guest
             base_env, base_limits, snapshot_id = dict(tmpl.env_vars), dict(tmpl.limits), ""
         except TemplateNotFound:
             snap = self.find_snapshot(template)
-            layers, image, template_id = list(snap.layers), snap.image, snap.template_id
+            layers, image, template_id, guest = list(snap.layers), snap.image, snap.template_id, snap.guest
             base_env, base_limits, snapshot_id = dict(snap.env_vars), dict(snap.limits), snap.id
         base_env.update(env_vars or {})
         base_limits.update(limits or {})
@@ -385,6 +408,7 @@ class Node:
             snapshot_id=snapshot_id,
             allow_internet_access=allow_internet_access,
             secure=secure,
+            guest=guest,
         )
         sb = LiveSandbox(rec)
         self.sandboxes[rec.id] = sb
@@ -529,6 +553,7 @@ class Node:
                 metadata=dict(sb.rec.metadata),
                 env_vars=dict(sb.rec.env_vars),
                 limits=dict(sb.rec.limits),
+                guest=sb.rec.guest,
             )
             self.snapshots[snap.id] = snap
             await self.store.put_snapshot(snap)
@@ -612,6 +637,7 @@ class Node:
             parent_id=src.id,
             allow_internet_access=src.allow_internet_access,
             secure=src.secure,
+            guest=src.guest,
         )
         return LiveSandbox(rec)
 

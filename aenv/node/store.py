@@ -45,6 +45,7 @@ class SandboxRecord:
     allow_internet_access: bool = False
     secure: bool = True
     paused_at: float = 0.0
+    guest: str = ""  # guest bundle of the agent inside (see RootfsSpec.guest)
 
     def to_json(self) -> str:
         body = asdict(self)
@@ -69,6 +70,7 @@ class TemplateRecord:
     limits: dict[str, Any] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
     description: str = ""
+    guest: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -91,6 +93,7 @@ class SnapshotRecord:
     env_vars: dict[str, str] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)
     ephemeral: bool = False  # made for a fork; removed when its children are up
+    guest: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

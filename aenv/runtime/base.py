@@ -28,7 +28,10 @@ class RootfsSpec:
     """A root filesystem: read-only layers (lowest first) under one writable upper directory."""
 
     layers: tuple[Path, ...]
-    upper: Path  # the directory that holds ``upper/`` and ``work/`` (or a disk image with them)
+    upper: Path  # the directory that holds ``upper/`` and ``work/``
+    # The guest bundle the instance's agent was started from. A restored agent is that very
+    # process, so it must see the same bundle at /.aenv; "" means the current one.
+    guest: str = ""
 
 
 @dataclass(slots=True)
@@ -37,6 +40,7 @@ class Usage:
     memory_bytes: int = 0
     memory_limit_bytes: int = 0
     pids: int = 0
+    oom: bool = False  # the memory limit was hit
 
 
 @dataclass(slots=True)
@@ -54,6 +58,10 @@ class Instance:
 
 class Driver(Protocol):
     name: str
+
+    def guest_key(self) -> str:
+        """The id of the guest bundle that fresh boots use now."""
+        ...
 
     async def boot(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:
         """Start a fresh instance whose first process is the guest agent."""

@@ -59,12 +59,20 @@ class GVisorDriver:
             argv += ["--debug", f"--debug-log={self.bundles / instance_id / 'runsc.log'}"]
         return argv
 
-    def guest_bundle(self) -> Path:
+    def guest_bundle(self, key: str = "") -> Path:
         if self._guest is None:
             self._guest = guestbundle.ensure_bundle(self.guest_dir)
+        if key and key != self._guest.name:
+            path = self.guest_dir / key
+            if not (path / ".complete").exists():
+                raise RuntimeFailure(f"guest bundle {key} is missing; the image needs the agent it was made with")
+            return path
         return self._guest
 
-    def _spec(self, instance_id: str, limits: Limits) -> dict[str, Any]:
+    def guest_key(self) -> str:
+        return self.guest_bundle().name
+
+    def _spec(self, instance_id: str, limits: Limits, guest: str) -> dict[str, Any]:
         nproc = max(limits.nproc, 64)
         return {
             "ociVersion": "1.0.2",
@@ -100,7 +108,7 @@ class GVisorDriver:
                 {
                     "destination": guestbundle.GUEST_MOUNT,
                     "type": "bind",
-                    "source": str(self.guest_bundle()),
+                    "source": str(self.guest_bundle(guest)),
                     "options": ["rbind", "ro"],
                 },
             ],
@@ -135,7 +143,7 @@ class GVisorDriver:
     async def _start(self, argv: list[str], instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:
         bundle = self.bundles / instance_id
         bundle.mkdir(parents=True, exist_ok=True)
-        (bundle / "config.json").write_text(json.dumps(self._spec(instance_id, limits)))
+        (bundle / "config.json").write_text(json.dumps(self._spec(instance_id, limits, rootfs.guest)))
         await self._mount_rootfs(bundle, rootfs)
         to_guest_r, to_guest_w = os.pipe()
         from_guest_r, from_guest_w = os.pipe()
@@ -209,6 +217,7 @@ class GVisorDriver:
             memory_bytes=read("memory", "memory.usage_in_bytes"),
             memory_limit_bytes=instance.limits.memory_mb * 2**20,
             pids=read("pids", "pids.current"),
+            oom=read("memory", "memory.failcnt") > 0,
         )
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:

@@ -146,6 +146,7 @@ async def commit_template(
         image=image,
         created_at=time.time(),
         env_vars=dict(env or {}),
+        guest=node.driver.guest_key(),
     )
     old = [t for t in node.templates.values() if t.name == name]
     for t in old:
@@ -185,10 +186,18 @@ async def build_base(node: Node, *, on_log: LogFn | None = None) -> TemplateReco
 
 
 async def ensure_base(node: Node, *, on_log: LogFn | None = None) -> TemplateRecord:
+    """`base`, built on first use and rebuilt when the guest agent changed.
+
+    The agent inside a template's image is the one that was running at commit time; a new agent
+    reaches sandboxes only through a new image. A rebuild reuses the Debian root filesystem."""
     try:
-        return node.find_template("base")
+        current = node.find_template("base")
     except AenvError:
         return await build_base(node, on_log=on_log)
+    if current.guest == node.driver.guest_key():
+        return current
+    (on_log or (lambda line: None))("the guest agent changed: recommitting `base` on its existing root filesystem")
+    return await commit_template(node, name="base", layers=current.layers[:1], steps=[BASE_SETUP], on_log=on_log)
 
 
 def validate_name(name: str) -> str:
