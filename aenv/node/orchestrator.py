@@ -8,9 +8,11 @@ transition (pause, resume, kill) join the task already running instead of starti
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import shutil
 import string
@@ -23,6 +25,7 @@ from typing import Any, TypeVar
 from aenv.config import Settings
 from aenv.errors import (
     AenvError,
+    Conflict,
     InvalidRequest,
     LimitExceeded,
     SandboxNotFound,
@@ -99,10 +102,14 @@ class Node:
         self._background: set[asyncio.Task[Any]] = set()
         self._secret = b""
         self._stopped = False
+        self._lock_fd: int | None = None
+        self._teardowns: set[asyncio.Task[None]] = set()
+        self._pending_layers: set[str] = set()  # uppers of instances still being torn down
         self.started_at = time.time()
 
     # -- start and stop ---------------------------------------------------------------------------
     async def start(self) -> None:
+        self._lock_data_dir()
         await self.store.open()
         secret = await self.store.get_meta("token_secret")
         if secret is None:
@@ -136,9 +143,25 @@ class Node:
         if running:
             log.info("stopping: pausing %d running sandboxes", len(running))
         await asyncio.gather(*(settle(sb) for sb in running), return_exceptions=True)
+        if self._teardowns:
+            await asyncio.wait(list(self._teardowns), timeout=60)
         for task in list(self._background):
             task.cancel()
         await self.store.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _lock_data_dir(self) -> None:
+        """One node per data dir: a second one would reconcile away the first one's sandboxes."""
+        path = self.settings.data_dir / "node.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise Conflict(f"another aenv node is using {self.settings.data_dir}") from None
+        self._lock_fd = fd
 
     async def _recover(self) -> None:
         """Reconcile records with reality after a restart: nothing that was running survives a
@@ -151,20 +174,22 @@ class Node:
                 self.sandboxes[rec.id] = LiveSandbox(rec)
             else:
                 log.warning("sandbox %s was %s when the node stopped; removing it", rec.id, rec.state.value)
-                await self.files.remove_upper(rec.upper)
                 self.files.remove_image(rec.image)
                 await self.store.delete_sandbox(rec.id)
         removed = await self.driver.cleanup_orphans(keep=set())
         if removed:
             log.info("removed %d orphaned instances", len(removed))
         await self._gc_files()
+        uppers = {sb.rec.upper for sb in self.sandboxes.values()}
         for layer_id in self._referenced_layers():
-            await self.files.mount_layer(layer_id)
+            await self.files.mount(layer_id, writable=layer_id in uppers)
 
     def _referenced_layers(self) -> set[str]:
+        """Layers any record needs, uppers included."""
         refs: set[str] = set()
         for sb in self.sandboxes.values():
             refs.update(sb.rec.layers)
+            refs.add(sb.rec.upper)
         for t in self.templates.values():
             refs.update(t.layers)
         for s in self.snapshots.values():
@@ -182,14 +207,10 @@ class Node:
             except OSError:
                 return False
 
-        layers = self._referenced_layers()
+        layers = self._referenced_layers() | self._pending_layers
         for layer_id in self.files.layer_ids() - layers:
-            if old(self.files.layers / layer_id) or old(self.files.layers / f"{layer_id}.img"):
-                await self.files.remove_layer(layer_id)
-        uppers = {sb.rec.upper for sb in self.sandboxes.values()}
-        for upper_id in self.files.upper_ids() - uppers:
-            if old(self.files.uppers / upper_id):
-                await self.files.remove_upper(upper_id)
+            if old(self.files.layers / layer_id):
+                await self.files.remove(layer_id)
         images = {sb.rec.image for sb in self.sandboxes.values()} | {t.image for t in self.templates.values()}
         images |= {s.image for s in self.snapshots.values()}
         for image_id in self.files.image_ids() - images:
@@ -330,10 +351,23 @@ class Node:
                 pass
             return
 
-    async def _stop_instance(self, sb: LiveSandbox, reason: str, *, keep_streams: bool = False) -> None:
+    def _stop_instance(
+        self,
+        sb: LiveSandbox,
+        reason: str,
+        *,
+        keep_streams: bool = False,
+        then: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Detach from the instance now; tear it down in the background.
+
+        `runsc delete` of a stopped sandbox takes over a second (it polls for the gofer to exit),
+        and nothing a client waits for depends on it: after a checkpoint the instance is inert."""
         if sb.instance is not None:
-            await self.driver.kill(sb.instance)
+            self._teardown_later(sb.instance, then)
             sb.instance = None
+        elif then is not None:
+            self._spawn(then())
         if sb.link is not None:
             if keep_streams:
                 sb.link.channel.detach()
@@ -341,6 +375,29 @@ class Node:
                 sb.link.close(reason)
                 sb.link = None
         sb.rec.instance_id = ""
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(_log_failure("background", self._background))
+
+    def _teardown_later(self, instance: Instance, then: Callable[[], Awaitable[None]] | None) -> None:
+        layer = instance.rootfs.upper.name
+        self._pending_layers.add(layer)
+
+        async def teardown() -> None:
+            try:
+                await self.driver.kill(instance)
+                if then is not None:
+                    await then()
+            finally:
+                self._pending_layers.discard(layer)
+                self._teardowns.discard(task)
+
+        task = asyncio.ensure_future(teardown())
+        self._teardowns.add(task)
+        self._background.add(task)
+        task.add_done_callback(_log_failure(instance.id, self._background))
 
     async def _checkpoint_stopped(self, sb: LiveSandbox) -> str:
         """Freeze the agent, checkpoint and stop the instance; return the image id.
@@ -357,7 +414,7 @@ class Node:
                 await sb.link.unfreeze()
             except AenvError:
                 log.error("sandbox %s died in a failed checkpoint", sb.id)
-                await self._stop_instance(sb, "the sandbox died during a failed checkpoint")
+                self._stop_instance(sb, "the sandbox died during a failed checkpoint")
                 raise
             raise
         return image
@@ -418,7 +475,7 @@ class Node:
                 await self._restore_into(sb, image=image, layers=layers, upper=rec.upper, fresh=True)
             except BaseException:
                 self.sandboxes.pop(rec.id, None)
-                await self.files.remove_upper(rec.upper)
+                await self.files.remove(rec.upper)
                 raise
             rec.state = S.RUNNING
             rec.started_at = time.time()
@@ -452,8 +509,7 @@ class Node:
                 if sb.instance is None:
                     await self._forget(sb)
                 raise
-            await self._stop_instance(sb, f"sandbox {sb.id} was paused")
-            await self.files.unmount_upper(sb.rec.upper)
+            self._stop_instance(sb, f"sandbox {sb.id} was paused")
             sb.rec.image = image
             sb.rec.paused_at = time.time()
             await self._set_state(sb, S.PAUSED)
@@ -473,7 +529,7 @@ class Node:
                 return sb.rec, False
             await self._set_state(sb, S.RESUMING, persist=False)
             try:
-                await self.files.mount_upper(sb.rec.upper)
+                await self.files.mount(sb.rec.upper, writable=True)
                 await self._restore_into(sb, image=sb.rec.image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=True)
             except BaseException:
                 sb.rec.state = S.PAUSED
@@ -506,9 +562,17 @@ class Node:
 
         The caller restores the source from that image onto a fresh upper."""
         image = await self._checkpoint_stopped(sb)
-        await self._stop_instance(sb, "", keep_streams=True)
-        sealed = await self.files.seal(sb.rec.upper)
-        layers = [*sb.rec.layers, *([sealed] if sealed else [])]
+        sealed = sb.rec.upper
+        empty = self.files.is_empty(sealed)
+
+        async def settle() -> None:  # once the old instance is gone, nothing writes the old upper
+            if empty:
+                await self.files.remove(sealed)
+            else:
+                await self.files.make_read_only(sealed)
+
+        self._stop_instance(sb, "", keep_streams=True, then=settle)
+        layers = [*sb.rec.layers, *([] if empty else [sealed])]
         sb.rec.layers = layers
         sb.rec.upper = await self.files.new_upper(self._limits(sb.rec).disk_mb)
         return image, layers
@@ -609,7 +673,7 @@ class Node:
             for child, outcome in zip(children, outcomes[1:], strict=True):
                 if isinstance(outcome, BaseException):
                     self.sandboxes.pop(child.id, None)
-                    await self.files.remove_upper(child.rec.upper)
+                    await self.files.remove(child.rec.upper)
                     err = outcome if isinstance(outcome, AenvError) else AenvError(str(outcome))
                     results.append(ForkResult(error=err))
                 else:
@@ -667,9 +731,13 @@ class Node:
         await self._operate(sb, "kill", run, join=True)
 
     async def _forget(self, sb: LiveSandbox) -> None:
-        await self._stop_instance(sb, f"sandbox {sb.id} was killed")
-        await self.files.remove_upper(sb.rec.upper)
-        self.files.remove_image(sb.rec.image)
+        upper, image = sb.rec.upper, sb.rec.image
+
+        async def release() -> None:
+            await self.files.remove(upper)
+            self.files.remove_image(image)
+
+        self._stop_instance(sb, f"sandbox {sb.id} was killed", then=release)
         sb.rec.state = S.KILLED
         self.sandboxes.pop(sb.id, None)
         await self.store.delete_sandbox(sb.id)

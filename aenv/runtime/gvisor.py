@@ -135,7 +135,10 @@ class GVisorDriver:
         # one page, and every layer adds one path.
         base = Path(os.path.commonpath([str(p) for p in (*rootfs.layers, upper)]))
         lower = ":".join(os.path.relpath(p, base) for p in reversed(rootfs.layers))
-        opts = f"lowerdir={lower},upperdir={os.path.relpath(upper, base)},workdir={os.path.relpath(work, base)}"
+        # index=off: after a snapshot the old instance's upper becomes a lower of new overlays while
+        # the old (inert) overlay may still be unmounting; that is safe, and only a warning then.
+        upper_rel, work_rel = os.path.relpath(upper, base), os.path.relpath(work, base)
+        opts = f"lowerdir={lower},upperdir={upper_rel},workdir={work_rel},index=off"
         await hostexec.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(target)], cwd=base)
         (target / guestbundle.GUEST_MOUNT.lstrip("/")).mkdir(exist_ok=True)
         return target

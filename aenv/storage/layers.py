@@ -1,13 +1,14 @@
-"""Node-local filesystem artifacts: read-only layers, writable uppers and checkpoint images.
+"""Node-local filesystem artifacts: layers (read-only, or one sandbox's writable upper) and images.
 
 Every sandbox writes into its own *upper*: a sparse ext4 image of the sandbox's disk quota,
-loop-mounted, holding ``upper/`` and ``work/`` for overlayfs. Writing past the quota fails with
-ENOSPC inside the sandbox and touches nothing else.
+``fs/layers/<id>.img``, loop-mounted at ``fs/layers/<id>/`` and holding ``upper/`` and ``work/``
+for overlayfs. Writing past the quota fails with ENOSPC inside the sandbox and touches nothing else.
 
-An upper becomes a layer by being *sealed*: its image is moved into the layer store and mounted
-read-only, never written again. Forks and snapshots share every sealed layer. A layer is either a
-plain directory (a root filesystem made by debootstrap or unpacked from an image) or such an ext4
-image. Ids are short so that overlayfs option strings stay short.
+An upper becomes a layer by being *sealed*, which moves nothing: its id simply joins a layer list
+(its ``upper/`` directory is then a lower of new overlays) and, once the instance that wrote it is
+gone, it is remounted read-only. Forks and snapshots share every sealed layer. A layer is either
+such an image or a plain directory (a root filesystem made by debootstrap). Ids are short so that
+overlayfs option strings stay short.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import secrets
 import shutil
 from pathlib import Path
 
-from aenv.errors import StorageError
 from aenv.runtime import hostexec
+
+MKFS = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", "-m", "0"]
 
 
 def new_id(n: int = 12) -> str:
@@ -29,21 +31,23 @@ class LayerStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.layers = root / "layers"
-        self.uppers = root / "uppers"
         self.images = root / "images"
-        for d in (self.layers, self.uppers, self.images):
+        for d in (self.layers, self.images):
             d.mkdir(parents=True, exist_ok=True)
 
     # -- paths --------------------------------------------------------------------------------------
+    def _img(self, layer_id: str) -> Path:
+        return self.layers / f"{layer_id}.img"
+
     def layer(self, layer_id: str) -> Path:
         """The directory overlayfs uses as this layer."""
-        if (self.layers / f"{layer_id}.img").exists():
+        if self._img(layer_id).exists():
             return self.layers / layer_id / "upper"
         return self.layers / layer_id
 
     def upper(self, upper_id: str) -> Path:
         """The directory holding ``upper/`` and ``work/`` (the mounted disk image)."""
-        return self.uppers / upper_id / "mnt"
+        return self.layers / upper_id
 
     def image(self, image_id: str) -> Path:
         return self.images / image_id
@@ -57,86 +61,55 @@ class LayerStore:
     # -- uppers -------------------------------------------------------------------------------------
     async def new_upper(self, size_mb: int) -> str:
         upper_id = new_id()
-        base = self.uppers / upper_id
-        (base / "mnt").mkdir(parents=True)
-        disk = base / "disk.img"
+        mnt = self.layers / upper_id
+        mnt.mkdir(parents=True)
+        disk = self._img(upper_id)
         try:
             with open(disk, "wb") as f:
                 f.truncate(size_mb * 2**20)
-            await hostexec.run(
-                [
-                    "mkfs.ext4",
-                    "-q",
-                    "-F",
-                    "-O",
-                    "^has_journal",
-                    "-E",
-                    "lazy_itable_init=1,nodiscard",
-                    "-m",
-                    "0",
-                    str(disk),
-                ],
-                timeout=60,
-            )
-            await self.mount_upper(upper_id)
-            (base / "mnt" / "upper").mkdir(exist_ok=True)
-            (base / "mnt" / "work").mkdir(exist_ok=True)
+            await hostexec.run([*MKFS, str(disk)], timeout=60)
+            await self.mount(upper_id, writable=True)
+            (mnt / "upper").mkdir(exist_ok=True)
+            (mnt / "work").mkdir(exist_ok=True)
         except BaseException:
-            await self.remove_upper(upper_id)
+            await self.remove(upper_id)
             raise
         return upper_id
 
-    async def mount_upper(self, upper_id: str) -> None:
-        mnt = self.uppers / upper_id / "mnt"
-        if not os.path.ismount(mnt):
-            await hostexec.run(
-                ["mount", "-o", "loop,noatime", str(self.uppers / upper_id / "disk.img"), str(mnt)], timeout=60
-            )
-
-    async def unmount_upper(self, upper_id: str) -> None:
-        await _unmount(self.uppers / upper_id / "mnt")
-
-    async def remove_upper(self, upper_id: str) -> None:
-        if not upper_id:
-            return
-        await _unmount(self.uppers / upper_id / "mnt")
-        shutil.rmtree(self.uppers / upper_id, ignore_errors=True)
-
-    async def seal(self, upper_id: str) -> str | None:
-        """Turn an upper into a read-only layer; None if it holds no changes."""
+    def is_empty(self, upper_id: str) -> bool:
         upper = self.upper(upper_id) / "upper"
-        if not upper.is_dir():
-            raise StorageError(f"upper {upper_id} is not mounted")
-        if not any(os.scandir(upper)):
-            await self.remove_upper(upper_id)
-            return None
-        await self.unmount_upper(upper_id)
-        layer_id = new_id()
-        os.rename(self.uppers / upper_id / "disk.img", self.layers / f"{layer_id}.img")
-        shutil.rmtree(self.uppers / upper_id, ignore_errors=True)
-        await self.mount_layer(layer_id)
-        return layer_id
+        return not upper.is_dir() or not any(os.scandir(upper))
 
-    # -- layers -------------------------------------------------------------------------------------
-    async def mount_layer(self, layer_id: str) -> None:
-        img = self.layers / f"{layer_id}.img"
+    # -- mounts -------------------------------------------------------------------------------------
+    async def mount(self, layer_id: str, *, writable: bool) -> None:
+        """Mount an image layer (no-op for directory layers or when mounted already)."""
+        img, mnt = self._img(layer_id), self.layers / layer_id
+        if not img.exists() or os.path.ismount(mnt):
+            return
+        mnt.mkdir(exist_ok=True)
+        opts = "loop,noatime" + ("" if writable else ",ro")
+        await hostexec.run(["mount", "-o", opts, str(img), str(mnt)], timeout=60)
+
+    async def make_read_only(self, layer_id: str) -> None:
+        """Seal for good: called once the instance that wrote the layer is gone."""
         mnt = self.layers / layer_id
-        if img.exists() and not os.path.ismount(mnt):
-            mnt.mkdir(exist_ok=True)
-            await hostexec.run(["mount", "-o", "loop,ro,noatime", str(img), str(mnt)], timeout=60)
+        if self._img(layer_id).exists() and os.path.ismount(mnt):
+            await hostexec.run(["mount", "-o", "remount,ro", str(mnt)], timeout=60, check=False)
 
-    async def remove_layer(self, layer_id: str) -> None:
+    async def remove(self, layer_id: str) -> None:
         if not layer_id:
             return
-        await _unmount(self.layers / layer_id)
-        (self.layers / f"{layer_id}.img").unlink(missing_ok=True)
-        shutil.rmtree(self.layers / layer_id, ignore_errors=True)
+        mnt = self.layers / layer_id
+        if os.path.ismount(mnt):
+            try:
+                await hostexec.run(["umount", str(mnt)], timeout=60)
+            except Exception:
+                await hostexec.run(["umount", "-l", str(mnt)], timeout=60, check=False)
+        self._img(layer_id).unlink(missing_ok=True)
+        shutil.rmtree(mnt, ignore_errors=True)
 
     def layer_ids(self) -> set[str]:
         return {p.name.removesuffix(".img") for p in self.layers.iterdir() if not p.name.startswith(".")}
-
-    def upper_ids(self) -> set[str]:
-        return {p.name for p in self.uppers.iterdir() if not p.name.startswith(".")}
 
     # -- images -------------------------------------------------------------------------------------
     def remove_image(self, image_id: str) -> None:
@@ -145,13 +118,3 @@ class LayerStore:
 
     def image_ids(self) -> set[str]:
         return {p.name for p in self.images.iterdir() if not p.name.startswith(".")}
-
-
-async def _unmount(path: Path) -> None:
-    if os.path.ismount(path):
-        try:
-            await hostexec.run(["umount", str(path)], timeout=60)
-        except StorageError:
-            raise
-        except Exception:
-            await hostexec.run(["umount", "-l", str(path)], timeout=60, check=False)

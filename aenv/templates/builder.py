@@ -134,11 +134,16 @@ async def commit_template(
     except BaseException:
         await node.driver.kill(instance)
         link.close("build failed")
-        await node.files.remove_upper(upper)
+        await node.files.remove(upper)
         raise
     await node.driver.kill(instance)
     link.close("build finished")
-    sealed = await node.files.seal(upper)
+    sealed: str | None = upper
+    if node.files.is_empty(upper):
+        await node.files.remove(upper)
+        sealed = None
+    else:
+        await node.files.make_read_only(upper)
     rec = TemplateRecord(
         id=new_id(16),
         name=name,
@@ -179,7 +184,7 @@ async def build_base(node: Node, *, on_log: LogFn | None = None) -> TemplateReco
             timeout=1800,
         )
     except BaseException:
-        await node.files.remove_layer(layer_id)
+        await node.files.remove(layer_id)
         raise
     log(f"root filesystem ready in {time.monotonic() - started:.0f}s")
     return await commit_template(node, name="base", layers=[layer_id], steps=[BASE_SETUP], on_log=log)

@@ -171,7 +171,7 @@ def test_disk_filler_hits_its_quota(e2b_env: Server, api: httpx.Client, neighbou
         # the sandbox lives on, and freeing space makes writing work again
         assert run(sbx, "rm /home/user/fill && echo ok > /home/user/after && cat /home/user/after")[1] == "ok\n"
         assert_unharmed(e2b_env, neighbour)
-        upper_disks = list((e2b_env.data_dir / "fs" / "uppers").glob("*/disk.img"))
+        upper_disks = list((e2b_env.data_dir / "fs" / "layers").glob("*.img"))
         assert upper_disks and max(p.stat().st_blocks * 512 for p in upper_disks) < 200 * 2**20
     finally:
         sbx.kill()
