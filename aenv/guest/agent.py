@@ -135,7 +135,7 @@ class Agent:
         os.set_inheritable(wfd, False)
         reader, writer = stdio_streams(rfd, wfd)
         self.channel.attach(reader, writer)  # type: ignore[arg-type]
-        asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, lambda: None)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self.procs.reap)
         await self.channel.ctrl({"op": "ready", "version": AGENT_VERSION, "pid": os.getpid()})
         await self.channel.closed.wait()
 

@@ -11,9 +11,10 @@ import base64
 import fcntl
 import os
 import pty
-import resource
+import shutil
 import signal
 import struct
+import sys
 import termios
 import time
 from typing import Any
@@ -96,7 +97,7 @@ class Process:
         self.deadline_hit = False
         self.stdin: asyncio.StreamWriter | None = None
         self.master_fd: int | None = None
-        self.popen: asyncio.subprocess.Process | None = None
+        self.exited: asyncio.Future[int] | None = None
 
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {"config": self.config, "pid": self.pid}
@@ -133,25 +134,68 @@ class Process:
         fcntl.ioctl(self.master_fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
+SPAWN_HELPER = os.path.join(os.path.dirname(sys.executable), "aenv-spawn")
+
+
+def _resolve(cmd: str, env: dict[str, str]) -> str:
+    """Fail early, as upstream does, when the command cannot be run."""
+    if "/" in cmd:
+        path = cmd
+    else:
+        found = shutil.which(cmd, path=env.get("PATH"))
+        if found is None:
+            raise ProcessError("invalid_argument", f"cannot start {cmd!r}: not found in PATH")
+        path = found
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        raise ProcessError("invalid_argument", f"cannot start {cmd!r}: no such executable")
+    return path
+
+
 class ProcessTable:
+    """Started processes. The agent is PID 1 of the sandbox, so it also reaps orphans."""
+
     def __init__(self) -> None:
         self.procs: dict[int, Process] = {}
+        self._exits: dict[int, asyncio.Future[int]] = {}
         # RLIMIT_NPROC for started processes. Set per sandbox by the host: a restored agent keeps
         # the rlimits it had when its template was checkpointed, so the spec's cannot apply.
         self.nproc: int | None = None
 
-    def _child_setup(self, pty: bool) -> Any:
-        nproc = self.nproc
-        if nproc is None and not pty:
-            return None
+    def reap(self) -> None:
+        """On SIGCHLD: collect every exited child (ours and reparented orphans)."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            fut = self._exits.pop(pid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(os.waitstatus_to_exitcode(status))
 
-        def setup() -> None:
-            if nproc is not None:
-                resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-            if pty:
-                fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-        return setup
+    def _spawn(
+        self, argv: list[str], env: dict[str, str], cwd: str, user: User, fds: tuple[int, int, int], flags: str
+    ) -> tuple[int, asyncio.Future[int]]:
+        """posix_spawn the helper, which becomes ``argv`` as ``user`` (see aenv_spawn.c)."""
+        groups = ",".join(str(g) for g in user.groups) or "-"
+        args = [
+            SPAWN_HELPER,
+            str(user.uid),
+            str(user.gid),
+            groups,
+            str(self.nproc or 0),
+            flags or "-",
+            cwd,
+            "--",
+            *argv,
+        ]
+        actions = [(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(fds)]
+        pid = os.posix_spawn(SPAWN_HELPER, args, env, file_actions=actions)
+        exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._exits[pid] = exited
+        self.reap()  # a child that already exited must not be missed
+        return pid, exited
 
     def find(self, selector: dict[str, Any]) -> Process:
         pid = selector.get("pid")
@@ -192,69 +236,63 @@ class ProcessTable:
         self.reap_old()
         if not os.path.isdir(cwd):
             raise ProcessError("invalid_argument", f"cwd '{cwd}' does not exist")
-        creds: dict[str, Any] = {}
-        if os.getuid() == 0 and user.uid != 0:
-            creds = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+        argv = [_resolve(argv[0], env), *argv[1:]]
+        loop = asyncio.get_running_loop()
         try:
             if pty_size is not None:
-                proc = await self._start_pty(argv, env, cwd, creds, config, tag, pty_size)
+                proc = self._start_pty(argv, env, cwd, user, config, tag, pty_size)
             else:
-                popen = await asyncio.create_subprocess_exec(
-                    *argv,
-                    stdin=asyncio.subprocess.PIPE if want_stdin else asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    env=env,
-                    cwd=cwd,
-                    start_new_session=True,
-                    limit=CHUNK,
-                    preexec_fn=self._child_setup(pty=False),
-                    **creds,
-                )
-                proc = Process(popen.pid, config, tag, False)
-                proc.popen = popen
-                proc.stdin = popen.stdin
-                readers = [self._pump(proc, popen.stdout, "stdout"), self._pump(proc, popen.stderr, "stderr")]
+                child_in = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                stdin_w = None
+                if want_stdin:
+                    os.close(child_in)
+                    child_in, stdin_w = os.pipe()
+                out_r, out_w = os.pipe()
+                err_r, err_w = os.pipe()
+                try:
+                    pid, exited = self._spawn(argv, env, cwd, user, (child_in, out_w, err_w), "s")
+                finally:
+                    for fd in (child_in, out_w, err_w):
+                        os.close(fd)
+                proc = Process(pid, config, tag, False)
+                proc.exited = exited
+                if stdin_w is not None:
+                    transport, protocol = await loop.connect_write_pipe(
+                        asyncio.streams.FlowControlMixin, os.fdopen(stdin_w, "wb", 0)
+                    )
+                    proc.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+                readers = [
+                    self._pump(proc, await _reader(out_r), "stdout"),
+                    self._pump(proc, await _reader(err_r), "stderr"),
+                ]
                 asyncio.ensure_future(self._wait(proc, readers))
-        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
-            raise ProcessError("invalid_argument", f"cannot start {argv[0]!r}: {exc.strerror}") from exc
         except OSError as exc:
             raise ProcessError("resource_exhausted" if exc.errno == 11 else "internal", f"cannot start: {exc}") from exc
         self.procs[proc.pid] = proc
         if timeout_ms:
-            asyncio.get_running_loop().call_later(timeout_ms / 1000, self._deadline, proc)
+            loop.call_later(timeout_ms / 1000, self._deadline, proc)
         return proc
 
-    async def _start_pty(
+    def _start_pty(
         self,
         argv: list[str],
         env: dict[str, str],
         cwd: str,
-        creds: dict[str, Any],
+        user: User,
         config: dict[str, Any],
         tag: str | None,
         size: tuple[int, int],
     ) -> Process:
         master, slave = pty.openpty()
         fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
-
+        os.set_inheritable(master, False)
         try:
-            popen = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=slave,
-                stdout=slave,
-                stderr=slave,
-                env=env,
-                cwd=cwd,
-                start_new_session=True,
-                preexec_fn=self._child_setup(pty=True),
-                **creds,
-            )
+            pid, exited = self._spawn(argv, env, cwd, user, (slave, slave, slave), "st")
         finally:
             os.close(slave)
         os.set_blocking(master, False)
-        proc = Process(popen.pid, config, tag, True)
-        proc.popen = popen
+        proc = Process(pid, config, tag, True)
+        proc.exited = exited
         proc.master_fd = master
         asyncio.ensure_future(self._wait(proc, [self._pump_pty(proc, master)]))
         return proc
@@ -285,9 +323,9 @@ class ProcessTable:
             loop.remove_reader(fd)
 
     async def _wait(self, proc: Process, readers: list[Any]) -> None:
-        assert proc.popen is not None
         pumps = asyncio.gather(*readers, return_exceptions=True)
-        rc = await proc.popen.wait()
+        assert proc.exited is not None
+        rc = await proc.exited
         if proc.master_fd is not None:
             # Children may keep the slave open; give the pump a moment, then stop reading.
             try:
@@ -307,6 +345,13 @@ class ProcessTable:
         if proc.end is None:
             proc.deadline_hit = True
             signal_process(proc, signal.SIGKILL)
+
+
+async def _reader(fd: int) -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=CHUNK, loop=loop)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
+    return reader
 
 
 def signal_process(proc: Process, sig: int) -> None:

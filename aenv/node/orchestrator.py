@@ -653,7 +653,7 @@ class Node:
                 raise
             now = time.time()
             ttl = child_timeout if child_timeout is not None else max(1, int(sb.rec.end_at - now))
-            children = [await self._child_of(sb, layers, now, ttl) for _ in range(count)]
+            children = list(await asyncio.gather(*(self._child_of(sb, layers, now, ttl) for _ in range(count))))
             for child in children:
                 self.sandboxes[child.id] = child
             outcomes = await asyncio.gather(

@@ -33,12 +33,13 @@ _AGENT_PACKAGES = ("channel", "guest")
 
 
 COMPAT_SOURCE = Path(__file__).parent / "compat" / "aenv_compat.c"
+SPAWN_SOURCE = Path(__file__).parent / "compat" / "aenv_spawn.c"
 COMPAT_LIB = f"{GUEST_MOUNT}/compat/libaenv_compat.so"  # what images list in /etc/ld.so.preload
 
 
 def _agent_sources() -> list[Path]:
     root = Path(aenv.__file__).parent
-    out = [root / "__init__.py", COMPAT_SOURCE]
+    out = [root / "__init__.py", COMPAT_SOURCE, SPAWN_SOURCE]
     for pkg in _AGENT_PACKAGES:
         out += sorted(p for p in (root / pkg).rglob("*.py"))
     return out
@@ -112,6 +113,16 @@ def _build_compat(dest: Path) -> None:
     )
 
 
+def _build_spawn(dest: Path) -> None:
+    """The agent's spawn helper, statically linked so it runs in any image (built from source)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("a C compiler (gcc) is needed to build the guest spawn helper")
+    static = subprocess.run([cc, "-O2", "-static", "-o", str(dest), str(SPAWN_SOURCE)], capture_output=True)
+    if static.returncode != 0:  # no static libc: the helper then needs the image's glibc
+        subprocess.run([cc, "-O2", "-o", str(dest), str(SPAWN_SOURCE)], check=True, capture_output=True)
+
+
 def ensure_bundle(cache_dir: Path) -> Path:
     """Build the bundle under ``cache_dir`` unless it is there already; return its directory."""
     dest = cache_dir / bundle_key()
@@ -144,6 +155,7 @@ def ensure_bundle(cache_dir: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
     _build_compat(tmp / "compat" / Path(COMPAT_LIB).name)
+    _build_spawn(tmp / "bin" / "aenv-spawn")
     # Precompile so every sandbox starts without writing bytecode.
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(tmp / "pkg")], check=False)
     (tmp / ".complete").write_text(bundle_key())

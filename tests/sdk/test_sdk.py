@@ -56,3 +56,33 @@ def test_sync_face(server: Server) -> None:
             for c in children:
                 assert c.kill() is True
         assert any(t["name"] == "base" for t in client.templates())
+
+
+async def test_pty_and_stdin(server: Server) -> None:
+    async with AsyncClient(server.url, API_KEY) as client:
+        sbx = await client.create()
+        try:
+            session = await sbx.pty(cols=100, rows=30)
+            await session.send(b"stty size; echo pty-$((40+2)); exit 3\n")
+            seen = b""
+            async for chunk in session.output():
+                seen += chunk
+            assert b"30 100" in seen and b"pty-42" in seen
+            assert session.exit_code == 3
+            await session.close()
+        finally:
+            await sbx.kill()
+
+
+def test_e2b_stdin_and_background_process(sandbox) -> None:  # type: ignore[no-untyped-def]
+    handle = sandbox.commands.run("read line; echo got:$line", background=True, stdin=True)
+    sandbox.commands.send_stdin(handle.pid, "hello\n")
+    result = handle.wait()
+    assert result.stdout == "got:hello\n"
+    slow = sandbox.commands.run("sleep 30", background=True)
+    assert slow.pid in [p.pid for p in sandbox.commands.list()]
+    assert slow.kill() is True
+    assert slow.pid not in [p.pid for p in sandbox.commands.list()]
+    with pytest.raises(Exception) as exc:
+        sandbox.commands.run("definitely-not-a-command")
+    assert "127" in str(exc.value) or "not found" in str(exc.value)
