@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import aenv.sdk
@@ -82,6 +84,9 @@ def test_e2b_stdin_and_background_process(sandbox) -> None:  # type: ignore[no-u
     slow = sandbox.commands.run("sleep 30", background=True)
     assert slow.pid in [p.pid for p in sandbox.commands.list()]
     assert slow.kill() is True
+    deadline = time.monotonic() + 5  # the exit is reaped asynchronously
+    while slow.pid in [p.pid for p in sandbox.commands.list()] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert slow.pid not in [p.pid for p in sandbox.commands.list()]
     with pytest.raises(Exception) as exc:
         sandbox.commands.run("definitely-not-a-command")
