@@ -121,6 +121,7 @@ async def bench(node: Node, rounds: int) -> dict[str, Any]:
     creates, runsc_restore, sandboxes = [], [], []
     for _ in range(rounds):
         m = mark()
+        await node.settle()
         dt, rec = await timed(lambda: node.create("base", timeout=3600))
         creates.append(dt)
         runsc_restore += runsc_since(m, "restore")
@@ -161,7 +162,7 @@ async def bench(node: Node, rounds: int) -> dict[str, Any]:
         dt, _ = await timed(lambda sid=sid: node.pause(sid))
         pauses.append(dt)
         ck += runsc_since(m, "checkpoint")
-        await asyncio.sleep(2.5)  # let the background teardown finish before measuring
+        await node.settle()  # the instance is deleted in the background after the checkpoint
         paused_pss.append(pss_of(instance_id))
     for sid in sandboxes:
         m = mark()
@@ -198,7 +199,7 @@ async def bench(node: Node, rounds: int) -> dict[str, Any]:
             assert all(r.sandbox for r in res), [r.error for r in res]
             for r in res:
                 await node.kill(r.sandbox.id)  # type: ignore[union-attr]
-            await asyncio.sleep(3)
+            await node.settle()  # old instances are deleted in the background; keep rounds apart
         per_child = [t / n for t in totals]
         results[f"fork_{n}"] = {
             **summary(totals),

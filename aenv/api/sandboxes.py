@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import time
 from typing import Any
 from urllib.parse import unquote
 
@@ -22,7 +23,7 @@ from aenv.api.schemas import (
     snapshot_json,
     template_json,
 )
-from aenv.errors import InvalidRequest, error_body
+from aenv.errors import InvalidRequest, WrongState, error_body
 from aenv.node.orchestrator import Node
 
 router = APIRouter()
@@ -182,8 +183,6 @@ async def refresh(request: Request, sandbox_id: str) -> Response:
     body: RefreshBody = await _body(request, RefreshBody)
     node = node_of(request)
     sb = node.get(sandbox_id)
-    import time
-
     await node.set_timeout(sandbox_id, max(body.duration, int(sb.rec.end_at - time.time())))
     return Response(status_code=204)
 
@@ -213,8 +212,6 @@ async def resume(request: Request, sandbox_id: str) -> JSONResponse:
     body: ConnectBody = await _body(request, ConnectBody)
     sb = node.get(sandbox_id)
     if sb.state.value == "running":
-        from aenv.errors import WrongState
-
         raise WrongState(f"sandbox {sandbox_id} is already running", sandbox_id=sandbox_id)
     rec, _ = await node.resume(sandbox_id, timeout=body.timeout)
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)

@@ -114,6 +114,7 @@ def create(
     env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE, repeatable"),
     meta: list[str] = typer.Option([], "--meta", "-m", help="KEY=VALUE metadata, repeatable"),
     auto_pause: bool = typer.Option(False, "--auto-pause", help="Pause instead of kill on timeout"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the sandbox id"),
 ) -> None:
     """Create a sandbox and print its id."""
 
@@ -124,8 +125,8 @@ def create(
         return await _with_status(f"creating from {template}", work)
 
     sbx = _run(go)
-    if out.is_terminal:
-        out.print(sbx.sandbox_id)
+    if out.is_terminal or quiet:
+        print(sbx.sandbox_id)
     else:
         print(json.dumps({"sandboxID": sbx.sandbox_id, "templateID": sbx.template_id}))
 

@@ -143,14 +143,18 @@ class Node:
         if running:
             log.info("stopping: pausing %d running sandboxes", len(running))
         await asyncio.gather(*(settle(sb) for sb in running), return_exceptions=True)
-        if self._teardowns:
-            await asyncio.wait(list(self._teardowns), timeout=60)
+        await self.settle()
         for task in list(self._background):
             task.cancel()
         await self.store.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    async def settle(self, timeout: float = 60) -> None:
+        """Wait for background teardowns of old instances to finish."""
+        if self._teardowns:
+            await asyncio.wait(list(self._teardowns), timeout=timeout)
 
     def _lock_data_dir(self) -> None:
         """One node per data dir: a second one would reconcile away the first one's sandboxes."""
