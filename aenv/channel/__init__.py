@@ -287,12 +287,17 @@ class Channel:
 
     async def ctrl(self, msg: dict[str, Any], *, force: bool = False) -> None:
         frame = encode(CTRL, 0, dumps(msg))
-        if force and self._writer is not None:
-            async with self._write_lock:
+        if not force:
+            await self._write(frame)
+            return
+        if self._writer is None:
+            raise ChannelClosed(self.close_reason or "channel is not attached")
+        async with self._write_lock:  # written even while frames are held
+            try:
                 self._writer.write(frame)
                 await self._writer.drain()
-        else:
-            await self._write(frame)
+            except (ConnectionError, RuntimeError, OSError) as exc:
+                raise ChannelClosed(str(exc)) from exc
 
     # -- streams --------------------------------------------------------------------------------
     async def open(self, method: str, params: Any = None) -> Stream:

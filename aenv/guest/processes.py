@@ -355,9 +355,16 @@ async def _reader(fd: int) -> asyncio.StreamReader:
 
 
 def signal_process(proc: Process, sig: int) -> None:
+    """Signal the process's whole session (``bash -c`` children die with it).
+
+    Right after a start the spawn helper may not have called setsid() yet, so there is no such
+    group: then the process itself is signalled (it is the helper, about to become the command)."""
     try:
-        os.killpg(proc.pid, sig)  # the whole session: `bash -c` children die with it
+        os.killpg(proc.pid, sig)
+        return
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        os.kill(proc.pid, sig)
     except ProcessLookupError:
         pass
-    except PermissionError:
-        os.kill(proc.pid, sig)

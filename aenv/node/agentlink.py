@@ -65,11 +65,14 @@ class AgentLink:
             self.channel.drop_streams()
         fut = self._expect("thawed")
         self.attach(instance)
-        await self.channel.release(replay=not fresh)
         msg: dict[str, Any] = {"op": "thaw", "fresh": fresh}
         if config is not None:
             msg["config"] = config
-        await self.channel.ctrl(msg, force=True)
+        try:
+            await self.channel.release(replay=not fresh)
+            await self.channel.ctrl(msg, force=True)
+        except ChannelClosed as exc:
+            raise AgentUnavailable(f"the restored agent is gone: {exc}", sandbox_id=self.sandbox_id) from exc
         await self._await(fut, "thaw", READY_TIMEOUT)
 
     async def freeze(self) -> None:
@@ -99,8 +102,11 @@ class AgentLink:
         """Undo :meth:`freeze` on the same pipe (the checkpoint failed or left the sandbox running)."""
         fut = self._expect("thawed")
         self.channel.resume_reading()
-        await self.channel.release(replay=True)
-        await self.channel.ctrl({"op": "thaw", "fresh": False}, force=True)
+        try:
+            await self.channel.release(replay=True)
+            await self.channel.ctrl({"op": "thaw", "fresh": False}, force=True)
+        except ChannelClosed as exc:
+            raise AgentUnavailable(f"the sandbox's agent is gone: {exc}", sandbox_id=self.sandbox_id) from exc
         await self._await(fut, "thaw", READY_TIMEOUT)
 
     async def call(self, method: str, params: dict[str, Any] | None = None) -> Any:

@@ -146,6 +146,8 @@ class Node:
         await self.settle()
         for task in list(self._background):
             task.cancel()
+        if not any(sb.instance is not None for sb in self.sandboxes.values()):
+            await self.files.unmount_all()
         await self.store.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -419,9 +421,16 @@ class Node:
             except AenvError:
                 log.error("sandbox %s died in a failed checkpoint", sb.id)
                 self._stop_instance(sb, "the sandbox died during a failed checkpoint")
-                raise
-            raise
+            raise  # the checkpoint's own error: it says what went wrong
         return image
+
+    async def _after_failed_checkpoint(self, sb: LiveSandbox) -> None:
+        """Back to running if the instance survived (the usual case); otherwise it is gone."""
+        if sb.instance is not None:
+            sb.rec.state = S.RUNNING
+        else:
+            sb.rec.state = S.KILLING
+            await self._forget(sb)
 
     # -- create -----------------------------------------------------------------------------------------
     async def create(
@@ -509,9 +518,7 @@ class Node:
             try:
                 image = await self._checkpoint_stopped(sb)
             except BaseException:
-                sb.rec.state = S.RUNNING if sb.instance is not None else S.KILLING
-                if sb.instance is None:
-                    await self._forget(sb)
+                await self._after_failed_checkpoint(sb)
                 raise
             self._stop_instance(sb, f"sandbox {sb.id} was paused")
             sb.rec.image = image
@@ -561,11 +568,17 @@ class Node:
         raise WrongState(f"sandbox {sandbox_id} is {sb.state.value}", sandbox_id=sandbox_id)
 
     # -- snapshot and fork -------------------------------------------------------------------------------
-    async def _branch(self, sb: LiveSandbox) -> tuple[str, list[str]]:
+    async def _branch(self, sb: LiveSandbox, during: SandboxState) -> tuple[str, list[str]]:
         """Checkpoint a running sandbox and seal its upper; returns (image, layers).
 
-        The caller restores the source from that image onto a fresh upper."""
-        image = await self._checkpoint_stopped(sb)
+        The caller restores the source from that image onto a fresh upper. If the checkpoint
+        fails the sandbox is left running."""
+        await self._set_state(sb, during, persist=False)
+        try:
+            image = await self._checkpoint_stopped(sb)
+        except BaseException:
+            await self._after_failed_checkpoint(sb)
+            raise
         sealed = sb.rec.upper
         empty = self.files.is_empty(sealed)
 
@@ -603,13 +616,7 @@ class Node:
             raise InvalidRequest(f"a snapshot named '{name}' already exists")
 
         async def run() -> SnapshotRecord:
-            await self._set_state(sb, S.SNAPSHOTTING, persist=False)
-            try:
-                image, layers = await self._branch(sb)
-            except BaseException:
-                if sb.instance is not None:
-                    sb.rec.state = S.RUNNING
-                raise
+            image, layers = await self._branch(sb, S.SNAPSHOTTING)
             snap = SnapshotRecord(
                 id=f"snap_{new_id(16)}",
                 name=name or "",
@@ -648,13 +655,7 @@ class Node:
         child_timeout = self._check_timeout(timeout) if timeout is not None else None
 
         async def run() -> list[ForkResult]:
-            await self._set_state(sb, S.FORKING, persist=False)
-            try:
-                image, layers = await self._branch(sb)
-            except BaseException:
-                if sb.instance is not None:
-                    sb.rec.state = S.RUNNING
-                raise
+            image, layers = await self._branch(sb, S.FORKING)
             now = time.time()
             ttl = child_timeout if child_timeout is not None else max(1, int(sb.rec.end_at - now))
             children = list(await asyncio.gather(*(self._child_of(sb, layers, now, ttl) for _ in range(count))))

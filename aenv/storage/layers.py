@@ -108,6 +108,13 @@ class LayerStore:
         self._img(layer_id).unlink(missing_ok=True)
         shutil.rmtree(mnt, ignore_errors=True)
 
+    async def unmount_all(self) -> None:
+        """Release every loop mount (a stopping node); the next start mounts what it needs."""
+        for layer_id in self.layer_ids():
+            mnt = self.layers / layer_id
+            if os.path.ismount(mnt):
+                await hostexec.run(["umount", "-l", str(mnt)], timeout=60, check=False)
+
     def layer_ids(self) -> set[str]:
         return {p.name.removesuffix(".img") for p in self.layers.iterdir() if not p.name.startswith(".")}
 

@@ -1,0 +1,135 @@
+"""Failed checkpoints leave sandboxes running (never frozen) or cleanly gone, on real sandboxes.
+
+The node runs in-process on a tiny template (an almost empty root filesystem; commands run with the
+agent's own bundled Python). The only thing faked is the failure itself: a driver subclass makes
+`checkpoint` fail on demand, since a real runsc checkpoint cannot be made to fail at will.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aenv.config import Settings
+from aenv.errors import RuntimeFailure, SandboxNotFound
+from aenv.node.orchestrator import Node
+from aenv.runtime.base import Instance
+from aenv.runtime.gvisor import GVisorDriver
+from aenv.templates.builder import commit_template
+
+pytestmark = pytest.mark.sandbox
+
+PY = ["/.aenv/lib/ld-linux-x86-64.so.2", "--library-path", "/.aenv/lib", "/.aenv/bin/python3", "-c"]
+COUNTER = (
+    "import os,time\n"
+    "i=0\n"
+    "while True:\n"
+    "    i+=1; open('/tmp/.n','w').write(str(i)); os.replace('/tmp/.n','/tmp/n'); time.sleep(0.05)\n"
+)
+
+
+class FaultyDriver(GVisorDriver):
+    """The real gVisor driver, whose checkpoint can be told to fail (before or after it stopped
+    the instance)."""
+
+    fail_next: str | None = None  # "before" | "after"
+
+    async def checkpoint(self, instance: Instance, *, image_dir: Path, leave_running: bool) -> None:
+        mode, self.fail_next = self.fail_next, None
+        if mode == "before":
+            raise RuntimeFailure("injected checkpoint failure")
+        if mode == "after":
+            await super().kill(instance)  # the instance is gone, as after a crash mid-checkpoint
+            raise RuntimeFailure("injected checkpoint failure after the instance stopped")
+        await super().checkpoint(instance, image_dir=image_dir, leave_running=leave_running)
+
+
+@pytest.fixture(scope="module")
+async def tiny(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Node, FaultyDriver]]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root and runsc")
+    data = Path(tmp_path_factory.mktemp("tiny-node"))
+    driver = FaultyDriver(state_dir=data / "runtime")
+    node = Node(Settings(data_dir=data, build_base=False), driver=driver)
+    await node.start()
+    layer_id, root = node.files.new_layer_dir()
+    for d in ("etc", "root", "home/user", "tmp", "proc", "sys", "dev"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\n")
+    (root / "etc/group").write_text("root:x:0:\nuser:x:1000:\n")
+    os.chown(root / "home/user", 1000, 1000)
+    await commit_template(node, name="tiny", layers=[layer_id], steps=[])
+    yield node, driver
+    await node.stop(pause_running=False)
+
+
+async def run_py(node: Node, sandbox_id: str, code: str, *, wait: bool = True) -> str:
+    link = node.get(sandbox_id).link
+    assert link is not None
+    params: dict[str, Any] = {"process": {"cmd": PY[0], "args": [*PY[1:], code], "envs": {"PYTHONHOME": "/.aenv"}}}
+    stream = await link.open("process.start", {**params, "user": "root"})
+    out = b""
+    while True:
+        item = await asyncio.wait_for(stream.recv(), 30)
+        if item.kind == 5:
+            return out.decode()
+        event = (item.msg or {}).get("event", {})
+        if "start" in event and not wait:
+            await stream.end()
+            return ""
+        if "data" in event:
+            out += base64.b64decode(next(iter(event["data"].values())))
+
+
+async def count(node: Node, sandbox_id: str) -> int:
+    return int(await run_py(node, sandbox_id, "print(open('/tmp/n').read())"))
+
+
+async def test_failed_pause_leaves_the_sandbox_running(tiny: tuple[Node, FaultyDriver]) -> None:
+    node, driver = tiny
+    rec = await node.create("tiny")
+    await run_py(node, rec.id, COUNTER, wait=False)
+    await asyncio.sleep(0.3)
+    driver.fail_next = "before"
+    with pytest.raises(RuntimeFailure):
+        await node.pause(rec.id)
+    assert node.get(rec.id).state.value == "running"
+    first = await count(node, rec.id)  # the agent answers: it was thawed, not left frozen
+    await asyncio.sleep(0.3)
+    assert await count(node, rec.id) > first  # and its processes run
+    await node.pause(rec.id)  # a later pause works
+    await node.resume(rec.id)
+    assert await count(node, rec.id) >= first
+    await node.kill(rec.id)
+
+
+async def test_failed_snapshot_and_fork_leave_the_source_running(tiny: tuple[Node, FaultyDriver]) -> None:
+    node, driver = tiny
+    rec = await node.create("tiny")
+    await run_py(node, rec.id, COUNTER, wait=False)
+    for op in (lambda: node.snapshot(rec.id), lambda: node.fork(rec.id, count=2)):
+        driver.fail_next = "before"
+        with pytest.raises(RuntimeFailure):
+            await op()
+        assert node.get(rec.id).state.value == "running"
+        assert await count(node, rec.id) > 0
+    assert [s for s in node.snapshots.values() if s.sandbox_id == rec.id] == []
+    await node.kill(rec.id)
+
+
+async def test_checkpoint_that_killed_the_instance_removes_the_sandbox(tiny: tuple[Node, FaultyDriver]) -> None:
+    node, driver = tiny
+    rec = await node.create("tiny")
+    driver.fail_next = "after"
+    with pytest.raises(RuntimeFailure):
+        await node.pause(rec.id)
+    with pytest.raises(SandboxNotFound):
+        node.get(rec.id)  # gone, not stuck in "pausing"
+    await node.settle()
+    assert await driver.cleanup_orphans(keep=set()) == []  # nothing leaked
