@@ -55,7 +55,6 @@ async def serve(
             log_level="info",
             access_log=False,
             timeout_graceful_shutdown=5,
-            ws="websockets",
         )
         server = uvicorn.Server(config)
         say(f"aenv listening on http://{settings.host}:{settings.port} (API key in {settings.data_dir / 'api-key'})")
