@@ -15,11 +15,8 @@ import logging
 import os
 import secrets
 import shutil
-import string
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from aenv.config import Settings
@@ -33,8 +30,9 @@ from aenv.errors import (
     TemplateNotFound,
     WrongState,
 )
-from aenv.node import metrics
+from aenv.node import housekeeping, metrics
 from aenv.node.agentlink import AgentLink
+from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
 from aenv.node.state import PUBLIC_STATE, SandboxState, check_transition
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
@@ -43,35 +41,7 @@ from aenv.storage.layers import LayerStore, new_id
 log = logging.getLogger("aenv.node")
 T = TypeVar("T")
 S = SandboxState
-ID_ALPHABET = string.ascii_lowercase + string.digits
 DEFAULT_USER = "user"
-
-
-def new_sandbox_id() -> str:
-    return "".join(secrets.choice(ID_ALPHABET) for _ in range(20))
-
-
-@dataclass
-class LiveSandbox:
-    rec: SandboxRecord
-    instance: Instance | None = None
-    link: AgentLink | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    ops: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
-
-    @property
-    def id(self) -> str:
-        return self.rec.id
-
-    @property
-    def state(self) -> SandboxState:
-        return self.rec.state
-
-
-@dataclass
-class ForkResult:
-    sandbox: SandboxRecord | None = None
-    error: AenvError | None = None
 
 
 def make_driver(settings: Settings) -> Driver:
@@ -170,58 +140,13 @@ class Node:
         self._lock_fd = fd
 
     async def _recover(self) -> None:
-        """Reconcile records with reality after a restart: nothing that was running survives a
-        node restart (its channel pipes died with the old process), paused sandboxes do."""
-        for rec in await self.store.sandboxes():
-            if rec.state in (S.PAUSED, S.RESUMING) and rec.image and self.files.image(rec.image).exists():
-                rec.state = S.PAUSED
-                rec.instance_id = ""
-                await self.store.put_sandbox(rec)
-                self.sandboxes[rec.id] = LiveSandbox(rec)
-            else:
-                log.warning("sandbox %s was %s when the node stopped; removing it", rec.id, rec.state.value)
-                self.files.remove_image(rec.image)
-                await self.store.delete_sandbox(rec.id)
-        removed = await self.driver.cleanup_orphans(keep=set())
-        if removed:
-            log.info("removed %d orphaned instances", len(removed))
-        await self._gc_files()
-        uppers = {sb.rec.upper for sb in self.sandboxes.values()}
-        for layer_id in self._referenced_layers():
-            await self.files.mount(layer_id, writable=layer_id in uppers)
+        await housekeeping.recover(self)
 
     def _referenced_layers(self) -> set[str]:
-        """Layers any record needs, uppers included."""
-        refs: set[str] = set()
-        for sb in self.sandboxes.values():
-            refs.update(sb.rec.layers)
-            refs.add(sb.rec.upper)
-        for t in self.templates.values():
-            refs.update(t.layers)
-        for s in self.snapshots.values():
-            refs.update(s.layers)
-        return refs
+        return housekeeping.referenced_layers(self)
 
     async def _gc_files(self, min_age: float = 0.0) -> None:
-        """Remove layers, uppers and images that no record names (and older than ``min_age``,
-        so that an operation still building them is never raced)."""
-        now = time.time()
-
-        def old(path: Path) -> bool:
-            try:
-                return now - path.stat().st_mtime >= min_age
-            except OSError:
-                return False
-
-        layers = self._referenced_layers() | self._pending_layers
-        for layer_id in self.files.layer_ids() - layers:
-            if old(self.files.layers / layer_id):
-                await self.files.remove(layer_id)
-        images = {sb.rec.image for sb in self.sandboxes.values()} | {t.image for t in self.templates.values()}
-        images |= {s.image for s in self.snapshots.values()}
-        for image_id in self.files.image_ids() - images:
-            if old(self.files.image(image_id)):
-                self.files.remove_image(image_id)
+        await housekeeping.gc_files(self, min_age)
 
     # -- lookups ------------------------------------------------------------------------------------
     def get(self, sandbox_id: str) -> LiveSandbox:
@@ -385,7 +310,7 @@ class Node:
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
-        task.add_done_callback(_log_failure("background", self._background))
+        task.add_done_callback(log_failure("background", self._background))
 
     def _teardown_later(self, instance: Instance, then: Callable[[], Awaitable[None]] | None) -> None:
         layer = instance.rootfs.upper.name
@@ -403,7 +328,7 @@ class Node:
         task = asyncio.ensure_future(teardown())
         self._teardowns.add(task)
         self._background.add(task)
-        task.add_done_callback(_log_failure(instance.id, self._background))
+        task.add_done_callback(log_failure(instance.id, self._background))
 
     async def _checkpoint_stopped(self, sb: LiveSandbox) -> str:
         """Freeze the agent, checkpoint and stop the instance; return the image id.
@@ -749,27 +674,10 @@ class Node:
 
     # -- TTL -------------------------------------------------------------------------------------------
     async def _reap_forever(self) -> None:
-        last_gc = time.monotonic()
-        while True:
-            await asyncio.sleep(self.settings.reaper_interval)
-            try:
-                await self.reap_once()
-                if time.monotonic() - last_gc > 60:
-                    last_gc = time.monotonic()
-                    await self._gc_files(min_age=120)
-            except Exception:
-                log.exception("reaper pass failed")
+        await housekeeping.reap_forever(self)
 
     async def reap_once(self) -> None:
-        now = time.time()
-        for sb in list(self.sandboxes.values()):
-            if sb.state != S.RUNNING or sb.rec.end_at > now or sb.lock.locked():
-                continue
-            action = self.pause if sb.rec.auto_pause else self.kill
-            log.info("sandbox %s timed out: %s", sb.id, "pausing" if sb.rec.auto_pause else "killing")
-            task = asyncio.ensure_future(action(sb.id))
-            self._background.add(task)
-            task.add_done_callback(_log_failure(sb.id, self._background))
+        await housekeeping.reap_once(self)
 
     # -- data-plane helpers -----------------------------------------------------------------------------
     async def usage(self, sandbox_id: str) -> dict[str, Any]:
@@ -782,12 +690,3 @@ class Node:
 
 def _public(state: SandboxState) -> str:
     return PUBLIC_STATE[state]
-
-
-def _log_failure(sandbox_id: str, tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
-    def done(task: asyncio.Task[Any]) -> None:
-        tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("timeout action on %s failed: %s", sandbox_id, task.exception())
-
-    return done

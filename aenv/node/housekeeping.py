@@ -1,0 +1,100 @@
+"""Node housekeeping: reconciling records with reality at start, garbage collection of files
+nobody references, and the TTL reaper."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aenv.node.sandbox import LiveSandbox, log_failure
+from aenv.node.state import SandboxState as S
+
+if TYPE_CHECKING:
+    from aenv.node.orchestrator import Node
+
+log = logging.getLogger("aenv.node")
+
+
+async def recover(node: Node) -> None:
+    """Reconcile records with reality after a restart: nothing that was running survives a
+    node restart (its channel pipes died with the old process), paused sandboxes do."""
+    for rec in await node.store.sandboxes():
+        if rec.state in (S.PAUSED, S.RESUMING) and rec.image and node.files.image(rec.image).exists():
+            rec.state = S.PAUSED
+            rec.instance_id = ""
+            await node.store.put_sandbox(rec)
+            node.sandboxes[rec.id] = LiveSandbox(rec)
+        else:
+            log.warning("sandbox %s was %s when the node stopped; removing it", rec.id, rec.state.value)
+            node.files.remove_image(rec.image)
+            await node.store.delete_sandbox(rec.id)
+    removed = await node.driver.cleanup_orphans(keep=set())
+    if removed:
+        log.info("removed %d orphaned instances", len(removed))
+    await gc_files(node)
+    uppers = {sb.rec.upper for sb in node.sandboxes.values()}
+    for layer_id in referenced_layers(node):
+        await node.files.mount(layer_id, writable=layer_id in uppers)
+
+
+def referenced_layers(node: Node) -> set[str]:
+    """Layers any record needs, uppers included."""
+    refs: set[str] = set()
+    for sb in node.sandboxes.values():
+        refs.update(sb.rec.layers)
+        refs.add(sb.rec.upper)
+    for t in node.templates.values():
+        refs.update(t.layers)
+    for s in node.snapshots.values():
+        refs.update(s.layers)
+    return refs
+
+
+async def gc_files(node: Node, min_age: float = 0.0) -> None:
+    """Remove layers, uppers and images that no record names (and older than ``min_age``,
+    so that an operation still building them is never raced)."""
+    now = time.time()
+
+    def old(path: Path) -> bool:
+        try:
+            return now - path.stat().st_mtime >= min_age
+        except OSError:
+            return False
+
+    layers = referenced_layers(node) | node._pending_layers
+    for layer_id in node.files.layer_ids() - layers:
+        if old(node.files.layers / layer_id):
+            await node.files.remove(layer_id)
+    images = {sb.rec.image for sb in node.sandboxes.values()} | {t.image for t in node.templates.values()}
+    images |= {s.image for s in node.snapshots.values()}
+    for image_id in node.files.image_ids() - images:
+        if old(node.files.image(image_id)):
+            node.files.remove_image(image_id)
+
+
+async def reap_forever(node: Node) -> None:
+    last_gc = time.monotonic()
+    while True:
+        await asyncio.sleep(node.settings.reaper_interval)
+        try:
+            await reap_once(node)
+            if time.monotonic() - last_gc > 60:
+                last_gc = time.monotonic()
+                await gc_files(node, min_age=120)
+        except Exception:
+            log.exception("reaper pass failed")
+
+
+async def reap_once(node: Node) -> None:
+    now = time.time()
+    for sb in list(node.sandboxes.values()):
+        if sb.state != S.RUNNING or sb.rec.end_at > now or sb.lock.locked():
+            continue
+        action = node.pause if sb.rec.auto_pause else node.kill
+        log.info("sandbox %s timed out: %s", sb.id, "pausing" if sb.rec.auto_pause else "killing")
+        task = asyncio.ensure_future(action(sb.id))
+        node._background.add(task)
+        task.add_done_callback(log_failure(sb.id, node._background))

@@ -1,0 +1,56 @@
+"""A sandbox as the node holds it in memory: its record, its instance and its agent link."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import string
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aenv.errors import AenvError
+from aenv.node.agentlink import AgentLink
+from aenv.node.state import SandboxState
+from aenv.node.store import SandboxRecord
+from aenv.runtime.base import Instance
+
+log = logging.getLogger("aenv.node")
+ID_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def new_sandbox_id() -> str:
+    return "".join(secrets.choice(ID_ALPHABET) for _ in range(20))
+
+
+@dataclass
+class LiveSandbox:
+    rec: SandboxRecord
+    instance: Instance | None = None
+    link: AgentLink | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ops: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.rec.id
+
+    @property
+    def state(self) -> SandboxState:
+        return self.rec.state
+
+
+@dataclass
+class ForkResult:
+    sandbox: SandboxRecord | None = None
+    error: AenvError | None = None
+
+
+def log_failure(sandbox_id: str, tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
+    def done(task: asyncio.Task[Any]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("timeout action on %s failed: %s", sandbox_id, task.exception())
+
+    return done
