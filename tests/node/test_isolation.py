@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from e2b import CommandExitException, Sandbox
 from tests.conftest import Server
 
 pytestmark = pytest.mark.sandbox
+REPO = Path(__file__).resolve().parents[2]  # this checkout, on the host
 
 
 def run(sbx: Sandbox, cmd: str, **kw: object) -> tuple[int, str]:
@@ -51,7 +53,8 @@ def test_cannot_reach_host_files(sandbox: Sandbox, server: Server, tmp_path: Pat
     passwd_before = hashlib.sha256(Path("/etc/passwd").read_bytes()).hexdigest()
     code, out = run(sandbox, f"cat {secret}", user="root")
     assert code != 0 and "host only" not in out
-    for path in (str(server.data_dir), str(tmp_path), "/work", "/root/.pyenv"):
+    host_paths = (str(server.data_dir), str(tmp_path), str(REPO), sys.base_prefix)
+    for path in host_paths:
         code, out = run(sandbox, f"ls {path}", user="root")
         assert code != 0, f"{path} is visible inside the sandbox: {out}"
     # the sandbox's root is its own: changing /etc/passwd inside leaves the host's alone
@@ -62,7 +65,7 @@ def test_cannot_reach_host_files(sandbox: Sandbox, server: Server, tmp_path: Pat
     assert "denied" in out
     code, out = run(sandbox, "cat /proc/version", user="root")
     assert "4.4.0" in out  # gVisor's kernel, not the host's
-    code, out = run(sandbox, "ls /proc/1/root/work /proc/1/root/root/.pyenv 2>&1", user="root")
+    code, out = run(sandbox, f"ls /proc/1/root{REPO} /proc/1/root{sys.base_prefix} 2>&1", user="root")
     assert code != 0
 
 
