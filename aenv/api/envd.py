@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from aenv.api import connect
 from aenv.api.connect import ConnectError
+from aenv.api.proxy import proxy_http, sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError
 from aenv.errors import AenvError
 from aenv.node.orchestrator import LiveSandbox, Node
@@ -30,22 +31,6 @@ ENVD_PORT = 49983
 UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"
 
 Handler = Callable[[Request, LiveSandbox, str | None], Awaitable[Response]]
-
-
-def sandbox_gone(sandbox_id: str) -> JSONResponse:
-    return JSONResponse(
-        {"sandboxId": sandbox_id, "message": "The sandbox was not found", "code": 502},
-        status_code=502,
-        media_type="application/json; charset=utf-8",
-    )
-
-
-def port_closed(sandbox_id: str, port: int) -> JSONResponse:
-    return JSONResponse(
-        {"sandboxId": sandbox_id, "message": "The sandbox is running but port is not open", "port": port, "code": 502},
-        status_code=502,
-        media_type="application/json; charset=utf-8",
-    )
 
 
 def _user(request: Request) -> str | None:
@@ -382,12 +367,8 @@ async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
 
 
 async def proxy_port(request: Request, node: Node, sandbox_id: str, port: int) -> Response:
-    """HTTP to a port inside the sandbox (get_host). Not built yet: see the E2B compatibility issue."""
-    try:
-        node.get(sandbox_id)
-    except AenvError:
-        return sandbox_gone(sandbox_id)
-    return JSONResponse({"code": 501, "message": "proxying to sandbox ports is not implemented yet"}, status_code=501)
+    """HTTP to a port inside the sandbox (get_host)."""
+    return await proxy_http(request, node, sandbox_id, port)
 
 
 async def proxy_websocket(scope: Any, receive: Any, send: Any, node: Node, sandbox_id: str, port: int) -> None:

@@ -1,0 +1,66 @@
+"""The sandbox port proxy (E2B get_host): HTTP to a server inside a real sandbox."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from tests.conftest import Server
+
+pytestmark = pytest.mark.sandbox
+
+ECHO_SERVER = """
+import http.server, json
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers['Content-Length']))
+        out = json.dumps({"path": self.path, "body": body.decode(), "host": self.headers['Host']}).encode()
+        self.send_response(201); self.send_header('Content-Type', 'application/json')
+        self.send_header('Content-Length', str(len(out))); self.end_headers(); self.wfile.write(out)
+    do_PUT = do_POST
+http.server.ThreadingHTTPServer(('127.0.0.1', 8081), H).serve_forever()
+"""
+
+
+def wait_for_port(url: str, headers: dict[str, str]) -> None:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        r = httpx.get(url, headers=headers)
+        if r.status_code != 502:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the server inside the sandbox did not come up")
+
+
+def test_http_to_a_port_inside_the_sandbox(sandbox: Sandbox, server: Server) -> None:
+    sandbox.files.write("/home/user/site/hello.txt", "hello from inside")
+    sandbox.commands.run("nohup python3 -m http.server 8000 --directory /home/user/site >/dev/null 2>&1 &")
+    sandbox.files.write("/home/user/echo.py", ECHO_SERVER)
+    sandbox.commands.run("nohup python3 /home/user/echo.py >/dev/null 2>&1 &")
+    by_header = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8000"}
+    wait_for_port(f"{server.url}/hello.txt", by_header)
+    r = httpx.get(f"{server.url}/hello.txt", headers=by_header)
+    assert (r.status_code, r.text) == (200, "hello from inside")
+    # routing by host name, as get_host() hands it out
+    host = sandbox.get_host(8000).split(".")[0] + ".localhost"
+    r = httpx.get(f"{server.url}/hello.txt", headers={"Host": host})
+    assert (r.status_code, r.text) == (200, "hello from inside")
+    wait_for_port(f"{server.url}/", {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8081"})
+    r = httpx.post(
+        f"{server.url}/submit?x=1",
+        content=b"payload",
+        headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8081"},
+    )
+    assert r.status_code == 201 and r.json()["body"] == "payload" and r.json()["path"] == "/submit?x=1"
+
+
+def test_proxy_errors_as_e2b_reports_them(sandbox: Sandbox, server: Server) -> None:
+    r = httpx.get(f"{server.url}/", headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "9"})
+    assert r.status_code == 502 and "port is not open" in r.json()["message"]
+    r = httpx.get(f"{server.url}/", headers={"E2b-Sandbox-Id": "nosuchsandbox", "E2b-Sandbox-Port": "8000"})
+    assert r.status_code == 502 and "was not found" in r.json()["message"]
+    r = httpx.get(f"{server.url}/", headers={"E2b-Sandbox-Id": sandbox.sandbox_id})
+    assert r.status_code == 400
