@@ -22,6 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from aenv.channel import END
 from aenv.config import Settings
 from aenv.node.orchestrator import Node
 from aenv.runtime import hostexec
@@ -102,7 +103,7 @@ def pss_of(instance_id: str) -> tuple[int, int]:
 
 async def exec_true(link: Any) -> None:
     stream = await link.open("process.start", {"process": {"cmd": "/bin/true", "args": []}, "user": "user"})
-    while (await stream.recv()).kind != 5:
+    while (await stream.recv()).kind != END:
         pass
 
 

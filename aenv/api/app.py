@@ -22,7 +22,7 @@ from starlette.requests import Request as StarletteRequest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aenv import __version__
-from aenv.api import envd
+from aenv.api import envd, proxy
 from aenv.api.sandboxes import router
 from aenv.errors import AenvError, error_body
 from aenv.node import metrics
@@ -132,13 +132,13 @@ class SandboxRouter:
         if target is not None:
             sandbox_id, port = target
             if scope["type"] == "websocket":
-                await envd.proxy_websocket(scope, receive, send, self.node, sandbox_id, port)
+                await proxy.proxy_websocket(scope, receive, send, self.node, sandbox_id, port)
                 return
             request = StarletteRequest(scope, receive)
             if port == envd.ENVD_PORT:
                 response = await envd.handle(request, self.node, sandbox_id)
             else:
-                response = await envd.proxy_port(request, self.node, sandbox_id, port)
+                response = await proxy.proxy_http(request, self.node, sandbox_id, port)
             await response(scope, receive, send)
             return
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and self.api_key:

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from aenv.api import connect
 from aenv.api.connect import ConnectError
-from aenv.api.proxy import proxy_http, sandbox_gone
+from aenv.api.proxy import sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError
 from aenv.errors import AenvError
 from aenv.node.orchestrator import LiveSandbox, Node
@@ -292,10 +292,6 @@ async def _decoded(request: Request) -> AsyncIterator[bytes]:
             yield chunk
 
 
-async def _one(data: bytes) -> AsyncIterator[bytes]:
-    yield data
-
-
 async def files_post(request: Request, sb: LiveSandbox, user: str | None) -> Response:
     path = request.query_params.get("path")
     user = request.query_params.get("username") or user
@@ -364,12 +360,3 @@ async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
     return JSONResponse(
         {"code": "unimplemented", "message": f"{request.method} {path} is not an envd endpoint"}, status_code=404
     )
-
-
-async def proxy_port(request: Request, node: Node, sandbox_id: str, port: int) -> Response:
-    """HTTP to a port inside the sandbox (get_host)."""
-    return await proxy_http(request, node, sandbox_id, port)
-
-
-async def proxy_websocket(scope: Any, receive: Any, send: Any, node: Node, sandbox_id: str, port: int) -> None:
-    await send({"type": "websocket.close", "code": 1011})

@@ -7,6 +7,7 @@ The sandbox has no network; each request rides a TCP tunnel that the guest agent
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import h11
 from starlette.requests import Request
@@ -85,6 +86,11 @@ async def proxy_http(request: Request, node: Node, sandbox_id: str, port: int) -
         return port_closed(sandbox_id, port)
     passed = {k.decode(): v.decode("latin-1") for k, v in response.headers if k.decode().lower() not in HOP_BY_HOP}
     return StreamingResponse(_body(conn, tunnel), status_code=response.status_code, headers=passed)
+
+
+async def proxy_websocket(scope: Any, receive: Any, send: Any, node: Node, sandbox_id: str, port: int) -> None:
+    """WebSocket upgrades to sandbox ports are not carried yet: refuse them cleanly."""
+    await send({"type": "websocket.close", "code": 1011})
 
 
 async def _read_head(conn: h11.Connection, tunnel: Stream) -> h11.Response | None:

@@ -39,7 +39,6 @@ MAX_PAYLOAD = 256 * 1024
 DEFAULT_WINDOW = 4 * 1024 * 1024
 
 OPEN, MSG, DATA, EOF, END, CREDIT, CTRL = 1, 2, 3, 4, 5, 6, 7
-KIND_NAMES = {OPEN: "OPEN", MSG: "MSG", DATA: "DATA", EOF: "EOF", END: "END", CREDIT: "CREDIT", CTRL: "CTRL"}
 
 
 class ChannelClosed(ConnectionError):
@@ -90,14 +89,6 @@ class Stream:
     # -- receiving ---------------------------------------------------------------------------
     async def recv(self) -> Item:
         item = await self._items.get()
-        self._consumed(item)
-        return item
-
-    def recv_nowait(self) -> Item | None:
-        try:
-            item = self._items.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
         self._consumed(item)
         return item
 
@@ -248,10 +239,6 @@ class Channel:
             stream._deliver(Item(END, {"error": {"code": "unavailable", "message": reason}}))
         self._streams.clear()
         self.closed.set()
-
-    @property
-    def open_streams(self) -> int:
-        return len(self._streams)
 
     # -- writing --------------------------------------------------------------------------------
     async def _write(self, frame: bytes) -> None:

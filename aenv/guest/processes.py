@@ -85,11 +85,10 @@ def end_event(returncode: int) -> dict[str, Any]:
 class Process:
     """One started process and the streams subscribed to its output."""
 
-    def __init__(self, pid: int, config: dict[str, Any], tag: str | None, is_pty: bool) -> None:
+    def __init__(self, pid: int, config: dict[str, Any], tag: str | None) -> None:
         self.pid = pid
         self.config = config
         self.tag = tag
-        self.is_pty = is_pty
         self.subscribers: set[Stream] = set()
         self.end: dict[str, Any] | None = None
         self.exited_at = 0.0
@@ -254,7 +253,7 @@ class ProcessTable:
                 finally:
                     for fd in (child_in, out_w, err_w):
                         os.close(fd)
-                proc = Process(pid, config, tag, False)
+                proc = Process(pid, config, tag)
                 proc.exited = exited
                 if stdin_w is not None:
                     transport, protocol = await loop.connect_write_pipe(
@@ -291,7 +290,7 @@ class ProcessTable:
         finally:
             os.close(slave)
         os.set_blocking(master, False)
-        proc = Process(pid, config, tag, True)
+        proc = Process(pid, config, tag)
         proc.exited = exited
         proc.master_fd = master
         asyncio.ensure_future(self._wait(proc, [self._pump_pty(proc, master)]))

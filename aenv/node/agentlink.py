@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from aenv.channel import Channel, ChannelClosed, Stream, StreamError
+from aenv.channel import Channel, ChannelClosed, Stream
 from aenv.errors import AgentUnavailable, OperationTimeout
 from aenv.runtime.base import Instance
 
@@ -125,6 +125,3 @@ class AgentLink:
         if self.watcher is not None:
             self.watcher.cancel()
         self.channel.close(reason)
-
-
-__all__ = ["AgentLink", "StreamError"]

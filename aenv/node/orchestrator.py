@@ -88,8 +88,8 @@ class Node:
         self._secret = secret.encode()
         self.templates = {t.id: t for t in await self.store.templates()}
         self.snapshots = {s.id: s for s in await self.store.snapshots()}
-        await self._recover()
-        self._reaper = asyncio.create_task(self._reap_forever())
+        await housekeeping.recover(self)
+        self._reaper = asyncio.create_task(housekeeping.reap_forever(self))
 
     async def stop(self, *, pause_running: bool = True) -> None:
         """Stop the node. Running sandboxes are paused so a restart loses nothing."""
@@ -138,15 +138,6 @@ class Node:
             os.close(fd)
             raise Conflict(f"another aenv node is using {self.settings.data_dir}") from None
         self._lock_fd = fd
-
-    async def _recover(self) -> None:
-        await housekeeping.recover(self)
-
-    def _referenced_layers(self) -> set[str]:
-        return housekeeping.referenced_layers(self)
-
-    async def _gc_files(self, min_age: float = 0.0) -> None:
-        await housekeeping.gc_files(self, min_age)
 
     # -- lookups ------------------------------------------------------------------------------------
     def get(self, sandbox_id: str) -> LiveSandbox:
@@ -569,7 +560,7 @@ class Node:
         self.snapshots.pop(snap.id, None)
         await self.store.delete_snapshot(snap.id)
         self.files.remove_image(snap.image)
-        await self._gc_files(min_age=60)
+        await housekeeping.gc_files(self, min_age=60)
 
     async def fork(self, sandbox_id: str, *, count: int = 1, timeout: int | None = None) -> list[ForkResult]:
         sb = self.get(sandbox_id)
@@ -671,13 +662,6 @@ class Node:
         sb.rec.state = S.KILLED
         self.sandboxes.pop(sb.id, None)
         await self.store.delete_sandbox(sb.id)
-
-    # -- TTL -------------------------------------------------------------------------------------------
-    async def _reap_forever(self) -> None:
-        await housekeeping.reap_forever(self)
-
-    async def reap_once(self) -> None:
-        await housekeeping.reap_once(self)
 
     # -- data-plane helpers -----------------------------------------------------------------------------
     async def usage(self, sandbox_id: str) -> dict[str, Any]:

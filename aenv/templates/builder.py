@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from aenv.errors import AenvError, InvalidRequest
+from aenv.channel import END
+from aenv.errors import AenvError
 from aenv.node.agentlink import AgentLink
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
@@ -102,7 +103,7 @@ async def run_in(link: AgentLink, script: str, *, user: str = "root", on_log: Lo
                         on_log(line)
             if "end" in event:
                 code = int(event["end"].get("exitCode", -1))
-        if item.kind == 5:  # END
+        if item.kind == END:
             break
     return code, "".join(output)
 
@@ -203,9 +204,3 @@ async def ensure_base(node: Node, *, on_log: LogFn | None = None) -> TemplateRec
         return current
     (on_log or (lambda line: None))("the guest agent changed: recommitting `base` on its existing root filesystem")
     return await commit_template(node, name="base", layers=current.layers[:1], steps=[BASE_SETUP], on_log=on_log)
-
-
-def validate_name(name: str) -> str:
-    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,62}", name):
-        raise InvalidRequest("template names are 1-63 characters of a-z, 0-9, '.', '_' and '-'")
-    return name

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from aenv.channel import END
 from aenv.config import Settings
 from aenv.errors import RuntimeFailure, SandboxNotFound
 from aenv.node.orchestrator import Node
@@ -77,7 +78,7 @@ async def run_py(node: Node, sandbox_id: str, code: str, *, wait: bool = True) -
     out = b""
     while True:
         item = await asyncio.wait_for(stream.recv(), 30)
-        if item.kind == 5:
+        if item.kind == END:
             return out.decode()
         event = (item.msg or {}).get("event", {})
         if "start" in event and not wait:
