@@ -83,15 +83,28 @@ def mark() -> dict[str, int]:
 
 
 def pss_of(instance_id: str) -> tuple[int, int]:
-    """(PSS bytes, process count) of every host process serving one instance."""
-    total, count = 0, 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+    """(PSS bytes, process count) of every host process serving one instance.
+
+    That is runsc's sandbox and gofer processes (named by the instance id on their command
+    line) and all their descendants: the ptrace platform's stub processes hold guest memory.
+    """
+    parents: dict[int, list[int]] = {}
+    roots = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
             continue
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if instance_id.encode() not in cmd:
-                continue
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            if instance_id.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                roots.append(int(entry))
+        except OSError:
+            continue
+    total, count, todo = 0, 0, roots
+    while todo:
+        pid = todo.pop()
+        todo.extend(parents.get(pid, []))
+        try:
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
                     total += int(line.split()[1]) * 1024
@@ -146,7 +159,7 @@ async def bench(node: Node, rounds: int) -> dict[str, Any]:
     results["exec_true"]["delta_p50_ms"] = results["exec_true"]["p50_ms"] - results["exec_true"]["baseline_p50_ms"]
 
     console.print("[bold]idle memory[/bold]")
-    await asyncio.sleep(3)
+    await asyncio.sleep(8)  # the agent releases the sentry's restore garbage after 2 s of quiet (aenv/guest/sentry.py)
     pss = []
     for sid in sandboxes:
         s = node.get(sid)

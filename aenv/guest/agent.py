@@ -21,6 +21,7 @@ from typing import Any
 from aenv.channel import DATA, END, EOF, Channel, ChannelClosed, Stream
 from aenv.guest import files, processes
 from aenv.guest.processes import SIGNALS, ProcessError, ProcessTable
+from aenv.guest.sentry import HeapRelease
 from aenv.guest.users import UnknownUser, User, lookup
 from aenv.guest.watch import Watcher
 
@@ -53,10 +54,13 @@ class Agent:
         self.watchers: dict[str, tuple[Watcher, list[dict[str, Any]]]] = {}
         self.stream_watchers: dict[int, Watcher] = {}
         self._watch_ids = itertools.count(1)
+        self.last_request = time.monotonic()
+        self.heap_release = HeapRelease(lambda: self.last_request)
 
     # -- plumbing ---------------------------------------------------------------------------
     async def _serve(self, stream: Stream) -> None:
         fn = HANDLERS.get(stream.method)
+        self.last_request = time.monotonic()
         try:
             if fn is None:
                 await stream.end(error=("unimplemented", f"unknown method {stream.method!r}"))
@@ -76,6 +80,7 @@ class Agent:
     async def _on_ctrl(self, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         if op == "freeze":
+            await self.heap_release.halt()
             # Write the sentry's cached file data through to the host first: the checkpoint's
             # upper (sealed into a layer on snapshot and fork) must hold what processes wrote.
             await asyncio.get_running_loop().run_in_executor(None, os.sync)
@@ -96,6 +101,7 @@ class Agent:
             if "config" in msg:
                 self.configure(msg["config"])
             await self.channel.ctrl({"op": "thawed", "pid": os.getpid()})
+            self.heap_release.schedule()
         elif op == "ping":
             await self.channel.ctrl({"op": "pong", "t": msg.get("t")})
 
