@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     max_timeout: int = 24 * 3600
     max_fork: int = Field(DEFAULT_MAX_FORK, ge=1)
     max_sandboxes: int = 1000
+    # Internet access of sandboxes created without allow_internet_access: E2B's default is on.
+    # RL deployments usually turn it off (AENV_INTERNET_BY_DEFAULT=false) and allow-list instead.
+    internet_by_default: bool = True
     reaper_interval: float = 1.0
 
     cpu_count: float = 1.0

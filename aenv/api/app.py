@@ -126,6 +126,9 @@ class SandboxRouter:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         target = sandbox_target(headers)
+        if target is None and scope["path"] == "/files" and b"signature=" in scope.get("query_string", b""):
+            signer = envd.signed_for(StarletteRequest(scope), self.node)
+            target = (signer, envd.ENVD_PORT) if signer else None
         if isinstance(target, str):
             await _reply(scope, receive, send, JSONResponse({"code": 400, "message": target}, status_code=400))
             return

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import gzip
 import hashlib
+import hmac
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -229,7 +230,21 @@ def files_authorized(request: Request, token: str, operation: str) -> bool:
     if expiration is not None and expiration < time.time():
         return False
     path = request.query_params.get("path", "")
-    return sig == signature(path, operation, request.query_params.get("username"), token, expiration)
+    expected = signature(path, operation, request.query_params.get("username"), token, expiration)
+    return hmac.compare_digest(sig.encode(), expected.encode())
+
+
+def signed_for(request: Request, node: Node) -> str | None:
+    """The secure sandbox whose token signed this /files URL.
+
+    Signed URLs from ``download_url()``/``upload_url()`` carry no sandbox id when the SDK's
+    sandbox URL is a single proxy (E2B_SANDBOX_URL): the signature itself names the sandbox.
+    """
+    operation = "write" if request.method == "POST" else "read"
+    for sb in node.list():
+        if sb.rec.secure and files_authorized(request, node.access_token(sb.rec.id), operation):
+            return sb.rec.id
+    return None
 
 
 async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Response:

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from aenv.api.schemas import (
     ConnectBody,
     ForkBody,
+    NetworkUpdate,
     NewSandbox,
     RefreshBody,
     SnapshotBody,
@@ -84,7 +85,8 @@ async def _create(request: Request) -> JSONResponse:
         auto_pause=auto_pause,
         auto_resume=auto_resume,
         limits=limits,
-        allow_internet_access=bool(body.allow_internet_access),
+        allow_internet_access=body.allow_internet_access,
+        network=egress_rules(body.network),
         secure=body.secure,
     )
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
@@ -175,6 +177,35 @@ async def set_timeout(request: Request, sandbox_id: str) -> Response:
     if body is None:
         raise InvalidRequest("timeout is required")
     await node_of(request).set_timeout(sandbox_id, body.timeout)
+    return Response(status_code=204)
+
+
+def egress_rules(network: Any) -> dict[str, Any]:
+    """The part of E2B's `network` object that aenv enforces (allowOut, denyOut).
+
+    Rules that would change traffic in ways aenv does not implement are refused, not ignored."""
+    if network is None:
+        return {}
+    if not isinstance(network, dict):
+        raise InvalidRequest("network must be an object")
+    for unsupported in ("rules", "egressProxy"):
+        if network.get(unsupported):
+            raise InvalidRequest(f"network.{unsupported} is not supported by aenv")
+    out = {}
+    for key in ("allowOut", "denyOut"):
+        value = network.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise InvalidRequest(f"network.{key} must be a list of strings")
+        out[key] = value
+    return out
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204, summary="Replace the sandbox's egress rules")
+async def update_network(request: Request, sandbox_id: str) -> Response:
+    body: NetworkUpdate = await _body(request, NetworkUpdate)
+    await node_of(request).set_network(sandbox_id, egress_rules(body.model_dump(by_alias=True)))
     return Response(status_code=204)
 
 

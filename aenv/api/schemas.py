@@ -45,7 +45,16 @@ class NewSandbox(BaseModel):
     lifecycle: Lifecycle | None = None
     secure: bool = True
     allow_internet_access: bool | None = None
+    network: dict[str, Any] | None = None
     limits: Limits | None = None
+
+
+class NetworkUpdate(BaseModel):
+    """PUT /sandboxes/{id}/network: E2B's SandboxNetworkUpdate; it replaces the egress rules."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    allow_out: list[str] | None = Field(None, alias="allowOut")
+    deny_out: list[str] | None = Field(None, alias="denyOut")
 
 
 class Timeout(BaseModel):
@@ -110,6 +119,7 @@ def sandbox_detail(node: Node, sb: LiveSandbox, domain: str | None) -> dict[str,
             "state": PUBLIC_STATE[rec.state],
             "metadata": rec.metadata,
             "allowInternetAccess": rec.allow_internet_access,
+            "network": rec.network,
             "lifecycle": {"onTimeout": "pause" if rec.auto_pause else "kill", "autoResume": rec.auto_resume},
             "aenvState": rec.state.value,
         }

@@ -36,6 +36,8 @@ from typing import Any
 
 HEADER = struct.Struct("!BII")
 MAX_PAYLOAD = 256 * 1024
+SPLICE_CHUNK = 256 * 1024
+SPLICE_LINGER = 30.0  # after one direction ends, how long the other may go on
 DEFAULT_WINDOW = 4 * 1024 * 1024
 
 OPEN, MSG, DATA, EOF, END, CREDIT, CTRL = 1, 2, 3, 4, 5, 6, 7
@@ -168,6 +170,12 @@ def _result_of(body: Any) -> Any:
 
 
 OpenHandler = Callable[[Stream], Awaitable[None]]
+
+
+async def _refuse_open(stream: Stream) -> None:
+    await stream.end(error=("unimplemented", f"nothing here serves {stream.method!r}"))
+
+
 CtrlHandler = Callable[[dict[str, Any]], Awaitable[None]]
 
 
@@ -308,10 +316,11 @@ class Channel:
             self._streams.pop(stream.id, None)
 
     def drop_streams(self) -> None:
-        """Forget every stream without telling the peer (the peer's copy is a new instance)."""
+        """Forget every stream without telling the peer (the peer's copy is a new instance).
+
+        Local readers still get an END, so nothing waits forever on a stream that has no peer."""
         for stream in list(self._streams.values()):
-            stream.remote_ended = True
-            stream._credit_event.set()
+            stream._deliver(Item(END, {"error": {"code": "unavailable", "message": "the sandbox was restored"}}))
         self._streams.clear()
 
     # -- reading ------------------------------------------------------------------------------
@@ -345,10 +354,10 @@ class Channel:
             body = json.loads(payload)
             stream = Stream(self, sid, body.get("m", ""), body.get("p"))
             self._streams[sid] = stream
-            if self._on_open is not None:
-                task = asyncio.ensure_future(self._on_open(stream))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            handle = self._on_open or _refuse_open
+            task = asyncio.ensure_future(handle(stream))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
             return
         stream = self._streams.get(sid)
         if stream is None:
@@ -363,3 +372,39 @@ class Channel:
             stream._deliver(Item(EOF))
         elif kind == END:
             stream._deliver(Item(END, json.loads(payload) if payload else {}))
+
+
+async def splice(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy bytes both ways between a stream and a TCP connection until the exchange is over.
+
+    Half-closes pass through (EOF each way); the caller ends the stream afterwards."""
+
+    async def inbound() -> None:  # stream -> socket
+        while True:
+            item = await stream.recv()
+            if item.kind == DATA:
+                writer.write(item.data)
+                await writer.drain()
+            elif item.kind == EOF:
+                if writer.can_write_eof():
+                    writer.write_eof()
+            elif item.kind == END:
+                return
+
+    async def outbound() -> None:  # socket -> stream
+        while chunk := await reader.read(SPLICE_CHUNK):
+            await stream.send_data(chunk)
+        await stream.send_eof()
+
+    into = asyncio.ensure_future(inbound())
+    out = asyncio.ensure_future(outbound())
+    try:
+        await asyncio.wait({into, out}, return_when=asyncio.FIRST_COMPLETED)
+        if out.done() and not into.done():
+            await asyncio.wait({into}, timeout=SPLICE_LINGER)  # the other side may still be talking
+    finally:
+        for task in (into, out):
+            task.cancel()
+            if task.done() and not task.cancelled():
+                task.exception()  # a reset connection or a closed channel just ends the exchange
+        writer.close()

@@ -18,8 +18,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aenv.channel import DATA, END, EOF, Channel, ChannelClosed, Stream
+from aenv.channel import DATA, END, EOF, Channel, ChannelClosed, Stream, splice
 from aenv.guest import files, processes
+from aenv.guest.egress import EgressProxy, proxy_env
 from aenv.guest.processes import SIGNALS, ProcessError, ProcessTable
 from aenv.guest.sentry import HeapRelease
 from aenv.guest.users import UnknownUser, User, lookup
@@ -46,7 +47,9 @@ def handler(name: str, *, streaming: bool = False) -> Callable[[Handler], Handle
 
 class Agent:
     def __init__(self) -> None:
-        self.channel = Channel(on_open=self._serve, on_ctrl=self._on_ctrl)
+        # Even stream ids: the host numbers the streams it opens odd, these are the agent's own.
+        self.channel = Channel(on_open=self._serve, on_ctrl=self._on_ctrl, first_stream_id=2)
+        self.egress = EgressProxy(self.channel)
         self.procs = ProcessTable()
         self.env: dict[str, str] = {}
         self.default_user = "user"
@@ -126,6 +129,7 @@ class Agent:
 
     def process_env(self, user: User, extra: dict[str, str] | None) -> dict[str, str]:
         env = {"PATH": DEFAULT_PATH, "HOME": user.home, "USER": user.name, "LOGNAME": user.name, "SHELL": user.shell}
+        env.update(proxy_env())
         env.update(self.env)
         env.update(extra or {})
         return env
@@ -141,6 +145,7 @@ class Agent:
         reader, writer = stdio_streams(rfd, wfd)
         self.channel.attach(reader, writer)  # type: ignore[arg-type]
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self.procs.reap)
+        self.egress.start(asyncio.get_running_loop())
         await self.channel.ctrl({"op": "ready", "version": AGENT_VERSION, "pid": os.getpid()})
         await self.channel.closed.wait()
 
@@ -452,36 +457,7 @@ async def tunnel_open(agent: Agent, stream: Stream) -> None:
             await stream.end(error=("unavailable", f"port {port} is not open"))
             return
     await stream.send({"ok": True})
-
-    async def upstream() -> None:  # host -> service
-        while True:
-            item = await stream.recv()
-            if item.kind == DATA:
-                writer.write(item.data)
-                await writer.drain()
-            elif item.kind == EOF:
-                if writer.can_write_eof():
-                    writer.write_eof()
-            elif item.kind == END:
-                return
-
-    async def downstream() -> None:  # service -> host
-        while chunk := await reader.read(READ_CHUNK):
-            await stream.send_data(chunk)
-        await stream.send_eof()
-
-    up = asyncio.ensure_future(upstream())
-    down = asyncio.ensure_future(downstream())
-    try:
-        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-        if down.done() and not up.done():
-            await asyncio.wait({up}, timeout=30)
-    except (ConnectionError, ChannelClosed):
-        pass
-    finally:
-        up.cancel()
-        down.cancel()
-        writer.close()
+    await splice(stream, reader, writer)
     await stream.end(result={})
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from aenv.channel import Channel, ChannelClosed, Stream
+from aenv.channel import Channel, ChannelClosed, OpenHandler, Stream
 from aenv.errors import AgentUnavailable, OperationTimeout
 from aenv.runtime.base import Instance
 
@@ -14,9 +14,10 @@ FREEZE_TIMEOUT = 10.0
 
 
 class AgentLink:
-    def __init__(self, sandbox_id: str) -> None:
+    def __init__(self, sandbox_id: str, serve: OpenHandler | None = None) -> None:
         self.sandbox_id = sandbox_id
-        self.channel = Channel(on_ctrl=self._on_ctrl)
+        # ``serve`` answers streams the agent opens (egress); the host's own streams are odd-numbered.
+        self.channel = Channel(on_ctrl=self._on_ctrl, on_open=serve)
         self._waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.agent_version = ""
         self.watcher: asyncio.Future[None] | None = None

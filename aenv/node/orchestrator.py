@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from aenv.channel import OpenHandler
 from aenv.config import Settings
 from aenv.errors import (
     AenvError,
@@ -30,8 +31,9 @@ from aenv.errors import (
     TemplateNotFound,
     WrongState,
 )
-from aenv.node import housekeeping, metrics
+from aenv.node import egress, housekeeping, metrics
 from aenv.node.agentlink import AgentLink
+from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
 from aenv.node.state import PUBLIC_STATE, SandboxState, check_transition
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
@@ -241,7 +243,7 @@ class Node:
             limits=self._limits(sb.rec),
             image_dir=self.files.image(image),
         )
-        link = sb.link if (sb.link is not None and not fresh) else AgentLink(sb.id)
+        link = sb.link if (sb.link is not None and not fresh) else AgentLink(sb.id, serve=self._guest_request(sb.id))
         try:
             await link.restored(instance, fresh=fresh, config=self._agent_config(sb.rec))
         except BaseException:
@@ -359,10 +361,14 @@ class Node:
         auto_pause: bool = False,
         auto_resume: bool = False,
         limits: dict[str, Any] | None = None,
-        allow_internet_access: bool = False,
+        allow_internet_access: bool | None = None,
+        network: dict[str, Any] | None = None,
         secure: bool = True,
     ) -> SandboxRecord:
         timeout = self._check_timeout(timeout)
+        if allow_internet_access is None:
+            allow_internet_access = self.settings.internet_by_default
+        EgressPolicy.of(allow_internet_access, network)  # bad rules are the caller's 400, before any work
         live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
         if live >= self.settings.max_sandboxes:
             raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
@@ -371,7 +377,10 @@ class Node:
             layers, image, template_id, guest = list(tmpl.layers), tmpl.image, tmpl.name, tmpl.guest
             base_env, base_limits, snapshot_id = dict(tmpl.env_vars), dict(tmpl.limits), ""
         except TemplateNotFound:
-            snap = self.find_snapshot(template)
+            try:
+                snap = self.find_snapshot(template)
+            except SnapshotNotFound:
+                raise TemplateNotFound(f"no template or snapshot named '{template}'") from None
             layers, image, template_id, guest = list(snap.layers), snap.image, snap.template_id, snap.guest
             base_env, base_limits, snapshot_id = dict(snap.env_vars), dict(snap.limits), snap.id
         base_env.update(env_vars or {})
@@ -393,6 +402,7 @@ class Node:
             upper=upper,
             snapshot_id=snapshot_id,
             allow_internet_access=allow_internet_access,
+            network=dict(network or {}),
             secure=secure,
             guest=guest,
         )
@@ -621,6 +631,7 @@ class Node:
             upper=upper,
             parent_id=src.id,
             allow_internet_access=src.allow_internet_access,
+            network=dict(src.network),
             secure=src.secure,
             guest=src.guest,
         )
@@ -631,6 +642,22 @@ class Node:
             await self._restore_into(child, image=image, layers=child.rec.layers, upper=child.rec.upper, fresh=True)
             child.rec.state = S.RUNNING
             await self.store.put_sandbox(child.rec)
+
+    # -- network policy --------------------------------------------------------------------------------
+    def policy_of(self, sandbox_id: str) -> EgressPolicy:
+        rec = self.get(sandbox_id).rec
+        return EgressPolicy.of(rec.allow_internet_access, rec.network)
+
+    def _guest_request(self, sandbox_id: str) -> OpenHandler:
+        return egress.guest_requests(sandbox_id, lambda: self.policy_of(sandbox_id))
+
+    async def set_network(self, sandbox_id: str, network: dict[str, Any], internet: bool | None = None) -> None:
+        """Replace a sandbox's egress rules; connections made from now on follow them."""
+        sb = self.get(sandbox_id)
+        internet = sb.rec.allow_internet_access if internet is None else internet
+        EgressPolicy.of(internet, network)
+        sb.rec.network, sb.rec.allow_internet_access = dict(network), internet
+        await self.store.put_sandbox(sb.rec)
 
     # -- timeouts and kill -------------------------------------------------------------------------------
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:

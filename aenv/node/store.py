@@ -43,6 +43,7 @@ class SandboxRecord:
     parent_id: str = ""  # the sandbox this one was forked from
     snapshot_id: str = ""  # the snapshot this one was created from
     allow_internet_access: bool = False
+    network: dict[str, Any] = field(default_factory=dict)  # E2B's allowOut / denyOut lists
     secure: bool = True
     paused_at: float = 0.0
     guest: str = ""  # guest bundle of the agent inside (see RootfsSpec.guest)
