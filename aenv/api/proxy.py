@@ -20,7 +20,7 @@ from websockets.protocol import State
 from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
-from aenv.channel import DATA, END, EOF, Stream
+from aenv.channel import DATA, END, EOF, Item, Stream
 from aenv.errors import AenvError
 from aenv.node.orchestrator import Node
 
@@ -184,14 +184,20 @@ async def _flush(upstream: ClientProtocol, tunnel: Stream) -> None:
             await tunnel.send_eof()  # the protocol asks for the TCP half-close
 
 
+async def _feed(upstream: ClientProtocol, tunnel: Stream) -> Item:
+    """Hand the next thing from the port to the protocol object (anything but data is the end)."""
+    item = await tunnel.recv()
+    if item.kind == DATA:
+        upstream.receive_data(item.data)
+    else:
+        upstream.receive_eof()
+    return item
+
+
 async def _upstream_handshake(upstream: ClientProtocol, tunnel: Stream) -> Any:
     """The port's handshake response, or None if it closed without one."""
     while True:
-        item = await tunnel.recv()
-        if item.kind == DATA:
-            upstream.receive_data(item.data)
-        else:
-            upstream.receive_eof()
+        item = await _feed(upstream, tunnel)
         events = upstream.events_received()
         if events:
             return events[0]
@@ -218,11 +224,7 @@ async def _port_to_client(send: Any, upstream: ClientProtocol, tunnel: Stream) -
     parts: list[bytes] = []
     text = False
     while True:
-        item = await tunnel.recv()
-        if item.kind == DATA:
-            upstream.receive_data(item.data)
-        else:
-            upstream.receive_eof()
+        item = await _feed(upstream, tunnel)
         for frame in upstream.events_received():
             if frame.opcode is Opcode.CLOSE:
                 close = upstream.close_rcvd

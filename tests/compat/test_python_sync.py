@@ -86,6 +86,11 @@ def test_background_process_stdin_connect_list_and_kill(sbx: Sandbox) -> None:
     result = again.wait()  # cat ends at end of input
     assert result.exit_code == 0 and "again" in result.stdout
     assert reader.wait().stdout == "hello\nagain\n"
+    # a client that goes away does not take the command with it
+    counter = sbx.commands.run("for i in $(seq 30); do echo $i; sleep 0.1; done", background=True)
+    counter.disconnect()
+    assert counter.pid in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.connect(counter.pid).wait().exit_code == 0
     sleeper = sbx.commands.run("sleep 600", background=True)
     assert sbx.commands.kill(sleeper.pid) is True
     with pytest.raises(CommandExitException):
