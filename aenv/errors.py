@@ -92,6 +92,16 @@ class RuntimeFailure(SandboxError):
     pass
 
 
+class CheckpointRefused(SandboxError):
+    """The runtime cannot checkpoint this sandbox in its current state."""
+
+
+CHECKPOINT_REFUSAL = (
+    "cannot checkpoint this sandbox: a process in it keeps a TCP socket in an epoll set "
+    "(an asyncio, Node or nginx style server), which this runtime cannot save"
+)
+
+
 class AgentUnavailable(SandboxError, ConnectionError):
     pass
 
@@ -118,6 +128,8 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     LimitExceeded: (429, "limit_exceeded"),
     SandboxError: (500, "sandbox_error"),
     RuntimeFailure: (500, "runtime_failure"),
+    # Not 409: E2B's SDKs read 409 on pause as "already paused".
+    CheckpointRefused: (422, "checkpoint_refused"),
     AgentUnavailable: (500, "agent_unavailable"),
     OperationTimeout: (500, "operation_timeout"),
     StorageError: (500, "storage_error"),

@@ -12,17 +12,19 @@ import itertools
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aenv.channel import DATA, END, EOF, Channel, ChannelClosed, Stream, splice
+from aenv.channel import DATA, END, EOF, Channel, ChannelClosed, Stream
 from aenv.guest import files, processes
 from aenv.guest.egress import EgressProxy, proxy_env
 from aenv.guest.processes import SIGNALS, ProcessError, ProcessTable
 from aenv.guest.sentry import HeapRelease
+from aenv.guest.sockets import checkpoint_blockers, relay_in_thread
 from aenv.guest.users import UnknownUser, User, lookup
 from aenv.guest.watch import Watcher
 
@@ -448,17 +450,26 @@ async def fs_watch(agent: Agent, stream: Stream) -> None:
 @handler("tunnel.open", streaming=True)
 async def tunnel_open(agent: Agent, stream: Stream) -> None:
     port = int(stream.params.get("port", 0))
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
+    conn = None
+    for host in ("127.0.0.1", "::1"):  # loopback answers at once: accepted or refused
         try:
-            reader, writer = await asyncio.open_connection("::1", port)
+            conn = socket.create_connection((host, port), timeout=5)
+            break
         except OSError:
-            await stream.end(error=("unavailable", f"port {port} is not open"))
-            return
+            continue
+    if conn is None:
+        await stream.end(error=("unavailable", f"port {port} is not open"))
+        return
+    conn.settimeout(None)
     await stream.send({"ok": True})
-    await splice(stream, reader, writer)
+    await relay_in_thread(conn, stream)
     await stream.end(result={})
+
+
+@handler("sys.checkpointable")
+async def sys_checkpointable(agent: Agent, stream: Stream) -> dict[str, Any]:
+    blockers = await asyncio.get_running_loop().run_in_executor(None, checkpoint_blockers)
+    return {"ok": not blockers, "blockers": blockers}
 
 
 @handler("sys.configure")

@@ -15,7 +15,8 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from aenv.channel import DATA, END, EOF, Channel, ChannelClosed, Stream
+from aenv.channel import END, Channel, ChannelClosed
+from aenv.guest.sockets import on_loop, relay
 
 T = TypeVar("T")
 
@@ -23,7 +24,6 @@ PROXY_PORT = 3128
 PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
 NO_PROXY = "localhost,127.0.0.1,::1"
 HEAD_LIMIT = 64 * 1024
-CHUNK = 256 * 1024
 HEAD_TIMEOUT = 30.0
 DROPPED = {b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"}
 
@@ -38,9 +38,7 @@ def proxy_env() -> dict[str, str]:
 
 
 class EgressProxy:
-    """Blocking sockets and threads, not asyncio: this runsc refuses to checkpoint a TCP socket
-    that sits in an epoll set ("endpoint still has waiters upon save"), while a thread blocked
-    in accept() or recv() checkpoints fine. Channel work is handed to the agent's event loop."""
+    """Blocking sockets and threads, not asyncio (see aenv/guest/sockets.py for why)."""
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
@@ -71,7 +69,7 @@ class EgressProxy:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         assert self.loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return on_loop(self.loop, coro)
 
     def _client(self, conn: socket.socket) -> None:
         try:
@@ -128,38 +126,9 @@ class EgressProxy:
                     self._run(stream.send_data(early))
             else:
                 self._run(stream.send_data(forward))
-            self._relay(conn, stream)
+            relay(self.loop, conn, stream)
         finally:
             self._run(stream.end())
-
-    def _relay(self, conn: socket.socket, stream: Stream) -> None:
-        def inbound() -> None:  # host -> process
-            try:
-                while True:
-                    item = self._run(stream.recv())
-                    if item.kind == DATA:
-                        conn.sendall(item.data)
-                    elif item.kind == EOF:
-                        conn.shutdown(socket.SHUT_WR)
-                    elif item.kind == END:
-                        return
-            except OSError:
-                return
-            finally:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)  # wakes the outbound recv() below
-                except OSError:
-                    pass
-
-        down = threading.Thread(target=inbound, name="egress-in", daemon=True)
-        down.start()
-        try:
-            while chunk := conn.recv(CHUNK):
-                self._run(stream.send_data(chunk))
-            self._run(stream.send_eof())
-        except (OSError, ChannelClosed):
-            pass
-        down.join()
 
 
 def _refuse(conn: socket.socket, status: int, message: str) -> None:

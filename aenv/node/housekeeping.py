@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from aenv.errors import CheckpointRefused
 from aenv.node.sandbox import LiveSandbox, log_failure
 from aenv.node.state import SandboxState as S
 
@@ -88,13 +89,23 @@ async def reap_forever(node: Node) -> None:
             log.exception("reaper pass failed")
 
 
+async def _expire(node: Node, sandbox_id: str, *, pause: bool) -> None:
+    if pause:
+        try:
+            await node.pause(sandbox_id)
+            return
+        except CheckpointRefused as exc:
+            # It cannot be paused as it is; a timeout must still end it, as without autoPause.
+            log.warning("sandbox %s timed out and cannot be paused (%s): killing it", sandbox_id, exc)
+    await node.kill(sandbox_id)
+
+
 async def reap_once(node: Node) -> None:
     now = time.time()
     for sb in list(node.sandboxes.values()):
         if sb.state != S.RUNNING or sb.rec.end_at > now or sb.lock.locked():
             continue
-        action = node.pause if sb.rec.auto_pause else node.kill
         log.info("sandbox %s timed out: %s", sb.id, "pausing" if sb.rec.auto_pause else "killing")
-        task = asyncio.ensure_future(action(sb.id))
+        task = asyncio.ensure_future(_expire(node, sb.id, pause=sb.rec.auto_pause))
         node._background.add(task)
         task.add_done_callback(log_failure(sb.id, node._background))

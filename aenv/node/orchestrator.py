@@ -19,10 +19,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from aenv.channel import OpenHandler
+from aenv.channel import OpenHandler, StreamError
 from aenv.config import Settings
 from aenv.errors import (
+    CHECKPOINT_REFUSAL,
     AenvError,
+    CheckpointRefused,
     Conflict,
     InvalidRequest,
     LimitExceeded,
@@ -41,6 +43,7 @@ from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
 from aenv.storage.layers import LayerStore, new_id
 
 log = logging.getLogger("aenv.node")
+
 T = TypeVar("T")
 S = SandboxState
 DEFAULT_USER = "user"
@@ -328,6 +331,8 @@ class Node:
 
         On failure the sandbox is left running and answering, never frozen."""
         assert sb.instance is not None and sb.link is not None
+        if not self.driver.saves_epoll_tcp:
+            await self._refuse_unsaveable(sb)
         await sb.link.freeze()
         image = new_id()
         try:
@@ -341,6 +346,19 @@ class Node:
                 self._stop_instance(sb, "the sandbox died during a failed checkpoint")
             raise  # the checkpoint's own error: it says what went wrong
         return image
+
+    async def _refuse_unsaveable(self, sb: LiveSandbox) -> None:
+        """Refuse up front what the runtime could not save: a failed save would kill the instance."""
+        assert sb.link is not None
+        try:
+            answer = await sb.link.call("sys.checkpointable")
+        except StreamError:
+            return  # an agent from before this check (images pin theirs): nothing to ask
+        blockers = answer.get("blockers") or []
+        if blockers:
+            who = ", ".join(f"pid {b.get('pid')} ({b.get('cmd')})" for b in blockers[:3])
+            message = f"{CHECKPOINT_REFUSAL}: {who}; the sandbox keeps running"
+            raise CheckpointRefused(message, sandbox_id=sb.id)
 
     async def _after_failed_checkpoint(self, sb: LiveSandbox) -> None:
         """Back to running if the instance survived (the usual case); otherwise it is gone."""

@@ -58,6 +58,9 @@ class Instance:
 
 class Driver(Protocol):
     name: str
+    # False when the runtime cannot checkpoint a TCP socket that an epoll set watches; the node
+    # then asks the agent first (sys.checkpointable), because a failed save kills the instance.
+    saves_epoll_tcp: bool
 
     def guest_key(self) -> str:
         """The id of the guest bundle that fresh boots use now."""

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from aenv.errors import RuntimeFailure
+from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec
 from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
 
@@ -39,6 +39,7 @@ CAPS = [
 
 class GVisorDriver:
     name = "gvisor"
+    saves_epoll_tcp = False  # runsc 20221219: "endpoint still has waiters upon save", then it exits
 
     def __init__(self, *, state_dir: Path, runsc: str = "runsc", platform: str = "ptrace", debug: bool = False) -> None:
         self.state_dir = state_dir
@@ -186,7 +187,14 @@ class GVisorDriver:
         argv = [*self._global(instance.id), "checkpoint", "--image-path", str(image_dir)]
         if leave_running:
             argv.append("--leave-running")
-        await hostexec.run([*argv, instance.id], timeout=120)
+        try:
+            await hostexec.run([*argv, instance.id], timeout=120)
+        except RuntimeFailure as exc:
+            if "still has waiters upon save" in (exc.stderr or ""):
+                # The node asks the agent first; this is a socket its check did not see.
+                message = f"{CHECKPOINT_REFUSAL}; the failed save stopped the sandbox"
+                raise CheckpointRefused(message, argv=exc.argv, stderr=exc.stderr) from exc
+            raise
 
     async def kill(self, instance: Instance) -> None:
         instance.writer.close()

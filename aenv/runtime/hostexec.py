@@ -9,6 +9,8 @@ from pathlib import Path
 
 from aenv.errors import OperationTimeout, RuntimeFailure
 
+STDERR_KEPT = 64 * 1024  # enough for a Go panic and its stack
+
 
 async def run(
     argv: Sequence[str],
@@ -57,10 +59,10 @@ async def run(
             f"{argv[0]} {argv[1] if len(argv) > 1 else ''} timed out after {timeout}s", argv=list(argv)
         ) from exc
     if check and proc.returncode != 0:
-        tail = (err or b"").decode(errors="replace").strip()[-2000:]
+        text = (err or b"").decode(errors="replace").strip()
         raise RuntimeFailure(
-            f"{Path(argv[0]).name} failed (exit {proc.returncode}): {tail.splitlines()[-1] if tail else ''}",
+            f"{Path(argv[0]).name} failed (exit {proc.returncode}): {text.splitlines()[-1] if text else ''}",
             argv=list(argv),
-            stderr=tail,
+            stderr=text[-STDERR_KEPT:],
         )
     return (out or b"").decode(errors="replace")

@@ -1,0 +1,122 @@
+"""Blocking-socket plumbing between TCP connections inside the sandbox and channel streams.
+
+This runsc cannot checkpoint a TCP socket that sits in an epoll set ("endpoint still has waiters
+upon save"), while a thread blocked in accept(), connect() or recv() checkpoints fine. So the
+agent keeps its in-sandbox TCP sockets out of asyncio: threads do the socket I/O and hand the
+channel work to the event loop. A sandbox can then pause in the middle of a proxied request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from aenv.channel import DATA, END, EOF, ChannelClosed, Stream
+
+T = TypeVar("T")
+CHUNK = 256 * 1024
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on the agent's event loop from a worker thread and wait for it."""
+    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+def relay(loop: asyncio.AbstractEventLoop, conn: socket.socket, stream: Stream) -> None:
+    """Copy bytes both ways between ``conn`` and ``stream`` until both directions are done."""
+
+    def inbound() -> None:  # stream -> socket
+        try:
+            while True:
+                item = on_loop(loop, stream.recv())
+                if item.kind == DATA:
+                    conn.sendall(item.data)
+                elif item.kind == EOF:
+                    conn.shutdown(socket.SHUT_WR)
+                elif item.kind == END:
+                    return
+        except OSError:
+            return
+        finally:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes the recv() of the other direction
+            except OSError:
+                pass
+
+    down = threading.Thread(target=inbound, name="relay-in", daemon=True)
+    down.start()
+    try:
+        while chunk := conn.recv(CHUNK):
+            on_loop(loop, stream.send_data(chunk))
+        on_loop(loop, stream.send_eof())
+    except (OSError, ChannelClosed):
+        pass
+    down.join()
+
+
+async def relay_in_thread(conn: socket.socket, stream: Stream) -> None:
+    """:func:`relay` on a thread of its own (not the default executor, which a few long
+    connections would fill up); returns when the exchange is over and ``conn`` is closed."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def work() -> None:
+        try:
+            relay(loop, conn, stream)
+        finally:
+            conn.close()
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    threading.Thread(target=work, name="relay", daemon=True).start()
+    await done
+
+
+def _tcp_inodes() -> set[str]:
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9:
+                        inodes.add(fields[9])
+        except OSError:
+            continue
+    return inodes
+
+
+def checkpoint_blockers() -> list[dict[str, object]]:
+    """Processes that hold both an epoll instance and a TCP socket.
+
+    runsc cannot save a TCP socket that an epoll set watches, and a failed save takes the whole
+    sandbox down with it; so the host asks first and refuses the pause. Holding both is how
+    asyncio, Node or nginx servers look; it may also refuse a process that never put its TCP
+    socket in the epoll set, which is the safe way to be wrong.
+    """
+    tcp = _tcp_inodes()
+    if not tcp:
+        return []
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue  # the agent's own TCP sockets never enter its epoll set (see above)
+        try:
+            targets = [os.readlink(f"/proc/{entry}/fd/{fd}") for fd in os.listdir(f"/proc/{entry}/fd")]
+        except OSError:
+            continue  # gone, or not ours to read
+        if "anon_inode:[eventpoll]" not in targets:
+            continue
+        if any(t.startswith("socket:[") and t[8:-1] in tcp for t in targets):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                cmd = "?"
+            found.append({"pid": int(entry), "cmd": cmd[:200]})
+    return found
