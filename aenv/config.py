@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     # Internet access of sandboxes created without allow_internet_access: E2B's default is on.
     # RL deployments usually turn it off (AENV_INTERNET_BY_DEFAULT=false) and allow-list instead.
     internet_by_default: bool = True
+    # Registries spoken to over plain HTTP (besides localhost / 127.0.0.1), "host:port" each.
+    insecure_registries: list[str] = []
     reaper_interval: float = 1.0
 
     cpu_count: float = 1.0

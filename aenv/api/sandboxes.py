@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 from typing import Any
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse
 from aenv.api.schemas import (
     ConnectBody,
     ForkBody,
+    ImageTemplate,
     NetworkUpdate,
     NewSandbox,
     RefreshBody,
@@ -26,6 +28,7 @@ from aenv.api.schemas import (
 )
 from aenv.errors import InvalidRequest, WrongState, error_body
 from aenv.node.orchestrator import Node
+from aenv.templates import images
 
 router = APIRouter()
 
@@ -313,6 +316,16 @@ async def metrics(request: Request, sandbox_id: str) -> list[dict[str, Any]]:
 async def list_templates(request: Request) -> list[dict[str, Any]]:
     node = node_of(request)
     return [template_json(t, node) for t in sorted(node.templates.values(), key=lambda t: t.created_at)]
+
+
+@router.post("/templates/from-image", status_code=201, summary="Make a template from an OCI image")
+async def template_from_image(request: Request) -> JSONResponse:
+    body: ImageTemplate = await _body(request, ImageTemplate)
+    node = node_of(request)
+    # A shielded task: the pull and commit finish even if the client gives up waiting.
+    task = asyncio.ensure_future(images.template_from_image(node, body.name, body.image))
+    rec = await asyncio.shield(task)
+    return JSONResponse(template_json(rec, node), status_code=201)
 
 
 @router.get("/templates/{template_id}", summary="Get a template")

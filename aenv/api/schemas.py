@@ -57,6 +57,12 @@ class NetworkUpdate(BaseModel):
     deny_out: list[str] | None = Field(None, alias="denyOut")
 
 
+class ImageTemplate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
+    image: str = Field(..., min_length=1, max_length=512)
+
+
 class Timeout(BaseModel):
     model_config = ConfigDict(extra="ignore")
     timeout: int = Field(..., gt=0)
@@ -148,6 +154,7 @@ def template_json(t: TemplateRecord, node: Node) -> dict[str, Any]:
         "aliases": [t.name, *t.aliases],
         "createdAt": rfc3339(t.created_at),
         "layers": len(t.layers),
+        "description": t.description,
         "sandboxes": sum(1 for sb in node.sandboxes.values() if sb.rec.template_id in (t.id, t.name)),
         "envdVersion": AGENT_VERSION,
     }

@@ -353,6 +353,17 @@ def list_(state: list[str] = typer.Option([], "--state"), meta: list[str] = type
 
 
 @app.command()
+def build(
+    name: str = typer.Option(..., "--name", "-n", help="template name"),
+    image: str = typer.Option(..., "--image", help="OCI image reference to start from"),
+) -> None:
+    """Make a template from an OCI image (pulled once; its layers are shared by content)."""
+    with err.status(f"pulling {image} and committing '{name}'"):
+        row = _run(lambda c: c.template_from_image(name, image))
+    _emit([row], ["name", "templateID", "layers", "description"])
+
+
+@app.command()
 def templates() -> None:
     """List templates."""
     rows = _run(lambda c: c.templates())

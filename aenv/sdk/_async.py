@@ -403,6 +403,15 @@ class AsyncClient:
         result: list[dict[str, Any]] = await self._get("/templates")
         return result
 
+    async def template_from_image(self, name: str, image: str) -> dict[str, Any]:
+        """Pull ``image`` (an OCI reference) and commit it as template ``name``."""
+        r = await self._http.post(
+            "/templates/from-image", json={"name": name, "image": image}, headers=self._auth, timeout=3600
+        )
+        _raise_for(r)
+        result: dict[str, Any] = r.json()
+        return result
+
     async def snapshots(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = await self._get("/snapshots")
         return result

@@ -1,0 +1,1 @@
+"""OCI images: references, a registry (distribution v2) client, and layers unpacked for overlayfs."""

@@ -1,0 +1,87 @@
+"""Pull an image into the node's layer store: one overlay lower per OCI layer, shared by content.
+
+A layer's id derives from its diff_id (the digest of its uncompressed tar), so every template
+built on the same base layers uses the same directories, and a layer already here is never
+fetched again. A layer appears under its id only once it is complete and verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aenv.images.reference import ImageRef
+from aenv.images.registry import RegistryClient
+from aenv.images.unpack import LayerError, apply_layer
+from aenv.storage.layers import new_id
+
+if TYPE_CHECKING:
+    from aenv.node.orchestrator import Node
+
+LogFn = Callable[[str], None]
+
+
+def layer_id_of(diff_id: str) -> str:
+    return "oci-" + diff_id.split(":", 1)[1][:32]
+
+
+@dataclass
+class Pulled:
+    ref: ImageRef
+    digest: str
+    layers: list[str]  # layer ids, lowest first
+    config: dict[str, Any]
+    fetched_bytes: int
+    cached_layers: int
+
+
+async def pull(node: Node, reference: str, *, on_log: LogFn | None = None) -> Pulled:
+    log = on_log or (lambda line: None)
+    ref = ImageRef.parse(reference)
+    client = RegistryClient(insecure=set(node.settings.insecure_registries))
+    tmp = node.files.root / "tmp"
+    tmp.mkdir(exist_ok=True)
+    fetched, cached, ids = 0, 0, []
+    try:
+        image = await client.resolve(ref)
+        log(f"{ref}: {len(image.layers)} layers, manifest {image.digest[:19]}")
+        for i, (desc, diff_id) in enumerate(zip(image.layers, image.diff_ids, strict=True), 1):
+            layer_id = layer_id_of(diff_id)
+            ids.append(layer_id)
+            node._pending_layers.add(layer_id)  # not garbage while the template is being made
+            final = node.files.layers / layer_id
+            if final.exists():
+                cached += 1
+                log(f"layer {i}/{len(image.layers)} {diff_id[:19]}: cached")
+                continue
+            started = time.monotonic()
+            blob = tmp / f"{new_id()}.blob"
+            work = tmp / f"{layer_id}.{new_id()}"
+            try:
+                await client.fetch_blob(ref, desc["digest"], blob)
+                size = blob.stat().st_size
+                got = await asyncio.to_thread(apply_layer, blob, work)
+                if got != diff_id:
+                    raise LayerError(f"layer {i} of {ref} unpacks to {got}, not its diff_id {diff_id}")
+                if not final.exists():
+                    work.rename(final)
+            finally:
+                blob.unlink(missing_ok=True)
+                if work.exists():
+                    await asyncio.to_thread(shutil.rmtree, work, True)
+            fetched += size
+            took = time.monotonic() - started
+            log(f"layer {i}/{len(image.layers)} {diff_id[:19]}: {size / 2**20:.1f} MiB in {took:.1f}s")
+        return Pulled(ref, image.digest, ids, image.config, fetched, cached)
+    finally:
+        await client.close()
+
+
+def release(node: Node, pulled: Pulled) -> None:
+    """The template (or the failure) is recorded: the layers are ordinary layers again."""
+    for layer_id in pulled.layers:
+        node._pending_layers.discard(layer_id)

@@ -1,0 +1,90 @@
+"""Templates from OCI images: pull, add the sandbox conventions in a layer of their own, commit.
+
+The image needs nothing of ours (the agent brings its own runtime at /.aenv). What a sandbox
+expects of its root filesystem (E2B's default user `user` with /home/user, /run/e2b, a hostname,
+the statx shim for glibc programs) is written by the host into one small layer on top of the
+image's layers, without running anything from the image.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from aenv.images.pull import Pulled, pull, release
+from aenv.node.orchestrator import Node
+from aenv.node.store import TemplateRecord
+from aenv.runtime.guestbundle import COMPAT_LIB
+from aenv.templates.builder import LogFn, commit_template
+
+USER_UID = 1000
+
+
+def _read_from_layers(node: Node, layers: list[str], path: str) -> bytes | None:
+    """The file at ``path`` as the overlay of ``layers`` shows it (top layer wins)."""
+    for layer_id in reversed(layers):
+        candidate = node.files.layer(layer_id) / path
+        try:
+            mode = os.lstat(candidate).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISCHR(mode) and os.stat(candidate, follow_symlinks=False).st_rdev == 0:
+            return None  # whited out
+        if stat.S_ISREG(mode):
+            return candidate.read_bytes()
+        return None
+    return None
+
+
+def _exists_in_layers(node: Node, layers: list[str], pattern: str) -> bool:
+    return any(list((node.files.layer(layer_id)).glob(pattern)) for layer_id in layers)
+
+
+def conventions_layer(node: Node, layers: list[str]) -> str:
+    """Write the sandbox conventions for an image made of ``layers``; return the new layer id."""
+    layer_id, root = node.files.new_layer_dir()
+    passwd = (_read_from_layers(node, layers, "etc/passwd") or b"root:x:0:0:root:/root:/bin/sh\n").decode()
+    group = (_read_from_layers(node, layers, "etc/group") or b"root:x:0:\n").decode()
+    shell = "/bin/bash" if _exists_in_layers(node, layers, "bin/bash") else "/bin/sh"
+    (root / "etc").mkdir()
+    if not any(line.startswith("user:") for line in passwd.splitlines()):
+        passwd = passwd.rstrip("\n") + f"\nuser:x:{USER_UID}:{USER_UID}:user:/home/user:{shell}\n"
+    if not any(line.startswith("user:") for line in group.splitlines()):
+        group = group.rstrip("\n") + f"\nuser:x:{USER_UID}:\n"
+    (root / "etc" / "passwd").write_text(passwd)
+    (root / "etc" / "group").write_text(group)
+    (root / "etc" / "hostname").write_text("sandbox\n")
+    (root / "etc" / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n")
+    if _exists_in_layers(node, layers, "lib*/ld-linux*") or _exists_in_layers(node, layers, "usr/lib*/ld-linux*"):
+        # glibc only reads it (musl ignores the file), and only glibc programs need the shim
+        preload = (_read_from_layers(node, layers, "etc/ld.so.preload") or b"").decode()
+        if COMPAT_LIB not in preload:
+            (root / "etc" / "ld.so.preload").write_text(preload + COMPAT_LIB + "\n")
+    home = root / "home" / "user"
+    home.mkdir(parents=True)
+    os.chown(home, USER_UID, USER_UID)
+    if not _exists_in_layers(node, layers, "root"):
+        (root / "root").mkdir(mode=0o700)  # commands start in their user's home
+    (root / "run" / "e2b").mkdir(parents=True)
+    for sub in ("home", "run"):
+        os.chmod(root / sub, 0o755)
+    return layer_id
+
+
+async def template_from_image(node: Node, name: str, reference: str, *, on_log: LogFn | None = None) -> TemplateRecord:
+    """Pull ``reference`` and commit it as template ``name`` (its env and user conventions kept)."""
+    log = on_log or (lambda line: None)
+    pulled: Pulled | None = None
+    try:
+        pulled = await pull(node, reference, on_log=log)
+        extra = conventions_layer(node, pulled.layers)
+        config = pulled.config.get("config") or {}
+        env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
+        log(f"pulled {pulled.fetched_bytes / 2**20:.1f} MiB ({pulled.cached_layers} layers cached); committing")
+        rec = await commit_template(node, name=name, layers=[*pulled.layers, extra], steps=[], env=env, on_log=log)
+        rec.description = f"from {pulled.ref}@{pulled.digest}"
+        await node.store.put_template(rec)
+        return rec
+    finally:
+        if pulled is not None:
+            release(node, pulled)

@@ -1,0 +1,177 @@
+"""Test images made here, and a real registry (Debian's docker-registry) to push them to."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import shutil
+import socket
+import subprocess
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import zstandard
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class LayerTar:
+    """An uncompressed layer tar built in memory."""
+
+    def __init__(self) -> None:
+        self.buf = io.BytesIO()
+        self.tar = tarfile.open(fileobj=self.buf, mode="w", format=tarfile.PAX_FORMAT)
+
+    def dir(self, name: str, mode: int = 0o755) -> LayerTar:
+        info = tarfile.TarInfo(name)
+        info.type, info.mode = tarfile.DIRTYPE, mode
+        self.tar.addfile(info)
+        return self
+
+    def file(self, name: str, data: bytes, mode: int = 0o644, uid: int = 0) -> LayerTar:
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.uid, info.gid = len(data), mode, uid, uid
+        self.tar.addfile(info, io.BytesIO(data))
+        return self
+
+    def symlink(self, name: str, target: str) -> LayerTar:
+        info = tarfile.TarInfo(name)
+        info.type, info.linkname = tarfile.SYMTYPE, target
+        self.tar.addfile(info)
+        return self
+
+    def bytes(self) -> bytes:
+        self.tar.close()
+        return self.buf.getvalue()
+
+
+def busybox_layer() -> LayerTar:
+    layer = LayerTar().dir("bin").dir("etc").dir("tmp", 0o1777)
+    layer.file("bin/busybox", Path("/bin/busybox").read_bytes(), 0o755)
+    for applet in ("sh", "ls", "cat", "echo", "id", "whoami", "stat", "sleep", "mkdir", "rm", "env", "ash"):
+        layer.symlink(f"bin/{applet}", "busybox")
+    # E2B's SDKs run commands with /bin/bash -l -c; busybox has no bash, ash stands in for it here
+    layer.file("bin/bash", b'#!/bin/sh\nexec /bin/busybox ash "$@"\n', 0o755)
+    layer.file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
+    layer.file("etc/group", b"root:x:0:\n")
+    return layer
+
+
+@dataclass
+class Registry:
+    host: str  # "127.0.0.1:PORT"
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}"
+
+    def push_blob(self, repo: str, data: bytes) -> str:
+        digest = sha(data)
+        start = httpx.post(f"{self.url}/v2/{repo}/blobs/uploads/")
+        assert start.status_code == 202, start.text
+        location = start.headers["location"]
+        if location.startswith("/"):
+            location = self.url + location
+        put = httpx.put(httpx.URL(location).copy_add_param("digest", digest), content=data)  # keeps _state
+        assert put.status_code == 201, put.text
+        return digest
+
+    def push_image(
+        self,
+        repo: str,
+        tag: str,
+        layers: list[tuple[bytes, str]],  # (uncompressed tar, "gzip" | "zstd" | "none")
+        env: list[str] | None = None,
+        diff_ids: list[str] | None = None,
+    ) -> str:
+        """Push a linux/amd64 image; returns its manifest digest."""
+        descs = []
+        for tar, compression in layers:
+            blob = {"gzip": gzip.compress, "zstd": zstandard.compress, "none": lambda b: b}[compression](tar)
+            media = (
+                "application/vnd.oci.image.layer.v1.tar" + {"gzip": "+gzip", "zstd": "+zstd", "none": ""}[compression]
+            )
+            descs.append({"mediaType": media, "digest": self.push_blob(repo, blob), "size": len(blob)})
+        config = {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Env": env or ["PATH=/bin"]},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids or [sha(t) for t, _ in layers]},
+        }
+        raw_config = json.dumps(config).encode()
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": {
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": self.push_blob(repo, raw_config),
+                "size": len(raw_config),
+            },
+            "layers": descs,
+        }
+        return self.put_manifest(repo, tag, manifest, OCI_MANIFEST)
+
+    def put_manifest(self, repo: str, tag: str, body: dict[str, object], media: str) -> str:
+        raw = json.dumps(body).encode()
+        r = httpx.put(f"{self.url}/v2/{repo}/manifests/{tag}", content=raw, headers={"Content-Type": media})
+        assert r.status_code == 201, r.text
+        return sha(raw)
+
+    def push_index(self, repo: str, tag: str, entries: list[tuple[str, str, str]]) -> str:
+        """An image index of (manifest digest, os, architecture)."""
+        manifests = []
+        for digest, os_, arch in entries:
+            size = len(httpx.get(f"{self.url}/v2/{repo}/manifests/{digest}", headers={"Accept": OCI_MANIFEST}).content)
+            manifests.append(
+                {
+                    "mediaType": OCI_MANIFEST,
+                    "digest": digest,
+                    "size": size,
+                    "platform": {"os": os_, "architecture": arch},
+                }
+            )
+        return self.put_manifest(
+            repo, tag, {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": manifests}, OCI_INDEX
+        )
+
+
+def start_registry(root: Path) -> Iterator[Registry]:
+    binary = shutil.which("docker-registry")
+    assert binary, "docker-registry is installed by scripts/install"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = root / "config.yml"
+    config.write_text(
+        "version: 0.1\n"
+        f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n  delete:\n    enabled: true\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n"
+        "log:\n  level: error\n"
+    )
+    proc = subprocess.Popen([binary, "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    registry = Registry(f"127.0.0.1:{port}", proc)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{registry.url}/v2/").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        raise RuntimeError("docker-registry did not come up")
+    yield registry
+    proc.terminate()
+    proc.wait(10)

@@ -1,0 +1,80 @@
+"""Templates from OCI images, end to end: a real registry, a real pull, real sandboxes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from tests.conftest import Server
+from tests.images.oci import LayerTar, Registry, busybox_layer, sha, start_registry
+
+pytestmark = pytest.mark.sandbox
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    yield from start_registry(tmp_path_factory.mktemp("registry"))
+
+
+def oci_layers(server: Server) -> set[str]:
+    return {p.name for p in (server.data_dir / "fs" / "layers").iterdir() if p.name.startswith("oci-")}
+
+
+def test_image_to_template_to_sandbox(registry: Registry, api: httpx.Client, e2b_env: Server) -> None:
+    base = busybox_layer().dir("data").file("data/a.txt", b"a").file("data/b.txt", b"b").file("gone.txt", b"x")
+    base.dir("opq").file("opq/old.txt", b"old")
+    top = LayerTar().dir("data").file("data/.wh.a.txt", b"").file(".wh.gone.txt", b"").dir("opq")
+    top.file("opq/.wh..wh..opq", b"").file("opq/new.txt", b"new").file("layer2.txt", b"from layer 2\n")
+    amd64 = registry.push_image(
+        "tests/bb", "amd64", [(base.bytes(), "gzip"), (top.bytes(), "zstd")], env=["PATH=/bin", "GREETING=hello"]
+    )
+    decoy = registry.push_image("tests/bb", "arm64", [(LayerTar().file("decoy", b"arm").bytes(), "gzip")])
+    registry.push_index("tests/bb", "1", [(decoy, "linux", "arm64"), (amd64, "linux", "amd64")])
+
+    before = oci_layers(e2b_env)
+    r = api.post("/templates/from-image", json={"name": "bb", "image": f"{registry.host}/tests/bb:1"}, timeout=600)
+    assert r.status_code == 201, r.text
+    assert r.json()["name"] == "bb" and amd64 in r.json()["description"]  # the amd64 entry of the index
+    added = oci_layers(e2b_env) - before
+    assert len(added) <= 2
+
+    sbx = Sandbox.create(template="bb", timeout=120)
+    try:
+        run = sbx.commands.run
+        assert run("ls /data").stdout.split() == ["b.txt"]  # a whiteout from the upper layer
+        assert run("ls /opq").stdout.split() == ["new.txt"]  # an opaque directory
+        assert run("cat /layer2.txt").stdout == "from layer 2\n"
+        assert run("ls /gone.txt || echo absent").stdout.strip().endswith("absent")
+        assert run("echo $GREETING; whoami; echo $HOME").stdout.split() == ["hello", "user", "/home/user"]
+        assert not sbx.files.exists("/decoy")  # the arm64 manifest was not used
+        sbx.files.write("/home/user/note.txt", "written")
+        assert run("cat /home/user/note.txt").stdout == "written"
+        assert run("whoami", user="root").stdout.strip() == "root"
+    finally:
+        sbx.kill()
+
+    # The same layers under another tag: nothing new is unpacked.
+    registry.push_image("tests/bb2", "1", [(base.bytes(), "gzip"), (top.bytes(), "none")])
+    again = oci_layers(e2b_env)
+    r = api.post("/templates/from-image", json={"name": "bb2", "image": f"{registry.host}/tests/bb2:1"}, timeout=600)
+    assert r.status_code == 201, r.text
+    assert oci_layers(e2b_env) == again
+
+
+def test_image_errors_are_clear(registry: Registry, api: httpx.Client) -> None:
+    r = api.post("/templates/from-image", json={"name": "nope", "image": f"{registry.host}/tests/absent:1"})
+    assert r.status_code == 404 and "not found" in r.json()["message"]
+    arm = registry.push_image("tests/armonly", "one", [(LayerTar().file("x", b"x").bytes(), "gzip")])
+    registry.push_index("tests/armonly", "1", [(arm, "linux", "arm64")])
+    r = api.post("/templates/from-image", json={"name": "arm", "image": f"{registry.host}/tests/armonly:1"})
+    assert r.status_code == 400 and "linux/arm64" in r.json()["message"]
+    lying = registry.push_image("tests/lying", "1", [(busybox_layer().bytes(), "gzip")], diff_ids=[sha(b"other")])
+    assert lying
+    r = api.post("/templates/from-image", json={"name": "lying", "image": f"{registry.host}/tests/lying:1"})
+    assert r.status_code == 500 and "diff_id" in r.json()["message"]
+    r = api.post("/templates/from-image", json={"name": "Bad Name", "image": "x"})
+    assert r.status_code == 400
+    assert "lying" not in [t["name"] for t in api.get("/templates").json()]
