@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import shutil
+import tarfile
+import tempfile
 import time
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from aenv.api.schemas import (
     ConnectBody,
@@ -26,9 +32,9 @@ from aenv.api.schemas import (
     snapshot_json,
     template_json,
 )
-from aenv.errors import InvalidRequest, WrongState, error_body
+from aenv.errors import AenvError, InvalidRequest, WrongState, error_body
 from aenv.node.orchestrator import Node
-from aenv.templates import images
+from aenv.templates import build, images
 
 router = APIRouter()
 
@@ -326,6 +332,76 @@ async def template_from_image(request: Request) -> JSONResponse:
     task = asyncio.ensure_future(images.template_from_image(node, body.name, body.image))
     rec = await asyncio.shield(task)
     return JSONResponse(template_json(rec, node), status_code=201)
+
+
+@router.post("/templates/build", summary="Build a template from a Dockerfile (streams NDJSON build logs)")
+async def build_template(
+    request: Request,
+    name: str = Query(..., pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$"),
+    dockerfile: str = Query("Dockerfile"),
+    build_arg: list[str] = Query([], alias="buildArg"),
+) -> StreamingResponse:
+    """The body is the build context as a tar (gzip or not). Each response line is
+    ``{"log": ...}``, then ``{"template": ...}`` or ``{"error": {code, message, step?, output?}}``."""
+    node = node_of(request)
+    args = dict(arg.split("=", 1) for arg in build_arg if "=" in arg)
+    (node.files.root / "tmp").mkdir(exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="aenv-build-", dir=node.files.root / "tmp"))
+    try:
+        raw = workdir / "context.tar"
+        with open(raw, "wb") as out:
+            async for chunk in request.stream():
+                out.write(chunk)
+        context = workdir / "context"
+        await asyncio.to_thread(_unpack_context, raw, context)
+        recipe = (context / dockerfile).resolve()
+        if not recipe.is_relative_to(context.resolve()) or not recipe.is_file():
+            raise InvalidRequest(f"no {dockerfile} in the build context")
+        text = recipe.read_text()
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    async def run() -> None:
+        try:
+            rec = await build.build(
+                node,
+                name=name,
+                dockerfile=text,
+                context=context,
+                build_args=args,
+                on_log=lambda line: lines.put_nowait({"log": line}),
+            )
+            lines.put_nowait({"template": template_json(rec, node)})
+        except AenvError as exc:
+            body = error_body(exc)
+            body.update({k: getattr(exc, k) for k in ("step", "output") if hasattr(exc, k)})
+            lines.put_nowait({"error": body})
+        except Exception as exc:  # noqa: BLE001 - reported to the client, then logged by the task
+            lines.put_nowait({"error": {"code": 500, "message": f"build failed: {exc}"}})
+            raise
+        finally:
+            lines.put_nowait(None)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    task = asyncio.ensure_future(run())  # a build finishes even if its client goes away
+    node._background.add(task)
+    task.add_done_callback(node._background.discard)
+
+    async def stream() -> AsyncIterator[bytes]:
+        while (line := await lines.get()) is not None:
+            yield (json.dumps(line) + "\n").encode()
+
+    return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+
+def _unpack_context(raw: Path, dest: Path) -> None:
+    try:
+        with tarfile.open(raw) as tar:
+            tar.extractall(dest, filter="data")  # no absolute paths, no escapes, no devices
+    except (tarfile.TarError, OSError) as exc:
+        raise InvalidRequest(f"the build context is not a readable tar: {exc}") from exc
 
 
 @router.get("/templates/{template_id}", summary="Get a template")

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 
-from aenv.sdk import AenvError, AsyncClient, AsyncSandbox
+from aenv.sdk import AenvError, AsyncClient, AsyncSandbox, BuildError
 
 app = typer.Typer(help="aenv: isolated, forkable sandboxes for agentic RL.", no_args_is_help=True)
 out = Console()
@@ -354,13 +354,44 @@ def list_(state: list[str] = typer.Option([], "--state"), meta: list[str] = type
 
 @app.command()
 def build(
+    context: Path = typer.Argument(Path("."), help="build context (a directory)"),
     name: str = typer.Option(..., "--name", "-n", help="template name"),
-    image: str = typer.Option(..., "--image", help="OCI image reference to start from"),
+    file: str = typer.Option("Dockerfile", "--file", "-f", help="Dockerfile, relative to the context"),
+    build_arg: list[str] = typer.Option([], "--build-arg", help="KEY=VALUE for an ARG"),
+    image: str | None = typer.Option(None, "--image", help="no Dockerfile: make the template from this image"),
 ) -> None:
-    """Make a template from an OCI image (pulled once; its layers are shared by content)."""
-    with err.status(f"pulling {image} and committing '{name}'"):
-        row = _run(lambda c: c.template_from_image(name, image))
-    _emit([row], ["name", "templateID", "layers", "description"])
+    """Build a template from a Dockerfile (streaming its log), or straight from an OCI image."""
+    if image is not None:
+        with err.status(f"pulling {image} and committing '{name}'"):
+            row = _run(lambda c: c.template_from_image(name, image))
+        _emit([row], ["name", "templateID", "layers", "description"])
+        return
+    if not (context / file).is_file():
+        err.print(f"[red]error:[/red] no {file} in {context}")
+        raise typer.Exit(2)
+    args = dict(a.split("=", 1) for a in build_arg if "=" in a)
+    with err.status(f"building '{name}'") as status:
+
+        def show(line: str) -> None:
+            if line.startswith("["):
+                status.update(f"building '{name}': {line[:100]}")
+                err.print(f"[bold]{line}[/bold]")
+            else:
+                err.print(line, markup=False, highlight=False)
+
+        async def go(c: AsyncClient) -> dict[str, Any] | BuildError:
+            try:
+                return await c.build(name, context, dockerfile=file, build_args=args, on_log=show)
+            except BuildError as exc:
+                return exc
+
+        outcome = _run(go)
+    if isinstance(outcome, BuildError):
+        err.print(f"[red]build failed:[/red] {outcome.message}")
+        if outcome.output:
+            err.print(outcome.output, markup=False, highlight=False)
+        raise typer.Exit(1)
+    _emit([outcome], ["name", "templateID", "layers", "description"])
 
 
 @app.command()

@@ -4,6 +4,7 @@ nobody references, and the TTL reaper."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -66,6 +67,8 @@ async def gc_files(node: Node, min_age: float = 0.0) -> None:
             return False
 
     layers = referenced_layers(node) | node._pending_layers
+    # Layers of the Dockerfile step cache are kept so that rebuilds reuse them (no budget yet).
+    layers |= {v for v in json.loads(await node.store.get_meta("build-cache") or "{}").values() if v}
     for layer_id in node.files.layer_ids() - layers:
         if old(node.files.layers / layer_id):
             await node.files.remove(layer_id)

@@ -26,7 +26,7 @@ from aenv.errors import (
     Unauthenticated,
     WrongState,
 )
-from aenv.sdk._async import AsyncClient, AsyncSandbox, CommandResult, PtySession, SandboxInfo
+from aenv.sdk._async import AsyncClient, AsyncSandbox, BuildError, CommandResult, PtySession, SandboxInfo
 from aenv.sdk._rl import fork_group
 from aenv.sdk._sync import Client, Sandbox
 
@@ -34,6 +34,7 @@ __all__ = [
     "AenvError",
     "AsyncClient",
     "AsyncSandbox",
+    "BuildError",
     "Client",
     "CommandResult",
     "Conflict",

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
+import os
 import struct
+import tarfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +16,16 @@ import httpx
 
 from aenv.errors import AenvError, InvalidRequest, OperationTimeout, SandboxError, from_body
 from aenv.sdk._config import ClientConfig
+
+
+class BuildError(AenvError):
+    """A template build failed: ``step`` is the Dockerfile line, ``output`` what it printed."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(str(body.get("message", "build failed")), status=int(body.get("code", 400)))
+        self.step = body.get("step")
+        self.output = str(body.get("output") or "")
+
 
 ENVD_PORT = 49983
 ENVELOPE = struct.Struct("!BI")
@@ -411,6 +424,40 @@ class AsyncClient:
         _raise_for(r)
         result: dict[str, Any] = r.json()
         return result
+
+    async def build(
+        self,
+        name: str,
+        context: str | os.PathLike[str] = ".",
+        *,
+        dockerfile: str = "Dockerfile",
+        build_args: Mapping[str, str] | None = None,
+        on_log: Callable[[str], None] | None = None,
+    ) -> dict[str, Any]:
+        """Build template ``name`` from ``context``/``dockerfile``; build logs go to ``on_log``."""
+        packed = io.BytesIO()
+        with tarfile.open(fileobj=packed, mode="w:gz") as tar:
+            tar.add(str(context), arcname=".")
+        params: list[tuple[str, str]] = [("name", name), ("dockerfile", dockerfile)]
+        params += [("buildArg", f"{k}={v}") for k, v in (build_args or {}).items()]
+        async with self._http.stream(
+            "POST", "/templates/build", params=params, content=packed.getvalue(), headers=self._auth, timeout=None
+        ) as r:
+            if r.status_code != 200:
+                await r.aread()
+                _raise_for(r)
+            async for line in r.aiter_lines():
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                if "log" in item and on_log is not None:
+                    on_log(item["log"])
+                elif "template" in item:
+                    result: dict[str, Any] = item["template"]
+                    return result
+                elif "error" in item:
+                    raise BuildError(item["error"])
+        raise AenvError("the build stream ended without a result")
 
     async def snapshots(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = await self._get("/snapshots")

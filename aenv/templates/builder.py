@@ -7,11 +7,15 @@ Debian's own packages.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aenv.channel import END
 from aenv.errors import AenvError
@@ -19,7 +23,7 @@ from aenv.node.agentlink import AgentLink
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
 from aenv.runtime import hostexec
-from aenv.runtime.base import Limits
+from aenv.runtime.base import Instance, Limits
 from aenv.runtime.guestbundle import COMPAT_LIB
 from aenv.storage.layers import new_id
 
@@ -53,9 +57,30 @@ apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 """
 
 
+@dataclass
+class StartCommand:
+    """A template's start command (CMD/ENTRYPOINT): running when the template is committed."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    user: str
+    settle_s: float = 1.0  # how long it gets to come up before the checkpoint
+
+    async def launch(self, link: AgentLink, log: LogFn) -> None:
+        log(f"start command: {' '.join(self.argv)}")
+        process = {"cmd": self.argv[0], "args": self.argv[1:], "envs": self.env, "cwd": self.cwd}
+        stream = await link.open("process.start", {"process": process, "user": self.user, "tag": "start"})
+        first = await stream.recv()
+        if first.kind == END:
+            error = (first.msg or {}).get("error") or {}
+            raise BuildFailed(f"start command failed: {error.get('message', 'did not start')}", step=0, output="")
+        await asyncio.sleep(self.settle_s)
+
+
 class BuildFailed(AenvError):
     def __init__(self, message: str, *, step: int, output: str) -> None:
-        super().__init__(message)
+        super().__init__(message, status=400)  # the recipe failed, not the node
         self.step = step
         self.output = output
 
@@ -80,14 +105,26 @@ def host_debian_mirror() -> str:
 
 
 async def run_in(link: AgentLink, script: str, *, user: str = "root", on_log: LogFn | None = None) -> tuple[int, str]:
-    """Run a shell script through the agent, streaming its output; return (exit code, output)."""
-    stream = await link.open(
-        "process.start",
-        {
-            "process": {"cmd": "/bin/bash", "args": ["-c", script], "envs": {"DEBIAN_FRONTEND": "noninteractive"}},
-            "user": user,
-        },
+    """Run a bash script through the agent, streaming its output; return (exit code, output)."""
+    return await run_process(
+        link, ["/bin/bash", "-c", script], env={"DEBIAN_FRONTEND": "noninteractive"}, user=user, on_log=on_log
     )
+
+
+async def run_process(
+    link: AgentLink,
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    user: str = "root",
+    on_log: LogFn | None = None,
+) -> tuple[int, str]:
+    """Run ``argv`` through the agent, streaming its output; return (exit code, output)."""
+    process: dict[str, Any] = {"cmd": argv[0], "args": argv[1:], "envs": dict(env or {})}
+    if cwd:
+        process["cwd"] = cwd
+    stream = await link.open("process.start", {"process": process, "user": user})
     output: list[str] = []
     code = -1
     while True:
@@ -104,8 +141,39 @@ async def run_in(link: AgentLink, script: str, *, user: str = "root", on_log: Lo
             if "end" in event:
                 code = int(event["end"].get("exitCode", -1))
         if item.kind == END:
+            if item.msg and item.msg.get("error"):
+                output.append(str(item.msg["error"].get("message", "")))
             break
     return code, "".join(output)
+
+
+@asynccontextmanager
+async def build_instance(node: Node, layers: list[str], label: str) -> AsyncIterator[tuple[AgentLink, Instance, str]]:
+    """A build sandbox booted fresh on ``layers`` with a new upper: (link, instance, upper id).
+
+    It is killed on the way out; on an error its upper is removed too."""
+    upper = await node.files.new_upper(BUILD_LIMITS.disk_mb)
+    instance = await node.driver.boot(instance_id=new_id(), rootfs=node._rootfs(layers, upper), limits=BUILD_LIMITS)
+    link = AgentLink(label)
+    try:
+        await link.booted(instance)
+        yield link, instance, upper
+    except BaseException:
+        await node.driver.kill(instance)
+        link.close(f"{label} failed")
+        await node.files.remove(upper)
+        raise
+    await node.driver.kill(instance)
+    link.close(f"{label} finished")
+
+
+async def seal(node: Node, upper: str) -> str | None:
+    """A build upper whose instance is gone becomes a read-only layer; None if nothing was written."""
+    if node.files.is_empty(upper):
+        await node.files.remove(upper)
+        return None
+    await node.files.make_read_only(upper)
+    return upper
 
 
 async def commit_template(
@@ -115,36 +183,29 @@ async def commit_template(
     layers: list[str],
     steps: list[str],
     env: dict[str, str] | None = None,
+    start: StartCommand | None = None,
+    description: str = "",
     on_log: LogFn | None = None,
 ) -> TemplateRecord:
-    """Boot ``layers``, run ``steps`` as root, checkpoint and commit a template named ``name``."""
+    """Boot ``layers``, run ``steps`` as root, start ``start`` (it runs on in every sandbox made
+    from the template: it is in the snapshot), checkpoint and commit a template named ``name``."""
     log = on_log or (lambda line: None)
-    upper = await node.files.new_upper(BUILD_LIMITS.disk_mb)
-    instance = await node.driver.boot(instance_id=new_id(), rootfs=node._rootfs(layers, upper), limits=BUILD_LIMITS)
-    link = AgentLink(f"build-{name}")
-    try:
-        await link.booted(instance)
+    async with build_instance(node, layers, f"build-{name}") as (link, instance, upper):
         for i, step in enumerate(steps, 1):
             log(f"step {i}/{len(steps)}")
             code, output = await run_in(link, step, on_log=log)
             if code != 0:
                 raise BuildFailed(f"step {i} failed with exit code {code}", step=i, output=output[-4000:])
+        if start is not None:
+            await start.launch(link, log)
         await link.freeze()
         image = new_id()
-        await node.driver.checkpoint(instance, image_dir=node.files.image(image), leave_running=False)
-    except BaseException:
-        await node.driver.kill(instance)
-        link.close("build failed")
-        await node.files.remove(upper)
-        raise
-    await node.driver.kill(instance)
-    link.close("build finished")
-    sealed: str | None = upper
-    if node.files.is_empty(upper):
-        await node.files.remove(upper)
-        sealed = None
-    else:
-        await node.files.make_read_only(upper)
+        try:
+            await node.driver.checkpoint(instance, image_dir=node.files.image(image), leave_running=False)
+        except BaseException:
+            node.files.remove_image(image)
+            raise
+    sealed = await seal(node, upper)
     rec = TemplateRecord(
         id=new_id(16),
         name=name,
@@ -152,6 +213,7 @@ async def commit_template(
         image=image,
         created_at=time.time(),
         env_vars=dict(env or {}),
+        description=description,
         guest=node.driver.guest_key(),
     )
     old = [t for t in node.templates.values() if t.name == name]

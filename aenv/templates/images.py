@@ -81,10 +81,15 @@ async def template_from_image(node: Node, name: str, reference: str, *, on_log: 
         config = pulled.config.get("config") or {}
         env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
         log(f"pulled {pulled.fetched_bytes / 2**20:.1f} MiB ({pulled.cached_layers} layers cached); committing")
-        rec = await commit_template(node, name=name, layers=[*pulled.layers, extra], steps=[], env=env, on_log=log)
-        rec.description = f"from {pulled.ref}@{pulled.digest}"
-        await node.store.put_template(rec)
-        return rec
+        return await commit_template(
+            node,
+            name=name,
+            layers=[*pulled.layers, extra],
+            steps=[],
+            env=env,
+            description=f"from {pulled.ref}@{pulled.digest}",
+            on_log=log,
+        )
     finally:
         if pulled is not None:
             release(node, pulled)

@@ -1,0 +1,337 @@
+"""Dockerfile builds: each step's result is a layer, cached by (parent, step, inputs).
+
+FROM is an OCI image (pulled into the shared layer store) or an existing template. RUN boots a
+build sandbox on the layers so far with a fresh upper, runs the command there and seals the
+upper as the step's layer; COPY/ADD write their layer on the host, no sandbox needed; ENV, ARG,
+WORKDIR and USER change what later steps see. A step's cache key chains its parent's key with
+the step as written after substitution and, for COPY, the content of what it copies, so a
+rebuild runs again only from the first step that changed. CMD/ENTRYPOINT become the template's
+start command, running in every sandbox made from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import shutil
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aenv.errors import TemplateNotFound
+from aenv.images.pull import Pulled, pull, release
+from aenv.node.orchestrator import Node
+from aenv.node.store import TemplateRecord
+from aenv.templates import dockerfile as df
+from aenv.templates.builder import BuildFailed, LogFn, StartCommand, build_instance, commit_template, run_process, seal
+from aenv.templates.images import _read_from_layers, conventions_layer
+
+CACHE_KEY = "build-cache"  # node meta: step key -> layer id ("" for a step that wrote nothing)
+CONVENTIONS_VERSION = "conventions-1"
+
+
+@dataclass
+class State:
+    key: str
+    layers: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    args: dict[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+    user: str = "root"
+    entrypoint: list[str] = field(default_factory=list)
+    cmd: list[str] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def chain(self, *parts: Any) -> str:
+        self.key = hashlib.sha256(json.dumps([self.key, *parts], sort_keys=True).encode()).hexdigest()
+        return self.key
+
+
+async def load_cache(node: Node) -> dict[str, str]:
+    return dict(json.loads(await node.store.get_meta(CACHE_KEY) or "{}"))
+
+
+async def build(
+    node: Node,
+    *,
+    name: str,
+    dockerfile: str,
+    context: Path,
+    build_args: dict[str, str] | None = None,
+    on_log: LogFn | None = None,
+) -> TemplateRecord:
+    log = on_log or (lambda line: None)
+    instructions = df.parse(dockerfile)
+    cache = await load_cache(node)
+    build_args = dict(build_args or {})
+    pre_args: dict[str, str] = {}
+    pulled: Pulled | None = None
+    made: set[str] = set()  # layers of this build: not garbage until the template names them
+    try:
+        state: State | None = None
+        total = len(instructions)
+        for n, instr in enumerate(instructions, 1):
+            where = f"[{n}/{total}] {instr}"
+            if state is None:
+                log(where)
+                if instr.keyword == "ARG":
+                    pre_args.update(_arg(instr, build_args, pre_args))
+                    continue
+                state, pulled = await _from(node, instr, pre_args, cache, log)
+                continue
+            before = list(state.layers)
+            cached = await _step(
+                node, state, instr, context, build_args, cache, log, lambda hit, w=where: log(_say(w, hit))
+            )
+            if not cached:
+                await node.store.set_meta(CACHE_KEY, json.dumps(cache))
+            for layer_id in state.layers[len(before) :]:
+                node._pending_layers.add(layer_id)
+                made.add(layer_id)
+        assert state is not None
+        start = None
+        argv = state.entrypoint + state.cmd
+        if argv:
+            start = StartCommand(argv, {**state.args, **state.env}, state.workdir, state.user)
+        return await commit_template(
+            node,
+            name=name,
+            layers=state.layers,
+            steps=[],
+            env=state.env,
+            start=start,
+            description=f"Dockerfile build, {len(state.layers)} layers",
+            on_log=log,
+        )
+    finally:
+        if pulled is not None:
+            release(node, pulled)
+        node._pending_layers.difference_update(made)
+        await node.store.set_meta(CACHE_KEY, json.dumps(cache))
+
+
+def _say(where: str, cached: bool) -> str:
+    return f"{where}  (cached)" if cached else where
+
+
+def _arg(instr: df.Instruction, build_args: dict[str, str], env: dict[str, str]) -> dict[str, str]:
+    name, eq, default = instr.args.strip().partition("=")
+    name = name.strip()
+    return {name: build_args.get(name, df.substitute(default, env) if eq else "")}
+
+
+async def _from(
+    node: Node, instr: df.Instruction, args: dict[str, str], cache: dict[str, str], log: LogFn
+) -> tuple[State, Pulled | None]:
+    ref = df.substitute(instr.args.split()[0], args)
+    try:
+        template = node.find_template(ref)
+    except TemplateNotFound:
+        template = None
+    if template is not None:
+        state = State(key=f"template:{template.id}", layers=list(template.layers), env=dict(template.env_vars))
+        state.user = "root"
+        return state, None
+    pulled = await pull(node, ref, on_log=log)
+    config = pulled.config.get("config") or {}
+    state = State(key=f"image:{pulled.digest}", layers=list(pulled.layers))
+    state.env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
+    state.workdir = config.get("WorkingDir") or "/"
+    state.user = config.get("User") or "root"
+    state.entrypoint = list(config.get("Entrypoint") or [])
+    state.cmd = list(config.get("Cmd") or [])
+    key = state.chain(CONVENTIONS_VERSION)
+    layer = cache.get(key)
+    if not layer or not (node.files.layers / layer).exists():
+        layer = conventions_layer(node, state.layers)
+        cache[key] = layer
+    state.layers.append(layer)
+    return state, pulled
+
+
+async def _step(
+    node: Node,
+    state: State,
+    instr: df.Instruction,
+    context: Path,
+    build_args: dict[str, str],
+    cache: dict[str, str],
+    log: LogFn,
+    announce: Callable[[bool], None],
+) -> bool:
+    """Carry out one instruction on ``state``; True if its result came from the cache.
+    ``announce`` is told, before any work, whether the cache has the step."""
+    scope = {**state.args, **state.env}
+    kw = instr.keyword
+    if kw not in ("WORKDIR", "COPY", "ADD", "RUN"):
+        announce(False)
+    if kw == "ARG":
+        state.args.update(_arg(instr, build_args, scope))
+        state.chain("ARG", state.args)
+        return True
+    if kw == "ENV":
+        state.env.update(df.env_pairs(instr, scope))
+        state.chain("ENV", state.env)
+        return True
+    if kw == "USER":
+        state.user = df.substitute(instr.args.strip(), scope)
+        state.chain("USER", state.user)
+        return True
+    if kw in ("CMD", "ENTRYPOINT"):
+        form = instr.exec_form() or ["/bin/sh", "-c", instr.args]
+        if kw == "CMD":
+            state.cmd = form
+        else:
+            state.entrypoint, state.cmd = form, []
+        return True
+    if kw in df.METADATA:
+        if kw == "LABEL":
+            state.labels.update(df.env_pairs(instr, scope))
+        return True
+    if kw == "WORKDIR":
+        state.workdir = posixpath.normpath(posixpath.join(state.workdir, df.substitute(instr.args.strip(), scope)))
+        key = state.chain("WORKDIR", state.workdir)
+        return await _layer(node, state, key, cache, announce, lambda root: _mkdirs(root, state.workdir))
+    if kw in ("COPY", "ADD"):
+        sources, dest = df.copy_args(instr, scope)
+        files = _collect(context, sources, instr.line)
+        digest = _content_digest(files)
+        into_dir = len(files) > 1 or dest.endswith("/") or posixpath.basename(dest) in (".", "..")
+        dest = posixpath.normpath(posixpath.join(state.workdir, dest))
+        if into_dir:
+            dest = dest.rstrip("/") + "/"
+        owner = _owner(node, state.layers, instr.flags.get("chown"), instr.line)
+        key = state.chain(kw, digest, dest, owner, instr.flags.get("chmod"))
+        chmod = instr.flags.get("chmod")
+        return await _layer(node, state, key, cache, announce, lambda root: _copy_into(root, files, dest, owner, chmod))
+    assert kw == "RUN", kw
+    argv = instr.exec_form() or ["/bin/sh", "-c", instr.args]
+    env = {**state.args, **state.env}
+    key = state.chain("RUN", argv, env, state.user, state.workdir)
+    hit = cache.get(key)
+    if hit is not None and (hit == "" or (node.files.layers / hit).exists()):
+        announce(True)
+        if hit:
+            state.layers.append(hit)
+        return True
+    announce(False)
+    layer = await _run(node, state, argv, env, instr.line, log)
+    cache[key] = layer or ""
+    if layer:
+        state.layers.append(layer)
+    return False
+
+
+async def _layer(
+    node: Node, state: State, key: str, cache: dict[str, str], announce: Callable[[bool], None], write: Any
+) -> bool:
+    hit = cache.get(key)
+    if hit and (node.files.layers / hit).exists():
+        announce(True)
+        state.layers.append(hit)
+        return True
+    announce(False)
+    layer_id, root = node.files.new_layer_dir()
+    try:
+        write(root)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    cache[key] = layer_id
+    state.layers.append(layer_id)
+    return False
+
+
+async def _run(node: Node, state: State, argv: list[str], env: dict[str, str], line: int, log: LogFn) -> str | None:
+    async with build_instance(node, state.layers, f"build-step-{line}") as (link, _, upper):
+        code, output = await run_process(link, argv, env=env, cwd=state.workdir, user=state.user, on_log=log)
+        if code != 0:
+            raise BuildFailed(f"line {line}: RUN failed with exit code {code}", step=line, output=output[-4000:])
+    return await seal(node, upper)
+
+
+def _fail(line: int, message: str) -> BuildFailed:
+    return BuildFailed(f"line {line}: {message}", step=line, output="")
+
+
+def _mkdirs(root: Path, path: str) -> None:
+    (root / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
+
+
+def _collect(context: Path, sources: list[str], line: int) -> list[tuple[Path, str]]:
+    """(host path, path relative to its source) for everything the sources name, inside the context."""
+    base = context.resolve()
+    out: list[tuple[Path, str]] = []
+    for src in sources:
+        matches = sorted(base.glob(src.lstrip("/"))) if any(c in src for c in "*?[") else [base / src.lstrip("/")]
+        if not matches or not all(m.exists() or m.is_symlink() for m in matches):
+            raise _fail(line, f"COPY source {src!r} not found in the build context")
+        for match in matches:
+            if not match.resolve().is_relative_to(base):
+                raise _fail(line, f"COPY source {src!r} is outside the build context")
+            if match.is_dir() and not match.is_symlink():
+                for dirpath, dirnames, filenames in os.walk(match):
+                    dirnames.sort()
+                    for entry in [*dirnames, *sorted(filenames)]:
+                        full = Path(dirpath) / entry
+                        out.append((full, str(full.relative_to(match))))
+            else:
+                out.append((match, match.name))
+    return out
+
+
+def _content_digest(files: list[tuple[Path, str]]) -> str:
+    h = hashlib.sha256()
+    for path, rel in files:
+        st = os.lstat(path)
+        h.update(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode)}\0".encode())
+        if stat.S_ISREG(st.st_mode):
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        elif stat.S_ISLNK(st.st_mode):
+            h.update(os.readlink(path).encode())
+    return h.hexdigest()
+
+
+def _owner(node: Node, layers: list[str], chown: str | None, line: int) -> tuple[int, int]:
+    if not chown:
+        return 0, 0
+    user, _, group = chown.partition(":")
+
+    def lookup(name: str, table: str) -> int:
+        if name.isdigit():
+            return int(name)
+        for row in (_read_from_layers(node, layers, table) or b"").decode().splitlines():
+            fields = row.split(":")
+            if fields[0] == name and len(fields) > 2:
+                return int(fields[2])
+        raise _fail(line, f"--chown: no {table.split('/')[-1]} entry {name!r}")
+
+    uid = lookup(user, "etc/passwd")
+    gid = lookup(group, "etc/group") if group else uid
+    return uid, gid
+
+
+def _copy_into(root: Path, files: list[tuple[Path, str]], dest: str, owner: tuple[int, int], chmod: str | None) -> None:
+    single = len(files) == 1 and not dest.endswith("/") and not files[0][0].is_dir()
+    target_root = root / dest.lstrip("/")
+    for path, rel in files:
+        target = target_root if single else target_root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
+            target.mkdir(exist_ok=True)
+        elif stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(path), target)
+        else:
+            shutil.copyfile(path, target)
+        if not stat.S_ISLNK(st.st_mode):
+            os.chmod(target, int(chmod, 8) if chmod else stat.S_IMODE(st.st_mode))
+        os.lchown(target, *owner)
+    if not single:
+        os.lchown(target_root, *owner)

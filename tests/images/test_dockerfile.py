@@ -1,0 +1,125 @@
+"""Dockerfile builds: parsing (no sandbox), then real builds with the step cache and start command."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from e2b import Sandbox
+
+from aenv.sdk import BuildError, Client
+from aenv.templates import dockerfile as df
+from tests.conftest import API_KEY, Server
+from tests.images.oci import Registry, busybox_layer, start_registry
+
+
+def test_parse_continuations_flags_and_forms() -> None:
+    text = 'ARG V=1\nFROM img:${V}\n# comment\nRUN a \\\n  && b\nCOPY --chown=u:g x y /d/\nCMD ["s", "1"]\n'
+    steps = df.parse(text)
+    assert [s.keyword for s in steps] == ["ARG", "FROM", "RUN", "COPY", "CMD"]
+    assert steps[2].args == "a  && b" and steps[2].line == 4
+    assert steps[3].flags == {"chown": "u:g"} and df.copy_args(steps[3], {}) == (["x", "y"], "/d/")
+    assert steps[4].exec_form() == ["s", "1"]
+    assert df.substitute("${A:-x}/${B:+y}/$C", {"B": "1", "C": "c"}) == "x/y/c"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "RUN x",
+        "FROM a\nFROM b",
+        "FROM a\nFROBNICATE x",
+        "FROM a\nRUN --mount=type=cache true",
+        "FROM a\nADD http://x /y",
+    ],
+)
+def test_parse_refuses_what_it_cannot_build(text: str) -> None:
+    with pytest.raises(df.DockerfileError):
+        steps = df.parse(text)
+        for step in steps:
+            if step.keyword == "ADD":
+                df.copy_args(step, {})
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    yield from start_registry(tmp_path_factory.mktemp("registry"))
+
+
+DOCKERFILE = """
+ARG GREETING=hello
+FROM {image}
+ARG GREETING
+ENV APP_HOME=/app MSG="${{GREETING}} world"
+WORKDIR $APP_HOME
+COPY --chown=user:user files/ ./files/
+COPY note.txt .
+RUN echo "$MSG" > built.txt && id -un > who.txt
+USER user
+RUN echo "as $(id -un)" > /app/files/user.txt
+EXPOSE 8080
+CMD ["/bin/sh", "-c", "while true; do date +%s > /tmp/heartbeat; sleep 0.2; done"]
+"""
+
+
+@pytest.mark.sandbox
+def test_build_cache_and_start_command(registry: Registry, server: Server, e2b_env: Server, tmp_path: Path) -> None:
+    registry.push_image("tests/bbase", "1", [(busybox_layer().dir("tmp", 0o1777).bytes(), "gzip")])
+    ctx = tmp_path / "ctx"
+    (ctx / "files" / "sub").mkdir(parents=True)
+    (ctx / "files" / "sub" / "data.txt").write_text("data")
+    (ctx / "note.txt").write_text("note v1")
+    (ctx / "Dockerfile").write_text(DOCKERFILE.format(image=f"{registry.host}/tests/bbase:1"))
+
+    logs: list[str] = []
+    with Client(server.url, API_KEY) as client:
+        row = client.build("app", ctx, build_args={"GREETING": "hi"}, on_log=logs.append)
+        assert row["name"] == "app"
+        assert any(line.startswith("[") and "RUN" in line for line in logs)
+
+        sbx = Sandbox.create(template="app", timeout=120)
+        try:
+            run = sbx.commands.run
+            assert run("cat /app/built.txt /app/who.txt /app/note.txt").stdout == "hi world\nroot\nnote v1"
+            assert run("cat /app/files/sub/data.txt /app/files/user.txt").stdout == "dataas user\n"
+            assert run("stat -c %U /app/files /app/files/sub/data.txt").stdout.split() == ["user", "user"]
+            assert run("echo $MSG").stdout == "hi world\n"
+            first = int(run("cat /tmp/heartbeat").stdout)
+            time.sleep(1.5)
+            assert int(run("cat /tmp/heartbeat").stdout) > first  # the start command runs on
+        finally:
+            sbx.kill()
+
+        logs.clear()
+        started = time.monotonic()
+        client.build("app", ctx, build_args={"GREETING": "hi"}, on_log=logs.append)
+        steps = [line for line in logs if line.startswith("[") and ("RUN" in line or "COPY" in line)]
+        assert steps and all(line.endswith("(cached)") for line in steps), steps
+        assert time.monotonic() - started < 60
+
+        (ctx / "note.txt").write_text("note v2")  # only this COPY and what follows it run again
+        logs.clear()
+        client.build("app", ctx, build_args={"GREETING": "hi"}, on_log=logs.append)
+        marks = {
+            line.split("] ", 1)[1].split(" ")[0] + line.split("] ", 1)[1][4:20]: line
+            for line in logs
+            if line.startswith("[")
+        }
+        copy_files = next(line for line in logs if "COPY --chown" in line)
+        copy_note = next(line for line in logs if "COPY note.txt" in line)
+        assert copy_files.endswith("(cached)") and not copy_note.endswith("(cached)"), marks
+        assert not any(line.endswith("(cached)") for line in logs if line.startswith("[") and "RUN" in line)
+        sbx = Sandbox.create(template="app", timeout=60)
+        try:
+            assert sbx.commands.run("cat /app/note.txt").stdout == "note v2"
+        finally:
+            sbx.kill()
+
+        (ctx / "Dockerfile").write_text(f"FROM {registry.host}/tests/bbase:1\nRUN echo about to fail; exit 3\n")
+        with pytest.raises(BuildError) as failed:
+            client.build("broken", ctx)
+        assert failed.value.step == 2 and "exit code 3" in failed.value.message
+        assert "about to fail" in failed.value.output
+        assert "broken" not in [t["name"] for t in client.templates()]
