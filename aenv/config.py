@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     # Internet access of sandboxes created without allow_internet_access: E2B's default is on.
     # RL deployments usually turn it off (AENV_INTERNET_BY_DEFAULT=false) and allow-list instead.
     internet_by_default: bool = True
+    # Cached image and Dockerfile-step layers: evicted (least recently used, never in use) above
+    # this many MiB, down to layer_cache_low_ratio of it.
+    layer_cache_mb: int = Field(20 * 1024, ge=0)
+    layer_cache_low_ratio: float = Field(0.8, gt=0, le=1)
     # Registries spoken to over plain HTTP (besides localhost / 127.0.0.1), "host:port" each.
     insecure_registries: list[str] = []
     reaper_interval: float = 1.0

@@ -25,6 +25,7 @@ from aenv.api.schemas import (
     NewSandbox,
     RefreshBody,
     SnapshotBody,
+    TemplatePatch,
     Timeout,
     rfc3339,
     sandbox_detail,
@@ -32,9 +33,9 @@ from aenv.api.schemas import (
     snapshot_json,
     template_json,
 )
-from aenv.errors import AenvError, InvalidRequest, WrongState, error_body
+from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, WrongState, error_body
 from aenv.node.orchestrator import Node
-from aenv.templates import build, images
+from aenv.templates import build, catalog, images
 
 router = APIRouter()
 
@@ -402,6 +403,24 @@ def _unpack_context(raw: Path, dest: Path) -> None:
             tar.extractall(dest, filter="data")  # no absolute paths, no escapes, no devices
     except (tarfile.TarError, OSError) as exc:
         raise InvalidRequest(f"the build context is not a readable tar: {exc}") from exc
+
+
+@router.delete("/templates/{template_id:path}", status_code=204, summary="Delete a template or a snapshot")
+async def delete_template(request: Request, template_id: str, force: bool = False) -> Response:
+    """E2B's SDKs delete snapshots here too (``Sandbox.delete_snapshot``)."""
+    node = node_of(request)
+    try:
+        await node.delete_snapshot(template_id)
+    except SnapshotNotFound:
+        await catalog.delete_template(node, template_id, force=force)
+    return Response(status_code=204)
+
+
+@router.patch("/templates/{template_id}", summary="Replace a template's aliases (name:tag for tags)")
+async def patch_template(request: Request, template_id: str) -> dict[str, Any]:
+    body: TemplatePatch = await _body(request, TemplatePatch)
+    node = node_of(request)
+    return template_json(await catalog.set_aliases(node, template_id, body.aliases), node)
 
 
 @router.get("/templates/{template_id}", summary="Get a template")

@@ -63,6 +63,11 @@ class ImageTemplate(BaseModel):
     image: str = Field(..., min_length=1, max_length=512)
 
 
+class TemplatePatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    aliases: list[str] = Field(..., max_length=64)
+
+
 class Timeout(BaseModel):
     model_config = ConfigDict(extra="ignore")
     timeout: int = Field(..., gt=0)

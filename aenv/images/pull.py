@@ -55,6 +55,7 @@ async def pull(node: Node, reference: str, *, on_log: LogFn | None = None) -> Pu
             node._pending_layers.add(layer_id)  # not garbage while the template is being made
             final = node.files.layers / layer_id
             if final.exists():
+                node.files.touch(layer_id)
                 cached += 1
                 log(f"layer {i}/{len(image.layers)} {diff_id[:19]}: cached")
                 continue

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aenv.errors import CheckpointRefused
+from aenv.node import metrics
 from aenv.node.sandbox import LiveSandbox, log_failure
 from aenv.node.state import SandboxState as S
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from aenv.node.orchestrator import Node
 
 log = logging.getLogger("aenv.node")
+BUILD_CACHE = "build-cache"  # node meta written by aenv.templates.build: step key -> layer id
 
 
 async def recover(node: Node) -> None:
@@ -66,17 +68,43 @@ async def gc_files(node: Node, min_age: float = 0.0) -> None:
         except OSError:
             return False
 
-    layers = referenced_layers(node) | node._pending_layers
-    # Layers of the Dockerfile step cache are kept so that rebuilds reuse them (no budget yet).
-    layers |= {v for v in json.loads(await node.store.get_meta("build-cache") or "{}").values() if v}
-    for layer_id in node.files.layer_ids() - layers:
+    in_use = referenced_layers(node) | node._pending_layers
+    build_cache = json.loads(await node.store.get_meta(BUILD_CACHE) or "{}")
+    cacheable = {x for x in node.files.layer_ids() if x.startswith("oci-")} | {v for v in build_cache.values() if v}
+    for layer_id in node.files.layer_ids() - in_use - cacheable:
         if old(node.files.layers / layer_id):
             await node.files.remove(layer_id)
+    await evict_cache(node, cacheable, in_use, build_cache)
     images = {sb.rec.image for sb in node.sandboxes.values()} | {t.image for t in node.templates.values()}
     images |= {s.image for s in node.snapshots.values()}
     for image_id in node.files.image_ids() - images:
         if old(node.files.image(image_id)):
             node.files.remove_image(image_id)
+
+
+async def evict_cache(node: Node, cacheable: set[str], in_use: set[str], build_cache: dict[str, str]) -> None:
+    """Keep pulled image layers and Dockerfile step layers within the cache budget.
+
+    Over the high watermark, unused cached layers go, least recently used first, until the
+    cache is under the low one. Layers a template, snapshot or sandbox names are never evicted
+    (they still count toward the budget)."""
+    high = node.settings.layer_cache_mb * 2**20
+    low = high * node.settings.layer_cache_low_ratio
+    sizes = {x: await asyncio.to_thread(node.files.disk_usage, x) for x in cacheable}
+    total = sum(sizes.values())
+    metrics.LAYER_CACHE.set(total)
+    if total <= high:
+        return
+    for layer_id in sorted(cacheable - in_use, key=node.files.last_used):
+        if total <= low:
+            break
+        await node.files.remove(layer_id)
+        total -= sizes[layer_id]
+        log.info("layer cache over budget: evicted %s (%d MiB)", layer_id, sizes[layer_id] >> 20)
+        for key in [k for k, v in build_cache.items() if v == layer_id]:
+            del build_cache[key]
+    metrics.LAYER_CACHE.set(total)
+    await node.store.set_meta(BUILD_CACHE, json.dumps(build_cache))
 
 
 async def reap_forever(node: Node) -> None:

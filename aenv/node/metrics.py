@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 SANDBOXES = Gauge("aenv_sandboxes", "Sandboxes on this node by state", ["state"])
 TEMPLATES = Gauge("aenv_templates", "Templates on this node")
 OPERATIONS = Counter("aenv_operations_total", "Lifecycle operations", ["op", "outcome"])
+LAYER_CACHE = Gauge("aenv_layer_cache_bytes", "Disk held by cached image and build-step layers")
 EGRESS = Counter("aenv_egress_connections_total", "Outbound connections asked for by sandboxes", ["outcome"])
 OPERATION_SECONDS = Histogram(
     "aenv_operation_seconds",

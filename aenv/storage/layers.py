@@ -115,6 +115,33 @@ class LayerStore:
             if os.path.ismount(mnt):
                 await hostexec.run(["umount", "-l", str(mnt)], timeout=60, check=False)
 
+    def disk_usage(self, layer_id: str) -> int:
+        """Bytes a layer holds on disk (allocated blocks of its image file, or of its tree)."""
+        img = self._img(layer_id)
+        if img.exists():
+            return img.stat().st_blocks * 512
+        total = 0
+        for dirpath, dirnames, filenames in os.walk(self.layers / layer_id):
+            for name in (*dirnames, *filenames):
+                try:
+                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                except OSError:
+                    continue
+        return total
+
+    def last_used(self, layer_id: str) -> float:
+        try:
+            return (self.layers / layer_id).stat().st_mtime
+        except OSError:
+            return 0.0
+
+    def touch(self, layer_id: str) -> None:
+        """Mark a layer as just used (the layer cache evicts the least recently used first)."""
+        try:
+            os.utime(self.layers / layer_id)
+        except OSError:
+            pass
+
     def layer_ids(self) -> set[str]:
         return {p.name.removesuffix(".img") for p in self.layers.iterdir() if not p.name.startswith(".")}
 

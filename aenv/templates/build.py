@@ -24,13 +24,14 @@ from typing import Any
 
 from aenv.errors import TemplateNotFound
 from aenv.images.pull import Pulled, pull, release
+from aenv.node.housekeeping import BUILD_CACHE
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
 from aenv.templates import dockerfile as df
 from aenv.templates.builder import BuildFailed, LogFn, StartCommand, build_instance, commit_template, run_process, seal
 from aenv.templates.images import _read_from_layers, conventions_layer
 
-CACHE_KEY = "build-cache"  # node meta: step key -> layer id ("" for a step that wrote nothing)
+CACHE_KEY = BUILD_CACHE  # node meta: step key -> layer id ("" for a step that wrote nothing)
 CONVENTIONS_VERSION = "conventions-1"
 
 
@@ -216,6 +217,7 @@ async def _step(
     if hit is not None and (hit == "" or (node.files.layers / hit).exists()):
         announce(True)
         if hit:
+            node.files.touch(hit)
             state.layers.append(hit)
         return True
     announce(False)
@@ -232,6 +234,7 @@ async def _layer(
     hit = cache.get(key)
     if hit and (node.files.layers / hit).exists():
         announce(True)
+        node.files.touch(hit)
         state.layers.append(hit)
         return True
     announce(False)

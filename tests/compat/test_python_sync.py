@@ -322,3 +322,16 @@ def test_paused_sandbox_wakes_on_traffic_only_with_auto_resume(deployment: Deplo
     finally:
         sleepy.kill()
         plain.kill()
+
+
+def test_snapshots_through_the_sdk(sbx: Sandbox) -> None:
+    sbx.files.write("/home/user/snap.txt", "in the snapshot")
+    snap = sbx.create_snapshot()
+    assert snap.snapshot_id in [s.snapshot_id for s in sbx.list_snapshots().next_items()]
+    child = Sandbox.create(template=snap.snapshot_id, timeout=60)
+    try:
+        assert child.files.read("/home/user/snap.txt") == "in the snapshot"
+    finally:
+        child.kill()
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is False

@@ -78,3 +78,24 @@ def test_image_errors_are_clear(registry: Registry, api: httpx.Client) -> None:
     r = api.post("/templates/from-image", json={"name": "Bad Name", "image": "x"})
     assert r.status_code == 400
     assert "lying" not in [t["name"] for t in api.get("/templates").json()]
+
+
+def test_aliases_tags_and_delete(registry: Registry, api: httpx.Client, e2b_env: Server) -> None:
+    registry.push_image("tests/cat", "1", [(busybox_layer().bytes(), "gzip")])
+    r = api.post("/templates/from-image", json={"name": "cat", "image": f"{registry.host}/tests/cat:1"}, timeout=600)
+    assert r.status_code == 201, r.text
+    r = api.patch("/templates/cat", json={"aliases": ["kitten", "cat:v1"]})
+    assert r.status_code == 200 and set(r.json()["aliases"]) == {"cat", "kitten", "cat:v1"}
+    assert api.patch("/templates/cat", json={"aliases": ["base"]}).status_code == 409  # names another template
+    assert api.patch("/templates/cat", json={"aliases": ["Not Valid"]}).status_code == 400
+
+    sbx = Sandbox.create(template="cat:v1", timeout=60)  # a tag resolves like a name
+    try:
+        refused = api.delete("/templates/kitten")
+        assert refused.status_code == 409 and sbx.sandbox_id in refused.json()["message"]
+        assert api.delete("/templates/kitten", params={"force": "true"}).status_code == 204
+        assert sbx.commands.run("echo still here").stdout == "still here\n"  # its layers stay
+    finally:
+        sbx.kill()
+    assert api.get("/templates/cat").status_code == 404
+    assert api.delete("/templates/cat").status_code == 404
