@@ -22,7 +22,7 @@ from starlette.requests import Request as StarletteRequest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aenv import __version__
-from aenv.api import envd, proxy
+from aenv.api import e2b_templates, envd, proxy
 from aenv.api.sandboxes import router
 from aenv.errors import AenvError, error_body
 from aenv.node import metrics
@@ -30,6 +30,8 @@ from aenv.node.orchestrator import Node
 
 log = logging.getLogger("aenv.api")
 HOST_ROUTE = re.compile(r"^(\d+)-([a-z0-9]+)$")
+# E2B's SDK uploads template files without its API key; the URL's own token is checked instead.
+SIGNED_UPLOAD = re.compile(r"/templates/[^/]+/files/[^/]+/upload")
 PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 
 
@@ -72,6 +74,7 @@ def create_app(node: Node, *, start_node: bool = True) -> FastAPI:
     )
     app.state.node = node
     app.include_router(router)
+    app.include_router(e2b_templates.router)
 
     @app.exception_handler(AenvError)
     async def aenv_error(request: Request, exc: AenvError) -> JSONResponse:
@@ -144,7 +147,8 @@ class SandboxRouter:
                 response = await proxy.proxy_http(request, self.node, sandbox_id, port)
             await response(scope, receive, send)
             return
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and self.api_key:
+        public = scope["path"] in PUBLIC_PATHS or SIGNED_UPLOAD.fullmatch(scope["path"]) is not None
+        if scope["type"] == "http" and not public and self.api_key:
             key = headers.get("x-api-key")
             if key is None or not hmac.compare_digest(key.encode(), self.api_key.encode()):
                 body = {

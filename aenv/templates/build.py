@@ -29,7 +29,7 @@ from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
 from aenv.templates import dockerfile as df
 from aenv.templates.builder import BuildFailed, LogFn, StartCommand, build_instance, commit_template, run_process, seal
-from aenv.templates.images import _read_from_layers, conventions_layer
+from aenv.templates.images import _read_from_layers, conventions_layer, dir_in_layers, make_dirs
 
 CACHE_KEY = BUILD_CACHE  # node meta: step key -> layer id ("" for a step that wrote nothing)
 CONVENTIONS_VERSION = "conventions-1"
@@ -60,13 +60,16 @@ async def build(
     node: Node,
     *,
     name: str,
-    dockerfile: str,
+    dockerfile: str | list[df.Instruction],
     context: Path,
     build_args: dict[str, str] | None = None,
+    start: tuple[str, str | None] | None = None,
     on_log: LogFn | None = None,
 ) -> TemplateRecord:
+    """Build template ``name``. ``dockerfile`` is its text or already parsed instructions;
+    ``start`` is a (start command, ready command) pair of shell lines that replaces CMD."""
     log = on_log or (lambda line: None)
-    instructions = df.parse(dockerfile)
+    instructions = df.parse(dockerfile) if isinstance(dockerfile, str) else dockerfile
     cache = await load_cache(node)
     build_args = dict(build_args or {})
     pre_args: dict[str, str] = {}
@@ -94,17 +97,21 @@ async def build(
                 node._pending_layers.add(layer_id)
                 made.add(layer_id)
         assert state is not None
-        start = None
+        begin = None
         argv = state.entrypoint + state.cmd
+        ready = None
+        if start is not None:
+            argv = ["/bin/sh", "-c", start[0]]
+            ready = ["/bin/sh", "-c", start[1]] if start[1] else None
         if argv:
-            start = StartCommand(argv, {**state.args, **state.env}, state.workdir, state.user)
+            begin = StartCommand(argv, {**state.args, **state.env}, state.workdir, state.user, ready=ready)
         return await commit_template(
             node,
             name=name,
             layers=state.layers,
             steps=[],
             env=state.env,
-            start=start,
+            start=begin,
             description=f"Dockerfile build, {len(state.layers)} layers",
             on_log=log,
         )
@@ -196,7 +203,12 @@ async def _step(
     if kw == "WORKDIR":
         state.workdir = posixpath.normpath(posixpath.join(state.workdir, df.substitute(instr.args.strip(), scope)))
         key = state.chain("WORKDIR", state.workdir)
-        return await _layer(node, state, key, cache, announce, lambda root: _mkdirs(root, state.workdir))
+        if dir_in_layers(node, state.layers, state.workdir):
+            return True  # there already: a layer would only hide its owner and mode
+        owner = _owner(node, state.layers, state.user if state.user != "root" else None, instr.line)
+        return await _layer(
+            node, state, key, cache, announce, lambda root: make_dirs(node, state.layers, root, state.workdir, owner)
+        )
     if kw in ("COPY", "ADD"):
         sources, dest = df.copy_args(instr, scope)
         files = _collect(context, sources, instr.line)
@@ -208,7 +220,10 @@ async def _step(
         owner = _owner(node, state.layers, instr.flags.get("chown"), instr.line)
         key = state.chain(kw, digest, dest, owner, instr.flags.get("chmod"))
         chmod = instr.flags.get("chmod")
-        return await _layer(node, state, key, cache, announce, lambda root: _copy_into(root, files, dest, owner, chmod))
+        layers = list(state.layers)
+        return await _layer(
+            node, state, key, cache, announce, lambda root: _copy_into(node, layers, root, files, dest, owner, chmod)
+        )
     assert kw == "RUN", kw
     argv = instr.exec_form() or ["/bin/sh", "-c", instr.args]
     env = {**state.args, **state.env}
@@ -259,10 +274,6 @@ async def _run(node: Node, state: State, argv: list[str], env: dict[str, str], l
 
 def _fail(line: int, message: str) -> BuildFailed:
     return BuildFailed(f"line {line}: {message}", step=line, output="")
-
-
-def _mkdirs(root: Path, path: str) -> None:
-    (root / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
 
 
 def _collect(context: Path, sources: list[str], line: int) -> list[tuple[Path, str]]:
@@ -320,12 +331,24 @@ def _owner(node: Node, layers: list[str], chown: str | None, line: int) -> tuple
     return uid, gid
 
 
-def _copy_into(root: Path, files: list[tuple[Path, str]], dest: str, owner: tuple[int, int], chmod: str | None) -> None:
+def _copy_into(
+    node: Node,
+    layers: list[str],
+    root: Path,
+    files: list[tuple[Path, str]],
+    dest: str,
+    owner: tuple[int, int],
+    chmod: str | None,
+) -> None:
     single = len(files) == 1 and not dest.endswith("/") and not files[0][0].is_dir()
-    target_root = root / dest.lstrip("/")
+    parent = posixpath.dirname(dest.rstrip("/")) if single else dest.rstrip("/")
+    target_root = make_dirs(node, layers, root, parent, owner)
+    if single:
+        target_root = target_root / posixpath.basename(dest)
     for path, rel in files:
         target = target_root if single else target_root / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
+        if not single:
+            make_dirs(node, layers, root, posixpath.join(dest, posixpath.dirname(rel)), owner)
         st = os.lstat(path)
         if stat.S_ISDIR(st.st_mode):
             target.mkdir(exist_ok=True)
@@ -336,5 +359,3 @@ def _copy_into(root: Path, files: list[tuple[Path, str]], dest: str, owner: tupl
         if not stat.S_ISLNK(st.st_mode):
             os.chmod(target, int(chmod, 8) if chmod else stat.S_IMODE(st.st_mode))
         os.lchown(target, *owner)
-    if not single:
-        os.lchown(target_root, *owner)

@@ -65,7 +65,9 @@ class StartCommand:
     env: dict[str, str]
     cwd: str
     user: str
-    settle_s: float = 1.0  # how long it gets to come up before the checkpoint
+    settle_s: float = 1.0  # how long it gets to come up before the checkpoint, without a ready check
+    ready: list[str] | None = None  # run until it exits 0 before the checkpoint (E2B's readyCmd)
+    ready_timeout_s: float = 120.0
 
     async def launch(self, link: AgentLink, log: LogFn) -> None:
         log(f"start command: {' '.join(self.argv)}")
@@ -75,7 +77,18 @@ class StartCommand:
         if first.kind == END:
             error = (first.msg or {}).get("error") or {}
             raise BuildFailed(f"start command failed: {error.get('message', 'did not start')}", step=0, output="")
-        await asyncio.sleep(self.settle_s)
+        if self.ready is None:
+            await asyncio.sleep(self.settle_s)
+            return
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            code, output = await run_process(link, self.ready, env=self.env, cwd=self.cwd, user=self.user)
+            if code == 0:
+                log("ready check passed")
+                return
+            if time.monotonic() > deadline:
+                raise BuildFailed(f"ready check did not pass in {self.ready_timeout_s:.0f}s", step=0, output=output)
+            await asyncio.sleep(0.5)
 
 
 class BuildFailed(AenvError):

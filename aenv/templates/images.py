@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 from aenv.images.pull import Pulled, pull, release
 from aenv.node.orchestrator import Node
@@ -34,6 +35,44 @@ def _read_from_layers(node: Node, layers: list[str], path: str) -> bytes | None:
             return candidate.read_bytes()
         return None
     return None
+
+
+def stat_in_layers(node: Node, layers: list[str], path: str) -> os.stat_result | None:
+    """What the overlay of ``layers`` shows at ``path`` (top layer wins), or None."""
+    for layer_id in reversed(layers):
+        try:
+            return os.lstat(node.files.layer(layer_id) / path.lstrip("/"))
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def dir_in_layers(node: Node, layers: list[str], path: str) -> bool:
+    found = stat_in_layers(node, layers, path)
+    return found is not None and stat.S_ISDIR(found.st_mode)
+
+
+def make_dirs(node: Node, layers: list[str], root: Path, path: str, owner: tuple[int, int] = (0, 0)) -> Path:
+    """Create ``path`` and its parents in the new layer ``root``.
+
+    A directory that the lower layers already have is created with their mode and owner: in an
+    overlay the top layer's copy of a directory decides them, and must not change them. New ones
+    get ``owner`` and mode 0755."""
+    here, rel = root, ""
+    for part in [p for p in path.split("/") if p]:
+        rel = f"{rel}/{part}"
+        here = here / part
+        if here.is_dir():
+            continue
+        below = stat_in_layers(node, layers, rel)
+        here.mkdir()
+        if below is not None and stat.S_ISDIR(below.st_mode):
+            os.chmod(here, stat.S_IMODE(below.st_mode))
+            os.lchown(here, below.st_uid, below.st_gid)
+        else:
+            os.chmod(here, 0o755)
+            os.lchown(here, *owner)
+    return here
 
 
 def _exists_in_layers(node: Node, layers: list[str], pattern: str) -> bool:

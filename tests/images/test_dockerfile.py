@@ -123,3 +123,42 @@ def test_build_cache_and_start_command(registry: Registry, server: Server, e2b_e
         assert failed.value.step == 2 and "exit code 3" in failed.value.message
         assert "about to fail" in failed.value.output
         assert "broken" not in [t["name"] for t in client.templates()]
+
+
+@pytest.mark.sandbox
+def test_e2b_template_builder(registry: Registry, e2b_env: Server, tmp_path: Path) -> None:
+    """The `e2b` SDK's Template builder, unchanged, against aenv's template build API."""
+    from e2b import Template, wait_for_file
+
+    registry.push_image("tests/e2bbase", "1", [(busybox_layer().dir("tmp", 0o1777).bytes(), "gzip")])
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "main.txt").write_text("from the context")
+    template = (
+        Template(file_context_path=str(tmp_path))
+        .from_image(f"{registry.host}/tests/e2bbase:1")
+        .copy("app/main.txt", "/home/user/app/")
+        .set_envs({"MODE": "e2b built"})
+        .run_cmd("echo $MODE > /home/user/built.txt")
+        .run_cmd("id -un > /who", user="root")
+        .set_workdir("/home/user/app")
+        .set_start_cmd("sh -c 'while true; do date +%s > /tmp/beat; sleep 0.2; done'", wait_for_file("/tmp/beat"))
+    )
+    logs: list[str] = []
+    info = Template.build(template, "e2btpl:v1", on_build_logs=lambda entry: logs.append(entry.message))
+    assert info.name.startswith("e2btpl") or info.template_id
+    assert any("RUN" in line for line in logs)
+    assert Template.exists("e2btpl")
+
+    sbx = Sandbox.create(template="e2btpl", timeout=60)
+    try:
+        run = sbx.commands.run
+        assert run("cat /home/user/app/main.txt").stdout == "from the context"
+        assert run("cat /home/user/built.txt /who").stdout == "e2b built\nroot\n"
+        assert run("cat /tmp/beat").stdout.strip().isdigit()  # the start command is running
+    finally:
+        sbx.kill()
+
+    failing = Template().from_image(f"{registry.host}/tests/e2bbase:1").run_cmd("exit 9")
+    with pytest.raises(Exception) as failed:  # the SDK raises its BuildException
+        Template.build(failing, "e2bfail")
+    assert "exit code 9" in str(failed.value)

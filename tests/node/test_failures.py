@@ -92,11 +92,17 @@ async def count(node: Node, sandbox_id: str) -> int:
     return int(await run_py(node, sandbox_id, "print(open('/tmp/n').read())"))
 
 
+async def start_counter(node: Node, sandbox_id: str) -> None:
+    """Start COUNTER and wait for its first write (interpreter start-up is slow on a busy host)."""
+    await run_py(node, sandbox_id, COUNTER, wait=False)
+    probe = "import os,time\nfor _ in range(300):\n    if os.path.exists('/tmp/n'): break\n    time.sleep(0.05)"
+    await run_py(node, sandbox_id, probe)
+
+
 async def test_failed_pause_leaves_the_sandbox_running(tiny: tuple[Node, FaultyDriver]) -> None:
     node, driver = tiny
     rec = await node.create("tiny")
-    await run_py(node, rec.id, COUNTER, wait=False)
-    await asyncio.sleep(0.3)
+    await start_counter(node, rec.id)
     driver.fail_next = "before"
     with pytest.raises(RuntimeFailure):
         await node.pause(rec.id)
@@ -113,7 +119,7 @@ async def test_failed_pause_leaves_the_sandbox_running(tiny: tuple[Node, FaultyD
 async def test_failed_snapshot_and_fork_leave_the_source_running(tiny: tuple[Node, FaultyDriver]) -> None:
     node, driver = tiny
     rec = await node.create("tiny")
-    await run_py(node, rec.id, COUNTER, wait=False)
+    await start_counter(node, rec.id)
     for op in (lambda: node.snapshot(rec.id), lambda: node.fork(rec.id, count=2)):
         driver.fail_next = "before"
         with pytest.raises(RuntimeFailure):

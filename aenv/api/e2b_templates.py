@@ -1,0 +1,244 @@
+"""E2B's template build API, as the `e2b` SDK's `Template` builder drives it (v3 create, file
+uploads by hash, v2 build start, status polling), carried out by aenv's Dockerfile builder.
+
+Uploads go to a URL this server hands out; the SDK sends no API key there, so the URL carries
+an HMAC of (template, files hash) instead, and only that exact upload is accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import shlex
+import shutil
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from aenv.api.sandboxes import _body, node_of
+from aenv.errors import AenvError, InvalidRequest, NotFound, Unauthenticated
+from aenv.node.orchestrator import Node
+from aenv.storage.layers import new_id
+from aenv.templates import build
+from aenv.templates import dockerfile as df
+from aenv.templates.catalog import ALIAS
+
+router = APIRouter(tags=["e2b templates"])
+E2B_USER, E2B_WORKDIR = "user", "/home/user"  # what E2B template steps start with
+
+
+class NewTemplate(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(..., min_length=1, max_length=200)
+    tags: list[str] = Field(default_factory=list)
+
+
+class Step(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: str
+    args: list[str] = Field(default_factory=list)
+    files_hash: str | None = Field(None, alias="filesHash")
+
+
+class BuildStart(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    from_image: str | None = Field(None, alias="fromImage")
+    from_template: str | None = Field(None, alias="fromTemplate")
+    from_image_registry: dict[str, Any] | None = Field(None, alias="fromImageRegistry")
+    steps: list[Step] = Field(default_factory=list)
+    start_cmd: str | None = Field(None, alias="startCmd")
+    ready_cmd: str | None = Field(None, alias="readyCmd")
+
+
+@dataclass
+class Build:
+    template_id: str
+    build_id: str
+    name: str
+    tags: list[str]
+    status: str = "waiting"
+    logs: list[dict[str, Any]] = field(default_factory=list)
+    reason: dict[str, Any] | None = None
+
+    def log(self, message: str, level: str = "info") -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() % 1 * 1000):03d}Z"
+        self.logs.append({"timestamp": stamp, "level": level, "message": message})
+
+
+def builds_of(node: Node) -> dict[str, Build]:
+    if not hasattr(node, "e2b_builds"):
+        node.e2b_builds = {}  # type: ignore[attr-defined]
+    return node.e2b_builds  # type: ignore[attr-defined,no-any-return]
+
+
+def files_dir(node: Node) -> Path:
+    path = node.files.root / "build-files"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def upload_token(node: Node, template_id: str, files_hash: str) -> str:
+    return hmac.new(node._secret, f"upload:{template_id}:{files_hash}".encode(), hashlib.sha256).hexdigest()
+
+
+def _split_name(name: str) -> tuple[str, str | None]:
+    base, _, tag = name.partition(":")
+    base = base.lower().replace("/", "-")
+    if not ALIAS.fullmatch(base):
+        raise InvalidRequest(f"template name {name!r} is not usable (lowercase letters, digits, '.', '_', '-')")
+    return base, tag or None
+
+
+@router.post("/v3/templates", status_code=202, summary="Start an E2B template (then build it)")
+async def new_template(request: Request) -> JSONResponse:
+    body: NewTemplate = await _body(request, NewTemplate)
+    name, tag = _split_name(body.name)
+    tags = sorted({*body.tags, *([tag] if tag else [])})
+    entry = Build(template_id=name, build_id=new_id(16), name=name, tags=tags)
+    builds_of(node_of(request))[entry.build_id] = entry
+    out = {"templateID": name, "buildID": entry.build_id, "public": False, "names": [name], "tags": tags}
+    out["aliases"] = [name]
+    return JSONResponse(out, status_code=202)
+
+
+@router.get("/templates/{template_id}/files/{files_hash}", status_code=201, summary="Where to upload COPY files")
+async def files_link(request: Request, template_id: str, files_hash: str) -> JSONResponse:
+    node = node_of(request)
+    if not files_hash.isalnum():
+        raise InvalidRequest("bad files hash")
+    present = (files_dir(node) / f"{files_hash}.tar").exists()
+    url = str(request.url_for("upload_files", template_id=template_id, files_hash=files_hash))
+    url += f"?token={upload_token(node, template_id, files_hash)}"
+    return JSONResponse({"present": present, "url": url}, status_code=201)
+
+
+@router.put("/templates/{template_id}/files/{files_hash}/upload", name="upload_files", include_in_schema=False)
+async def upload_files(request: Request, template_id: str, files_hash: str, token: str = "") -> Response:
+    node = node_of(request)
+    if not hmac.compare_digest(token, upload_token(node, template_id, files_hash)):
+        raise Unauthenticated("this upload URL is not valid")
+    final = files_dir(node) / f"{files_hash}.tar"
+    part = final.with_name(f"{final.name}.{new_id()}.part")
+    with open(part, "wb") as out:
+        async for chunk in request.stream():
+            out.write(chunk)
+    part.rename(final)
+    return Response(status_code=200)
+
+
+@router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202, summary="Build an E2B template")
+async def start_build(request: Request, template_id: str, build_id: str) -> Response:
+    node = node_of(request)
+    entry = builds_of(node).get(build_id)
+    if entry is None or entry.template_id != template_id:
+        raise NotFound(f"build {build_id} of template {template_id} not found")
+    if entry.status != "waiting":
+        raise InvalidRequest(f"build {build_id} was started already")
+    body: BuildStart = await _body(request, BuildStart)
+    if body.from_image_registry:
+        raise InvalidRequest("fromImageRegistry (registry credentials) is not supported; use fromImage")
+    base = body.from_image or body.from_template
+    if not base:
+        raise InvalidRequest("a build needs fromImage or fromTemplate")
+    context = files_dir(node) / f"ctx-{build_id}"
+    instructions = [df.Instruction(0, "FROM", base)]
+    instructions += [df.Instruction(0, "USER", E2B_USER), df.Instruction(0, "WORKDIR", E2B_WORKDIR)]
+    user = E2B_USER
+    for step in body.steps:
+        instructions += _instructions(node, step, context, user)
+        if step.type.upper() == "USER" and step.args:
+            user = step.args[0]
+    for number, instr in enumerate(instructions, 1):
+        instr.line = number  # errors name the step
+    start = (body.start_cmd, body.ready_cmd) if body.start_cmd else None
+    entry.status = "building"
+    task = asyncio.ensure_future(_run(node, entry, instructions, context, start))
+    node._background.add(task)
+    task.add_done_callback(node._background.discard)
+    return Response(status_code=202)
+
+
+def _instructions(node: Node, step: Step, context: Path, user: str) -> list[df.Instruction]:
+    """aenv's instructions for one E2B step (``user`` is the one in force before it)."""
+    kind, args = step.type.upper(), step.args
+    if kind == "RUN" and args:
+        run = df.Instruction(0, "RUN", args[0])
+        if len(args) > 1 and args[1]:
+            # run_cmd(user=...) is for that step only
+            return [df.Instruction(0, "USER", args[1]), run, df.Instruction(0, "USER", user)]
+        return [run]
+    if kind == "ENV" and len(args) % 2 == 0:
+        pairs = " ".join(f"{k}={shlex.quote(v)}" for k, v in zip(args[::2], args[1::2], strict=True))
+        return [df.Instruction(0, "ENV", pairs)]
+    if kind in ("WORKDIR", "USER") and len(args) == 1:
+        return [df.Instruction(0, kind, args[0])]
+    if kind == "COPY" and len(args) >= 2 and step.files_hash:
+        tar = files_dir(node) / f"{step.files_hash}.tar"
+        if not tar.exists():
+            raise InvalidRequest(f"COPY {args[0]}: its files ({step.files_hash}) were never uploaded")
+        target = context / step.files_hash
+        if not target.exists():
+            with tarfile.open(tar) as t:
+                t.extractall(target, filter="data")
+        flags = {}
+        if len(args) > 2 and args[2]:
+            flags["chown"] = args[2]
+        if len(args) > 3 and args[3]:
+            flags["chmod"] = args[3]
+        src = shlex.quote(f"{step.files_hash}/{args[0]}")
+        return [df.Instruction(0, "COPY", f"{src} {shlex.quote(args[1])}", flags)]
+    raise InvalidRequest(f"template step {step.type} {args} is not supported")
+
+
+async def _run(
+    node: Node, entry: Build, instructions: list[df.Instruction], context: Path, start: tuple[str, str | None] | None
+) -> None:
+    try:
+        rec = await build.build(
+            node, name=entry.name, dockerfile=instructions, context=context, start=start, on_log=entry.log
+        )
+        aliases = sorted({*rec.aliases, *(f"{entry.name}:{t}" for t in entry.tags)} - {rec.name})
+        rec.aliases = aliases
+        await node.store.put_template(rec)
+        entry.status = "ready"
+    except AenvError as exc:
+        entry.log(exc.message, "error")
+        entry.reason = {"message": exc.message}
+        entry.status = "error"
+    except Exception as exc:  # noqa: BLE001 - the build's client learns of it through the status
+        entry.reason = {"message": f"build failed: {exc}"}
+        entry.status = "error"
+        raise
+    finally:
+        shutil.rmtree(context, ignore_errors=True)
+
+
+@router.get("/templates/{template_id}/builds/{build_id}/status", summary="E2B template build status and logs")
+async def build_status(request: Request, template_id: str, build_id: str, logsOffset: int = 0) -> dict[str, Any]:  # noqa: N803
+    entry = builds_of(node_of(request)).get(build_id)
+    if entry is None or entry.template_id != template_id:
+        raise NotFound(f"build {build_id} of template {template_id} not found")
+    window = entry.logs[max(0, logsOffset) : max(0, logsOffset) + 100]
+    out: dict[str, Any] = {
+        "templateID": template_id,
+        "buildID": build_id,
+        "status": entry.status,
+        "logs": [e["message"] for e in window],
+        "logEntries": window,
+    }
+    if entry.reason is not None:
+        out["reason"] = entry.reason
+    return out
+
+
+@router.get("/templates/aliases/{alias}", summary="Whether a template name exists (E2B Template.exists)")
+async def alias_exists(request: Request, alias: str) -> dict[str, Any]:
+    template = node_of(request).find_template(alias)
+    return {"templateID": template.id, "public": False}
