@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     # this many MiB, down to layer_cache_low_ratio of it.
     layer_cache_mb: int = Field(20 * 1024, ge=0)
     layer_cache_low_ratio: float = Field(0.8, gt=0, le=1)
+    # Where oci:/oci-archive:/docker-archive: image references may point (besides <data-dir>/imports):
+    # API clients must not get to read arbitrary host files as images.
+    image_import_dirs: list[str] = []
     # Registries spoken to over plain HTTP (besides localhost / 127.0.0.1), "host:port" each.
     insecure_registries: list[str] = []
     reaper_interval: float = 1.0

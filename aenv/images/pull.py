@@ -12,8 +12,10 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aenv.images.local import LocalSource, is_local
 from aenv.images.reference import ImageRef
 from aenv.images.registry import RegistryClient
 from aenv.images.unpack import LayerError, apply_layer
@@ -40,14 +42,23 @@ class Pulled:
 
 
 async def pull(node: Node, reference: str, *, on_log: LogFn | None = None) -> Pulled:
+    """Bring an image's layers into the layer store: from a registry, or from a layout or archive
+    on this node (``oci:``, ``oci-archive:``, ``docker-archive:``)."""
     log = on_log or (lambda line: None)
-    ref = ImageRef.parse(reference)
-    client = RegistryClient(insecure=set(node.settings.insecure_registries))
+    roots = [node.settings.data_dir / "imports", *map(Path, node.settings.image_import_dirs)]
+    local = LocalSource(reference, roots) if is_local(reference) else None
+    client = None if local else RegistryClient(insecure=set(node.settings.insecure_registries))
     tmp = node.files.root / "tmp"
     tmp.mkdir(exist_ok=True)
     fetched, cached, ids = 0, 0, []
     try:
-        image = await client.resolve(ref)
+        if local is not None:
+            image = await asyncio.to_thread(local.resolve)
+            ref = image.ref
+        else:
+            assert client is not None
+            ref = ImageRef.parse(reference)
+            image = await client.resolve(ref)
         log(f"{ref}: {len(image.layers)} layers, manifest {image.digest[:19]}")
         for i, (desc, diff_id) in enumerate(zip(image.layers, image.diff_ids, strict=True), 1):
             layer_id = layer_id_of(diff_id)
@@ -63,7 +74,11 @@ async def pull(node: Node, reference: str, *, on_log: LogFn | None = None) -> Pu
             blob = tmp / f"{new_id()}.blob"
             work = tmp / f"{layer_id}.{new_id()}"
             try:
-                await client.fetch_blob(ref, desc["digest"], blob)
+                if local is not None:
+                    await asyncio.to_thread(local.fetch, desc["digest"], blob)
+                else:
+                    assert client is not None
+                    await client.fetch_blob(ref, desc["digest"], blob)
                 size = blob.stat().st_size
                 got = await asyncio.to_thread(apply_layer, blob, work)
                 if got != diff_id:
@@ -79,7 +94,10 @@ async def pull(node: Node, reference: str, *, on_log: LogFn | None = None) -> Pu
             log(f"layer {i}/{len(image.layers)} {diff_id[:19]}: {size / 2**20:.1f} MiB in {took:.1f}s")
         return Pulled(ref, image.digest, ids, image.config, fetched, cached)
     finally:
-        await client.close()
+        if client is not None:
+            await client.close()
+        if local is not None:
+            local.close()
 
 
 def release(node: Node, pulled: Pulled) -> None:

@@ -20,6 +20,7 @@ import zstandard
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 
 
 def sha(data: bytes) -> str:
@@ -175,3 +176,62 @@ def start_registry(root: Path) -> Iterator[Registry]:
     yield registry
     proc.terminate()
     proc.wait(10)
+
+
+def _config(diff_ids: list[str], env: list[str] | None = None) -> bytes:
+    body = {"architecture": "amd64", "os": "linux", "config": {"Env": env or ["PATH=/bin"]}}
+    body["rootfs"] = {"type": "layers", "diff_ids": diff_ids}
+    return json.dumps(body).encode()
+
+
+def write_layout(root: Path, layers: list[bytes], tag: str) -> None:
+    """An OCI image layout (gzip layers) with one manifest tagged ``tag``."""
+    blobs = root / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+
+    def put(data: bytes) -> str:
+        digest = sha(data)
+        (blobs / digest.split(":")[1]).write_bytes(data)
+        return digest
+
+    descs = []
+    for tar in layers:
+        blob = gzip.compress(tar)
+        descs.append(
+            {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": put(blob), "size": len(blob)}
+        )
+    config = _config([sha(t) for t in layers])
+    manifest = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": {
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": put(config),
+                "size": len(config),
+            },
+            "layers": descs,
+        }
+    ).encode()
+    entry = {"mediaType": OCI_MANIFEST, "digest": put(manifest), "size": len(manifest)}
+    entry["annotations"] = {"org.opencontainers.image.ref.name": tag}
+    (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [entry]}))
+
+
+def write_docker_archive(path: Path, layers: list[bytes], repo_tag: str) -> None:
+    """What `docker save` writes: manifest.json, a config and plain layer tars."""
+    with tarfile.open(path, "w") as out:
+
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            out.addfile(info, io.BytesIO(data))
+
+        names = []
+        for i, tar in enumerate(layers):
+            names.append(f"layer{i}/layer.tar")
+            add(names[-1], tar)
+        config = _config([sha(t) for t in layers])
+        add("config.json", config)
+        add("manifest.json", json.dumps([{"Config": "config.json", "RepoTags": [repo_tag], "Layers": names}]).encode())

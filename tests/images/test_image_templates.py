@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import tarfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from e2b import Sandbox
 
 from tests.conftest import Server
-from tests.images.oci import LayerTar, Registry, busybox_layer, sha, start_registry
+from tests.images.oci import (
+    LayerTar,
+    Registry,
+    busybox_layer,
+    sha,
+    start_registry,
+    write_docker_archive,
+    write_layout,
+)
 
 pytestmark = pytest.mark.sandbox
 
@@ -99,3 +109,31 @@ def test_aliases_tags_and_delete(registry: Registry, api: httpx.Client, e2b_env:
         sbx.kill()
     assert api.get("/templates/cat").status_code == 404
     assert api.delete("/templates/cat").status_code == 404
+
+
+def test_images_from_files_for_air_gapped_hosts(api: httpx.Client, e2b_env: Server, tmp_path: Path) -> None:
+    imports = e2b_env.data_dir / "imports"
+    imports.mkdir(exist_ok=True)
+    layers = [busybox_layer().bytes(), LayerTar().file("marker", b"from a file").bytes()]
+    write_layout(imports / "layout", layers, "v1")
+    with tarfile.open(imports / "layout.tar", "w") as tar:  # the same as an OCI archive
+        tar.add(imports / "layout", arcname=".")
+    write_docker_archive(imports / "saved.tar", layers, "saved/img:1")
+    for name, ref in (
+        ("from-layout", f"oci:{imports / 'layout'}:v1"),
+        ("from-oci-archive", f"oci-archive:{imports / 'layout.tar'}:v1"),
+        ("from-docker-save", f"docker-archive:{imports / 'saved.tar'}:saved/img:1"),
+    ):
+        r = api.post("/templates/from-image", json={"name": name, "image": ref}, timeout=600)
+        assert r.status_code == 201, (ref, r.text)
+        sbx = Sandbox.create(template=name, timeout=60)
+        try:
+            assert sbx.commands.run("cat /marker").stdout == "from a file"
+        finally:
+            sbx.kill()
+    outside = tmp_path / "layout"
+    write_layout(outside, layers, "v1")
+    r = api.post("/templates/from-image", json={"name": "outside", "image": f"oci:{outside}:v1"})
+    assert r.status_code == 400 and "AENV_IMAGE_IMPORT_DIRS" in r.json()["message"]
+    r = api.post("/templates/from-image", json={"name": "notag", "image": f"oci:{imports / 'layout'}:v9"})
+    assert r.status_code == 404
