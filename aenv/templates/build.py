@@ -32,6 +32,7 @@ from aenv.templates.builder import BuildFailed, LogFn, StartCommand, build_insta
 from aenv.templates.images import _read_from_layers, conventions_layer, dir_in_layers, make_dirs
 
 CACHE_KEY = BUILD_CACHE  # node meta: step key -> layer id ("" for a step that wrote nothing)
+COMMITS_KEY = "build-commits"  # node meta: key of a whole build -> the template it committed
 CONVENTIONS_VERSION = "conventions-1"
 
 
@@ -105,7 +106,13 @@ async def build(
             ready = ["/bin/sh", "-c", start[1]] if start[1] else None
         if argv:
             begin = StartCommand(argv, {**state.args, **state.env}, state.workdir, state.user, ready=ready)
-        return await commit_template(
+        commits = json.loads(await node.store.get_meta(COMMITS_KEY) or "{}")
+        key = state.chain("COMMIT", name, argv, ready, node.driver.guest_key())
+        same = node.templates.get(commits.get(key, ""))
+        if same is not None and same.name == name and same.layers == state.layers:
+            log(f"template '{name}' is unchanged")
+            return same
+        rec = await commit_template(
             node,
             name=name,
             layers=state.layers,
@@ -115,6 +122,10 @@ async def build(
             description=f"Dockerfile build, {len(state.layers)} layers",
             on_log=log,
         )
+        commits = {k: v for k, v in commits.items() if v in node.templates}  # forget replaced templates
+        commits[key] = rec.id
+        await node.store.set_meta(COMMITS_KEY, json.dumps(commits))
+        return rec
     finally:
         if pulled is not None:
             release(node, pulled)

@@ -94,7 +94,8 @@ def test_build_cache_and_start_command(registry: Registry, server: Server, e2b_e
 
         logs.clear()
         started = time.monotonic()
-        client.build("app", ctx, build_args={"GREETING": "hi"}, on_log=logs.append)
+        again = client.build("app", ctx, build_args={"GREETING": "hi"}, on_log=logs.append)
+        assert again["templateID"] == row["templateID"]  # nothing changed: not even a new commit
         steps = [line for line in logs if line.startswith("[") and ("RUN" in line or "COPY" in line)]
         assert steps and all(line.endswith("(cached)") for line in steps), steps
         assert time.monotonic() - started < 60
