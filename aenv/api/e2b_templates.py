@@ -7,9 +7,9 @@ an HMAC of (template, files hash) instead, and only that exact upload is accepte
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
+import re
 import shlex
 import shutil
 import tarfile
@@ -28,7 +28,7 @@ from aenv.node.orchestrator import Node
 from aenv.storage.layers import new_id
 from aenv.templates import build
 from aenv.templates import dockerfile as df
-from aenv.templates.catalog import ALIAS
+from aenv.templates.catalog import TEMPLATE_NAME
 
 router = APIRouter(tags=["e2b templates"])
 E2B_USER, E2B_WORKDIR = "user", "/home/user"  # what E2B template steps start with
@@ -91,7 +91,7 @@ def upload_token(node: Node, template_id: str, files_hash: str) -> str:
 def _split_name(name: str) -> tuple[str, str | None]:
     base, _, tag = name.partition(":")
     base = base.lower().replace("/", "-")
-    if not ALIAS.fullmatch(base):
+    if not re.fullmatch(TEMPLATE_NAME, base):
         raise InvalidRequest(f"template name {name!r} is not usable (lowercase letters, digits, '.', '_', '-')")
     return base, tag or None
 
@@ -159,9 +159,7 @@ async def start_build(request: Request, template_id: str, build_id: str) -> Resp
         instr.line = number  # errors name the step
     start = (body.start_cmd, body.ready_cmd) if body.start_cmd else None
     entry.status = "building"
-    task = asyncio.ensure_future(_run(node, entry, instructions, context, start))
-    node._background.add(task)
-    task.add_done_callback(node._background.discard)
+    node._spawn(_run(node, entry, instructions, context, start))
     return Response(status_code=202)
 
 

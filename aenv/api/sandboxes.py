@@ -36,6 +36,7 @@ from aenv.api.schemas import (
 from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, WrongState, error_body
 from aenv.node.orchestrator import Node
 from aenv.templates import build, catalog, images
+from aenv.templates.catalog import TEMPLATE_NAME
 
 router = APIRouter()
 
@@ -338,7 +339,7 @@ async def template_from_image(request: Request) -> JSONResponse:
 @router.post("/templates/build", summary="Build a template from a Dockerfile (streams NDJSON build logs)")
 async def build_template(
     request: Request,
-    name: str = Query(..., pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$"),
+    name: str = Query(..., pattern=f"^{TEMPLATE_NAME}$"),
     dockerfile: str = Query("Dockerfile"),
     build_arg: list[str] = Query([], alias="buildArg"),
 ) -> StreamingResponse:
@@ -386,9 +387,7 @@ async def build_template(
             lines.put_nowait(None)
             shutil.rmtree(workdir, ignore_errors=True)
 
-    task = asyncio.ensure_future(run())  # a build finishes even if its client goes away
-    node._background.add(task)
-    task.add_done_callback(node._background.discard)
+    node._spawn(run())  # a build finishes even if its client goes away
 
     async def stream() -> AsyncIterator[bytes]:
         while (line := await lines.get()) is not None:

@@ -11,6 +11,7 @@ from aenv.guest.agent import AGENT_VERSION
 from aenv.node.orchestrator import LiveSandbox, Node
 from aenv.node.state import PUBLIC_STATE
 from aenv.node.store import SnapshotRecord, TemplateRecord
+from aenv.templates.catalog import TEMPLATE_NAME
 
 
 class Lifecycle(BaseModel):
@@ -59,7 +60,7 @@ class NetworkUpdate(BaseModel):
 
 class ImageTemplate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
+    name: str = Field(..., pattern=f"^{TEMPLATE_NAME}$")
     image: str = Field(..., min_length=1, max_length=512)
 
 

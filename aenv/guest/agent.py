@@ -21,7 +21,7 @@ from typing import Any
 
 from aenv.channel import DATA, END, EOF, Channel, ChannelClosed, Stream
 from aenv.guest import files, processes
-from aenv.guest.egress import EgressProxy, proxy_env
+from aenv.guest.egress import PROXY_ENV, EgressProxy
 from aenv.guest.processes import SIGNALS, ProcessError, ProcessTable
 from aenv.guest.sentry import HeapRelease
 from aenv.guest.sockets import checkpoint_blockers, relay_in_thread
@@ -131,7 +131,7 @@ class Agent:
 
     def process_env(self, user: User, extra: dict[str, str] | None) -> dict[str, str]:
         env = {"PATH": DEFAULT_PATH, "HOME": user.home, "USER": user.name, "LOGNAME": user.name, "SHELL": user.shell}
-        env.update(proxy_env())
+        env.update(PROXY_ENV)
         env.update(self.env)
         env.update(extra or {})
         return env

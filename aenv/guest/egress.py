@@ -28,13 +28,11 @@ HEAD_TIMEOUT = 30.0
 DROPPED = {b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"}
 
 
-def proxy_env() -> dict[str, str]:
-    """What every process gets so proxy-aware tools (curl, pip, git, requests, npm) find the way out."""
-    env = {}
-    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
-        env[name] = PROXY_URL
-    env["no_proxy"] = env["NO_PROXY"] = NO_PROXY
-    return env
+# What every process gets so proxy-aware tools (curl, pip, git, requests, npm) find the way out.
+PROXY_ENV = {
+    **{name: PROXY_URL for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")},
+    **{name: NO_PROXY for name in ("no_proxy", "NO_PROXY")},
+}
 
 
 class EgressProxy:

@@ -15,10 +15,9 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from aenv.channel import DATA, END, EOF, ChannelClosed, Stream
+from aenv.channel import DATA, END, EOF, SPLICE_CHUNK, ChannelClosed, Stream
 
 T = TypeVar("T")
-CHUNK = 256 * 1024
 
 
 def on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
@@ -50,7 +49,7 @@ def relay(loop: asyncio.AbstractEventLoop, conn: socket.socket, stream: Stream) 
     down = threading.Thread(target=inbound, name="relay-in", daemon=True)
     down.start()
     try:
-        while chunk := conn.recv(CHUNK):
+        while chunk := conn.recv(SPLICE_CHUNK):
             on_loop(loop, stream.send_data(chunk))
         on_loop(loop, stream.send_eof())
     except (OSError, ChannelClosed):

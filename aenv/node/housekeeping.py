@@ -70,8 +70,9 @@ async def gc_files(node: Node, min_age: float = 0.0) -> None:
 
     in_use = referenced_layers(node) | node._pending_layers
     build_cache = json.loads(await node.store.get_meta(BUILD_CACHE) or "{}")
-    cacheable = {x for x in node.files.layer_ids() if x.startswith("oci-")} | {v for v in build_cache.values() if v}
-    for layer_id in node.files.layer_ids() - in_use - cacheable:
+    present = node.files.layer_ids()
+    cacheable = {x for x in present if x.startswith("oci-")} | {v for v in build_cache.values() if v}
+    for layer_id in present - in_use - cacheable:
         if old(node.files.layers / layer_id):
             await node.files.remove(layer_id)
     await evict_cache(node, cacheable, in_use, build_cache)
@@ -90,7 +91,7 @@ async def evict_cache(node: Node, cacheable: set[str], in_use: set[str], build_c
     (they still count toward the budget)."""
     high = node.settings.layer_cache_mb * 2**20
     low = high * node.settings.layer_cache_low_ratio
-    sizes = {x: await asyncio.to_thread(node.files.disk_usage, x) for x in cacheable}
+    sizes = {x: await asyncio.to_thread(node.files.sealed_size, x) for x in cacheable}
     total = sum(sizes.values())
     metrics.LAYER_CACHE.set(total)
     if total <= high:

@@ -34,6 +34,7 @@ class LayerStore:
         self.images = root / "images"
         for d in (self.layers, self.images):
             d.mkdir(parents=True, exist_ok=True)
+        self._sealed_sizes: dict[str, int] = {}
 
     # -- paths --------------------------------------------------------------------------------------
     def _img(self, layer_id: str) -> Path:
@@ -107,6 +108,7 @@ class LayerStore:
                 await hostexec.run(["umount", "-l", str(mnt)], timeout=60, check=False)
         self._img(layer_id).unlink(missing_ok=True)
         shutil.rmtree(mnt, ignore_errors=True)
+        self._sealed_sizes.pop(layer_id, None)
 
     async def unmount_all(self) -> None:
         """Release every loop mount (a stopping node); the next start mounts what it needs."""
@@ -128,6 +130,13 @@ class LayerStore:
                 except OSError:
                     continue
         return total
+
+    def sealed_size(self, layer_id: str) -> int:
+        """:meth:`disk_usage` of a layer that no longer changes, measured once (the layer cache
+        asks for every cached layer on each garbage-collection pass)."""
+        if layer_id not in self._sealed_sizes:
+            self._sealed_sizes[layer_id] = self.disk_usage(layer_id)
+        return self._sealed_sizes[layer_id]
 
     def last_used(self, layer_id: str) -> float:
         try:

@@ -29,7 +29,7 @@ from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
 from aenv.templates import dockerfile as df
 from aenv.templates.builder import BuildFailed, LogFn, StartCommand, build_instance, commit_template, run_process, seal
-from aenv.templates.images import _read_from_layers, conventions_layer, dir_in_layers, make_dirs
+from aenv.templates.images import conventions_layer, dir_in_layers, make_dirs, read_from_layers
 
 CACHE_KEY = BUILD_CACHE  # node meta: step key -> layer id ("" for a step that wrote nothing)
 COMMITS_KEY = "build-commits"  # node meta: key of a whole build -> the template it committed
@@ -331,7 +331,7 @@ def _owner(node: Node, layers: list[str], chown: str | None, line: int) -> tuple
     def lookup(name: str, table: str) -> int:
         if name.isdigit():
             return int(name)
-        for row in (_read_from_layers(node, layers, table) or b"").decode().splitlines():
+        for row in (read_from_layers(node, layers, table) or b"").decode().splitlines():
             fields = row.split(":")
             if fields[0] == name and len(fields) > 2:
                 return int(fields[2])

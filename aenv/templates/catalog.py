@@ -14,7 +14,8 @@ from aenv.node import housekeeping
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
 
-ALIAS = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}(?::[\w][\w.-]{0,127})?")
+TEMPLATE_NAME = r"[a-z0-9][a-z0-9._-]{0,62}"
+ALIAS = re.compile(rf"{TEMPLATE_NAME}(?::[\w][\w.-]{{0,127}})?")  # a name, or name:tag
 
 
 def users_of(node: Node, template: TemplateRecord) -> list[str]:

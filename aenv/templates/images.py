@@ -21,30 +21,29 @@ from aenv.templates.builder import LogFn, commit_template
 USER_UID = 1000
 
 
-def _read_from_layers(node: Node, layers: list[str], path: str) -> bytes | None:
-    """The file at ``path`` as the overlay of ``layers`` shows it (top layer wins)."""
+def find_in_layers(node: Node, layers: list[str], path: str) -> tuple[Path, os.stat_result] | None:
+    """Where the overlay of ``layers`` finds ``path`` (top layer wins), and what is there."""
     for layer_id in reversed(layers):
-        candidate = node.files.layer(layer_id) / path
+        candidate = node.files.layer(layer_id) / path.lstrip("/")
         try:
-            mode = os.lstat(candidate).st_mode
+            return candidate, os.lstat(candidate)
         except FileNotFoundError:
             continue
-        if stat.S_ISCHR(mode) and os.stat(candidate, follow_symlinks=False).st_rdev == 0:
-            return None  # whited out
-        if stat.S_ISREG(mode):
-            return candidate.read_bytes()
-        return None
     return None
+
+
+def read_from_layers(node: Node, layers: list[str], path: str) -> bytes | None:
+    """The regular file at ``path`` as the overlay of ``layers`` shows it (a whiteout hides it)."""
+    found = find_in_layers(node, layers, path)
+    if found is None or not stat.S_ISREG(found[1].st_mode):
+        return None
+    return found[0].read_bytes()
 
 
 def stat_in_layers(node: Node, layers: list[str], path: str) -> os.stat_result | None:
-    """What the overlay of ``layers`` shows at ``path`` (top layer wins), or None."""
-    for layer_id in reversed(layers):
-        try:
-            return os.lstat(node.files.layer(layer_id) / path.lstrip("/"))
-        except FileNotFoundError:
-            continue
-    return None
+    """What the overlay of ``layers`` shows at ``path``, or None."""
+    found = find_in_layers(node, layers, path)
+    return found[1] if found is not None else None
 
 
 def dir_in_layers(node: Node, layers: list[str], path: str) -> bool:
@@ -82,8 +81,8 @@ def _exists_in_layers(node: Node, layers: list[str], pattern: str) -> bool:
 def conventions_layer(node: Node, layers: list[str]) -> str:
     """Write the sandbox conventions for an image made of ``layers``; return the new layer id."""
     layer_id, root = node.files.new_layer_dir()
-    passwd = (_read_from_layers(node, layers, "etc/passwd") or b"root:x:0:0:root:/root:/bin/sh\n").decode()
-    group = (_read_from_layers(node, layers, "etc/group") or b"root:x:0:\n").decode()
+    passwd = (read_from_layers(node, layers, "etc/passwd") or b"root:x:0:0:root:/root:/bin/sh\n").decode()
+    group = (read_from_layers(node, layers, "etc/group") or b"root:x:0:\n").decode()
     shell = "/bin/bash" if _exists_in_layers(node, layers, "bin/bash") else "/bin/sh"
     (root / "etc").mkdir()
     if not any(line.startswith("user:") for line in passwd.splitlines()):
@@ -96,7 +95,7 @@ def conventions_layer(node: Node, layers: list[str]) -> str:
     (root / "etc" / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n")
     if _exists_in_layers(node, layers, "lib*/ld-linux*") or _exists_in_layers(node, layers, "usr/lib*/ld-linux*"):
         # glibc only reads it (musl ignores the file), and only glibc programs need the shim
-        preload = (_read_from_layers(node, layers, "etc/ld.so.preload") or b"").decode()
+        preload = (read_from_layers(node, layers, "etc/ld.so.preload") or b"").decode()
         if COMPAT_LIB not in preload:
             (root / "etc" / "ld.so.preload").write_text(preload + COMPAT_LIB + "\n")
     home = root / "home" / "user"
