@@ -15,6 +15,8 @@
     │   └── AgentUnavailable (ConnectionError)  500 agent_unavailable
     ├── OperationTimeout (TimeoutError)      500 operation_timeout
     └── StorageError (OSError)               500 storage_error
+        ├── RepositoryUnavailable            503 repository_unavailable
+        └── ArtifactDamaged                  500 artifact_damaged
 
 The API finds an error's entry by walking its MRO; the SDK maps a response's ``code`` back to the
 class with the same table.
@@ -114,6 +116,14 @@ class StorageError(AenvError, OSError):
     pass
 
 
+class RepositoryUnavailable(StorageError):
+    """The snapshot repository could not be reached or refused an operation (may pass)."""
+
+
+class ArtifactDamaged(StorageError):
+    """A committed snapshot or template cannot be read back: a chunk is missing or corrupt."""
+
+
 # class -> (http status, code). The only place statuses are chosen.
 ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     AenvError: (500, "internal"),
@@ -133,6 +143,8 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     AgentUnavailable: (500, "agent_unavailable"),
     OperationTimeout: (500, "operation_timeout"),
     StorageError: (500, "storage_error"),
+    RepositoryUnavailable: (503, "repository_unavailable"),
+    ArtifactDamaged: (500, "artifact_damaged"),
 }
 
 CODE_TO_CLASS: dict[str, type[AenvError]] = {code: cls for cls, (_, code) in ERROR_TABLE.items()}

@@ -1,0 +1,245 @@
+"""Object stores the snapshot repository writes to: a POSIX directory or an S3-compatible bucket.
+
+Both expose the same five calls on flat keys (``chunks/ab/abcd...``). A ``put`` is atomic: a
+reader sees the whole object or none of it (a rename on POSIX; a single PUT on S3), which is
+what lets a manifest written last make a commit visible all at once.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+from aenv.errors import InvalidRequest, RepositoryUnavailable
+
+
+class MissingObject(KeyError):
+    """The key is not in the store."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    modified: float  # seconds since the epoch
+
+
+class Backend(Protocol):
+    url: str
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes; :class:`MissingObject` if there is none."""
+        ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]: ...
+
+    def delete(self, keys: list[str]) -> None:
+        """Remove objects; keys that are already gone are not an error."""
+        ...
+
+
+class PosixBackend:
+    """Objects as files under a root directory (local disk or a shared mount)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = f"file://{root}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RepositoryUnavailable(f"cannot create the repository directory {root}: {exc}") from exc
+
+    def _path(self, key: str) -> Path:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise InvalidRequest(f"bad repository key {key!r}")
+        return self.root / key
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".put-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())  # the manifest naming this object may be written next
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise MissingObject(key) from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        base = self._path(prefix.rstrip("/")) if prefix else self.root
+        if not base.is_dir():
+            return
+        for dirpath, _dirnames, filenames in os.walk(base):
+            for name in filenames:
+                if name.startswith(".put-"):
+                    continue  # an interrupted put: never an object
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    continue
+                yield ObjectInfo(os.path.relpath(path, self.root), st.st_size, st.st_mtime)
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self._path(key).unlink()
+            except FileNotFoundError:
+                pass
+
+    def sweep_partial_puts(self, older_than: float) -> int:
+        """Remove temp files of puts interrupted by a crash."""
+        now, removed = time.time(), 0
+        for dirpath, _dirnames, filenames in os.walk(self.root):
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                try:
+                    if name.startswith(".put-") and now - os.stat(path).st_mtime > older_than:
+                        os.unlink(path)
+                        removed += 1
+                except FileNotFoundError:
+                    continue
+        return removed
+
+
+class S3Backend:
+    """Objects in an S3-compatible bucket under a key prefix (boto3; credentials from its usual
+    chain: environment, shared config files, instance roles, unless given explicitly)."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint: str | None = None,
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+    ) -> None:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as exc:  # pragma: no cover - depends on the installation
+            raise InvalidRequest("an s3:// repository needs boto3: pip install 'aenv[s3]'") from exc
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = f"s3://{bucket}/{self.prefix}"
+        config = Config(
+            retries={"max_attempts": 5, "mode": "standard"},
+            max_pool_connections=32,
+            s3={"addressing_style": "path"} if endpoint else {},
+        )
+        kwargs: dict[str, Any] = {"endpoint_url": endpoint, "region_name": region, "config": config}
+        if access_key_id and secret_access_key:
+            kwargs.update(aws_access_key_id=access_key_id, aws_secret_access_key=secret_access_key)
+        self._s3 = boto3.session.Session().client("s3", **kwargs)
+        self._errors = self._s3.exceptions
+
+    def _key(self, key: str) -> str:
+        return self.prefix + key
+
+    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise MissingObject(kwargs.get("Key", "")) from None
+            raise RepositoryUnavailable(f"{what} on {self.url} failed: {code or exc}") from exc
+        except BotoCoreError as exc:
+            raise RepositoryUnavailable(f"{what} on {self.url} failed: {exc}") from exc
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call("put", self._s3.put_object, Key=self._key(key), Body=data)
+
+    def get(self, key: str) -> bytes:
+        body = self._call("get", self._s3.get_object, Key=self._key(key))["Body"]
+        try:
+            return bytes(body.read())
+        finally:
+            body.close()
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call("head", self._s3.head_object, Key=self._key(key))
+        except MissingObject:
+            return False
+        return True
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": self._key(prefix)}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call("list", self._s3.list_objects_v2, **kwargs)
+            for obj in page.get("Contents", []):
+                key = obj["Key"][len(self.prefix) :]
+                yield ObjectInfo(key, int(obj["Size"]), obj["LastModified"].timestamp())
+            if not page.get("IsTruncated"):
+                return
+            token = page.get("NextContinuationToken")
+
+    def delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):  # the API's batch limit
+            batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
+            out = self._call("delete", self._s3.delete_objects, Delete={"Objects": batch, "Quiet": True})
+            errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                raise RepositoryUnavailable(f"delete on {self.url} failed: {errors[0]}")
+
+
+def open_backend(
+    url: str,
+    *,
+    endpoint: str | None = None,
+    region: str | None = None,
+    access_key_id: str | None = None,
+    secret_access_key: str | None = None,
+) -> Backend:
+    """``/path`` or ``file:///path`` -> :class:`PosixBackend`; ``s3://bucket/prefix`` -> :class:`S3Backend`."""
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file"):
+        path = parsed.path if parsed.scheme else url
+        if not path.startswith("/"):
+            raise InvalidRequest(f"a file repository needs an absolute path, not {url!r}")
+        return PosixBackend(Path(path))
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise InvalidRequest(f"an s3 repository needs a bucket: s3://bucket/prefix, not {url!r}")
+        return S3Backend(
+            parsed.netloc,
+            parsed.path,
+            endpoint=endpoint,
+            region=region,
+            access_key_id=access_key_id,
+            secret_access_key=secret_access_key,
+        )
+    raise InvalidRequest(f"unknown repository scheme in {url!r} (use a path, file:// or s3://)")

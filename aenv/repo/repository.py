@@ -1,0 +1,386 @@
+"""The snapshot repository: templates and snapshots committed as content-addressed chunks.
+
+Key space (the same on a POSIX directory and in an S3 bucket)::
+
+    chunks/ab/<sha256>                 zstd of one content-defined chunk, named by its raw digest
+    artifacts/<kind>/<id>.json         one layer, checkpoint image or guest bundle: its encoding
+                                       and the ordered chunk list (kind: layer | image | guest)
+    entries/<kind>s/<id>.json          one template or snapshot: its record and the digests of the
+                                       artifact manifests it needs (kind: template | snapshot)
+    locks/<commit|gc>-<uuid>.json      who is committing or collecting right now
+
+A commit uploads chunks, then artifact manifests, then the entry manifest, each step naming only
+what is already there: until the entry is written nothing of the commit is visible, and an
+interrupted commit leaves only garbage that the collector removes. Artifacts are immutable under
+their id (a sealed layer never changes), so a later commit that needs one that is already there
+reuses it without reading a byte: a second snapshot of a sandbox uploads its new upper layer and
+its new checkpoint image, nothing else. Reads check every link of the chain: the entry names each
+manifest's digest, each manifest names its chunks' digests.
+
+Garbage collection marks from the entries and deletes the rest. It must never run while a commit
+is between uploading chunks and writing its entry, so both take a lock object and then list the
+locks: a collector that sees a live commit lock backs off; a commit that sees a collector's lock
+waits for it to go. Whichever wrote second is guaranteed to see the first (S3 and POSIX listings
+are read-after-write consistent), so the two can never overlap.
+
+Everything here is synchronous (boto3, file I/O, tar); the node calls it from worker threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from aenv.errors import ArtifactDamaged, InvalidRequest, StorageError
+from aenv.repo import encodings
+from aenv.repo.backends import Backend, MissingObject, PosixBackend
+from aenv.repo.chunks import ChunkWriter, WriteStats, chunk_key, read_chunk, read_chunks
+
+log = logging.getLogger("aenv.repo")
+
+ARTIFACT_FORMAT = "aenv-artifact/1"
+ENTRY_FORMAT = "aenv-entry/1"
+ArtifactKind = Literal["layer", "image", "guest"]
+EntryKind = Literal["template", "snapshot"]
+ENTRY_KINDS: tuple[EntryKind, ...] = ("template", "snapshot")
+Encoding = Literal["tar", "sparse"]
+LOCK_REFRESH_S = 30.0
+LOCK_STALE_S = 600.0  # a lock not refreshed for this long belongs to a process that died
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactRef:
+    kind: str
+    id: str
+    manifest: str  # sha256 of the manifest's bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LocalArtifact:
+    """A node-local artifact to commit: where it is and how to encode it."""
+
+    kind: ArtifactKind
+    id: str
+    path: Path
+    encoding: Encoding
+
+
+@dataclass
+class CommitReport:
+    logical_bytes: int = 0  # what the entry restores to: every artifact's stream, reused or not
+    new_bytes: int = 0  # compressed bytes this commit uploaded
+    chunks: int = 0
+    new_chunks: int = 0
+    new_artifacts: list[str] = field(default_factory=list)
+    reused_artifacts: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GcReport:
+    skipped: str = ""  # why nothing was collected (another commit or collection was running)
+    entries: int = 0
+    live_chunks: int = 0
+    deleted_artifacts: int = 0
+    deleted_chunks: int = 0
+    freed_bytes: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def artifact_key(kind: str, artifact_id: str) -> str:
+    return f"artifacts/{kind}/{artifact_id}.json"
+
+
+def entry_key(kind: str, entry_id: str) -> str:
+    return f"entries/{kind}s/{entry_id}.json"
+
+
+def _check_id(value: str) -> str:
+    if not value or "/" in value or value.startswith(".") or len(value) > 200:
+        raise InvalidRequest(f"bad repository id {value!r}")
+    return value
+
+
+class Repository:
+    def __init__(self, backend: Backend, *, workers: int = 8) -> None:
+        self.backend = backend
+        self.url = backend.url
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="aenv-repo")
+        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- artifacts --------------------------------------------------------------------------------
+    def find_artifact(self, kind: str, artifact_id: str) -> tuple[ArtifactRef, dict[str, Any]] | None:
+        try:
+            data = self.backend.get(artifact_key(kind, _check_id(artifact_id)))
+        except MissingObject:
+            return None
+        return ArtifactRef(kind, artifact_id, hashlib.sha256(data).hexdigest()), json.loads(data)
+
+    def put_artifact(self, item: LocalArtifact, writer: ChunkWriter) -> tuple[ArtifactRef, int]:
+        """Upload one artifact's chunks, then its manifest; returns (ref, logical bytes)."""
+        manifest: dict[str, Any] = {
+            "format": ARTIFACT_FORMAT,
+            "kind": item.kind,
+            "id": _check_id(item.id),
+            "encoding": item.encoding,
+            "created_at": time.time(),
+        }
+        if item.encoding == "tar":
+            refs = writer.write_stream(encodings.tar_blocks(item.path))
+        elif item.encoding == "sparse":
+            size, extents = encodings.data_extents(item.path)
+            manifest.update(file_size=size, extents=extents)
+            refs = writer.write_stream(encodings.sparse_blocks(item.path, extents))
+        else:
+            raise InvalidRequest(f"unknown encoding {item.encoding!r}")
+        writer.flush()  # every chunk is in before the manifest names it
+        manifest["size"] = sum(length for _, length in refs)
+        manifest["chunks"] = refs
+        data = json.dumps(manifest, sort_keys=True).encode()
+        self.backend.put(artifact_key(item.kind, item.id), data)
+        return ArtifactRef(item.kind, item.id, hashlib.sha256(data).hexdigest()), manifest["size"]
+
+    def read_manifest(self, ref: ArtifactRef, what: str) -> dict[str, Any]:
+        try:
+            data = self.backend.get(artifact_key(ref.kind, _check_id(ref.id)))
+        except MissingObject:
+            raise ArtifactDamaged(f"{what}: the manifest of {ref.kind} {ref.id} is missing") from None
+        if hashlib.sha256(data).hexdigest() != ref.manifest:
+            raise ArtifactDamaged(f"{what}: the manifest of {ref.kind} {ref.id} does not match its digest")
+        return dict(json.loads(data))
+
+    def fetch_artifact(self, ref: ArtifactRef, dest: Path, what: str) -> int:
+        """Rebuild an artifact at ``dest`` (a directory for tar, a file for sparse), every chunk
+        verified; returns its logical size. On any error the caller discards ``dest``."""
+        manifest = self.read_manifest(ref, what)
+        chunks = read_chunks(self.backend, [tuple(c) for c in manifest["chunks"]], self.pool, what)  # type: ignore[misc]
+        if manifest["encoding"] == "tar":
+            dest.mkdir(parents=True)
+            encodings.untar(chunks, dest)
+        else:
+            extents = [(int(a), int(b)) for a, b in manifest["extents"]]
+            encodings.write_sparse(chunks, dest, int(manifest["file_size"]), extents)
+        return int(manifest["size"])
+
+    # -- entries ----------------------------------------------------------------------------------
+    def commit(
+        self, kind: EntryKind, entry_id: str, record: dict[str, Any], items: list[LocalArtifact]
+    ) -> CommitReport:
+        """Commit a template or snapshot: its artifacts not yet in the repository, then its entry."""
+        started = time.monotonic()
+        report = CommitReport()
+        with self.lock("commit"):
+            writer = ChunkWriter(self.backend, self.pool)
+            refs: list[ArtifactRef] = []
+            for item in items:
+                found = self.find_artifact(item.kind, item.id)
+                if found is not None:
+                    ref, manifest = found
+                    report.reused_artifacts += 1
+                    report.logical_bytes += int(manifest.get("size", 0))
+                    report.chunks += len(manifest.get("chunks", []))
+                else:
+                    ref, _size = self.put_artifact(item, writer)
+                    report.new_artifacts.append(f"{item.kind}/{item.id}")
+                refs.append(ref)
+            stats: WriteStats = writer.stats
+            report.logical_bytes += stats.logical_bytes
+            report.chunks += stats.chunks
+            report.new_chunks, report.new_bytes = stats.new_chunks, stats.new_bytes
+            report.seconds = round(time.monotonic() - started, 3)
+            body = {
+                "format": ENTRY_FORMAT,
+                "kind": kind,
+                "id": entry_id,
+                "record": record,
+                "artifacts": [asdict(r) for r in refs],
+                "committed_at": time.time(),
+                "commit": report.as_dict(),
+            }
+            self.backend.put(entry_key(kind, _check_id(entry_id)), json.dumps(body, sort_keys=True).encode())
+        return report
+
+    def update_record(self, kind: EntryKind, entry_id: str, record: dict[str, Any]) -> bool:
+        """Rewrite a committed entry's record (aliases, names); False if it is not committed."""
+        entry = self.get_entry(kind, entry_id)
+        if entry is None:
+            return False
+        entry["record"] = record
+        self.backend.put(entry_key(kind, entry_id), json.dumps(entry, sort_keys=True).encode())
+        return True
+
+    def get_entry(self, kind: EntryKind, entry_id: str) -> dict[str, Any] | None:
+        try:
+            data = self.backend.get(entry_key(kind, _check_id(entry_id)))
+        except MissingObject:
+            return None
+        try:
+            entry = json.loads(data)
+        except ValueError:
+            raise ArtifactDamaged(f"{kind} {entry_id}: its entry in the repository is not valid JSON") from None
+        if entry.get("format") != ENTRY_FORMAT:
+            raise ArtifactDamaged(f"{kind} {entry_id}: unknown entry format {entry.get('format')!r}")
+        return dict(entry)
+
+    def entries(self, kind: EntryKind) -> list[dict[str, Any]]:
+        out = []
+        for info in self.backend.list(f"entries/{kind}s/"):
+            entry_id = info.key.rsplit("/", 1)[-1].removesuffix(".json")
+            try:
+                entry = self.get_entry(kind, entry_id)
+            except ArtifactDamaged as exc:
+                log.error("skipping a damaged entry: %s", exc)
+                continue
+            if entry is not None:
+                out.append(entry)
+        return out
+
+    def delete_entry(self, kind: EntryKind, entry_id: str) -> None:
+        """What only this entry used becomes garbage for the next collection."""
+        self.backend.delete([entry_key(kind, _check_id(entry_id))])
+
+    @staticmethod
+    def artifact_refs(entry: dict[str, Any]) -> list[ArtifactRef]:
+        return [ArtifactRef(a["kind"], a["id"], a["manifest"]) for a in entry.get("artifacts", [])]
+
+    # -- locks -------------------------------------------------------------------------------------
+    def _live_locks(self, own: str) -> tuple[list[str], list[str]]:
+        """(live lock keys other than ``own``, stale lock keys)."""
+        now, live, stale = time.time(), [], []
+        for info in self.backend.list("locks/"):
+            if info.key == own:
+                continue
+            (stale if now - info.modified > LOCK_STALE_S else live).append(info.key)
+        return live, stale
+
+    def _write_lock(self, key: str, kind: str) -> None:
+        body = {"kind": kind, "holder": self.holder, "time": time.time()}
+        self.backend.put(key, json.dumps(body).encode())
+
+    @contextlib.contextmanager
+    def lock(self, kind: Literal["commit"], wait_s: float = 3600) -> Iterator[None]:
+        """Held while a commit uploads: no collection starts until it is released."""
+        key = f"locks/{kind}-{uuid.uuid4().hex}.json"
+        self._write_lock(key, kind)
+        stop = threading.Event()
+
+        def refresh() -> None:
+            while not stop.wait(LOCK_REFRESH_S):
+                try:
+                    self._write_lock(key, kind)
+                except Exception:  # noqa: BLE001 - retried at the next tick
+                    log.warning("could not refresh repository lock %s", key, exc_info=True)
+
+        refresher = threading.Thread(target=refresh, name="aenv-repo-lock", daemon=True)
+        refresher.start()
+        try:
+            deadline = time.monotonic() + wait_s
+            while any(k.startswith("locks/gc-") for k in self._live_locks(key)[0]):
+                if time.monotonic() > deadline:
+                    raise StorageError("the repository's garbage collection has held its lock for too long")
+                time.sleep(0.2)
+            yield
+        finally:
+            stop.set()
+            self.backend.delete([key])
+
+    # -- garbage collection ------------------------------------------------------------------------
+    def gc(self) -> GcReport:
+        """Delete artifacts and chunks no entry needs. Backs off (``skipped``) while anyone else
+        holds a lock: it never deletes a chunk a commit in progress is about to name."""
+        started = time.monotonic()
+        report = GcReport()
+        key = f"locks/gc-{uuid.uuid4().hex}.json"
+        self._write_lock(key, "gc")
+        try:
+            live, stale = self._live_locks(key)
+            if stale:
+                log.warning("removing %d stale repository locks", len(stale))
+                self.backend.delete(stale)
+            if live:
+                report.skipped = f"{len(live)} commit(s) or collection(s) in progress"
+                return report
+            live_artifacts: set[str] = set()
+            for kind in ENTRY_KINDS:
+                for info in self.backend.list(f"entries/{kind}s/"):
+                    entry_id = info.key.rsplit("/", 1)[-1].removesuffix(".json")
+                    entry = self.get_entry(kind, entry_id)  # damaged: raise, collect nothing
+                    if entry is None:
+                        continue
+                    report.entries += 1
+                    live_artifacts.update(artifact_key(r.kind, r.id) for r in self.artifact_refs(entry))
+            live_chunks: set[str] = set()
+            for akey in live_artifacts:
+                try:
+                    manifest = json.loads(self.backend.get(akey))
+                except MissingObject:
+                    log.error("an entry names %s, which is missing", akey)
+                    continue
+                live_chunks.update(chunk_key(d) for d, _ in manifest["chunks"])
+            report.live_chunks = len(live_chunks)
+            dead: list[str] = []
+            for info in self.backend.list("artifacts/"):
+                if info.key not in live_artifacts:
+                    dead.append(info.key)
+                    report.deleted_artifacts += 1
+            for info in self.backend.list("chunks/"):
+                if info.key not in live_chunks:
+                    dead.append(info.key)
+                    report.deleted_chunks += 1
+                    report.freed_bytes += info.size
+            self.backend.delete(dead)
+            if isinstance(self.backend, PosixBackend):
+                self.backend.sweep_partial_puts(older_than=LOCK_STALE_S)
+        finally:
+            self.backend.delete([key])
+            report.seconds = round(time.monotonic() - started, 3)
+        return report
+
+    # -- checking -----------------------------------------------------------------------------------
+    def check(self, *, deep: bool = False) -> list[str]:
+        """Problems found: entries naming missing or altered manifests, missing chunks, and with
+        ``deep`` every chunk downloaded and verified."""
+        problems: list[str] = []
+        seen: set[str] = set()
+        for kind in ENTRY_KINDS:
+            for entry in self.entries(kind):
+                for ref in self.artifact_refs(entry):
+                    what = f"{kind} {entry['id']}"
+                    try:
+                        manifest = self.read_manifest(ref, what)
+                    except ArtifactDamaged as exc:
+                        problems.append(exc.message)
+                        continue
+                    for digest, length in manifest["chunks"]:
+                        if digest in seen:
+                            continue
+                        seen.add(digest)
+                        try:
+                            if deep:
+                                read_chunk(self.backend, (digest, length), what)
+                            elif not self.backend.exists(chunk_key(digest)):
+                                problems.append(f"{what}: chunk {digest[:16]} is missing from the repository")
+                        except ArtifactDamaged as exc:
+                            problems.append(exc.message)
+        return problems
