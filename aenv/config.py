@@ -36,8 +36,9 @@ class Settings(BaseSettings):
     # Internet access of sandboxes created without allow_internet_access: E2B's default is on.
     # RL deployments usually turn it off (AENV_INTERNET_BY_DEFAULT=false) and allow-list instead.
     internet_by_default: bool = True
-    # Cached image and Dockerfile-step layers: evicted (least recently used, never in use) above
-    # this many MiB, down to layer_cache_low_ratio of it.
+    # The node-local cache (pulled image layers, Dockerfile-step layers, and the layers and images
+    # of templates and snapshots the repository holds): evicted (least recently used, never in
+    # use) above this many MiB, down to layer_cache_low_ratio of it.
     layer_cache_mb: int = Field(20 * 1024, ge=0)
     layer_cache_low_ratio: float = Field(0.8, gt=0, le=1)
     # Where oci:/oci-archive:/docker-archive: image references may point (besides <data-dir>/imports):
@@ -46,6 +47,16 @@ class Settings(BaseSettings):
     # Registries spoken to over plain HTTP (besides localhost / 127.0.0.1), "host:port" each.
     insecure_registries: list[str] = []
     reaper_interval: float = 1.0
+
+    # The snapshot repository templates and snapshots are committed to: "" = <data-dir>/repo,
+    # a path or file:// URL (e.g. a shared mount), s3://bucket/prefix, or "none" (node-local only).
+    repo: str = ""
+    repo_s3_endpoint: str | None = None  # for S3-compatible stores (MinIO, Ceph, R2, ...)
+    repo_s3_region: str | None = None
+    # Explicit S3 credentials; otherwise boto3's chain (AWS_* variables, ~/.aws, instance roles).
+    repo_s3_access_key_id: str | None = None
+    repo_s3_secret_access_key: str | None = None
+    repo_gc_interval: float = Field(3600.0, ge=0)  # seconds between repository collections; 0 = never
 
     cpu_count: float = 1.0
     memory_mb: int = 1024

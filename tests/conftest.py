@@ -39,6 +39,8 @@ class Server:
     proc: subprocess.Popen[bytes]
     log: Path
     env: dict[str, str]
+    extra_env: dict[str, str] | None = None
+    wait_for: str | None = "base"
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"X-API-Key": API_KEY}, timeout=120)
@@ -46,7 +48,7 @@ class Server:
     def restart(self, sig: int = signal.SIGTERM) -> None:
         """Stop the server (SIGTERM: graceful; SIGKILL: a crash) and start it again in place."""
         self.stop(sig)
-        fresh = start_server(self.data_dir, port=self.port)
+        fresh = start_server(self.data_dir, port=self.port, extra_env=self.extra_env, wait_for=self.wait_for)
         self.proc, self.log = fresh.proc, fresh.log
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 120) -> None:
@@ -65,7 +67,9 @@ def start_server(
     port: int | None = None,
     extra_env: dict[str, str] | None = None,
     timeout: float = BASE_BUILD_TIMEOUT,
+    wait_for: str | None = "base",
 ) -> Server:
+    """Start `aenv server` on ``data_dir``; ready once it answers and has template ``wait_for``."""
     port = port or free_port()
     env = dict(os.environ)
     env.update({"AENV_API_KEY": API_KEY, "AENV_REAPER_INTERVAL": "0.5"})
@@ -85,8 +89,8 @@ def start_server(
             raise RuntimeError(f"aenv server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
         try:
             r = httpx.get(f"{url}/health", timeout=2)
-            if r.status_code == 200 and "base" in r.json()["templates"]:
-                return Server(url, port, data_dir, proc, log, env)
+            if r.status_code == 200 and (wait_for is None or wait_for in r.json()["templates"]):
+                return Server(url, port, data_dir, proc, log, env, extra_env, wait_for)
         except httpx.HTTPError:
             pass
         time.sleep(0.5)

@@ -22,7 +22,7 @@ from starlette.requests import Request as StarletteRequest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aenv import __version__
-from aenv.api import e2b_templates, envd, proxy
+from aenv.api import e2b_templates, envd, proxy, repository
 from aenv.api.sandboxes import router
 from aenv.errors import AenvError, error_body
 from aenv.node import metrics
@@ -75,6 +75,7 @@ def create_app(node: Node, *, start_node: bool = True) -> FastAPI:
     app.state.node = node
     app.include_router(router)
     app.include_router(e2b_templates.router)
+    app.include_router(repository.router)
 
     @app.exception_handler(AenvError)
     async def aenv_error(request: Request, exc: AenvError) -> JSONResponse:

@@ -205,6 +205,7 @@ async def _run(
         aliases = sorted({*rec.aliases, *(f"{entry.name}:{t}" for t in entry.tags)} - {rec.name})
         rec.aliases = aliases
         await node.store.put_template(rec)
+        await node.artifacts.record_changed(rec)
         entry.status = "ready"
     except AenvError as exc:
         entry.log(exc.message, "error")

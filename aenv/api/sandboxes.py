@@ -262,7 +262,7 @@ async def resume(request: Request, sandbox_id: str) -> JSONResponse:
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, summary="Snapshot a running sandbox")
 async def create_snapshot(request: Request, sandbox_id: str) -> JSONResponse:
     body: SnapshotBody = await _body(request, SnapshotBody)
-    snap = await node_of(request).snapshot(sandbox_id, name=body.name)
+    snap = await node_of(request).snapshot(sandbox_id, name=body.name, durable=body.durable)
     return JSONResponse(snapshot_json(snap), status_code=201)
 
 
@@ -274,6 +274,11 @@ async def list_snapshots(
     if sandbox_id:
         snaps = [s for s in snaps if s.sandbox_id == sandbox_id]
     return [snapshot_json(s) for s in sorted(snaps, key=lambda s: s.created_at)]
+
+
+@router.get("/snapshots/{snapshot_id}", summary="Get a snapshot")
+async def get_snapshot(request: Request, snapshot_id: str) -> dict[str, Any]:
+    return snapshot_json(node_of(request).find_snapshot(snapshot_id))
 
 
 @router.delete("/snapshots/{snapshot_id}", status_code=204, summary="Delete a snapshot")

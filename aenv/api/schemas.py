@@ -82,6 +82,8 @@ class ConnectBody(BaseModel):
 class SnapshotBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str | None = Field(None, min_length=1, max_length=200)
+    # Answer only once the snapshot is committed to the repository (else it is committed after).
+    durable: bool = False
 
 
 class ForkBody(BaseModel):
@@ -150,6 +152,25 @@ def snapshot_json(snap: SnapshotRecord) -> dict[str, Any]:
         "sandboxID": snap.sandbox_id,
         "templateID": snap.template_id,
         "createdAt": rfc3339(snap.created_at),
+        **repository_json(snap),
+    }
+
+
+def repository_json(rec: SnapshotRecord | TemplateRecord) -> dict[str, Any]:
+    """Whether the repository holds it yet, and what committing it cost."""
+    if not rec.committed_at:
+        return {"committed": False}
+    c = rec.commit
+    return {
+        "committed": True,
+        "commit": {
+            "committedAt": rfc3339(rec.committed_at),
+            "logicalBytes": c.get("logical_bytes", 0),
+            "uploadedBytes": c.get("new_bytes", 0),
+            "chunks": c.get("chunks", 0),
+            "newChunks": c.get("new_chunks", 0),
+            "seconds": c.get("seconds", 0.0),
+        },
     }
 
 
@@ -163,4 +184,5 @@ def template_json(t: TemplateRecord, node: Node) -> dict[str, Any]:
         "description": t.description,
         "sandboxes": sum(1 for sb in node.sandboxes.values() if sb.rec.template_id in (t.id, t.name)),
         "envdVersion": AGENT_VERSION,
+        **repository_json(t),
     }

@@ -290,13 +290,16 @@ def resume(sandbox_ids: list[str], timeout: int = typer.Option(None)) -> None:
 
 
 @app.command()
-def snapshot(sandbox_id: str, name: str = typer.Option(None, "--name")) -> None:
+def snapshot(
+    sandbox_id: str,
+    name: str = typer.Option(None, "--name"),
+    durable: bool = typer.Option(False, "--durable", help="return once the snapshot repository holds it"),
+) -> None:
     """Snapshot a running sandbox (it keeps running); create new sandboxes from the snapshot id."""
 
     async def go(c: AsyncClient) -> str:
-        return await _with_status(
-            f"snapshotting {sandbox_id}", AsyncSandbox(c, {"sandboxID": sandbox_id}).snapshot(name)
-        )
+        what = f"snapshotting {sandbox_id}" + (" and committing it" if durable else "")
+        return await _with_status(what, AsyncSandbox(c, {"sandboxID": sandbox_id}).snapshot(name, durable=durable))
 
     snap = _run(go)
     print(snap) if out.is_terminal else print(json.dumps({"snapshotID": snap}))
@@ -406,8 +409,40 @@ def snapshots() -> None:
     """List snapshots."""
     rows = _run(lambda c: c.snapshots())
     _emit(
-        [{**r, "names": ",".join(r.get("names", []))} for r in rows], ["snapshotID", "names", "sandboxID", "createdAt"]
+        [{**r, "names": ",".join(r.get("names", []))} for r in rows],
+        ["snapshotID", "names", "sandboxID", "committed", "createdAt"],
     )
+
+
+repo_app = typer.Typer(help="The snapshot repository templates and snapshots are committed to.")
+app.add_typer(repo_app, name="repo")
+
+
+@repo_app.command("status")
+def repo_status() -> None:
+    """Where the node commits, and what it has not committed yet."""
+    info = _run(lambda c: c.repository())
+    if not out.is_terminal:
+        print(json.dumps(info))
+        return
+    for key in ("url", "templates", "snapshots", "committed", "pending", "cacheBytes", "cacheBudgetBytes"):
+        out.print(f"[bold]{key}[/bold]: {info.get(key)}")
+
+
+@repo_app.command("gc")
+def repo_gc() -> None:
+    """Delete repository chunks and artifacts that no template or snapshot needs."""
+    report = _run(lambda c: _with_status("collecting repository garbage", c.repository_gc()))
+    if not out.is_terminal:
+        print(json.dumps(report))
+    elif report.get("skipped"):
+        out.print(f"skipped: {report['skipped']}")
+    else:
+        freed = report.get("freed_bytes", 0) / 2**20
+        out.print(
+            f"deleted {report.get('deleted_chunks', 0)} chunks and {report.get('deleted_artifacts', 0)} artifacts, "
+            f"{freed:.1f} MiB freed ({report.get('live_chunks', 0)} chunks in use)"
+        )
 
 
 def main() -> None:

@@ -46,10 +46,7 @@ async def recover(node: Node) -> None:
 
 def referenced_layers(node: Node) -> set[str]:
     """Layers any record needs, uppers included."""
-    refs: set[str] = set()
-    for sb in node.sandboxes.values():
-        refs.update(sb.rec.layers)
-        refs.add(sb.rec.upper)
+    refs = sandbox_layers(node)
     for t in node.templates.values():
         refs.update(t.layers)
     for s in node.snapshots.values():
@@ -57,9 +54,17 @@ def referenced_layers(node: Node) -> set[str]:
     return refs
 
 
+def sandbox_layers(node: Node) -> set[str]:
+    refs: set[str] = set()
+    for sb in node.sandboxes.values():
+        refs.update(sb.rec.layers)
+        refs.add(sb.rec.upper)
+    return refs
+
+
 async def gc_files(node: Node, min_age: float = 0.0) -> None:
     """Remove layers, uppers and images that no record names (and older than ``min_age``,
-    so that an operation still building them is never raced)."""
+    so that an operation still building them is never raced), then keep the cache in budget."""
     now = time.time()
 
     def old(path: Path) -> bool:
@@ -68,48 +73,85 @@ async def gc_files(node: Node, min_age: float = 0.0) -> None:
         except OSError:
             return False
 
-    in_use = referenced_layers(node) | node._pending_layers
+    busy = node._pending_layers | set(node.artifacts.pins)
+    named = referenced_layers(node)
     build_cache = json.loads(await node.store.get_meta(BUILD_CACHE) or "{}")
     present = node.files.layer_ids()
-    cacheable = {x for x in present if x.startswith("oci-")} | {v for v in build_cache.values() if v}
-    for layer_id in present - in_use - cacheable:
+    cached = {x for x in present if x.startswith("oci-")} | {v for v in build_cache.values() if v}
+    for layer_id in present - named - busy - cached:
         if old(node.files.layers / layer_id):
             await node.files.remove(layer_id)
-    await evict_cache(node, cacheable, in_use, build_cache)
     images = {sb.rec.image for sb in node.sandboxes.values()} | {t.image for t in node.templates.values()}
     images |= {s.image for s in node.snapshots.values()}
-    for image_id in node.files.image_ids() - images:
+    for image_id in node.files.image_ids() - images - busy:
         if old(node.files.image(image_id)):
             node.files.remove_image(image_id)
+    cache, in_use = cache_items(node, build_cache)
+    await evict_cache(node, cache, in_use, build_cache)
 
 
-async def evict_cache(node: Node, cacheable: set[str], in_use: set[str], build_cache: dict[str, str]) -> None:
-    """Keep pulled image layers and Dockerfile step layers within the cache budget.
+def cache_items(node: Node, build_cache: dict[str, str]) -> tuple[list[tuple[str, str]], set[str]]:
+    """What the local cache holds, as (kind, id), and the ids it must not evict now.
 
-    Over the high watermark, unused cached layers go, least recently used first, until the
-    cache is under the low one. Layers a template, snapshot or sandbox names are never evicted
-    (they still count toward the budget)."""
+    The cache is pulled image layers, Dockerfile step layers, and the layers and images that only
+    committed records name (the repository gives those back on demand)."""
+    present = node.files.layer_ids()
+    cached = {x for x in present if x.startswith("oci-")} | {v for v in build_cache.values() if v}
+    backed_layers, backed_images = node.artifacts.evictable()
+    busy = node._pending_layers | set(node.artifacts.pins)
+    in_use = (referenced_layers(node) - backed_layers) | sandbox_layers(node) | busy
+    cache = [("layer", x) for x in (cached | backed_layers) & present]
+    cache += [("image", x) for x in backed_images & node.files.image_ids()]
+    return cache, in_use
+
+
+def _size(node: Node, item: tuple[str, str]) -> int:
+    return node.files.sealed_size(item[1]) if item[0] == "layer" else node.files.image_size(item[1])
+
+
+async def cache_bytes(node: Node) -> int:
+    build_cache = json.loads(await node.store.get_meta(BUILD_CACHE) or "{}")
+    cache, _ = cache_items(node, build_cache)
+    return sum([await asyncio.to_thread(_size, node, item) for item in cache])
+
+
+async def evict_cache(node: Node, cache: list[tuple[str, str]], in_use: set[str], build_cache: dict[str, str]) -> None:
+    """Keep the node-local cache within its budget.
+
+    The cache is pulled image layers, Dockerfile step layers, and the layers and images of
+    committed templates and snapshots. Over the high watermark, unused entries go, least
+    recently used first, until the cache is under the low one. Nothing a sandbox, a restore or a
+    build in progress, or an uncommitted record needs is ever evicted (it still counts)."""
+    files = node.files
     high = node.settings.layer_cache_mb * 2**20
     low = high * node.settings.layer_cache_low_ratio
-    sizes = {x: await asyncio.to_thread(node.files.sealed_size, x) for x in cacheable}
+
+    def last_used(item: tuple[str, str]) -> float:
+        return files.last_used(item[1]) if item[0] == "layer" else files.image_last_used(item[1])
+
+    sizes = {item: await asyncio.to_thread(_size, node, item) for item in cache}
     total = sum(sizes.values())
     metrics.LAYER_CACHE.set(total)
     if total <= high:
         return
-    for layer_id in sorted(cacheable - in_use, key=node.files.last_used):
+    for item in sorted((i for i in cache if i[1] not in in_use), key=last_used):
         if total <= low:
             break
-        await node.files.remove(layer_id)
-        total -= sizes[layer_id]
-        log.info("layer cache over budget: evicted %s (%d MiB)", layer_id, sizes[layer_id] >> 20)
-        for key in [k for k, v in build_cache.items() if v == layer_id]:
+        kind, item_id = item
+        if kind == "layer":
+            await files.remove(item_id)
+        else:
+            files.remove_image(item_id)
+        total -= sizes[item]
+        log.info("cache over budget: evicted %s %s (%d MiB)", kind, item_id, sizes[item] >> 20)
+        for key in [k for k, v in build_cache.items() if v == item_id]:
             del build_cache[key]
     metrics.LAYER_CACHE.set(total)
     await node.store.set_meta(BUILD_CACHE, json.dumps(build_cache))
 
 
 async def reap_forever(node: Node) -> None:
-    last_gc = time.monotonic()
+    last_gc = last_repo_gc = time.monotonic()
     while True:
         await asyncio.sleep(node.settings.reaper_interval)
         try:
@@ -117,6 +159,11 @@ async def reap_forever(node: Node) -> None:
             if time.monotonic() - last_gc > 60:
                 last_gc = time.monotonic()
                 await gc_files(node, min_age=120)
+                node.artifacts.commit_pending()  # retries commits that failed (e.g. S3 was down)
+            interval = node.settings.repo_gc_interval
+            if interval and time.monotonic() - last_repo_gc > interval:
+                last_repo_gc = time.monotonic()
+                node._spawn(node.artifacts.gc_repository())
         except Exception:
             log.exception("reaper pass failed")
 

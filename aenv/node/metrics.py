@@ -12,7 +12,12 @@ if TYPE_CHECKING:
 SANDBOXES = Gauge("aenv_sandboxes", "Sandboxes on this node by state", ["state"])
 TEMPLATES = Gauge("aenv_templates", "Templates on this node")
 OPERATIONS = Counter("aenv_operations_total", "Lifecycle operations", ["op", "outcome"])
-LAYER_CACHE = Gauge("aenv_layer_cache_bytes", "Disk held by cached image and build-step layers")
+LAYER_CACHE = Gauge(
+    "aenv_layer_cache_bytes", "Disk held by cached layers and images (pulled, build steps, committed records)"
+)
+REPO_COMMITS = Counter("aenv_repo_commits_total", "Templates and snapshots committed to the repository", ["outcome"])
+REPO_BYTES = Counter("aenv_repo_commit_bytes_total", "Bytes of commits: logical size and actually uploaded", ["what"])
+REPO_FETCHES = Counter("aenv_repo_fetches_total", "Artifacts fetched from the repository", ["outcome"])
 EGRESS = Counter("aenv_egress_connections_total", "Outbound connections asked for by sandboxes", ["outcome"])
 OPERATION_SECONDS = Histogram(
     "aenv_operation_seconds",

@@ -35,10 +35,13 @@ from aenv.errors import (
 )
 from aenv.node import egress, housekeeping, metrics
 from aenv.node.agentlink import AgentLink
+from aenv.node.artifacts import ArtifactCache
 from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
 from aenv.node.state import PUBLIC_STATE, SandboxState, check_transition
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
+from aenv.repo.backends import open_backend
+from aenv.repo.repository import Repository
 from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
 from aenv.storage.layers import LayerStore, new_id
 
@@ -63,6 +66,20 @@ def make_driver(settings: Settings) -> Driver:
     raise InvalidRequest(f"unknown driver {settings.driver!r}")
 
 
+def make_repository(settings: Settings) -> Repository | None:
+    if settings.repo.strip().lower() == "none":
+        return None
+    url = settings.repo or str(settings.data_dir / "repo")
+    backend = open_backend(
+        url,
+        endpoint=settings.repo_s3_endpoint,
+        region=settings.repo_s3_region,
+        access_key_id=settings.repo_s3_access_key_id,
+        secret_access_key=settings.repo_s3_secret_access_key,
+    )
+    return Repository(backend)
+
+
 class Node:
     def __init__(self, settings: Settings, driver: Driver | None = None) -> None:
         self.settings = settings
@@ -70,6 +87,7 @@ class Node:
         self.store = Store(settings.data_dir / "aenv.db")
         self.files = LayerStore(settings.data_dir / "fs")
         self.driver = driver or make_driver(settings)
+        self.artifacts = ArtifactCache(self, make_repository(settings))
         self.sandboxes: dict[str, LiveSandbox] = {}
         self.templates: dict[str, TemplateRecord] = {}
         self.snapshots: dict[str, SnapshotRecord] = {}
@@ -80,6 +98,7 @@ class Node:
         self._lock_fd: int | None = None
         self._teardowns: set[asyncio.Task[None]] = set()
         self._pending_layers: set[str] = set()  # uppers of instances still being torn down
+        self._teardown_of: dict[str, asyncio.Task[None]] = {}  # upper id -> its instance's teardown
         self.started_at = time.time()
 
     # -- start and stop ---------------------------------------------------------------------------
@@ -93,6 +112,8 @@ class Node:
         self._secret = secret.encode()
         self.templates = {t.id: t for t in await self.store.templates()}
         self.snapshots = {s.id: s for s in await self.store.snapshots()}
+        self.artifacts.sweep_partial_fetches()
+        await self.artifacts.sync_catalogue()
         await housekeeping.recover(self)
         self._reaper = asyncio.create_task(housekeeping.reap_forever(self))
 
@@ -123,6 +144,7 @@ class Node:
             task.cancel()
         if not any(sb.instance is not None for sb in self.sandboxes.values()):
             await self.files.unmount_all()
+        await self.artifacts.close()
         await self.store.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -132,6 +154,13 @@ class Node:
         """Wait for background teardowns of old instances to finish."""
         if self._teardowns:
             await asyncio.wait(list(self._teardowns), timeout=timeout)
+
+    async def settled(self, layers: list[str]) -> None:
+        """Wait until no instance being torn down still writes one of ``layers`` (a snapshot's
+        newest layer is its source's old upper, sealed read-only once that instance is gone)."""
+        tasks = [t for x in layers if (t := self._teardown_of.get(x)) is not None]
+        if tasks:
+            await asyncio.wait(tasks)
 
     def _lock_data_dir(self) -> None:
         """One node per data dir: a second one would reconcile away the first one's sandboxes."""
@@ -291,7 +320,7 @@ class Node:
         `runsc delete` of a stopped sandbox takes over a second (it polls for the gofer to exit),
         and nothing a client waits for depends on it: after a checkpoint the instance is inert."""
         if sb.instance is not None:
-            self._teardown_later(sb.instance, then)
+            self._teardown_later(sb.instance, then, lowers=list(sb.rec.layers))
             sb.instance = None
         elif then is not None:
             self._spawn(then())
@@ -308,9 +337,12 @@ class Node:
         self._background.add(task)
         task.add_done_callback(log_failure("background", self._background))
 
-    def _teardown_later(self, instance: Instance, then: Callable[[], Awaitable[None]] | None) -> None:
+    def _teardown_later(
+        self, instance: Instance, then: Callable[[], Awaitable[None]] | None, *, lowers: list[str]
+    ) -> None:
         layer = instance.rootfs.upper.name
         self._pending_layers.add(layer)
+        self.artifacts.pin(lowers)  # its overlay is mounted until the teardown: not evictable
 
         async def teardown() -> None:
             try:
@@ -318,11 +350,15 @@ class Node:
                 if then is not None:
                     await then()
             finally:
+                self.artifacts.unpin(lowers)
                 self._pending_layers.discard(layer)
                 self._teardowns.discard(task)
+                if self._teardown_of.get(layer) is task:
+                    del self._teardown_of[layer]
 
         task = asyncio.ensure_future(teardown())
         self._teardowns.add(task)
+        self._teardown_of[layer] = task
         self._background.add(task)
         task.add_done_callback(log_failure(instance.id, self._background))
 
@@ -390,13 +426,14 @@ class Node:
         live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
         if live >= self.settings.max_sandboxes:
             raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
+        source: TemplateRecord | SnapshotRecord
         try:
-            tmpl = self.find_template(template)
+            source = tmpl = self.find_template(template)
             layers, image, template_id, guest = list(tmpl.layers), tmpl.image, tmpl.name, tmpl.guest
             base_env, base_limits, snapshot_id = dict(tmpl.env_vars), dict(tmpl.limits), ""
         except TemplateNotFound:
             try:
-                snap = self.find_snapshot(template)
+                source = snap = self.find_snapshot(template)
             except SnapshotNotFound:
                 raise TemplateNotFound(f"no template or snapshot named '{template}'") from None
             layers, image, template_id, guest = list(snap.layers), snap.image, snap.template_id, snap.guest
@@ -429,7 +466,8 @@ class Node:
 
         async def run() -> SandboxRecord:
             try:
-                await self._restore_into(sb, image=image, layers=layers, upper=rec.upper, fresh=True)
+                async with self.artifacts.using(source):  # fetched from the repository if not here
+                    await self._restore_into(sb, image=image, layers=layers, upper=rec.upper, fresh=True)
             except BaseException:
                 self.sandboxes.pop(rec.id, None)
                 await self.files.remove(rec.upper)
@@ -554,7 +592,9 @@ class Node:
             await self.store.put_sandbox(sb.rec)
             raise
 
-    async def snapshot(self, sandbox_id: str, *, name: str | None = None) -> SnapshotRecord:
+    async def snapshot(self, sandbox_id: str, *, name: str | None = None, durable: bool = False) -> SnapshotRecord:
+        """Snapshot a running sandbox; it is committed to the repository in the background, or
+        before this returns with ``durable``."""
         sb = self.get(sandbox_id)
         if name is not None and any(s.name == name for s in self.snapshots.values()):
             raise InvalidRequest(f"a snapshot named '{name}' already exists")
@@ -576,17 +616,22 @@ class Node:
             )
             self.snapshots[snap.id] = snap
             await self.store.put_snapshot(snap)
+            self.artifacts.commit_later(snap)
             await self._restart_source(sb, image)
             sb.rec.state = S.RUNNING
             await self.store.put_sandbox(sb.rec)
             return snap
 
-        return await self._operate(sb, "snapshot", run, join=False)
+        snap = await self._operate(sb, "snapshot", run, join=False)
+        if durable:
+            await self.artifacts.wait_committed(snap)
+        return snap
 
     async def delete_snapshot(self, ref: str) -> None:
         snap = self.find_snapshot(ref)
         self.snapshots.pop(snap.id, None)
         await self.store.delete_snapshot(snap.id)
+        await self.artifacts.forget(snap)
         self.files.remove_image(snap.image)
         await housekeeping.gc_files(self, min_age=60)
 

@@ -72,6 +72,8 @@ class TemplateRecord:
     env_vars: dict[str, str] = field(default_factory=dict)
     description: str = ""
     guest: str = ""
+    committed_at: float = 0.0  # when the snapshot repository got it; 0 = only on this node
+    commit: dict[str, Any] = field(default_factory=dict)  # the commit's report (bytes, chunks, time)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -95,6 +97,8 @@ class SnapshotRecord:
     limits: dict[str, Any] = field(default_factory=dict)
     ephemeral: bool = False  # made for a fork; removed when its children are up
     guest: str = ""
+    committed_at: float = 0.0
+    commit: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

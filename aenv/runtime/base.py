@@ -66,6 +66,11 @@ class Driver(Protocol):
         """The id of the guest bundle that fresh boots use now."""
         ...
 
+    def guest_path(self, key: str) -> Path:
+        """Where the guest bundle ``key`` lives on this node (present or not): the snapshot
+        repository commits it with the images that need it and fetches it back."""
+        ...
+
     async def boot(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:
         """Start a fresh instance whose first process is the guest agent."""
         ...

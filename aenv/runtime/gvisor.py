@@ -73,6 +73,9 @@ class GVisorDriver:
     def guest_key(self) -> str:
         return self.guest_bundle().name
 
+    def guest_path(self, key: str) -> Path:
+        return self.guest_dir / key
+
     def _spec(self, instance_id: str, limits: Limits, guest: str) -> dict[str, Any]:
         nproc = max(limits.nproc, 64)
         return {

@@ -308,8 +308,13 @@ class AsyncSandbox:
         )
         self._token = body.get("envdAccessToken", self._token)
 
-    async def snapshot(self, name: str | None = None) -> str:
-        body = await self.client._post(f"/sandboxes/{self.sandbox_id}/snapshots", {"name": name} if name else {})
+    async def snapshot(self, name: str | None = None, *, durable: bool = False) -> str:
+        """Snapshot this sandbox (it keeps running); with ``durable`` return only once the
+        snapshot repository holds it."""
+        payload: dict[str, Any] = {"durable": durable}
+        if name:
+            payload["name"] = name
+        body = await self.client._post(f"/sandboxes/{self.sandbox_id}/snapshots", payload)
         return str(body["snapshotID"])
 
     async def fork(self, count: int = 1, *, timeout: int | None = None) -> list[AsyncSandbox]:
@@ -458,6 +463,16 @@ class AsyncClient:
                 elif "error" in item:
                     raise BuildError(item["error"])
         raise AenvError("the build stream ended without a result")
+
+    async def repository(self) -> dict[str, Any]:
+        """Where the node commits templates and snapshots, and what is not committed yet."""
+        result: dict[str, Any] = await self._get("/repository")
+        return result
+
+    async def repository_gc(self) -> dict[str, Any]:
+        """Collect repository chunks no template or snapshot needs any more."""
+        result: dict[str, Any] = await self._post("/repository/gc", {})
+        return result
 
     async def snapshots(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = await self._get("/snapshots")

@@ -151,6 +151,31 @@ class LayerStore:
         except OSError:
             pass
 
+    def touch_image(self, image_id: str) -> None:
+        try:
+            os.utime(self.images / image_id)
+        except OSError:
+            pass
+
+    def image_size(self, image_id: str) -> int:
+        """Bytes a checkpoint image holds (images never change once written)."""
+        key = f"image:{image_id}"
+        if key not in self._sealed_sizes:
+            total = 0
+            for p in (self.images / image_id).glob("*"):
+                try:
+                    total += p.stat().st_blocks * 512
+                except OSError:
+                    continue
+            self._sealed_sizes[key] = total
+        return self._sealed_sizes[key]
+
+    def image_last_used(self, image_id: str) -> float:
+        try:
+            return (self.images / image_id).stat().st_mtime
+        except OSError:
+            return 0.0
+
     def layer_ids(self) -> set[str]:
         return {p.name.removesuffix(".img") for p in self.layers.iterdir() if not p.name.startswith(".")}
 
@@ -158,6 +183,7 @@ class LayerStore:
     def remove_image(self, image_id: str) -> None:
         if image_id:
             shutil.rmtree(self.images / image_id, ignore_errors=True)
+            self._sealed_sizes.pop(f"image:{image_id}", None)
 
     def image_ids(self) -> set[str]:
         return {p.name for p in self.images.iterdir() if not p.name.startswith(".")}

@@ -76,6 +76,7 @@ async def build(
     pre_args: dict[str, str] = {}
     pulled: Pulled | None = None
     made: set[str] = set()  # layers of this build: not garbage until the template names them
+    pinned: list[str] = []  # a FROM template's layers: not evicted while the build reads them
     try:
         state: State | None = None
         total = len(instructions)
@@ -87,6 +88,9 @@ async def build(
                     pre_args.update(_arg(instr, build_args, pre_args))
                     continue
                 state, pulled = await _from(node, instr, pre_args, cache, log)
+                if pulled is None:
+                    pinned = list(state.layers)
+                    node.artifacts.pin(pinned)
                 continue
             before = list(state.layers)
             cached = await _step(
@@ -130,6 +134,7 @@ async def build(
         if pulled is not None:
             release(node, pulled)
         node._pending_layers.difference_update(made)
+        node.artifacts.unpin(pinned)
         await node.store.set_meta(CACHE_KEY, json.dumps(cache))
 
 
@@ -152,6 +157,7 @@ async def _from(
     except TemplateNotFound:
         template = None
     if template is not None:
+        await node.artifacts.ensure_local(template, only=set(template.layers))
         state = State(key=f"template:{template.id}", layers=list(template.layers), env=dict(template.env_vars))
         state.user = "root"
         return state, None

@@ -165,19 +165,21 @@ async def build_instance(node: Node, layers: list[str], label: str) -> AsyncIter
     """A build sandbox booted fresh on ``layers`` with a new upper: (link, instance, upper id).
 
     It is killed on the way out; on an error its upper is removed too."""
-    upper = await node.files.new_upper(BUILD_LIMITS.disk_mb)
-    instance = await node.driver.boot(instance_id=new_id(), rootfs=node._rootfs(layers, upper), limits=BUILD_LIMITS)
-    link = AgentLink(label)
-    try:
-        await link.booted(instance)
-        yield link, instance, upper
-    except BaseException:
+    async with node.artifacts.using_layers(layers):  # a template's layers may be in the repository only
+        upper = await node.files.new_upper(BUILD_LIMITS.disk_mb)
+        rootfs = node._rootfs(layers, upper)
+        instance = await node.driver.boot(instance_id=new_id(), rootfs=rootfs, limits=BUILD_LIMITS)
+        link = AgentLink(label)
+        try:
+            await link.booted(instance)
+            yield link, instance, upper
+        except BaseException:
+            await node.driver.kill(instance)
+            link.close(f"{label} failed")
+            await node.files.remove(upper)
+            raise
         await node.driver.kill(instance)
-        link.close(f"{label} failed")
-        await node.files.remove(upper)
-        raise
-    await node.driver.kill(instance)
-    link.close(f"{label} finished")
+        link.close(f"{label} finished")
 
 
 async def seal(node: Node, upper: str) -> str | None:
@@ -233,8 +235,10 @@ async def commit_template(
     for t in old:
         node.templates.pop(t.id, None)
         await node.store.delete_template(t.id)
+        await node.artifacts.forget(t)
     node.templates[rec.id] = rec
     await node.store.put_template(rec)
+    node.artifacts.commit_later(rec)
     log(f"template '{name}' committed ({len(rec.layers)} layers)")
     return rec
 

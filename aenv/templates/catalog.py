@@ -32,6 +32,7 @@ async def delete_template(node: Node, ref: str, *, force: bool = False) -> None:
         )
     node.templates.pop(template.id, None)
     await node.store.delete_template(template.id)
+    await node.artifacts.forget(template)
     await housekeeping.gc_files(node, min_age=60)
 
 
@@ -45,4 +46,5 @@ async def set_aliases(node: Node, ref: str, aliases: list[str]) -> TemplateRecor
                 raise Conflict(f"alias {alias!r} already names template '{other.name}'")
     template.aliases = sorted(set(aliases) - {template.name})
     await node.store.put_template(template)
+    await node.artifacts.record_changed(template)
     return template

@@ -1,0 +1,390 @@
+"""The node's side of the snapshot repository: commit what it makes, fetch what it restores.
+
+Templates and snapshots are committed in the background once made (a snapshot's sealed upper
+once its old instance is gone); ``committed_at`` on the record says when that finished. Committed
+data is the truth: the layers and images of committed records are only a cache here, evicted
+(least recently used, never while pinned) when the node's cache is over budget, and fetched back,
+every chunk verified, when a restore or build needs them. A node with an empty data dir learns
+the repository's templates and snapshots at start and restores them from it.
+
+Fetches build into a temporary name and rename into place, so a failed or interrupted fetch
+leaves nothing a sandbox could boot from; a damaged artifact fails the one operation that needed
+it with ``ArtifactDamaged`` and leaves every other sandbox alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aenv.errors import AenvError, ArtifactDamaged
+from aenv.node import metrics
+from aenv.node.store import SnapshotRecord, TemplateRecord
+from aenv.repo.repository import ArtifactRef, EntryKind, LocalArtifact, Repository
+from aenv.storage.layers import new_id
+
+if TYPE_CHECKING:
+    from aenv.node.orchestrator import Node
+
+log = logging.getLogger("aenv.repo")
+Entry = TemplateRecord | SnapshotRecord
+FETCHING = ".fetch-"  # prefix of artifacts still being fetched (never booted from; removed at start)
+
+
+def kind_of(rec: Entry) -> EntryKind:
+    return "template" if isinstance(rec, TemplateRecord) else "snapshot"
+
+
+class ArtifactCache:
+    def __init__(self, node: Node, repo: Repository | None) -> None:
+        self.node = node
+        self.repo = repo
+        self.pins: Counter[str] = Counter()  # layer and image ids a restore or build is using
+        self._commits: dict[str, asyncio.Task[None]] = {}
+        self._fetches: dict[str, asyncio.Future[None]] = {}
+        self._slots = asyncio.Semaphore(1)  # commits compete with sandboxes for CPU: one at a time
+
+    async def close(self) -> None:
+        """Stop: commits under way are abandoned (nothing of them is visible) and redone at start."""
+        for task in list(self._commits.values()):
+            task.cancel()
+        if self._commits:
+            await asyncio.wait(list(self._commits.values()), timeout=10)
+        if self.repo is not None:
+            self.repo.close()
+
+    # -- what a record is made of -------------------------------------------------------------------
+    def guest_key(self, rec: Entry) -> str:
+        return rec.guest or self.node.driver.guest_key()
+
+    def items_of(self, rec: Entry) -> list[LocalArtifact]:
+        files = self.node.files
+        items = []
+        for layer_id in rec.layers:
+            img = files.layers / f"{layer_id}.img"
+            if img.exists():
+                items.append(LocalArtifact("layer", layer_id, img, "sparse"))
+            else:
+                items.append(LocalArtifact("layer", layer_id, files.layers / layer_id, "tar"))
+        items.append(LocalArtifact("image", rec.image, files.image(rec.image), "tar"))
+        key = self.guest_key(rec)
+        items.append(LocalArtifact("guest", key, self.node.driver.guest_path(key), "tar"))
+        return items
+
+    def _is_local(self, kind: str, artifact_id: str) -> bool:
+        files = self.node.files
+        if kind == "layer":
+            return (files.layers / f"{artifact_id}.img").exists() or (files.layers / artifact_id).is_dir()
+        if kind == "image":
+            return files.image(artifact_id).is_dir()
+        return (self.node.driver.guest_path(artifact_id) / ".complete").exists()
+
+    # -- commits -------------------------------------------------------------------------------------
+    def commit_later(self, rec: Entry) -> None:
+        """Commit ``rec`` in the background (joined if already under way)."""
+        if self.repo is None or rec.id in self._commits:
+            return
+        task = asyncio.ensure_future(self._commit(rec))
+        self._commits[rec.id] = task
+        task.add_done_callback(lambda t: self._commits.pop(rec.id, None))
+
+    async def wait_committed(self, rec: Entry) -> None:
+        """Commit now (or join the commit under way); raises what the commit raised."""
+        if self.repo is None or rec.committed_at:
+            return
+        self.commit_later(rec)
+        task = self._commits.get(rec.id)
+        if task is not None:
+            await asyncio.shield(task)
+        if not rec.committed_at:
+            raise AenvError(f"{kind_of(rec)} {rec.id} could not be committed to the repository; see the node log")
+
+    async def _commit(self, rec: Entry) -> None:
+        assert self.repo is not None
+        kind = kind_of(rec)
+        await self.node.settled(rec.layers)
+        body = json.loads(rec.to_json())
+        try:
+            async with self._slots:
+                if not self._known(rec):
+                    return  # deleted while waiting for its turn
+                items = self.items_of(rec)
+                self.pin(rec.layers + [rec.image])
+                try:
+                    report = await asyncio.to_thread(self.repo.commit, kind, rec.id, body, items)
+                finally:
+                    self.unpin(rec.layers + [rec.image])
+        except Exception as exc:
+            if not self._known(rec):
+                log.info("%s %s was deleted while being committed", kind, rec.id)
+                return
+            metrics.REPO_COMMITS.labels(outcome="error").inc()
+            log.error("committing %s %s to %s failed: %s", kind, rec.id, self.repo.url, exc)
+            return
+        metrics.REPO_COMMITS.labels(outcome="ok").inc()
+        metrics.REPO_BYTES.labels(what="logical").inc(report.logical_bytes)
+        metrics.REPO_BYTES.labels(what="uploaded").inc(report.new_bytes)
+        if not self._known(rec):  # deleted while it was being committed
+            await asyncio.to_thread(self.repo.delete_entry, kind, rec.id)
+            return
+        rec.committed_at = time.time()
+        rec.commit = report.as_dict()
+        await self._save(rec)
+        log.info(
+            "committed %s %s: %.1f MiB logical, %.1f MiB uploaded in %d new chunks (%.2fs)",
+            kind,
+            rec.id,
+            report.logical_bytes / 2**20,
+            report.new_bytes / 2**20,
+            report.new_chunks,
+            report.seconds,
+        )
+
+    def _known(self, rec: Entry) -> bool:
+        table: dict[str, Any] = self.node.templates if isinstance(rec, TemplateRecord) else self.node.snapshots
+        return table.get(rec.id) is rec
+
+    async def _save(self, rec: Entry) -> None:
+        if isinstance(rec, TemplateRecord):
+            await self.node.store.put_template(rec)
+        else:
+            await self.node.store.put_snapshot(rec)
+
+    async def record_changed(self, rec: Entry) -> None:
+        """A committed record changed (aliases): rewrite its entry; an uncommitted one is committed."""
+        if self.repo is None:
+            return
+        if not rec.committed_at:
+            self.commit_later(rec)
+            return
+        try:
+            await asyncio.to_thread(self.repo.update_record, kind_of(rec), rec.id, json.loads(rec.to_json()))
+        except Exception as exc:  # noqa: BLE001 - the local record is right; the entry catches up later
+            log.error("updating %s %s in the repository failed: %s", kind_of(rec), rec.id, exc)
+
+    async def forget(self, rec: Entry) -> None:
+        """The record is deleted: its entry goes; what only it used is collected later."""
+        if self.repo is None:
+            return
+        task = self._commits.get(rec.id)
+        if task is not None:
+            return  # the commit sees the record gone and deletes the entry itself
+        try:
+            await asyncio.to_thread(self.repo.delete_entry, kind_of(rec), rec.id)
+        except Exception as exc:  # noqa: BLE001
+            log.error("deleting %s %s from the repository failed: %s", kind_of(rec), rec.id, exc)
+
+    def commit_pending(self) -> None:
+        """Commit every record not committed yet (after a start, or after a failed commit)."""
+        if self.repo is None:
+            return
+        for rec in [*self.node.templates.values(), *self.node.snapshots.values()]:
+            if rec.committed_at or getattr(rec, "ephemeral", False):
+                continue
+            if all(self._is_local(i.kind, i.id) for i in self.items_of(rec)):
+                self.commit_later(rec)
+
+    # -- start: learn the repository's catalogue ------------------------------------------------------
+    async def sync_catalogue(self) -> None:
+        """Add the repository's templates and snapshots this node does not have; re-commit
+        committed records the repository lost (when their files are still here)."""
+        if self.repo is None:
+            return
+        try:
+            entries = {kind: await asyncio.to_thread(self.repo.entries, kind) for kind in ("template", "snapshot")}
+        except AenvError as exc:
+            log.error("cannot read the repository %s at start: %s (running on local records)", self.repo.url, exc)
+            return
+        added = 0
+        for entry in entries["template"]:
+            tmpl = TemplateRecord.from_json(json.dumps(entry["record"]))
+            tmpl.committed_at = float(entry["committed_at"])
+            tmpl.commit = dict(entry.get("commit") or {})
+            if tmpl.id in self.node.templates:
+                continue
+            if any(t.name == tmpl.name for t in self.node.templates.values()):
+                log.warning("repository template %s is named %r like a local one: not imported", tmpl.id, tmpl.name)
+                continue
+            self.node.templates[tmpl.id] = tmpl
+            await self.node.store.put_template(tmpl)
+            added += 1
+        for entry in entries["snapshot"]:
+            snap = SnapshotRecord.from_json(json.dumps(entry["record"]))
+            snap.committed_at = float(entry["committed_at"])
+            snap.commit = dict(entry.get("commit") or {})
+            if snap.id in self.node.snapshots:
+                continue
+            self.node.snapshots[snap.id] = snap
+            await self.node.store.put_snapshot(snap)
+            added += 1
+        if added:
+            log.info("learned %d templates and snapshots from the repository %s", added, self.repo.url)
+        in_repo = {e["id"] for kind in entries for e in entries[kind]}
+        for rec in [*self.node.templates.values(), *self.node.snapshots.values()]:
+            if rec.committed_at and rec.id not in in_repo:
+                log.warning("%s %s is no longer in the repository: committing it again", kind_of(rec), rec.id)
+                rec.committed_at = 0.0
+                await self._save(rec)
+        self.commit_pending()
+
+    # -- fetching ---------------------------------------------------------------------------------------
+    @asynccontextmanager
+    async def using(self, rec: Entry) -> AsyncIterator[None]:
+        """Pin ``rec``'s layers and image for the duration, fetching whatever is not here."""
+        held = [*rec.layers, rec.image]
+        self.pin(held)
+        try:
+            await self.ensure_local(rec)
+            for layer_id in rec.layers:
+                self.node.files.touch(layer_id)
+            self.node.files.touch_image(rec.image)
+            yield
+        finally:
+            self.unpin(held)
+
+    @asynccontextmanager
+    async def using_layers(self, layers: list[str]) -> AsyncIterator[None]:
+        """Pin layers (a build's base) for the duration, fetching those that are not here
+        through a committed record that names them."""
+        self.pin(layers)
+        try:
+            missing = [x for x in layers if not self._is_local("layer", x)]
+            for owner in {id(r): r for r in map(self._owner_of, missing) if r is not None}.values():
+                await self.ensure_local(owner, only=set(missing))
+            yield
+        finally:
+            self.unpin(layers)
+
+    def pin(self, held: list[str]) -> None:
+        self.pins.update(held)
+
+    def unpin(self, held: list[str]) -> None:
+        self.pins.subtract(held)
+        for key in [k for k in held if self.pins[k] <= 0]:
+            self.pins.pop(key, None)
+
+    def _owner_of(self, layer_id: str) -> Entry | None:
+        for rec in [*self.node.templates.values(), *self.node.snapshots.values()]:
+            if rec.committed_at and layer_id in rec.layers:
+                return rec
+        return None
+
+    async def ensure_local(self, rec: Entry, only: set[str] | None = None) -> None:
+        items = [i for i in self.items_of(rec) if only is None or i.id in only]
+        missing = [i for i in items if not self._is_local(i.kind, i.id)]
+        if not missing:
+            return
+        kind = kind_of(rec)
+        what = f"{kind} {rec.id}"
+        if self.repo is None or not rec.committed_at:
+            raise ArtifactDamaged(f"{what}: {missing[0].kind} {missing[0].id} is neither on this node nor committed")
+        entry = await asyncio.to_thread(self.repo.get_entry, kind, rec.id)
+        if entry is None:
+            raise ArtifactDamaged(f"{what} is not in the repository {self.repo.url} and its files are not here")
+        refs = {(r.kind, r.id): r for r in self.repo.artifact_refs(entry)}
+        fetches = []
+        for item in missing:
+            ref = refs.get((item.kind, item.id))
+            if ref is None:
+                raise ArtifactDamaged(f"{what}: the repository entry does not name {item.kind} {item.id}")
+            fetches.append(self._fetch(ref, what))
+        outcomes = await asyncio.gather(*fetches, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def _fetch(self, ref: ArtifactRef, what: str) -> None:
+        """Fetch one artifact; concurrent requests for the same one join."""
+        key = f"{ref.kind}/{ref.id}"
+        running = self._fetches.get(key)
+        if running is None:
+            running = asyncio.ensure_future(self._fetch_now(ref, what))
+            self._fetches[key] = running
+            running.add_done_callback(lambda f: self._fetches.pop(key, None))
+        await asyncio.shield(running)
+
+    async def _fetch_now(self, ref: ArtifactRef, what: str) -> None:
+        assert self.repo is not None
+        files = self.node.files
+        started = time.monotonic()
+        temp: Path
+        if ref.kind == "layer":
+            manifest = await asyncio.to_thread(self.repo.read_manifest, ref, what)
+            sparse = manifest["encoding"] == "sparse"
+            temp = files.layers / f"{FETCHING}{ref.id}-{new_id(6)}{'.img' if sparse else ''}"
+            final = files.layers / (f"{ref.id}.img" if sparse else ref.id)
+        elif ref.kind == "image":
+            temp, final = files.images / f"{FETCHING}{ref.id}-{new_id(6)}", files.image(ref.id)
+        else:
+            final = self.node.driver.guest_path(ref.id)
+            temp = final.parent / f"{FETCHING}{ref.id}-{new_id(6)}"
+        try:
+            size = await asyncio.to_thread(self.repo.fetch_artifact, ref, temp, what)
+            os.rename(temp, final)
+        except BaseException:
+            metrics.REPO_FETCHES.labels(outcome="error").inc()
+            await asyncio.to_thread(_discard, temp)
+            raise
+        if ref.kind == "layer" and final.suffix == ".img":
+            await files.mount(ref.id, writable=False)
+        metrics.REPO_FETCHES.labels(outcome="ok").inc()
+        log.info("fetched %s %s (%.1f MiB) in %.2fs", ref.kind, ref.id, size / 2**20, time.monotonic() - started)
+
+    # -- the local cache ----------------------------------------------------------------------------------
+    def evictable(self) -> tuple[set[str], set[str]]:
+        """(layers, images) that only committed records name: the repository can give them back."""
+        if self.repo is None:
+            return set(), set()
+        layers: set[str] = set()
+        images: set[str] = set()
+        needed_layers: set[str] = set()
+        needed_images: set[str] = set()
+        for rec in [*self.node.templates.values(), *self.node.snapshots.values()]:
+            if rec.committed_at:
+                layers.update(rec.layers)
+                images.add(rec.image)
+            else:
+                needed_layers.update(rec.layers)
+                needed_images.add(rec.image)
+        return layers - needed_layers, images - needed_images
+
+    def sweep_partial_fetches(self) -> None:
+        """Remove what fetches interrupted by a stop left behind."""
+        dirs = [self.node.files.layers, self.node.files.images, self.node.driver.guest_path("x").parent]
+        for d in dirs:
+            for p in d.glob(f"{FETCHING}*"):
+                _discard(p)
+
+    async def gc_repository(self) -> dict[str, Any]:
+        if self.repo is None:
+            return {"skipped": "no repository"}
+        report = await asyncio.to_thread(self.repo.gc)
+        if report.skipped:
+            log.info("repository gc skipped: %s", report.skipped)
+        else:
+            log.info(
+                "repository gc: %d chunks and %d artifacts deleted, %.1f MiB freed",
+                report.deleted_chunks,
+                report.deleted_artifacts,
+                report.freed_bytes / 2**20,
+            )
+        return report.as_dict()
+
+
+def _discard(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,258 @@
+"""Snapshot repository benchmarks: `python -m bench.repo [--backend posix|s3] [--rounds N]` (root, runsc).
+
+On the `base` template and a sandbox made from it:
+- commit of `base` into an empty repository (chunk, hash, compress, upload), against the same
+  artifacts written as one plain tar.zst in the same run (no chunking, no dedup, no manifests);
+- commit of a first snapshot of a sandbox (20 MiB written, a process running), and of a second
+  snapshot after a small change: bytes uploaded against the logical size each restores to;
+- create from that snapshot with its files in the node's cache, with its own files (image and
+  upper layers) evicted, and on a cold cache (everything, the Debian layer included, fetched),
+  each against the raw `runsc restore` inside the same operation.
+With ``--backend s3`` the repository is a bucket on a local `moto` server (an S3 implementation
+in Python: slower than real S3 for many small requests, so read its numbers as an upper bound).
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import zstandard
+from rich.console import Console
+from rich.table import Table
+
+from aenv.config import Settings
+from aenv.node import housekeeping
+from aenv.node.orchestrator import Node
+from aenv.repo import encodings
+from aenv.templates.builder import ensure_base, run_in
+from bench.__main__ import _install_timer, mark, pct, runsc_since
+
+console = Console()
+MiB = 2**20
+
+
+def plain_archive(items: list[Any], dest: Path) -> int:
+    """Baseline: every artifact as one tar.zst file (level 3), bytes written."""
+    total = 0
+    compressor = zstandard.ZstdCompressor(level=3)
+    for n, item in enumerate(items):
+        out = dest / f"{n}.zst"
+        blocks = (
+            encodings.tar_blocks(item.path)
+            if item.encoding == "tar"
+            else encodings.sparse_blocks(item.path, encodings.data_extents(item.path)[1])
+        )
+        with open(out, "wb") as f, compressor.stream_writer(f) as w:
+            for block in blocks:
+                w.write(block)
+        total += out.stat().st_size
+    return total
+
+
+def start_moto(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    import socket
+
+    import boto3
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=open(work / "moto.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            httpx.get(url, timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    keys = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
+    boto3.client("s3", endpoint_url=url, region_name="us-east-1", **keys).create_bucket(Bucket="bench")
+    return proc, {
+        "repo": "s3://bench/aenv",
+        "repo_s3_endpoint": url,
+        "repo_s3_region": "us-east-1",
+        "repo_s3_access_key_id": "bench",
+        "repo_s3_secret_access_key": "bench",
+    }
+
+
+async def create_timed(node: Node, ref: str) -> tuple[float, float, str]:
+    """(seconds of the create, seconds of its runsc restore, sandbox id)."""
+    await node.settle()
+    m = mark()
+    start = time.perf_counter()
+    rec = await node.create(ref, timeout=600)
+    dt = time.perf_counter() - start
+    return dt, sum(runsc_since(m, "restore")), rec.id
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    _install_timer()
+    work = Path(tempfile.mkdtemp(prefix="aenv-bench-repo-"))
+    repo_settings: dict[str, Any] = {"repo": str(work / "repo")}
+    moto = None
+    if args.backend == "s3":
+        moto, repo_settings = start_moto(work)
+    results: dict[str, Any] = {"backend": args.backend}
+    # The node's own data dir keeps `base` between runs; the repository is new each run.
+    node = Node(Settings(data_dir=args.data_dir, repo_gc_interval=0, **repo_settings))
+    await node.start()
+    try:
+        base = await ensure_base(node, on_log=lambda line: None)
+        await node.artifacts.wait_committed(base)  # a base from an earlier run: committed here now
+        base.committed_at = 0.0
+        assert node.artifacts.repo is not None
+        for kind in ("template",):
+            await asyncio.to_thread(node.artifacts.repo.delete_entry, kind, base.id)
+        await asyncio.to_thread(node.artifacts.repo.gc)  # an empty repository again
+
+        console.print("[bold]commit of base[/bold] into an empty repository")
+        started = time.perf_counter()
+        await node.artifacts.wait_committed(base)
+        commit_s = time.perf_counter() - started
+        (work / "plain").mkdir()
+        started = time.perf_counter()
+        plain = await asyncio.to_thread(plain_archive, node.artifacts.items_of(base), work / "plain")
+        plain_s = time.perf_counter() - started
+        shutil.rmtree(work / "plain")
+        results["commit_base"] = {
+            "seconds": commit_s,
+            "logical_mib": base.commit["logical_bytes"] / MiB,
+            "uploaded_mib": base.commit["new_bytes"] / MiB,
+            "chunks": base.commit["chunks"],
+            "baseline": "the same artifacts as one tar.zst each (level 3), no chunking",
+            "baseline_seconds": plain_s,
+            "baseline_mib": plain / MiB,
+            "ratio": commit_s / plain_s,
+        }
+
+        console.print("[bold]snapshots[/bold]: first, then second after a small change")
+        rec = await node.create("base", timeout=3600)
+        link = node.get(rec.id).link
+        assert link is not None
+        await run_in(link, "head -c 20M /dev/urandom > /home/user/data.bin; (sleep 100000 &) ; sync")
+        snaps = []
+        for label, step in (("first", None), ("second", "echo small change > /home/user/note.txt")):
+            if step:
+                await run_in(link, step)
+            start = time.perf_counter()
+            snap = await node.snapshot(rec.id, durable=True)
+            total = time.perf_counter() - start
+            link = node.get(rec.id).link
+            assert link is not None
+            results[f"snapshot_{label}"] = {
+                "seconds_snapshot_and_commit": total,
+                "commit_seconds": snap.commit["seconds"],
+                "logical_mib": snap.commit["logical_bytes"] / MiB,
+                "uploaded_mib": snap.commit["new_bytes"] / MiB,
+                "new_chunks": snap.commit["new_chunks"],
+                "chunks": snap.commit["chunks"],
+            }
+            snaps.append(snap)
+        await node.kill(rec.id)
+        snap = snaps[-1]
+        own_layers = [x for x in snap.layers if x not in base.layers]
+
+        async def creates(label: str, evict: str) -> None:
+            times, raw = [], []
+            for _ in range(args.rounds):
+                if evict == "own":
+                    for layer in own_layers:
+                        await node.files.remove(layer)
+                    node.files.remove_image(snap.image)
+                elif evict == "all":
+                    node.settings.layer_cache_mb = 0
+                    await housekeeping.gc_files(node)
+                    node.settings.layer_cache_mb = 20 * 1024
+                dt, restore, sid = await create_timed(node, snap.id)
+                times.append(dt)
+                raw.append(restore)
+                await node.kill(sid)
+            results[label] = {
+                "p50_ms": pct(times, 0.5) * 1000,
+                "p95_ms": pct(times, 0.95) * 1000,
+                "runsc_restore_p50_ms": pct(raw, 0.5) * 1000,
+                "ratio": pct(times, 0.5) / pct(raw, 0.5),
+                "n": len(times),
+            }
+
+        console.print(f"[bold]create from the snapshot[/bold] x{args.rounds}: cached, own files evicted, cold")
+        await creates("create_cached", "none")
+        await creates("create_own_fetched", "own")
+        await creates("create_cold", "all")
+        for s in snaps:
+            await node.delete_snapshot(s.id)
+    finally:
+        await node.stop(pause_running=False)
+        if moto is not None:
+            moto.terminate()
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def render(results: dict[str, Any]) -> None:
+    table = Table(title=f"snapshot repository ({results['backend']}) on this machine", header_style="bold")
+    for col in ("what", "time", "bytes", "vs baseline"):
+        table.add_column(col)
+    c = results["commit_base"]
+    table.add_row(
+        "commit base (empty repository)",
+        f"{c['seconds']:.1f} s",
+        f"{c['uploaded_mib']:.0f} MiB uploaded of {c['logical_mib']:.0f} MiB",
+        f"{c['ratio']:.2f}x plain tar.zst ({c['baseline_seconds']:.1f} s, {c['baseline_mib']:.0f} MiB)",
+    )
+    for label in ("first", "second"):
+        s = results[f"snapshot_{label}"]
+        table.add_row(
+            f"commit {label} snapshot",
+            f"{s['commit_seconds'] * 1000:.0f} ms",
+            f"{s['uploaded_mib']:.1f} MiB uploaded of {s['logical_mib']:.0f} MiB ({s['new_chunks']} new chunks)",
+            f"{100 * s['uploaded_mib'] / s['logical_mib']:.2f}% of logical",
+        )
+    for key, what in (
+        ("create_cached", "create from snapshot, files cached"),
+        ("create_own_fetched", "create, its image + upper fetched"),
+        ("create_cold", "create, cold cache (all fetched)"),
+    ):
+        r = results[key]
+        table.add_row(
+            what,
+            f"{r['p50_ms']:.0f} ms (p95 {r['p95_ms']:.0f})",
+            "",
+            f"{r['ratio']:.2f}x runsc restore ({r['runsc_restore_p50_ms']:.0f} ms)",
+        )
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.repo", description=__doc__)
+    parser.add_argument("--backend", choices=["posix", "s3"], default="posix")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--data-dir", type=Path, default=Path("/var/tmp/aenv-bench"))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    render(results)
+    out = args.out or Path(f"bench/results/repo-{args.backend}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    console.print(f"JSON: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The node-local cache over the repository: commits in the background, eviction of what the
+repository holds (never what is pinned or uncommitted), fetch on demand, damage reported."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from aenv.config import Settings
+from aenv.errors import ArtifactDamaged
+from aenv.node import housekeeping, metrics
+from aenv.node.orchestrator import Node
+from aenv.node.store import TemplateRecord
+from aenv.repo.chunks import chunk_key
+
+pytestmark = pytest.mark.sandbox  # a real node (its driver needs runsc); no sandbox is started
+
+MiB = 2**20
+
+
+@pytest.fixture()
+async def node(tmp_path: Path) -> AsyncIterator[Node]:
+    settings = Settings(
+        data_dir=tmp_path / "data", build_base=False, layer_cache_mb=1, repo=str(tmp_path / "repo"), repo_gc_interval=0
+    )
+    node = Node(settings)
+    await node.start()
+    yield node
+    await node.stop(pause_running=False)
+
+
+def digest_of(path: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            h.update(p.relative_to(path).as_posix().encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+async def fake_template(node: Node, name: str, mib: int = 2) -> TemplateRecord:
+    """A template made of files only (a layer, a checkpoint image, a guest bundle): enough for
+    the cache, which never looks inside them."""
+    layer = node.files.layers / f"lay-{name}"
+    (layer / "usr").mkdir(parents=True)
+    (layer / "usr" / "blob").write_bytes(os.urandom(mib * MiB))
+    image = node.files.image(f"img-{name}")
+    image.mkdir()
+    (image / "checkpoint.img").write_bytes(os.urandom(MiB))
+    guest = node.driver.guest_path("test-guest")
+    guest.mkdir(parents=True, exist_ok=True)
+    (guest / ".complete").write_text("")
+    rec = TemplateRecord(
+        id=f"t-{name}", name=name, layers=[layer.name], image=image.name, created_at=time.time(), guest="test-guest"
+    )
+    node.templates[rec.id] = rec
+    await node.store.put_template(rec)
+    return rec
+
+
+async def test_committed_records_are_a_cache_that_comes_back(node: Node) -> None:
+    rec = await fake_template(node, "cached")
+    layer, image = node.files.layers / rec.layers[0], node.files.image(rec.image)
+    before = (digest_of(layer), digest_of(image))
+
+    await housekeeping.gc_files(node)
+    assert layer.exists() and image.exists(), "not committed yet: the only copy is never evicted"
+
+    await node.artifacts.wait_committed(rec)
+    assert rec.committed_at > 0 and rec.commit["logical_bytes"] >= 3 * MiB
+    await housekeeping.gc_files(node)
+    assert not layer.exists() and not image.exists(), "over budget and held by the repository: evicted"
+
+    fetched = metrics.REPO_FETCHES.labels(outcome="ok")._value.get()
+    async with node.artifacts.using(rec), node.artifacts.using(rec):  # concurrent users share one fetch
+        assert (digest_of(layer), digest_of(image)) == before
+        await housekeeping.gc_files(node)
+        assert layer.exists() and image.exists(), "pinned while in use"
+    assert metrics.REPO_FETCHES.labels(outcome="ok")._value.get() - fetched == 2  # the layer and the image
+    await housekeeping.gc_files(node)
+    assert not layer.exists()
+
+
+async def test_concurrent_users_join_one_fetch(node: Node) -> None:
+    rec = await fake_template(node, "joined")
+    await node.artifacts.wait_committed(rec)
+    await housekeeping.gc_files(node)
+    fetched = metrics.REPO_FETCHES.labels(outcome="ok")._value.get()
+
+    async def use() -> str:
+        async with node.artifacts.using(rec):
+            return digest_of(node.files.layers / rec.layers[0])
+
+    digests = await asyncio.gather(*(use() for _ in range(4)))
+    assert len(set(digests)) == 1
+    assert metrics.REPO_FETCHES.labels(outcome="ok")._value.get() - fetched == 2
+
+
+async def test_a_damaged_chunk_fails_only_that_restore(node: Node, tmp_path: Path) -> None:
+    rec = await fake_template(node, "damaged")
+    healthy = await fake_template(node, "healthy")
+    for r in (rec, healthy):
+        await node.artifacts.wait_committed(r)
+    await housekeeping.gc_files(node)
+    repo = node.artifacts.repo
+    assert repo is not None
+    found = repo.find_artifact("layer", rec.layers[0])
+    assert found is not None
+    key = chunk_key(found[1]["chunks"][0][0])
+    path = tmp_path / "repo" / key
+    data = bytearray(path.read_bytes())
+    data[-8] ^= 0xFF  # inside the zstd frame's payload
+    path.write_bytes(bytes(data))
+
+    with pytest.raises(ArtifactDamaged) as err:
+        async with node.artifacts.using(rec):
+            pytest.fail("a damaged artifact must not be used")
+    assert f"template {rec.id}" in err.value.message and "corrupt" in err.value.message
+    assert not (node.files.layers / rec.layers[0]).exists(), "nothing half-fetched is left to boot from"
+    assert not list(node.files.layers.glob(".fetch-*")) and not list(node.files.images.glob(".fetch-*"))
+    async with node.artifacts.using(healthy):  # other records are unaffected
+        assert (node.files.layers / healthy.layers[0] / "usr" / "blob").stat().st_size == 2 * MiB
+
+
+async def test_a_new_node_learns_the_catalogue_and_recommits_what_the_repository_lost(tmp_path: Path) -> None:
+    settings = dict(build_base=False, repo=str(tmp_path / "repo"), repo_gc_interval=0)
+    first = Node(Settings(data_dir=tmp_path / "a", **settings))
+    await first.start()
+    rec = await fake_template(first, "shared")
+    await first.artifacts.wait_committed(rec)
+    await first.stop(pause_running=False)
+
+    second = Node(Settings(data_dir=tmp_path / "b", **settings))
+    await second.start()
+    try:
+        learned = second.find_template("shared")
+        assert learned.id == rec.id and learned.committed_at == pytest.approx(rec.committed_at, abs=5)
+        async with second.artifacts.using(learned):
+            assert (second.files.layers / rec.layers[0] / "usr" / "blob").stat().st_size == 2 * MiB
+    finally:
+        await second.stop(pause_running=False)
+
+    # The repository loses the entry: the first node, which still has the files, commits it again.
+    repo = second.artifacts.repo
+    assert repo is not None
+    repo.delete_entry("template", rec.id)
+    again = Node(Settings(data_dir=tmp_path / "a", **settings))
+    await again.start()
+    try:
+        recommitted = again.find_template("shared")
+        await again.artifacts.wait_committed(recommitted)
+        assert again.artifacts.repo is not None
+        assert again.artifacts.repo.get_entry("template", rec.id) is not None
+    finally:
+        await again.stop(pause_running=False)
