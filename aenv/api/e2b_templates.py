@@ -7,8 +7,11 @@ an HMAC of (template, files hash) instead, and only that exact upload is accepte
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import hashlib
 import hmac
+import json
 import re
 import shlex
 import shutil
@@ -142,8 +145,7 @@ async def start_build(request: Request, template_id: str, build_id: str) -> Resp
     if entry.status != "waiting":
         raise InvalidRequest(f"build {build_id} was started already")
     body: BuildStart = await _body(request, BuildStart)
-    if body.from_image_registry:
-        raise InvalidRequest("fromImageRegistry (registry credentials) is not supported; use fromImage")
+    login = await registry_login(body.from_image_registry) if body.from_image_registry else None
     base = body.from_image or body.from_template
     if not base:
         raise InvalidRequest("a build needs fromImage or fromTemplate")
@@ -159,7 +161,7 @@ async def start_build(request: Request, template_id: str, build_id: str) -> Resp
         instr.line = number  # errors name the step
     start = (body.start_cmd, body.ready_cmd) if body.start_cmd else None
     entry.status = "building"
-    node._spawn(_run(node, entry, instructions, context, start))
+    node._spawn(_run(node, entry, instructions, context, start, login))
     return Response(status_code=202)
 
 
@@ -195,12 +197,57 @@ def _instructions(node: Node, step: Step, context: Path, user: str) -> list[df.I
     raise InvalidRequest(f"template step {step.type} {args} is not supported")
 
 
+async def registry_login(config: dict[str, Any]) -> tuple[str, str]:
+    """(user, password) for the image's registry from E2B's ``fromImageRegistry``: a plain
+    login, a GCP service account (Google's ``_json_key`` login) or AWS keys (exchanged for an ECR
+    token). Used for this build's pull only; never stored."""
+    kind = config.get("type")
+    if kind == "registry":
+        user, password = config.get("username"), config.get("password")
+        if not user or not password:
+            raise InvalidRequest("fromImageRegistry of type registry needs a username and a password")
+        return str(user), str(password)
+    if kind == "gcp":
+        key = config.get("serviceAccountJson")
+        if not key:
+            raise InvalidRequest("fromImageRegistry of type gcp needs serviceAccountJson")
+        return "_json_key", key if isinstance(key, str) else json.dumps(key)
+    if kind == "aws":
+        return await asyncio.to_thread(_ecr_login, config)
+    raise InvalidRequest(f"fromImageRegistry type {kind!r} is not one of registry, aws, gcp")
+
+
+def _ecr_login(config: dict[str, Any]) -> tuple[str, str]:
+    try:
+        import boto3
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        raise InvalidRequest("pulling from ECR needs boto3 on the node: pip install 'aenv[s3]'") from None
+    try:
+        ecr = boto3.session.Session().client(
+            "ecr",
+            region_name=config.get("awsRegion"),
+            aws_access_key_id=config.get("awsAccessKeyId"),
+            aws_secret_access_key=config.get("awsSecretAccessKey"),
+        )
+        token = ecr.get_authorization_token()["authorizationData"][0]["authorizationToken"]
+    except (BotoCoreError, ClientError) as exc:
+        raise InvalidRequest(f"ECR refused the AWS credentials: {exc}") from exc
+    user, _, password = base64.b64decode(token).decode().partition(":")
+    return user, password
+
+
 async def _run(
-    node: Node, entry: Build, instructions: list[df.Instruction], context: Path, start: tuple[str, str | None] | None
+    node: Node,
+    entry: Build,
+    instructions: list[df.Instruction],
+    context: Path,
+    start: tuple[str, str | None] | None,
+    login: tuple[str, str] | None = None,
 ) -> None:
     try:
         rec = await build.build(
-            node, name=entry.name, dockerfile=instructions, context=context, start=start, on_log=entry.log
+            node, name=entry.name, dockerfile=instructions, context=context, start=start, login=login, on_log=entry.log
         )
         aliases = sorted({*rec.aliases, *(f"{entry.name}:{t}" for t in entry.tags)} - {rec.name})
         rec.aliases = aliases

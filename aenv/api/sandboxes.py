@@ -336,7 +336,8 @@ async def template_from_image(request: Request) -> JSONResponse:
     body: ImageTemplate = await _body(request, ImageTemplate)
     node = node_of(request)
     # A shielded task: the pull and commit finish even if the client gives up waiting.
-    task = asyncio.ensure_future(images.template_from_image(node, body.name, body.image))
+    login = (body.username, body.password or "") if body.username else None
+    task = asyncio.ensure_future(images.template_from_image(node, body.name, body.image, login=login))
     rec = await asyncio.shield(task)
     return JSONResponse(template_json(rec, node), status_code=201)
 

@@ -62,6 +62,9 @@ class ImageTemplate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(..., pattern=f"^{TEMPLATE_NAME}$")
     image: str = Field(..., min_length=1, max_length=512)
+    # A login for the image's registry (used for this pull only, never stored).
+    username: str | None = Field(None, min_length=1, max_length=512)
+    password: str | None = Field(None, max_length=8192)
 
 
 class TemplatePatch(BaseModel):

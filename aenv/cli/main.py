@@ -401,7 +401,7 @@ def build(
 def templates() -> None:
     """List templates."""
     rows = _run(lambda c: c.templates())
-    _emit(rows, ["name", "templateID", "layers", "sandboxes", "createdAt"])
+    _emit(rows, ["name", "templateID", "layers", "sandboxes", "committed", "createdAt"])
 
 
 @app.command()

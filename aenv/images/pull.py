@@ -41,13 +41,19 @@ class Pulled:
     cached_layers: int
 
 
-async def pull(node: Node, reference: str, *, on_log: LogFn | None = None) -> Pulled:
-    """Bring an image's layers into the layer store: from a registry, or from a layout or archive
-    on this node (``oci:``, ``oci-archive:``, ``docker-archive:``)."""
+async def pull(
+    node: Node, reference: str, *, login: tuple[str, str] | None = None, on_log: LogFn | None = None
+) -> Pulled:
+    """Bring an image's layers into the layer store: from a registry (``login`` = (user, password)
+    for it, else the Docker config's), or from a layout or archive on this node (``oci:``,
+    ``oci-archive:``, ``docker-archive:``)."""
     log = on_log or (lambda line: None)
     roots = [node.settings.data_dir / "imports", *map(Path, node.settings.image_import_dirs)]
     local = LocalSource(reference, roots) if is_local(reference) else None
-    client = None if local else RegistryClient(insecure=set(node.settings.insecure_registries))
+    client = None
+    if local is None:
+        logins = {ImageRef.parse(reference).registry: login} if login else {}
+        client = RegistryClient(insecure=set(node.settings.insecure_registries), credentials=logins)
     tmp = node.files.root / "tmp"
     tmp.mkdir(exist_ok=True)
     fetched, cached, ids = 0, 0, []

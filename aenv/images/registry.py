@@ -85,8 +85,16 @@ class Image:
 
 
 class RegistryClient:
-    def __init__(self, *, insecure: set[str] | None = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        insecure: set[str] | None = None,
+        credentials: dict[str, tuple[str, str]] | None = None,
+        timeout: float = 60.0,
+    ) -> None:
         self.insecure = insecure or set()
+        # registry -> (user, password) given with the request; before the Docker config's
+        self.credentials = credentials or {}
         self.http = httpx.AsyncClient(timeout=timeout, follow_redirects=True)
         self._tokens: dict[tuple[str, str], str] = {}
 
@@ -114,10 +122,10 @@ class RegistryClient:
 
     async def _authorize(self, ref: ImageRef, header: str) -> str:
         scheme, params = _challenge(header)
-        creds = docker_credentials(ref.registry)
+        creds = self.credentials.get(ref.registry) or docker_credentials(ref.registry)
         if scheme == "basic":
             if creds is None:
-                raise RegistryError(f"{ref.registry} wants a login; none in the Docker config", status=403)
+                raise RegistryError(f"{ref.registry} wants a login; none given or in the Docker config", status=403)
             return "Basic " + base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
         if scheme != "bearer" or "realm" not in params:
             raise RegistryError(f"{ref.registry}: unsupported auth challenge {header!r}", status=403)

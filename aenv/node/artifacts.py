@@ -52,6 +52,7 @@ class ArtifactCache:
         self._commits: dict[str, asyncio.Task[None]] = {}
         self._fetches: dict[str, asyncio.Future[None]] = {}
         self._slots = asyncio.Semaphore(1)  # commits compete with sandboxes for CPU: one at a time
+        self._refreshed = 0.0
 
     async def close(self) -> None:
         """Stop: commits under way are abandoned (nothing of them is visible) and redone at start."""
@@ -195,39 +196,16 @@ class ArtifactCache:
 
     # -- start: learn the repository's catalogue ------------------------------------------------------
     async def sync_catalogue(self) -> None:
-        """Add the repository's templates and snapshots this node does not have; re-commit
-        committed records the repository lost (when their files are still here)."""
+        """At start: add the repository's templates and snapshots this node does not have, and
+        re-commit committed records the repository lost (when their files are still here)."""
         if self.repo is None:
             return
         try:
-            entries = {kind: await asyncio.to_thread(self.repo.entries, kind) for kind in ("template", "snapshot")}
+            entries = await self._read_entries()
         except AenvError as exc:
             log.error("cannot read the repository %s at start: %s (running on local records)", self.repo.url, exc)
             return
-        added = 0
-        for entry in entries["template"]:
-            tmpl = TemplateRecord.from_json(json.dumps(entry["record"]))
-            tmpl.committed_at = float(entry["committed_at"])
-            tmpl.commit = dict(entry.get("commit") or {})
-            if tmpl.id in self.node.templates:
-                continue
-            if any(t.name == tmpl.name for t in self.node.templates.values()):
-                log.warning("repository template %s is named %r like a local one: not imported", tmpl.id, tmpl.name)
-                continue
-            self.node.templates[tmpl.id] = tmpl
-            await self.node.store.put_template(tmpl)
-            added += 1
-        for entry in entries["snapshot"]:
-            snap = SnapshotRecord.from_json(json.dumps(entry["record"]))
-            snap.committed_at = float(entry["committed_at"])
-            snap.commit = dict(entry.get("commit") or {})
-            if snap.id in self.node.snapshots:
-                continue
-            self.node.snapshots[snap.id] = snap
-            await self.node.store.put_snapshot(snap)
-            added += 1
-        if added:
-            log.info("learned %d templates and snapshots from the repository %s", added, self.repo.url)
+        await self._import(entries)
         in_repo = {e["id"] for kind in entries for e in entries[kind]}
         for rec in [*self.node.templates.values(), *self.node.snapshots.values()]:
             if rec.committed_at and rec.id not in in_repo:
@@ -235,6 +213,52 @@ class ArtifactCache:
                 rec.committed_at = 0.0
                 await self._save(rec)
         self.commit_pending()
+
+    async def refresh_catalogue(self) -> int:
+        """Learn what other nodes committed since this one started (a create naming something
+        unknown asks); at most once every few seconds. Returns how many records were added."""
+        if self.repo is None or time.monotonic() - self._refreshed < 3:
+            return 0
+        self._refreshed = time.monotonic()
+        try:
+            return await self._import(await self._read_entries())
+        except AenvError as exc:
+            log.warning("cannot read the repository %s: %s", self.repo_url, exc)
+            return 0
+
+    async def _read_entries(self) -> dict[str, list[dict[str, Any]]]:
+        assert self.repo is not None
+        return {kind: await asyncio.to_thread(self.repo.entries, kind) for kind in ("template", "snapshot")}
+
+    async def _import(self, entries: dict[str, list[dict[str, Any]]]) -> int:
+        added = 0
+        # Newest first: if two nodes committed templates of one name, the latest one is imported.
+        for entry in sorted(entries["template"], key=lambda e: -float(e["committed_at"])):
+            tmpl = TemplateRecord.from_json(json.dumps(entry["record"]))
+            if tmpl.id in self.node.templates:
+                continue
+            if any(t.name == tmpl.name for t in self.node.templates.values()):
+                log.info("repository template %s is named %r like one here: not imported", tmpl.id, tmpl.name)
+                continue
+            tmpl.committed_at, tmpl.commit = float(entry["committed_at"]), dict(entry.get("commit") or {})
+            self.node.templates[tmpl.id] = tmpl
+            await self.node.store.put_template(tmpl)
+            added += 1
+        for entry in entries["snapshot"]:
+            snap = SnapshotRecord.from_json(json.dumps(entry["record"]))
+            if snap.id in self.node.snapshots:
+                continue
+            snap.committed_at, snap.commit = float(entry["committed_at"]), dict(entry.get("commit") or {})
+            self.node.snapshots[snap.id] = snap
+            await self.node.store.put_snapshot(snap)
+            added += 1
+        if added:
+            log.info("learned %d templates and snapshots from the repository %s", added, self.repo_url)
+        return added
+
+    @property
+    def repo_url(self) -> str:
+        return self.repo.url if self.repo is not None else ""
 
     # -- fetching ---------------------------------------------------------------------------------------
     @asynccontextmanager

@@ -192,6 +192,16 @@ class Node:
                 return s
         raise SnapshotNotFound(f"snapshot '{ref}' not found")
 
+    def _knows(self, ref: str) -> bool:
+        try:
+            self.find_template(ref)
+        except TemplateNotFound:
+            try:
+                self.find_snapshot(ref)
+            except SnapshotNotFound:
+                return False
+        return True
+
     def list(self, *, states: set[str] | None = None, metadata: dict[str, str] | None = None) -> list[LiveSandbox]:
         out = []
         for sb in self.sandboxes.values():
@@ -427,6 +437,8 @@ class Node:
         if live >= self.settings.max_sandboxes:
             raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
         source: TemplateRecord | SnapshotRecord
+        if not self._knows(template) and await self.artifacts.refresh_catalogue():
+            log.info("'%s' was committed to the repository by another node", template)
         try:
             source = tmpl = self.find_template(template)
             layers, image, template_id, guest = list(tmpl.layers), tmpl.image, tmpl.name, tmpl.guest

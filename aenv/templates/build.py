@@ -65,6 +65,7 @@ async def build(
     context: Path,
     build_args: dict[str, str] | None = None,
     start: tuple[str, str | None] | None = None,
+    login: tuple[str, str] | None = None,
     on_log: LogFn | None = None,
 ) -> TemplateRecord:
     """Build template ``name``. ``dockerfile`` is its text or already parsed instructions;
@@ -87,7 +88,7 @@ async def build(
                 if instr.keyword == "ARG":
                     pre_args.update(_arg(instr, build_args, pre_args))
                     continue
-                state, pulled = await _from(node, instr, pre_args, cache, log)
+                state, pulled = await _from(node, instr, pre_args, cache, log, login)
                 if pulled is None:
                     pinned = list(state.layers)
                     node.artifacts.pin(pinned)
@@ -149,7 +150,12 @@ def _arg(instr: df.Instruction, build_args: dict[str, str], env: dict[str, str])
 
 
 async def _from(
-    node: Node, instr: df.Instruction, args: dict[str, str], cache: dict[str, str], log: LogFn
+    node: Node,
+    instr: df.Instruction,
+    args: dict[str, str],
+    cache: dict[str, str],
+    log: LogFn,
+    login: tuple[str, str] | None = None,
 ) -> tuple[State, Pulled | None]:
     ref = df.substitute(instr.args.split()[0], args)
     try:
@@ -161,7 +167,7 @@ async def _from(
         state = State(key=f"template:{template.id}", layers=list(template.layers), env=dict(template.env_vars))
         state.user = "root"
         return state, None
-    pulled = await pull(node, ref, on_log=log)
+    pulled = await pull(node, ref, login=login, on_log=log)
     config = pulled.config.get("config") or {}
     state = State(key=f"image:{pulled.digest}", layers=list(pulled.layers))
     state.env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)

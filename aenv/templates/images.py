@@ -109,12 +109,14 @@ def conventions_layer(node: Node, layers: list[str]) -> str:
     return layer_id
 
 
-async def template_from_image(node: Node, name: str, reference: str, *, on_log: LogFn | None = None) -> TemplateRecord:
+async def template_from_image(
+    node: Node, name: str, reference: str, *, login: tuple[str, str] | None = None, on_log: LogFn | None = None
+) -> TemplateRecord:
     """Pull ``reference`` and commit it as template ``name`` (its env and user conventions kept)."""
     log = on_log or (lambda line: None)
     pulled: Pulled | None = None
     try:
-        pulled = await pull(node, reference, on_log=log)
+        pulled = await pull(node, reference, login=login, on_log=log)
         extra = conventions_layer(node, pulled.layers)
         config = pulled.config.get("config") or {}
         env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)

@@ -51,8 +51,18 @@ def test_cli_tour(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
         states = {r["sandboxID"]: r["state"] for r in json.loads(text)}
         assert states[sid] == "paused" and all(states[c] == "running" for c in children)
         assert cli("resume", sid)[0] == 0
-        code, text = cli("snapshot", sid)
-        assert code == 0 and json.loads(text)["snapshotID"]
+        code, text = cli("snapshot", sid, "--durable")
+        assert code == 0 and (snap := json.loads(text)["snapshotID"])
+        code, text = cli("snapshots")
+        assert {"snapshotID": snap, "committed": True}.items() <= next(
+            s for s in json.loads(text) if s["snapshotID"] == snap
+        ).items()
+        code, text = cli("repo", "status")
+        status = json.loads(text)
+        assert code == 0 and status["url"].startswith("file://") and snap not in status["pending"]
+        code, text = cli("repo", "gc")
+        report = json.loads(text)
+        assert code == 0 and (report["skipped"] or report["live_chunks"] > 0)
         code, text = cli("templates")
         assert any(t["name"] == "base" for t in json.loads(text))
         assert cli("rm", *children)[0] == 0

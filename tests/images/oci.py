@@ -73,6 +73,11 @@ def busybox_layer() -> LayerTar:
 class Registry:
     host: str  # "127.0.0.1:PORT"
     proc: subprocess.Popen[bytes]
+    auth: tuple[str, str] | None = None  # when the registry asks for a login
+
+    @property
+    def http(self) -> httpx.Client:
+        return httpx.Client(auth=self.auth, timeout=60)
 
     @property
     def url(self) -> str:
@@ -80,12 +85,12 @@ class Registry:
 
     def push_blob(self, repo: str, data: bytes) -> str:
         digest = sha(data)
-        start = httpx.post(f"{self.url}/v2/{repo}/blobs/uploads/")
+        start = self.http.post(f"{self.url}/v2/{repo}/blobs/uploads/")
         assert start.status_code == 202, start.text
         location = start.headers["location"]
         if location.startswith("/"):
             location = self.url + location
-        put = httpx.put(httpx.URL(location).copy_add_param("digest", digest), content=data)  # keeps _state
+        put = self.http.put(httpx.URL(location).copy_add_param("digest", digest), content=data)  # keeps _state
         assert put.status_code == 201, put.text
         return digest
 
@@ -126,7 +131,7 @@ class Registry:
 
     def put_manifest(self, repo: str, tag: str, body: dict[str, object], media: str) -> str:
         raw = json.dumps(body).encode()
-        r = httpx.put(f"{self.url}/v2/{repo}/manifests/{tag}", content=raw, headers={"Content-Type": media})
+        r = self.http.put(f"{self.url}/v2/{repo}/manifests/{tag}", content=raw, headers={"Content-Type": media})
         assert r.status_code == 201, r.text
         return sha(raw)
 
@@ -134,7 +139,8 @@ class Registry:
         """An image index of (manifest digest, os, architecture)."""
         manifests = []
         for digest, os_, arch in entries:
-            size = len(httpx.get(f"{self.url}/v2/{repo}/manifests/{digest}", headers={"Accept": OCI_MANIFEST}).content)
+            url = f"{self.url}/v2/{repo}/manifests/{digest}"
+            size = len(self.http.get(url, headers={"Accept": OCI_MANIFEST}).content)
             manifests.append(
                 {
                     "mediaType": OCI_MANIFEST,
@@ -148,25 +154,30 @@ class Registry:
         )
 
 
-def start_registry(root: Path) -> Iterator[Registry]:
+def start_registry(root: Path, login: tuple[str, str] | None = None) -> Iterator[Registry]:
+    """Debian's docker-registry on loopback; with ``login``, behind htpasswd (basic) auth."""
     binary = shutil.which("docker-registry")
     assert binary, "docker-registry is installed by scripts/install"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = root / "config.yml"
+    auth = ""
+    if login is not None:
+        (root / "htpasswd").write_text(f"{login[0]}:{bcrypt_hash(login[1])}\n")
+        auth = f"auth:\n  htpasswd:\n    realm: aenv-tests\n    path: {root / 'htpasswd'}\n"
     config.write_text(
         "version: 0.1\n"
         f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n  delete:\n    enabled: true\n"
         f"http:\n  addr: 127.0.0.1:{port}\n"
-        "log:\n  level: error\n"
+        "log:\n  level: error\n" + auth
     )
     proc = subprocess.Popen([binary, "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    registry = Registry(f"127.0.0.1:{port}", proc)
+    registry = Registry(f"127.0.0.1:{port}", proc, login)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{registry.url}/v2/").status_code == 200:
+            if registry.http.get(f"{registry.url}/v2/").status_code == 200:
                 break
         except httpx.HTTPError:
             time.sleep(0.1)
@@ -176,6 +187,17 @@ def start_registry(root: Path) -> Iterator[Registry]:
     yield registry
     proc.terminate()
     proc.wait(10)
+
+
+def bcrypt_hash(password: str) -> str:
+    """The only hash docker-registry's htpasswd accepts (glibc's crypt does bcrypt on Debian)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import crypt
+
+    return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))
 
 
 def _config(diff_ids: list[str], env: list[str] | None = None) -> bytes:

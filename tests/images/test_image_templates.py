@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,3 +138,35 @@ def test_images_from_files_for_air_gapped_hosts(api: httpx.Client, e2b_env: Serv
     assert r.status_code == 400 and "AENV_IMAGE_IMPORT_DIRS" in r.json()["message"]
     r = api.post("/templates/from-image", json={"name": "notag", "image": f"oci:{imports / 'layout'}:v9"})
     assert r.status_code == 404
+
+
+@pytest.fixture(scope="module")
+def private_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    yield from start_registry(tmp_path_factory.mktemp("private-registry"), login=("alice", "s3cret-pw"))
+
+
+def test_private_registry_logins(private_registry: Registry, api: httpx.Client, e2b_env: Server) -> None:
+    from e2b import Template
+
+    private_registry.push_image("team/app", "1", [(busybox_layer().file("secret.txt", b"inside\n").bytes(), "gzip")])
+    image = f"{private_registry.host}/team/app:1"
+    r = api.post("/templates/from-image", json={"name": "priv", "image": image})
+    assert r.status_code == 403 and "login" in r.json()["message"]
+    r = api.post("/templates/from-image", json={"name": "priv", "image": image, "username": "alice", "password": "no"})
+    assert r.status_code == 403 and "refused" in r.json()["message"]
+    login = {"username": "alice", "password": "s3cret-pw"}
+    r = api.post("/templates/from-image", json={"name": "priv", "image": image, **login})
+    assert r.status_code == 201, r.text
+    # The login was for that pull only: nothing of it is kept in the template.
+    assert "s3cret" not in json.dumps(api.get("/templates/priv").json())
+
+    # E2B's Template builder with registry credentials (fromImageRegistry).
+    template = Template().from_image(image, username="alice", password="s3cret-pw").run_cmd("cat /secret.txt")
+    info = Template.build(template, "priv-e2b")
+    sbx = Sandbox.create(template=info.template_id, timeout=60)
+    try:
+        assert sbx.commands.run("cat /secret.txt").stdout == "inside\n"
+    finally:
+        sbx.kill()
+    with pytest.raises(Exception, match="refused"):
+        Template.build(Template().from_image(image, username="alice", password="wrong").run_cmd("true"), "priv-bad")

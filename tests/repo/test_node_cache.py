@@ -158,3 +158,20 @@ async def test_a_new_node_learns_the_catalogue_and_recommits_what_the_repository
         assert again.artifacts.repo.get_entry("template", rec.id) is not None
     finally:
         await again.stop(pause_running=False)
+
+
+async def test_a_running_node_learns_what_another_committed(tmp_path: Path) -> None:
+    settings = dict(build_base=False, repo=str(tmp_path / "repo"), repo_gc_interval=0)
+    a, b = Node(Settings(data_dir=tmp_path / "a", **settings)), Node(Settings(data_dir=tmp_path / "b", **settings))
+    await a.start()
+    await b.start()
+    try:
+        rec = await fake_template(a, "later")
+        await a.artifacts.wait_committed(rec)
+        assert not b._knows("later")
+        assert await b.artifacts.refresh_catalogue() == 1
+        assert b.find_template("later").id == rec.id
+        assert await b.artifacts.refresh_catalogue() == 0  # rate-limited: no listing storm on typos
+    finally:
+        await a.stop(pause_running=False)
+        await b.stop(pause_running=False)
