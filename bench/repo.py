@@ -32,9 +32,11 @@ from rich.console import Console
 from rich.table import Table
 
 from aenv.config import Settings
-from aenv.node import housekeeping
+from aenv.node import housekeeping, metrics
 from aenv.node.orchestrator import Node
 from aenv.repo import encodings
+from aenv.repo.backends import open_backend
+from aenv.repo.repository import Repository
 from aenv.templates.builder import ensure_base, run_in
 from bench.__main__ import _install_timer, mark, pct, runsc_since
 
@@ -57,6 +59,27 @@ def plain_archive(items: list[Any], dest: Path) -> int:
             for block in blocks:
                 w.write(block)
         total += out.stat().st_size
+    return total
+
+
+def plain_restore(items: list[Any], work: Path) -> float:
+    """Baseline of a cold fetch: seconds to lay the same artifacts out again from local files
+    (tar -x of each directory, a sparse copy of each disk image), no repository involved."""
+    total = 0.0
+    for n, item in enumerate(items):
+        src, dest = work / f"{n}.src", work / f"{n}.out"
+        if item.encoding == "tar":
+            subprocess.run(["tar", "-C", str(item.path), "-cf", str(src), *encodings.TAR_OPTS, "."], check=True)
+            dest.mkdir()
+            argv = ["tar", "-C", str(dest), "-xf", str(src), "--same-permissions", "--same-owner", *encodings.TAR_OPTS]
+        else:
+            argv = ["cp", "--sparse=always", str(item.path), str(dest)]
+        subprocess.run(["sync"], check=True)
+        start = time.perf_counter()
+        subprocess.run(argv, check=True)
+        subprocess.run(["sync"], check=True)  # what a fetch writes must be on disk too
+        total += time.perf_counter() - start
+        subprocess.run(["rm", "-rf", str(src), str(dest)], check=True)
     return total
 
 
@@ -91,6 +114,15 @@ def start_moto(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     }
 
 
+def s3_args(settings: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "endpoint": settings.get("repo_s3_endpoint"),
+        "region": settings.get("repo_s3_region"),
+        "access_key_id": settings.get("repo_s3_access_key_id"),
+        "secret_access_key": settings.get("repo_s3_secret_access_key"),
+    }
+
+
 async def create_timed(node: Node, ref: str) -> tuple[float, float, str]:
     """(seconds of the create, seconds of its runsc restore, sandbox id)."""
     await node.settle()
@@ -104,7 +136,7 @@ async def create_timed(node: Node, ref: str) -> tuple[float, float, str]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     _install_timer()
     work = Path(tempfile.mkdtemp(prefix="aenv-bench-repo-"))
-    repo_settings: dict[str, Any] = {"repo": str(work / "repo")}
+    repo_settings: dict[str, Any] = {}  # posix: the data dir's own repository, kept between runs
     moto = None
     if args.backend == "s3":
         moto, repo_settings = start_moto(work)
@@ -114,17 +146,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     await node.start()
     try:
         base = await ensure_base(node, on_log=lambda line: None)
-        await node.artifacts.wait_committed(base)  # a base from an earlier run: committed here now
-        base.committed_at = 0.0
-        assert node.artifacts.repo is not None
-        for kind in ("template",):
-            await asyncio.to_thread(node.artifacts.repo.delete_entry, kind, base.id)
-        await asyncio.to_thread(node.artifacts.repo.gc)  # an empty repository again
+        await node.artifacts.wait_committed(base)
+        while node.artifacts._commits:  # records of earlier runs that this repository lacks
+            await asyncio.wait(list(node.artifacts._commits.values()))
 
         console.print("[bold]commit of base[/bold] into an empty repository")
+        empty_url = "s3://bench/empty" if args.backend == "s3" else str(work / "empty")
+        empty = Repository(open_backend(empty_url, **s3_args(repo_settings)))
+        body = json.loads(base.to_json())
         started = time.perf_counter()
-        await node.artifacts.wait_committed(base)
+        report = await asyncio.to_thread(empty.commit, "template", base.id, body, node.artifacts.items_of(base))
         commit_s = time.perf_counter() - started
+        empty.close()
         (work / "plain").mkdir()
         started = time.perf_counter()
         plain = await asyncio.to_thread(plain_archive, node.artifacts.items_of(base), work / "plain")
@@ -132,9 +165,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work / "plain")
         results["commit_base"] = {
             "seconds": commit_s,
-            "logical_mib": base.commit["logical_bytes"] / MiB,
-            "uploaded_mib": base.commit["new_bytes"] / MiB,
-            "chunks": base.commit["chunks"],
+            "logical_mib": report.logical_bytes / MiB,
+            "uploaded_mib": report.new_bytes / MiB,
+            "chunks": report.chunks,
             "baseline": "the same artifacts as one tar.zst each (level 3), no chunking",
             "baseline_seconds": plain_s,
             "baseline_mib": plain / MiB,
@@ -145,7 +178,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rec = await node.create("base", timeout=3600)
         link = node.get(rec.id).link
         assert link is not None
-        await run_in(link, "head -c 20M /dev/urandom > /home/user/data.bin; (sleep 100000 &) ; sync")
+        await run_in(link, "head -c 20M /dev/urandom > /home/user/data.bin; sleep 100000 > /dev/null 2>&1 & sync")
         snaps = []
         for label, step in (("first", None), ("second", "echo small change > /home/user/note.txt")):
             if step:
@@ -169,34 +202,47 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         own_layers = [x for x in snap.layers if x not in base.layers]
 
         async def creates(label: str, evict: str) -> None:
-            times, raw = [], []
+            times, raw, fetched_mib, plain = [], [], [], []
             for _ in range(args.rounds):
+                await node.settle()  # a killed sandbox's overlay pins its layers until it is gone
                 if evict == "own":
                     for layer in own_layers:
                         await node.files.remove(layer)
                     node.files.remove_image(snap.image)
                 elif evict == "all":
+                    items = [i for i in node.artifacts.items_of(snap) if i.kind != "guest"]
+                    (work / "plain").mkdir(exist_ok=True)
+                    plain.append(await asyncio.to_thread(plain_restore, items, work / "plain"))
                     node.settings.layer_cache_mb = 0
                     await housekeeping.gc_files(node)
                     node.settings.layer_cache_mb = 20 * 1024
+                    await asyncio.to_thread(subprocess.run, ["sync"])
+                before = metrics.REPO_FETCH_BYTES._value.get()
                 dt, restore, sid = await create_timed(node, snap.id)
+                fetched_mib.append((metrics.REPO_FETCH_BYTES._value.get() - before) / MiB)
                 times.append(dt)
                 raw.append(restore)
                 await node.kill(sid)
             results[label] = {
                 "p50_ms": pct(times, 0.5) * 1000,
                 "p95_ms": pct(times, 0.95) * 1000,
+                "fetched_mib": pct(fetched_mib, 0.5),
                 "runsc_restore_p50_ms": pct(raw, 0.5) * 1000,
                 "ratio": pct(times, 0.5) / pct(raw, 0.5),
                 "n": len(times),
             }
+            if plain:
+                results[label]["plain_restore_p50_ms"] = pct(plain, 0.5) * 1000
+                results[label]["plain_baseline"] = "tar -x / sparse cp of the same artifacts from local files"
 
         console.print(f"[bold]create from the snapshot[/bold] x{args.rounds}: cached, own files evicted, cold")
         await creates("create_cached", "none")
         await creates("create_own_fetched", "own")
+        args.rounds = min(args.rounds, 3)  # each cold round writes the whole Debian layer again
         await creates("create_cold", "all")
         for s in snaps:
             await node.delete_snapshot(s.id)
+        await node.artifacts.gc_repository()  # the data dir's repository does not grow run after run
     finally:
         await node.stop(pause_running=False)
         if moto is not None:
@@ -230,11 +276,15 @@ def render(results: dict[str, Any]) -> None:
         ("create_cold", "create, cold cache (all fetched)"),
     ):
         r = results[key]
+        versus = f"{r['ratio']:.2f}x runsc restore ({r['runsc_restore_p50_ms']:.0f} ms)"
+        if "plain_restore_p50_ms" in r:
+            extra = r["p50_ms"] - r["runsc_restore_p50_ms"]
+            versus += f"; fetch {extra / r['plain_restore_p50_ms']:.2f}x tar -x ({r['plain_restore_p50_ms']:.0f} ms)"
         table.add_row(
             what,
             f"{r['p50_ms']:.0f} ms (p95 {r['p95_ms']:.0f})",
-            "",
-            f"{r['ratio']:.2f}x runsc restore ({r['runsc_restore_p50_ms']:.0f} ms)",
+            f"{r['fetched_mib']:.0f} MiB fetched" if r["fetched_mib"] else "",
+            versus,
         )
     console.print(table)
 

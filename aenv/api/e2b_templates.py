@@ -151,7 +151,8 @@ async def start_build(request: Request, template_id: str, build_id: str) -> Resp
         raise InvalidRequest("a build needs fromImage or fromTemplate")
     context = files_dir(node) / f"ctx-{build_id}"
     instructions = [df.Instruction(0, "FROM", base)]
-    instructions += [df.Instruction(0, "USER", E2B_USER), df.Instruction(0, "WORKDIR", E2B_WORKDIR)]
+    # E2B's starting point; the workdir is only the default one (sandboxes follow the user's home)
+    instructions += [df.Instruction(0, "USER", E2B_USER), df.Instruction(0, "WORKDIR", E2B_WORKDIR, {"implicit": ""})]
     user = E2B_USER
     for step in body.steps:
         instructions += _instructions(node, step, context, user)

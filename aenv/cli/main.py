@@ -91,6 +91,9 @@ def server(
     host: str = typer.Option(None, help="Address to listen on [default: 127.0.0.1]"),
     port: int = typer.Option(None, help="Port [default: 3000]"),
     data_dir: Path = typer.Option(None, "--data-dir", help="State directory [default: /var/lib/aenv]"),
+    repo: str = typer.Option(
+        None, "--repo", help="Snapshot repository: a path, s3://bucket/prefix or none [default: <data-dir>/repo]"
+    ),
 ) -> None:
     """Run a node: the API on one port, with the `base` template ready."""
     from aenv.api.server import serve
@@ -104,6 +107,8 @@ def server(
         overrides["port"] = port
     if data_dir is not None:
         overrides["data_dir"] = data_dir
+    if repo is not None:
+        overrides["repo"] = repo
     asyncio.run(serve(Settings(**overrides)))
 
 

@@ -160,6 +160,14 @@ class ArtifactCache:
         else:
             await self.node.store.put_snapshot(rec)
 
+    async def _drop(self, rec: Entry) -> None:
+        if isinstance(rec, TemplateRecord):
+            self.node.templates.pop(rec.id, None)
+            await self.node.store.delete_template(rec.id)
+        else:
+            self.node.snapshots.pop(rec.id, None)
+            await self.node.store.delete_snapshot(rec.id)
+
     async def record_changed(self, rec: Entry) -> None:
         """A committed record changed (aliases): rewrite its entry; an uncommitted one is committed."""
         if self.repo is None:
@@ -208,8 +216,17 @@ class ArtifactCache:
         await self._import(entries)
         in_repo = {e["id"] for kind in entries for e in entries[kind]}
         for rec in [*self.node.templates.values(), *self.node.snapshots.values()]:
-            if rec.committed_at and rec.id not in in_repo:
-                log.warning("%s %s is no longer in the repository: committing it again", kind_of(rec), rec.id)
+            if rec.id in in_repo:
+                continue
+            kind, name = kind_of(rec), getattr(rec, "name", "") or "-"
+            # Guest bundles are never evicted, and the current one is rebuilt when missing.
+            if not all(self._is_local(i.kind, i.id) for i in self.items_of(rec) if i.kind != "guest"):
+                # Its files left this node's cache and the repository (another one, or wiped) lost it.
+                where = self.repo_url
+                log.error("%s %s (%s) is lost: not in %s nor on this node; removing it", kind, rec.id, name, where)
+                await self._drop(rec)
+            elif rec.committed_at:
+                log.warning("%s %s is no longer in the repository: committing it again", kind, rec.id)
                 rec.committed_at = 0.0
                 await self._save(rec)
         self.commit_pending()
@@ -361,6 +378,7 @@ class ArtifactCache:
         if ref.kind == "layer" and final.suffix == ".img":
             await files.mount(ref.id, writable=False)
         metrics.REPO_FETCHES.labels(outcome="ok").inc()
+        metrics.REPO_FETCH_BYTES.inc(size)
         log.info("fetched %s %s (%.1f MiB) in %.2fs", ref.kind, ref.id, size / 2**20, time.monotonic() - started)
 
     # -- the local cache ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ LAYER_CACHE = Gauge(
 REPO_COMMITS = Counter("aenv_repo_commits_total", "Templates and snapshots committed to the repository", ["outcome"])
 REPO_BYTES = Counter("aenv_repo_commit_bytes_total", "Bytes of commits: logical size and actually uploaded", ["what"])
 REPO_FETCHES = Counter("aenv_repo_fetches_total", "Artifacts fetched from the repository", ["outcome"])
+REPO_FETCH_BYTES = Counter("aenv_repo_fetch_bytes_total", "Logical bytes of the artifacts fetched from the repository")
 EGRESS = Counter("aenv_egress_connections_total", "Outbound connections asked for by sandboxes", ["outcome"])
 OPERATION_SECONDS = Histogram(
     "aenv_operation_seconds",

@@ -271,7 +271,12 @@ class Node:
         env = dict(rec.env_vars)
         env.update({"E2B_SANDBOX": "true", "E2B_SANDBOX_ID": rec.id, "E2B_TEMPLATE_ID": rec.template_id})
         env.update({"AENV_SANDBOX_ID": rec.id})
-        return {"env": env, "user": DEFAULT_USER, "nproc": self._limits(rec).nproc}
+        return {
+            "env": env,
+            "user": rec.user or DEFAULT_USER,
+            "workdir": rec.workdir or None,
+            "nproc": self._limits(rec).nproc,
+        }
 
     def _rootfs(self, layers: list[str], upper: str, guest: str = "") -> RootfsSpec:
         return RootfsSpec(tuple(self.files.layer(x) for x in layers), self.files.upper(upper), guest)
@@ -450,6 +455,7 @@ class Node:
                 raise TemplateNotFound(f"no template or snapshot named '{template}'") from None
             layers, image, template_id, guest = list(snap.layers), snap.image, snap.template_id, snap.guest
             base_env, base_limits, snapshot_id = dict(snap.env_vars), dict(snap.limits), snap.id
+        user, workdir = source.user, source.workdir
         base_env.update(env_vars or {})
         base_limits.update(limits or {})
         now = time.time()
@@ -468,6 +474,8 @@ class Node:
             layers=layers,
             upper=upper,
             snapshot_id=snapshot_id,
+            user=user,
+            workdir=workdir,
             allow_internet_access=allow_internet_access,
             network=dict(network or {}),
             secure=secure,
@@ -625,6 +633,8 @@ class Node:
                 env_vars=dict(sb.rec.env_vars),
                 limits=dict(sb.rec.limits),
                 guest=sb.rec.guest,
+                user=sb.rec.user,
+                workdir=sb.rec.workdir,
             )
             self.snapshots[snap.id] = snap
             await self.store.put_snapshot(snap)
@@ -709,6 +719,8 @@ class Node:
             network=dict(src.network),
             secure=src.secure,
             guest=src.guest,
+            user=src.user,
+            workdir=src.workdir,
         )
         return LiveSandbox(rec)
 

@@ -47,6 +47,8 @@ class SandboxRecord:
     secure: bool = True
     paused_at: float = 0.0
     guest: str = ""  # guest bundle of the agent inside (see RootfsSpec.guest)
+    user: str = ""  # default user of commands and files ("" = `user`), from the template
+    workdir: str = ""  # default working directory ("" = the default user's home)
 
     def to_json(self) -> str:
         body = asdict(self)
@@ -72,6 +74,8 @@ class TemplateRecord:
     env_vars: dict[str, str] = field(default_factory=dict)
     description: str = ""
     guest: str = ""
+    user: str = ""  # default user and workdir of its sandboxes (the recipe's last USER / WORKDIR)
+    workdir: str = ""
     committed_at: float = 0.0  # when the snapshot repository got it; 0 = only on this node
     commit: dict[str, Any] = field(default_factory=dict)  # the commit's report (bytes, chunks, time)
 
@@ -97,6 +101,8 @@ class SnapshotRecord:
     limits: dict[str, Any] = field(default_factory=dict)
     ephemeral: bool = False  # made for a fork; removed when its children are up
     guest: str = ""
+    user: str = ""
+    workdir: str = ""
     committed_at: float = 0.0
     commit: dict[str, Any] = field(default_factory=dict)
 

@@ -67,6 +67,9 @@ def untar(chunks: Iterable[bytes], dest: Path) -> None:
             errors.seek(0)
             message = errors.read().decode(errors="replace").strip()[-500:]
             raise StorageError(f"extracting into {dest} failed: {message}")
+    # On disk before the caller renames it into place: after a crash a cached layer must be
+    # whole or absent, never a tree of empty files.
+    subprocess.run(["sync", "--file-system", str(dest)], check=False)
 
 
 def data_extents(path: Path) -> tuple[int, list[tuple[int, int]]]:

@@ -44,6 +44,10 @@ class State:
     args: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
     user: str = "root"
+    # What sandboxes of the template default to: the recipe's last USER and WORKDIR ("" = the
+    # `user` convention and that user's home), as E2B persists a template's last user and workdir.
+    default_user: str = ""
+    default_workdir: str = ""
     entrypoint: list[str] = field(default_factory=list)
     cmd: list[str] = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)
@@ -112,7 +116,8 @@ async def build(
         if argv:
             begin = StartCommand(argv, {**state.args, **state.env}, state.workdir, state.user, ready=ready)
         commits = json.loads(await node.store.get_meta(COMMITS_KEY) or "{}")
-        key = state.chain("COMMIT", name, argv, ready, node.driver.guest_key())
+        defaults = (state.default_user, state.default_workdir)
+        key = state.chain("COMMIT", name, argv, ready, node.driver.guest_key(), *defaults)
         same = node.templates.get(commits.get(key, ""))
         if same is not None and same.name == name and same.layers == state.layers:
             log(f"template '{name}' is unchanged")
@@ -125,6 +130,8 @@ async def build(
             env=state.env,
             start=begin,
             description=f"Dockerfile build, {len(state.layers)} layers",
+            user=state.default_user,
+            workdir=state.default_workdir,
             on_log=log,
         )
         commits = {k: v for k, v in commits.items() if v in node.templates}  # forget replaced templates
@@ -209,7 +216,7 @@ async def _step(
         state.chain("ENV", state.env)
         return True
     if kw == "USER":
-        state.user = df.substitute(instr.args.strip(), scope)
+        state.user = state.default_user = df.substitute(instr.args.strip(), scope)
         state.chain("USER", state.user)
         return True
     if kw in ("CMD", "ENTRYPOINT"):
@@ -225,6 +232,8 @@ async def _step(
         return True
     if kw == "WORKDIR":
         state.workdir = posixpath.normpath(posixpath.join(state.workdir, df.substitute(instr.args.strip(), scope)))
+        if "implicit" not in instr.flags:
+            state.default_workdir = state.workdir
         key = state.chain("WORKDIR", state.workdir)
         if dir_in_layers(node, state.layers, state.workdir):
             return True  # there already: a layer would only hide its owner and mode

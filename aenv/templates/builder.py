@@ -200,6 +200,8 @@ async def commit_template(
     env: dict[str, str] | None = None,
     start: StartCommand | None = None,
     description: str = "",
+    user: str = "",
+    workdir: str = "",
     on_log: LogFn | None = None,
 ) -> TemplateRecord:
     """Boot ``layers``, run ``steps`` as root, start ``start`` (it runs on in every sandbox made
@@ -230,6 +232,8 @@ async def commit_template(
         env_vars=dict(env or {}),
         description=description,
         guest=node.driver.guest_key(),
+        user=user,
+        workdir=workdir,
     )
     old = [t for t in node.templates.values() if t.name == name]
     for t in old:

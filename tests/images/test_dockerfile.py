@@ -86,6 +86,9 @@ def test_build_cache_and_start_command(registry: Registry, server: Server, e2b_e
             assert run("cat /app/files/sub/data.txt /app/files/user.txt").stdout == "dataas user\n"
             assert run("stat -c %U /app/files /app/files/sub/data.txt").stdout.split() == ["user", "user"]
             assert run("echo $MSG").stdout == "hi world\n"
+            # The recipe's last USER and WORKDIR are the sandbox's defaults (as E2B persists them).
+            assert run("id -un; pwd").stdout.split() == ["user", "/app"]
+            assert run("id -un; pwd", user="root").stdout.split() == ["root", "/app"]
             first = int(run("cat /tmp/heartbeat").stdout)
             time.sleep(1.5)
             assert int(run("cat /tmp/heartbeat").stdout) > first  # the start command runs on
@@ -156,6 +159,7 @@ def test_e2b_template_builder(registry: Registry, e2b_env: Server, tmp_path: Pat
         assert run("cat /home/user/app/main.txt").stdout == "from the context"
         assert run("cat /home/user/built.txt /who").stdout == "e2b built\nroot\n"
         assert run("cat /tmp/beat").stdout.strip().isdigit()  # the start command is running
+        assert run("pwd").stdout.strip() == "/home/user/app"  # set_workdir persists into sandboxes
     finally:
         sbx.kill()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,7 +18,9 @@ from aenv.errors import ArtifactDamaged
 from aenv.node import housekeeping, metrics
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
+from aenv.repo.backends import PosixBackend
 from aenv.repo.chunks import chunk_key
+from aenv.repo.repository import Repository
 
 pytestmark = pytest.mark.sandbox  # a real node (its driver needs runsc); no sandbox is started
 
@@ -175,3 +178,25 @@ async def test_a_running_node_learns_what_another_committed(tmp_path: Path) -> N
     finally:
         await a.stop(pause_running=False)
         await b.stop(pause_running=False)
+
+
+async def test_a_record_lost_everywhere_is_removed_not_kept_broken(tmp_path: Path) -> None:
+    settings = dict(build_base=False, layer_cache_mb=0, repo_gc_interval=0)
+    node = Node(Settings(data_dir=tmp_path / "a", repo=str(tmp_path / "repo-1"), **settings))
+    await node.start()
+    kept, lost = await fake_template(node, "kept", mib=1), await fake_template(node, "lost", mib=1)
+    for rec in (kept, lost):
+        await node.artifacts.wait_committed(rec)
+    await housekeeping.gc_files(node)  # budget 0: both evicted, the repository holds them
+    await node.stop(pause_running=False)
+    # The node comes back on another repository that has only one of them.
+    shutil.copytree(tmp_path / "repo-1", tmp_path / "repo-2")
+    Repository(PosixBackend(tmp_path / "repo-2")).delete_entry("template", lost.id)
+    again = Node(Settings(data_dir=tmp_path / "a", repo=str(tmp_path / "repo-2"), **settings))
+    await again.start()
+    try:
+        assert {t.name for t in again.templates.values()} == {"kept"}
+        async with again.artifacts.using(again.find_template("kept")):
+            pass
+    finally:
+        await again.stop(pause_running=False)
