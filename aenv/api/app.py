@@ -73,8 +73,8 @@ def create_app(node: Node, *, start_node: bool = True) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.node = node
+    app.include_router(e2b_templates.router)  # first: /templates/tags before /templates/{id:path}
     app.include_router(router)
-    app.include_router(e2b_templates.router)
     app.include_router(repository.router)
 
     @app.exception_handler(AenvError)

@@ -17,6 +17,7 @@ import shlex
 import shutil
 import tarfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from aenv.api.sandboxes import _body, node_of
+from aenv.api.schemas import rfc3339
 from aenv.errors import AenvError, InvalidRequest, NotFound, Unauthenticated
 from aenv.node.orchestrator import Node
 from aenv.storage.layers import new_id
-from aenv.templates import build
+from aenv.templates import build, catalog
 from aenv.templates import dockerfile as df
 from aenv.templates.catalog import TEMPLATE_NAME
 
@@ -104,7 +106,7 @@ async def new_template(request: Request) -> JSONResponse:
     body: NewTemplate = await _body(request, NewTemplate)
     name, tag = _split_name(body.name)
     tags = sorted({*body.tags, *([tag] if tag else [])})
-    entry = Build(template_id=name, build_id=new_id(16), name=name, tags=tags)
+    entry = Build(template_id=name, build_id=str(uuid.uuid4()), name=name, tags=tags)
     builds_of(node_of(request))[entry.build_id] = entry
     out = {"templateID": name, "buildID": entry.build_id, "public": False, "names": [name], "tags": tags}
     out["aliases"] = [name]
@@ -250,10 +252,9 @@ async def _run(
         rec = await build.build(
             node, name=entry.name, dockerfile=instructions, context=context, start=start, login=login, on_log=entry.log
         )
-        aliases = sorted({*rec.aliases, *(f"{entry.name}:{t}" for t in entry.tags)} - {rec.name})
-        rec.aliases = aliases
-        await node.store.put_template(rec)
-        await node.artifacts.record_changed(rec)
+        if not rec.build_id:
+            rec.build_id = entry.build_id
+        await catalog.assign_tags(node, rec.id, entry.tags)  # moves name:tag here from older builds
         entry.status = "ready"
     except AenvError as exc:
         entry.log(exc.message, "error")
@@ -289,3 +290,41 @@ async def build_status(request: Request, template_id: str, build_id: str, logsOf
 async def alias_exists(request: Request, alias: str) -> dict[str, Any]:
     template = node_of(request).find_template(alias)
     return {"templateID": template.id, "public": False}
+
+
+class TagsAssign(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    target: str = Field(..., min_length=1, max_length=200)
+    tags: list[str] = Field(..., min_length=1, max_length=64)
+
+
+class TagsRemove(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(..., min_length=1, max_length=200)
+    tags: list[str] = Field(..., min_length=1, max_length=64)
+
+
+@router.post("/templates/tags", status_code=201, summary="Point tags at a template build (E2B assign_tags)")
+async def assign_tags(request: Request) -> JSONResponse:
+    body: TagsAssign = await _body(request, TagsAssign)
+    template = await catalog.assign_tags(node_of(request), body.target, body.tags)
+    return JSONResponse({"buildID": catalog.build_id_of(template), "tags": body.tags}, status_code=201)
+
+
+@router.delete("/templates/tags", status_code=204, summary="Remove tags of a template (E2B remove_tags)")
+async def remove_tags(request: Request) -> Response:
+    body: TagsRemove = await _body(request, TagsRemove)
+    await catalog.remove_tags(node_of(request), body.name, body.tags)
+    return Response(status_code=204)
+
+
+@router.get("/templates/{template_id}/tags", summary="The tags of a template and the builds they name")
+async def list_tags(request: Request, template_id: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "tag": item["tag"],
+            "buildID": catalog.build_id_of(item["template"]),
+            "createdAt": rfc3339(item["template"].created_at),
+        }
+        for item in catalog.tags_of(node_of(request), template_id)
+    ]

@@ -113,11 +113,11 @@ class ArtifactCache:
         assert self.repo is not None
         kind = kind_of(rec)
         await self.node.settled(rec.layers)
-        body = json.loads(rec.to_json())
         try:
             async with self._slots:
                 if not self._known(rec):
                     return  # deleted while waiting for its turn
+                body = json.loads(rec.to_json())  # as it is now: aliases may have changed meanwhile
                 items = self.items_of(rec)
                 self.pin(rec.layers + [rec.image])
                 try:
@@ -299,7 +299,11 @@ class ArtifactCache:
         self.pin(layers)
         try:
             missing = [x for x in layers if not self._is_local("layer", x)]
-            for owner in {id(r): r for r in map(self._owner_of, missing) if r is not None}.values():
+            owners = {x: self._owner_of(x) for x in missing}
+            orphan = next((x for x, owner in owners.items() if owner is None), None)
+            if orphan is not None:
+                raise ArtifactDamaged(f"layer {orphan} is neither on this node nor in a committed record")
+            for owner in {id(r): r for r in owners.values() if r is not None}.values():
                 await self.ensure_local(owner, only=set(missing))
             yield
         finally:

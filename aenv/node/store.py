@@ -76,6 +76,7 @@ class TemplateRecord:
     guest: str = ""
     user: str = ""  # default user and workdir of its sandboxes (the recipe's last USER / WORKDIR)
     workdir: str = ""
+    build_id: str = ""  # the E2B build (a UUID) that made it
     committed_at: float = 0.0  # when the snapshot repository got it; 0 = only on this node
     commit: dict[str, Any] = field(default_factory=dict)  # the commit's report (bytes, chunks, time)
 

@@ -26,6 +26,7 @@ from aenv.runtime import hostexec
 from aenv.runtime.base import Instance, Limits
 from aenv.runtime.guestbundle import COMPAT_LIB
 from aenv.storage.layers import new_id
+from aenv.templates.catalog import retire_builds
 
 LogFn = Callable[[str], None]
 BUILD_LIMITS = Limits(cpu_count=2.0, memory_mb=4096, nproc=8192, disk_mb=16384)
@@ -235,11 +236,7 @@ async def commit_template(
         user=user,
         workdir=workdir,
     )
-    old = [t for t in node.templates.values() if t.name == name]
-    for t in old:
-        node.templates.pop(t.id, None)
-        await node.store.delete_template(t.id)
-        await node.artifacts.forget(t)
+    await retire_builds(node, name)
     node.templates[rec.id] = rec
     await node.store.put_template(rec)
     node.artifacts.commit_later(rec)

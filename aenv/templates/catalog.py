@@ -1,6 +1,9 @@
-"""The template catalogue: delete (refused while sandboxes use a template, unless forced), aliases.
+"""The template catalogue: delete (refused while sandboxes use a template, unless forced), aliases
+and tags.
 
 A tag is an alias of the form ``name:tag``; ``find_template`` resolves names, ids and aliases alike.
+The bare name is the newest build; an older build that still carries a tag stays reachable by it
+(its record is then named by its id), as E2B keeps ``name:v1`` after ``name:v2`` is built.
 Deleting a record frees nothing a sandbox still needs: sandboxes name their own layers, and the
 node's garbage collection removes only layers and images no record names.
 """
@@ -8,8 +11,10 @@ node's garbage collection removes only layers and images no record names.
 from __future__ import annotations
 
 import re
+import uuid
+from typing import Any
 
-from aenv.errors import Conflict, InvalidRequest
+from aenv.errors import Conflict, InvalidRequest, NotFound
 from aenv.node import housekeeping
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
@@ -48,3 +53,80 @@ async def set_aliases(node: Node, ref: str, aliases: list[str]) -> TemplateRecor
     await node.store.put_template(template)
     await node.artifacts.record_changed(template)
     return template
+
+
+def build_id_of(template: TemplateRecord) -> str:
+    """E2B names builds by UUID: the one it was built under, or one derived from the id."""
+    return template.build_id or str(uuid.uuid5(uuid.NAMESPACE_OID, template.id))
+
+
+def family(template: TemplateRecord) -> str:
+    """The name a template's tags hang from (an older, tagged build is named by its id)."""
+    if template.name != template.id:
+        return template.name
+    return next((a.partition(":")[0] for a in template.aliases if ":" in a), template.name)
+
+
+async def _save(node: Node, template: TemplateRecord) -> None:
+    await node.store.put_template(template)
+    await node.artifacts.record_changed(template)
+
+
+async def _untag(node: Node, alias: str, keep: TemplateRecord | None = None) -> None:
+    """Take ``alias`` off whichever other build has it; a retained older build left with no tag
+    is deleted (its sandboxes keep running on their own layers)."""
+    for other in list(node.templates.values()):
+        if other is keep or alias not in other.aliases:
+            continue
+        other.aliases.remove(alias)
+        if other.name == other.id and not other.aliases:
+            await delete_template(node, other.id, force=True)
+        else:
+            await _save(node, other)
+
+
+async def assign_tags(node: Node, target: str, tags: list[str]) -> TemplateRecord:
+    """Point ``family:tag`` at the build ``target`` names (moved off any other build)."""
+    template = node.find_template(target)
+    base = target.partition(":")[0] if ":" in target else family(template)
+    aliases = [f"{base}:{tag}" for tag in tags]
+    for alias in aliases:
+        if not ALIAS.fullmatch(alias) or ":" not in alias:
+            raise InvalidRequest(f"tag {alias.partition(':')[2]!r} is not usable (letters, digits, '.', '_', '-')")
+    for alias in aliases:
+        await _untag(node, alias, keep=template)
+    template.aliases = sorted({*template.aliases, *aliases} - {template.name})
+    await _save(node, template)
+    return template
+
+
+async def remove_tags(node: Node, name: str, tags: list[str]) -> None:
+    aliases = [f"{name}:{tag}" for tag in tags]
+    holders = [t for t in node.templates.values() if set(aliases) & set(t.aliases)]
+    if not holders:
+        raise NotFound(f"template '{name}' has none of the tags {', '.join(tags)}")
+    for alias in aliases:
+        await _untag(node, alias)
+
+
+def tags_of(node: Node, ref: str) -> list[dict[str, Any]]:
+    base = family(node.find_template(ref))
+    out = []
+    for t in node.templates.values():
+        for alias in t.aliases:
+            name, _, tag = alias.partition(":")
+            if name == base and tag:
+                out.append({"tag": tag, "template": t})
+    return sorted(out, key=lambda item: item["tag"])
+
+
+async def retire_builds(node: Node, name: str) -> None:
+    """A new build takes ``name``: the build that had it goes, unless tags still point at it."""
+    for old in [t for t in node.templates.values() if t.name == name]:
+        if any(a.startswith(f"{name}:") for a in old.aliases):
+            old.name = old.id
+            await _save(node, old)
+        else:
+            node.templates.pop(old.id, None)
+            await node.store.delete_template(old.id)
+            await node.artifacts.forget(old)

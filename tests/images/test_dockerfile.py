@@ -167,3 +167,37 @@ def test_e2b_template_builder(registry: Registry, e2b_env: Server, tmp_path: Pat
     with pytest.raises(Exception) as failed:  # the SDK raises its BuildException
         Template.build(failing, "e2bfail")
     assert "exit code 9" in str(failed.value)
+
+
+@pytest.mark.sandbox
+def test_e2b_tags_name_builds(registry: Registry, e2b_env: Server) -> None:
+    """Tags as E2B has them: name:v1 keeps its build after name:v2 is built; the bare name is the
+    newest build; tags can be assigned, listed and removed with the SDK."""
+    from e2b import Template
+
+    registry.push_image("tests/tagbase", "1", [(busybox_layer().dir("tmp", 0o1777).bytes(), "gzip")])
+    image = f"{registry.host}/tests/tagbase:1"
+    v1 = Template.build(Template().from_image(image).run_cmd("echo one > /home/user/v"), "tagged:v1")
+    v2 = Template.build(Template().from_image(image).run_cmd("echo two > /home/user/v"), "tagged:v2")
+    assert v1.build_id != v2.build_id
+
+    def content(ref: str) -> str:
+        sbx = Sandbox.create(template=ref, timeout=60)
+        try:
+            return sbx.commands.run("cat /home/user/v").stdout.strip()
+        finally:
+            sbx.kill()
+
+    assert (content("tagged:v1"), content("tagged:v2"), content("tagged")) == ("one", "two", "two")
+    tags = {t.tag: t.build_id for t in Template.get_tags("tagged")}
+    assert tags == {"v1": v1.build_id, "v2": v2.build_id}
+
+    info = Template.assign_tags("tagged:v1", ["stable"])
+    assert info.build_id == v1.build_id and content("tagged:stable") == "one"
+    Template.assign_tags("tagged:v2", ["stable"])  # a tag moves between builds
+    assert content("tagged:stable") == "two"
+
+    Template.remove_tags("tagged", ["v1"])  # its build has no tag left: it is gone
+    assert set(t.tag for t in Template.get_tags("tagged")) == {"v2", "stable"}
+    with pytest.raises(Exception, match="tagged:v1"):
+        Sandbox.create(template="tagged:v1", timeout=30)
