@@ -53,6 +53,7 @@ class ArtifactCache:
         self._fetches: dict[str, asyncio.Future[None]] = {}
         self._slots = asyncio.Semaphore(1)  # commits compete with sandboxes for CPU: one at a time
         self._refreshed = 0.0
+        self._dirty: set[str] = set()  # records changed while their commit was under way
 
     async def close(self) -> None:
         """Stop: commits under way are abandoned (nothing of them is visible) and redone at start."""
@@ -81,10 +82,18 @@ class ArtifactCache:
         items.append(LocalArtifact("guest", key, self.node.driver.guest_path(key), "tar"))
         return items
 
+    def _is_present(self, kind: str, artifact_id: str) -> bool:
+        """On this node's disk (an image layer maybe not mounted yet, as at start)."""
+        if kind == "layer":
+            files = self.node.files
+            return (files.layers / f"{artifact_id}.img").exists() or files.is_local(artifact_id)
+        return self._is_local(kind, artifact_id)
+
     def _is_local(self, kind: str, artifact_id: str) -> bool:
+        """Usable by a restore right now."""
         files = self.node.files
         if kind == "layer":
-            return (files.layers / f"{artifact_id}.img").exists() or (files.layers / artifact_id).is_dir()
+            return files.is_local(artifact_id)
         if kind == "image":
             return files.image(artifact_id).is_dir()
         return (self.node.driver.guest_path(artifact_id) / ".complete").exists()
@@ -140,6 +149,9 @@ class ArtifactCache:
         rec.committed_at = time.time()
         rec.commit = report.as_dict()
         await self._save(rec)
+        if rec.id in self._dirty:
+            self._dirty.discard(rec.id)
+            await asyncio.to_thread(self.repo.update_record, kind, rec.id, json.loads(rec.to_json()))
         log.info(
             "committed %s %s: %.1f MiB logical, %.1f MiB uploaded in %d new chunks (%.2fs)",
             kind,
@@ -172,6 +184,9 @@ class ArtifactCache:
         """A committed record changed (aliases): rewrite its entry; an uncommitted one is committed."""
         if self.repo is None:
             return
+        if rec.id in self._commits:
+            self._dirty.add(rec.id)  # the commit wrote the record as it was; rewritten after it
+            return
         if not rec.committed_at:
             self.commit_later(rec)
             return
@@ -199,7 +214,7 @@ class ArtifactCache:
         for rec in [*self.node.templates.values(), *self.node.snapshots.values()]:
             if rec.committed_at or getattr(rec, "ephemeral", False):
                 continue
-            if all(self._is_local(i.kind, i.id) for i in self.items_of(rec)):
+            if all(self._is_present(i.kind, i.id) for i in self.items_of(rec)):
                 self.commit_later(rec)
 
     # -- start: learn the repository's catalogue ------------------------------------------------------
@@ -220,7 +235,7 @@ class ArtifactCache:
                 continue
             kind, name = kind_of(rec), getattr(rec, "name", "") or "-"
             # Guest bundles are never evicted, and the current one is rebuilt when missing.
-            if not all(self._is_local(i.kind, i.id) for i in self.items_of(rec) if i.kind != "guest"):
+            if not all(self._is_present(i.kind, i.id) for i in self.items_of(rec) if i.kind != "guest"):
                 # Its files left this node's cache and the repository (another one, or wiped) lost it.
                 where = self.repo_url
                 log.error("%s %s (%s) is lost: not in %s nor on this node; removing it", kind, rec.id, name, where)
@@ -244,8 +259,15 @@ class ArtifactCache:
             return 0
 
     async def _read_entries(self) -> dict[str, list[dict[str, Any]]]:
+        """Readable entries by kind; under "damaged", stubs for the ids the repository has but
+        this node cannot read (a newer format, a broken write): never mistaken for lost."""
         assert self.repo is not None
-        return {kind: await asyncio.to_thread(self.repo.entries, kind) for kind in ("template", "snapshot")}
+        damaged: set[str] = set()
+        out: dict[str, list[dict[str, Any]]] = {
+            kind: await asyncio.to_thread(self.repo.entries, kind, damaged) for kind in ("template", "snapshot")
+        }
+        out["damaged"] = [{"id": x} for x in sorted(damaged)]
+        return out
 
     async def _import(self, entries: dict[str, list[dict[str, Any]]]) -> int:
         added = 0
@@ -325,6 +347,9 @@ class ArtifactCache:
 
     async def ensure_local(self, rec: Entry, only: set[str] | None = None) -> None:
         items = [i for i in self.items_of(rec) if only is None or i.id in only]
+        for item in items:  # an image layer that is here but not mounted (yet) only needs mounting
+            if item.kind == "layer" and item.encoding == "sparse" and not self._is_local("layer", item.id):
+                await self.node.files.mount(item.id, writable=False)
         missing = [i for i in items if not self._is_local(i.kind, i.id)]
         if not missing:
             return
@@ -360,6 +385,8 @@ class ArtifactCache:
     async def _fetch_now(self, ref: ArtifactRef, what: str) -> None:
         assert self.repo is not None
         files = self.node.files
+        if self._is_local(ref.kind, ref.id):
+            return  # a fetch that finished while this one was being set up
         started = time.monotonic()
         temp: Path
         if ref.kind == "layer":
@@ -407,7 +434,7 @@ class ArtifactCache:
         """Remove what fetches interrupted by a stop left behind."""
         dirs = [self.node.files.layers, self.node.files.images, self.node.driver.guest_path("x").parent]
         for d in dirs:
-            for p in d.glob(f"{FETCHING}*"):
+            for p in [*d.glob(f"{FETCHING}*"), *d.glob(".evict-*")]:
                 _discard(p)
 
     async def gc_repository(self) -> dict[str, Any]:

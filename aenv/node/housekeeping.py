@@ -98,11 +98,14 @@ def cache_items(node: Node, build_cache: dict[str, str]) -> tuple[list[tuple[str
     present = node.files.layer_ids()
     cached = {x for x in present if x.startswith("oci-")} | {v for v in build_cache.values() if v}
     backed_layers, backed_images = node.artifacts.evictable()
-    busy = node._pending_layers | set(node.artifacts.pins)
-    in_use = (referenced_layers(node) - backed_layers) | sandbox_layers(node) | busy
+    in_use = (referenced_layers(node) - backed_layers) | busy_now(node)
     cache = [("layer", x) for x in (cached | backed_layers) & present]
     cache += [("image", x) for x in backed_images & node.files.image_ids()]
     return cache, in_use
+
+
+def busy_now(node: Node) -> set[str]:
+    return sandbox_layers(node) | node._pending_layers | set(node.artifacts.pins)
 
 
 def _size(node: Node, item: tuple[str, str]) -> int:
@@ -138,10 +141,16 @@ async def evict_cache(node: Node, cache: list[tuple[str, str]], in_use: set[str]
         if total <= low:
             break
         kind, item_id = item
+        # Looked at again right before it goes (the awaits above let restores start), and taken
+        # out of use with one rename before the next await: a restore either pinned it first or
+        # finds it missing and fetches it again.
+        if item_id in busy_now(node):
+            continue
         if kind == "layer":
-            await files.remove(item_id)
+            token = files.evicting(item_id)
+            await files.finish_eviction(item_id, token)
         else:
-            files.remove_image(item_id)
+            await files.finish_image_eviction(files.evict_image(item_id))
         total -= sizes[item]
         log.info("cache over budget: evicted %s %s (%d MiB)", kind, item_id, sizes[item] >> 20)
         for key in [k for k, v in build_cache.items() if v == item_id]:

@@ -35,6 +35,10 @@ class Backend(Protocol):
 
     def put(self, key: str, data: bytes) -> None: ...
 
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create the object only if there is none; False (and nothing written) if there is."""
+        ...
+
     def get(self, key: str) -> bytes:
         """The object's bytes; :class:`MissingObject` if there is none."""
         ...
@@ -80,6 +84,23 @@ class PosixBackend:
             except OSError:
                 pass
             raise
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".put-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # atomic, and fails if the name exists
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            os.unlink(tmp)
 
     def get(self, key: str) -> bytes:
         try:
@@ -178,6 +199,17 @@ class S3Backend:
 
     def put(self, key: str, data: bytes) -> None:
         self._call("put", self._s3.put_object, Key=self._key(key), Body=data)
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise RepositoryUnavailable(f"put on {self.url} failed: {exc}") from exc
+        return True
 
     def get(self, key: str) -> bytes:
         body = self._call("get", self._s3.get_object, Key=self._key(key))["Body"]

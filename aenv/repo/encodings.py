@@ -26,10 +26,7 @@ TAR_OPTS = ["--numeric-owner", "--xattrs", "--xattrs-include=*"]
 
 
 def tar_blocks(path: Path) -> Iterator[bytes]:
-    # Sealed layers never change, but the node touches a layer's root directory to record its
-    # use (the cache evicts the least recently used): tar would call that a change (exit 1).
-    argv = ["tar", "--create", "--file=-", "--directory", str(path), "--sparse", "--warning=no-file-changed"]
-    argv += [*TAR_OPTS, "."]
+    argv = ["tar", "--create", "--file=-", "--directory", str(path), "--sparse", *TAR_OPTS, "."]
     with tempfile.TemporaryFile() as errors:  # a file, not a pipe: nothing can block on it
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errors)
         assert proc.stdout is not None
@@ -40,7 +37,7 @@ def tar_blocks(path: Path) -> Iterator[bytes]:
             proc.kill()
             proc.wait()
             raise
-        if proc.wait() not in (0, 1):  # 1: "file changed as we read it", see above
+        if proc.wait() != 0:  # 1 is "file changed as we read it": never commit a moving target
             errors.seek(0)
             message = errors.read().decode(errors="replace").strip()[-500:]
             raise StorageError(f"tar of {path} failed: {message}")

@@ -158,7 +158,12 @@ class Repository:
         manifest["size"] = sum(length for _, length in refs)
         manifest["chunks"] = refs
         data = json.dumps(manifest, sort_keys=True).encode()
-        self.backend.put(artifact_key(item.kind, item.id), data)
+        if not self.backend.put_new(artifact_key(item.kind, item.id), data):
+            # Another commit (another node) wrote this artifact meanwhile: its manifest is complete
+            # and entries may already name its digest, so it stays; ours is garbage for the GC.
+            found = self.find_artifact(item.kind, item.id)
+            assert found is not None
+            return found[0], int(found[1].get("size", 0))
         return ArtifactRef(item.kind, item.id, hashlib.sha256(data).hexdigest()), manifest["size"]
 
     def read_manifest(self, ref: ArtifactRef, what: str) -> dict[str, Any]:
@@ -190,7 +195,7 @@ class Repository:
         """Commit a template or snapshot: its artifacts not yet in the repository, then its entry."""
         started = time.monotonic()
         report = CommitReport()
-        with self.lock("commit"):
+        with self.lock("commit") as lock_key:
             writer = ChunkWriter(self.backend, self.pool)
             refs: list[ArtifactRef] = []
             for item in items:
@@ -218,6 +223,7 @@ class Repository:
                 "committed_at": time.time(),
                 "commit": report.as_dict(),
             }
+            self._still_holding(lock_key)
             self.backend.put(entry_key(kind, _check_id(entry_id)), json.dumps(body, sort_keys=True).encode())
         return report
 
@@ -243,7 +249,8 @@ class Repository:
             raise ArtifactDamaged(f"{kind} {entry_id}: unknown entry format {entry.get('format')!r}")
         return dict(entry)
 
-    def entries(self, kind: EntryKind) -> list[dict[str, Any]]:
+    def entries(self, kind: EntryKind, damaged: set[str] | None = None) -> list[dict[str, Any]]:
+        """Every readable entry of ``kind``; the ids of unreadable ones go into ``damaged``."""
         out = []
         for info in self.backend.list(f"entries/{kind}s/"):
             entry_id = info.key.rsplit("/", 1)[-1].removesuffix(".json")
@@ -251,6 +258,8 @@ class Repository:
                 entry = self.get_entry(kind, entry_id)
             except ArtifactDamaged as exc:
                 log.error("skipping a damaged entry: %s", exc)
+                if damaged is not None:
+                    damaged.add(entry_id)
                 continue
             if entry is not None:
                 out.append(entry)
@@ -265,13 +274,15 @@ class Repository:
         return [ArtifactRef(a["kind"], a["id"], a["manifest"]) for a in entry.get("artifacts", [])]
 
     # -- locks -------------------------------------------------------------------------------------
-    def _live_locks(self, own: str) -> tuple[list[str], list[str]]:
-        """(live lock keys other than ``own``, stale lock keys)."""
-        now, live, stale = time.time(), [], []
-        for info in self.backend.list("locks/"):
-            if info.key == own:
-                continue
-            (stale if now - info.modified > LOCK_STALE_S else live).append(info.key)
+    def _locks(self, own: str) -> tuple[list[str], list[str]]:
+        """(live lock keys other than ``own``, stale lock keys). Age is measured against our own
+        lock's time in the same listing: the store's clock, so node clocks do not matter."""
+        infos = list(self.backend.list("locks/"))
+        now = next((i.modified for i in infos if i.key == own), time.time())
+        live, stale = [], []
+        for info in infos:
+            if info.key != own:
+                (stale if now - info.modified > LOCK_STALE_S else live).append(info.key)
         return live, stale
 
     def _write_lock(self, key: str, kind: str) -> None:
@@ -279,8 +290,8 @@ class Repository:
         self.backend.put(key, json.dumps(body).encode())
 
     @contextlib.contextmanager
-    def lock(self, kind: Literal["commit"], wait_s: float = 3600) -> Iterator[None]:
-        """Held while a commit uploads: no collection starts until it is released."""
+    def _held(self, kind: Literal["commit", "gc"]) -> Iterator[str]:
+        """A lock object, refreshed while held and removed after."""
         key = f"locks/{kind}-{uuid.uuid4().hex}.json"
         self._write_lock(key, kind)
         stop = threading.Event()
@@ -295,15 +306,28 @@ class Repository:
         refresher = threading.Thread(target=refresh, name="aenv-repo-lock", daemon=True)
         refresher.start()
         try:
+            yield key
+        finally:
+            stop.set()
+            refresher.join()  # a refresh in flight must not bring the lock back after the delete
+            self.backend.delete([key])
+
+    @contextlib.contextmanager
+    def lock(self, kind: Literal["commit"], wait_s: float = 3600) -> Iterator[str]:
+        """Held while a commit uploads: no collection starts until it is released."""
+        with self._held(kind) as key:
             deadline = time.monotonic() + wait_s
-            while any(k.startswith("locks/gc-") for k in self._live_locks(key)[0]):
+            while any(k.startswith("locks/gc-") for k in self._locks(key)[0]):
                 if time.monotonic() > deadline:
                     raise StorageError("the repository's garbage collection has held its lock for too long")
                 time.sleep(0.2)
-            yield
-        finally:
-            stop.set()
-            self.backend.delete([key])
+            yield key
+
+    def _still_holding(self, key: str) -> None:
+        """Before a commit names what it uploaded: a collector that took our lock for stale (we
+        stalled for minutes) may have removed some of it."""
+        if not self.backend.exists(key):
+            raise StorageError("the commit's repository lock expired while it ran; nothing was committed")
 
     # -- garbage collection ------------------------------------------------------------------------
     def gc(self) -> GcReport:
@@ -311,15 +335,14 @@ class Repository:
         holds a lock: it never deletes a chunk a commit in progress is about to name."""
         started = time.monotonic()
         report = GcReport()
-        key = f"locks/gc-{uuid.uuid4().hex}.json"
-        self._write_lock(key, "gc")
-        try:
-            live, stale = self._live_locks(key)
+        with self._held("gc") as key:
+            live, stale = self._locks(key)
             if stale:
                 log.warning("removing %d stale repository locks", len(stale))
                 self.backend.delete(stale)
             if live:
                 report.skipped = f"{len(live)} commit(s) or collection(s) in progress"
+                report.seconds = round(time.monotonic() - started, 3)
                 return report
             live_artifacts: set[str] = set()
             for kind in ENTRY_KINDS:
@@ -339,22 +362,17 @@ class Repository:
                     continue
                 live_chunks.update(chunk_key(d) for d, _ in manifest["chunks"])
             report.live_chunks = len(live_chunks)
-            dead: list[str] = []
-            for info in self.backend.list("artifacts/"):
-                if info.key not in live_artifacts:
-                    dead.append(info.key)
-                    report.deleted_artifacts += 1
-            for info in self.backend.list("chunks/"):
-                if info.key not in live_chunks:
-                    dead.append(info.key)
-                    report.deleted_chunks += 1
-                    report.freed_bytes += info.size
-            self.backend.delete(dead)
+            dead_artifacts = [i.key for i in self.backend.list("artifacts/") if i.key not in live_artifacts]
+            dead_chunks = [i for i in self.backend.list("chunks/") if i.key not in live_chunks]
+            # Manifests first: a manifest left behind by a failed delete must never name a chunk
+            # that is already gone (a later commit would reuse it).
+            self.backend.delete(dead_artifacts)
+            self.backend.delete([i.key for i in dead_chunks])
+            report.deleted_artifacts, report.deleted_chunks = len(dead_artifacts), len(dead_chunks)
+            report.freed_bytes = sum(i.size for i in dead_chunks)
             if isinstance(self.backend, PosixBackend):
                 self.backend.sweep_partial_puts(older_than=LOCK_STALE_S)
-        finally:
-            self.backend.delete([key])
-            report.seconds = round(time.monotonic() - started, 3)
+        report.seconds = round(time.monotonic() - started, 3)
         return report
 
     # -- checking -----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ overlayfs option strings stay short.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import shutil
@@ -32,7 +33,8 @@ class LayerStore:
         self.root = root
         self.layers = root / "layers"
         self.images = root / "images"
-        for d in (self.layers, self.images):
+        self.used = self.layers / ".used"  # last-use markers of cached layers
+        for d in (self.layers, self.images, self.used):
             d.mkdir(parents=True, exist_ok=True)
         self._sealed_sizes: dict[str, int] = {}
 
@@ -107,8 +109,38 @@ class LayerStore:
             except Exception:
                 await hostexec.run(["umount", "-l", str(mnt)], timeout=60, check=False)
         self._img(layer_id).unlink(missing_ok=True)
-        shutil.rmtree(mnt, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, mnt, True)  # big trees take seconds: off the loop
         self._sealed_sizes.pop(layer_id, None)
+        (self.used / layer_id).unlink(missing_ok=True)
+
+    def evicting(self, layer_id: str) -> str:
+        """Take a layer out of use atomically (one rename, before any await): from here on it is
+        not local, so a restore fetches it again instead of booting on a half-deleted tree.
+        Returns a token for :meth:`finish_eviction`."""
+        token = f".evict-{layer_id}-{new_id(6)}"
+        img = self._img(layer_id)
+        if img.exists():
+            os.rename(img, self.layers / f"{token}.img")  # still mounted through its loop device
+        elif (self.layers / layer_id).is_dir():
+            os.rename(self.layers / layer_id, self.layers / token)
+        self._sealed_sizes.pop(layer_id, None)
+        (self.used / layer_id).unlink(missing_ok=True)
+        return token
+
+    async def finish_eviction(self, layer_id: str, token: str) -> None:
+        mnt = self.layers / layer_id
+        if os.path.ismount(mnt):
+            await hostexec.run(["umount", "-l", str(mnt)], timeout=60, check=False)
+            shutil.rmtree(mnt, ignore_errors=True)
+        (self.layers / f"{token}.img").unlink(missing_ok=True)
+        await asyncio.to_thread(shutil.rmtree, self.layers / token, True)
+
+    def is_local(self, layer_id: str) -> bool:
+        """Usable right now: an image layer mounted, or a directory layer (not a stale mountpoint)."""
+        mnt = self.layers / layer_id
+        if self._img(layer_id).exists():
+            return os.path.ismount(mnt)
+        return mnt.is_dir() and not os.path.ismount(mnt)
 
     async def unmount_all(self) -> None:
         """Release every loop mount (a stopping node); the next start mounts what it needs."""
@@ -139,21 +171,24 @@ class LayerStore:
         return self._sealed_sizes[layer_id]
 
     def last_used(self, layer_id: str) -> float:
-        try:
-            return (self.layers / layer_id).stat().st_mtime
-        except OSError:
-            return 0.0
+        for path in (self.used / layer_id, self.layers / layer_id):
+            try:
+                return path.stat().st_mtime
+            except OSError:
+                continue
+        return 0.0
 
     def touch(self, layer_id: str) -> None:
-        """Mark a layer as just used (the layer cache evicts the least recently used first)."""
+        """Mark a layer as just used (the cache evicts the least recently used first). A marker
+        beside the layer, not the layer's own mtime: a sealed layer never changes, not even there."""
         try:
-            os.utime(self.layers / layer_id)
+            (self.used / layer_id).touch()
         except OSError:
             pass
 
     def touch_image(self, image_id: str) -> None:
         try:
-            os.utime(self.images / image_id)
+            (self.used / f"image-{image_id}").touch()
         except OSError:
             pass
 
@@ -171,10 +206,24 @@ class LayerStore:
         return self._sealed_sizes[key]
 
     def image_last_used(self, image_id: str) -> float:
-        try:
-            return (self.images / image_id).stat().st_mtime
-        except OSError:
-            return 0.0
+        for path in (self.used / f"image-{image_id}", self.images / image_id):
+            try:
+                return path.stat().st_mtime
+            except OSError:
+                continue
+        return 0.0
+
+    def evict_image(self, image_id: str) -> str:
+        """Like :meth:`evicting` for an image: renamed away at once, deleted by :meth:`finish_image_eviction`."""
+        token = f".evict-{image_id}-{new_id(6)}"
+        if (self.images / image_id).is_dir():
+            os.rename(self.images / image_id, self.images / token)
+        self._sealed_sizes.pop(f"image:{image_id}", None)
+        (self.used / f"image-{image_id}").unlink(missing_ok=True)
+        return token
+
+    async def finish_image_eviction(self, token: str) -> None:
+        await asyncio.to_thread(shutil.rmtree, self.images / token, True)
 
     def layer_ids(self) -> set[str]:
         return {p.name.removesuffix(".img") for p in self.layers.iterdir() if not p.name.startswith(".")}

@@ -274,3 +274,23 @@ def test_stale_locks_are_cleared(tmp_path: Path) -> None:
     report = repo.gc()
     assert not report.skipped
     assert not list(backend.list("locks/"))
+
+
+def test_two_commits_of_one_artifact_never_break_each_other(backend: Backend, tmp_path: Path) -> None:
+    """Two nodes commit the same layer id at once (a shared image layer): the first manifest
+    stays, the second commit names it, and both entries read back."""
+    first, second = Repository(backend), Repository(backend)
+    layer = make_layer(tmp_path / "layer")
+    ref_a, _ = first.put_artifact(
+        LocalArtifact("layer", "oci-shared", layer, "tar"), chunking.ChunkWriter(backend, first.pool)
+    )
+    # The second writer did not see it when it started: it uploads and then loses the race.
+    ref_b, _ = second.put_artifact(
+        LocalArtifact("layer", "oci-shared", layer, "tar"), chunking.ChunkWriter(backend, second.pool)
+    )
+    assert ref_b == ref_a
+    second.commit("template", "t-b", {}, [LocalArtifact("layer", "oci-shared", layer, "tar")])
+    entry = second.get_entry("template", "t-b")
+    assert entry is not None and second.artifact_refs(entry) == [ref_a]
+    second.fetch_artifact(ref_a, tmp_path / "back", "template t-b")
+    assert tree(tmp_path / "back") == tree(layer)
