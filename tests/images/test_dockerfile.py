@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -177,8 +178,9 @@ def test_e2b_tags_name_builds(registry: Registry, e2b_env: Server) -> None:
 
     registry.push_image("tests/tagbase", "1", [(busybox_layer().dir("tmp", 0o1777).bytes(), "gzip")])
     image = f"{registry.host}/tests/tagbase:1"
-    v1 = Template.build(Template().from_image(image).run_cmd("echo one > /home/user/v"), "tagged:v1")
-    v2 = Template.build(Template().from_image(image).run_cmd("echo two > /home/user/v"), "tagged:v2")
+    name = f"tagged-{uuid.uuid4().hex[:8]}"  # the local test data dir outlives a run
+    v1 = Template.build(Template().from_image(image).run_cmd("echo one > /home/user/v"), f"{name}:v1")
+    v2 = Template.build(Template().from_image(image).run_cmd("echo two > /home/user/v"), f"{name}:v2")
     assert v1.build_id != v2.build_id
 
     def content(ref: str) -> str:
@@ -188,16 +190,16 @@ def test_e2b_tags_name_builds(registry: Registry, e2b_env: Server) -> None:
         finally:
             sbx.kill()
 
-    assert (content("tagged:v1"), content("tagged:v2"), content("tagged")) == ("one", "two", "two")
-    tags = {t.tag: t.build_id for t in Template.get_tags("tagged")}
+    assert (content(f"{name}:v1"), content(f"{name}:v2"), content(name)) == ("one", "two", "two")
+    tags = {t.tag: t.build_id for t in Template.get_tags(name)}
     assert tags == {"v1": v1.build_id, "v2": v2.build_id}
 
-    info = Template.assign_tags("tagged:v1", ["stable"])
-    assert info.build_id == v1.build_id and content("tagged:stable") == "one"
-    Template.assign_tags("tagged:v2", ["stable"])  # a tag moves between builds
-    assert content("tagged:stable") == "two"
+    info = Template.assign_tags(f"{name}:v1", ["stable"])
+    assert info.build_id == v1.build_id and content(f"{name}:stable") == "one"
+    Template.assign_tags(f"{name}:v2", ["stable"])  # a tag moves between builds
+    assert content(f"{name}:stable") == "two"
 
-    Template.remove_tags("tagged", ["v1"])  # its build has no tag left: it is gone
-    assert set(t.tag for t in Template.get_tags("tagged")) == {"v2", "stable"}
-    with pytest.raises(Exception, match="tagged:v1"):
-        Sandbox.create(template="tagged:v1", timeout=30)
+    Template.remove_tags(name, ["v1"])  # its build has no tag left: it is gone
+    assert set(t.tag for t in Template.get_tags(name)) == {"v2", "stable"}
+    with pytest.raises(Exception, match=f"{name}:v1"):
+        Sandbox.create(template=f"{name}:v1", timeout=30)
