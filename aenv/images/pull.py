@@ -69,7 +69,7 @@ async def pull(
         for i, (desc, diff_id) in enumerate(zip(image.layers, image.diff_ids, strict=True), 1):
             layer_id = layer_id_of(diff_id)
             ids.append(layer_id)
-            node._pending_layers.add(layer_id)  # not garbage while the template is being made
+            node.artifacts.pin([layer_id])  # not garbage while the template is being made
             final = node.files.layers / layer_id
             if final.exists():
                 node.files.touch(layer_id)
@@ -99,6 +99,9 @@ async def pull(
             took = time.monotonic() - started
             log(f"layer {i}/{len(image.layers)} {diff_id[:19]}: {size / 2**20:.1f} MiB in {took:.1f}s")
         return Pulled(ref, image.digest, ids, image.config, fetched, cached)
+    except BaseException:
+        node.artifacts.unpin(ids)
+        raise
     finally:
         if client is not None:
             await client.close()
@@ -108,5 +111,4 @@ async def pull(
 
 def release(node: Node, pulled: Pulled) -> None:
     """The template (or the failure) is recorded: the layers are ordinary layers again."""
-    for layer_id in pulled.layers:
-        node._pending_layers.discard(layer_id)
+    node.artifacts.unpin(pulled.layers)

@@ -104,8 +104,9 @@ async def build(
             if not cached:
                 await node.store.set_meta(CACHE_KEY, json.dumps(cache))
             for layer_id in state.layers[len(before) :]:
-                node._pending_layers.add(layer_id)
-                made.add(layer_id)
+                if layer_id not in made:  # pinned once, unpinned once
+                    node.artifacts.pin([layer_id])
+                    made.add(layer_id)
         assert state is not None
         begin = None
         argv = state.entrypoint + state.cmd
@@ -141,7 +142,7 @@ async def build(
     finally:
         if pulled is not None:
             release(node, pulled)
-        node._pending_layers.difference_update(made)
+        node.artifacts.unpin(list(made))
         node.artifacts.unpin(pinned)
         await node.store.set_meta(CACHE_KEY, json.dumps(cache))
 
