@@ -68,7 +68,8 @@ class PosixBackend:
             raise InvalidRequest(f"bad repository key {key!r}")
         return self.root / key
 
-    def put(self, key: str, data: bytes) -> None:
+    def _staged(self, key: str, data: bytes) -> tuple[Path, str]:
+        """(final path, a synced temp file beside it holding ``data``)."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".put-", dir=path.parent)
@@ -77,30 +78,28 @@ class PosixBackend:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())  # the manifest naming this object may be written next
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return path, tmp
+
+    def put(self, key: str, data: bytes) -> None:
+        path, tmp = self._staged(key, data)
+        try:
             os.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            os.unlink(tmp)
             raise
 
     def put_new(self, key: str, data: bytes) -> bool:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".put-", dir=path.parent)
+        path, tmp = self._staged(key, data)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                os.link(tmp, path)  # atomic, and fails if the name exists
-            except FileExistsError:
-                return False
-            return True
+            os.link(tmp, path)  # atomic, and fails if the name exists
+        except FileExistsError:
+            return False
         finally:
             os.unlink(tmp)
+        return True
 
     def get(self, key: str) -> bytes:
         try:
