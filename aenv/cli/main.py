@@ -367,11 +367,15 @@ def build(
     file: str = typer.Option("Dockerfile", "--file", "-f", help="Dockerfile, relative to the context"),
     build_arg: list[str] = typer.Option([], "--build-arg", help="KEY=VALUE for an ARG"),
     image: str | None = typer.Option(None, "--image", help="no Dockerfile: make the template from this image"),
+    registry_user: str | None = typer.Option(
+        None, "--registry-user", help="login for the image's registry; the password comes from $AENV_REGISTRY_PASSWORD"
+    ),
 ) -> None:
     """Build a template from a Dockerfile (streaming its log), or straight from an OCI image."""
     if image is not None:
+        password = os.environ.get("AENV_REGISTRY_PASSWORD") if registry_user else None
         with err.status(f"pulling {image} and committing '{name}'"):
-            row = _run(lambda c: c.template_from_image(name, image))
+            row = _run(lambda c: c.template_from_image(name, image, username=registry_user, password=password))
         _emit([row], ["name", "templateID", "layers", "description"])
         return
     if not (context / file).is_file():

@@ -421,11 +421,15 @@ class AsyncClient:
         result: list[dict[str, Any]] = await self._get("/templates")
         return result
 
-    async def template_from_image(self, name: str, image: str) -> dict[str, Any]:
-        """Pull ``image`` (an OCI reference) and commit it as template ``name``."""
-        r = await self._http.post(
-            "/templates/from-image", json={"name": name, "image": image}, headers=self._auth, timeout=3600
-        )
+    async def template_from_image(
+        self, name: str, image: str, *, username: str | None = None, password: str | None = None
+    ) -> dict[str, Any]:
+        """Pull ``image`` (an OCI reference; ``username``/``password`` for a private registry,
+        used for this pull only) and commit it as template ``name``."""
+        body: dict[str, Any] = {"name": name, "image": image}
+        if username:
+            body.update(username=username, password=password or "")
+        r = await self._http.post("/templates/from-image", json=body, headers=self._auth, timeout=3600)
         _raise_for(r)
         result: dict[str, Any] = r.json()
         return result

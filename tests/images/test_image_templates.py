@@ -159,6 +159,16 @@ def test_private_registry_logins(private_registry: Registry, api: httpx.Client, 
     assert r.status_code == 201, r.text
     # The login was for that pull only: nothing of it is kept in the template.
     assert "s3cret" not in json.dumps(api.get("/templates/priv").json())
+    # The CLI: the user as an option, the password from the environment (never on a command line).
+    from typer.testing import CliRunner
+
+    from aenv.cli.main import app
+    from tests.conftest import API_KEY
+
+    argv = ["--url", e2b_env.url, "--api-key", API_KEY, "build", "--name", "priv-cli", "--image", image]
+    result = CliRunner().invoke(app, [*argv, "--registry-user", "alice"], env={"AENV_REGISTRY_PASSWORD": "s3cret-pw"})
+    assert result.exit_code == 0, result.output
+    assert CliRunner().invoke(app, argv).exit_code == 1  # without the login: refused
 
     # E2B's Template builder with registry credentials (fromImageRegistry).
     template = Template().from_image(image, username="alice", password="s3cret-pw").run_cmd("cat /secret.txt")
