@@ -20,13 +20,11 @@ import asyncio
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import zstandard
 from rich.console import Console
 from rich.table import Table
@@ -39,6 +37,7 @@ from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
 from aenv.templates.builder import ensure_base, run_in
 from bench.__main__ import _install_timer, mark, pct, runsc_since
+from tests.repo.s3 import REGION, S3_KEY, start_moto
 
 console = Console()
 MiB = 2**20
@@ -83,34 +82,16 @@ def plain_restore(items: list[Any], work: Path) -> float:
     return total
 
 
-def start_moto(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
-    import socket
-
-    import boto3
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=open(work / "moto.log", "wb"),
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            httpx.get(url, timeout=1)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    keys = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
-    boto3.client("s3", endpoint_url=url, region_name="us-east-1", **keys).create_bucket(Bucket="bench")
+def moto_settings(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    """A local moto server with a bucket `bench`, and the node settings that point at it."""
+    proc, endpoint = start_moto(work / "moto.log")
+    endpoint.new_bucket("bench")
     return proc, {
         "repo": "s3://bench/aenv",
-        "repo_s3_endpoint": url,
-        "repo_s3_region": "us-east-1",
-        "repo_s3_access_key_id": "bench",
-        "repo_s3_secret_access_key": "bench",
+        "repo_s3_endpoint": endpoint.url,
+        "repo_s3_region": REGION,
+        "repo_s3_access_key_id": S3_KEY["access_key_id"],
+        "repo_s3_secret_access_key": S3_KEY["secret_access_key"],
     }
 
 
@@ -139,7 +120,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     repo_settings: dict[str, Any] = {}  # posix: the data dir's own repository, kept between runs
     moto = None
     if args.backend == "s3":
-        moto, repo_settings = start_moto(work)
+        moto, repo_settings = moto_settings(work)
     results: dict[str, Any] = {"backend": args.backend}
     # The node's own data dir keeps `base` between runs; the repository is new each run.
     node = Node(Settings(data_dir=args.data_dir, repo_gc_interval=0, **repo_settings))

@@ -151,7 +151,7 @@ class ArtifactCache:
         await self._save(rec)
         if rec.id in self._dirty:
             self._dirty.discard(rec.id)
-            await asyncio.to_thread(self.repo.update_record, kind, rec.id, json.loads(rec.to_json()))
+            await self._push_record(rec)
         log.info(
             "committed %s %s: %.1f MiB logical, %.1f MiB uploaded in %d new chunks (%.2fs)",
             kind,
@@ -190,6 +190,11 @@ class ArtifactCache:
         if not rec.committed_at:
             self.commit_later(rec)
             return
+        await self._push_record(rec)
+
+    async def _push_record(self, rec: Entry) -> None:
+        """Rewrite a committed entry's record as it is now."""
+        assert self.repo is not None
         try:
             await asyncio.to_thread(self.repo.update_record, kind_of(rec), rec.id, json.loads(rec.to_json()))
         except Exception as exc:  # noqa: BLE001 - the local record is right; the entry catches up later

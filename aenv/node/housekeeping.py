@@ -73,12 +73,10 @@ async def gc_files(node: Node, min_age: float = 0.0) -> None:
         except OSError:
             return False
 
-    busy = node._pending_layers | set(node.artifacts.pins)
-    named = referenced_layers(node)
+    busy = busy_now(node)
     build_cache = json.loads(await node.store.get_meta(BUILD_CACHE) or "{}")
     present = node.files.layer_ids()
-    cached = {x for x in present if x.startswith("oci-")} | {v for v in build_cache.values() if v}
-    for layer_id in present - named - busy - cached:
+    for layer_id in present - referenced_layers(node) - busy - cached_layers(present, build_cache):
         if old(node.files.layers / layer_id):
             await node.files.remove(layer_id)
     images = {sb.rec.image for sb in node.sandboxes.values()} | {t.image for t in node.templates.values()}
@@ -96,15 +94,20 @@ def cache_items(node: Node, build_cache: dict[str, str]) -> tuple[list[tuple[str
     The cache is pulled image layers, Dockerfile step layers, and the layers and images that only
     committed records name (the repository gives those back on demand)."""
     present = node.files.layer_ids()
-    cached = {x for x in present if x.startswith("oci-")} | {v for v in build_cache.values() if v}
     backed_layers, backed_images = node.artifacts.evictable()
     in_use = (referenced_layers(node) - backed_layers) | busy_now(node)
-    cache = [("layer", x) for x in (cached | backed_layers) & present]
+    cache = [("layer", x) for x in (cached_layers(present, build_cache) | backed_layers) & present]
     cache += [("image", x) for x in backed_images & node.files.image_ids()]
     return cache, in_use
 
 
+def cached_layers(present: set[str], build_cache: dict[str, str]) -> set[str]:
+    """Layers kept for reuse though no record names them: pulled ones and Dockerfile steps'."""
+    return {x for x in present if x.startswith("oci-")} | {v for v in build_cache.values() if v}
+
+
 def busy_now(node: Node) -> set[str]:
+    """Ids in use this moment: sandboxes' layers, uppers being torn down, and pins."""
     return sandbox_layers(node) | node._pending_layers | set(node.artifacts.pins)
 
 

@@ -192,15 +192,15 @@ class Node:
                 return s
         raise SnapshotNotFound(f"snapshot '{ref}' not found")
 
-    def _knows(self, ref: str) -> bool:
+    def _source(self, ref: str) -> TemplateRecord | SnapshotRecord | None:
+        """The template, else the snapshot, that ``ref`` names."""
         try:
-            self.find_template(ref)
+            return self.find_template(ref)
         except TemplateNotFound:
             try:
-                self.find_snapshot(ref)
+                return self.find_snapshot(ref)
             except SnapshotNotFound:
-                return False
-        return True
+                return None
 
     def list(self, *, states: set[str] | None = None, metadata: dict[str, str] | None = None) -> list[LiveSandbox]:
         out = []
@@ -441,20 +441,17 @@ class Node:
         live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
         if live >= self.settings.max_sandboxes:
             raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
-        source: TemplateRecord | SnapshotRecord
-        if not self._knows(template) and await self.artifacts.refresh_catalogue():
-            log.info("'%s' was committed to the repository by another node", template)
-        try:
-            source = tmpl = self.find_template(template)
-            layers, image, template_id, guest = list(tmpl.layers), tmpl.image, tmpl.name, tmpl.guest
-            base_env, base_limits, snapshot_id = dict(tmpl.env_vars), dict(tmpl.limits), ""
-        except TemplateNotFound:
-            try:
-                source = snap = self.find_snapshot(template)
-            except SnapshotNotFound:
-                raise TemplateNotFound(f"no template or snapshot named '{template}'") from None
-            layers, image, template_id, guest = list(snap.layers), snap.image, snap.template_id, snap.guest
-            base_env, base_limits, snapshot_id = dict(snap.env_vars), dict(snap.limits), snap.id
+        source = self._source(template)
+        if source is None and await self.artifacts.refresh_catalogue():
+            source = self._source(template)  # committed to the repository by another node
+        if source is None:
+            raise TemplateNotFound(f"no template or snapshot named '{template}'")
+        if isinstance(source, TemplateRecord):
+            template_id, snapshot_id = source.name, ""
+        else:
+            template_id, snapshot_id = source.template_id, source.id
+        layers, image, guest = list(source.layers), source.image, source.guest
+        base_env, base_limits = dict(source.env_vars), dict(source.limits)
         user, workdir = source.user, source.workdir
         base_env.update(env_vars or {})
         base_limits.update(limits or {})

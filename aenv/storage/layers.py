@@ -170,27 +170,31 @@ class LayerStore:
             self._sealed_sizes[layer_id] = self.disk_usage(layer_id)
         return self._sealed_sizes[layer_id]
 
-    def last_used(self, layer_id: str) -> float:
-        for path in (self.used / layer_id, self.layers / layer_id):
+    # Last use, for the cache's LRU order: a marker beside the layer or image, not its own mtime
+    # (a sealed layer never changes, not even there); without a marker, its creation time.
+    def _mark(self, name: str) -> None:
+        try:
+            (self.used / name).touch()
+        except OSError:
+            pass
+
+    def _last_use(self, name: str, path: Path) -> float:
+        for candidate in (self.used / name, path):
             try:
-                return path.stat().st_mtime
+                return candidate.stat().st_mtime
             except OSError:
                 continue
         return 0.0
 
+    def last_used(self, layer_id: str) -> float:
+        return self._last_use(layer_id, self.layers / layer_id)
+
     def touch(self, layer_id: str) -> None:
-        """Mark a layer as just used (the cache evicts the least recently used first). A marker
-        beside the layer, not the layer's own mtime: a sealed layer never changes, not even there."""
-        try:
-            (self.used / layer_id).touch()
-        except OSError:
-            pass
+        """Mark a layer as just used (the cache evicts the least recently used first)."""
+        self._mark(layer_id)
 
     def touch_image(self, image_id: str) -> None:
-        try:
-            (self.used / f"image-{image_id}").touch()
-        except OSError:
-            pass
+        self._mark(f"image-{image_id}")
 
     def image_size(self, image_id: str) -> int:
         """Bytes a checkpoint image holds (images never change once written)."""
@@ -206,12 +210,7 @@ class LayerStore:
         return self._sealed_sizes[key]
 
     def image_last_used(self, image_id: str) -> float:
-        for path in (self.used / f"image-{image_id}", self.images / image_id):
-            try:
-                return path.stat().st_mtime
-            except OSError:
-                continue
-        return 0.0
+        return self._last_use(f"image-{image_id}", self.images / image_id)
 
     def evict_image(self, image_id: str) -> str:
         """Like :meth:`evicting` for an image: renamed away at once, deleted by :meth:`finish_image_eviction`."""

@@ -171,7 +171,7 @@ async def test_a_running_node_learns_what_another_committed(tmp_path: Path) -> N
     try:
         rec = await fake_template(a, "later")
         await a.artifacts.wait_committed(rec)
-        assert not b._knows("later")
+        assert b._source("later") is None
         assert await b.artifacts.refresh_catalogue() == 1
         assert b.find_template("later").id == rec.id
         assert await b.artifacts.refresh_catalogue() == 0  # rate-limited: no listing storm on typos

@@ -17,7 +17,7 @@ from aenv.repo.chunks import chunk_key
 from aenv.repo.repository import Repository
 from tests.conftest import Server, start_server
 from tests.images.oci import Registry, busybox_layer, start_registry
-from tests.repo.conftest import S3_KEY, S3Endpoint
+from tests.repo.s3 import S3_KEY, S3Endpoint
 
 pytestmark = pytest.mark.sandbox
 
