@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     memory_mb: int = 1024
     nproc: int = 512
     disk_mb: int = 2048
+    # Blank uppers kept formatted and mounted, so creates and forks need not make theirs:
+    # None = max_fork + 1 (a whole fork's worth); 0 = none.
+    spare_uppers: int | None = Field(None, ge=0)
 
     debian_mirror: str | None = None  # None = the host's apt sources
     debian_suite: str = "bookworm"

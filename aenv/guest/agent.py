@@ -10,7 +10,6 @@ import asyncio
 import base64
 import itertools
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -498,7 +497,7 @@ async def sys_metrics(agent: Agent, stream: Stream) -> Any:
                 mem[key] = int(rest.split()[0]) * 1024
     except OSError:
         pass
-    disk = shutil.disk_usage("/")
+    fs = os.statvfs("/")
     total, free = mem.get("MemTotal", 0), mem.get("MemAvailable", mem.get("MemFree", 0))
     return {
         "ts": int(time.time()),
@@ -507,8 +506,8 @@ async def sys_metrics(agent: Agent, stream: Stream) -> Any:
         "mem_total": total,
         "mem_used": max(total - free, 0),
         "mem_cache": mem.get("Cached", 0),
-        "disk_used": disk.used,
-        "disk_total": disk.total,
+        "disk_used": (fs.f_blocks - fs.f_bfree) * fs.f_frsize,
+        "disk_total": fs.f_blocks * fs.f_frsize,
     }
 
 

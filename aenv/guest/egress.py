@@ -13,7 +13,6 @@ import socket
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 from aenv.channel import END, Channel, ChannelClosed
 from aenv.guest.sockets import on_loop, relay
@@ -97,6 +96,8 @@ class EgressProxy:
             host, _, port_text = target.rpartition(":")
             host = host.strip("[]")
         else:
+            from urllib.parse import urlsplit  # plain-HTTP proxying only: see aenv/guest/__main__.py
+
             url = urlsplit(target)
             if url.scheme != "http" or not url.hostname:
                 return _refuse(conn, 400, f"this proxy takes CONNECT or http:// URLs, not {target!r}")

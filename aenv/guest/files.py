@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import errno
 import os
-import shutil
 import stat
+import time
 from typing import Any
 
 from aenv.guest.users import User, name_of_gid, name_of_uid
@@ -67,7 +66,9 @@ def _permissions(st: os.stat_result) -> str:
 
 
 def _rfc3339(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat().replace("+00:00", "Z")
+    """As datetime's isoformat() in UTC (microseconds when there are any), without datetime."""
+    seconds, micros = divmod(round(ts * 1_000_000), 1_000_000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + (f".{micros:06d}" if micros else "") + "Z"
 
 
 def entry_info(path: str) -> dict[str, Any]:
@@ -194,6 +195,8 @@ def move(source: str, destination: str, user: User) -> dict[str, Any]:
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
+            import shutil  # on first use: see aenv/guest/__main__.py
+
             shutil.move(source, destination)
         return {"entry": entry_info(destination)}
     except OSError as exc:
@@ -203,6 +206,8 @@ def move(source: str, destination: str, user: User) -> dict[str, Any]:
 def remove(path: str) -> dict[str, Any]:
     try:
         if os.path.isdir(path) and not os.path.islink(path):
+            import shutil
+
             shutil.rmtree(path)
         else:
             os.unlink(path)

@@ -11,7 +11,6 @@ import base64
 import fcntl
 import os
 import pty
-import shutil
 import signal
 import struct
 import sys
@@ -133,7 +132,85 @@ class Process:
         fcntl.ioctl(self.master_fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
-SPAWN_HELPER = os.path.join(os.path.dirname(sys.executable), "aenv-spawn")
+class _Spawner:
+    """``aenv_spawn`` from the bundle's libaenv_spawn.so (see aenv/runtime/compat/aenv_spawn.c)."""
+
+    SETSID, SETCTTY, SETUSER = 1, 2, 4
+
+    def __init__(self) -> None:
+        self._fn: Any = None
+
+    def _load(self) -> Any:
+        import ctypes  # only here: the agent needs it for nothing else at start
+
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(sys.executable), "..", "compat", "libaenv_spawn.so"))
+        fn = lib.aenv_spawn
+        strings, ints = ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int)
+        fn.argtypes = [
+            ctypes.c_char_p,
+            strings,
+            strings,
+            ints,
+            ctypes.c_uint32,
+            ctypes.c_uint32,
+            ctypes.POINTER(ctypes.c_uint32),
+            ctypes.c_int,
+            ctypes.c_long,
+            ctypes.c_int,
+            ctypes.c_char_p,
+        ]
+        fn.restype = ctypes.c_int
+        self._ctypes = ctypes
+        self._fn = fn
+        return fn
+
+    def __call__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        fds: tuple[int, int, int],
+        user: User,
+        nproc: int,
+        flags: int,
+        cwd: str,
+    ) -> int:
+        fn = self._fn or self._load()
+        ct = self._ctypes
+
+        def strings(items: list[bytes]) -> Any:
+            return (ct.c_char_p * (len(items) + 1))(*items, None)
+
+        if user.uid != os.getuid() or user.gid != os.getgid():
+            flags |= self.SETUSER
+        groups = (ct.c_uint32 * max(1, len(user.groups)))(*user.groups)
+        pid = fn(
+            os.fsencode(argv[0]),
+            strings([os.fsencode(a) for a in argv]),
+            strings([os.fsencode(f"{k}={v}") for k, v in env.items()]),
+            (ct.c_int * 3)(*fds),
+            user.uid,
+            user.gid,
+            groups,
+            len(user.groups),
+            nproc,
+            flags,
+            os.fsencode(cwd),
+        )
+        if pid < 0:
+            raise OSError(-pid, os.strerror(-pid))
+        return int(pid)
+
+
+spawn = _Spawner()
+
+
+def _which(cmd: str, path: str) -> str | None:
+    """shutil.which, without importing shutil into the agent (see aenv/guest/__main__.py)."""
+    for directory in path.split(os.pathsep):
+        candidate = os.path.join(directory or ".", cmd)
+        if os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
+            return candidate
+    return None
 
 
 def _resolve(cmd: str, env: dict[str, str]) -> str:
@@ -141,7 +218,7 @@ def _resolve(cmd: str, env: dict[str, str]) -> str:
     if "/" in cmd:
         path = cmd
     else:
-        found = shutil.which(cmd, path=env.get("PATH"))
+        found = _which(cmd, env.get("PATH") or os.environ.get("PATH") or os.defpath)
         if found is None:
             raise ProcessError("invalid_argument", f"cannot start {cmd!r}: not found in PATH")
         path = found
@@ -174,23 +251,10 @@ class ProcessTable:
                 fut.set_result(os.waitstatus_to_exitcode(status))
 
     def _spawn(
-        self, argv: list[str], env: dict[str, str], cwd: str, user: User, fds: tuple[int, int, int], flags: str
+        self, argv: list[str], env: dict[str, str], cwd: str, user: User, fds: tuple[int, int, int], flags: int
     ) -> tuple[int, asyncio.Future[int]]:
-        """posix_spawn the helper, which becomes ``argv`` as ``user`` (see aenv_spawn.c)."""
-        groups = ",".join(str(g) for g in user.groups) or "-"
-        args = [
-            SPAWN_HELPER,
-            str(user.uid),
-            str(user.gid),
-            groups,
-            str(self.nproc or 0),
-            flags or "-",
-            cwd,
-            "--",
-            *argv,
-        ]
-        actions = [(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(fds)]
-        pid = os.posix_spawn(SPAWN_HELPER, args, env, file_actions=actions)
+        """Start ``argv`` as ``user`` on ``fds`` (stdin, stdout, stderr)."""
+        pid = spawn(argv, env, fds, user, self.nproc or 0, flags, cwd)
         exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._exits[pid] = exited
         self.reap()  # a child that already exited must not be missed
@@ -249,7 +313,7 @@ class ProcessTable:
                 out_r, out_w = os.pipe()
                 err_r, err_w = os.pipe()
                 try:
-                    pid, exited = self._spawn(argv, env, cwd, user, (child_in, out_w, err_w), "s")
+                    pid, exited = self._spawn(argv, env, cwd, user, (child_in, out_w, err_w), spawn.SETSID)
                 finally:
                     for fd in (child_in, out_w, err_w):
                         os.close(fd)
@@ -286,7 +350,7 @@ class ProcessTable:
         fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
         os.set_inheritable(master, False)
         try:
-            pid, exited = self._spawn(argv, env, cwd, user, (slave, slave, slave), "st")
+            pid, exited = self._spawn(argv, env, cwd, user, (slave, slave, slave), spawn.SETSID | spawn.SETCTTY)
         finally:
             os.close(slave)
         os.set_blocking(master, False)
@@ -354,10 +418,7 @@ async def _reader(fd: int) -> asyncio.StreamReader:
 
 
 def signal_process(proc: Process, sig: int) -> None:
-    """Signal the process's whole session (``bash -c`` children die with it).
-
-    Right after a start the spawn helper may not have called setsid() yet, so there is no such
-    group: then the process itself is signalled (it is the helper, about to become the command)."""
+    """Signal the process's whole session (``bash -c`` children die with it), else the process."""
     try:
         os.killpg(proc.pid, sig)
         return

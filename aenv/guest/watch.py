@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import os
 import struct
 from collections.abc import Callable
@@ -32,7 +30,9 @@ _libc: Any = None
 def _lib() -> Any:
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        import ctypes  # on first use: see aenv/guest/__main__.py
+
+        _libc = ctypes.CDLL(None, use_errno=True)  # the libc the agent runs on
     return _libc
 
 
@@ -61,6 +61,8 @@ class Watcher:
         lib = _lib()
         self.fd = lib.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         if self.fd < 0:
+            import ctypes
+
             raise OSError(ctypes.get_errno(), "inotify_init1 failed")
         self.dirs: dict[int, str] = {}
         self._add(root)

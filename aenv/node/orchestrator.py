@@ -115,6 +115,12 @@ class Node:
         self.artifacts.sweep_partial_fetches()
         await self.artifacts.sync_catalogue()
         await housekeeping.recover(self)
+        spares = self.settings.spare_uppers
+        self.files.keep_spares(
+            self.settings.max_fork + 1 if spares is None else spares,
+            self.settings.disk_mb,
+            idle=lambda: not any(sb.lock.locked() for sb in self.sandboxes.values()),
+        )
         self._reaper = asyncio.create_task(housekeeping.reap_forever(self))
 
     async def stop(self, *, pause_running: bool = True) -> None:
@@ -142,6 +148,7 @@ class Node:
         await self.settle()
         for task in list(self._background):
             task.cancel()
+        await self.files.drop_spares()
         if not any(sb.instance is not None for sb in self.sandboxes.values()):
             await self.files.unmount_all()
         await self.artifacts.close()

@@ -92,7 +92,7 @@ def agent_argv() -> list[str]:
         "-s",
         "-B",
         "-m",
-        "aenv.guest.agent",
+        "aenv.guest",
     ]
 
 
@@ -100,27 +100,14 @@ def agent_env() -> list[str]:
     return [f"PYTHONHOME={GUEST_MOUNT}", f"PYTHONPATH={GUEST_MOUNT}/pkg", "PYTHONUNBUFFERED=1", "LANG=C.UTF-8"]
 
 
-def _build_compat(dest: Path) -> None:
-    """Compile the statx shim from source with the host's compiler (never shipped as a binary)."""
+def _compile_library(source: Path, dest: Path, *extra: str) -> None:
+    """Compile a shim from source with the host's compiler (never shipped as a binary)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise RuntimeError("a C compiler (gcc) is needed to build the guest compat shim")
-    subprocess.run(
-        [cc, "-O2", "-shared", "-fPIC", "-nostartfiles", "-o", str(dest), str(COMPAT_SOURCE)],
-        check=True,
-        capture_output=True,
-    )
-
-
-def _build_spawn(dest: Path) -> None:
-    """The agent's spawn helper, statically linked so it runs in any image (built from source)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("a C compiler (gcc) is needed to build the guest spawn helper")
-    static = subprocess.run([cc, "-O2", "-static", "-o", str(dest), str(SPAWN_SOURCE)], capture_output=True)
-    if static.returncode != 0:  # no static libc: the helper then needs the image's glibc
-        subprocess.run([cc, "-O2", "-o", str(dest), str(SPAWN_SOURCE)], check=True, capture_output=True)
+        raise RuntimeError(f"a C compiler (gcc) is needed to build {source.name} for the guest bundle")
+    argv = [cc, "-O2", "-shared", "-fPIC", *extra, "-o", str(dest), str(source)]
+    subprocess.run(argv, check=True, capture_output=True)
 
 
 def ensure_bundle(cache_dir: Path) -> Path:
@@ -154,8 +141,10 @@ def ensure_bundle(cache_dir: Path) -> Path:
         target = tmp / "pkg" / "aenv" / src.relative_to(root)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
-    _build_compat(tmp / "compat" / Path(COMPAT_LIB).name)
-    _build_spawn(tmp / "bin" / "aenv-spawn")
+    # The statx shim runs inside any image's programs: no startup files, only libc's syscall().
+    _compile_library(COMPAT_SOURCE, tmp / "compat" / Path(COMPAT_LIB).name, "-nostartfiles")
+    # The spawner runs inside the agent, on the bundle's own glibc.
+    _compile_library(SPAWN_SOURCE, tmp / "compat" / "libaenv_spawn.so")
     # Precompile so every sandbox starts without writing bytecode.
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(tmp / "pkg")], check=False)
     (tmp / ".complete").write_text(bundle_key())

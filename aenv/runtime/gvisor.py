@@ -19,6 +19,7 @@ from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "aenv"
+MOUNT_OPTIONS_MAX = 4000  # of the page the kernel accepts, with room to spare
 CAPS = [
     "CAP_CHOWN",
     "CAP_DAC_OVERRIDE",
@@ -135,15 +136,20 @@ class GVisorDriver:
         upper, work = rootfs.upper / "upper", rootfs.upper / "work"
         upper.mkdir(parents=True, exist_ok=True)
         work.mkdir(parents=True, exist_ok=True)
-        # Paths relative to a common base keep the option string short: the kernel limits it to
-        # one page, and every layer adds one path.
-        base = Path(os.path.commonpath([str(p) for p in (*rootfs.layers, upper)]))
-        lower = ":".join(os.path.relpath(p, base) for p in reversed(rootfs.layers))
         # index=off: after a snapshot the old instance's upper becomes a lower of new overlays while
         # the old (inert) overlay may still be unmounting; that is safe, and only a warning then.
-        upper_rel, work_rel = os.path.relpath(upper, base), os.path.relpath(work, base)
-        opts = f"lowerdir={lower},upperdir={upper_rel},workdir={work_rel},index=off"
-        await hostexec.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(target)], cwd=base)
+        lower = ":".join(str(p) for p in reversed(rootfs.layers))
+        opts = f"lowerdir={lower},upperdir={upper},workdir={work},index=off"
+        if len(opts) < MOUNT_OPTIONS_MAX:
+            await hostexec.mount("overlay", target, "overlay", opts)
+        else:
+            # The kernel takes one page of options: paths relative to a common base (the `mount`
+            # tool run there) keep a long layer list within it.
+            base = Path(os.path.commonpath([str(p) for p in (*rootfs.layers, upper)]))
+            lower = ":".join(os.path.relpath(p, base) for p in reversed(rootfs.layers))
+            upper_rel, work_rel = os.path.relpath(upper, base), os.path.relpath(work, base)
+            opts = f"lowerdir={lower},upperdir={upper_rel},workdir={work_rel},index=off"
+            await hostexec.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(target)], cwd=base)
         (target / guestbundle.GUEST_MOUNT.lstrip("/")).mkdir(exist_ok=True)
         return target
 

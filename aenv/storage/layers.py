@@ -14,13 +14,21 @@ overlayfs option strings stay short.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aenv.runtime import hostexec
 
+log = logging.getLogger(__name__)
+
+SPARE_REFILL_QUIET_SECONDS = 1.0
+SPARE_SIZE_KEEP_SECONDS = 3600.0
+MAX_SPARE_SIZES = 4
 MKFS = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", "-m", "0"]
 
 
@@ -37,6 +45,14 @@ class LayerStore:
         for d in (self.layers, self.images, self.used):
             d.mkdir(parents=True, exist_ok=True)
         self._sealed_sizes: dict[str, int] = {}
+        self._spares: dict[int, list[str]] = {}  # size in MiB -> blank, mounted uppers
+        self._making: set[str] = set()
+        self._wanted: dict[int, float] = {}  # size in MiB -> last time one was taken
+        self._spare_target = 0
+        self._default_size: int | None = None
+        self._last_take = 0.0
+        self._refill: asyncio.Task[None] | None = None
+        self._idle: Callable[[], bool] = lambda: True
 
     # -- paths --------------------------------------------------------------------------------------
     def _img(self, layer_id: str) -> Path:
@@ -63,7 +79,19 @@ class LayerStore:
 
     # -- uppers -------------------------------------------------------------------------------------
     async def new_upper(self, size_mb: int) -> str:
-        upper_id = new_id()
+        """A fresh, empty, mounted upper of ``size_mb``: a spare if one is ready."""
+        self._last_take = time.monotonic()
+        self._wanted[size_mb] = self._last_take
+        spares = self._spares.get(size_mb)
+        if spares:
+            upper_id = spares.pop()
+            os.utime(self.layers / upper_id)  # as new as a made one: collections spare young uppers
+        else:
+            upper_id = await self._make_upper(size_mb, new_id())
+        self._refill_soon()
+        return upper_id
+
+    async def _make_upper(self, size_mb: int, upper_id: str) -> str:
         mnt = self.layers / upper_id
         mnt.mkdir(parents=True)
         disk = self._img(upper_id)
@@ -78,6 +106,73 @@ class LayerStore:
             await self.remove(upper_id)
             raise
         return upper_id
+
+    # A fork of N needs N+1 fresh uppers at once, and formatting and mounting them (~40 ms each on
+    # two busy cores) sat on the fork's critical path, as one did on every create's. So a few blank
+    # ones are kept ready, refilled once the node is idle: never in competition with the restores
+    # that just took them.
+    def keep_spares(self, count: int, default_size_mb: int, idle: Callable[[], bool] = lambda: True) -> None:
+        self._spare_target = count
+        self._default_size = default_size_mb
+        self._idle = idle
+        self._wanted.setdefault(default_size_mb, time.monotonic())
+        self._refill_soon()
+
+    def spare_ids(self) -> set[str]:
+        """Spares and the ones being made: no record names them, and nothing may remove them."""
+        return {x for ids in self._spares.values() for x in ids} | self._making
+
+    def _refill_soon(self) -> None:
+        if self._spare_target and (self._refill is None or self._refill.done()):
+            self._refill = asyncio.create_task(self._refill_spares())
+
+    def _sizes_wanted(self) -> list[int]:
+        """The default size, and others taken within the last hour (at most four sizes)."""
+        now = time.monotonic()
+        recent = sorted((t, size) for size, t in self._wanted.items() if now - t < SPARE_SIZE_KEEP_SECONDS)
+        sizes = [size for _, size in recent[-MAX_SPARE_SIZES:]]
+        if self._default_size is not None and self._default_size not in sizes:
+            sizes.append(self._default_size)
+        return sizes
+
+    async def _refill_spares(self) -> None:
+        try:
+            while True:
+                quiet = time.monotonic() - self._last_take
+                if quiet < SPARE_REFILL_QUIET_SECONDS:
+                    await asyncio.sleep(SPARE_REFILL_QUIET_SECONDS - quiet)
+                    continue
+                if not self._idle():
+                    await asyncio.sleep(SPARE_REFILL_QUIET_SECONDS / 4)
+                    continue
+                sizes = self._sizes_wanted()
+                for size in [x for x in self._spares if x not in sizes]:
+                    for upper_id in self._spares.pop(size):
+                        await self.remove(upper_id)
+                short = [x for x in sizes if len(self._spares.get(x, [])) < self._spare_target]
+                if not short:
+                    return
+                upper_id = new_id()
+                self._making.add(upper_id)
+                try:
+                    await self._make_upper(short[0], upper_id)
+                    self._spares.setdefault(short[0], []).append(upper_id)
+                finally:
+                    self._making.discard(upper_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # e.g. a full disk: creates make their own uppers then, and say why
+            log.exception("could not make a spare upper")
+
+    async def drop_spares(self) -> None:
+        self._spare_target = 0
+        if self._refill is not None:
+            self._refill.cancel()
+            await asyncio.gather(self._refill, return_exceptions=True)
+        for ids in self._spares.values():
+            for upper_id in ids:
+                await self.remove(upper_id)
+        self._spares.clear()
 
     def is_empty(self, upper_id: str) -> bool:
         upper = self.upper(upper_id) / "upper"
@@ -225,7 +320,9 @@ class LayerStore:
         await asyncio.to_thread(shutil.rmtree, self.images / token, True)
 
     def layer_ids(self) -> set[str]:
-        return {p.name.removesuffix(".img") for p in self.layers.iterdir() if not p.name.startswith(".")}
+        """Layers and uppers in use or cached; not the spare uppers, which are nobody's yet."""
+        present = {p.name.removesuffix(".img") for p in self.layers.iterdir() if not p.name.startswith(".")}
+        return present - self.spare_ids()
 
     # -- images -------------------------------------------------------------------------------------
     def remove_image(self, image_id: str) -> None:

@@ -53,6 +53,19 @@ def test_create_exec_files(sandbox: Sandbox) -> None:
     assert sandbox.commands.run("ls /").exit_code == 0
 
 
+def test_commands_start_with_clean_signals_and_their_own_session(sandbox: Sandbox) -> None:
+    # The agent (Python) ignores SIGPIPE; a command must not inherit that, or `yes | head`
+    # complains about a broken pipe instead of dying quietly as it does everywhere else.
+    assert sandbox.commands.run("trap -p").stdout == ""  # bash lists signals ignored on entry
+    piped = sandbox.commands.run("yes | head -n 1")
+    assert (piped.stdout, piped.stderr) == ("y\n", "")
+    ids = sandbox.commands.run("ps -o sid= -o pid= -p $$").stdout.split()
+    assert ids[0] == ids[1]  # the command leads its own session (signals reach its children)
+    with pytest.raises(CommandExitException) as exc:
+        sandbox.commands.run("pwd", cwd="/root")  # exists, but not for `user`
+    assert exc.value.exit_code == 126 and "chdir /root: Permission denied" in exc.value.stderr
+
+
 def test_streaming_output_arrives_live(sandbox: Sandbox) -> None:
     seen: list[tuple[float, str]] = []
     sandbox.commands.run(

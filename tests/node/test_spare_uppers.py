@@ -1,0 +1,68 @@
+"""Spare uppers: blank, mounted disks kept ready so that creates and forks need not format theirs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from aenv.storage import layers as layers_module
+from aenv.storage.layers import LayerStore
+
+pytestmark = pytest.mark.sandbox  # loop-mounts ext4 images (root)
+
+
+@pytest.fixture()
+async def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[LayerStore]:
+    monkeypatch.setattr(layers_module, "SPARE_REFILL_QUIET_SECONDS", 0.1)
+    files = LayerStore(tmp_path / "fs")
+    yield files
+    await files.drop_spares()
+    for upper_id in files.layer_ids():
+        await files.remove(upper_id)
+
+
+async def spares_of(files: LayerStore, size_mb: int, count: int) -> set[str]:
+    for _ in range(200):
+        if len(files._spares.get(size_mb, [])) == count and not files._making:
+            return set(files._spares[size_mb])
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"spares of {size_mb} MiB: {files._spares}, wanted {count}")
+
+
+def blank_and_mounted(files: LayerStore, upper_id: str) -> bool:
+    mnt = files.upper(upper_id)
+    return os.path.ismount(mnt) and sorted(os.listdir(mnt / "upper")) == [] and (mnt / "work").is_dir()
+
+
+async def test_creates_take_spares_and_the_pool_refills_when_idle(store: LayerStore) -> None:
+    busy = True
+    store.keep_spares(2, 64, idle=lambda: not busy)
+    await asyncio.sleep(0.5)
+    assert store.spare_ids() == set()  # nothing is made while the node is busy
+    busy = False
+    first = await spares_of(store, 64, 2)
+    assert store.layer_ids() == set()  # spares are nobody's: collections and caches don't see them
+
+    taken = await store.new_upper(64)
+    assert taken in first and blank_and_mounted(store, taken)
+    assert taken in store.layer_ids() and taken not in store.spare_ids()
+    (store.upper(taken) / "upper" / "mine").write_text("x")
+    refilled = await spares_of(store, 64, 2)
+    assert taken not in refilled and all(blank_and_mounted(store, x) for x in refilled)
+
+    # Another size: made on the spot the first time, then kept ready as well.
+    other = await store.new_upper(32)
+    assert other not in refilled and blank_and_mounted(store, other)
+    small = await spares_of(store, 32, 2)
+    statvfs = os.statvfs(store.upper(small.pop()))
+    assert 20 * 2**20 < statvfs.f_blocks * statvfs.f_frsize <= 32 * 2**20
+
+    spare_paths = [store.upper(x) for x in store.spare_ids()]
+    await store.drop_spares()
+    assert store.spare_ids() == set() and not any(p.exists() for p in spare_paths)
+    assert store.layer_ids() == {taken, other}  # the taken ones are their owners' to remove
+    assert (store.upper(taken) / "upper" / "mine").read_text() == "x"
