@@ -158,6 +158,7 @@ class _Spawner:
             ctypes.c_long,
             ctypes.c_int,
             ctypes.c_char_p,
+            ctypes.c_uint64,
         ]
         fn.restype = ctypes.c_int
         self._ctypes = ctypes
@@ -195,6 +196,7 @@ class _Spawner:
             nproc,
             flags,
             os.fsencode(cwd),
+            _non_default_signals(),
         )
         if pid < 0:
             raise OSError(-pid, os.strerror(-pid))
@@ -202,6 +204,16 @@ class _Spawner:
 
 
 spawn = _Spawner()
+
+
+def _non_default_signals() -> int:
+    """A bit per signal the agent handles or ignores: what a child must set back to the default."""
+    mask = 0
+    for sig in signal.valid_signals():
+        # None: a handler not installed from Python, e.g. by a C library; it goes too.
+        if sig not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(sig) != signal.SIG_DFL:
+            mask |= 1 << (sig - 1)
+    return mask
 
 
 def _which(cmd: str, path: str) -> str | None:
