@@ -215,9 +215,10 @@ async def bench(node: Node, rounds: int) -> dict[str, Any]:
     results["snapshot"] = {**summary(snaps), "baseline": "runsc checkpoint + restore", **_ratio(snaps, raw_snaps)}
 
     for n in (8, 16):
-        console.print(f"[bold]fork of {n}[/bold] x{max(2, rounds // 3)}")
+        console.print(f"[bold]fork of {n}[/bold] x{max(3, rounds // 3)}")
         totals, raw = [], []
-        for _ in range(max(2, rounds // 3)):
+        for _ in range(max(3, rounds // 3)):
+            await quiesce(node)
             m = mark()
             dt, res = await timed(lambda n=n: node.fork(sandboxes[0], count=n))
             totals.append(dt)
@@ -226,7 +227,6 @@ async def bench(node: Node, rounds: int) -> dict[str, Any]:
             assert all(r.sandbox for r in res), [r.error for r in res]
             for r in res:
                 await node.kill(r.sandbox.id)  # type: ignore[union-attr]
-            await node.settle()  # old instances are deleted in the background; keep rounds apart
         per_child = [t / n for t in totals]
         results[f"fork_{n}"] = {
             **summary(totals),
@@ -239,6 +239,14 @@ async def bench(node: Node, rounds: int) -> dict[str, Any]:
     for sid in sandboxes:
         await node.kill(sid)
     return results
+
+
+async def quiesce(node: Node) -> None:
+    """Keep measurements apart: old instances torn down, background repository commits done and
+    the spare uppers refilled, as they are between forks that a rollout's work keeps seconds apart."""
+    await node.settle()
+    await node.artifacts.wait_all()
+    await node.files.spares_ready()
 
 
 def _ratio(ours: list[float], raw: list[float]) -> dict[str, float]:

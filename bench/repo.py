@@ -128,8 +128,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         base = await ensure_base(node, on_log=lambda line: None)
         await node.artifacts.wait_committed(base)
-        while node.artifacts._commits:  # records of earlier runs that this repository lacks
-            await asyncio.wait(list(node.artifacts._commits.values()))
+        await node.artifacts.wait_all()  # records of earlier runs that this repository lacks
 
         console.print("[bold]commit of base[/bold] into an empty repository")
         empty_url = "s3://bench/empty" if args.backend == "s3" else str(work / "empty")

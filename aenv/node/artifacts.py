@@ -118,6 +118,11 @@ class ArtifactCache:
         if not rec.committed_at:
             raise AenvError(f"{kind_of(rec)} {rec.id} could not be committed to the repository; see the node log")
 
+    async def wait_all(self) -> None:
+        """Until no commit is under way (benchmarks keep measurements apart with it)."""
+        while self._commits:
+            await asyncio.wait(list(self._commits.values()))
+
     async def _commit(self, rec: Entry) -> None:
         assert self.repo is not None
         kind = kind_of(rec)

@@ -122,6 +122,16 @@ class LayerStore:
         """Spares and the ones being made: no record names them, and nothing may remove them."""
         return {x for ids in self._spares.values() for x in ids} | self._making
 
+    async def spares_ready(self, timeout: float = 30.0) -> bool:
+        """Wait until every wanted size has its spares (or ``timeout``); whether they are there."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(len(self._spares.get(x, [])) >= self._spare_target for x in self._sizes_wanted()):
+                return True
+            self._refill_soon()
+            await asyncio.sleep(0.05)
+        return False
+
     def _refill_soon(self) -> None:
         if self._spare_target and (self._refill is None or self._refill.done()):
             self._refill = asyncio.create_task(self._refill_spares())
