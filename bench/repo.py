@@ -273,9 +273,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.repo", description=__doc__)
     parser.add_argument("--backend", choices=["posix", "s3"], default="posix")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--data-dir", type=Path, default=Path("/var/tmp/aenv-bench"))
+    parser.add_argument("--data-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    # Its own data dir for s3: the run's bucket lives only as long as the run, and a node whose
+    # committed records were evicted locally must find them in the repository it was given next.
+    args.data_dir = args.data_dir or Path("/var/tmp/aenv-bench" + ("-s3" if args.backend == "s3" else ""))
     results = asyncio.run(run(args))
     render(results)
     out = args.out or Path(f"bench/results/repo-{args.backend}.json")
