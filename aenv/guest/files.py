@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import math
 import os
 import stat
 import time
@@ -67,8 +68,11 @@ def _permissions(st: os.stat_result) -> str:
 
 def _rfc3339(ts: float) -> str:
     """As datetime's isoformat() in UTC (microseconds when there are any), without datetime."""
-    seconds, micros = divmod(round(ts * 1_000_000), 1_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + (f".{micros:06d}" if micros else "") + "Z"
+    frac, whole = math.modf(ts)  # rounding the fraction alone, as datetime does
+    seconds, micros = divmod(int(whole) * 1_000_000 + round(frac * 1_000_000), 1_000_000)
+    t = time.gmtime(seconds)
+    text = f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}T{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}"
+    return text + (f".{micros:06d}" if micros else "") + "Z"
 
 
 def entry_info(path: str) -> dict[str, Any]:

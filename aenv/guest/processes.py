@@ -218,7 +218,7 @@ def _non_default_signals() -> int:
 
 def _which(cmd: str, path: str) -> str | None:
     """shutil.which, without importing shutil into the agent (see aenv/guest/__main__.py)."""
-    for directory in path.split(os.pathsep):
+    for directory in path.split(os.pathsep) if path else []:
         candidate = os.path.join(directory or ".", cmd)
         if os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
             return candidate
@@ -230,7 +230,7 @@ def _resolve(cmd: str, env: dict[str, str]) -> str:
     if "/" in cmd:
         path = cmd
     else:
-        found = _which(cmd, env.get("PATH") or os.environ.get("PATH") or os.defpath)
+        found = _which(cmd, env["PATH"] if "PATH" in env else os.environ.get("PATH", os.defpath))
         if found is None:
             raise ProcessError("invalid_argument", f"cannot start {cmd!r}: not found in PATH")
         path = found
@@ -309,6 +309,12 @@ class ProcessTable:
         timeout_ms: int | None,
     ) -> Process:
         self.reap_old()
+        # C strings: a NUL would cut an argument short, a '=' in a name would move it into the value.
+        if any("\0" in a for a in argv) or any("\0" in k or "\0" in v for k, v in env.items()):
+            raise ProcessError("invalid_argument", "arguments and environment variables cannot contain NUL bytes")
+        for name in env:
+            if not name or "=" in name:
+                raise ProcessError("invalid_argument", f"invalid environment variable name {name!r}")
         if not os.path.isdir(cwd):
             raise ProcessError("invalid_argument", f"cwd '{cwd}' does not exist")
         argv = [_resolve(argv[0], env), *argv[1:]]
@@ -326,6 +332,11 @@ class ProcessTable:
                 err_r, err_w = os.pipe()
                 try:
                     pid, exited = self._spawn(argv, env, cwd, user, (child_in, out_w, err_w), spawn.SETSID)
+                except BaseException:
+                    for fd in (out_r, err_r, stdin_w):
+                        if fd is not None:
+                            os.close(fd)
+                    raise
                 finally:
                     for fd in (child_in, out_w, err_w):
                         os.close(fd)

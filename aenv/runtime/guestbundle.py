@@ -143,8 +143,9 @@ def ensure_bundle(cache_dir: Path) -> Path:
         shutil.copy2(src, target)
     # The statx shim runs inside any image's programs: no startup files, only libc's syscall().
     _compile_library(COMPAT_SOURCE, tmp / "compat" / Path(COMPAT_LIB).name, "-nostartfiles")
-    # The spawner runs inside the agent, on the bundle's own glibc.
-    _compile_library(SPAWN_SOURCE, tmp / "compat" / "libaenv_spawn.so")
+    # The spawner runs inside the agent, on the bundle's own glibc; bound now, so that its vfork
+    # child never enters the dynamic linker.
+    _compile_library(SPAWN_SOURCE, tmp / "compat" / "libaenv_spawn.so", "-Wl,-z,now")
     # Precompile so every sandbox starts without writing bytecode.
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(tmp / "pkg")], check=False)
     (tmp / ".complete").write_text(bundle_key())

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 SPARE_REFILL_QUIET_SECONDS = 1.0
 SPARE_SIZE_KEEP_SECONDS = 3600.0
 MAX_SPARE_SIZES = 4
+OTHER_SIZE_SPARES = 2
 MKFS = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", "-m", "0"]
 
 
@@ -112,6 +113,8 @@ class LayerStore:
     # ones are kept ready, refilled once the node is idle: never in competition with the restores
     # that just took them.
     def keep_spares(self, count: int, default_size_mb: int, idle: Callable[[], bool] = lambda: True) -> None:
+        """``count`` spares of the default size, a couple of other sizes taken lately (a template
+        build's 16 GiB disks must not sit there seventeen at a time)."""
         self._spare_target = count
         self._default_size = default_size_mb
         self._idle = idle
@@ -122,11 +125,16 @@ class LayerStore:
         """Spares and the ones being made: no record names them, and nothing may remove them."""
         return {x for ids in self._spares.values() for x in ids} | self._making
 
+    def _target(self, size_mb: int) -> int:
+        if not self._spare_target:
+            return 0
+        return self._spare_target if size_mb == self._default_size else min(self._spare_target, OTHER_SIZE_SPARES)
+
     async def spares_ready(self, timeout: float = 30.0) -> bool:
         """Wait until every wanted size has its spares (or ``timeout``); whether they are there."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(len(self._spares.get(x, [])) >= self._spare_target for x in self._sizes_wanted()):
+            if all(len(self._spares.get(x, [])) >= self._target(x) for x in self._sizes_wanted()):
                 return True
             self._refill_soon()
             await asyncio.sleep(0.05)
@@ -147,7 +155,7 @@ class LayerStore:
 
     async def _refill_spares(self) -> None:
         try:
-            while True:
+            while self._spare_target:
                 quiet = time.monotonic() - self._last_take
                 if quiet < SPARE_REFILL_QUIET_SECONDS:
                     await asyncio.sleep(SPARE_REFILL_QUIET_SECONDS - quiet)
@@ -157,9 +165,8 @@ class LayerStore:
                     continue
                 sizes = self._sizes_wanted()
                 for size in [x for x in self._spares if x not in sizes]:
-                    for upper_id in self._spares.pop(size):
-                        await self.remove(upper_id)
-                short = [x for x in sizes if len(self._spares.get(x, [])) < self._spare_target]
+                    await self._remove_spares(size)
+                short = [x for x in sizes if len(self._spares.get(x, [])) < self._target(x)]
                 if not short:
                     return
                 upper_id = new_id()
@@ -169,20 +176,30 @@ class LayerStore:
                     self._spares.setdefault(short[0], []).append(upper_id)
                 finally:
                     self._making.discard(upper_id)
-        except asyncio.CancelledError:
-            raise
         except Exception:  # e.g. a full disk: creates make their own uppers then, and say why
             log.exception("could not make a spare upper")
 
+    async def _remove_spares(self, size_mb: int) -> None:
+        # One at a time out of the list, so that no create takes one that is being removed, and
+        # into _making meanwhile, so that no collection sees an upper nobody owns.
+        spares = self._spares.get(size_mb, [])
+        while spares:
+            upper_id = spares.pop()
+            self._making.add(upper_id)
+            try:
+                await self.remove(upper_id)
+            finally:
+                self._making.discard(upper_id)
+        self._spares.pop(size_mb, None)
+
     async def drop_spares(self) -> None:
+        """Stop keeping spares and remove them (a stopping node). A spare being made is finished
+        first: cancelling it would leave its mkfs or mount running under a removal."""
         self._spare_target = 0
         if self._refill is not None:
-            self._refill.cancel()
             await asyncio.gather(self._refill, return_exceptions=True)
-        for ids in self._spares.values():
-            for upper_id in ids:
-                await self.remove(upper_id)
-        self._spares.clear()
+        for size in list(self._spares):
+            await self._remove_spares(size)
 
     def is_empty(self, upper_id: str) -> bool:
         upper = self.upper(upper_id) / "upper"

@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from e2b import CommandExitException, Sandbox
+from e2b import CommandExitException, InvalidArgumentException, Sandbox
 
 from tests.conftest import Server
 
@@ -64,6 +64,13 @@ def test_commands_start_with_clean_signals_and_their_own_session(sandbox: Sandbo
     with pytest.raises(CommandExitException) as exc:
         sandbox.commands.run("pwd", cwd="/root")  # exists, but not for `user`
     assert exc.value.exit_code == 126 and "chdir /root: Permission denied" in exc.value.stderr
+    # Commands are C strings for the kernel: refused, not cut short or mangled.
+    with pytest.raises(InvalidArgumentException, match="invalid environment variable name 'A=B'"):
+        sandbox.commands.run("true", envs={"A=B": "1"})
+    with pytest.raises(InvalidArgumentException, match="NUL"):
+        sandbox.commands.run("echo a\0b")
+    # The agent carries no OpenSSL in its memory (every checkpoint and fork child would).
+    assert "ssl" not in sandbox.commands.run("cat /proc/1/maps", user="root").stdout
 
 
 def test_streaming_output_arrives_live(sandbox: Sandbox) -> None:

@@ -66,3 +66,18 @@ async def test_creates_take_spares_and_the_pool_refills_when_idle(store: LayerSt
     assert store.spare_ids() == set() and not any(p.exists() for p in spare_paths)
     assert store.layer_ids() == {taken, other}  # the taken ones are their owners' to remove
     assert (store.upper(taken) / "upper" / "mine").read_text() == "x"
+
+
+async def test_stopping_while_spares_are_made_leaves_nothing_behind(store: LayerStore) -> None:
+    store.keep_spares(4, 64)
+    for _ in range(200):  # stop right in the middle of making one
+        if store._making:
+            break
+        await asyncio.sleep(0.01)
+    assert store._making
+    await store.drop_spares()
+    assert store.spare_ids() == set() and store.layer_ids() == set()
+    leftovers = [p for p in store.layers.iterdir() if not p.name.startswith(".")]
+    assert leftovers == [] and not any(os.path.ismount(p) for p in leftovers)
+    with open("/proc/mounts") as f:
+        assert str(store.layers) not in f.read()
