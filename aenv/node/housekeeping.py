@@ -84,6 +84,11 @@ async def gc_files(node: Node, min_age: float = 0.0) -> None:
     for image_id in node.files.image_ids() - images - busy:
         if old(node.files.image(image_id)):
             node.files.remove_image(image_id)
+    records = [sb.rec for sb in node.sandboxes.values()] + [*node.templates.values(), *node.snapshots.values()]
+    guests = {node.driver.guest_key()} | {r.guest for r in records}
+    for key in node.driver.guest_keys() - guests:
+        if old(node.driver.guest_path(key)):
+            await asyncio.to_thread(node.driver.remove_guest, key)
     cache, in_use = cache_items(node, build_cache)
     await evict_cache(node, cache, in_use, build_cache)
 

@@ -71,6 +71,14 @@ class Driver(Protocol):
         repository commits it with the images that need it and fetches it back."""
         ...
 
+    def guest_keys(self) -> set[str]:
+        """The guest bundles on this node."""
+        ...
+
+    def remove_guest(self, key: str) -> None:
+        """Remove a bundle no record names any more (an agent upgrade leaves the old one)."""
+        ...
+
     async def boot(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:
         """Start a fresh instance whose first process is the guest agent."""
         ...

@@ -18,6 +18,7 @@ from pathlib import Path
 import aenv
 
 GUEST_MOUNT = "/.aenv"
+# What the agent never uses: every bundle sits on each node (and once in the repository).
 _SKIP_STDLIB = {
     "site-packages",
     "test",
@@ -28,7 +29,18 @@ _SKIP_STDLIB = {
     "ensurepip",
     "lib2to3",
     "unittest",
+    "pydoc_data",
+    "distutils",
 }
+_SKIP_PREFIXES = ("config-", "_tkinter", "_test", "_ctypes_test", "_xx", "xxlimited")
+_SKIP_SUFFIXES = (".opt-1.pyc", ".opt-2.pyc")  # the agent runs without -O
+BUNDLE_LAYOUT = "2"  # bumped whenever what goes into a bundle changes
+
+
+def _skipped(name: str) -> bool:
+    return name in _SKIP_STDLIB or name.startswith(_SKIP_PREFIXES) or name.endswith(_SKIP_SUFFIXES)
+
+
 _AGENT_PACKAGES = ("channel", "guest")
 
 
@@ -47,6 +59,7 @@ def _agent_sources() -> list[Path]:
 
 def bundle_key() -> str:
     h = hashlib.sha256()
+    h.update(BUNDLE_LAYOUT.encode())
     h.update(sys.version.encode())
     h.update(os.path.realpath(sys.executable).encode())
     for src in _agent_sources():
@@ -123,7 +136,7 @@ def ensure_bundle(cache_dir: Path) -> Path:
     shutil.copy2(exe, tmp / "bin" / "python3")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     dynload = stdlib / "lib-dynload"
-    binaries = [exe, *sorted(dynload.glob("*.so"))]
+    binaries = [exe, *sorted(p for p in dynload.glob("*.so") if not _skipped(p.name))]
     libs, loader = _shared_libs(binaries)
     for lib in libs:
         shutil.copy2(lib.resolve(), tmp / "lib" / lib.name)
@@ -131,7 +144,7 @@ def ensure_bundle(cache_dir: Path) -> Path:
     shutil.copytree(
         stdlib,
         tmp / "lib" / stdlib.name,
-        ignore=lambda d, names: [n for n in names if n in _SKIP_STDLIB or n.startswith("_tkinter")],
+        ignore=lambda d, names: [n for n in names if _skipped(n)],
         symlinks=False,
     )
     root = Path(aenv.__file__).parent

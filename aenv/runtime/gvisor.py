@@ -77,6 +77,21 @@ class GVisorDriver:
     def guest_path(self, key: str) -> Path:
         return self.guest_dir / key
 
+    def guest_keys(self) -> set[str]:
+        return {p.name for p in self.guest_dir.iterdir() if not p.name.startswith(".")}  # not builds/fetches
+
+    def remove_guest(self, key: str) -> None:
+        if key == self.guest_key():
+            return
+        # Out of sight in one rename, so nothing boots a half-removed bundle; leftovers of a crash
+        # are swept at start with the other evictions.
+        doomed = self.guest_dir / f".evict-{key}-{os.getpid()}"
+        try:
+            os.rename(self.guest_dir / key, doomed)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
+
     def _spec(self, instance_id: str, limits: Limits, guest: str) -> dict[str, Any]:
         nproc = max(limits.nproc, 64)
         return {

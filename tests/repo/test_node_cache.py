@@ -200,3 +200,27 @@ async def test_a_record_lost_everywhere_is_removed_not_kept_broken(tmp_path: Pat
             pass
     finally:
         await again.stop(pause_running=False)
+
+
+async def test_guest_bundles_no_record_names_are_removed(node: Node) -> None:
+    rec = await fake_template(node, "named")  # names the bundle "test-guest"
+    current = node.driver.guest_key()
+    node.driver.guest_bundle()  # the current one exists
+    then = time.time() - 3600
+    for key in ("old-unused", "young-unused"):
+        path = node.driver.guest_path(key)
+        path.mkdir()
+        (path / ".complete").write_text(key)
+        if key == "old-unused":
+            os.utime(path, (then, then))
+    os.utime(node.driver.guest_path(rec.guest), (then, then))
+    os.utime(node.driver.guest_path(current), (then, then))
+
+    await housekeeping.gc_files(node, min_age=60)
+    assert node.driver.guest_keys() == {current, rec.guest, "young-unused"}  # an upgrade's old agent goes
+    assert not any(p.name.startswith(".evict-") for p in node.driver.guest_path("x").parent.iterdir())
+
+    del node.templates[rec.id]
+    await node.store.delete_template(rec.id)
+    await housekeeping.gc_files(node)
+    assert node.driver.guest_keys() == {current}  # never the bundle fresh boots use
