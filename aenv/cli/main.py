@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
@@ -41,7 +42,10 @@ def _root(
 def _run(fn: Callable[[AsyncClient], Coroutine[Any, Any, T]]) -> T:
     async def main() -> T:
         async with AsyncClient(_opts["url"], _opts["api_key"]) as client:
-            return await fn(client)
+            try:
+                return await fn(client)
+            except httpx.TransportError as exc:
+                raise OSError(f"{client._http.base_url}: {exc or type(exc).__name__}") from exc
 
     try:
         return asyncio.run(main())

@@ -72,3 +72,13 @@ def test_cli_tour(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     assert code == 1  # already gone
     code, _ = cli("exec", "nosuchsandbox", "true")
     assert code == 1
+
+
+def test_an_unreachable_server_is_one_clear_line() -> None:
+    from tests.conftest import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = CliRunner().invoke(app, ["--url", url, "--api-key", API_KEY, "exec", "sbx_nothing", "true"])
+    assert result.exit_code == 1
+    assert f"cannot reach the aenv server: {url}" in result.stderr.replace("\n", "")
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)  # no crash dump
