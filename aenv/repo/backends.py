@@ -7,6 +7,7 @@ what lets a manifest written last make a commit visible all at once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -17,6 +18,9 @@ from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from aenv.errors import InvalidRequest, RepositoryUnavailable
+
+CHANGE_LOCK_WAIT_S = 10.0  # a conditional change holds its lock for milliseconds
+CHANGE_LOCK_STALE_S = 60.0  # a lock this old was left by a process that died holding it
 
 
 class MissingObject(KeyError):
@@ -41,6 +45,19 @@ class Backend(Protocol):
 
     def get(self, key: str) -> bytes:
         """The object's bytes; :class:`MissingObject` if there is none."""
+        ...
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes and a tag that changes whenever it is rewritten."""
+        ...
+
+    def replace(self, key: str, data: bytes, tag: str) -> bool:
+        """Overwrite the object only while it is the version ``tag`` names; False (and nothing
+        written) if it was rewritten or removed since: a rewrite never brings back a deleted object."""
+        ...
+
+    def delete_if(self, key: str, tag: str) -> bool:
+        """Remove the object only while it is the version ``tag`` names (or it is gone already)."""
         ...
 
     def exists(self, key: str) -> bool: ...
@@ -107,6 +124,74 @@ class PosixBackend:
         except FileNotFoundError:
             raise MissingObject(key) from None
 
+    # Every put is a new inode (a temp file renamed into place), so inode + mtime + size name a
+    # version. Conditional changes hold a lock file beside the object for the check and the change:
+    # O_EXCL creation is atomic on local disks and NFS alike.
+    @staticmethod
+    def _tag(st: os.stat_result) -> str:
+        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read(), self._tag(os.fstat(f.fileno()))
+        except FileNotFoundError:
+            raise MissingObject(key) from None
+
+    @contextlib.contextmanager
+    def _locked(self, key: str) -> Iterator[Path]:
+        path = self._path(key)
+        lock = path.with_name(f".lock-{path.name}")
+        if not path.parent.is_dir():  # no directory, so no object: nothing to change or guard
+            yield path
+            return
+        deadline = time.monotonic() + CHANGE_LOCK_WAIT_S
+        while True:
+            try:
+                os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                break
+            except FileExistsError:
+                try:
+                    if time.time() - lock.stat().st_mtime > CHANGE_LOCK_STALE_S:  # its holder died
+                        lock.unlink(missing_ok=True)
+                        continue
+                except FileNotFoundError:
+                    continue
+                if time.monotonic() > deadline:
+                    waited = f"{CHANGE_LOCK_WAIT_S:.0f} s"
+                    raise RepositoryUnavailable(f"{key} stayed locked for {waited} ({lock})") from None
+                time.sleep(0.005)
+        try:
+            yield path
+        finally:
+            lock.unlink(missing_ok=True)
+
+    def _is_version(self, path: Path, tag: str) -> bool:
+        try:
+            return self._tag(os.stat(path)) == tag
+        except FileNotFoundError:
+            return False
+
+    def replace(self, key: str, data: bytes, tag: str) -> bool:
+        with self._locked(key) as path:
+            if not self._is_version(path, tag):
+                return False
+            path, tmp = self._staged(key, data)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+            return True
+        return False
+
+    def delete_if(self, key: str, tag: str) -> bool:
+        with self._locked(key) as path:
+            if path.exists() and not self._is_version(path, tag):
+                return False
+            path.unlink(missing_ok=True)
+        return True
+
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
@@ -116,8 +201,8 @@ class PosixBackend:
             return
         for dirpath, _dirnames, filenames in os.walk(base):
             for name in filenames:
-                if name.startswith(".put-"):
-                    continue  # an interrupted put: never an object
+                if name.startswith((".put-", ".lock-")):
+                    continue  # an interrupted put or a conditional change's lock: never an object
                 path = os.path.join(dirpath, name)
                 try:
                     st = os.stat(path)
@@ -198,6 +283,29 @@ class S3Backend:
 
     def put(self, key: str, data: bytes) -> None:
         self._call("put", self._s3.put_object, Key=self._key(key), Body=data)
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        response = self._call("get", self._s3.get_object, Key=self._key(key))
+        try:
+            return bytes(response["Body"].read()), str(response["ETag"])
+        finally:
+            response["Body"].close()
+
+    def replace(self, key: str, data: bytes, tag: str) -> bool:
+        try:
+            self._call("put", self._s3.put_object, Key=self._key(key), Body=data, IfMatch=tag)
+        except MissingObject:
+            return False
+        except RepositoryUnavailable as exc:
+            if "PreconditionFailed" in str(exc) or "ConditionalRequestConflict" in str(exc):
+                return False
+            raise
+        return True
+
+    def delete_if(self, key: str, tag: str) -> bool:
+        # Unconditional: a rewrite racing this delete fails its If-Match, so nothing comes back.
+        self.delete([key])
+        return True
 
     def put_new(self, key: str, data: bytes) -> bool:
         from botocore.exceptions import ClientError

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from aenv.errors import ArtifactDamaged, InvalidRequest, StorageError
+from aenv.errors import ArtifactDamaged, InvalidRequest, RepositoryUnavailable, StorageError
 from aenv.repo import encodings
 from aenv.repo.backends import Backend, MissingObject, PosixBackend
 from aenv.repo.chunks import ChunkWriter, WriteStats, chunk_key, read_chunk, read_chunks
@@ -58,6 +58,7 @@ ENTRY_KINDS: tuple[EntryKind, ...] = ("template", "snapshot")
 Encoding = Literal["tar", "sparse"]
 LOCK_REFRESH_S = 30.0
 LOCK_STALE_S = 600.0  # a lock not refreshed for this long belongs to a process that died
+CHANGE_TRIES = 5  # rereads of an entry that other nodes keep changing under a rewrite or delete
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,19 +229,31 @@ class Repository:
         return report
 
     def update_record(self, kind: EntryKind, entry_id: str, record: dict[str, Any]) -> bool:
-        """Rewrite a committed entry's record (aliases, names); False if it is not committed."""
-        entry = self.get_entry(kind, entry_id)
-        if entry is None:
-            return False
-        entry["record"] = record
-        self.backend.put(entry_key(kind, entry_id), json.dumps(entry, sort_keys=True).encode())
-        return True
+        """Rewrite a committed entry's record (aliases, names); False if it is not committed.
+
+        Conditional on the version read, so a rewrite racing another node's delete never brings
+        the entry back (its artifacts may be collected already); a racing rewrite is read again."""
+        key = entry_key(kind, _check_id(entry_id))
+        for _ in range(CHANGE_TRIES):
+            try:
+                data, tag = self.backend.get_tagged(key)
+            except MissingObject:
+                return False
+            entry = self._parse_entry(kind, entry_id, data)
+            entry["record"] = record
+            if self.backend.replace(key, json.dumps(entry, sort_keys=True).encode(), tag):
+                return True
+        raise RepositoryUnavailable(f"{kind} {entry_id}: its entry kept changing while being rewritten")
 
     def get_entry(self, kind: EntryKind, entry_id: str) -> dict[str, Any] | None:
         try:
             data = self.backend.get(entry_key(kind, _check_id(entry_id)))
         except MissingObject:
             return None
+        return self._parse_entry(kind, entry_id, data)
+
+    @staticmethod
+    def _parse_entry(kind: EntryKind, entry_id: str, data: bytes) -> dict[str, Any]:
         try:
             entry = json.loads(data)
         except ValueError:
@@ -267,7 +280,15 @@ class Repository:
 
     def delete_entry(self, kind: EntryKind, entry_id: str) -> None:
         """What only this entry used becomes garbage for the next collection."""
-        self.backend.delete([entry_key(kind, _check_id(entry_id))])
+        key = entry_key(kind, _check_id(entry_id))
+        for _ in range(CHANGE_TRIES):
+            try:
+                _, tag = self.backend.get_tagged(key)
+            except MissingObject:
+                return
+            if self.backend.delete_if(key, tag):
+                return
+        raise RepositoryUnavailable(f"{kind} {entry_id}: its entry kept changing while being deleted")
 
     @staticmethod
     def artifact_refs(entry: dict[str, Any]) -> list[ArtifactRef]:

@@ -295,3 +295,44 @@ def test_two_commits_of_one_artifact_never_break_each_other(backend: Backend, tm
     assert entry is not None and second.artifact_refs(entry) == [ref_a]
     second.fetch_artifact(ref_a, tmp_path / "back", "template t-b")
     assert tree(tmp_path / "back") == tree(layer)
+
+
+def test_conditional_rewrites_never_bring_back_a_deleted_object(backend: Backend) -> None:
+    backend.put("entries/templates/t.json", b"v1")
+    data, tag = backend.get_tagged("entries/templates/t.json")
+    assert data == b"v1"
+    backend.put("entries/templates/t.json", b"v2")  # another node rewrote it meanwhile
+    assert backend.replace("entries/templates/t.json", b"mine", tag) is False
+    assert backend.get("entries/templates/t.json") == b"v2"
+    data, tag = backend.get_tagged("entries/templates/t.json")
+    assert backend.replace("entries/templates/t.json", b"v3", tag) is True
+    assert backend.get("entries/templates/t.json") == b"v3"
+    _, tag = backend.get_tagged("entries/templates/t.json")
+    backend.delete(["entries/templates/t.json"])  # another node deleted it meanwhile
+    assert backend.replace("entries/templates/t.json", b"resurrected", tag) is False
+    assert not backend.exists("entries/templates/t.json")
+    assert [i.key for i in backend.list("entries/")] == []  # no lock files left that look like objects
+
+
+def test_renaming_an_entry_another_node_deleted_does_not_resurrect_it(
+    backend: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here, there = Repository(backend), Repository(backend)
+    layer = make_layer(tmp_path / "layer")
+    here.commit("template", "t-1", {"name": "old"}, [LocalArtifact("layer", "l-1", layer, "tar")])
+    assert here.update_record("template", "t-1", {"name": "new"}) is True
+    entry = there.get_entry("template", "t-1")
+    assert entry is not None and entry["record"] == {"name": "new"}
+
+    # The other node deletes the entry between this node's read and its write.
+    real_get_tagged = backend.get_tagged
+
+    def read_then_lose_it(key: str) -> tuple[bytes, str]:
+        found = real_get_tagged(key)
+        monkeypatch.setattr(backend, "get_tagged", real_get_tagged)  # the other node reads normally
+        there.delete_entry("template", "t-1")
+        return found
+
+    monkeypatch.setattr(backend, "get_tagged", read_then_lose_it)
+    assert here.update_record("template", "t-1", {"name": "newer"}) is False
+    assert here.get_entry("template", "t-1") is None
