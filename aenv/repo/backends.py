@@ -176,12 +176,7 @@ class PosixBackend:
         with self._locked(key) as path:
             if not self._is_version(path, tag):
                 return False
-            path, tmp = self._staged(key, data)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            self.put(key, data)
             return True
         return False
 
