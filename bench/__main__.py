@@ -214,10 +214,11 @@ async def bench(node: Node, rounds: int) -> dict[str, Any]:
     # a snapshot keeps the source running: one checkpoint, then one restore of the source
     results["snapshot"] = {**summary(snaps), "baseline": "runsc checkpoint + restore", **_ratio(snaps, raw_snaps)}
 
+    fork_rounds = max(3, rounds // 3)
     for n in (8, 16):
-        console.print(f"[bold]fork of {n}[/bold] x{max(3, rounds // 3)}")
+        console.print(f"[bold]fork of {n}[/bold] x{fork_rounds}")
         totals, raw = [], []
-        for _ in range(max(3, rounds // 3)):
+        for _ in range(fork_rounds):
             await quiesce(node)
             m = mark()
             dt, res = await timed(lambda n=n: node.fork(sandboxes[0], count=n))

@@ -79,14 +79,12 @@ async def gc_files(node: Node, min_age: float = 0.0) -> None:
     for layer_id in present - referenced_layers(node) - busy - cached_layers(present, build_cache):
         if old(node.files.layers / layer_id):
             await node.files.remove(layer_id)
-    images = {sb.rec.image for sb in node.sandboxes.values()} | {t.image for t in node.templates.values()}
-    images |= {s.image for s in node.snapshots.values()}
-    for image_id in node.files.image_ids() - images - busy:
+    records = [sb.rec for sb in node.sandboxes.values()] + [*node.templates.values(), *node.snapshots.values()]
+    for image_id in node.files.image_ids() - {r.image for r in records} - busy:
         if old(node.files.image(image_id)):
             node.files.remove_image(image_id)
-    records = [sb.rec for sb in node.sandboxes.values()] + [*node.templates.values(), *node.snapshots.values()]
-    guests = {node.driver.guest_key()} | {r.guest for r in records}
-    for key in node.driver.guest_keys() - guests:
+    # Fresh boots use the current bundle; anything else only while a record names it.
+    for key in node.driver.guest_keys() - {node.driver.guest_key()} - {r.guest for r in records}:
         if old(node.driver.guest_path(key)):
             await asyncio.to_thread(node.driver.remove_guest, key)
     cache, in_use = cache_items(node, build_cache)

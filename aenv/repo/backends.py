@@ -17,10 +17,14 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from aenv.errors import InvalidRequest, RepositoryUnavailable
+from aenv.errors import InvalidRequest, RepositoryUnavailable, StorageError
 
 CHANGE_LOCK_WAIT_S = 10.0  # a conditional change holds its lock for milliseconds
 CHANGE_LOCK_STALE_S = 60.0  # a lock this old was left by a process that died holding it
+
+
+class _ConditionFailed(StorageError):
+    """A conditional write that the store refused: its condition no longer held (always caught)."""
 
 
 class MissingObject(KeyError):
@@ -56,8 +60,8 @@ class Backend(Protocol):
         written) if it was rewritten or removed since: a rewrite never brings back a deleted object."""
         ...
 
-    def delete_if(self, key: str, tag: str) -> bool:
-        """Remove the object only while it is the version ``tag`` names (or it is gone already)."""
+    def remove(self, key: str) -> None:
+        """Remove one object, never in the middle of a :meth:`replace` of it."""
         ...
 
     def exists(self, key: str) -> bool: ...
@@ -180,12 +184,9 @@ class PosixBackend:
             return True
         return False
 
-    def delete_if(self, key: str, tag: str) -> bool:
+    def remove(self, key: str) -> None:
         with self._locked(key) as path:
-            if path.exists() and not self._is_version(path, tag):
-                return False
             path.unlink(missing_ok=True)
-        return True
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -270,6 +271,8 @@ class S3Backend:
             return fn(Bucket=self.bucket, **kwargs)
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                raise _ConditionFailed(code) from None
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise MissingObject(kwargs.get("Key", "")) from None
             raise RepositoryUnavailable(f"{what} on {self.url} failed: {code or exc}") from exc
@@ -286,32 +289,21 @@ class S3Backend:
         finally:
             response["Body"].close()
 
-    def replace(self, key: str, data: bytes, tag: str) -> bool:
+    def _put_if(self, key: str, data: bytes, **condition: str) -> bool:
         try:
-            self._call("put", self._s3.put_object, Key=self._key(key), Body=data, IfMatch=tag)
-        except MissingObject:
+            self._call("put", self._s3.put_object, Key=self._key(key), Body=data, **condition)
+        except (_ConditionFailed, MissingObject):  # If-Match on a key that is gone: 404
             return False
-        except RepositoryUnavailable as exc:
-            if "PreconditionFailed" in str(exc) or "ConditionalRequestConflict" in str(exc):
-                return False
-            raise
         return True
 
-    def delete_if(self, key: str, tag: str) -> bool:
-        # Unconditional: a rewrite racing this delete fails its If-Match, so nothing comes back.
-        self.delete([key])
-        return True
+    def replace(self, key: str, data: bytes, tag: str) -> bool:
+        return self._put_if(key, data, IfMatch=tag)
+
+    def remove(self, key: str) -> None:
+        self.delete([key])  # a rewrite racing it fails its If-Match, so nothing comes back
 
     def put_new(self, key: str, data: bytes) -> bool:
-        from botocore.exceptions import ClientError
-
-        try:
-            self._s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return False
-            raise RepositoryUnavailable(f"put on {self.url} failed: {exc}") from exc
-        return True
+        return self._put_if(key, data, IfNoneMatch="*")
 
     def get(self, key: str) -> bytes:
         body = self._call("get", self._s3.get_object, Key=self._key(key))["Body"]

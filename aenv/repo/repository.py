@@ -58,7 +58,7 @@ ENTRY_KINDS: tuple[EntryKind, ...] = ("template", "snapshot")
 Encoding = Literal["tar", "sparse"]
 LOCK_REFRESH_S = 30.0
 LOCK_STALE_S = 600.0  # a lock not refreshed for this long belongs to a process that died
-CHANGE_TRIES = 5  # rereads of an entry that other nodes keep changing under a rewrite or delete
+CHANGE_TRIES = 5  # rereads of an entry that other nodes keep changing under a rewrite
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,15 +280,7 @@ class Repository:
 
     def delete_entry(self, kind: EntryKind, entry_id: str) -> None:
         """What only this entry used becomes garbage for the next collection."""
-        key = entry_key(kind, _check_id(entry_id))
-        for _ in range(CHANGE_TRIES):
-            try:
-                _, tag = self.backend.get_tagged(key)
-            except MissingObject:
-                return
-            if self.backend.delete_if(key, tag):
-                return
-        raise RepositoryUnavailable(f"{kind} {entry_id}: its entry kept changing while being deleted")
+        self.backend.remove(entry_key(kind, _check_id(entry_id)))
 
     @staticmethod
     def artifact_refs(entry: dict[str, Any]) -> list[ArtifactRef]:

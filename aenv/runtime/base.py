@@ -76,7 +76,8 @@ class Driver(Protocol):
         ...
 
     def remove_guest(self, key: str) -> None:
-        """Remove a bundle no record names any more (an agent upgrade leaves the old one)."""
+        """Remove a bundle no record names any more (an agent upgrade leaves the old one); the
+        caller keeps the current one, which fresh boots use."""
         ...
 
     async def boot(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:

@@ -81,8 +81,6 @@ class GVisorDriver:
         return {p.name for p in self.guest_dir.iterdir() if not p.name.startswith(".")}  # not builds/fetches
 
     def remove_guest(self, key: str) -> None:
-        if key == self.guest_key():
-            return
         # Out of sight in one rename, so nothing boots a half-removed bundle; leftovers of a crash
         # are swept at start with the other evictions.
         doomed = self.guest_dir / f".evict-{key}-{os.getpid()}"

@@ -69,19 +69,15 @@ async def run(
     return (out or b"").decode(errors="replace")
 
 
-_libc: ctypes.CDLL | None = None
+_libc = ctypes.CDLL(None, use_errno=True)  # the process's own libc: nothing is loaded
 
 
 async def mount(source: str, target: Path, fstype: str, options: str) -> None:
     """mount(2) directly: a fork's N+1 overlay mounts each cost a `mount` process otherwise,
     on cores that the concurrent restores need."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    libc = _libc
 
     def call() -> None:
-        if libc.mount(source.encode(), os.fsencode(target), fstype.encode(), 0, options.encode()) != 0:
+        if _libc.mount(source.encode(), os.fsencode(target), fstype.encode(), 0, options.encode()) != 0:
             err = ctypes.get_errno()
             argv = ["mount", "-t", fstype, source, "-o", options, str(target)]
             raise RuntimeFailure(f"mount {target}: {os.strerror(err)}", argv=argv, stderr=os.strerror(err))

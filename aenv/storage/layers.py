@@ -126,8 +126,6 @@ class LayerStore:
         return {x for ids in self._spares.values() for x in ids} | self._making
 
     def _target(self, size_mb: int) -> int:
-        if not self._spare_target:
-            return 0
         return self._spare_target if size_mb == self._default_size else min(self._spare_target, OTHER_SIZE_SPARES)
 
     async def spares_ready(self, timeout: float = 30.0) -> bool:
