@@ -15,7 +15,6 @@ import json
 import re
 import shlex
 import shutil
-import tarfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from aenv.templates.catalog import TEMPLATE_NAME
 
 router = APIRouter(tags=["e2b templates"])
 E2B_USER, E2B_WORKDIR = "user", "/home/user"  # what E2B template steps start with
+FILES_HASH = re.compile(r"[0-9A-Za-z]{1,128}")  # the SDKs send a sha256 in hex
 
 
 class NewTemplate(BaseModel):
@@ -89,6 +89,13 @@ def files_dir(node: Node) -> Path:
     return path
 
 
+def files_tar(node: Node, files_hash: str | None) -> Path:
+    """Where the upload of ``files_hash`` is kept (the hash is only ever a name in one directory)."""
+    if not files_hash or not FILES_HASH.fullmatch(files_hash):
+        raise InvalidRequest(f"bad files hash {files_hash!r}")
+    return files_dir(node) / f"{files_hash}.tar"
+
+
 def upload_token(node: Node, template_id: str, files_hash: str) -> str:
     return hmac.new(node._secret, f"upload:{template_id}:{files_hash}".encode(), hashlib.sha256).hexdigest()
 
@@ -116,9 +123,7 @@ async def new_template(request: Request) -> JSONResponse:
 @router.get("/templates/{template_id}/files/{files_hash}", status_code=201, summary="Where to upload COPY files")
 async def files_link(request: Request, template_id: str, files_hash: str) -> JSONResponse:
     node = node_of(request)
-    if not files_hash.isalnum():
-        raise InvalidRequest("bad files hash")
-    present = (files_dir(node) / f"{files_hash}.tar").exists()
+    present = files_tar(node, files_hash).exists()
     url = str(request.url_for("upload_files", template_id=template_id, files_hash=files_hash))
     url += f"?token={upload_token(node, template_id, files_hash)}"
     return JSONResponse({"present": present, "url": url}, status_code=201)
@@ -129,7 +134,7 @@ async def upload_files(request: Request, template_id: str, files_hash: str, toke
     node = node_of(request)
     if not hmac.compare_digest(token, upload_token(node, template_id, files_hash)):
         raise Unauthenticated("this upload URL is not valid")
-    final = files_dir(node) / f"{files_hash}.tar"
+    final = files_tar(node, files_hash)
     part = final.with_name(f"{final.name}.{new_id()}.part")
     with open(part, "wb") as out:
         async for chunk in request.stream():
@@ -156,10 +161,14 @@ async def start_build(request: Request, template_id: str, build_id: str) -> Resp
     # E2B's starting point; the workdir is only the default one (sandboxes follow the user's home)
     instructions += [df.Instruction(0, "USER", E2B_USER), df.Instruction(0, "WORKDIR", E2B_WORKDIR, {"implicit": ""})]
     user = E2B_USER
-    for step in body.steps:
-        instructions += _instructions(node, step, context, user)
-        if step.type.upper() == "USER" and step.args:
-            user = step.args[0]
+    try:
+        for step in body.steps:
+            instructions += _instructions(node, step, context, user)
+            if step.type.upper() == "USER" and step.args:
+                user = step.args[0]
+    except BaseException:
+        shutil.rmtree(context, ignore_errors=True)
+        raise
     for number, instr in enumerate(instructions, 1):
         instr.line = number  # errors name the step
     start = (body.start_cmd, body.ready_cmd) if body.start_cmd else None
@@ -183,13 +192,12 @@ def _instructions(node: Node, step: Step, context: Path, user: str) -> list[df.I
     if kind in ("WORKDIR", "USER") and len(args) == 1:
         return [df.Instruction(0, kind, args[0])]
     if kind == "COPY" and len(args) >= 2 and step.files_hash:
-        tar = files_dir(node) / f"{step.files_hash}.tar"
+        tar = files_tar(node, step.files_hash)
         if not tar.exists():
             raise InvalidRequest(f"COPY {args[0]}: its files ({step.files_hash}) were never uploaded")
         target = context / step.files_hash
         if not target.exists():
-            with tarfile.open(tar) as t:
-                t.extractall(target, filter="data")
+            build.unpack_context(tar, target)  # links stay links, whatever they point at
         flags = {}
         if len(args) > 2 and args[2]:
             flags["chown"] = args[2]

@@ -6,7 +6,6 @@ import asyncio
 import base64
 import json
 import shutil
-import tarfile
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -35,10 +34,12 @@ from aenv.api.schemas import (
 )
 from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, WrongState, error_body
 from aenv.node.orchestrator import Node
+from aenv.storage.confined import View
 from aenv.templates import build, catalog, images
 from aenv.templates.catalog import TEMPLATE_NAME
 
 router = APIRouter()
+MAX_DOCKERFILE = 1 << 20
 
 
 def node_of(request: Request) -> Node:
@@ -361,11 +362,11 @@ async def build_template(
             async for chunk in request.stream():
                 out.write(chunk)
         context = workdir / "context"
-        await asyncio.to_thread(_unpack_context, raw, context)
-        recipe = (context / dockerfile).resolve()
-        if not recipe.is_relative_to(context.resolve()) or not recipe.is_file():
+        await asyncio.to_thread(build.unpack_context, raw, context)
+        recipe = View([context]).read(dockerfile, limit=MAX_DOCKERFILE)  # links resolve inside the context
+        if recipe is None:
             raise InvalidRequest(f"no {dockerfile} in the build context")
-        text = recipe.read_text()
+        text = recipe.decode(errors="replace")
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
@@ -400,14 +401,6 @@ async def build_template(
             yield (json.dumps(line) + "\n").encode()
 
     return StreamingResponse(stream(), media_type="application/x-ndjson")
-
-
-def _unpack_context(raw: Path, dest: Path) -> None:
-    try:
-        with tarfile.open(raw) as tar:
-            tar.extractall(dest, filter="data")  # no absolute paths, no escapes, no devices
-    except (tarfile.TarError, OSError) as exc:
-        raise InvalidRequest(f"the build context is not a readable tar: {exc}") from exc
 
 
 @router.delete("/templates/{template_id:path}", status_code=204, summary="Delete a template or a snapshot")

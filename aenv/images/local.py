@@ -1,18 +1,23 @@
 """Images from files on the node, for hosts without a registry: an OCI image layout directory
 (``oci:DIR[:TAG]``), the same as a tar (``oci-archive:FILE[:TAG]``) and ``docker save`` output
 (``docker-archive:FILE[:REPO:TAG]``). Every blob read is checked against its digest, as from a
-registry.
+registry, and must be a regular file inside the layout or archive named: what a manifest or an
+index names (digests, docker-save paths) is refused when it is absolute, has ``..`` or reaches
+outside through a link.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import shutil
+import stat
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from aenv.errors import InvalidRequest, NotFound
 from aenv.images.reference import ImageRef
@@ -20,6 +25,8 @@ from aenv.images.registry import INDEXES, Image, RegistryError, host_platform
 
 TRANSPORTS = ("oci:", "oci-archive:", "docker-archive:")
 REF_NAME = "org.opencontainers.image.ref.name"
+DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+MAX_JSON = 16 << 20  # an index, a manifest or a config
 
 
 def is_local(reference: str) -> bool:
@@ -37,15 +44,55 @@ def _split(reference: str, roots: list[Path]) -> tuple[str, Path, str | None]:
         raise InvalidRequest(f"{transport} images must be under one of: {allowed} (AENV_IMAGE_IMPORT_DIRS)")
     if not resolved.exists():
         raise NotFound(f"{transport}: {path} does not exist on this node")
+    if not (resolved.is_dir() if transport == "oci" else resolved.is_file()):
+        raise InvalidRequest(f"{transport}: {path} is not a {'directory' if transport == 'oci' else 'file'}")
     return transport, resolved, tag
 
 
-def _sha256_file(path: Path) -> str:
+def _inside(root: Path, name: Any, what: str) -> Path:
+    """``name`` (from a manifest or an index) as a regular file inside ``root``."""
+    if not isinstance(name, str) or not name or name.startswith("/") or ".." in name.split("/"):
+        raise InvalidRequest(f"{what} {name!r} is not a path inside the image")
+    path = (root / name).resolve()
+    if not path.is_relative_to(root.resolve()) or not path.is_file():
+        raise InvalidRequest(f"{what} {name!r} is not a file inside the image")
+    return path
+
+
+def _open(path: Path) -> IO[bytes]:
+    """``path`` for reading: a regular file, never a link, a FIFO or a device."""
+    file = os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
+    if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+        file.close()
+        raise InvalidRequest(f"{path.name} is not a regular file")
+    return file
+
+
+def _hash(path: Path, out: IO[bytes] | None = None) -> str:
+    """The sha256 digest of ``path``, copied to ``out`` as it is read: what is hashed is what is copied."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with _open(path) as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
+            if out is not None:
+                out.write(chunk)
     return "sha256:" + h.hexdigest()
+
+
+def _small(path: Path) -> tuple[str, bytes]:
+    """The digest and content of a JSON document (an index, a manifest, a config)."""
+    with _open(path) as f:
+        data = f.read(MAX_JSON + 1)
+    if len(data) > MAX_JSON:
+        raise InvalidRequest(f"{path.name} is larger than {MAX_JSON} bytes")
+    return "sha256:" + hashlib.sha256(data).hexdigest(), data
+
+
+def _json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise InvalidRequest(f"{what} is not JSON: {exc}") from exc
 
 
 class LocalSource:
@@ -81,30 +128,43 @@ class LocalSource:
 
     def fetch(self, digest: str, dest: Path) -> None:
         path = self._blobs.get(digest)
-        if path is None or not path.exists():
+        if path is None:
             raise RegistryError(f"{self.reference}: blob {digest} is missing", status=400)
-        if _sha256_file(path) != digest:
+        with open(dest, "wb") as out:
+            got = _hash(path, out)
+        if got != digest:
+            dest.unlink()
             raise RegistryError(f"{self.reference}: blob {digest} does not match its digest", status=400)
-        shutil.copyfile(path, dest)
 
     # -- OCI image layout ------------------------------------------------------------------------
-    def _blob(self, root: Path, digest: str) -> Path:
-        algo, _, hexdigest = digest.partition(":")
-        path = root / "blobs" / algo / hexdigest
+    def _blob(self, root: Path, digest: Any) -> Path:
+        if not isinstance(digest, str) or not DIGEST.fullmatch(digest):
+            raise InvalidRequest(f"{self.reference}: {digest!r} is not a sha256 digest")
+        path = _inside(root, f"blobs/sha256/{digest.split(':', 1)[1]}", f"{self.reference}: blob")
         self._blobs[digest] = path
         return path
 
-    def _json_blob(self, root: Path, digest: str) -> dict[str, Any]:
-        path = self._blob(root, digest)
-        if not path.exists() or _sha256_file(path) != digest:
-            raise RegistryError(f"{self.reference}: blob {digest} is missing or corrupt", status=400)
-        return dict(json.loads(path.read_bytes()))
+    def _json_blob(self, root: Path, digest: Any) -> dict[str, Any]:
+        got, data = _small(self._blob(root, digest))
+        if got != digest:
+            raise RegistryError(f"{self.reference}: blob {digest} is corrupt", status=400)
+        value = _json(data, f"{self.reference}: blob {digest}")
+        if not isinstance(value, dict):
+            raise InvalidRequest(f"{self.reference}: blob {digest} is not a JSON object")
+        return value
 
     def _layout(self, root: Path) -> Image:
         try:
-            index = json.loads((root / "index.json").read_text())
-        except (OSError, ValueError) as exc:
+            _, raw = _small(_inside(root, "index.json", "index"))
+        except (OSError, InvalidRequest) as exc:
             raise InvalidRequest(f"{self.reference}: no OCI image layout (index.json): {exc}") from exc
+        index = _json(raw, f"{self.reference}: index.json")
+        try:
+            return self._layout_image(root, index)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise InvalidRequest(f"{self.reference}: malformed OCI layout: {exc!r}") from exc
+
+    def _layout_image(self, root: Path, index: dict[str, Any]) -> Image:
         entries = index.get("manifests", [])
         if self.tag:
             entries = [m for m in entries if (m.get("annotations") or {}).get(REF_NAME) == self.tag]
@@ -132,19 +192,26 @@ class LocalSource:
 
     # -- docker save -----------------------------------------------------------------------------
     def _docker(self, root: Path) -> Image:
-        entries = json.loads((root / "manifest.json").read_text())
+        _, raw = _small(_inside(root, "manifest.json", "manifest"))
+        entries = _json(raw, f"{self.reference}: manifest.json")
+        try:
+            return self._docker_image(root, entries)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise InvalidRequest(f"{self.reference}: malformed manifest.json: {exc!r}") from exc
+
+    def _docker_image(self, root: Path, entries: list[dict[str, Any]]) -> Image:
         if self.tag:
             entries = [e for e in entries if self.tag in (e.get("RepoTags") or [])]
         if not entries:
             raise NotFound(f"{self.reference}: no image {self.tag!r} in the archive")
         entry = entries[0]
-        config_path = root / entry["Config"]
-        config = json.loads(config_path.read_bytes())
+        config_path = _inside(root, entry["Config"], f"{self.reference}: config")
+        digest, raw = _small(config_path)
+        config = _json(raw, f"{self.reference}: config")
         layers = []
         for name in entry["Layers"]:
-            path = root / name
-            digest = _sha256_file(path)  # docker save layers are plain tars: digest = diff_id
-            self._blobs[digest] = path
-            layers.append({"digest": digest, "mediaType": "application/vnd.docker.image.rootfs.diff.tar"})
-        digest = _sha256_file(config_path)
+            path = _inside(root, name, f"{self.reference}: layer")
+            layer_digest = _hash(path)  # docker save layers are plain tars: digest = diff_id
+            self._blobs[layer_digest] = path
+            layers.append({"digest": layer_digest, "mediaType": "application/vnd.docker.image.rootfs.diff.tar"})
         return Image(self.ref(), digest, {"layers": layers}, config, layers)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aenv.images.local import LocalSource, is_local
+from aenv.images.local import DIGEST, LocalSource, is_local
 from aenv.images.reference import ImageRef
-from aenv.images.registry import RegistryClient
+from aenv.images.registry import Image, RegistryClient
 from aenv.images.unpack import LayerError, apply_layer
 from aenv.storage.layers import new_id
 
@@ -29,6 +29,19 @@ LogFn = Callable[[str], None]
 
 def layer_id_of(diff_id: str) -> str:
     return "oci-" + diff_id.split(":", 1)[1][:32]
+
+
+def _check_layers(image: Image) -> None:
+    """Layer directories are named after diff_ids, which come from the image: only digests."""
+    try:
+        diff_ids = image.diff_ids
+    except AttributeError as exc:
+        raise LayerError(f"{image.ref}: malformed image config: {exc}") from exc
+    if len(diff_ids) != len(image.layers):
+        raise LayerError(f"{image.ref}: the manifest has {len(image.layers)} layers, the config {len(diff_ids)}")
+    for diff_id in diff_ids:
+        if not isinstance(diff_id, str) or not DIGEST.fullmatch(diff_id):
+            raise LayerError(f"{image.ref}: diff_id {diff_id!r} is not a sha256 digest")
 
 
 @dataclass
@@ -65,6 +78,7 @@ async def pull(
             assert client is not None
             ref = ImageRef.parse(reference)
             image = await client.resolve(ref)
+        _check_layers(image)
         log(f"{ref}: {len(image.layers)} layers, manifest {image.digest[:19]}")
         for i, (desc, diff_id) in enumerate(zip(image.layers, image.diff_ids, strict=True), 1):
             layer_id = layer_id_of(diff_id)

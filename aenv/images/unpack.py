@@ -2,9 +2,10 @@
 
 OCI whiteouts become overlayfs ones: ``.wh.NAME`` a 0/0 character device named NAME,
 ``.wh..wh..opq`` the ``trusted.overlay.opaque`` attribute on its directory. Nothing in a layer
-may land outside the directory: ``..`` components, and paths that would pass through a symlink
-the layer made, are refused. The uncompressed stream is hashed as it is read, so a layer whose
-content is not its diff_id never becomes visible.
+may land outside the directory: entries are written from directory fds, never through a link;
+``..`` components, paths through a symlink the layer made, and whiteouts of no name (``.wh.``,
+``.wh..``, ``.wh...``) are refused. Device nodes are not kept (see `_entry`). The uncompressed
+stream is hashed as it is read, so a layer whose content is not its diff_id never becomes visible.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import logging
 import os
 import stat
 import tarfile
@@ -20,15 +22,33 @@ from typing import IO, Any
 
 import zstandard
 
-from aenv.errors import AenvError
+from aenv.errors import InvalidRequest
+from aenv.storage.confined import (
+    NEW_FILE_FLAGS,
+    OPAQUE_XATTR,
+    PathRefused,
+    entry_parts,
+    lstat_at,
+    open_dir_at,
+    open_root,
+    parent_at,
+    remove_at,
+)
+
+log = logging.getLogger("aenv.images")
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
+AUFS_META = ".wh..wh."  # AUFS bookkeeping (.wh..wh.plnk, ...), not content
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# Attributes a layer may set: what images use. trusted.* steers the host kernel (overlayfs's
+# redirect, origin, metacopy...), so of those only the opaque marker, which layers express anyway.
+XATTR_PREFIXES = ("user.", "security.capability", "system.posix_acl_", OPAQUE_XATTR)
+WHAT = "layer entry"
 
 
-class LayerError(AenvError):
+class LayerError(InvalidRequest):
     """A layer that is corrupt, hostile, or not what its digest says."""
 
 
@@ -62,101 +82,116 @@ def _decompressed(raw: IO[bytes]) -> IO[bytes]:
     return raw
 
 
-def _safe_path(root: Path, name: str) -> Path:
-    parts = [p for p in name.split("/") if p not in ("", ".")]
-    if not parts or ".." in parts:
-        raise LayerError(f"layer entry {name!r} escapes the layer")
-    here = root
-    for part in parts[:-1]:
-        here = here / part
-        try:
-            mode = os.lstat(here).st_mode
-        except FileNotFoundError:
-            os.mkdir(here, 0o755)
-            continue
-        if not stat.S_ISDIR(mode):
-            raise LayerError(f"layer entry {name!r} goes through a non-directory ({part})")
-    return here / parts[-1]
-
-
-def _clear(path: Path) -> None:
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(mode):
-        for child in os.listdir(path):
-            _clear(path / child)
-        os.rmdir(path)
-    else:
-        os.unlink(path)
-
-
-def _finish(path: Path, member: tarfile.TarInfo) -> None:
-    os.lchown(path, member.uid, member.gid)
-    if not member.issym():
-        os.chmod(path, member.mode & 0o7777)
-        os.utime(path, (member.mtime, member.mtime))
-    for key, value in (member.pax_headers or {}).items():
-        if key.startswith("SCHILY.xattr."):
-            try:
-                os.setxattr(path, key[len("SCHILY.xattr.") :], value.encode("latin-1"), follow_symlinks=False)
-            except OSError:
-                pass  # an attribute this filesystem does not take is not worth the layer
-
-
 def apply_layer(blob: Path, dest: Path) -> str:
     """Unpack ``blob`` into ``dest`` (created); return ``sha256:...`` of the uncompressed tar."""
     dest.mkdir(parents=True, exist_ok=True)
-    with open(blob, "rb") as raw:
-        hashing = _Hashing(_decompressed(raw))
-        stream = io.BufferedReader(hashing, buffer_size=1 << 20)
-        try:
+    root = open_root(dest)
+    try:
+        with open(blob, "rb") as raw:
+            hashing = _Hashing(_decompressed(raw))
+            stream = io.BufferedReader(hashing, buffer_size=1 << 20)
             with tarfile.open(fileobj=stream, mode="r|") as tar:
                 for member in tar:
-                    _apply(tar, member, dest)
+                    _apply(tar, member, root)
             while stream.read(1 << 20):  # tar padding after the end-of-archive blocks counts too
                 pass
-        except (tarfile.TarError, OSError, EOFError, zstandard.ZstdError) as exc:
-            raise LayerError(f"cannot unpack layer {blob.name}: {exc}") from exc
+    except PathRefused as exc:
+        raise LayerError(f"layer {blob.name}: {exc.message}") from exc
+    except (tarfile.TarError, OSError, EOFError, zstandard.ZstdError) as exc:
+        raise LayerError(f"cannot unpack layer {blob.name}: {exc}") from exc
+    finally:
+        os.close(root)
     return "sha256:" + hashing.sha.hexdigest()
 
 
-def _apply(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path) -> None:
-    path = _safe_path(root, member.name)
-    base = path.name
-    if base == OPAQUE:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.setxattr(path.parent, "trusted.overlay.opaque", b"y")
+def _apply(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int) -> None:
+    parts = entry_parts(member.name, WHAT, absolute_ok=True)
+    if not parts:
+        return  # the layer's root: an overlay takes its attributes from the top layer
+    if any(part.startswith(WHITEOUT) for part in parts[:-1]):  # the prefix is reserved for whiteouts
+        raise PathRefused(f"{WHAT} {member.name!r} is inside a whiteout")
+    parent = parent_at(root, parts, WHAT, create=True)
+    try:
+        _entry(tar, member, root, parent, parts[-1])
+    finally:
+        os.close(parent)
+
+
+def _entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int, parent: int, name: str) -> None:
+    if name == OPAQUE:
+        os.setxattr(parent, OPAQUE_XATTR, b"y")
         return
-    if base.startswith(WHITEOUT):
-        target = path.with_name(base[len(WHITEOUT) :])
-        _clear(target)
-        os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+    if name.startswith(AUFS_META):
         return
+    if name.startswith(WHITEOUT):
+        _whiteout(parent, name[len(WHITEOUT) :], member.name)
+        return
+    if member.ischr() or member.isblk():
+        # Device nodes in images are normal (an exported /dev), but the host must never hold a
+        # node that opens one of its own devices: a sandbox gets its /dev from the runtime, so
+        # they are skipped. A 0/0 character device already is an overlay whiteout: kept as one.
+        if member.ischr() and member.devmajor == 0 and member.devminor == 0:
+            _whiteout(parent, name, member.name)
+        else:
+            log.info("layer entry %s: device node %d:%d skipped", member.name, member.devmajor, member.devminor)
+        return
+    existing = lstat_at(parent, name)
     if member.isdir():
-        if path.is_symlink() or (path.exists() and not path.is_dir()):
-            _clear(path)
-        path.mkdir(exist_ok=True)
-        _finish(path, member)
+        if existing is not None and not stat.S_ISDIR(existing.st_mode):
+            remove_at(parent, name)
+            existing = None
+        if existing is None:
+            os.mkdir(name, 0o700, dir_fd=parent)
+        fd = open_dir_at(parent, name)
+        try:
+            _attributes(fd, member)
+        finally:
+            os.close(fd)
         return
-    _clear(path)
+    remove_at(parent, name)  # a later entry replaces an earlier one, as tar does
     if member.isreg():
         source = tar.extractfile(member)
         assert source is not None
-        with open(path, "wb") as out:
+        with os.fdopen(os.open(name, NEW_FILE_FLAGS, 0o600, dir_fd=parent), "wb") as out:
             while chunk := source.read(1 << 20):
                 out.write(chunk)
+            out.flush()
+            _attributes(out.fileno(), member)
     elif member.issym():
-        os.symlink(member.linkname, path)
+        os.symlink(member.linkname, name, dir_fd=parent)
+        os.chown(name, member.uid, member.gid, dir_fd=parent, follow_symlinks=False)
     elif member.islnk():
-        target = _safe_path(root, member.linkname)
-        os.link(target, path, follow_symlinks=False)
-    elif member.ischr() or member.isblk():
-        kind = stat.S_IFCHR if member.ischr() else stat.S_IFBLK
-        os.mknod(path, kind | (member.mode & 0o7777), os.makedev(member.devmajor, member.devminor))
+        # The link's metadata is its target's: nothing to set (and nothing followed to set it).
+        target = entry_parts(member.linkname, WHAT, absolute_ok=True)
+        if not target:
+            raise PathRefused(f"{WHAT} {member.name!r} is a hardlink to the layer's root")
+        holder = parent_at(root, target, WHAT, create=False)
+        try:
+            os.link(target[-1], name, src_dir_fd=holder, dst_dir_fd=parent, follow_symlinks=False)
+        finally:
+            os.close(holder)
     elif member.isfifo():
-        os.mkfifo(path, member.mode & 0o7777)
-    else:
-        return  # sparse or exotic entries: not in images we take
-    _finish(path, member)
+        os.mkfifo(name, 0o600, dir_fd=parent)
+        os.chown(name, member.uid, member.gid, dir_fd=parent, follow_symlinks=False)
+        os.chmod(name, member.mode & 0o7777, dir_fd=parent)  # made just now by us: no link there
+    # sparse or exotic entries: not in images we take
+
+
+def _whiteout(parent: int, hidden: str, entry: str) -> None:
+    if hidden in ("", ".", ".."):
+        raise PathRefused(f"{WHAT} {entry!r} is a whiteout of no file")
+    remove_at(parent, hidden)
+    os.mknod(hidden, stat.S_IFCHR | 0o000, os.makedev(0, 0), dir_fd=parent)
+
+
+def _attributes(fd: int, member: tarfile.TarInfo) -> None:
+    os.fchown(fd, member.uid, member.gid)
+    os.fchmod(fd, member.mode & 0o7777)  # after the chown, which clears set-id bits
+    os.utime(fd, (member.mtime, member.mtime))
+    for key, value in (member.pax_headers or {}).items():
+        attribute = key[len("SCHILY.xattr.") :]
+        if key.startswith("SCHILY.xattr.") and attribute.startswith(XATTR_PREFIXES):
+            try:
+                os.setxattr(fd, attribute, value.encode("latin-1"))
+            except OSError:
+                pass  # an attribute this filesystem does not take is not worth the layer

@@ -15,25 +15,43 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 import shutil
 import stat
-from collections.abc import Callable
+import tarfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aenv.errors import TemplateNotFound
+from aenv.errors import InvalidRequest, TemplateNotFound
 from aenv.images.pull import Pulled, pull, release
 from aenv.node.housekeeping import BUILD_CACHE
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
+from aenv.storage.confined import (
+    NEW_FILE_FLAGS,
+    WILDCARDS,
+    PathRefused,
+    View,
+    entry_parts,
+    lstat_at,
+    open_dir_at,
+    open_root,
+    parent_at,
+    remove_at,
+)
 from aenv.templates import dockerfile as df
 from aenv.templates.builder import BuildFailed, LogFn, StartCommand, build_instance, commit_template, run_process, seal
-from aenv.templates.images import conventions_layer, dir_in_layers, make_dirs, read_from_layers
+from aenv.templates.images import conventions_layer, layers_view
 
 CACHE_KEY = BUILD_CACHE  # node meta: step key -> layer id ("" for a step that wrote nothing)
 COMMITS_KEY = "build-commits"  # node meta: key of a whole build -> the template it committed
 CONVENTIONS_VERSION = "conventions-1"
+CHMOD = re.compile(r"[0-7]{1,4}")
+MAX_ID = 2**32 - 2  # the largest uid/gid (-1 means "unchanged" to chown)
+CONTEXT_ENTRY = "build context entry"
 
 
 @dataclass
@@ -236,27 +254,38 @@ async def _step(
         if "implicit" not in instr.flags:
             state.default_workdir = state.workdir
         key = state.chain("WORKDIR", state.workdir)
-        if dir_in_layers(node, state.layers, state.workdir):
-            return True  # there already: a layer would only hide its owner and mode
-        owner = _owner(node, state.layers, state.user if state.user != "root" else None, instr.line)
-        return await _layer(
-            node, state, key, cache, announce, lambda root: make_dirs(node, state.layers, root, state.workdir, owner)
-        )
+        workdir, layers = state.workdir, list(state.layers)
+        with _refusals(instr.line):
+            if layers_view(node, layers).is_dir(workdir):
+                return True  # there already: a layer would only hide its owner and mode
+            owner = _owner(node, layers, state.user if state.user != "root" else None, instr.line)
+            return await _layer(
+                node, state, key, cache, announce, lambda root: layers_view(node, layers, root).make_dir(workdir, owner)
+            )
     if kw in ("COPY", "ADD"):
         sources, dest = df.copy_args(instr, scope)
-        files = _collect(context, sources, instr.line)
-        digest = _content_digest(files)
-        into_dir = len(files) > 1 or dest.endswith("/") or posixpath.basename(dest) in (".", "..")
+        chmod = _chmod(instr.flags.get("chmod"), instr.line)
+        source = View([context])
+        with _refusals(instr.line):
+            files = _collect(source, sources, instr.line)
+            digest = _content_digest(source, files)
+        single = len(files) == 1 and files[0].named and not stat.S_ISDIR(files[0].stat.st_mode)
+        into_dir = not single or dest.endswith("/") or posixpath.basename(dest) in (".", "..")
         dest = posixpath.normpath(posixpath.join(state.workdir, dest))
         if into_dir:
             dest = dest.rstrip("/") + "/"
         owner = _owner(node, state.layers, instr.flags.get("chown"), instr.line)
         key = state.chain(kw, digest, dest, owner, instr.flags.get("chmod"))
-        chmod = instr.flags.get("chmod")
         layers = list(state.layers)
-        return await _layer(
-            node, state, key, cache, announce, lambda root: _copy_into(node, layers, root, files, dest, owner, chmod)
-        )
+        with _refusals(instr.line):
+            return await _layer(
+                node,
+                state,
+                key,
+                cache,
+                announce,
+                lambda root: _copy_into(layers_view(node, layers, root), source, files, dest, owner, chmod),
+            )
     assert kw == "RUN", kw
     argv = instr.exec_form() or ["/bin/sh", "-c", instr.args]
     env = {**state.args, **state.env}
@@ -309,39 +338,63 @@ def _fail(line: int, message: str) -> BuildFailed:
     return BuildFailed(f"line {line}: {message}", step=line, output="")
 
 
-def _collect(context: Path, sources: list[str], line: int) -> list[tuple[Path, str]]:
-    """(host path, path relative to its source) for everything the sources name, inside the context."""
-    base = context.resolve()
-    out: list[tuple[Path, str]] = []
+@contextmanager
+def _refusals(line: int) -> Iterator[None]:
+    """A path the recipe cannot use is a failed step (400, naming the line)."""
+    try:
+        yield
+    except PathRefused as exc:
+        raise _fail(line, exc.message) from exc
+
+
+def _chmod(value: str | None, line: int) -> int | None:
+    if value is None or value == "":
+        return None
+    if not CHMOD.fullmatch(value):
+        raise _fail(line, f"--chmod={value}: an octal mode is expected")
+    return int(value, 8)
+
+
+@dataclass
+class Source:
+    """One thing a COPY copies: its path in the build context, where it goes relative to the
+    destination, what it is, and whether a source named it (rather than being inside a directory)."""
+
+    path: str
+    rel: str
+    stat: os.stat_result
+    named: bool
+
+
+def _collect(context: View, sources: list[str], line: int) -> list[Source]:
+    """Everything the sources name in the build context. Links in the middle of a source path
+    resolve inside the context; a link a source names is copied as a link."""
+    out: list[Source] = []
     for src in sources:
-        matches = sorted(base.glob(src.lstrip("/"))) if any(c in src for c in "*?[") else [base / src.lstrip("/")]
-        if not matches or not all(m.exists() or m.is_symlink() for m in matches):
+        matches = context.glob(src) if any(c in src for c in WILDCARDS) else [src]
+        found = [(match, context.stat(match, follow=False)) for match in matches]
+        if not found or any(st is None for _, st in found):
             raise _fail(line, f"COPY source {src!r} not found in the build context")
-        for match in matches:
-            if not match.resolve().is_relative_to(base):
-                raise _fail(line, f"COPY source {src!r} is outside the build context")
-            if match.is_dir() and not match.is_symlink():
-                for dirpath, dirnames, filenames in os.walk(match):
-                    dirnames.sort()
-                    for entry in [*dirnames, *sorted(filenames)]:
-                        full = Path(dirpath) / entry
-                        out.append((full, str(full.relative_to(match))))
+        for match, st in found:
+            assert st is not None
+            if stat.S_ISDIR(st.st_mode):
+                out += [Source(path, rel, item, False) for path, rel, item in context.walk_tree(match)]
             else:
-                out.append((match, match.name))
+                out.append(Source(match, posixpath.basename(context.canonical(match, follow=False)), st, True))
     return out
 
 
-def _content_digest(files: list[tuple[Path, str]]) -> str:
+def _content_digest(context: View, files: list[Source]) -> str:
     h = hashlib.sha256()
-    for path, rel in files:
-        st = os.lstat(path)
-        h.update(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode)}\0".encode())
+    for item in files:
+        st = item.stat
+        h.update(f"{item.rel}\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode)}\0".encode())
         if stat.S_ISREG(st.st_mode):
-            with open(path, "rb") as f:
+            with context.open(item.path) as f:
                 while chunk := f.read(1 << 20):
                     h.update(chunk)
         elif stat.S_ISLNK(st.st_mode):
-            h.update(os.readlink(path).encode())
+            h.update(context.readlink(item.path).encode())
     return h.hexdigest()
 
 
@@ -349,46 +402,114 @@ def _owner(node: Node, layers: list[str], chown: str | None, line: int) -> tuple
     if not chown:
         return 0, 0
     user, _, group = chown.partition(":")
+    with _refusals(line):
+        view = layers_view(node, layers)
 
-    def lookup(name: str, table: str) -> int:
-        if name.isdigit():
-            return int(name)
-        for row in (read_from_layers(node, layers, table) or b"").decode().splitlines():
-            fields = row.split(":")
-            if fields[0] == name and len(fields) > 2:
-                return int(fields[2])
-        raise _fail(line, f"--chown: no {table.split('/')[-1]} entry {name!r}")
+        def lookup(name: str, table: str) -> int:
+            if name.isdigit() and int(name) <= MAX_ID:
+                return int(name)
+            for row in (view.read(table) or b"").decode(errors="replace").splitlines():
+                fields = row.split(":")
+                if fields[0] == name and len(fields) > 2 and fields[2].isdigit() and int(fields[2]) <= MAX_ID:
+                    return int(fields[2])
+            raise _fail(line, f"--chown: no {table.split('/')[-1]} entry {name!r}")
 
-    uid = lookup(user, "etc/passwd")
-    gid = lookup(group, "etc/group") if group else uid
+        uid = lookup(user, "/etc/passwd")
+        gid = lookup(group, "/etc/group") if group else uid
     return uid, gid
 
 
 def _copy_into(
-    node: Node,
-    layers: list[str],
-    root: Path,
-    files: list[tuple[Path, str]],
-    dest: str,
-    owner: tuple[int, int],
-    chmod: str | None,
+    target: View, context: View, files: list[Source], dest: str, owner: tuple[int, int], chmod: int | None
 ) -> None:
-    single = len(files) == 1 and not dest.endswith("/") and not files[0][0].is_dir()
-    parent = posixpath.dirname(dest.rstrip("/")) if single else dest.rstrip("/")
-    target_root = make_dirs(node, layers, root, parent, owner)
-    if single:
-        target_root = target_root / posixpath.basename(dest)
-    for path, rel in files:
-        target = target_root if single else target_root / rel
-        if not single:
-            make_dirs(node, layers, root, posixpath.join(dest, posixpath.dirname(rel)), owner)
-        st = os.lstat(path)
-        if stat.S_ISDIR(st.st_mode):
-            target.mkdir(exist_ok=True)
-        elif stat.S_ISLNK(st.st_mode):
-            os.symlink(os.readlink(path), target)
+    """Write ``files`` at ``dest`` in the top layer of ``target``, resolving every path as the
+    sandbox will (links in the destination and the layers below followed inside the view)."""
+    if not dest.endswith("/"):
+        path = target.canonical(dest)
+        if target.is_dir(path):  # COPY file /existing-dir puts the file in it, as Docker does
+            path = posixpath.join(path, files[0].rel)
+        _put(target, context, files[0], path, owner, chmod)
+        return
+    base = target.make_dir(dest, owner)
+    for item in files:
+        _put(target, context, item, posixpath.join(base, item.rel), owner, chmod)
+
+
+def _put(target: View, context: View, item: Source, path: str, owner: tuple[int, int], chmod: int | None) -> None:
+    mode = chmod if chmod is not None else stat.S_IMODE(item.stat.st_mode)
+    if stat.S_ISDIR(item.stat.st_mode):
+        target.make_dir(path, owner, (mode, *owner))
+    elif stat.S_ISLNK(item.stat.st_mode):
+        target.symlink(path, context.readlink(item.path), owner)
+    else:
+        with context.open(item.path) as f:
+            target.write_file(path, f, mode, owner)
+
+
+def unpack_context(raw: Path, dest: Path) -> None:
+    """Unpack a build context (a tar, gzip or not) into ``dest``.
+
+    Directories and regular files, links kept as links whatever they point at (a build resolves
+    them inside the context, COPY copies them as links), hardlinks to files unpacked before them.
+    Nothing is written through a link or outside ``dest``; names with ``..``, absolute names,
+    devices and FIFOs are refused (400)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    root = open_root(dest)
+    try:
+        with tarfile.open(raw) as tar:
+            for member in tar:
+                _context_entry(tar, member, root)
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise InvalidRequest(f"the build context is not a readable tar: {exc}") from exc
+    finally:
+        os.close(root)
+
+
+def _context_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int) -> None:
+    parts = entry_parts(member.name, CONTEXT_ENTRY)
+    if not parts:
+        return  # the context's own directory
+    if not (member.isdir() or member.isreg() or member.issym() or member.islnk()):
+        raise PathRefused(f"{CONTEXT_ENTRY} {member.name!r}: devices and FIFOs have no place in a build context")
+    parent = parent_at(root, parts, CONTEXT_ENTRY, create=True)
+    try:
+        name = parts[-1]
+        existing = lstat_at(parent, name)
+        if member.isdir():
+            if existing is not None and not stat.S_ISDIR(existing.st_mode):
+                remove_at(parent, name)
+                existing = None
+            if existing is None:
+                os.mkdir(name, 0o700, dir_fd=parent)
+            fd = open_dir_at(parent, name)
+            try:
+                os.fchmod(fd, member.mode & 0o7777)
+            finally:
+                os.close(fd)
+            return
+        remove_at(parent, name)  # a later entry replaces an earlier one, as tar does
+        if member.issym():
+            os.symlink(member.linkname, name, dir_fd=parent)
+        elif member.islnk():
+            _context_hardlink(root, member, parent, name)
         else:
-            shutil.copyfile(path, target)
-        if not stat.S_ISLNK(st.st_mode):
-            os.chmod(target, int(chmod, 8) if chmod else stat.S_IMODE(st.st_mode))
-        os.lchown(target, *owner)
+            source = tar.extractfile(member)
+            assert source is not None
+            with os.fdopen(os.open(name, NEW_FILE_FLAGS, 0o600, dir_fd=parent), "wb") as out:
+                shutil.copyfileobj(source, out, 1 << 20)
+                os.fchmod(out.fileno(), member.mode & 0o7777)
+    finally:
+        os.close(parent)
+
+
+def _context_hardlink(root: int, member: tarfile.TarInfo, parent: int, name: str) -> None:
+    target = entry_parts(member.linkname, f"{CONTEXT_ENTRY} {member.name!r}: hardlink")
+    holder = parent_at(root, target, CONTEXT_ENTRY, create=False) if target else None
+    try:
+        st = lstat_at(holder, target[-1]) if holder is not None else None
+        if holder is None or st is None or not stat.S_ISREG(st.st_mode):
+            raise PathRefused(f"{CONTEXT_ENTRY} {member.name!r} links to {member.linkname!r}, not a file before it")
+        os.link(target[-1], name, src_dir_fd=holder, dst_dir_fd=parent, follow_symlinks=False)
+    finally:
+        if holder is not None:
+            os.close(holder)

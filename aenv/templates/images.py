@@ -8,105 +8,61 @@ image's layers, without running anything from the image.
 
 from __future__ import annotations
 
-import os
-import stat
+import shutil
 from pathlib import Path
 
 from aenv.images.pull import Pulled, pull, release
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
 from aenv.runtime.guestbundle import COMPAT_LIB
+from aenv.storage.confined import View
 from aenv.templates.builder import LogFn, commit_template
 
 USER_UID = 1000
+USER = (USER_UID, USER_UID)
 
 
-def find_in_layers(node: Node, layers: list[str], path: str) -> tuple[Path, os.stat_result] | None:
-    """Where the overlay of ``layers`` finds ``path`` (top layer wins), and what is there."""
-    for layer_id in reversed(layers):
-        candidate = node.files.layer(layer_id) / path.lstrip("/")
-        try:
-            return candidate, os.lstat(candidate)
-        except FileNotFoundError:
-            continue
-    return None
-
-
-def read_from_layers(node: Node, layers: list[str], path: str) -> bytes | None:
-    """The regular file at ``path`` as the overlay of ``layers`` shows it (a whiteout hides it)."""
-    found = find_in_layers(node, layers, path)
-    if found is None or not stat.S_ISREG(found[1].st_mode):
-        return None
-    return found[0].read_bytes()
-
-
-def stat_in_layers(node: Node, layers: list[str], path: str) -> os.stat_result | None:
-    """What the overlay of ``layers`` shows at ``path``, or None."""
-    found = find_in_layers(node, layers, path)
-    return found[1] if found is not None else None
-
-
-def dir_in_layers(node: Node, layers: list[str], path: str) -> bool:
-    found = stat_in_layers(node, layers, path)
-    return found is not None and stat.S_ISDIR(found.st_mode)
-
-
-def make_dirs(node: Node, layers: list[str], root: Path, path: str, owner: tuple[int, int] = (0, 0)) -> Path:
-    """Create ``path`` and its parents in the new layer ``root``.
-
-    A directory that the lower layers already have is created with their mode and owner: in an
-    overlay the top layer's copy of a directory decides them, and must not change them. New ones
-    get ``owner`` and mode 0755."""
-    here, rel = root, ""
-    for part in [p for p in path.split("/") if p]:
-        rel = f"{rel}/{part}"
-        here = here / part
-        if here.is_dir():
-            continue
-        below = stat_in_layers(node, layers, rel)
-        here.mkdir()
-        if below is not None and stat.S_ISDIR(below.st_mode):
-            os.chmod(here, stat.S_IMODE(below.st_mode))
-            os.lchown(here, below.st_uid, below.st_gid)
-        else:
-            os.chmod(here, 0o755)
-            os.lchown(here, *owner)
-    return here
-
-
-def _exists_in_layers(node: Node, layers: list[str], pattern: str) -> bool:
-    return any(list((node.files.layer(layer_id)).glob(pattern)) for layer_id in layers)
+def layers_view(node: Node, layers: list[str], top: Path | None = None) -> View:
+    """What a sandbox on ``layers`` sees, read by the host without following anything out of
+    them; ``top`` is a new layer that writes go to."""
+    return View([node.files.layer(layer_id) for layer_id in layers], top)
 
 
 def conventions_layer(node: Node, layers: list[str]) -> str:
-    """Write the sandbox conventions for an image made of ``layers``; return the new layer id."""
+    """Write the sandbox conventions for an image made of ``layers``; return the new layer id.
+
+    Paths resolve as in the sandbox: an image whose /etc or /home is a link gets the files where
+    the link leads, inside the image."""
     layer_id, root = node.files.new_layer_dir()
-    passwd = (read_from_layers(node, layers, "etc/passwd") or b"root:x:0:0:root:/root:/bin/sh\n").decode()
-    group = (read_from_layers(node, layers, "etc/group") or b"root:x:0:\n").decode()
-    shell = "/bin/bash" if _exists_in_layers(node, layers, "bin/bash") else "/bin/sh"
-    (root / "etc").mkdir()
+    try:
+        _write_conventions(layers_view(node, layers, root))
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return layer_id
+
+
+def _write_conventions(view: View) -> None:
+    passwd = (view.read("/etc/passwd") or b"root:x:0:0:root:/root:/bin/sh\n").decode(errors="replace")
+    group = (view.read("/etc/group") or b"root:x:0:\n").decode(errors="replace")
+    shell = "/bin/bash" if view.stat("/bin/bash", follow=False) is not None else "/bin/sh"
     if not any(line.startswith("user:") for line in passwd.splitlines()):
         passwd = passwd.rstrip("\n") + f"\nuser:x:{USER_UID}:{USER_UID}:user:/home/user:{shell}\n"
     if not any(line.startswith("user:") for line in group.splitlines()):
         group = group.rstrip("\n") + f"\nuser:x:{USER_UID}:\n"
-    (root / "etc" / "passwd").write_text(passwd)
-    (root / "etc" / "group").write_text(group)
-    (root / "etc" / "hostname").write_text("sandbox\n")
-    (root / "etc" / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n")
-    if _exists_in_layers(node, layers, "lib*/ld-linux*") or _exists_in_layers(node, layers, "usr/lib*/ld-linux*"):
+    view.write_file("/etc/passwd", passwd.encode(), 0o644)
+    view.write_file("/etc/group", group.encode(), 0o644)
+    view.write_file("/etc/hostname", b"sandbox\n", 0o644)
+    view.write_file("/etc/hosts", b"127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n", 0o644)
+    if view.glob("/lib*/ld-linux*") or view.glob("/usr/lib*/ld-linux*"):
         # glibc only reads it (musl ignores the file), and only glibc programs need the shim
-        preload = (read_from_layers(node, layers, "etc/ld.so.preload") or b"").decode()
+        preload = (view.read("/etc/ld.so.preload") or b"").decode(errors="replace")
         if COMPAT_LIB not in preload:
-            (root / "etc" / "ld.so.preload").write_text(preload + COMPAT_LIB + "\n")
-    home = root / "home" / "user"
-    home.mkdir(parents=True)
-    os.chown(home, USER_UID, USER_UID)
-    if not _exists_in_layers(node, layers, "root"):
-        (root / "root").mkdir(mode=0o700)  # commands start in their user's home
-    (root / "run" / "e2b").mkdir(parents=True)
-    for sub in ("home", "run"):
-        os.chmod(root / sub, 0o755)
-    return layer_id
+            view.write_file("/etc/ld.so.preload", (preload + COMPAT_LIB + "\n").encode(), 0o644)
+    view.make_dir("/home/user", attrs=(0o755, *USER))
+    if view.stat("/root", follow=False) is None:
+        view.make_dir("/root", attrs=(0o700, 0, 0))  # commands start in their user's home
+    view.make_dir("/run/e2b")
 
 
 async def template_from_image(
