@@ -85,7 +85,7 @@ def test_image_errors_are_clear(registry: Registry, api: httpx.Client) -> None:
     lying = registry.push_image("tests/lying", "1", [(busybox_layer().bytes(), "gzip")], diff_ids=[sha(b"other")])
     assert lying
     r = api.post("/templates/from-image", json={"name": "lying", "image": f"{registry.host}/tests/lying:1"})
-    assert r.status_code == 500 and "diff_id" in r.json()["message"]
+    assert r.status_code == 400 and "diff_id" in r.json()["message"]  # the image lies: not the node's fault
     r = api.post("/templates/from-image", json={"name": "Bad Name", "image": "x"})
     assert r.status_code == 400
     assert "lying" not in [t["name"] for t in api.get("/templates").json()]

@@ -16,17 +16,22 @@ import stat
 import tarfile
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+from e2b import Sandbox
 
 from aenv.errors import InvalidRequest
 from aenv.images.local import LocalSource
 from aenv.images.unpack import LayerError, apply_layer
+from aenv.sdk import BuildError, Client
 from aenv.storage.confined import PathRefused, View
 from aenv.templates.build import unpack_context
-from tests.images.oci import LayerTar, sha, write_docker_archive, write_layout
+from tests.conftest import API_KEY, Server
+from tests.images.oci import LayerTar, Registry, busybox_layer, sha, start_registry, write_docker_archive, write_layout
 
 
 @pytest.fixture()
@@ -191,7 +196,7 @@ def test_view_honours_whiteouts_and_opaque_directories(tmp_path: Path) -> None:
 
 
 # -- build contexts and E2B uploads (unpack_context) ----------------------------------------------
-def context_tar(tmp: Path, build: callable) -> Path:  # type: ignore[valid-type]
+def context_tar(tmp: Path, build: Callable[[tarfile.TarFile], None]) -> Path:
     path = tmp / f"context-{uuid.uuid4().hex[:8]}.tar"
     with tarfile.open(path, "w") as tar:
         build(tar)
@@ -315,3 +320,351 @@ def test_docker_archives_still_import(tmp_path: Path) -> None:
         assert (tmp_path / "blob").read_bytes() == layer
     finally:
         source.close()
+
+
+# -- end to end: a real server, a real registry, real sandboxes ------------------------------------
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    yield from start_registry(tmp_path_factory.mktemp("registry"))
+
+
+def image(registry: Registry, *layers: LayerTar) -> str:
+    """A busybox image with ``layers`` on top, pushed under a fresh name."""
+    repo = f"tests/conf-{uuid.uuid4().hex[:8]}"
+    registry.push_image(
+        repo,
+        "1",
+        [(busybox_layer().dir("tmp", 0o1777).bytes(), "gzip")] + [(layer.bytes(), "gzip") for layer in layers],
+    )
+    return f"{registry.host}/{repo}:1"
+
+
+def fresh(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"  # the local test data dir outlives runs
+
+
+def in_sandbox(template: str, *commands: str) -> list[tuple[int, str]]:
+    """(exit code, stdout + stderr) of each command, run as root in a sandbox of ``template``."""
+    from e2b import CommandExitException
+
+    sbx = Sandbox.create(template=template, timeout=120)
+    try:
+        out = []
+        for command in commands:
+            try:
+                result = sbx.commands.run(command, user="root")
+                out.append((result.exit_code, result.stdout + result.stderr))
+            except CommandExitException as exc:
+                out.append((exc.exit_code, exc.stdout + exc.stderr))
+        return out
+    finally:
+        sbx.kill()
+
+
+def readlinks(*paths: str) -> str:
+    return f"for f in {' '.join(paths)}; do readlink $f; done"
+
+
+def post_context(
+    api: httpx.Client, name: str, members: list[tarfile.TarInfo | tuple[tarfile.TarInfo, bytes]]
+) -> tuple[int, dict[str, Any]]:
+    """POST /templates/build with a tar made of ``members``: (status, the final JSON object)."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for member in members:
+            info, data = member if isinstance(member, tuple) else (member, b"")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data else None)
+    r = api.post("/templates/build", params={"name": name}, content=raw.getvalue(), timeout=600)
+    if r.status_code != 200:
+        return r.status_code, r.json()
+    last = json.loads(r.text.strip().splitlines()[-1])
+    return (200, last["template"]) if "template" in last else (int(last["error"]["code"]), last["error"])
+
+
+def entry(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", mode: int = 0o644) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.mode = kind, link, mode
+    return info
+
+
+def dockerfile(text: str) -> tuple[tarfile.TarInfo, bytes]:
+    return entry("Dockerfile"), text.encode()
+
+
+@pytest.mark.sandbox
+def test_issue_copy_through_a_link_the_same_copy_made(
+    registry: Registry, server: Server, e2b_env: Server, tmp_path: Path, canary: Path
+) -> None:
+    """The issue's case: `x -> ../../../../../../<canary>` from the first source, `x/pwned` from the
+    second. The link is as deep in the context as the layer directory is on the host, so the old
+    code wrote the file into the canary directory, as root."""
+    depth = len((server.data_dir / "fs" / "layers" / "id").parts) - 1
+    dirs = "/".join(f"d{i}" for i in range(depth))
+    ctx = tmp_path / "ctx"
+    (ctx / dirs).mkdir(parents=True)
+    link = "../" * depth + str(canary.relative_to("/"))
+    os.symlink(link, ctx / dirs / "x")
+    (ctx / "y" / "x").mkdir(parents=True)
+    (ctx / "y" / "x" / "pwned").write_text("pwned")
+    (ctx / "Dockerfile").write_text(f"FROM {image(registry)}\nCOPY {dirs} y /\n")
+    name = fresh("issue-copy")
+    with Client(server.url, API_KEY) as client:
+        client.build(name, ctx)
+    assert untouched(canary)
+    (_, target), (_, pwned) = in_sandbox(name, "readlink /x", f"cat {canary}/pwned")
+    assert (target.strip(), pwned) == (link, "pwned")  # kept as a link, followed inside the sandbox
+
+
+@pytest.mark.sandbox
+def test_links_to_absolute_paths_and_in_the_middle_of_destinations(
+    registry: Registry, server: Server, e2b_env: Server, tmp_path: Path, canary: Path
+) -> None:
+    """Absolute links from the context, from a lower layer and from an earlier RUN, in the middle of
+    a COPY or WORKDIR destination, and a link as a COPY source: all resolved as the sandbox sees
+    them, inside the layers."""
+    base = image(registry, LayerTar().dir("etc").symlink("etc/link", str(canary)))
+    ctx = tmp_path / "ctx"
+    (ctx / "a").mkdir(parents=True)
+    os.symlink(str(canary), ctx / "a" / "x")
+    (ctx / "b" / "x").mkdir(parents=True)
+    (ctx / "b" / "x" / "pwned").write_text("pwned")
+    (ctx / "note").write_text("note")
+    os.symlink(str(canary / "secret"), ctx / "srclink")
+    (ctx / "Dockerfile").write_text(
+        f"FROM {base}\n"
+        "COPY a b /opt/\n"
+        "COPY note /etc/link/note\n"
+        f"RUN ln -s {canary}/sub /mid\n"
+        "COPY note /mid/deeper/note\n"
+        "WORKDIR /mid/wd\n"
+        "RUN pwd -P > /pwd.txt\n"
+        "COPY srclink /copied\n"
+    )
+    name = fresh("abs-links")
+    with Client(server.url, API_KEY) as client:
+        client.build(name, ctx)
+    assert untouched(canary)
+    results = in_sandbox(
+        name,
+        readlinks("/opt/x", "/etc/link", "/mid", "/copied"),
+        f"cat {canary}/pwned {canary}/note {canary}/sub/deeper/note /pwd.txt",
+        f"test -d {canary}/sub/wd",
+        "cat /copied",
+    )
+    assert results[0] == (0, f"{canary}\n{canary}\n{canary}/sub\n{canary}/secret\n")
+    assert results[1] == (0, f"pwnednotenote{canary}/sub/wd\n")
+    assert results[2][0] == 0
+    assert results[3][0] != 0 and "HOST SECRET" not in results[3][1]  # the host's file is not the sandbox's
+
+
+@pytest.mark.sandbox
+def test_sources_through_links_stay_in_the_context(
+    registry: Registry, server: Server, canary: Path, tmp_path: Path
+) -> None:
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    os.symlink(str(canary), ctx / "abs")
+    os.symlink("../" * 12, ctx / "up")
+    base = image(registry)
+    with Client(server.url, API_KEY) as client:
+        for source in (
+            "abs/secret",
+            f"up{canary}/secret",
+            f"up/var/tmp/*{canary.name[-6:]}*/secret",
+            f"abs/../{canary.name}/secret",
+        ):
+            (ctx / "Dockerfile").write_text(f"FROM {base}\nCOPY {source} /x\n")
+            with pytest.raises(BuildError) as failed:
+                client.build(fresh("src-link"), ctx)
+            assert failed.value.status == 400 and "not found in the build context" in failed.value.message, source
+    assert untouched(canary)
+
+
+@pytest.mark.sandbox
+def test_context_tars_unpack_inside_and_keep_links(
+    registry: Registry, api: httpx.Client, e2b_env: Server, canary: Path
+) -> None:
+    base = image(registry)
+    good = fresh("ctx-good")
+    status, body = post_context(
+        api,
+        good,
+        [
+            dockerfile(f"FROM {base}\nCOPY . /ctx/\n"),
+            (entry("./file"), b"data"),
+            entry("./hard", tarfile.LNKTYPE, "file"),
+            entry("./abs", tarfile.SYMTYPE, str(canary / "secret")),
+            entry("./rel", tarfile.SYMTYPE, "../" * 12 + "etc/hostname"),
+        ],
+    )
+    assert status == 200, body
+    ((_, out),) = in_sandbox(good, "cat /ctx/file /ctx/hard; " + readlinks("/ctx/abs", "/ctx/rel"))
+    assert out == f"datadata{canary}/secret\n{'../' * 12}etc/hostname\n"
+
+    for members, named in (
+        ([entry("../escape")], "../escape"),
+        ([entry("/abs-name")], "/abs-name"),
+        ([entry("ok/../../escape")], "ok/../../escape"),
+        ([entry("h", tarfile.LNKTYPE, "../../../../../../etc/hostname")], "h"),
+        ([entry("h", tarfile.LNKTYPE, str(canary / "secret"))], "h"),
+        ([entry("lnk", tarfile.SYMTYPE, str(canary)), entry("lnk/escape")], "lnk/escape"),
+        ([entry("lnk", tarfile.SYMTYPE, str(canary)), entry("h", tarfile.LNKTYPE, "lnk/secret")], "lnk/secret"),
+        ([entry("dev", tarfile.CHRTYPE)], "dev"),
+    ):
+        status, body = post_context(api, fresh("ctx-bad"), [dockerfile(f"FROM {base}\n"), *members])
+        assert status == 400 and body["code"] == 400 and named in body["message"], (named, body)
+    assert untouched(canary)
+
+
+@pytest.mark.sandbox
+def test_e2b_copy_steps_keep_links_as_links(registry: Registry, e2b_env: Server, tmp_path: Path, canary: Path) -> None:
+    """The e2b SDK's Template builder, unchanged: `copy` of files that include relative and
+    absolute links (the old extraction answered 500 for an absolute one)."""
+    from e2b import Template
+
+    (tmp_path / "a").mkdir()
+    os.symlink(str(canary), tmp_path / "a" / "x")
+    os.symlink("../" * 12 + "etc/hostname", tmp_path / "a" / "rel")
+    (tmp_path / "b" / "x").mkdir(parents=True)
+    (tmp_path / "b" / "x" / "pwned").write_text("pwned")
+    template = (
+        Template(file_context_path=str(tmp_path))
+        .from_image(image(registry))
+        .copy("a", "/opt/")
+        .copy("b", "/opt/")
+        .copy("a/x", "/home/user/linked")
+    )
+    name = fresh("e2b-links")
+    Template.build(template, name)
+    assert untouched(canary)
+    (_, links), (_, pwned) = in_sandbox(
+        name, readlinks("/opt/x", "/opt/rel", "/home/user/linked"), f"cat {canary}/pwned"
+    )
+    assert links == f"{canary}\n{'../' * 12}etc/hostname\n{canary}\n"
+    assert pwned == "pwned"
+
+
+@pytest.mark.sandbox
+def test_image_conventions_follow_the_images_links_inside_it(
+    registry: Registry, api: httpx.Client, e2b_env: Server, canary: Path
+) -> None:
+    """An image whose /etc is a link to a host path and whose /home is `/`: the host files there
+    are neither read (the old code put the host's passwd in the template) nor written."""
+    (canary / "etc").mkdir()
+    (canary / "etc" / "passwd").write_text("root:x:0:0:HOST SECRET:/root:/bin/sh\n")
+    linked = image(registry, LayerTar().symlink("etc", str(canary / "etc")).symlink("home", "/"))
+    shadowed = image(registry, LayerTar().dir("etc").symlink("etc/passwd", "/etc/shadow"))
+    for ref in (linked, shadowed):
+        name = fresh("conv")
+        r = api.post("/templates/from-image", json={"name": name, "image": ref}, timeout=600)
+        assert r.status_code == 201, r.text
+        results = in_sandbox(name, "cat /etc/passwd", "id -un user; ls -d /home/user")
+        assert results[0][0] == 0 and "HOST SECRET" not in results[0][1] and "$" not in results[0][1]
+        assert "user:x:1000:1000" in results[0][1] and results[1][0] == 0, results
+    assert sorted(os.listdir(canary / "etc")) == ["passwd"] and "HOST SECRET" in (canary / "etc" / "passwd").read_text()
+    assert not Path("/user").exists()
+
+
+@pytest.mark.sandbox
+def test_image_layers_with_hostile_entries_are_400(registry: Registry, api: httpx.Client, server: Server) -> None:
+    for layer in (
+        LayerTar().file(".wh.", b""),
+        LayerTar().file(".wh..", b""),
+        LayerTar().dir("sub").file("sub/.wh...", b""),
+        LayerTar().dir(".wh...").file(".wh.../x", b""),
+    ):
+        r = api.post("/templates/from-image", json={"name": fresh("wh"), "image": image(registry, layer)}, timeout=600)
+        assert r.status_code == 400 and "whiteout" in r.json()["message"], r.text
+    repo = f"tests/conf-{uuid.uuid4().hex[:8]}"
+    escaping = "sha256:" + "/.." * 10 + "/"  # used to name a layer directory outside the layer store
+    registry.push_image(repo, "1", [(busybox_layer().bytes(), "gzip")], diff_ids=[escaping])
+    r = api.post("/templates/from-image", json={"name": fresh("diffid"), "image": f"{registry.host}/{repo}:1"})
+    assert r.status_code == 400 and "diff_id" in r.json()["message"], r.text
+    assert (server.data_dir / "fs" / "tmp").is_dir() and not (server.data_dir / "fs" / "tmp" / "oci-").exists()
+
+
+@pytest.mark.sandbox
+def test_device_nodes_from_images_never_reach_the_host(
+    registry: Registry, api: httpx.Client, e2b_env: Server, server: Server
+) -> None:
+    layer = LayerTar().dir("bin")
+    special(layer, "mem", tarfile.CHRTYPE, 1, 1)
+    special(layer, "sda", tarfile.BLKTYPE, 8, 0)
+    special(layer, "bin/ls", tarfile.CHRTYPE, 0, 0)  # an overlay whiteout: hides busybox's ls
+    ref = image(registry, layer)
+    name = fresh("devices")
+    r = api.post("/templates/from-image", json={"name": name, "image": ref}, timeout=600)
+    assert r.status_code == 201, r.text
+    layer_dir = server.data_dir / "fs" / "layers" / ("oci-" + sha(layer.buf.getvalue())[7:39])
+    found = {p.name: os.lstat(p) for p in layer_dir.rglob("*")}
+    assert "mem" not in found and "sda" not in found
+    assert all(st.st_rdev == 0 for st in found.values() if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode))
+    assert [code for code, _ in in_sandbox(name, "test -e /mem || test -e /sda", "test -e /bin/ls")] == [1, 1]
+
+
+@pytest.mark.sandbox
+def test_local_imports_read_only_inside_their_archive_or_layout(
+    api: httpx.Client, server: Server, tmp_path: Path
+) -> None:
+    imports = server.data_dir / "imports"
+    imports.mkdir(exist_ok=True)
+    secret = LayerTar().file("marker", b"HOST SECRET").bytes()
+    (tmp_path / "secret.tar").write_bytes(secret)  # on the host, outside every import directory
+    name = uuid.uuid4().hex[:8]
+    cases = {
+        "absolute": str(tmp_path / "secret.tar"),
+        "dotdot": "../" * 12 + str(tmp_path / "secret.tar").lstrip("/"),
+    }
+    for case, layer_name in cases.items():
+        archive = imports / f"{name}-{case}.tar"
+        write_docker_archive(archive, [secret], "saved/img:1")
+        rewrite_manifest(archive, {"Layers": [layer_name]})
+        r = api.post("/templates/from-image", json={"name": fresh(case), "image": f"docker-archive:{archive}"})
+        assert r.status_code == 400 and "inside the image" in r.json()["message"], (case, r.text)
+    archive = imports / f"{name}-config.tar"
+    write_docker_archive(archive, [secret], "saved/img:1")
+    rewrite_manifest(archive, {"Config": "../../../../../../../../etc/hostname"})
+    r = api.post("/templates/from-image", json={"name": fresh("config"), "image": f"docker-archive:{archive}"})
+    assert r.status_code == 400 and "inside the image" in r.json()["message"], r.text
+
+    layout = imports / f"{name}-layout"
+    write_layout(layout, [secret], "v1")
+    blob_path = layer_blob(layout)
+    os.rename(blob_path, tmp_path / "blob")  # the blob outside the layout, a link to it inside
+    os.symlink(tmp_path / "blob", blob_path)
+    r = api.post("/templates/from-image", json={"name": fresh("layout"), "image": f"oci:{layout}:v1"})
+    assert r.status_code == 400 and "inside the image" in r.json()["message"], r.text
+
+
+def rewrite_manifest(archive: Path, changes: dict[str, Any]) -> None:
+    with tarfile.open(archive) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+    with tarfile.open(archive, "w") as tar:
+        for member, data in members:
+            if member.name == "manifest.json":
+                data = json.dumps([{**json.loads(data)[0], **changes}]).encode()
+                member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+
+
+def layer_blob(layout: Path) -> Path:
+    """The one layer blob of a layout write_layout made."""
+    blobs = layout / "blobs" / "sha256"
+    index = json.loads((layout / "index.json").read_text())
+    manifest = json.loads((blobs / index["manifests"][0]["digest"][7:]).read_bytes())
+    return blobs / manifest["layers"][0]["digest"][7:]
+
+
+@pytest.mark.sandbox
+def test_copy_flags_are_checked(registry: Registry, server: Server, tmp_path: Path) -> None:
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "a").write_text("a")
+    base = image(registry)
+    with Client(server.url, API_KEY) as client:
+        for flags, says in (("--chmod=999", "octal"), ("--chmod=u+x", "octal"), ("--chown=99999999999", "passwd")):
+            (ctx / "Dockerfile").write_text(f"FROM {base}\nCOPY {flags} a /a\n")
+            with pytest.raises(BuildError) as failed:
+                client.build(fresh("flags"), ctx)
+            assert failed.value.status == 400 and failed.value.step == 2 and says in failed.value.message
