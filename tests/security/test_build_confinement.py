@@ -665,3 +665,30 @@ def test_copy_flags_are_checked(registry: Registry, server: Server, tmp_path: Pa
             with pytest.raises(BuildError) as failed:
                 client.build(fresh("flags"), ctx)
             assert failed.value.status == 400 and failed.value.step == 2 and says in failed.value.message
+
+
+@pytest.mark.sandbox
+def test_e2b_files_hashes_are_names_not_paths(registry: Registry, api: httpx.Client, server: Server) -> None:
+    """A build's `filesHash` named a tar and the directory it was unpacked in: `../` in it used to
+    unpack an uploaded tar outside the build's context."""
+    files = server.data_dir / "fs" / "build-files"
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        info = tarfile.TarInfo("file")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"data"))
+    digest = uuid.uuid4().hex
+    link = api.get(f"/templates/t/files/{digest}").json()
+    assert httpx.put(link["url"], content=raw.getvalue()).status_code == 200
+    base = image(registry)
+    for files_hash in (f"../build-files/{digest}", f"../../build-files/{digest}", "/etc/hostname", ".."):
+        created = api.post("/v3/templates", json={"name": fresh("hash")}).json()
+        step = {"type": "COPY", "args": ["file", "/file"], "filesHash": files_hash}
+        r = api.post(
+            f"/v2/templates/{created['templateID']}/builds/{created['buildID']}",
+            json={"fromImage": base, "steps": [step]},
+        )
+        assert r.status_code == 400 and "files hash" in r.json()["message"], (files_hash, r.text)
+    assert not (files / "build-files").exists() and not (server.data_dir / "fs" / "build-files" / digest).exists()
+    for bad in ("..", "a.b", "x" * 200):
+        assert api.get(f"/templates/t/files/{bad}").status_code in (400, 404)
