@@ -402,21 +402,23 @@ def _owner(node: Node, layers: list[str], chown: str | None, line: int) -> tuple
     if not chown:
         return 0, 0
     user, _, group = chown.partition(":")
-    with _refusals(line):
-        view = layers_view(node, layers)
-
-        def lookup(name: str, table: str) -> int:
-            if name.isdigit() and int(name) <= MAX_ID:
-                return int(name)
-            for row in (view.read(table) or b"").decode(errors="replace").splitlines():
-                fields = row.split(":")
-                if fields[0] == name and len(fields) > 2 and fields[2].isdigit() and int(fields[2]) <= MAX_ID:
-                    return int(fields[2])
-            raise _fail(line, f"--chown: no {table.split('/')[-1]} entry {name!r}")
-
-        uid = lookup(user, "/etc/passwd")
-        gid = lookup(group, "/etc/group") if group else uid
+    view = layers_view(node, layers)
+    uid = _id_of(view, user, "/etc/passwd", line)
+    gid = _id_of(view, group, "/etc/group", line) if group else uid
     return uid, gid
+
+
+def _id_of(view: View, name: str, table: str, line: int) -> int:
+    """The uid or gid ``name`` stands for: a number, or its entry in ``table`` as the sandbox sees it."""
+    if name.isdigit() and int(name) <= MAX_ID:
+        return int(name)
+    with _refusals(line):
+        rows = (view.read(table) or b"").decode(errors="replace").splitlines()
+    for row in rows:
+        fields = row.split(":")
+        if fields[0] == name and len(fields) > 2 and fields[2].isdigit() and int(fields[2]) <= MAX_ID:
+            return int(fields[2])
+    raise _fail(line, f"--chown: no {table.split('/')[-1]} entry {name!r}")
 
 
 def _copy_into(

@@ -585,7 +585,7 @@ def test_image_layers_with_hostile_entries_are_400(registry: Registry, api: http
 def test_device_nodes_from_images_never_reach_the_host(
     registry: Registry, api: httpx.Client, e2b_env: Server, server: Server
 ) -> None:
-    layer = LayerTar().dir("bin").file("run", uuid.uuid4().bytes)  # a layer of its own: never cached
+    layer = LayerTar().dir("bin").file("unique", uuid.uuid4().bytes)  # a layer of its own: never cached
     special(layer, "mem", tarfile.CHRTYPE, 1, 1)
     special(layer, "sda", tarfile.BLKTYPE, 8, 0)
     special(layer, "bin/ls", tarfile.CHRTYPE, 0, 0)  # an overlay whiteout: hides busybox's ls
