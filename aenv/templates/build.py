@@ -368,11 +368,12 @@ class Source:
 
 def _collect(context: View, sources: list[str], line: int) -> list[Source]:
     """Everything the sources name in the build context. Links in the middle of a source path
-    resolve inside the context; a link a source names is copied as a link."""
+    resolve inside the context; a link a source names is copied as a link (``link/`` names the
+    directory it leads to)."""
     out: list[Source] = []
     for src in sources:
         matches = context.glob(src) if any(c in src for c in WILDCARDS) else [src]
-        found = [(match, context.stat(match, follow=False)) for match in matches]
+        found = [(match, context.stat(match, follow=src.endswith("/"))) for match in matches]
         if not found or any(st is None for _, st in found):
             raise _fail(line, f"COPY source {src!r} not found in the build context")
         for match, st in found:

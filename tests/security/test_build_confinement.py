@@ -423,6 +423,9 @@ def test_links_to_absolute_paths_and_in_the_middle_of_destinations(
     base = image(registry, LayerTar().dir("etc").symlink("etc/link", str(canary)))
     ctx = tmp_path / "ctx"
     (ctx / "a").mkdir(parents=True)
+    (ctx / "sub").mkdir()
+    (ctx / "sub" / "inner").write_text("inner")
+    os.symlink("sub", ctx / "to-sub")
     os.symlink(str(canary), ctx / "a" / "x")
     (ctx / "b" / "x").mkdir(parents=True)
     (ctx / "b" / "x" / "pwned").write_text("pwned")
@@ -437,6 +440,7 @@ def test_links_to_absolute_paths_and_in_the_middle_of_destinations(
         "WORKDIR /mid/wd\n"
         "RUN pwd -P > /pwd.txt\n"
         "COPY srclink /copied\n"
+        "COPY to-sub/ /through/\n"
     )
     name = fresh("abs-links")
     with Client(server.url, API_KEY) as client:
@@ -446,12 +450,12 @@ def test_links_to_absolute_paths_and_in_the_middle_of_destinations(
         name,
         readlinks("/opt/x", "/etc/link", "/mid", "/copied"),
         f"cat {canary}/pwned {canary}/note {canary}/sub/deeper/note /pwd.txt",
-        f"test -d {canary}/sub/wd",
+        f"test -d {canary}/sub/wd && cat /through/inner",
         "cat /copied",
     )
     assert results[0] == (0, f"{canary}\n{canary}\n{canary}/sub\n{canary}/secret\n")
     assert results[1] == (0, f"pwnednotenote{canary}/sub/wd\n")
-    assert results[2][0] == 0
+    assert results[2] == (0, "inner")
     assert results[3][0] != 0 and "HOST SECRET" not in results[3][1]  # the host's file is not the sandbox's
 
 
@@ -508,6 +512,7 @@ def test_context_tars_unpack_inside_and_keep_links(
         ([entry("lnk", tarfile.SYMTYPE, str(canary)), entry("lnk/escape")], "lnk/escape"),
         ([entry("lnk", tarfile.SYMTYPE, str(canary)), entry("h", tarfile.LNKTYPE, "lnk/secret")], "lnk/secret"),
         ([entry("dev", tarfile.CHRTYPE)], "dev"),
+        ([entry("Dockerfile", tarfile.SYMTYPE, "/etc/hostname")], "Dockerfile"),  # resolves inside: none there
     ):
         status, body = post_context(api, fresh("ctx-bad"), [dockerfile(f"FROM {base}\n"), *members])
         assert status == 400 and body["code"] == 400 and named in body["message"], (named, body)
