@@ -441,6 +441,8 @@ def test_links_to_absolute_paths_and_in_the_middle_of_destinations(
         "RUN pwd -P > /pwd.txt\n"
         "COPY srclink /copied\n"
         "COPY to-sub/ /through/\n"
+        "RUN ln -s /tmp /etc/tmplink\n"
+        "COPY note /etc/tmplink/x\n"
     )
     name = fresh("abs-links")
     with Client(server.url, API_KEY) as client:
@@ -448,14 +450,14 @@ def test_links_to_absolute_paths_and_in_the_middle_of_destinations(
     assert untouched(canary)
     results = in_sandbox(
         name,
-        readlinks("/opt/x", "/etc/link", "/mid", "/copied"),
+        readlinks("/opt/x", "/etc/link", "/mid", "/copied", "/etc/tmplink"),
         f"cat {canary}/pwned {canary}/note {canary}/sub/deeper/note /pwd.txt",
-        f"test -d {canary}/sub/wd && cat /through/inner",
+        f"test -d {canary}/sub/wd && cat /through/inner /tmp/x",
         "cat /copied",
     )
-    assert results[0] == (0, f"{canary}\n{canary}\n{canary}/sub\n{canary}/secret\n")
+    assert results[0] == (0, f"{canary}\n{canary}\n{canary}/sub\n{canary}/secret\n/tmp\n")
     assert results[1] == (0, f"pwnednotenote{canary}/sub/wd\n")
-    assert results[2] == (0, "inner")
+    assert results[2] == (0, "innernote")
     assert results[3][0] != 0 and "HOST SECRET" not in results[3][1]  # the host's file is not the sandbox's
 
 
