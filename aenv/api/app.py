@@ -30,9 +30,14 @@ from aenv.node.orchestrator import Node
 
 log = logging.getLogger("aenv.api")
 HOST_ROUTE = re.compile(r"^(\d+)-([a-z0-9]+)$")
-# E2B's SDK uploads template files without its API key; the URL's own token is checked instead.
-SIGNED_UPLOAD = re.compile(r"/templates/[^/]+/files/[^/]+/upload")
-PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+# Control-plane routes open without the API key, by exact (method, path); GET routes answer HEAD too.
+PUBLIC_ROUTES = frozenset(
+    (method, path)
+    for path in ("/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+    for method in ("GET", "HEAD")
+)
+# E2B's SDK uploads template files without its API key: a PUT there needs the URL's own token instead.
+SIGNED_UPLOAD = re.compile(r"/templates/(?P<template>[^/]+)/files/(?P<files_hash>[^/]+)/upload")
 
 
 def sandbox_target(headers: dict[str, str]) -> tuple[str, int] | None | str:
@@ -47,10 +52,9 @@ def sandbox_target(headers: dict[str, str]) -> tuple[str, int] | None | str:
         return None
     if sid is None or port is None:
         return "Missing header E2b-Sandbox-Id or E2b-Sandbox-Port"
-    try:
-        return sid, int(port)
-    except ValueError:
-        return "E2b-Sandbox-Port must be a number"
+    if not port.isdecimal() or not 0 < int(port) < 65536:
+        return "E2b-Sandbox-Port must be a port number"
+    return sid, int(port)
 
 
 def create_app(node: Node, *, start_node: bool = True) -> FastAPI:
@@ -139,6 +143,9 @@ class SandboxRouter:
         if target is not None:
             sandbox_id, port = target
             if scope["type"] == "websocket":
+                if port == envd.ENVD_PORT:  # envd has no WebSocket endpoint: refused before any resume
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
                 await proxy.proxy_websocket(scope, receive, send, self.node, sandbox_id, port)
                 return
             request = StarletteRequest(scope, receive)
@@ -148,8 +155,7 @@ class SandboxRouter:
                 response = await proxy.proxy_http(request, self.node, sandbox_id, port)
             await response(scope, receive, send)
             return
-        public = scope["path"] in PUBLIC_PATHS or SIGNED_UPLOAD.fullmatch(scope["path"]) is not None
-        if scope["type"] == "http" and not public and self.api_key:
+        if self.api_key and not _open_without_key(scope, self.node):
             key = headers.get("x-api-key")
             if key is None or not hmac.compare_digest(key.encode(), self.api_key.encode()):
                 body = {
@@ -160,6 +166,21 @@ class SandboxRouter:
                 await _reply(scope, receive, send, JSONResponse(body, status_code=401))
                 return
         await self.app(scope, receive, send)
+
+
+def _open_without_key(scope: Scope, node: Node) -> bool:
+    """A public route, or E2B's template file upload with the valid token of its URL. WebSockets
+    never: the control plane has no WebSocket route, so a key is needed to get anywhere."""
+    if scope["type"] != "http":
+        return False
+    method, path = scope["method"], scope["path"]
+    if (method, path) in PUBLIC_ROUTES:
+        return True
+    upload = SIGNED_UPLOAD.fullmatch(path)
+    if method != "PUT" or upload is None:
+        return False
+    token = StarletteRequest(scope).query_params.get("token", "")
+    return e2b_templates.upload_authorized(node, upload["template"], upload["files_hash"], token)
 
 
 async def _reply(scope: Scope, receive: Receive, send: Send, response: Response) -> None:

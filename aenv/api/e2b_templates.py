@@ -93,6 +93,12 @@ def upload_token(node: Node, template_id: str, files_hash: str) -> str:
     return hmac.new(node._secret, f"upload:{template_id}:{files_hash}".encode(), hashlib.sha256).hexdigest()
 
 
+def upload_authorized(node: Node, template_id: str, files_hash: str, token: str) -> bool:
+    """Whether ``token`` is the one the files link handed out for this upload."""
+    expected = upload_token(node, template_id, files_hash)
+    return hmac.compare_digest(token.encode("utf-8", "surrogateescape"), expected.encode())
+
+
 def _split_name(name: str) -> tuple[str, str | None]:
     base, _, tag = name.partition(":")
     base = base.lower().replace("/", "-")
@@ -127,7 +133,7 @@ async def files_link(request: Request, template_id: str, files_hash: str) -> JSO
 @router.put("/templates/{template_id}/files/{files_hash}/upload", name="upload_files", include_in_schema=False)
 async def upload_files(request: Request, template_id: str, files_hash: str, token: str = "") -> Response:
     node = node_of(request)
-    if not hmac.compare_digest(token, upload_token(node, template_id, files_hash)):
+    if not upload_authorized(node, template_id, files_hash, token):
         raise Unauthenticated("this upload URL is not valid")
     final = files_dir(node) / f"{files_hash}.tar"
     part = final.with_name(f"{final.name}.{new_id()}.part")

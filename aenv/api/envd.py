@@ -220,8 +220,9 @@ def signature(path: str, operation: str, username: str | None, token: str, expir
 
 
 def files_authorized(request: Request, token: str, operation: str) -> bool:
-    if request.headers.get("x-access-token") is not None:
-        return request.headers["x-access-token"] == token
+    given = request.headers.get("x-access-token")
+    if given is not None:
+        return hmac.compare_digest(given.encode(), token.encode())
     sig = request.query_params.get("signature")
     if not sig:
         return False
@@ -339,39 +340,63 @@ async def files_post(request: Request, sb: LiveSandbox, user: str | None) -> Res
     return JSONResponse(written)
 
 
+async def envs(request: Request, sb: LiveSandbox, user: str | None) -> Response:
+    return await _unary(sb, "sys.envs", {})
+
+
+async def sandbox_metrics(request: Request, sb: LiveSandbox, user: str | None) -> Response:
+    return await _unary(sb, "sys.metrics", {})
+
+
+SYSTEM: dict[str, Handler] = {"/envs": envs, "/metrics": sandbox_metrics}
+
+
 # -- entry point ------------------------------------------------------------------------------------
+def _endpoint(request: Request) -> Handler | None:
+    method, path = request.method, request.url.path
+    if path == "/files" and method in ("GET", "POST"):
+        return files_get if method == "GET" else files_post
+    if method == "POST" and path in RPC:
+        return RPC[path]
+    if method == "GET" and path in SYSTEM:
+        return SYSTEM[path]
+    return None
+
+
+def _authorized(request: Request, token: str) -> bool:
+    if request.url.path == "/files" and request.method in ("GET", "POST"):
+        return files_authorized(request, token, "read" if request.method == "GET" else "write")
+    given = request.headers.get("x-access-token")
+    return given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
 async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
-    """Serve one envd request for ``sandbox_id``."""
+    """Serve one envd request for ``sandbox_id``.
+
+    The access token is checked on the record, before anything resumes the sandbox or reaches its
+    agent: a caller without the token cannot wake a paused sandbox."""
     path = request.url.path
+    try:
+        sb = node.get(sandbox_id)
+    except AenvError:
+        return sandbox_gone(sandbox_id)
     if request.method == "GET" and path == "/health":
-        try:
-            sb = node.get(sandbox_id)
-        except AenvError:
-            return sandbox_gone(sandbox_id)
         if sb.state.value != "running" or sb.link is None:
             return sandbox_gone(sandbox_id)
         return Response(status_code=204)
+    if sb.rec.secure and not _authorized(request, node.access_token(sandbox_id)):
+        code = 401 if path == "/files" else "unauthenticated"
+        return JSONResponse({"code": code, "message": UNAUTHORIZED}, status_code=401)
+    endpoint = _endpoint(request)
+    if endpoint is None:
+        return JSONResponse(
+            {"code": "unimplemented", "message": f"{request.method} {path} is not an envd endpoint"}, status_code=404
+        )
     try:
         sb = await node.ensure_running(sandbox_id)
     except AenvError:
         return sandbox_gone(sandbox_id)
-    token = node.access_token(sandbox_id) if sb.rec.secure else None
-    user = _user(request)
-    if path == "/files" and request.method in ("GET", "POST"):
-        if token is not None and not files_authorized(request, token, "read" if request.method == "GET" else "write"):
-            return JSONResponse({"code": 401, "message": UNAUTHORIZED}, status_code=401)
-        return await (files_get if request.method == "GET" else files_post)(request, sb, user)
-    if token is not None and request.headers.get("x-access-token") != token:
-        return JSONResponse({"code": "unauthenticated", "message": UNAUTHORIZED}, status_code=401)
-    if request.method == "POST" and path in RPC:
-        try:
-            return await RPC[path](request, sb, user)
-        except ConnectError as exc:
-            return connect.unary_error(exc)
-    if request.method == "GET" and path == "/envs":
-        return await _unary(sb, "sys.envs", {})
-    if request.method == "GET" and path == "/metrics":
-        return await _unary(sb, "sys.metrics", {})
-    return JSONResponse(
-        {"code": "unimplemented", "message": f"{request.method} {path} is not an envd endpoint"}, status_code=404
-    )
+    try:
+        return await endpoint(request, sb, _user(request))
+    except ConnectError as exc:
+        return connect.unary_error(exc)
