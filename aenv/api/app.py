@@ -19,12 +19,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as StarletteRequest
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aenv import __version__
 from aenv.api import e2b_templates, envd, proxy, repository
 from aenv.api.sandboxes import router
-from aenv.errors import AenvError, error_body
+from aenv.errors import AenvError, PayloadTooLarge, error_body
 from aenv.node import metrics
 from aenv.node.orchestrator import Node
 
@@ -165,7 +165,47 @@ class SandboxRouter:
                 }
                 await _reply(scope, receive, send, JSONResponse(body, status_code=401))
                 return
+        if scope["type"] == "http" and not _streams_its_body(scope):
+            limit = self.node.settings.max_body_kb * 1024
+            declared = headers.get("content-length", "")
+            if declared.isdecimal() and int(declared) > limit:
+                await _reply(scope, receive, send, _error_response(_too_large(limit)))
+                return
+            receive = _bounded(receive, limit)
         await self.app(scope, receive, send)
+
+
+def _streams_its_body(scope: Scope) -> bool:
+    """Template build contexts and template file uploads: streamed to disk with their own bound."""
+    method, path = scope["method"], scope["path"]
+    return (method, path) == ("POST", "/templates/build") or (
+        method == "PUT" and SIGNED_UPLOAD.fullmatch(path) is not None
+    )
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the request body is larger than {limit // 1024} KiB (AENV_MAX_BODY_KB)")
+
+
+def _bounded(receive: Receive, limit: int) -> Receive:
+    """``receive`` that counts body bytes as they arrive (chunked bodies included) and fails the
+    read past ``limit``: the route's error handler answers 413, nothing larger is ever held."""
+    received = 0
+
+    async def bounded_receive() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise _too_large(limit)
+        return message
+
+    return bounded_receive
+
+
+def _error_response(exc: AenvError) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=exc.status)
 
 
 def _open_without_key(scope: Scope, node: Node) -> bool:

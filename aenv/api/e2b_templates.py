@@ -26,7 +26,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from aenv.api.sandboxes import _body, node_of
+from aenv.api.sandboxes import _body, node_of, receive_to_file
 from aenv.api.schemas import rfc3339
 from aenv.errors import AenvError, InvalidRequest, NotFound, Unauthenticated
 from aenv.node.orchestrator import Node
@@ -37,23 +37,24 @@ from aenv.templates.catalog import TEMPLATE_NAME
 
 router = APIRouter(tags=["e2b templates"])
 E2B_USER, E2B_WORKDIR = "user", "/home/user"  # what E2B template steps start with
+FILES_HASH = "[0-9A-Za-z]{1,128}"  # names a tar under build-files/: never a path
 
 
 class NewTemplate(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     name: str = Field(..., min_length=1, max_length=200)
     tags: list[str] = Field(default_factory=list)
 
 
 class Step(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     type: str
     args: list[str] = Field(default_factory=list)
-    files_hash: str | None = Field(None, alias="filesHash")
+    files_hash: str | None = Field(None, alias="filesHash", pattern=f"^{FILES_HASH}$")
 
 
 class BuildStart(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     from_image: str | None = Field(None, alias="fromImage")
     from_template: str | None = Field(None, alias="fromTemplate")
     from_image_registry: dict[str, Any] | None = Field(None, alias="fromImageRegistry")
@@ -107,6 +108,11 @@ def _split_name(name: str) -> tuple[str, str | None]:
     return base, tag or None
 
 
+def _check_files_hash(files_hash: str) -> None:
+    if not re.fullmatch(FILES_HASH, files_hash):
+        raise InvalidRequest(f"bad files hash {files_hash!r}: letters and digits only")
+
+
 @router.post("/v3/templates", status_code=202, summary="Start an E2B template (then build it)")
 async def new_template(request: Request) -> JSONResponse:
     body: NewTemplate = await _body(request, NewTemplate)
@@ -122,8 +128,7 @@ async def new_template(request: Request) -> JSONResponse:
 @router.get("/templates/{template_id}/files/{files_hash}", status_code=201, summary="Where to upload COPY files")
 async def files_link(request: Request, template_id: str, files_hash: str) -> JSONResponse:
     node = node_of(request)
-    if not files_hash.isalnum():
-        raise InvalidRequest("bad files hash")
+    _check_files_hash(files_hash)
     present = (files_dir(node) / f"{files_hash}.tar").exists()
     url = str(request.url_for("upload_files", template_id=template_id, files_hash=files_hash))
     url += f"?token={upload_token(node, template_id, files_hash)}"
@@ -135,12 +140,14 @@ async def upload_files(request: Request, template_id: str, files_hash: str, toke
     node = node_of(request)
     if not upload_authorized(node, template_id, files_hash, token):
         raise Unauthenticated("this upload URL is not valid")
+    _check_files_hash(files_hash)
     final = files_dir(node) / f"{files_hash}.tar"
     part = final.with_name(f"{final.name}.{new_id()}.part")
-    with open(part, "wb") as out:
-        async for chunk in request.stream():
-            out.write(chunk)
-    part.rename(final)
+    try:
+        await receive_to_file(request, part)
+        part.rename(final)
+    finally:
+        part.unlink(missing_ok=True)
     return Response(status_code=200)
 
 
@@ -299,13 +306,13 @@ async def alias_exists(request: Request, alias: str) -> dict[str, Any]:
 
 
 class TagsAssign(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     target: str = Field(..., min_length=1, max_length=200)
     tags: list[str] = Field(..., min_length=1, max_length=64)
 
 
 class TagsRemove(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     name: str = Field(..., min_length=1, max_length=200)
     tags: list[str] = Field(..., min_length=1, max_length=64)
 

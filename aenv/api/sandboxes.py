@@ -33,7 +33,7 @@ from aenv.api.schemas import (
     snapshot_json,
     template_json,
 )
-from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, WrongState, error_body
+from aenv.errors import AenvError, InvalidRequest, PayloadTooLarge, SnapshotNotFound, WrongState, error_body
 from aenv.node.orchestrator import Node
 from aenv.templates import build, catalog, images
 from aenv.templates.catalog import TEMPLATE_NAME
@@ -52,13 +52,31 @@ def domain_of(request: Request) -> str | None:
 
 
 async def _body(request: Request, model: type[Any]) -> Any:
+    """The request's JSON body as ``model``; an empty body is ``{}`` (required fields still are)."""
     raw = await request.body()
-    if not raw.strip():
-        return model()
     try:
-        return model.model_validate_json(raw)
+        return model.model_validate_json(raw if raw.strip() else b"{}")
     except ValueError as exc:
         raise InvalidRequest(_first_error(exc)) from exc
+
+
+async def receive_to_file(request: Request, path: Path) -> None:
+    """Write the request's body to ``path`` as it arrives, up to the node's AENV_MAX_UPLOAD_MB."""
+    limit = node_of(request).settings.max_upload_mb * 2**20
+    declared = request.headers.get("content-length", "")
+    if declared.isdecimal() and int(declared) > limit:
+        raise _upload_too_large(limit)
+    size = 0
+    with open(path, "wb") as out:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _upload_too_large(limit)
+            out.write(chunk)
+
+
+def _upload_too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the upload is larger than {limit // 2**20} MiB (AENV_MAX_UPLOAD_MB)")
 
 
 def _first_error(exc: ValueError) -> str:
@@ -184,9 +202,7 @@ async def kill_sandbox(request: Request, sandbox_id: str) -> Response:
 
 @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204, summary="Set the sandbox's timeout")
 async def set_timeout(request: Request, sandbox_id: str) -> Response:
-    body: Timeout = await _body(request, Timeout) if (await request.body()).strip() else None
-    if body is None:
-        raise InvalidRequest("timeout is required")
+    body: Timeout = await _body(request, Timeout)
     await node_of(request).set_timeout(sandbox_id, body.timeout)
     return Response(status_code=204)
 
@@ -357,9 +373,7 @@ async def build_template(
     workdir = Path(tempfile.mkdtemp(prefix="aenv-build-", dir=node.files.root / "tmp"))
     try:
         raw = workdir / "context.tar"
-        with open(raw, "wb") as out:
-            async for chunk in request.stream():
-                out.write(chunk)
+        await receive_to_file(request, raw)
         context = workdir / "context"
         await asyncio.to_thread(_unpack_context, raw, context)
         recipe = (context / dockerfile).resolve()

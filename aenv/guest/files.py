@@ -109,6 +109,8 @@ def translate(exc: OSError, path: str) -> FileError:
         return FileError("not_found", f"path '{path}' does not exist")
     if exc.errno in (errno.EACCES, errno.EPERM):
         return FileError("permission_denied", f"permission denied: '{path}'")
+    if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+        return FileError("invalid_argument", f"{exc.strerror}: '{path}'")
     if exc.errno == errno.ENOTDIR:
         return FileError("invalid_argument", f"path '{path}' is not a directory")
     if exc.errno == errno.EISDIR:
