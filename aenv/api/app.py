@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aenv import __version__
 from aenv.api import e2b_templates, envd, proxy, repository
-from aenv.api.sandboxes import router
+from aenv.api.sandboxes import add_body_schemas, router
 from aenv.errors import AenvError, PayloadTooLarge, error_body
 from aenv.node import metrics
 from aenv.node.orchestrator import Node
@@ -43,17 +43,18 @@ SIGNED_UPLOAD = re.compile(r"/templates/(?P<template>[^/]+)/files/(?P<files_hash
 def sandbox_target(headers: dict[str, str]) -> tuple[str, int] | None | str:
     """(sandbox id, port) for sandbox traffic, None for the control plane, or an error text."""
     host = headers.get("host", "").rsplit(":", 1)[0] if not headers.get("host", "").startswith("[") else ""
-    sid, port = headers.get("e2b-sandbox-id"), headers.get("e2b-sandbox-port")
-    first = host.split(".", 1)[0]
-    m = HOST_ROUTE.match(first)
-    if m and "." in host:
-        return m.group(2), int(m.group(1))
+    m = HOST_ROUTE.match(host.split(".", 1)[0])
+    sid, port = (
+        (m.group(2), m.group(1))
+        if m and "." in host
+        else (headers.get("e2b-sandbox-id"), headers.get("e2b-sandbox-port"))
+    )
     if sid is None and port is None:
         return None
     if sid is None or port is None:
         return "Missing header E2b-Sandbox-Id or E2b-Sandbox-Port"
     if not port.isdecimal() or not 0 < int(port) < 65536:
-        return "E2b-Sandbox-Port must be a port number"
+        return "the sandbox port must be a port number"
     return sid, int(port)
 
 
@@ -80,6 +81,14 @@ def create_app(node: Node, *, start_node: bool = True) -> FastAPI:
     app.include_router(e2b_templates.router)  # first: /templates/tags before /templates/{id:path}
     app.include_router(router)
     app.include_router(repository.router)
+    generate_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            add_body_schemas(generate_openapi())
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(AenvError)
     async def aenv_error(request: Request, exc: AenvError) -> JSONResponse:

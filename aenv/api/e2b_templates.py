@@ -26,7 +26,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from aenv.api.sandboxes import _body, node_of, receive_to_file
+from aenv.api.sandboxes import _body, json_body, node_of, receive_to_file
 from aenv.api.schemas import rfc3339
 from aenv.errors import AenvError, InvalidRequest, NotFound, Unauthenticated
 from aenv.node.orchestrator import Node
@@ -113,7 +113,12 @@ def _check_files_hash(files_hash: str) -> None:
         raise InvalidRequest(f"bad files hash {files_hash!r}: letters and digits only")
 
 
-@router.post("/v3/templates", status_code=202, summary="Start an E2B template (then build it)")
+@router.post(
+    "/v3/templates",
+    status_code=202,
+    summary="Start an E2B template (then build it)",
+    openapi_extra=json_body(NewTemplate),
+)
 async def new_template(request: Request) -> JSONResponse:
     body: NewTemplate = await _body(request, NewTemplate)
     name, tag = _split_name(body.name)
@@ -151,7 +156,12 @@ async def upload_files(request: Request, template_id: str, files_hash: str, toke
     return Response(status_code=200)
 
 
-@router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202, summary="Build an E2B template")
+@router.post(
+    "/v2/templates/{template_id}/builds/{build_id}",
+    status_code=202,
+    summary="Build an E2B template",
+    openapi_extra=json_body(BuildStart),
+)
 async def start_build(request: Request, template_id: str, build_id: str) -> Response:
     node = node_of(request)
     entry = builds_of(node).get(build_id)
@@ -317,14 +327,24 @@ class TagsRemove(BaseModel):
     tags: list[str] = Field(..., min_length=1, max_length=64)
 
 
-@router.post("/templates/tags", status_code=201, summary="Point tags at a template build (E2B assign_tags)")
+@router.post(
+    "/templates/tags",
+    status_code=201,
+    summary="Point tags at a template build (E2B assign_tags)",
+    openapi_extra=json_body(TagsAssign),
+)
 async def assign_tags(request: Request) -> JSONResponse:
     body: TagsAssign = await _body(request, TagsAssign)
     template = await catalog.assign_tags(node_of(request), body.target, body.tags)
     return JSONResponse({"buildID": catalog.build_id_of(template), "tags": body.tags}, status_code=201)
 
 
-@router.delete("/templates/tags", status_code=204, summary="Remove tags of a template (E2B remove_tags)")
+@router.delete(
+    "/templates/tags",
+    status_code=204,
+    summary="Remove tags of a template (E2B remove_tags)",
+    openapi_extra=json_body(TagsRemove),
+)
 async def remove_tags(request: Request) -> Response:
     body: TagsRemove = await _body(request, TagsRemove)
     await catalog.remove_tags(node_of(request), body.name, body.tags)

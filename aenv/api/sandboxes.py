@@ -16,6 +16,7 @@ from urllib.parse import unquote
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 
 from aenv.api.schemas import (
     ConnectBody,
@@ -49,6 +50,28 @@ def node_of(request: Request) -> Node:
 def domain_of(request: Request) -> str | None:
     node = node_of(request)
     return node.settings.domain
+
+
+# Bodies are read by the routes themselves (``_body``: an empty body is ``{}``, errors are 400s); the
+# OpenAPI document still describes them, with these models' schemas under components.
+BODY_MODELS: dict[str, type[BaseModel]] = {}
+BUILD_CONTEXT = {"requestBody": {"content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of a route whose JSON body is ``model``."""
+    BODY_MODELS[model.__name__] = model
+    required = any(field.is_required() for field in model.model_fields.values())
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
+
+
+def add_body_schemas(openapi: dict[str, Any]) -> None:
+    schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
+    for name, model in BODY_MODELS.items():
+        schema = model.model_json_schema(by_alias=True, ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[name] = schema
 
 
 async def _body(request: Request, model: type[Any]) -> Any:
@@ -121,8 +144,22 @@ async def _create(request: Request) -> JSONResponse:
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
 
 
-router.add_api_route("/sandboxes", _create, methods=["POST"], status_code=201, summary="Create a sandbox")
-router.add_api_route("/v2/sandboxes", _create, methods=["POST"], status_code=201, summary="Create a sandbox (v2)")
+router.add_api_route(
+    "/sandboxes",
+    _create,
+    methods=["POST"],
+    status_code=201,
+    summary="Create a sandbox",
+    openapi_extra=json_body(NewSandbox),
+)
+router.add_api_route(
+    "/v2/sandboxes",
+    _create,
+    methods=["POST"],
+    status_code=201,
+    summary="Create a sandbox (v2)",
+    openapi_extra=json_body(NewSandbox),
+)
 
 
 def parse_metadata_query(raw: str | None) -> dict[str, str]:
@@ -200,7 +237,12 @@ async def kill_sandbox(request: Request, sandbox_id: str) -> Response:
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204, summary="Set the sandbox's timeout")
+@router.post(
+    "/sandboxes/{sandbox_id}/timeout",
+    status_code=204,
+    summary="Set the sandbox's timeout",
+    openapi_extra=json_body(Timeout),
+)
 async def set_timeout(request: Request, sandbox_id: str) -> Response:
     body: Timeout = await _body(request, Timeout)
     await node_of(request).set_timeout(sandbox_id, body.timeout)
@@ -218,6 +260,8 @@ def egress_rules(network: Any) -> dict[str, Any]:
     for unsupported in ("rules", "egressProxy"):
         if network.get(unsupported):
             raise InvalidRequest(f"network.{unsupported} is not supported by aenv")
+    if network.get("allowPublicTraffic") is False:  # E2B's traffic access token: aenv has none
+        raise InvalidRequest("network.allowPublicTraffic=false is not supported by aenv: sandbox ports are public")
     out = {}
     for key in ("allowOut", "denyOut"):
         value = network.get(key)
@@ -229,14 +273,24 @@ def egress_rules(network: Any) -> dict[str, Any]:
     return out
 
 
-@router.put("/sandboxes/{sandbox_id}/network", status_code=204, summary="Replace the sandbox's egress rules")
+@router.put(
+    "/sandboxes/{sandbox_id}/network",
+    status_code=204,
+    summary="Replace the sandbox's egress rules",
+    openapi_extra=json_body(NetworkUpdate),
+)
 async def update_network(request: Request, sandbox_id: str) -> Response:
     body: NetworkUpdate = await _body(request, NetworkUpdate)
     await node_of(request).set_network(sandbox_id, egress_rules(body.model_dump(by_alias=True)))
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204, summary="Extend the timeout")
+@router.post(
+    "/sandboxes/{sandbox_id}/refreshes",
+    status_code=204,
+    summary="Extend the timeout",
+    openapi_extra=json_body(RefreshBody),
+)
 async def refresh(request: Request, sandbox_id: str) -> Response:
     body: RefreshBody = await _body(request, RefreshBody)
     node = node_of(request)
@@ -259,12 +313,27 @@ async def _connect(request: Request, sandbox_id: str) -> JSONResponse:
 
 
 router.add_api_route(
-    "/sandboxes/{sandbox_id}/connect", _connect, methods=["POST"], summary="Connect (resumes if paused)"
+    "/sandboxes/{sandbox_id}/connect",
+    _connect,
+    methods=["POST"],
+    summary="Connect (resumes if paused)",
+    openapi_extra=json_body(ConnectBody),
 )
-router.add_api_route("/v2/sandboxes/{sandbox_id}/connect", _connect, methods=["POST"], summary="Connect (v2)")
+router.add_api_route(
+    "/v2/sandboxes/{sandbox_id}/connect",
+    _connect,
+    methods=["POST"],
+    summary="Connect (v2)",
+    openapi_extra=json_body(ConnectBody),
+)
 
 
-@router.post("/sandboxes/{sandbox_id}/resume", status_code=201, summary="Resume a paused sandbox (legacy)")
+@router.post(
+    "/sandboxes/{sandbox_id}/resume",
+    status_code=201,
+    summary="Resume a paused sandbox (legacy)",
+    openapi_extra=json_body(ConnectBody),
+)
 async def resume(request: Request, sandbox_id: str) -> JSONResponse:
     node = node_of(request)
     body: ConnectBody = await _body(request, ConnectBody)
@@ -275,7 +344,12 @@ async def resume(request: Request, sandbox_id: str) -> JSONResponse:
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
 
 
-@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, summary="Snapshot a running sandbox")
+@router.post(
+    "/sandboxes/{sandbox_id}/snapshots",
+    status_code=201,
+    summary="Snapshot a running sandbox",
+    openapi_extra=json_body(SnapshotBody),
+)
 async def create_snapshot(request: Request, sandbox_id: str) -> JSONResponse:
     body: SnapshotBody = await _body(request, SnapshotBody)
     snap = await node_of(request).snapshot(sandbox_id, name=body.name, durable=body.durable)
@@ -303,7 +377,12 @@ async def delete_snapshot(request: Request, snapshot_id: str) -> Response:
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/fork", status_code=201, summary="Fork a running sandbox into N children")
+@router.post(
+    "/sandboxes/{sandbox_id}/fork",
+    status_code=201,
+    summary="Fork a running sandbox into N children",
+    openapi_extra=json_body(ForkBody),
+)
 async def fork(request: Request, sandbox_id: str) -> JSONResponse:
     node = node_of(request)
     body: ForkBody = await _body(request, ForkBody)
@@ -347,7 +426,12 @@ async def list_templates(request: Request) -> list[dict[str, Any]]:
     return [template_json(t, node) for t in sorted(node.templates.values(), key=lambda t: t.created_at)]
 
 
-@router.post("/templates/from-image", status_code=201, summary="Make a template from an OCI image")
+@router.post(
+    "/templates/from-image",
+    status_code=201,
+    summary="Make a template from an OCI image",
+    openapi_extra=json_body(ImageTemplate),
+)
 async def template_from_image(request: Request) -> JSONResponse:
     body: ImageTemplate = await _body(request, ImageTemplate)
     node = node_of(request)
@@ -358,7 +442,11 @@ async def template_from_image(request: Request) -> JSONResponse:
     return JSONResponse(template_json(rec, node), status_code=201)
 
 
-@router.post("/templates/build", summary="Build a template from a Dockerfile (streams NDJSON build logs)")
+@router.post(
+    "/templates/build",
+    summary="Build a template from a Dockerfile (streams NDJSON build logs)",
+    openapi_extra=BUILD_CONTEXT,
+)
 async def build_template(
     request: Request,
     name: str = Query(..., pattern=f"^{TEMPLATE_NAME}$"),
@@ -435,7 +523,11 @@ async def delete_template(request: Request, template_id: str, force: bool = Fals
     return Response(status_code=204)
 
 
-@router.patch("/templates/{template_id}", summary="Replace a template's aliases (name:tag for tags)")
+@router.patch(
+    "/templates/{template_id}",
+    summary="Replace a template's aliases (name:tag for tags)",
+    openapi_extra=json_body(TemplatePatch),
+)
 async def patch_template(request: Request, template_id: str) -> dict[str, Any]:
     body: TemplatePatch = await _body(request, TemplatePatch)
     node = node_of(request)

@@ -105,6 +105,37 @@ def test_public_paths_answer_only_reads_without_a_key(anonymous: httpx.Client, s
         assert refused_websocket(ws + path), path
 
 
+def test_private_traffic_is_refused_not_ignored(api: httpx.Client) -> None:
+    """aenv has no traffic access token: a sandbox asked for with private ports must not be made public."""
+    r = api.post("/v2/sandboxes", json={"templateID": "base", "network": {"allowPublicTraffic": False}})
+    assert_error(r, 400)
+    assert_error(api.put(f"/sandboxes/{NO_SANDBOX}/network", json={"allowPublicTraffic": False}), 400)
+
+
+def test_sandbox_ports_out_of_range_are_400(server: Server) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for port in ("99999", "0", "-1", "x", "1e3"):
+            r = client.get("/", headers={"E2b-Sandbox-Id": NO_SANDBOX, "E2b-Sandbox-Port": port})
+            assert r.status_code == 400, (port, r.text)
+        r = client.get("/", headers={"Host": f"99999-{NO_SANDBOX}.example.com"})
+        assert r.status_code == 400, r.text
+
+
+def test_template_uploads_are_bounded_by_their_declared_length(api: httpx.Client, server: Server) -> None:
+    """A build context or template file upload announcing more than AENV_MAX_UPLOAD_MB is refused
+    before a byte of it is stored."""
+    files_hash = secrets.token_hex(8)
+    link = api.get(f"/templates/bounded/files/{files_hash}").json()["url"]
+    upload = "/" + link.split("/", 3)[3]
+    for method, target in (("PUT", upload), ("POST", "/templates/build?name=bounded")):
+        head = f"{method} {target} HTTP/1.1\r\nHost: x\r\nX-API-Key: {API_KEY}\r\nContent-Length: {64 * 2**30}\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(head.encode() + b"x" * 1024)
+            status, _, payload = _read_response(sock.makefile("rb"))
+        assert status == 413 and json.loads(payload)["error_code"] == "payload_too_large", (method, payload)
+    assert api.get(f"/templates/bounded/files/{files_hash}").json()["present"] is False
+
+
 # -- envd: the access token before any resume ----------------------------------------------------
 def test_envd_without_a_valid_token_leaves_a_paused_sandbox_paused(api: httpx.Client, server: Server) -> None:
     r = api.post(
@@ -415,7 +446,7 @@ class TempWatch:
 
     def __init__(self, pid: int) -> None:
         self.pid, self.peak, self._stop = pid, 0, threading.Event()
-        self.roots = {tempfile.gettempdir(), os.environ.get("TMPDIR", "/tmp"), "/var/tmp"}
+        self.root = tempfile.gettempdir().rstrip("/") + "/"  # the server's too: it has our environment
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def __enter__(self) -> TempWatch:
@@ -432,7 +463,7 @@ class TempWatch:
             for fd in Path(f"/proc/{self.pid}/fd").iterdir():
                 try:
                     target = os.readlink(fd)
-                    if any(target.startswith(root.rstrip("/") + "/") for root in self.roots):
+                    if target.startswith(self.root):
                         held += fd.stat().st_size
                 except OSError:
                     continue
