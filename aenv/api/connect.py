@@ -22,7 +22,6 @@ ENVELOPE = struct.Struct("!BI")
 END_STREAM = 0x02
 # The largest request message read (a whole unary body, or one envelope of a client stream).
 MAX_MESSAGE = 32 * 2**20
-UINT32_MAX = 2**32 - 1
 
 # Connect code -> HTTP status (connectrpc's table).
 CODE_STATUS = {
@@ -174,7 +173,7 @@ def timeout_ms(request: Request) -> int | None:
 # schema (a message), [kind] (repeated) or ("map", kind) (a map with string keys). Fields the schema
 # does not name are dropped, null means unset, snake_case names are accepted as proto3 JSON allows.
 # What passes reaches the guest agent with the types it expects, so no client value can fail there.
-STRING, PATH, UINT32, BOOL, BYTES, ENUM = "string", "path", "uint32", "bool", "bytes", "enum"
+STRING, PATH, UINT32, UINT16, BOOL, BYTES, ENUM = "string", "path", "uint32", "uint16", "bool", "bytes", "enum"
 Kind = Any
 Message = dict[str, Kind]
 PATH_MAX, NAME_MAX = 4096, 255  # Linux's limits, in bytes
@@ -231,15 +230,24 @@ def path_string(value: Any, where: str) -> str:
     return path
 
 
-def _uint32(value: Any, where: str) -> int:
+def _unsigned(value: Any, where: str, bits: int) -> int:
     """Proto3 JSON integers: a JSON number, or a string of digits; never a boolean."""
     if isinstance(value, str) and value.isascii() and value.isdecimal():
         value = int(value)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= UINT32_MAX:
-        raise ConnectError("invalid_argument", f"{where} must be an unsigned 32-bit integer")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**bits:
+        raise ConnectError("invalid_argument", f"{where} must be an unsigned {bits}-bit integer")
     return value
+
+
+def _uint32(value: Any, where: str) -> int:
+    return _unsigned(value, where, 32)
+
+
+def _uint16(value: Any, where: str) -> int:
+    """A uint32 in the protocol that the kernel keeps in 16 bits (a terminal's columns and rows)."""
+    return _unsigned(value, where, 16)
 
 
 def _bool(value: Any, where: str) -> bool:
@@ -264,4 +272,12 @@ def _enum(value: Any, where: str) -> str | int:
     return _uint32(value, where)
 
 
-SCALARS = {STRING: _string, PATH: path_string, UINT32: _uint32, BOOL: _bool, BYTES: _bytes, ENUM: _enum}
+SCALARS = {
+    STRING: _string,
+    PATH: path_string,
+    UINT32: _uint32,
+    UINT16: _uint16,
+    BOOL: _bool,
+    BYTES: _bytes,
+    ENUM: _enum,
+}

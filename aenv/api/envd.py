@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from aenv.api import connect, uploads
-from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT32, ConnectError, Message
+from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, ConnectError, Message
 from aenv.api.proxy import sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError
 from aenv.errors import AenvError, InsufficientStorage, InvalidRequest, error_body
@@ -106,7 +106,7 @@ async def _server_stream(request: Request, sb: LiveSandbox, method: str, params:
 
 # The messages of envd's services as aenv reads them (proto3 JSON; see connect.checked).
 SELECTOR: Message = {"pid": UINT32, "tag": STRING}
-PTY: Message = {"size": {"cols": UINT32, "rows": UINT32}}
+PTY: Message = {"size": {"cols": UINT16, "rows": UINT16}}
 INPUT: Message = {"stdin": BYTES, "pty": BYTES}
 START: Message = {
     "process": {"cmd": STRING, "args": [STRING], "envs": ("map", STRING), "cwd": PATH},

@@ -366,6 +366,8 @@ RPC_MISTAKES = [
     ("/filesystem.Filesystem/ListDir", {"path": "/", "depth": True}),
     ("/filesystem.Filesystem/ListDir", {"path": "/", "depth": 2**40}),
     ("/process.Process/Start", {"process": {"cmd": "/bin/true"}, "pty": {"size": {"cols": "x", "rows": 1}}}),
+    ("/process.Process/Start", {"process": {"cmd": "/bin/true"}, "pty": {"size": {"cols": 70000, "rows": 1}}}),
+    ("/process.Process/Update", {"process": {"pid": 1}, "pty": {"size": {"cols": 80, "rows": 2**32 - 1}}}),
     # numbers are not booleans, and the rest
     ("/process.Process/Start", {"process": {"cmd": "/bin/true"}, "stdin": 1}),
     ("/process.Process/Start", {"process": {"cmd": 5}}),
@@ -392,6 +394,22 @@ def test_envd_field_mistakes_are_400_and_the_sandbox_lives_on(envd: tuple[httpx.
     r = client.post("/filesystem.Filesystem/ListDir", json={"path": "/home", "depth": "2"})  # proto3 JSON allows it
     assert r.status_code == 200 and r.json()["entries"], r.text
     assert client.post("/process.Process/List", json={}).status_code == 200
+
+
+def test_impossible_file_operations_are_4xx(envd: tuple[httpx.Client, str]) -> None:
+    """What the sandbox's file system refuses (read-only, busy) is the client's to fix, not a 500."""
+    client, _ = envd
+    as_root = {"authorization": "Basic cm9vdDo="}
+    cases = [
+        ("/filesystem.Filesystem/MakeDir", {"path": "/sys/aenv-test"}, 403),
+        ("/filesystem.Filesystem/Remove", {"path": "/sys/kernel"}, 403),
+        ("/filesystem.Filesystem/Move", {"source": "/tmp", "destination": "/"}, 400),
+    ]
+    for path, msg, status in cases:
+        r = client.post(path, json=msg, headers=as_root)
+        assert r.status_code == status, (path, msg, r.status_code, r.text)
+    r = client.post("/files", params={"path": "/sys/aenv-test"}, content=b"x", headers=as_root)
+    assert r.status_code == 403 and r.json()["code"] == 403, r.text
 
 
 def test_envd_files_with_nul_bytes_are_400(envd: tuple[httpx.Client, str]) -> None:
