@@ -11,7 +11,7 @@ import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from python_multipart.exceptions import MultipartParseError
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
@@ -96,7 +96,7 @@ async def multipart_parts(request: Request) -> AsyncIterator[PartEvent]:
             for event in events:
                 yield event
         parser.finalize()
-    except MultipartParseError as exc:
+    except FormParserError as exc:
         raise InvalidRequest(f"the multipart upload is malformed: {exc}") from exc
     for event in collector.events:
         yield event
@@ -119,3 +119,5 @@ async def decoded(request: Request) -> AsyncIterator[bytes]:
         yield inflater.flush()
     except zlib.error as exc:
         raise InvalidRequest(f"cannot decode the {encoding} upload: {exc}") from exc
+    if not inflater.eof:
+        raise InvalidRequest(f"the {encoding} upload ends before its compressed stream does")

@@ -3,6 +3,7 @@ resume, bounded bodies, uploads streamed into the sandbox, and no 500 for a clie
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
@@ -431,8 +432,17 @@ def test_envd_files_with_nul_bytes_are_400(envd: tuple[httpx.Client, str]) -> No
     assert r.status_code == 400, r.text
     r = client.post("/files", content=b"data", headers={"content-type": "multipart/form-data"})
     assert r.status_code == 400, r.text
+    r = client.post("/files", content=b"data", headers={"content-type": MULTIPART.replace(BOUNDARY, "b" * 5000)})
+    assert r.status_code == 400, r.text
+    # a gzip upload that is not gzip, or stops short, writes nothing
+    compressed = gzip.compress(b"x" * 100_000)
+    for body in (b"not gzip", compressed[: len(compressed) // 2]):
+        r = client.post("/files", params={"path": "/home/user/z"}, content=body, headers=GZIP)
+        assert r.status_code == 400, r.text
+        assert client.get("/files", params={"path": "/home/user/z"}).status_code == 404
 
 
+GZIP = {"content-type": "application/octet-stream", "content-encoding": "gzip"}
 BOUNDARY = "aenvtestboundary"
 MULTIPART = f"multipart/form-data; boundary={BOUNDARY}"
 
