@@ -210,6 +210,8 @@ async def list_v2(
             start = int(base64.urlsafe_b64decode(next_token.encode()).decode())
         except ValueError as exc:
             raise InvalidRequest("nextToken is not valid") from exc
+        if start < 0:
+            raise InvalidRequest("nextToken is not valid")
     page = items[start : start + limit]
     headers = {}
     if start + limit < len(items):
