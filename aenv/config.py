@@ -47,6 +47,11 @@ class Settings(BaseSettings):
     # Registries spoken to over plain HTTP (besides localhost / 127.0.0.1), "host:port" each.
     insecure_registries: list[str] = []
     reaper_interval: float = 1.0
+    # Control-plane request bodies (JSON) past this many KiB are refused with 413 as they arrive.
+    # Template build contexts and template file uploads are streamed to disk up to max_upload_mb;
+    # envd's /files uploads stream into the sandbox, bounded by its disk quota.
+    max_body_kb: int = Field(1024, ge=1)
+    max_upload_mb: int = Field(10 * 1024, ge=1)
 
     # The snapshot repository templates and snapshots are committed to: "" = <data-dir>/repo,
     # a path or file:// URL (e.g. a shared mount), s3://bucket/prefix, or "none" (node-local only).

@@ -3,6 +3,7 @@
     AenvError
     ├── InvalidRequest (ValueError)          400 invalid_request
     ├── Unauthenticated (PermissionError)    401 unauthenticated
+    ├── PayloadTooLarge                      413 payload_too_large
     ├── NotFound (LookupError)               404 not_found
     │   ├── SandboxNotFound                  404 sandbox_not_found
     │   ├── TemplateNotFound                 404 template_not_found
@@ -10,13 +11,15 @@
     ├── Conflict                             409 conflict
     │   └── WrongState                       409 wrong_state
     ├── LimitExceeded                        429 limit_exceeded  (Should-Retry: false)
+    ├── UpstreamError                        502 upstream_error (a registry failed or is out of reach)
     ├── SandboxError                         500 sandbox_error
     │   ├── RuntimeFailure                   500 runtime_failure (a driver binary failed)
     │   └── AgentUnavailable (ConnectionError)  500 agent_unavailable
     ├── OperationTimeout (TimeoutError)      500 operation_timeout
     └── StorageError (OSError)               500 storage_error
         ├── RepositoryUnavailable            503 repository_unavailable
-        └── ArtifactDamaged                  500 artifact_damaged
+        ├── ArtifactDamaged                  500 artifact_damaged
+        └── InsufficientStorage              507 insufficient_storage (a sandbox's disk quota is full)
 
 The API finds an error's entry by walking its MRO; the SDK maps a response's ``code`` back to the
 class with the same table.
@@ -58,6 +61,10 @@ class Unauthenticated(AenvError, PermissionError):
     pass
 
 
+class PayloadTooLarge(AenvError):
+    """A request body over the size the node accepts for it."""
+
+
 class NotFound(AenvError, LookupError):
     pass
 
@@ -84,6 +91,10 @@ class WrongState(Conflict):
 
 class LimitExceeded(AenvError):
     pass
+
+
+class UpstreamError(AenvError):
+    """A service the node talks to for the client (an image registry) failed or could not be reached."""
 
 
 class SandboxError(AenvError):
@@ -124,11 +135,16 @@ class ArtifactDamaged(StorageError):
     """A committed snapshot or template cannot be read back: a chunk is missing or corrupt."""
 
 
+class InsufficientStorage(StorageError):
+    """A write into a sandbox ran out of its disk quota."""
+
+
 # class -> (http status, code). The only place statuses are chosen.
 ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     AenvError: (500, "internal"),
     InvalidRequest: (400, "invalid_request"),
     Unauthenticated: (401, "unauthenticated"),
+    PayloadTooLarge: (413, "payload_too_large"),
     NotFound: (404, "not_found"),
     SandboxNotFound: (404, "sandbox_not_found"),
     TemplateNotFound: (404, "template_not_found"),
@@ -136,6 +152,7 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     Conflict: (409, "conflict"),
     WrongState: (409, "wrong_state"),
     LimitExceeded: (429, "limit_exceeded"),
+    UpstreamError: (502, "upstream_error"),
     SandboxError: (500, "sandbox_error"),
     RuntimeFailure: (500, "runtime_failure"),
     # Not 409: E2B's SDKs read 409 on pause as "already paused".
@@ -145,6 +162,7 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     StorageError: (500, "storage_error"),
     RepositoryUnavailable: (503, "repository_unavailable"),
     ArtifactDamaged: (500, "artifact_damaged"),
+    InsufficientStorage: (507, "insufficient_storage"),
 }
 
 CODE_TO_CLASS: dict[str, type[AenvError]] = {code: cls for cls, (_, code) in ERROR_TABLE.items()}

@@ -19,38 +19,43 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as StarletteRequest
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aenv import __version__
 from aenv.api import e2b_templates, envd, proxy, repository
-from aenv.api.sandboxes import router
-from aenv.errors import AenvError, error_body
+from aenv.api.sandboxes import add_body_schemas, router
+from aenv.errors import AenvError, PayloadTooLarge, error_body
 from aenv.node import metrics
 from aenv.node.orchestrator import Node
 
 log = logging.getLogger("aenv.api")
 HOST_ROUTE = re.compile(r"^(\d+)-([a-z0-9]+)$")
-# E2B's SDK uploads template files without its API key; the URL's own token is checked instead.
-SIGNED_UPLOAD = re.compile(r"/templates/[^/]+/files/[^/]+/upload")
-PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+# Control-plane routes open without the API key, by exact (method, path); GET routes answer HEAD too.
+PUBLIC_ROUTES = frozenset(
+    (method, path)
+    for path in ("/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+    for method in ("GET", "HEAD")
+)
+# E2B's SDK uploads template files without its API key: a PUT there needs the URL's own token instead.
+SIGNED_UPLOAD = re.compile(r"/templates/(?P<template>[^/]+)/files/(?P<files_hash>[^/]+)/upload")
 
 
 def sandbox_target(headers: dict[str, str]) -> tuple[str, int] | None | str:
     """(sandbox id, port) for sandbox traffic, None for the control plane, or an error text."""
     host = headers.get("host", "").rsplit(":", 1)[0] if not headers.get("host", "").startswith("[") else ""
-    sid, port = headers.get("e2b-sandbox-id"), headers.get("e2b-sandbox-port")
-    first = host.split(".", 1)[0]
-    m = HOST_ROUTE.match(first)
-    if m and "." in host:
-        return m.group(2), int(m.group(1))
+    m = HOST_ROUTE.match(host.split(".", 1)[0])
+    sid, port = (
+        (m.group(2), m.group(1))
+        if m and "." in host
+        else (headers.get("e2b-sandbox-id"), headers.get("e2b-sandbox-port"))
+    )
     if sid is None and port is None:
         return None
     if sid is None or port is None:
         return "Missing header E2b-Sandbox-Id or E2b-Sandbox-Port"
-    try:
-        return sid, int(port)
-    except ValueError:
-        return "E2b-Sandbox-Port must be a number"
+    if not port.isdecimal() or not 0 < int(port) < 65536:
+        return "the sandbox port must be a port number"
+    return sid, int(port)
 
 
 def create_app(node: Node, *, start_node: bool = True) -> FastAPI:
@@ -76,6 +81,14 @@ def create_app(node: Node, *, start_node: bool = True) -> FastAPI:
     app.include_router(e2b_templates.router)  # first: /templates/tags before /templates/{id:path}
     app.include_router(router)
     app.include_router(repository.router)
+    generate_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            add_body_schemas(generate_openapi())
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(AenvError)
     async def aenv_error(request: Request, exc: AenvError) -> JSONResponse:
@@ -139,6 +152,9 @@ class SandboxRouter:
         if target is not None:
             sandbox_id, port = target
             if scope["type"] == "websocket":
+                if port == envd.ENVD_PORT:  # envd has no WebSocket endpoint: refused before any resume
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
                 await proxy.proxy_websocket(scope, receive, send, self.node, sandbox_id, port)
                 return
             request = StarletteRequest(scope, receive)
@@ -148,8 +164,7 @@ class SandboxRouter:
                 response = await proxy.proxy_http(request, self.node, sandbox_id, port)
             await response(scope, receive, send)
             return
-        public = scope["path"] in PUBLIC_PATHS or SIGNED_UPLOAD.fullmatch(scope["path"]) is not None
-        if scope["type"] == "http" and not public and self.api_key:
+        if self.api_key and not _open_without_key(scope, self.node):
             key = headers.get("x-api-key")
             if key is None or not hmac.compare_digest(key.encode(), self.api_key.encode()):
                 body = {
@@ -159,7 +174,62 @@ class SandboxRouter:
                 }
                 await _reply(scope, receive, send, JSONResponse(body, status_code=401))
                 return
+        if scope["type"] == "http" and not _streams_its_body(scope):
+            limit = self.node.settings.max_body_kb * 1024
+            declared = headers.get("content-length", "")
+            if declared.isdecimal() and int(declared) > limit:
+                await _reply(scope, receive, send, _error_response(_too_large(limit)))
+                return
+            receive = _bounded(receive, limit)
         await self.app(scope, receive, send)
+
+
+def _streams_its_body(scope: Scope) -> bool:
+    """Template build contexts and template file uploads: streamed to disk with their own bound."""
+    method, path = scope["method"], scope["path"]
+    return (method, path) == ("POST", "/templates/build") or (
+        method == "PUT" and SIGNED_UPLOAD.fullmatch(path) is not None
+    )
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the request body is larger than {limit // 1024} KiB (AENV_MAX_BODY_KB)")
+
+
+def _bounded(receive: Receive, limit: int) -> Receive:
+    """``receive`` that counts body bytes as they arrive (chunked bodies included) and fails the
+    read past ``limit``: the route's error handler answers 413, nothing larger is ever held."""
+    received = 0
+
+    async def bounded_receive() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise _too_large(limit)
+        return message
+
+    return bounded_receive
+
+
+def _error_response(exc: AenvError) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=exc.status)
+
+
+def _open_without_key(scope: Scope, node: Node) -> bool:
+    """A public route, or E2B's template file upload with the valid token of its URL. WebSockets
+    never: the control plane has no WebSocket route, so a key is needed to get anywhere."""
+    if scope["type"] != "http":
+        return False
+    method, path = scope["method"], scope["path"]
+    if (method, path) in PUBLIC_ROUTES:
+        return True
+    upload = SIGNED_UPLOAD.fullmatch(path)
+    if method != "PUT" or upload is None:
+        return False
+    token = StarletteRequest(scope).query_params.get("token", "")
+    return e2b_templates.upload_authorized(node, upload["template"], upload["files_hash"], token)
 
 
 async def _reply(scope: Scope, receive: Receive, send: Send, response: Response) -> None:

@@ -7,7 +7,10 @@ with a matching HTTP status. Server streams: ``application/connect+json`` bodies
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import math
 import struct
 from typing import Any
 
@@ -17,6 +20,8 @@ from starlette.responses import JSONResponse
 STREAM_CONTENT_TYPE = "application/connect+json"
 ENVELOPE = struct.Struct("!BI")
 END_STREAM = 0x02
+# The largest request message read (a whole unary body, or one envelope of a client stream).
+MAX_MESSAGE = 32 * 2**20
 
 # Connect code -> HTTP status (connectrpc's table).
 CODE_STATUS = {
@@ -79,23 +84,39 @@ def decode_envelopes(data: bytes) -> list[Any]:
     return out
 
 
-class EnvelopeReader:
-    """Reads envelopes one by one from a streaming request body (client streams)."""
+def _too_large() -> ConnectError:
+    return ConnectError("resource_exhausted", f"request message larger than {MAX_MESSAGE} bytes")
 
-    def __init__(self, request: Request) -> None:
+
+def _decode(payload: bytes, schema: Message) -> dict[str, Any]:
+    try:
+        msg = json.loads(payload) if payload.strip() else {}
+    except ValueError as exc:
+        raise ConnectError("invalid_argument", f"cannot decode request: {exc}") from exc
+    return checked(msg, schema)
+
+
+class EnvelopeReader:
+    """Reads envelopes one by one from a streaming request body (client streams), each checked
+    against ``schema`` and at most MAX_MESSAGE bytes."""
+
+    def __init__(self, request: Request, schema: Message) -> None:
         self._chunks = request.stream()
         self._buf = b""
+        self._schema = schema
 
-    async def next(self) -> Any | None:
+    async def next(self) -> dict[str, Any] | None:
         while True:
             if len(self._buf) >= ENVELOPE.size:
                 flags, length = ENVELOPE.unpack_from(self._buf)
+                if length > MAX_MESSAGE:
+                    raise _too_large()
                 if len(self._buf) >= ENVELOPE.size + length:
                     payload = self._buf[ENVELOPE.size : ENVELOPE.size + length]
                     self._buf = self._buf[ENVELOPE.size + length :]
                     if flags & END_STREAM:
                         return None
-                    return json.loads(payload) if payload else {}
+                    return _decode(payload, self._schema)
             try:
                 chunk = await self._chunks.__anext__()
             except StopAsyncIteration:
@@ -103,21 +124,37 @@ class EnvelopeReader:
             self._buf += chunk
 
 
-async def read_request(request: Request) -> dict[str, Any]:
-    """The one message of a unary or server-streaming request, in either encoding."""
-    body = await request.body()
-    ctype = request.headers.get("content-type", "")
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdecimal() and int(declared) > MAX_MESSAGE + ENVELOPE.size:
+        raise _too_large()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_MESSAGE + ENVELOPE.size:
+            raise _too_large()
+    return bytes(body)
+
+
+async def read_request(request: Request, schema: Message) -> dict[str, Any]:
+    """The one message of a unary or server-streaming request, in either encoding, checked
+    against ``schema``."""
+    body = await _read_body(request)
+    if request.headers.get("content-type", "").startswith("application/connect+json"):
+        if len(body) < ENVELOPE.size:
+            return checked({}, schema)
+        flags, length = ENVELOPE.unpack_from(body)
+        return checked({}, schema) if flags & END_STREAM else _decode(body[ENVELOPE.size :][:length], schema)
+    return _decode(body, schema)
+
+
+def keepalive_interval(request: Request, default: float) -> float:
+    """The client's ``Keepalive-Ping-Interval`` in seconds, within [1, 3600]."""
     try:
-        if ctype.startswith("application/connect+json"):
-            msgs = decode_envelopes(body)
-            msg = msgs[0] if msgs else {}
-        else:
-            msg = json.loads(body) if body.strip() else {}
-    except (ValueError, struct.error) as exc:
-        raise ConnectError("invalid_argument", f"cannot decode request: {exc}") from exc
-    if not isinstance(msg, dict):
-        raise ConnectError("invalid_argument", "request message must be a JSON object")
-    return msg
+        value = float(request.headers.get("keepalive-ping-interval") or default)
+    except ValueError:
+        return default
+    return min(max(value, 1.0), 3600.0) if math.isfinite(value) else default
 
 
 def timeout_ms(request: Request) -> int | None:
@@ -131,9 +168,116 @@ def timeout_ms(request: Request) -> int | None:
     return value if value > 0 else None
 
 
-def get(msg: dict[str, Any], camel: str, default: Any = None) -> Any:
-    """Proto3 JSON: accept lowerCamelCase and the original snake_case."""
-    if camel in msg:
-        return msg[camel]
-    snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in camel)
-    return msg.get(snake, default)
+# -- proto3 JSON checking ------------------------------------------------------------------------------
+# A message schema maps each field (lowerCamelCase) to a kind: one of the scalar names below, a nested
+# schema (a message), [kind] (repeated) or ("map", kind) (a map with string keys). Fields the schema
+# does not name are dropped, null means unset, snake_case names are accepted as proto3 JSON allows.
+# What passes reaches the guest agent with the types it expects, so no client value can fail there.
+STRING, PATH, UINT32, UINT16, BOOL, BYTES, ENUM = "string", "path", "uint32", "uint16", "bool", "bytes", "enum"
+Kind = Any
+Message = dict[str, Kind]
+PATH_MAX, NAME_MAX = 4096, 255  # Linux's limits, in bytes
+
+
+def checked(msg: Any, schema: Message, where: str = "") -> dict[str, Any]:
+    if not isinstance(msg, dict):
+        raise ConnectError("invalid_argument", f"{where or 'request message'} must be a JSON object")
+    out: dict[str, Any] = {}
+    for key, value in msg.items():
+        name = key if key in schema else _camel(key)
+        if name in schema and value is not None:
+            out[name] = checked_value(value, schema[name], f"{where}.{name}" if where else name)
+    return out
+
+
+def _camel(snake: str) -> str:
+    head, *rest = snake.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def checked_value(value: Any, kind: Kind, where: str) -> Any:
+    if isinstance(kind, dict):
+        return checked(value, kind, where)
+    if isinstance(kind, list):
+        if not isinstance(value, list):
+            raise ConnectError("invalid_argument", f"{where} must be a list")
+        return [checked_value(v, kind[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(kind, tuple):
+        if not isinstance(value, dict):
+            raise ConnectError("invalid_argument", f"{where} must be a JSON object")
+        return {_string(k, f"{where} key"): checked_value(v, kind[1], f"{where}.{k}") for k, v in value.items()}
+    return SCALARS[kind](value, where)
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConnectError("invalid_argument", f"{where} must be a string")
+    if "\x00" in value:
+        raise ConnectError("invalid_argument", f"{where} must not contain NUL bytes")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ConnectError("invalid_argument", f"{where} is not valid UTF-8") from None
+    return value
+
+
+def path_string(value: Any, where: str) -> str:
+    """A string usable as a file path: no NUL, at most PATH_MAX bytes, names of at most NAME_MAX."""
+    path = _string(value, where)
+    encoded = path.encode()
+    if len(encoded) > PATH_MAX or any(len(name) > NAME_MAX for name in encoded.split(b"/")):
+        raise ConnectError("invalid_argument", f"{where} is longer than a path can be")
+    return path
+
+
+def _unsigned(value: Any, where: str, bits: int) -> int:
+    """Proto3 JSON integers: a JSON number, or a string of digits; never a boolean."""
+    if isinstance(value, str) and value.isascii() and value.isdecimal():
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**bits:
+        raise ConnectError("invalid_argument", f"{where} must be an unsigned {bits}-bit integer")
+    return value
+
+
+def _uint32(value: Any, where: str) -> int:
+    return _unsigned(value, where, 32)
+
+
+def _uint16(value: Any, where: str) -> int:
+    """A uint32 in the protocol that the kernel keeps in 16 bits (a terminal's columns and rows)."""
+    return _unsigned(value, where, 16)
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConnectError("invalid_argument", f"{where} must be true or false")
+    return value
+
+
+def _bytes(value: Any, where: str) -> str:
+    """Base64 in either alphabet, padded or not (proto3 JSON); passed on in the standard one."""
+    text = _string(value, where).replace("-", "+").replace("_", "/")
+    try:
+        raw = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise ConnectError("invalid_argument", f"{where} must be base64") from None
+    return base64.b64encode(raw).decode()
+
+
+def _enum(value: Any, where: str) -> str | int:
+    if isinstance(value, str):
+        return _string(value, where)
+    return _uint32(value, where)
+
+
+SCALARS = {
+    STRING: _string,
+    PATH: path_string,
+    UINT32: _uint32,
+    UINT16: _uint16,
+    BOOL: _bool,
+    BYTES: _bytes,
+    ENUM: _enum,
+}

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from aenv.api.sandboxes import _body, node_of
+from aenv.api.sandboxes import _body, json_body, node_of, receive_to_file
 from aenv.api.schemas import rfc3339
 from aenv.errors import AenvError, InvalidRequest, NotFound, Unauthenticated
 from aenv.node.orchestrator import Node
@@ -36,24 +36,24 @@ from aenv.templates.catalog import TEMPLATE_NAME
 
 router = APIRouter(tags=["e2b templates"])
 E2B_USER, E2B_WORKDIR = "user", "/home/user"  # what E2B template steps start with
-FILES_HASH = re.compile(r"[0-9A-Za-z]{1,128}")  # the SDKs send a sha256 in hex
+FILES_HASH = "[0-9A-Za-z]{1,128}"  # the SDKs send a sha256 in hex; it names a tar under build-files/, never a path
 
 
 class NewTemplate(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     name: str = Field(..., min_length=1, max_length=200)
     tags: list[str] = Field(default_factory=list)
 
 
 class Step(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     type: str
     args: list[str] = Field(default_factory=list)
-    files_hash: str | None = Field(None, alias="filesHash")
+    files_hash: str | None = Field(None, alias="filesHash", pattern=f"^{FILES_HASH}$")
 
 
 class BuildStart(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     from_image: str | None = Field(None, alias="fromImage")
     from_template: str | None = Field(None, alias="fromTemplate")
     from_image_registry: dict[str, Any] | None = Field(None, alias="fromImageRegistry")
@@ -91,13 +91,19 @@ def files_dir(node: Node) -> Path:
 
 def files_tar(node: Node, files_hash: str | None) -> Path:
     """Where the upload of ``files_hash`` is kept (the hash is only ever a name in one directory)."""
-    if not files_hash or not FILES_HASH.fullmatch(files_hash):
-        raise InvalidRequest(f"bad files hash {files_hash!r}")
+    if not files_hash or not re.fullmatch(FILES_HASH, files_hash):
+        raise InvalidRequest(f"bad files hash {files_hash!r}: letters and digits only")
     return files_dir(node) / f"{files_hash}.tar"
 
 
 def upload_token(node: Node, template_id: str, files_hash: str) -> str:
     return hmac.new(node._secret, f"upload:{template_id}:{files_hash}".encode(), hashlib.sha256).hexdigest()
+
+
+def upload_authorized(node: Node, template_id: str, files_hash: str, token: str) -> bool:
+    """Whether ``token`` is the one the files link handed out for this upload."""
+    expected = upload_token(node, template_id, files_hash)
+    return hmac.compare_digest(token.encode("utf-8", "surrogateescape"), expected.encode())
 
 
 def _split_name(name: str) -> tuple[str, str | None]:
@@ -108,7 +114,12 @@ def _split_name(name: str) -> tuple[str, str | None]:
     return base, tag or None
 
 
-@router.post("/v3/templates", status_code=202, summary="Start an E2B template (then build it)")
+@router.post(
+    "/v3/templates",
+    status_code=202,
+    summary="Start an E2B template (then build it)",
+    openapi_extra=json_body(NewTemplate),
+)
 async def new_template(request: Request) -> JSONResponse:
     body: NewTemplate = await _body(request, NewTemplate)
     name, tag = _split_name(body.name)
@@ -132,18 +143,24 @@ async def files_link(request: Request, template_id: str, files_hash: str) -> JSO
 @router.put("/templates/{template_id}/files/{files_hash}/upload", name="upload_files", include_in_schema=False)
 async def upload_files(request: Request, template_id: str, files_hash: str, token: str = "") -> Response:
     node = node_of(request)
-    if not hmac.compare_digest(token, upload_token(node, template_id, files_hash)):
+    if not upload_authorized(node, template_id, files_hash, token):
         raise Unauthenticated("this upload URL is not valid")
     final = files_tar(node, files_hash)
     part = final.with_name(f"{final.name}.{new_id()}.part")
-    with open(part, "wb") as out:
-        async for chunk in request.stream():
-            out.write(chunk)
-    part.rename(final)
+    try:
+        await receive_to_file(request, part)
+        part.rename(final)
+    finally:
+        part.unlink(missing_ok=True)
     return Response(status_code=200)
 
 
-@router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202, summary="Build an E2B template")
+@router.post(
+    "/v2/templates/{template_id}/builds/{build_id}",
+    status_code=202,
+    summary="Build an E2B template",
+    openapi_extra=json_body(BuildStart),
+)
 async def start_build(request: Request, template_id: str, build_id: str) -> Response:
     node = node_of(request)
     entry = builds_of(node).get(build_id)
@@ -301,25 +318,35 @@ async def alias_exists(request: Request, alias: str) -> dict[str, Any]:
 
 
 class TagsAssign(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     target: str = Field(..., min_length=1, max_length=200)
     tags: list[str] = Field(..., min_length=1, max_length=64)
 
 
 class TagsRemove(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     name: str = Field(..., min_length=1, max_length=200)
     tags: list[str] = Field(..., min_length=1, max_length=64)
 
 
-@router.post("/templates/tags", status_code=201, summary="Point tags at a template build (E2B assign_tags)")
+@router.post(
+    "/templates/tags",
+    status_code=201,
+    summary="Point tags at a template build (E2B assign_tags)",
+    openapi_extra=json_body(TagsAssign),
+)
 async def assign_tags(request: Request) -> JSONResponse:
     body: TagsAssign = await _body(request, TagsAssign)
     template = await catalog.assign_tags(node_of(request), body.target, body.tags)
     return JSONResponse({"buildID": catalog.build_id_of(template), "tags": body.tags}, status_code=201)
 
 
-@router.delete("/templates/tags", status_code=204, summary="Remove tags of a template (E2B remove_tags)")
+@router.delete(
+    "/templates/tags",
+    status_code=204,
+    summary="Remove tags of a template (E2B remove_tags)",
+    openapi_extra=json_body(TagsRemove),
+)
 async def remove_tags(request: Request) -> Response:
     body: TagsRemove = await _body(request, TagsRemove)
     await catalog.remove_tags(node_of(request), body.name, body.tags)

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import gzip
 import hashlib
 import hmac
 import time
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
@@ -20,11 +18,11 @@ from urllib.parse import quote
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from aenv.api import connect
-from aenv.api.connect import ConnectError
+from aenv.api import connect, uploads
+from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, ConnectError, Message
 from aenv.api.proxy import sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError
-from aenv.errors import AenvError
+from aenv.errors import AenvError, InsufficientStorage, InvalidRequest, error_body
 from aenv.node.orchestrator import LiveSandbox, Node
 
 KEEPALIVE_DEFAULT = 90.0
@@ -35,13 +33,14 @@ Handler = Callable[[Request, LiveSandbox, str | None], Awaitable[Response]]
 
 
 def _user(request: Request) -> str | None:
+    """The user of E2B's ``Authorization: Basic <user:>`` header, if any."""
     auth = request.headers.get("authorization", "")
     if auth.lower().startswith("basic "):
         try:
             name = base64.b64decode(auth[6:]).decode().split(":", 1)[0]
         except ValueError:
             return None
-        return name or None
+        return connect.checked_value(name, STRING, "the user") if name else None
     return None
 
 
@@ -58,17 +57,14 @@ def _connect_error(exc: BaseException) -> ConnectError:
 # -- process.Process -------------------------------------------------------------------------------
 async def _stream_events(request: Request, stream: Stream, *, first: Any = None) -> AsyncIterator[bytes]:
     """Forward a guest stream of JSON messages as Connect envelopes, with keepalives."""
-    try:
-        interval = float(request.headers.get("keepalive-ping-interval") or KEEPALIVE_DEFAULT)
-    except ValueError:
-        interval = KEEPALIVE_DEFAULT
+    interval = connect.keepalive_interval(request, KEEPALIVE_DEFAULT)
     finished = False
     try:
         if first is not None:
             yield connect.message_envelope(first)
         while True:
             try:
-                item = await asyncio.wait_for(stream.recv(), timeout=max(interval, 1.0))
+                item = await asyncio.wait_for(stream.recv(), timeout=interval)
             except TimeoutError:
                 yield connect.message_envelope({"event": {"keepalive": {}}})
                 continue
@@ -108,8 +104,22 @@ async def _server_stream(request: Request, sb: LiveSandbox, method: str, params:
     return StreamingResponse(_stream_events(request, stream, first=first), media_type=connect.STREAM_CONTENT_TYPE)
 
 
+# The messages of envd's services as aenv reads them (proto3 JSON; see connect.checked).
+SELECTOR: Message = {"pid": UINT32, "tag": STRING}
+PTY: Message = {"size": {"cols": UINT16, "rows": UINT16}}
+INPUT: Message = {"stdin": BYTES, "pty": BYTES}
+START: Message = {
+    "process": {"cmd": STRING, "args": [STRING], "envs": ("map", STRING), "cwd": PATH},
+    "pty": PTY,
+    "tag": STRING,
+    "stdin": BOOL,
+}
+STREAM_INPUT: Message = {"start": {"process": SELECTOR}, "data": {"input": INPUT}, "keepalive": {}}
+WATCH: Message = {"path": PATH, "recursive": BOOL, "includeEntry": BOOL}
+
+
 async def process_start(request: Request, sb: LiveSandbox, user: str | None) -> Response:
-    msg = await connect.read_request(request)
+    msg = await connect.read_request(request, START)
     proc = msg.get("process") or {}
     if not proc.get("cmd"):
         return Response(
@@ -122,12 +132,12 @@ async def process_start(request: Request, sb: LiveSandbox, user: str | None) -> 
     if msg.get("tag") is not None:
         params["tag"] = msg["tag"]
     if "stdin" in msg:
-        params["stdin"] = bool(msg["stdin"])
+        params["stdin"] = msg["stdin"]
     return await _server_stream(request, sb, "process.start", params)
 
 
 async def process_connect(request: Request, sb: LiveSandbox, user: str | None) -> Response:
-    msg = await connect.read_request(request)
+    msg = await connect.read_request(request, {"process": SELECTOR})
     return await _server_stream(request, sb, "process.connect", {"process": msg.get("process") or {}})
 
 
@@ -140,13 +150,12 @@ async def _unary(sb: LiveSandbox, method: str, params: dict[str, Any]) -> Respon
     return JSONResponse(result if result is not None else {})
 
 
-def _unary_handler(method: str, keys: tuple[str, ...]) -> Handler:
+def _unary_handler(method: str, schema: Message) -> Handler:
     async def handle(request: Request, sb: LiveSandbox, user: str | None) -> Response:
         try:
-            msg = await connect.read_request(request)
+            params = await connect.read_request(request, schema)
         except ConnectError as exc:
             return connect.unary_error(exc)
-        params = {k: connect.get(msg, k) for k in keys if connect.get(msg, k) is not None}
         params["user"] = user
         return await _unary(sb, method, params)
 
@@ -154,14 +163,14 @@ def _unary_handler(method: str, keys: tuple[str, ...]) -> Handler:
 
 
 async def process_stream_input(request: Request, sb: LiveSandbox, user: str | None) -> Response:
-    reader = connect.EnvelopeReader(request)
+    reader = connect.EnvelopeReader(request, STREAM_INPUT)
     selector: dict[str, Any] | None = None
     try:
         while (msg := await reader.next()) is not None:
             if "start" in msg:
-                selector = (msg["start"] or {}).get("process") or {}
+                selector = msg["start"].get("process") or {}
             elif "data" in msg and selector is not None:
-                data = (msg["data"] or {}).get("input") or {}
+                data = msg["data"].get("input") or {}
                 assert sb.link is not None
                 await sb.link.call("process.input", {"process": selector, "input": data})
     except Exception as exc:
@@ -170,11 +179,11 @@ async def process_stream_input(request: Request, sb: LiveSandbox, user: str | No
 
 
 async def fs_watch_dir(request: Request, sb: LiveSandbox, user: str | None) -> Response:
-    msg = await connect.read_request(request)
+    msg = await connect.read_request(request, WATCH)
     params = {
-        "path": connect.get(msg, "path", ""),
-        "recursive": bool(connect.get(msg, "recursive", False)),
-        "includeEntry": bool(connect.get(msg, "includeEntry", False)),
+        "path": msg.get("path", ""),
+        "recursive": msg.get("recursive", False),
+        "includeEntry": msg.get("includeEntry", False),
         "user": user,
     }
     return await _server_stream(request, sb, "fs.watch", params)
@@ -183,32 +192,35 @@ async def fs_watch_dir(request: Request, sb: LiveSandbox, user: str | None) -> R
 RPC: dict[str, Handler] = {
     "/process.Process/Start": process_start,
     "/process.Process/Connect": process_connect,
-    "/process.Process/List": _unary_handler("process.list", ()),
-    "/process.Process/SendInput": _unary_handler("process.input", ("process", "input")),
-    "/process.Process/SendSignal": _unary_handler("process.signal", ("process", "signal")),
-    "/process.Process/CloseStdin": _unary_handler("process.close_stdin", ("process",)),
-    "/process.Process/Update": _unary_handler("process.update", ("process", "pty")),
+    "/process.Process/List": _unary_handler("process.list", {}),
+    "/process.Process/SendInput": _unary_handler("process.input", {"process": SELECTOR, "input": INPUT}),
+    "/process.Process/SendSignal": _unary_handler("process.signal", {"process": SELECTOR, "signal": ENUM}),
+    "/process.Process/CloseStdin": _unary_handler("process.close_stdin", {"process": SELECTOR}),
+    "/process.Process/Update": _unary_handler("process.update", {"process": SELECTOR, "pty": PTY}),
     "/process.Process/StreamInput": process_stream_input,
-    "/filesystem.Filesystem/Stat": _unary_handler("fs.stat", ("path",)),
-    "/filesystem.Filesystem/ListDir": _unary_handler("fs.list", ("path", "depth")),
-    "/filesystem.Filesystem/MakeDir": _unary_handler("fs.mkdir", ("path",)),
-    "/filesystem.Filesystem/Move": _unary_handler("fs.move", ("source", "destination")),
-    "/filesystem.Filesystem/Remove": _unary_handler("fs.remove", ("path",)),
-    "/filesystem.Filesystem/CreateWatcher": _unary_handler("fs.watch_create", ("path", "recursive", "includeEntry")),
-    "/filesystem.Filesystem/GetWatcherEvents": _unary_handler("fs.watch_events", ("watcherId",)),
-    "/filesystem.Filesystem/RemoveWatcher": _unary_handler("fs.watch_remove", ("watcherId",)),
+    "/filesystem.Filesystem/Stat": _unary_handler("fs.stat", {"path": PATH}),
+    "/filesystem.Filesystem/ListDir": _unary_handler("fs.list", {"path": PATH, "depth": UINT32}),
+    "/filesystem.Filesystem/MakeDir": _unary_handler("fs.mkdir", {"path": PATH}),
+    "/filesystem.Filesystem/Move": _unary_handler("fs.move", {"source": PATH, "destination": PATH}),
+    "/filesystem.Filesystem/Remove": _unary_handler("fs.remove", {"path": PATH}),
+    "/filesystem.Filesystem/CreateWatcher": _unary_handler("fs.watch_create", WATCH),
+    "/filesystem.Filesystem/GetWatcherEvents": _unary_handler("fs.watch_events", {"watcherId": STRING}),
+    "/filesystem.Filesystem/RemoveWatcher": _unary_handler("fs.watch_remove", {"watcherId": STRING}),
     "/filesystem.Filesystem/WatchDir": fs_watch_dir,
 }
 
 
 # -- /files ------------------------------------------------------------------------------------------
-def _file_error(exc: BaseException) -> JSONResponse:
+def _file_error(request: Request, exc: BaseException) -> JSONResponse:
+    """A failed /files request as envd answers it: ``{code: <HTTP status>, message}``."""
+    if isinstance(exc, AenvError) and exc.status < 500:  # the client's mistake, found on the host
+        return JSONResponse(error_body(exc), status_code=exc.status)
     err = _connect_error(exc)
-    status = {"not_found": 404, "invalid_argument": 400, "unauthenticated": 401, "permission_denied": 403}.get(err.code)
     if err.code == "resource_exhausted":
-        status = 507
-    if status is None:
-        return JSONResponse({"code": 500, "message": err.message}, status_code=500)
+        quota = request.state.disk_mb
+        full = InsufficientStorage(f"{err.message} (the sandbox's disk quota, diskSizeMB, is {quota} MiB)")
+        return JSONResponse(error_body(full), status_code=full.status)
+    status = 502 if err.code == "unavailable" else connect.CODE_STATUS[err.code]
     return JSONResponse({"code": status, "message": err.message}, status_code=status)
 
 
@@ -220,13 +232,14 @@ def signature(path: str, operation: str, username: str | None, token: str, expir
 
 
 def files_authorized(request: Request, token: str, operation: str) -> bool:
-    if request.headers.get("x-access-token") is not None:
-        return request.headers["x-access-token"] == token
+    given = request.headers.get("x-access-token")
+    if given is not None:
+        return hmac.compare_digest(given.encode(), token.encode())
     sig = request.query_params.get("signature")
     if not sig:
         return False
     exp_raw = request.query_params.get("signature_expiration")
-    expiration = int(exp_raw) if exp_raw and exp_raw.isdigit() else None
+    expiration = int(exp_raw) if exp_raw and exp_raw.isascii() and exp_raw.isdigit() else None
     if expiration is not None and expiration < time.time():
         return False
     path = request.query_params.get("path", "")
@@ -247,14 +260,23 @@ def signed_for(request: Request, node: Node) -> str | None:
     return None
 
 
+def _query_path(request: Request) -> str | None:
+    path = request.query_params.get("path")
+    return None if path is None else connect.path_string(path, "path")
+
+
+def _query_user(request: Request, user: str | None) -> str | None:
+    name = request.query_params.get("username")
+    return connect.checked_value(name, connect.STRING, "username") if name else user
+
+
 async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Response:
-    path = request.query_params.get("path", "")
-    user = request.query_params.get("username") or user
     try:
+        path, user = _query_path(request) or "", _query_user(request, user)
         stream = await _open_stream(sb, "fs.read", {"path": path, "user": user})
         first = await _first_message(stream)
     except Exception as exc:
-        return _file_error(exc)
+        return _file_error(request, exc)
     entry = first.get("entry", {})
 
     async def body() -> AsyncIterator[bytes]:
@@ -281,6 +303,8 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
 
 
 async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: AsyncIterator[bytes]) -> dict[str, Any]:
+    """Write ``chunks`` into the sandbox as they come; the channel's credit window is all that is
+    ever buffered. If the agent gives up (a full disk), its reason is what this raises."""
     stream = await _open_stream(sb, "fs.write", {"path": path, "user": user})
     try:
         async for chunk in chunks:
@@ -288,6 +312,10 @@ async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: Asyn
                 await stream.send_data(chunk)
         await stream.send_eof()
         result: dict[str, Any] = await stream.result()
+    except ChannelClosed:
+        if stream.remote_ended:
+            await stream.result()  # raises the agent's error
+        raise
     except BaseException:
         if not stream.remote_ended:
             await stream.end()
@@ -295,83 +323,105 @@ async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: Asyn
     return {"path": result["path"], "name": result["name"], "type": "file"}
 
 
-async def _decoded(request: Request) -> AsyncIterator[bytes]:
-    encoding = request.headers.get("content-encoding", "").lower()
-    if encoding in ("gzip", "deflate"):
-        inflater = zlib.decompressobj(zlib.MAX_WBITS | 16 if encoding == "gzip" else zlib.MAX_WBITS)
-        async for chunk in request.stream():
-            yield inflater.decompress(chunk)
-        yield inflater.flush()
-    else:
-        async for chunk in request.stream():
-            yield chunk
+async def _part_bytes(events: AsyncIterator[uploads.PartEvent]) -> AsyncIterator[bytes]:
+    async for event in events:
+        if isinstance(event, uploads.PartEnd):
+            return
+        if isinstance(event, bytes):
+            yield event
+
+
+async def _write_parts(request: Request, sb: LiveSandbox, path: str | None, user: str | None) -> list[dict[str, Any]]:
+    """Each ``file`` part of a multipart upload, written into the sandbox while it arrives: to
+    ``path`` when given (then only one file may come), else to the part's filename."""
+    written: list[dict[str, Any]] = []
+    events = uploads.multipart_parts(request)
+    async for event in events:
+        if not isinstance(event, uploads.PartStart) or event.name != "file" or event.filename is None:
+            continue  # another field, or the bytes of one: skipped
+        if path and written:
+            raise InvalidRequest("the path parameter names one file, and this upload has several")
+        target = connect.path_string(path or event.filename, "the file part's filename")
+        if not target:
+            raise InvalidRequest("a file part has no filename")
+        written.append(await _write_file(sb, target, user, _part_bytes(events)))
+    if not written:
+        raise InvalidRequest("no file part in the upload")
+    return written
 
 
 async def files_post(request: Request, sb: LiveSandbox, user: str | None) -> Response:
-    path = request.query_params.get("path")
-    user = request.query_params.get("username") or user
-    ctype = request.headers.get("content-type", "")
-    written: list[dict[str, Any]] = []
     try:
-        if ctype.startswith("multipart/form-data"):
-            form = await request.form(max_part_size=64 * 2**20)
-            uploads = [(k, v) for k, v in form.multi_items() if k == "file" and not isinstance(v, str)]
-            if not uploads:
-                return JSONResponse({"code": 400, "message": "no file part in the upload"}, status_code=400)
-            for _, upload in uploads:
-                target = path if (path and len(uploads) == 1) else (upload.filename or "")  # type: ignore[union-attr]
-                if not target:
-                    return JSONResponse({"code": 400, "message": "a file part has no filename"}, status_code=400)
-
-                async def chunks(u: Any = upload) -> AsyncIterator[bytes]:
-                    while data := await u.read(1024 * 1024):
-                        yield data
-
-                written.append(await _write_file(sb, target, user, chunks()))
+        path, user = _query_path(request), _query_user(request, user)
+        if request.headers.get("content-type", "").startswith("multipart/form-data"):
+            written = await _write_parts(request, sb, path, user)
+        elif not path:
+            raise InvalidRequest("the path query parameter is required")
         else:
-            if not path:
-                return JSONResponse({"code": 400, "message": "the path query parameter is required"}, status_code=400)
-            written.append(await _write_file(sb, path, user, _decoded(request)))
-    except (zlib.error, gzip.BadGzipFile) as exc:
-        return JSONResponse({"code": 400, "message": f"cannot decode the upload: {exc}"}, status_code=400)
+            written = [await _write_file(sb, path, user, uploads.decoded(request))]
     except Exception as exc:
-        return _file_error(exc)
+        return _file_error(request, exc)
     return JSONResponse(written)
 
 
+async def envs(request: Request, sb: LiveSandbox, user: str | None) -> Response:
+    return await _unary(sb, "sys.envs", {})
+
+
+async def sandbox_metrics(request: Request, sb: LiveSandbox, user: str | None) -> Response:
+    return await _unary(sb, "sys.metrics", {})
+
+
+SYSTEM: dict[str, Handler] = {"/envs": envs, "/metrics": sandbox_metrics}
+
+
 # -- entry point ------------------------------------------------------------------------------------
+def _endpoint(request: Request) -> Handler | None:
+    method, path = request.method, request.url.path
+    if path == "/files" and method in ("GET", "POST"):
+        return files_get if method == "GET" else files_post
+    if method == "POST" and path in RPC:
+        return RPC[path]
+    if method == "GET" and path in SYSTEM:
+        return SYSTEM[path]
+    return None
+
+
+def _authorized(request: Request, token: str) -> bool:
+    if request.url.path == "/files" and request.method in ("GET", "POST"):
+        return files_authorized(request, token, "read" if request.method == "GET" else "write")
+    given = request.headers.get("x-access-token")
+    return given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
 async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
-    """Serve one envd request for ``sandbox_id``."""
+    """Serve one envd request for ``sandbox_id``.
+
+    The access token is checked on the record, before anything resumes the sandbox or reaches its
+    agent: a caller without the token cannot wake a paused sandbox."""
     path = request.url.path
+    try:
+        sb = node.get(sandbox_id)
+    except AenvError:
+        return sandbox_gone(sandbox_id)
     if request.method == "GET" and path == "/health":
-        try:
-            sb = node.get(sandbox_id)
-        except AenvError:
-            return sandbox_gone(sandbox_id)
         if sb.state.value != "running" or sb.link is None:
             return sandbox_gone(sandbox_id)
         return Response(status_code=204)
+    if sb.rec.secure and not _authorized(request, node.access_token(sandbox_id)):
+        code = 401 if path == "/files" else "unauthenticated"
+        return JSONResponse({"code": code, "message": UNAUTHORIZED}, status_code=401)
+    endpoint = _endpoint(request)
+    if endpoint is None:
+        return JSONResponse(
+            {"code": "unimplemented", "message": f"{request.method} {path} is not an envd endpoint"}, status_code=404
+        )
     try:
         sb = await node.ensure_running(sandbox_id)
     except AenvError:
         return sandbox_gone(sandbox_id)
-    token = node.access_token(sandbox_id) if sb.rec.secure else None
-    user = _user(request)
-    if path == "/files" and request.method in ("GET", "POST"):
-        if token is not None and not files_authorized(request, token, "read" if request.method == "GET" else "write"):
-            return JSONResponse({"code": 401, "message": UNAUTHORIZED}, status_code=401)
-        return await (files_get if request.method == "GET" else files_post)(request, sb, user)
-    if token is not None and request.headers.get("x-access-token") != token:
-        return JSONResponse({"code": "unauthenticated", "message": UNAUTHORIZED}, status_code=401)
-    if request.method == "POST" and path in RPC:
-        try:
-            return await RPC[path](request, sb, user)
-        except ConnectError as exc:
-            return connect.unary_error(exc)
-    if request.method == "GET" and path == "/envs":
-        return await _unary(sb, "sys.envs", {})
-    if request.method == "GET" and path == "/metrics":
-        return await _unary(sb, "sys.metrics", {})
-    return JSONResponse(
-        {"code": "unimplemented", "message": f"{request.method} {path} is not an envd endpoint"}, status_code=404
-    )
+    request.state.disk_mb = node._limits(sb.rec).disk_mb  # what a full disk's answer names
+    try:
+        return await endpoint(request, sb, _user(request))
+    except ConnectError as exc:
+        return _file_error(request, exc) if path == "/files" else connect.unary_error(exc)

@@ -15,6 +15,7 @@ from urllib.parse import unquote
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 
 from aenv.api.schemas import (
     ConnectBody,
@@ -32,7 +33,7 @@ from aenv.api.schemas import (
     snapshot_json,
     template_json,
 )
-from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, WrongState, error_body
+from aenv.errors import AenvError, InvalidRequest, PayloadTooLarge, SnapshotNotFound, WrongState, error_body
 from aenv.node.orchestrator import Node
 from aenv.storage.confined import View
 from aenv.templates import build, catalog, images
@@ -52,14 +53,54 @@ def domain_of(request: Request) -> str | None:
     return node.settings.domain
 
 
+# Bodies are read by the routes themselves (``_body``: an empty body is ``{}``, errors are 400s); the
+# OpenAPI document still describes them, with these models' schemas under components.
+BODY_MODELS: dict[str, type[BaseModel]] = {}
+BUILD_CONTEXT = {"requestBody": {"content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of a route whose JSON body is ``model``."""
+    BODY_MODELS[model.__name__] = model
+    required = any(field.is_required() for field in model.model_fields.values())
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
+
+
+def add_body_schemas(openapi: dict[str, Any]) -> None:
+    schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
+    for name, model in BODY_MODELS.items():
+        schema = model.model_json_schema(by_alias=True, ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[name] = schema
+
+
 async def _body(request: Request, model: type[Any]) -> Any:
+    """The request's JSON body as ``model``; an empty body is ``{}`` (required fields still are)."""
     raw = await request.body()
-    if not raw.strip():
-        return model()
     try:
-        return model.model_validate_json(raw)
+        return model.model_validate_json(raw if raw.strip() else b"{}")
     except ValueError as exc:
         raise InvalidRequest(_first_error(exc)) from exc
+
+
+async def receive_to_file(request: Request, path: Path) -> None:
+    """Write the request's body to ``path`` as it arrives, up to the node's AENV_MAX_UPLOAD_MB."""
+    limit = node_of(request).settings.max_upload_mb * 2**20
+    declared = request.headers.get("content-length", "")
+    if declared.isdecimal() and int(declared) > limit:
+        raise _upload_too_large(limit)
+    size = 0
+    with open(path, "wb") as out:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _upload_too_large(limit)
+            out.write(chunk)
+
+
+def _upload_too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the upload is larger than {limit // 2**20} MiB (AENV_MAX_UPLOAD_MB)")
 
 
 def _first_error(exc: ValueError) -> str:
@@ -104,8 +145,22 @@ async def _create(request: Request) -> JSONResponse:
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
 
 
-router.add_api_route("/sandboxes", _create, methods=["POST"], status_code=201, summary="Create a sandbox")
-router.add_api_route("/v2/sandboxes", _create, methods=["POST"], status_code=201, summary="Create a sandbox (v2)")
+router.add_api_route(
+    "/sandboxes",
+    _create,
+    methods=["POST"],
+    status_code=201,
+    summary="Create a sandbox",
+    openapi_extra=json_body(NewSandbox),
+)
+router.add_api_route(
+    "/v2/sandboxes",
+    _create,
+    methods=["POST"],
+    status_code=201,
+    summary="Create a sandbox (v2)",
+    openapi_extra=json_body(NewSandbox),
+)
 
 
 def parse_metadata_query(raw: str | None) -> dict[str, str]:
@@ -156,6 +211,8 @@ async def list_v2(
             start = int(base64.urlsafe_b64decode(next_token.encode()).decode())
         except ValueError as exc:
             raise InvalidRequest("nextToken is not valid") from exc
+        if start < 0:
+            raise InvalidRequest("nextToken is not valid")
     page = items[start : start + limit]
     headers = {}
     if start + limit < len(items):
@@ -183,11 +240,14 @@ async def kill_sandbox(request: Request, sandbox_id: str) -> Response:
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204, summary="Set the sandbox's timeout")
+@router.post(
+    "/sandboxes/{sandbox_id}/timeout",
+    status_code=204,
+    summary="Set the sandbox's timeout",
+    openapi_extra=json_body(Timeout),
+)
 async def set_timeout(request: Request, sandbox_id: str) -> Response:
-    body: Timeout = await _body(request, Timeout) if (await request.body()).strip() else None
-    if body is None:
-        raise InvalidRequest("timeout is required")
+    body: Timeout = await _body(request, Timeout)
     await node_of(request).set_timeout(sandbox_id, body.timeout)
     return Response(status_code=204)
 
@@ -203,6 +263,8 @@ def egress_rules(network: Any) -> dict[str, Any]:
     for unsupported in ("rules", "egressProxy"):
         if network.get(unsupported):
             raise InvalidRequest(f"network.{unsupported} is not supported by aenv")
+    if network.get("allowPublicTraffic") is False:  # E2B's traffic access token: aenv has none
+        raise InvalidRequest("network.allowPublicTraffic=false is not supported by aenv: sandbox ports are public")
     out = {}
     for key in ("allowOut", "denyOut"):
         value = network.get(key)
@@ -214,14 +276,24 @@ def egress_rules(network: Any) -> dict[str, Any]:
     return out
 
 
-@router.put("/sandboxes/{sandbox_id}/network", status_code=204, summary="Replace the sandbox's egress rules")
+@router.put(
+    "/sandboxes/{sandbox_id}/network",
+    status_code=204,
+    summary="Replace the sandbox's egress rules",
+    openapi_extra=json_body(NetworkUpdate),
+)
 async def update_network(request: Request, sandbox_id: str) -> Response:
     body: NetworkUpdate = await _body(request, NetworkUpdate)
     await node_of(request).set_network(sandbox_id, egress_rules(body.model_dump(by_alias=True)))
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204, summary="Extend the timeout")
+@router.post(
+    "/sandboxes/{sandbox_id}/refreshes",
+    status_code=204,
+    summary="Extend the timeout",
+    openapi_extra=json_body(RefreshBody),
+)
 async def refresh(request: Request, sandbox_id: str) -> Response:
     body: RefreshBody = await _body(request, RefreshBody)
     node = node_of(request)
@@ -244,12 +316,27 @@ async def _connect(request: Request, sandbox_id: str) -> JSONResponse:
 
 
 router.add_api_route(
-    "/sandboxes/{sandbox_id}/connect", _connect, methods=["POST"], summary="Connect (resumes if paused)"
+    "/sandboxes/{sandbox_id}/connect",
+    _connect,
+    methods=["POST"],
+    summary="Connect (resumes if paused)",
+    openapi_extra=json_body(ConnectBody),
 )
-router.add_api_route("/v2/sandboxes/{sandbox_id}/connect", _connect, methods=["POST"], summary="Connect (v2)")
+router.add_api_route(
+    "/v2/sandboxes/{sandbox_id}/connect",
+    _connect,
+    methods=["POST"],
+    summary="Connect (v2)",
+    openapi_extra=json_body(ConnectBody),
+)
 
 
-@router.post("/sandboxes/{sandbox_id}/resume", status_code=201, summary="Resume a paused sandbox (legacy)")
+@router.post(
+    "/sandboxes/{sandbox_id}/resume",
+    status_code=201,
+    summary="Resume a paused sandbox (legacy)",
+    openapi_extra=json_body(ConnectBody),
+)
 async def resume(request: Request, sandbox_id: str) -> JSONResponse:
     node = node_of(request)
     body: ConnectBody = await _body(request, ConnectBody)
@@ -260,7 +347,12 @@ async def resume(request: Request, sandbox_id: str) -> JSONResponse:
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
 
 
-@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, summary="Snapshot a running sandbox")
+@router.post(
+    "/sandboxes/{sandbox_id}/snapshots",
+    status_code=201,
+    summary="Snapshot a running sandbox",
+    openapi_extra=json_body(SnapshotBody),
+)
 async def create_snapshot(request: Request, sandbox_id: str) -> JSONResponse:
     body: SnapshotBody = await _body(request, SnapshotBody)
     snap = await node_of(request).snapshot(sandbox_id, name=body.name, durable=body.durable)
@@ -288,7 +380,12 @@ async def delete_snapshot(request: Request, snapshot_id: str) -> Response:
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/fork", status_code=201, summary="Fork a running sandbox into N children")
+@router.post(
+    "/sandboxes/{sandbox_id}/fork",
+    status_code=201,
+    summary="Fork a running sandbox into N children",
+    openapi_extra=json_body(ForkBody),
+)
 async def fork(request: Request, sandbox_id: str) -> JSONResponse:
     node = node_of(request)
     body: ForkBody = await _body(request, ForkBody)
@@ -332,7 +429,12 @@ async def list_templates(request: Request) -> list[dict[str, Any]]:
     return [template_json(t, node) for t in sorted(node.templates.values(), key=lambda t: t.created_at)]
 
 
-@router.post("/templates/from-image", status_code=201, summary="Make a template from an OCI image")
+@router.post(
+    "/templates/from-image",
+    status_code=201,
+    summary="Make a template from an OCI image",
+    openapi_extra=json_body(ImageTemplate),
+)
 async def template_from_image(request: Request) -> JSONResponse:
     body: ImageTemplate = await _body(request, ImageTemplate)
     node = node_of(request)
@@ -343,7 +445,11 @@ async def template_from_image(request: Request) -> JSONResponse:
     return JSONResponse(template_json(rec, node), status_code=201)
 
 
-@router.post("/templates/build", summary="Build a template from a Dockerfile (streams NDJSON build logs)")
+@router.post(
+    "/templates/build",
+    summary="Build a template from a Dockerfile (streams NDJSON build logs)",
+    openapi_extra=BUILD_CONTEXT,
+)
 async def build_template(
     request: Request,
     name: str = Query(..., pattern=f"^{TEMPLATE_NAME}$"),
@@ -358,9 +464,7 @@ async def build_template(
     workdir = Path(tempfile.mkdtemp(prefix="aenv-build-", dir=node.files.root / "tmp"))
     try:
         raw = workdir / "context.tar"
-        with open(raw, "wb") as out:
-            async for chunk in request.stream():
-                out.write(chunk)
+        await receive_to_file(request, raw)
         context = workdir / "context"
         await asyncio.to_thread(build.unpack_context, raw, context)
         recipe = View([context]).read(dockerfile, limit=MAX_DOCKERFILE)  # links resolve inside the context
@@ -414,7 +518,11 @@ async def delete_template(request: Request, template_id: str, force: bool = Fals
     return Response(status_code=204)
 
 
-@router.patch("/templates/{template_id}", summary="Replace a template's aliases (name:tag for tags)")
+@router.patch(
+    "/templates/{template_id}",
+    summary="Replace a template's aliases (name:tag for tags)",
+    openapi_extra=json_body(TemplatePatch),
+)
 async def patch_template(request: Request, template_id: str) -> dict[str, Any]:
     body: TemplatePatch = await _body(request, TemplatePatch)
     node = node_of(request)

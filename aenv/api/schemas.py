@@ -1,4 +1,8 @@
-"""Request bodies and response shapes of the control plane, with E2B's field names."""
+"""Request bodies and response shapes of the control plane, with E2B's field names.
+
+Request bodies are validated strictly: a JSON boolean is not a number (``timeout: true`` is not
+one second), a number is not a boolean and a string is neither; E2B's SDKs send the real types.
+"""
 
 from __future__ import annotations
 
@@ -15,18 +19,18 @@ from aenv.templates.catalog import TEMPLATE_NAME
 
 
 class Lifecycle(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     on_timeout: str | None = Field(None, alias="onTimeout")
     auto_resume: bool | None = Field(None, alias="autoResume")
 
 
 class AutoResume(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     enabled: bool = False
 
 
 class Limits(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
     cpu_count: float | None = Field(None, alias="cpuCount", gt=0, le=64)
     memory_mb: int | None = Field(None, alias="memoryMB", ge=128, le=262144)
     nproc: int | None = Field(None, ge=16, le=65536)
@@ -36,7 +40,7 @@ class Limits(BaseModel):
 class NewSandbox(BaseModel):
     """E2B NewSandbox / NewSandboxV2, plus aenv's limits. Unknown keys are ignored, as upstream."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     template_id: str = Field("base", alias="templateID", min_length=1, max_length=200)
     timeout: int | None = Field(None, gt=0)
     metadata: dict[str, str] | None = None
@@ -53,13 +57,13 @@ class NewSandbox(BaseModel):
 class NetworkUpdate(BaseModel):
     """PUT /sandboxes/{id}/network: E2B's SandboxNetworkUpdate; it replaces the egress rules."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
     allow_out: list[str] | None = Field(None, alias="allowOut")
     deny_out: list[str] | None = Field(None, alias="denyOut")
 
 
 class ImageTemplate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     name: str = Field(..., pattern=f"^{TEMPLATE_NAME}$")
     image: str = Field(..., min_length=1, max_length=512)
     # A login for the image's registry (used for this pull only, never stored).
@@ -68,35 +72,35 @@ class ImageTemplate(BaseModel):
 
 
 class TemplatePatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     aliases: list[str] = Field(..., max_length=64)
 
 
 class Timeout(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     timeout: int = Field(..., gt=0)
 
 
 class ConnectBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     timeout: int | None = Field(None, gt=0)
 
 
 class SnapshotBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     name: str | None = Field(None, min_length=1, max_length=200)
     # Answer only once the snapshot is committed to the repository (else it is committed after).
     durable: bool = False
 
 
 class ForkBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     count: int = Field(1, ge=1)
     timeout: int | None = Field(None, gt=0)
 
 
 class RefreshBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     duration: int = Field(60, gt=0, le=3600)
 
 

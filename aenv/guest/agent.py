@@ -12,6 +12,7 @@ import itertools
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -375,13 +376,26 @@ async def fs_write(agent: Agent, stream: Stream) -> Any:
                     n = os.write(fd, view)
                     view = view[n:]
                 written += len(item.data)
-            elif item.kind in (EOF, END):
+            elif item.kind == EOF:
                 break
-    except OSError as exc:
-        raise files.translate(exc, path) from exc
+            elif item.kind == END:  # the host gave up on the upload: leave no truncated file
+                _discard_partial(fd, path)
+                return None
+    except OSError as exc:  # a full disk above all: the space goes back, the reason to the host
+        _discard_partial(fd, path)
+        error = files.translate(exc, path)
+        raise files.FileError(error.code, f"{error.message}; the partial file was removed") from exc
     finally:
         os.close(fd)
     return {"path": path, "name": os.path.basename(path), "type": "file", "size": written}
+
+
+def _discard_partial(fd: int, path: str) -> None:
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 @handler("fs.watch_create")

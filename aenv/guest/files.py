@@ -109,6 +109,12 @@ def translate(exc: OSError, path: str) -> FileError:
         return FileError("not_found", f"path '{path}' does not exist")
     if exc.errno in (errno.EACCES, errno.EPERM):
         return FileError("permission_denied", f"permission denied: '{path}'")
+    if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.EINVAL):
+        return FileError("invalid_argument", f"{exc.strerror}: '{path}'")
+    if exc.errno == errno.EROFS:
+        return FileError("permission_denied", f"read-only file system: '{path}'")
+    if exc.errno in (errno.EBUSY, errno.ETXTBSY, errno.ENOTEMPTY):
+        return FileError("failed_precondition", f"{exc.strerror}: '{path}'")
     if exc.errno == errno.ENOTDIR:
         return FileError("invalid_argument", f"path '{path}' is not a directory")
     if exc.errno == errno.EISDIR:

@@ -14,13 +14,15 @@ import json
 import os
 import platform
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from aenv.errors import AenvError, InvalidRequest, NotFound
+from aenv.errors import InvalidRequest, NotFound, UpstreamError
 from aenv.images.reference import DOCKER_HUB, ImageRef
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -33,8 +35,34 @@ ACCEPT = ", ".join([OCI_INDEX, OCI_MANIFEST, DOCKER_LIST, DOCKER_MANIFEST])
 CHUNK = 1 << 20
 
 
-class RegistryError(AenvError):
+class RegistryError(UpstreamError):
     """A registry refused, failed, or sent something that does not check out."""
+
+
+@contextmanager
+def _talking_to(registry: str) -> Iterator[None]:
+    """A registry out of reach (refused, no such host, TLS, timeout) is an error naming it."""
+    try:
+        yield
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        reason = str(exc) or type(exc).__name__
+        raise RegistryError(f"registry {registry} cannot be reached: {reason}", status=502) from exc
+
+
+def _json_object(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise RegistryError(f"{what} is not a JSON object", status=502)
+    return body
+
+
+def _descriptor(desc: Any, what: str) -> dict[str, Any]:
+    if not isinstance(desc, dict) or not isinstance(desc.get("digest"), str):
+        raise RegistryError(f"{what} has no digest", status=502)
+    return desc
 
 
 def host_platform() -> tuple[str, str]:
@@ -111,11 +139,12 @@ class RegistryClient:
         token = self._tokens.get((ref.registry, ref.repository))
         if token:
             headers["Authorization"] = token
-        response = await self.http.request(method, url, headers=headers, **kw)
-        if response.status_code == 401 and "www-authenticate" in response.headers:
-            headers["Authorization"] = await self._authorize(ref, response.headers["www-authenticate"])
-            self._tokens[(ref.registry, ref.repository)] = headers["Authorization"]
+        with _talking_to(ref.registry):
             response = await self.http.request(method, url, headers=headers, **kw)
+            if response.status_code == 401 and "www-authenticate" in response.headers:
+                headers["Authorization"] = await self._authorize(ref, response.headers["www-authenticate"])
+                self._tokens[(ref.registry, ref.repository)] = headers["Authorization"]
+                response = await self.http.request(method, url, headers=headers, **kw)
         if response.status_code in (401, 403):
             raise RegistryError(f"{ref}: the registry refused access ({response.status_code})", status=403)
         return response
@@ -132,10 +161,11 @@ class RegistryClient:
         query = {"scope": params.get("scope") or f"repository:{ref.repository}:pull"}
         if "service" in params:
             query["service"] = params["service"]
-        reply = await self.http.get(params["realm"], params=query, auth=creds)
+        with _talking_to(params["realm"]):
+            reply = await self.http.get(params["realm"], params=query, auth=creds)
         if reply.status_code != 200:
             raise RegistryError(f"{ref.registry}: token request failed ({reply.status_code})", status=403)
-        body = reply.json()
+        body = _json_object(reply.content, f"{ref.registry}: the token answer")
         return "Bearer " + str(body.get("token") or body.get("access_token"))
 
     async def _manifest(self, ref: ImageRef, reference: str) -> tuple[str, dict[str, Any], str]:
@@ -148,7 +178,7 @@ class RegistryClient:
         digest = "sha256:" + hashlib.sha256(raw).hexdigest()
         if reference.startswith("sha256:") and digest != reference:
             raise RegistryError(f"{ref}: manifest digest mismatch ({digest} != {reference})", status=502)
-        body = json.loads(raw)
+        body = _json_object(raw, f"{ref}: manifest {reference}")
         kind = body.get("mediaType") or response.headers.get("content-type", "").split(";")[0]
         if kind not in INDEXES | MANIFESTS:
             kind = OCI_INDEX if "manifests" in body else OCI_MANIFEST
@@ -159,22 +189,20 @@ class RegistryClient:
         want_os, want_arch = platform_ or host_platform()
         kind, body, digest = await self._manifest(ref, ref.reference)
         if kind in INDEXES:
-            chosen = [
-                m
-                for m in body.get("manifests", [])
-                if m.get("platform", {}).get("os") == want_os and m.get("platform", {}).get("architecture") == want_arch
-            ]
+            entries = [m for m in body.get("manifests") or [] if isinstance(m, dict)]
+            platforms = [m.get("platform") if isinstance(m.get("platform"), dict) else {} for m in entries]
+            pairs = zip(entries, platforms, strict=True)
+            chosen = [m for m, p in pairs if (p.get("os"), p.get("architecture")) == (want_os, want_arch)]
             if not chosen:
-                offered = sorted(
-                    f"{m.get('platform', {}).get('os')}/{m.get('platform', {}).get('architecture')}"
-                    for m in body.get("manifests", [])
-                )
+                offered = sorted(f"{p.get('os')}/{p.get('architecture')}" for p in platforms)
                 raise InvalidRequest(f"image {ref} has no {want_os}/{want_arch} variant (has {', '.join(offered)})")
-            kind, body, digest = await self._manifest(ref, chosen[0]["digest"])
-        config_desc = body.get("config") or {}
-        config = json.loads(await self.blob_bytes(ref, config_desc["digest"]))
-        layers = list(body.get("layers", []))
-        if len(layers) != len(config.get("rootfs", {}).get("diff_ids", [])):
+            kind, body, digest = await self._manifest(ref, _descriptor(chosen[0], f"{ref}: an index entry")["digest"])
+        config_desc = _descriptor(body.get("config"), f"{ref}: the manifest's config")
+        config = _json_object(await self.blob_bytes(ref, config_desc["digest"]), f"{ref}: the image config")
+        layers = [_descriptor(layer, f"{ref}: a layer") for layer in body.get("layers") or []]
+        rootfs = config.get("rootfs")
+        diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
+        if not isinstance(diff_ids, list) or len(layers) != len(diff_ids):
             raise RegistryError(f"{ref}: manifest and config disagree on the layer count", status=502)
         return Image(ref, digest, body, config, layers)
 
@@ -196,19 +224,20 @@ class RegistryClient:
         hasher = hashlib.sha256()
         tmp = dest.with_name(dest.name + ".part")
         try:
-            async with self.http.stream("GET", url, headers=headers) as response:
-                if response.status_code == 401:
-                    await response.aread()
-                    await self._request("HEAD", ref, f"blobs/{digest}")  # gets a token, then retry
-                    return await self.fetch_blob(ref, digest, dest, on_bytes)
-                if response.status_code != 200:
-                    raise RegistryError(f"{ref}: blob {digest}: HTTP {response.status_code}", status=502)
-                with open(tmp, "wb") as out:
-                    async for chunk in response.aiter_bytes(CHUNK):
-                        hasher.update(chunk)
-                        out.write(chunk)
-                        if on_bytes is not None:
-                            on_bytes(len(chunk))
+            with _talking_to(ref.registry):
+                async with self.http.stream("GET", url, headers=headers) as response:
+                    if response.status_code == 401:
+                        await response.aread()
+                        await self._request("HEAD", ref, f"blobs/{digest}")  # gets a token, then retry
+                        return await self.fetch_blob(ref, digest, dest, on_bytes)
+                    if response.status_code != 200:
+                        raise RegistryError(f"{ref}: blob {digest}: HTTP {response.status_code}", status=502)
+                    with open(tmp, "wb") as out:
+                        async for chunk in response.aiter_bytes(CHUNK):
+                            hasher.update(chunk)
+                            out.write(chunk)
+                            if on_bytes is not None:
+                                on_bytes(len(chunk))
             if "sha256:" + hasher.hexdigest() != digest:
                 raise RegistryError(f"{ref}: blob {digest} does not match its digest", status=502)
             tmp.rename(dest)

@@ -1,0 +1,142 @@
+"""Schemathesis against the real server's OpenAPI document: valid and invalid inputs for every
+control-plane operation, and not one answer is a 5xx; every error is JSON with `code` and `message`.
+
+Bounded for CI (AENV_FUZZ_EXAMPLES examples per operation and mode, 100 by default: about a
+minute); raise it for a longer run. Sandboxes the fuzzer creates are killed at once, and anything
+it leaves is removed at the end; the templates and snapshots that exist before the run are never
+touched (the server is shared by the whole session).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis import Case, GenerationMode
+from schemathesis.checks import not_a_server_error
+
+from tests.conftest import API_KEY, Server
+
+pytestmark = pytest.mark.sandbox
+EXAMPLES = int(os.environ.get("AENV_FUZZ_EXAMPLES", "100"))
+# These pull images from a registry named in the request: the fuzzer would send the node to
+# arbitrary hosts. Their bodies are covered by test_api_hostile against a loopback address.
+LEAVES_THE_MACHINE = ["/templates/from-image", "/v2/templates/{template_id}/builds/{build_id}"]
+CREATES = {"/sandboxes", "/v2/sandboxes"}
+
+
+@pytest.fixture(scope="module")
+def api_schema(server: Server) -> Any:
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    schema.config.generation.update(
+        modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], max_examples=EXAMPLES, allow_x00=True
+    )
+    return schema
+
+
+@pytest.fixture(scope="module")
+def existing(server: Server) -> Iterator[set[str]]:
+    """Names, ids and aliases of the templates and snapshots there before the run; what the run
+    adds is removed after it."""
+    with server.client() as api:
+        before = _inventory(api)
+        yield {name for names in before.values() for name in names}
+        after = _inventory(api)
+        for sandbox_id in after["sandboxes"] - before["sandboxes"]:
+            api.delete(f"/sandboxes/{sandbox_id}")
+        for snapshot_id in after["snapshots"] - before["snapshots"]:
+            api.delete(f"/snapshots/{snapshot_id}")
+        for template_id in after["templates"] - before["templates"]:
+            api.delete(f"/templates/{template_id}", params={"force": "true"})
+
+
+def _inventory(api: httpx.Client) -> dict[str, set[str]]:
+    templates = api.get("/templates").json()
+    return {
+        "sandboxes": {s["sandboxID"] for s in api.get("/v2/sandboxes").json()},
+        "snapshots": {s["snapshotID"] for s in api.get("/snapshots").json()},
+        "templates": {t["templateID"] for t in templates} | {a for t in templates for a in t["aliases"]},
+    }
+
+
+schema = schemathesis.pytest.from_fixture("api_schema").exclude(path=LEAVES_THE_MACHINE)
+
+
+class Target:
+    """A real sandbox that every third case naming a sandbox is sent to, so generated values reach
+    the operations themselves and not only the lookup (made again when a case killed or expired it)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server, self.cases, self.sandbox_id = server, 0, ""
+
+    def take(self, case: Case) -> None:
+        if "sandbox_id" not in (case.path_parameters or {}) or case.method == "DELETE":
+            return
+        self.cases += 1
+        if self.cases % 3:
+            return
+        with self.server.client() as api:
+            if not self.sandbox_id or api.get(f"/sandboxes/{self.sandbox_id}").status_code == 404:
+                r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600})
+                assert r.status_code == 201, r.text
+                self.sandbox_id = r.json()["sandboxID"]
+        case.path_parameters["sandbox_id"] = self.sandbox_id
+        if case.path.endswith("/fork") and isinstance(case.body, dict) and isinstance(case.body.get("count"), int):
+            case.body["count"] = min(case.body["count"], 2)  # children cost a restore each
+
+
+@pytest.fixture(scope="module")
+def target(server: Server, existing: set[str]) -> Target:
+    return Target(server)  # `existing` removes whatever it made
+
+
+@schemathesis.serializer("application/x-tar")
+def build_context(ctx: Any, value: Any) -> bytes:
+    """What the fuzzer makes up for a build context, sent as it is (not a tar, mostly)."""
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+@schema.parametrize()
+@settings(deadline=None, database=None, suppress_health_check=list(HealthCheck), max_examples=EXAMPLES)
+def test_no_input_is_a_server_error(case: Case, server: Server, existing: set[str], target: Target) -> None:
+    assert case.path not in LEAVES_THE_MACHINE
+    if _touches(case, existing):
+        return  # never rename, retag or delete what the rest of the session relies on
+    target.take(case)
+    if case.method == "POST" and case.path in CREATES and isinstance(case.body, dict):
+        # each new disk size makes the node format a pool of spare uppers: keep to the default one
+        limits = case.body.get("limits")
+        if isinstance(limits, dict) and "diskSizeMB" in limits:
+            limits["diskSizeMB"] = 2048
+    response = case.call(base_url=server.url, headers={"X-API-Key": API_KEY}, timeout=120)
+    if case.method == "POST" and case.path in CREATES and response.status_code == 201:
+        httpx.delete(f"{server.url}/sandboxes/{response.json()['sandboxID']}", headers={"X-API-Key": API_KEY})
+    case.validate_response(response, checks=[not_a_server_error])
+    if response.status_code >= 400:
+        try:
+            error = response.json()
+        except ValueError:
+            pytest.fail(f"{case.method} {case.formatted_path}: {response.status_code} is not JSON: {response.text!r}")
+        assert isinstance(error, dict) and error.get("code") and error.get("message"), (
+            f"{case.method} {case.formatted_path}: {response.status_code} {response.text!r}"
+        )
+
+
+def _touches(case: Case, names: set[str]) -> bool:
+    values = [*(case.path_parameters or {}).values(), *_strings(case.body)]
+    return any(isinstance(v, str) and (v in names or v.split(":", 1)[0] in names) for v in values)
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (*_strings(k), *_strings(v))]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
