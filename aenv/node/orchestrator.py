@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from aenv.channel import OpenHandler, StreamError
+from aenv.channel import PROTOCOL_VIOLATION, OpenHandler, StreamError
 from aenv.config import Settings
 from aenv.errors import (
     CHECKPOINT_REFUSAL,
@@ -309,7 +309,8 @@ class Node:
             link.watcher = asyncio.ensure_future(self._watch(sb, link))
 
     async def _watch(self, sb: LiveSandbox, link: AgentLink) -> None:
-        """Notice a sandbox that died on its own (e.g. its memory limit was hit) and clean it up."""
+        """Notice a sandbox that died on its own (e.g. its memory limit was hit) or broke the channel
+        protocol (root in it can write to the agent's pipe) and remove it."""
         while True:
             await link.channel.closed.wait()
             if sb.link is not link:
@@ -321,7 +322,12 @@ class Node:
                     pass
                 if sb.link is not link or not link.channel.closed.is_set():
                     continue
-            reason = "out of memory" if sb.instance and (await self.driver.usage(sb.instance)).oom else "exited"
+            if link.channel.close_reason.startswith(PROTOCOL_VIOLATION):
+                reason = link.channel.close_reason
+            elif sb.instance and (await self.driver.usage(sb.instance)).oom:
+                reason = "out of memory"
+            else:
+                reason = "exited"
             log.warning("sandbox %s stopped on its own (%s); removing it", sb.id, reason)
             try:
                 await self.kill(sb.id)
