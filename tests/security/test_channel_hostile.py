@@ -330,28 +330,33 @@ def channel_fd():
 def frame(kind, sid, payload=b""):
     return struct.pack("!BII", kind, sid, len(payload)) + payload
 
+def write(data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(out, view):]
+
 out = channel_fd()
 case, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 connect = ('{"m":"egress.connect","p":{"host":"%s","port":%d}}' % (host, port)).encode()
 if case == "huge-length":
-    os.write(out, frame(3, 1, b"")[:5] + struct.pack("!I", 3 * 2**29))  # DATA, 1.5 GiB
+    write(frame(3, 1, b"")[:5] + struct.pack("!I", 3 * 2**29))  # DATA, 1.5 GiB
     zeros = bytes(2**20)
     for _ in range(1024):
-        os.write(out, zeros)
+        write(zeros)
 elif case == "stream-flood":
     for n in range(1000):
-        os.write(out, frame(1, 1_000_000 + 2 * n, connect))
+        write(frame(1, 1_000_000 + 2 * n, connect))
 elif case == "over-credit":
     sid = 2_000_000
-    os.write(out, frame(1, sid, connect))
+    write(frame(1, sid, connect))
     time.sleep(2)  # the host has connected and answered; its listener never reads
     data = frame(3, sid, bytes(256 * 1024))
     for _ in range(256):
-        os.write(out, data)
+        write(data)
 elif case == "unknown-kind":
-    os.write(out, frame(9, 1))
+    write(frame(9, 1))
 elif case == "not-json":
-    os.write(out, frame(7, 0, b'{"op": "pong", "t": NaN}'))
+    write(frame(7, 0, b'{"op": "pong", "t": NaN}'))
 time.sleep(60)
 """
 
