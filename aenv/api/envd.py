@@ -11,6 +11,7 @@ import base64
 import gzip
 import hashlib
 import hmac
+import posixpath
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from aenv.api import connect
 from aenv.api.connect import ConnectError
 from aenv.api.proxy import sandbox_gone
-from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError
+from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError, end_error
 from aenv.errors import AenvError
 from aenv.node.orchestrator import LiveSandbox, Node
 
@@ -76,8 +77,8 @@ async def _stream_events(request: Request, stream: Stream, *, first: Any = None)
                 yield connect.envelope(item.data)
             elif item.kind == END:
                 finished = True
-                err = item.msg.get("error") if isinstance(item.msg, dict) else None
-                yield connect.end_stream(ConnectError(err["code"], err["message"]) if err else None)
+                error = end_error(item.msg)
+                yield connect.end_stream(_connect_error(error) if error else None)
                 return
     finally:
         if not finished:  # the client left: stop following, the process keeps running
@@ -93,8 +94,7 @@ async def _first_message(stream: Stream) -> Any:
     """Wait for the first message, so errors before it become a proper Connect error."""
     item = await stream.recv()
     if item.kind == END:
-        err = (item.msg or {}).get("error") or {"code": "internal", "message": "stream ended early"}
-        raise ConnectError(err["code"], err["message"])
+        raise _connect_error(end_error(item.msg) or StreamError("internal", "stream ended early"))
     return item.msg
 
 
@@ -255,7 +255,8 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
         first = await _first_message(stream)
     except Exception as exc:
         return _file_error(exc)
-    entry = first.get("entry", {})
+    entry = first.get("entry") if isinstance(first, dict) else None
+    entry = entry if isinstance(entry, dict) else {}  # what the agent says is only a hint
 
     async def body() -> AsyncIterator[bytes]:
         done = False
@@ -271,12 +272,13 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
             if not done:
                 await stream.end()
 
-    name = entry.get("name", "file")
+    name, size = entry.get("name"), entry.get("size")
     headers = {
-        "Content-Disposition": f'inline; filename="{quote(name)}"',
-        "Content-Length": str(entry.get("size", 0)),
+        "Content-Disposition": f'inline; filename="{quote(name if isinstance(name, str) else "file")}"',
         "Vary": "Accept-Encoding",
     }
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+        headers["Content-Length"] = str(size)
     return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
 
 
@@ -287,12 +289,17 @@ async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: Asyn
             if chunk:
                 await stream.send_data(chunk)
         await stream.send_eof()
-        result: dict[str, Any] = await stream.result()
+        result = await stream.result()
     except BaseException:
         if not stream.remote_ended:
             await stream.end()
         raise
-    return {"path": result["path"], "name": result["name"], "type": "file"}
+    written = result if isinstance(result, dict) else {}
+    return {
+        "path": str(written.get("path", path)),
+        "name": str(written.get("name", posixpath.basename(path))),
+        "type": "file",
+    }
 
 
 async def _decoded(request: Request) -> AsyncIterator[bytes]:

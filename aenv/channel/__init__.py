@@ -307,12 +307,20 @@ class Stream:
         self._credit_event.set()
 
 
+def end_error(body: Any) -> StreamError | None:
+    """The error an END's body carries, if any, whatever shape the peer gave it."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not err:
+        return None
+    if not isinstance(err, dict):
+        return StreamError("unknown", str(err)[:1000])
+    return StreamError(str(err.get("code", "unknown"))[:100], str(err.get("message", ""))[:10_000])
+
+
 def _result_of(body: Any) -> Any:
-    if isinstance(body, dict) and body.get("error"):
-        err = body["error"]
-        if not isinstance(err, dict):
-            raise StreamError("unknown", str(err)[:1000])
-        raise StreamError(str(err.get("code", "unknown"))[:100], str(err.get("message", ""))[:10_000])
+    error = end_error(body)
+    if error is not None:
+        raise error
     return body.get("result") if isinstance(body, dict) else None
 
 

@@ -80,6 +80,13 @@ def make_repository(settings: Settings) -> Repository | None:
     return Repository(backend)
 
 
+def _blocker(entry: Any) -> str:
+    """One process the agent says blocks a checkpoint, as the agent described it (bounded)."""
+    if isinstance(entry, dict):
+        return f"pid {str(entry.get('pid'))[:20]} ({str(entry.get('cmd'))[:200]})"
+    return str(entry)[:200]
+
+
 class Node:
     def __init__(self, settings: Settings, driver: Driver | None = None) -> None:
         self.settings = settings
@@ -418,9 +425,10 @@ class Node:
             answer = await sb.link.call("sys.checkpointable")
         except StreamError:
             return  # an agent from before this check (images pin theirs): nothing to ask
-        blockers = answer.get("blockers") or []
+        blockers = answer.get("blockers") if isinstance(answer, dict) else None
         if blockers:
-            who = ", ".join(f"pid {b.get('pid')} ({b.get('cmd')})" for b in blockers[:3])
+            shown = blockers[:3] if isinstance(blockers, list) else [blockers]
+            who = ", ".join(_blocker(b) for b in shown)
             message = f"{CHECKPOINT_REFUSAL}: {who}; the sandbox keeps running"
             raise CheckpointRefused(message, sandbox_id=sb.id)
 

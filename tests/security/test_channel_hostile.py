@@ -9,6 +9,7 @@ node removes that sandbox and nothing else.
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
 import time
 import tracemalloc
@@ -312,6 +313,40 @@ async def test_the_host_refuses_to_send_what_the_guest_would_refuse() -> None:
         peer.close()
 
 
+async def test_a_build_step_agent_that_answers_garbage_fails_the_step_not_the_node() -> None:
+    """What the host reads out of a process stream (builds run untrusted recipes as root) is checked."""
+    import base64
+
+    from aenv.templates.builder import OUTPUT_TAIL, run_process
+
+    host_end, peer_end = await pipe_pair()
+    link = AgentLink("build-step")
+    link.channel.attach(*host_end)
+    peer = RawPeer(*peer_end)
+    try:
+        run = asyncio.ensure_future(run_process(link, ["/bin/true"]))
+        await asyncio.sleep(0.1)
+        sid = peer.frames()[0][1]
+        chunk = base64.b64encode(b"y" * 32 * 1024).decode()
+        garbage = [
+            b'{"event": "x"}',
+            b'["event"]',
+            b'"event"',
+            b'{"event": {"data": {"stdout": 5}}}',
+            b'{"event": {"data": {"stdout": "!!not base64"}}}',
+            b'{"event": {"data": []}}',
+            *[json.dumps({"event": {"data": {"stdout": chunk}}}).encode()] * 64,  # 2 MiB of output
+            b'{"event": {"end": {"exitCode": "x"}}}',
+        ]
+        await peer.send(b"".join(frame(MSG, sid, g) for g in garbage) + frame(END, sid, b'{"error": "boom"}'))
+        code, output = await asyncio.wait_for(run, 5)
+        assert code == -1 and len(output) <= OUTPUT_TAIL + 64 * 1024 and output.endswith("boom")
+        assert not link.channel.closed.is_set()
+    finally:
+        link.close("done")
+        peer.close()
+
+
 # -- from inside a real sandbox, as root ----------------------------------------------------------
 ATTACK = r"""
 import os, socket, struct, sys, time
@@ -431,3 +466,61 @@ def test_hostile_frames_from_sandbox_root_remove_that_sandbox_only(
             victim.kill()
         except Exception:
             pass
+
+
+WS_FLOOD = r"""
+import base64, hashlib, socket, sys
+server = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+while True:
+    conn, _ = server.accept()
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += conn.recv(4096)
+    if b"sec-websocket-key" not in head.lower():  # a plain request: the port is up
+        conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        conn.close()
+        continue
+    key = [l.split(b":", 1)[1].strip() for l in head.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key:")][0]
+    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+    chunk = b"x" * 65536
+    def fragment(opcode):  # FIN never set: one text message that never ends
+        return bytes([opcode, 127]) + len(chunk).to_bytes(8, "big") + chunk
+    try:
+        conn.sendall(fragment(0x1))
+        for _ in range(16 * 1024):  # 1 GiB
+            conn.sendall(fragment(0x0))
+    except OSError:
+        pass
+    conn.close()
+"""
+
+
+@pytest.mark.sandbox
+def test_a_never_ending_websocket_message_from_a_sandbox_port_is_cut_off(e2b_env: Server) -> None:
+    from e2b import Sandbox
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect as ws_connect
+
+    from tests.api.test_proxy import wait_for_port
+
+    sbx = Sandbox.create(timeout=300)
+    try:
+        sbx.files.write("/home/user/flood.py", WS_FLOOD)
+        sbx.commands.run("python3 /home/user/flood.py 8766", background=True)
+        routed = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8766"}
+        wait_for_port(f"{e2b_env.url}/", routed)
+        pid = e2b_env.proc.pid
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        before = rss_kib(pid, "VmRSS")
+        with ws_connect(e2b_env.url.replace("http", "ws", 1) + "/", additional_headers=routed) as ws:
+            with pytest.raises(ConnectionClosed) as exc:
+                ws.recv(timeout=120)
+        assert exc.value.rcvd is not None and exc.value.rcvd.code == 1009  # message too big
+        peak = rss_kib(pid, "VmHWM")
+        assert peak - before < 256 * 1024, f"the server grew from {before} to {peak} KiB"
+        assert sbx.commands.run("echo fine").stdout.strip() == "fine"
+    finally:
+        sbx.kill()
