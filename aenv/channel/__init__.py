@@ -529,6 +529,8 @@ class Channel:
             self._serve_peer(sid, payload)
             await asyncio.sleep(0)  # let its handler start: a flood of OPENs must not pile up tasks
             return
+        if kind == CREDIT and len(payload) != GRANT.size:
+            raise ProtocolViolation(f"a CREDIT of {len(payload)} bytes on stream {sid}")
         stream = self._streams.get(sid)
         if stream is None:
             self._check_late(kind, sid, payload)

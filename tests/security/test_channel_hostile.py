@@ -144,6 +144,14 @@ async def test_credit_beyond_the_window_closes(host: tuple[Channel, RawPeer]) ->
     assert "credit beyond the window" in await closed_for(channel)
 
 
+@pytest.mark.parametrize("payload", [b"", b"\x01", b"\x00\x01\x00"])
+async def test_a_short_credit_closes(host: tuple[Channel, RawPeer], payload: bytes) -> None:
+    channel, peer = host
+    stream = await channel.open("process.start", {})
+    await peer.send(frame(CREDIT, stream.id, payload))
+    assert (await closed_for(channel)).startswith("protocol violation")
+
+
 @pytest.mark.parametrize(
     "kind, payload",
     [
