@@ -532,3 +532,21 @@ def test_a_never_ending_websocket_message_from_a_sandbox_port_is_cut_off(e2b_env
         assert sbx.commands.run("echo fine").stdout.strip() == "fine"
     finally:
         sbx.kill()
+
+
+@pytest.mark.sandbox
+def test_sandbox_root_cannot_fill_the_hosts_disk_through_the_agents_stderr(e2b_env: Server) -> None:
+    from e2b import Sandbox
+
+    def agent_logs() -> int:
+        return sum(p.stat().st_size for p in e2b_env.data_dir.glob("runtime/instances/*/agent.log"))
+
+    sbx = Sandbox.create(timeout=300)
+    try:
+        before = agent_logs()
+        r = sbx.commands.run("dd if=/dev/zero of=/proc/1/fd/2 bs=1M count=64 2>&1 | tail -1", user="root")
+        assert "copied" in r.stdout or "No such" in r.stdout or "denied" in r.stdout, r.stdout
+        assert agent_logs() - before < 2**20
+        assert sbx.commands.run("echo fine").stdout.strip() == "fine"
+    finally:
+        sbx.kill()
