@@ -10,6 +10,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import posixpath
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -21,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from aenv.api import connect, uploads
 from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, ConnectError, Message
 from aenv.api.proxy import sandbox_gone
-from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError
+from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError, end_error
 from aenv.errors import AenvError, InsufficientStorage, InvalidRequest, error_body
 from aenv.node.orchestrator import LiveSandbox, Node
 
@@ -72,8 +73,8 @@ async def _stream_events(request: Request, stream: Stream, *, first: Any = None)
                 yield connect.envelope(item.data)
             elif item.kind == END:
                 finished = True
-                err = item.msg.get("error") if isinstance(item.msg, dict) else None
-                yield connect.end_stream(ConnectError(err["code"], err["message"]) if err else None)
+                error = end_error(item.msg)
+                yield connect.end_stream(_connect_error(error) if error else None)
                 return
     finally:
         if not finished:  # the client left: stop following, the process keeps running
@@ -89,8 +90,7 @@ async def _first_message(stream: Stream) -> Any:
     """Wait for the first message, so errors before it become a proper Connect error."""
     item = await stream.recv()
     if item.kind == END:
-        err = (item.msg or {}).get("error") or {"code": "internal", "message": "stream ended early"}
-        raise ConnectError(err["code"], err["message"])
+        raise _connect_error(end_error(item.msg) or StreamError("internal", "stream ended early"))
     return item.msg
 
 
@@ -277,7 +277,8 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
         first = await _first_message(stream)
     except Exception as exc:
         return _file_error(request, exc)
-    entry = first.get("entry", {})
+    entry = first.get("entry") if isinstance(first, dict) else None
+    entry = entry if isinstance(entry, dict) else {}  # what the agent says is only a hint
 
     async def body() -> AsyncIterator[bytes]:
         done = False
@@ -293,12 +294,13 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
             if not done:
                 await stream.end()
 
-    name = entry.get("name", "file")
+    name, size = entry.get("name"), entry.get("size")
     headers = {
-        "Content-Disposition": f'inline; filename="{quote(name)}"',
-        "Content-Length": str(entry.get("size", 0)),
+        "Content-Disposition": f'inline; filename="{quote(name if isinstance(name, str) else "file")}"',
         "Vary": "Accept-Encoding",
     }
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+        headers["Content-Length"] = str(size)
     return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
 
 
@@ -311,7 +313,7 @@ async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: Asyn
             if chunk:
                 await stream.send_data(chunk)
         await stream.send_eof()
-        result: dict[str, Any] = await stream.result()
+        result = await stream.result()
     except ChannelClosed:
         if stream.remote_ended:
             await stream.result()  # raises the agent's error
@@ -320,7 +322,12 @@ async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: Asyn
         if not stream.remote_ended:
             await stream.end()
         raise
-    return {"path": result["path"], "name": result["name"], "type": "file"}
+    written = result if isinstance(result, dict) else {}
+    return {
+        "path": str(written.get("path", path)),
+        "name": str(written.get("name", posixpath.basename(path))),
+        "type": "file",
+    }
 
 
 async def _part_bytes(events: AsyncIterator[uploads.PartEvent]) -> AsyncIterator[bytes]:

@@ -36,6 +36,8 @@ HOP_BY_HOP = {
     b"content-length",
 }
 ROUTING = {b"e2b-sandbox-id", b"e2b-sandbox-port"}
+WS_MAX_MESSAGE = 16 * 2**20  # a message from a sandbox port, whole (as uvicorn bounds the client's)
+TUNNEL_TIMEOUT = 30.0  # the agent answers a tunnel.open within its own 5 s connect timeout
 
 
 def sandbox_gone(sandbox_id: str) -> JSONResponse:
@@ -62,7 +64,11 @@ async def open_tunnel(node: Node, sandbox_id: str, port: int) -> Stream | Respon
         stream = await sb.link.open("tunnel.open", {"port": port})
     except AenvError:
         return sandbox_gone(sandbox_id)
-    first = await stream.recv()
+    try:
+        first = await asyncio.wait_for(stream.recv(), TUNNEL_TIMEOUT)
+    except TimeoutError:
+        await stream.end()
+        return port_closed(sandbox_id, port)
     if first.kind == END:
         return port_closed(sandbox_id, port)
     return stream
@@ -117,7 +123,7 @@ async def proxy_websocket(scope: Any, receive: Any, send: Any, node: Node, sandb
     query = (scope.get("query_string") or b"").decode("latin-1")
     uri = parse_uri(f"ws://127.0.0.1:{port}{path}" + (f"?{query}" if query else ""))
     offered = [Subprotocol(p) for p in scope.get("subprotocols", [])] or None  # [] would send an empty header
-    upstream = ClientProtocol(uri, subprotocols=offered, max_size=None)
+    upstream = ClientProtocol(uri, subprotocols=offered, max_size=WS_MAX_MESSAGE)
     handshake = upstream.connect()
     for key, value in scope["headers"]:
         name = key.decode("latin-1").lower()
@@ -242,6 +248,10 @@ async def _port_to_client(send: Any, upstream: ClientProtocol, tunnel: Stream) -
                 await send({"type": "websocket.send", **({"text": data.decode()} if text else {"bytes": data})})
                 parts = []
         await _flush(upstream, tunnel)
+        if upstream.parser_exc is not None:  # a message too large or bad framing: we have closed on the port
+            close = upstream.close_sent
+            await send({"type": "websocket.close", "code": close.code if close else 1011})
+            return
         if item.kind != DATA or upstream.state is State.CLOSED:
             if upstream.close_rcvd is None:
                 await send({"type": "websocket.close", "code": 1011})  # the port went away without a close

@@ -408,19 +408,28 @@ async def metrics(request: Request, sandbox_id: str) -> list[dict[str, Any]]:
     m = await sb.link.call("sys.metrics")
     limits = node._limits(sb.rec)
     usage = await node.usage(sandbox_id)
+    now = time.time()  # the host's clock: the agent's answer is only trusted for numbers, and checked
     return [
         {
-            "timestamp": rfc3339(m["ts"]),
-            "timestampUnix": int(m["ts"]),
+            "timestamp": rfc3339(now),
+            "timestampUnix": int(now),
             "cpuCount": max(1, int(limits.cpu_count)),
-            "cpuUsedPct": float(m["cpu_used_pct"]),
-            "memUsed": int(usage.get("memory_bytes") or m["mem_used"]),
+            "cpuUsedPct": float(min(_reported(m, "cpu_used_pct"), 100)),
+            "memUsed": int(usage.get("memory_bytes") or _reported(m, "mem_used")),
             "memTotal": limits.memory_mb * 2**20,
-            "memCache": int(m["mem_cache"]),
-            "diskUsed": int(m["disk_used"]),
+            "memCache": int(_reported(m, "mem_cache")),
+            "diskUsed": int(_reported(m, "disk_used")),
             "diskTotal": limits.disk_mb * 2**20,
         }
     ]
+
+
+def _reported(answer: Any, key: str) -> float:
+    """A number a sandbox's agent reported, if it is one (finite, not negative), else 0."""
+    value = answer.get(key) if isinstance(answer, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 2**63:
+        return 0
+    return value
 
 
 @router.get("/templates", summary="List templates")

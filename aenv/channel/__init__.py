@@ -6,7 +6,8 @@ CPython standard library.
 Wire format: every frame is a 9-byte header ``kind:u8 stream:u32 length:u32`` (big endian)
 followed by ``length`` payload bytes. Stream 0 is the control stream.
 
-    OPEN    host->guest   JSON {"m": method, "p": params}; starts stream N
+    OPEN    both          JSON {"m": method, "p": params}; starts stream N (the host numbers its
+                          streams odd, the guest even: the guest opens egress connections)
     MSG     both          one JSON message on stream N
     DATA    both          raw bytes on stream N
     EOF     both          the sender will send no more MSG/DATA on stream N
@@ -19,6 +20,13 @@ Flow control is per stream and per direction: a sender may have at most ``window
 (MSG + DATA) unacknowledged; the receiver grants credit as its consumer takes items. A stalled
 consumer therefore stalls only its own stream, never the pipe.
 
+Every frame is untrusted input (root in a sandbox can write to the agent's pipe): a frame of an
+unknown kind or larger than its kind allows, JSON that is not strict UTF-8 JSON, data beyond the
+credit granted, more credit than was ever spent, an OPEN of a stream id in use (or past
+``max_peer_streams``), more queued items than a window's worth: each is a
+:class:`ProtocolViolation`, which closes the channel (the node then removes the sandbox). Nothing
+the peer sends makes this side hold more than a window (plus one frame) per stream.
+
 Checkpoint safety: before the runtime checkpoints a sandbox the host sends CTRL freeze; the
 guest answers CTRL frozen and then writes nothing until CTRL thaw. The host writes nothing
 between freeze and thaw. Both directions of the pipe are therefore on a frame boundary inside
@@ -29,22 +37,48 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import struct
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 HEADER = struct.Struct("!BII")
-MAX_PAYLOAD = 256 * 1024
+GRANT = struct.Struct("!I")
+MAX_PAYLOAD = 256 * 1024  # one DATA frame
+MAX_JSON = 4 * 1024 * 1024  # one OPEN, MSG or END frame: a request, an event, a result
+MAX_CTRL = 1024 * 1024  # one CTRL frame (a thaw carries the sandbox's env)
+MAX_GUEST_STREAMS = 256  # streams the guest may have open at once (its egress connections)
+ITEM_FLOOR = 8  # a stream queues at most window // ITEM_FLOOR items: no real message is smaller
+COALESCE_BELOW = 16 * 1024  # small DATA frames queue as one item (see Stream._take)
 SPLICE_CHUNK = 256 * 1024
 SPLICE_LINGER = 30.0  # after one direction ends, how long the other may go on
 DEFAULT_WINDOW = 4 * 1024 * 1024
 
 OPEN, MSG, DATA, EOF, END, CREDIT, CTRL = 1, 2, 3, 4, 5, 6, 7
+# The largest payload of each kind of frame; a kind not listed is a protocol violation.
+MAX_LENGTH = {
+    OPEN: MAX_JSON,
+    MSG: MAX_JSON,
+    DATA: MAX_PAYLOAD,
+    EOF: 0,
+    END: MAX_JSON,
+    CREDIT: GRANT.size,
+    CTRL: MAX_CTRL,
+}
+
+PROTOCOL_VIOLATION = "protocol violation"  # how the close reason of a channel the peer broke begins
+
+log = logging.getLogger("aenv.channel")
 
 
 class ChannelClosed(ConnectionError):
     """The pipe under the channel is gone (sandbox stopped, paused or killed)."""
+
+
+class ProtocolViolation(Exception):
+    """The peer sent something the protocol does not allow: nothing more from it can be trusted."""
 
 
 class StreamError(Exception):
@@ -56,12 +90,51 @@ class StreamError(Exception):
         self.message = message
 
 
+class Unsendable(StreamError):
+    """A message this side refused to send: not strict JSON, or larger than its frame allows."""
+
+
 def encode(kind: int, stream: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(kind, stream, len(payload)) + payload
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _sendable(obj: Any, limit: int, what: str) -> bytes:
+    try:
+        payload = dumps(obj)
+    except ValueError as exc:  # NaN or Infinity: the peer would refuse it
+        raise Unsendable("invalid_argument", f"{what} is not JSON: {exc}") from exc
+    if len(payload) > limit:
+        raise Unsendable("resource_exhausted", f"{what} is {len(payload)} bytes, more than the limit of {limit}")
+    return payload
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constants)
+
+
+def loads(payload: bytes, what: str = "a message") -> Any:
+    """Strict JSON: UTF-8 only, no NaN/Infinity, nesting within the recursion limit."""
+    try:
+        return _DECODER.decode(payload.decode())
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolViolation(f"{what} is not JSON: {str(exc)[:200]}") from None
+
+
+def _object(payload: bytes, what: str) -> dict[str, Any]:
+    body = loads(payload, what)
+    if not isinstance(body, dict):
+        raise ProtocolViolation(f"{what} is not a JSON object")
+    return body
+
+
+_UNDECODED: Any = object()
 
 
 @dataclass(slots=True)
@@ -69,8 +142,14 @@ class Item:
     """One thing received on a stream."""
 
     kind: int  # MSG, DATA, EOF or END
-    msg: Any = None  # decoded JSON for MSG and END
+    _msg: Any = None  # decoded JSON for MSG and END (a MSG is decoded when first asked for)
     data: bytes = b""
+
+    @property
+    def msg(self) -> Any:
+        if self._msg is _UNDECODED:
+            self._msg = loads(self.data)  # checked when it arrived: this cannot fail
+        return self._msg
 
 
 class Stream:
@@ -81,16 +160,26 @@ class Stream:
         self.id = sid
         self.method = method
         self.params = params if params is not None else {}
-        self._items: asyncio.Queue[Item] = asyncio.Queue()
+        self._items: deque[Item] = deque()
+        self._pending: bytearray | None = None  # small DATA frames joined to the last item queued
+        self._arrived = asyncio.Event()
         self._send_credit = channel.window
         self._credit_event = asyncio.Event()
+        self._recv_credit = channel.window  # what the peer may still send: the window + grants - received
         self._unacked = 0
+        self._eof = False  # the peer sent EOF
         self.ended = False  # we sent END (or received one)
         self.remote_ended = False
+        self.opened_by_peer = False
 
     # -- receiving ---------------------------------------------------------------------------
     async def recv(self) -> Item:
-        item = await self._items.get()
+        while not self._items:
+            self._arrived.clear()
+            await self._arrived.wait()
+        item = self._items.popleft()
+        if not self._items:
+            self._seal_tail(item)
         self._consumed(item)
         return item
 
@@ -101,7 +190,8 @@ class Stream:
         self._unacked += n
         if self._unacked >= self.channel.window // 4 and not self.remote_ended:
             grant, self._unacked = self._unacked, 0
-            self.channel._write_nowait(encode(CREDIT, self.id, struct.pack("!I", grant)))
+            self._recv_credit += grant
+            self.channel._write_nowait(encode(CREDIT, self.id, GRANT.pack(grant)))
 
     async def result(self) -> Any:
         """Wait for END; return its result or raise :class:`StreamError`."""
@@ -113,7 +203,7 @@ class Stream:
     # -- sending -----------------------------------------------------------------------------
     async def _send(self, kind: int, payload: bytes) -> None:
         # Send while any credit is left (it may go negative): a frame larger than the window must
-        # not wait for credit that only its own delivery would bring.
+        # not wait for credit that only its own delivery would bring. The receiver checks the same.
         while self._send_credit <= 0 and not self.remote_ended:
             self._credit_event.clear()
             await self._credit_event.wait()
@@ -123,7 +213,7 @@ class Stream:
         await self.channel._write(encode(kind, self.id, payload))
 
     async def send(self, msg: Any) -> None:
-        await self._send(MSG, dumps(msg))
+        await self._send(MSG, _sendable(msg, MAX_JSON, "a message"))
 
     async def send_data(self, data: bytes) -> None:
         view = memoryview(data)
@@ -143,29 +233,94 @@ class Stream:
             body["error"] = {"code": error[0], "message": error[1]}
         elif result is not None:
             body["result"] = result
+        try:
+            payload = _sendable(body, MAX_JSON, "the answer")
+        except Unsendable as exc:  # the peer still hears that the stream is over, and why
+            payload = dumps({"error": {"code": exc.code, "message": exc.message}})
         self.channel._streams.pop(self.id, None)  # sending END is our last word on it
         try:
-            await self.channel._write(encode(END, self.id, dumps(body)))
+            await self.channel._write(encode(END, self.id, payload))
         except ChannelClosed:
             pass
 
     # -- called by the channel's reader ----------------------------------------------------------
+    def _take(self, kind: int, payload: bytes) -> None:
+        """A MSG or DATA frame from the peer, within the credit it was given."""
+        if self._recv_credit <= 0:
+            raise ProtocolViolation(f"stream {self.id}: {len(payload)} bytes sent beyond the credit granted")
+        self._recv_credit -= len(payload)
+        items = self._items
+        if kind == MSG:
+            loads(payload)  # checked now, decoded when used: a queued message costs its bytes only
+            item = Item(MSG, _UNDECODED, payload)
+        elif not payload:
+            raise ProtocolViolation(f"stream {self.id}: an empty DATA frame")
+        elif self._coalesce(payload):
+            return
+        else:
+            item = Item(DATA, None, payload)
+        if len(items) >= self.channel.window // ITEM_FLOOR:
+            raise ProtocolViolation(f"stream {self.id}: more than {len(items)} items queued")
+        self._deliver(item)
+
+    def _coalesce(self, payload: bytes) -> bool:
+        """Append a small DATA frame to a small DATA item still queued, if there is one.
+
+        While the consumer lags, tiny frames then cost their bytes, not a hundred times that in
+        per-item overhead; frames that arrive while nothing is queued are never copied."""
+        tail = self._items[-1] if self._items else None
+        if tail is None or tail.kind != DATA or len(payload) >= COALESCE_BELOW:
+            return False
+        if self._pending is None:
+            if len(tail.data) >= COALESCE_BELOW:
+                return False
+            self._pending = bytearray(tail.data)
+        elif len(self._pending) >= COALESCE_BELOW:
+            return False
+        self._pending += payload
+        return True
+
+    def _seal_tail(self, tail: Item) -> None:
+        if self._pending is not None:
+            tail.data = bytes(self._pending)
+            self._pending = None
+
+    def _got_eof(self) -> None:
+        if not self._eof:  # a repeated EOF says nothing new
+            self._eof = True
+            self._deliver(Item(EOF))
+
     def _deliver(self, item: Item) -> None:
         if item.kind == END:  # the peer's last word: nothing more will arrive
             self.remote_ended = True
             self._credit_event.set()
             self.channel._streams.pop(self.id, None)
-        self._items.put_nowait(item)
+        if self._items:
+            self._seal_tail(self._items[-1])
+        self._items.append(item)
+        self._arrived.set()
 
     def _grant(self, n: int) -> None:
+        if self._send_credit + n > self.channel.window:  # a peer grants only what it received
+            raise ProtocolViolation(f"stream {self.id}: credit beyond the window")
         self._send_credit += n
         self._credit_event.set()
 
 
+def end_error(body: Any) -> StreamError | None:
+    """The error an END's body carries, if any, whatever shape the peer gave it."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not err:
+        return None
+    if not isinstance(err, dict):
+        return StreamError("unknown", str(err)[:1000])
+    return StreamError(str(err.get("code", "unknown"))[:100], str(err.get("message", ""))[:10_000])
+
+
 def _result_of(body: Any) -> Any:
-    if isinstance(body, dict) and body.get("error"):
-        err = body["error"]
-        raise StreamError(str(err.get("code", "unknown")), str(err.get("message", "")))
+    error = end_error(body)
+    if error is not None:
+        raise error
     return body.get("result") if isinstance(body, dict) else None
 
 
@@ -182,9 +337,11 @@ CtrlHandler = Callable[[dict[str, Any]], Awaitable[None]]
 class Channel:
     """A multiplexed channel over a (reader, writer) pair of asyncio streams.
 
-    ``on_open`` serves streams the peer opens (the guest side); ``on_ctrl`` receives control
-    messages. The host side opens streams with :meth:`open` and may swap the underlying pipe
-    with :meth:`attach` after a checkpoint without losing its streams.
+    ``on_open`` serves streams the peer opens; ``on_ctrl`` receives control messages. Streams
+    this side opens are numbered from ``first_stream_id`` in steps of two, the peer's have the
+    other parity; ``max_peer_streams`` caps how many of the peer's may be open at once. The host
+    side may swap the underlying pipe with :meth:`attach` after a checkpoint without losing its
+    streams.
     """
 
     def __init__(
@@ -194,12 +351,14 @@ class Channel:
         on_ctrl: CtrlHandler | None = None,
         window: int = DEFAULT_WINDOW,
         first_stream_id: int = 1,
+        max_peer_streams: int | None = None,
     ) -> None:
         self.window = window
         self._on_open = on_open
         self._on_ctrl = on_ctrl
         self._streams: dict[int, Stream] = {}
         self._next_id = first_stream_id
+        self._max_peer_streams = max_peer_streams
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._write_lock = asyncio.Lock()
@@ -209,6 +368,10 @@ class Channel:
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = asyncio.Event()
         self.close_reason = ""
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
 
     # -- transport -----------------------------------------------------------------------------
     def attach(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -281,7 +444,7 @@ class Channel:
                 await self._write(frame)
 
     async def ctrl(self, msg: dict[str, Any], *, force: bool = False) -> None:
-        frame = encode(CTRL, 0, dumps(msg))
+        frame = encode(CTRL, 0, _sendable(msg, MAX_CTRL, "a control message"))
         if not force:
             await self._write(frame)
             return
@@ -296,12 +459,15 @@ class Channel:
 
     # -- streams --------------------------------------------------------------------------------
     async def open(self, method: str, params: Any = None) -> Stream:
+        payload = _sendable({"m": method, "p": params if params is not None else {}}, MAX_JSON, f"{method!r}")
+        while self._next_id in self._streams:  # a peer that numbers its streams as we do
+            self._next_id += 2
         sid = self._next_id
         self._next_id += 2
         stream = Stream(self, sid, method, params)
         self._streams[sid] = stream
         try:
-            await self._write(encode(OPEN, sid, dumps({"m": method, "p": stream.params})))
+            await self._write(encode(OPEN, sid, payload))
         except ChannelClosed:
             self._streams.pop(sid, None)
             raise
@@ -329,12 +495,16 @@ class Channel:
             while True:
                 header = await reader.readexactly(HEADER.size)
                 kind, sid, length = HEADER.unpack(header)
+                if length > MAX_LENGTH.get(kind, -1):  # checked before a byte of it is buffered
+                    raise ProtocolViolation(_bad_header(kind, sid, length))
                 payload = await reader.readexactly(length) if length else b""
                 await self._dispatch(kind, sid, payload)
         except asyncio.IncompleteReadError:
             self._lost(reader, "the peer closed the channel")
         except asyncio.CancelledError:
             raise
+        except ProtocolViolation as exc:
+            self._lost(reader, f"{PROTOCOL_VIOLATION}: {exc}")
         except Exception as exc:  # a corrupt frame: nothing on this pipe can be trusted any more
             self._lost(reader, f"channel protocol error: {exc!r}")
 
@@ -347,31 +517,72 @@ class Channel:
 
     async def _dispatch(self, kind: int, sid: int, payload: bytes) -> None:
         if kind == CTRL:
+            if sid:
+                raise ProtocolViolation(f"a control frame on stream {sid}")
+            msg = _object(payload, "a control message")
             if self._on_ctrl is not None:
-                await self._on_ctrl(json.loads(payload))
+                await self._on_ctrl(msg)
             return
+        if not sid:
+            raise ProtocolViolation(f"a frame of kind {kind} on the control stream")
         if kind == OPEN:
-            body = json.loads(payload)
-            stream = Stream(self, sid, body.get("m", ""), body.get("p"))
-            self._streams[sid] = stream
-            handle = self._on_open or _refuse_open
-            task = asyncio.ensure_future(handle(stream))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._serve_peer(sid, payload)
+            await asyncio.sleep(0)  # let its handler start: a flood of OPENs must not pile up tasks
             return
+        if kind == CREDIT and len(payload) != GRANT.size:
+            raise ProtocolViolation(f"a CREDIT of {len(payload)} bytes on stream {sid}")
         stream = self._streams.get(sid)
         if stream is None:
-            return  # late frame for a stream we already forgot
-        if kind == CREDIT:
-            stream._grant(struct.unpack("!I", payload)[0])
-        elif kind == MSG:
-            stream._deliver(Item(MSG, json.loads(payload), payload))
-        elif kind == DATA:
-            stream._deliver(Item(DATA, None, payload))
+            self._check_late(kind, sid, payload)
+        elif kind == MSG or kind == DATA:
+            stream._take(kind, payload)
+        elif kind == CREDIT:
+            stream._grant(GRANT.unpack(payload)[0])
         elif kind == EOF:
-            stream._deliver(Item(EOF))
-        elif kind == END:
-            stream._deliver(Item(END, json.loads(payload) if payload else {}))
+            stream._got_eof()
+        else:
+            stream._deliver(Item(END, _object(payload, "an END") if payload else {}))
+
+    def _serve_peer(self, sid: int, payload: bytes) -> None:
+        if sid in self._streams or (sid % 2 == self._next_id % 2 and sid < self._next_id):
+            raise ProtocolViolation(f"an OPEN of stream {sid}, which is open already or was this side's")
+        limit = self._max_peer_streams
+        if limit is not None and sum(1 for s in self._streams.values() if s.opened_by_peer) >= limit:
+            raise ProtocolViolation(f"more than {limit} streams opened at once")
+        body = _object(payload, "an OPEN")
+        method, params = body.get("m", ""), body.get("p", {})
+        if not isinstance(method, str) or not isinstance(params, dict):
+            raise ProtocolViolation("an OPEN without a method name and a params object")
+        stream = Stream(self, sid, method, params)
+        stream.opened_by_peer = True
+        self._streams[sid] = stream
+        task = asyncio.ensure_future(self._serve(stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, stream: Stream) -> None:
+        """Run the handler; a stream the peer opened always gets its END, whatever the handler did."""
+        try:
+            await (self._on_open or _refuse_open)(stream)
+        except Exception:
+            log.exception("serving %r on stream %d failed", stream.method, stream.id)
+            await stream.end(error=("internal", f"serving {stream.method!r} failed"))
+        else:
+            if not stream.remote_ended:
+                await stream.end(error=("internal", f"{stream.method!r} ended without an answer"))
+
+    def _check_late(self, kind: int, sid: int, payload: bytes) -> None:
+        """A frame for a stream already forgotten (ended while it was on its way): checked, dropped."""
+        if kind == MSG or (kind == END and payload):
+            loads(payload)
+        elif kind == DATA and not payload:
+            raise ProtocolViolation(f"stream {sid}: an empty DATA frame")
+
+
+def _bad_header(kind: int, sid: int, length: int) -> str:
+    if kind not in MAX_LENGTH:
+        return f"a frame of unknown kind {kind} on stream {sid}"
+    return f"a frame of kind {kind} on stream {sid} with {length} bytes, more than the {MAX_LENGTH[kind]} it may have"
 
 
 async def splice(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -4,8 +4,8 @@ Every module the agent imports stays in its memory, which every checkpoint saves
 and fork child loads again (about 3 ms per MiB per child for a fork of 16 on two cores). asyncio
 imports ssl, and with it OpenSSL: 1.2 MiB the agent never uses (it speaks no TLS; egress through
 it is tunnelled bytes). So ssl is marked absent first, which asyncio handles as it does a Python
-built without it. Features used rarely (directory watches, the files API's moves, plain-HTTP
-proxying) import what they need when first used.
+built without it. Features used rarely (directory watches, the files API's moves) import what
+they need when first used.
 """
 
 import sys

@@ -137,11 +137,13 @@ class Agent:
         return env
 
     async def run(self) -> None:
-        # The channel owns fds 0 and 1; children never inherit them.
+        # The channel owns fds 0 and 1; children never inherit them. Stderr is a file on the host
+        # (runsc's log): held here, root in the sandbox could fill the host's disk through
+        # /proc/1/fd/2, so from now on the agent's own errors travel in its answers only.
         rfd, wfd = os.dup(0), os.dup(1)
         devnull = os.open(os.devnull, os.O_RDWR)
-        os.dup2(devnull, 0)
-        os.dup2(devnull, 1)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
         os.set_inheritable(rfd, False)
         os.set_inheritable(wfd, False)
         reader, writer = stdio_streams(rfd, wfd)

@@ -20,9 +20,15 @@ from aenv.channel import DATA, END, EOF, SPLICE_CHUNK, ChannelClosed, Stream
 T = TypeVar("T")
 
 
-def on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` on the agent's event loop from a worker thread and wait for it."""
-    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+def on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    """Run ``coro`` on the agent's event loop from a worker thread and wait for it (TimeoutError
+    after ``timeout`` seconds, with ``coro`` cancelled)."""
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result(timeout)
+    except TimeoutError:
+        future.cancel()
+        raise
 
 
 def relay(loop: asyncio.AbstractEventLoop, conn: socket.socket, stream: Stream) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from aenv.channel import Channel, ChannelClosed, OpenHandler, Stream
-from aenv.errors import AgentUnavailable, OperationTimeout
+from aenv.channel import MAX_GUEST_STREAMS, Channel, ChannelClosed, OpenHandler, Stream, Unsendable
+from aenv.errors import AgentUnavailable, InvalidRequest, OperationTimeout
 from aenv.runtime.base import Instance
 
 READY_TIMEOUT = 30.0
@@ -17,7 +17,7 @@ class AgentLink:
     def __init__(self, sandbox_id: str, serve: OpenHandler | None = None) -> None:
         self.sandbox_id = sandbox_id
         # ``serve`` answers streams the agent opens (egress); the host's own streams are odd-numbered.
-        self.channel = Channel(on_ctrl=self._on_ctrl, on_open=serve)
+        self.channel = Channel(on_ctrl=self._on_ctrl, on_open=serve, max_peer_streams=MAX_GUEST_STREAMS)
         self._waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.agent_version = ""
         self.watcher: asyncio.Future[None] | None = None
@@ -54,7 +54,7 @@ class AgentLink:
         fut = self._expect("ready")
         self.attach(instance)
         msg = await self._await(fut, "its first hello", READY_TIMEOUT)
-        self.agent_version = str(msg.get("version", ""))
+        self.agent_version = str(msg.get("version", ""))[:64]
 
     async def restored(self, instance: Instance, *, fresh: bool, config: dict[str, Any] | None) -> None:
         """Attach to a restored instance and let its agent go on.
@@ -74,6 +74,8 @@ class AgentLink:
             await self.channel.ctrl(msg, force=True)
         except ChannelClosed as exc:
             raise AgentUnavailable(f"the restored agent is gone: {exc}", sandbox_id=self.sandbox_id) from exc
+        except Unsendable as exc:
+            raise InvalidRequest(f"the sandbox's settings: {exc.message}", sandbox_id=self.sandbox_id) from exc
         await self._await(fut, "thaw", READY_TIMEOUT)
 
     async def freeze(self) -> None:

@@ -6,13 +6,15 @@ checked against the sandbox's policy, and only then is a TCP connection made: fr
 to the address that was checked (so a DNS answer cannot change between check and use).
 
 Policy, in order (E2B's fields: ``allow_internet_access``, ``network.allowOut``/``denyOut``):
-1. loopback, link-local, multicast and unspecified addresses are never reachable (this node's
-   own services and cloud metadata endpoints live there);
-2. a destination in ``allowOut`` (CIDR, address, domain or ``*.domain``) is allowed;
-3. a destination in ``denyOut`` is denied;
-4. without internet access everything else is denied;
-5. with it, public (globally routable) addresses are allowed and private ones are not: a
-   private range has to be named in ``allowOut``.
+1. loopback, link-local, multicast, unspecified and reserved addresses are never reachable
+   (this node's own services and cloud metadata endpoints live there);
+2. a private address (RFC 1918, CGNAT, ULA, ...) or one of this node's own (any interface's, a
+   gateway's) is *inside*: only an ``allowOut`` address or CIDR that names it opens it, not a
+   domain rule (a name can resolve anywhere: DNS rebinding) and not the catch-all 0.0.0.0/0;
+3. a destination in ``allowOut`` (CIDR, address, domain or ``*.domain``) is allowed;
+4. a destination in ``denyOut`` is denied;
+5. without internet access everything else is denied;
+6. with it, the rest (public addresses) is allowed.
 """
 
 from __future__ import annotations
@@ -22,28 +24,43 @@ import ipaddress
 import logging
 import re
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from aenv.channel import OpenHandler, Stream, splice
 from aenv.errors import AenvError, InvalidRequest
+from aenv.guest.egress import valid_name
 from aenv.node.metrics import EGRESS
 
 log = logging.getLogger("aenv.egress")
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Resolver = Callable[[str, int], Awaitable[list[Address]]]
+T = TypeVar("T")
 
 RESOLVE_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 10.0
+NODE_ADDRESSES_TTL = 5.0  # how long this node's own addresses are taken as known
 ALL_TRAFFIC = "0.0.0.0/0"
 LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
 DOMAIN = re.compile(rf"(?:\*\.)?(?:{LABEL}\.)*{LABEL}")
+THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")  # Linux connects 0.x to this node itself
+RTF_GATEWAY = 0x2
 
 
 def _never(addr: Address) -> bool:
-    return addr.is_loopback or addr.is_link_local or addr.is_multicast or addr.is_unspecified or addr.is_reserved
+    return (
+        addr.is_loopback
+        or addr.is_link_local
+        or addr.is_multicast
+        or addr.is_unspecified
+        or addr.is_reserved
+        or addr in THIS_NETWORK
+    )
 
 
 def _plain(addr: Address) -> Address:
@@ -51,6 +68,48 @@ def _plain(addr: Address) -> Address:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return addr.ipv4_mapped
     return addr
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _read_node_addresses() -> frozenset[Address]:
+    found: set[Address] = set()
+    last = ""
+    for line in _lines("/proc/net/fib_trie"):  # "|-- 192.0.2.2" then "/32 host LOCAL": a local address
+        text = line.strip()
+        if text.startswith("|-- "):
+            last = text[4:]
+        elif text.endswith("host LOCAL") and last:
+            found.add(ipaddress.ip_address(last))
+    for line in _lines("/proc/net/if_inet6"):
+        found.add(ipaddress.IPv6Address(int(line.split()[0], 16)))
+    for line in _lines("/proc/net/route")[1:]:
+        fields = line.split()
+        if len(fields) > 3 and int(fields[3], 16) & RTF_GATEWAY:
+            found.add(ipaddress.IPv4Address(int(fields[2], 16).to_bytes(4, "little")))
+    for line in _lines("/proc/net/ipv6_route"):
+        fields = line.split()
+        if len(fields) > 8 and int(fields[8], 16) & RTF_GATEWAY:
+            found.add(ipaddress.IPv6Address(int(fields[4], 16)))
+    return frozenset(found)
+
+
+_node_addresses: tuple[float, frozenset[Address]] = (-NODE_ADDRESSES_TTL, frozenset())
+
+
+def node_addresses() -> frozenset[Address]:
+    """This node's own addresses (every interface's, from the kernel's local table) and its gateways'."""
+    global _node_addresses
+    read_at, addresses = _node_addresses
+    if time.monotonic() - read_at >= NODE_ADDRESSES_TTL:
+        addresses = _read_node_addresses()
+        _node_addresses = (time.monotonic(), addresses)
+    return addresses
 
 
 @dataclass(frozen=True)
@@ -79,8 +138,11 @@ class Rules:
             names.append(entry)
         return cls(tuple(nets), tuple(names))
 
-    def has_address(self, addr: Address) -> bool:
-        return any(addr.version == net.version and addr in net for net in self.networks)
+    def has_address(self, addr: Address, *, named: bool = False) -> bool:
+        """``addr`` is in one of the networks (``named``: one narrower than all traffic)."""
+        return any(
+            addr.version == net.version and addr in net and (net.prefixlen > 0 or not named) for net in self.networks
+        )
 
     def has_domain(self, host: str) -> bool:
         host = host.lower().rstrip(".")
@@ -108,20 +170,41 @@ class EgressPolicy:
             deny=Rules.parse(network.get("denyOut"), what="denyOut", domains_allowed=False),
         )
 
-    def check(self, host: str, addr: Address) -> str | None:
-        """None if ``addr`` (which ``host`` resolved to) may be reached, else the reason not."""
+    def check(self, host: str, addr: Address, node: Collection[Address] | None = None) -> str | None:
+        """None if ``addr`` (which ``host`` resolved to) may be reached, else the reason not.
+
+        ``node``: this node's own addresses (read from the kernel when not given)."""
         addr = _plain(addr)
         if _never(addr):
             return f"{host} ({addr}) is a loopback, link-local or reserved address, never reachable from a sandbox"
-        if self.allow.has_domain(host) or self.allow.has_address(addr):
+        inside = not addr.is_global or addr in (node_addresses() if node is None else node)
+        if self.allow.has_address(addr, named=inside) or (not inside and self.allow.has_domain(host)):
             return None
         if self.deny.has_address(addr):
             return f"{host} ({addr}) is in this sandbox's denyOut list"
         if not self.internet:
             return f"this sandbox has no internet access and {host} is not in its allowOut list"
-        if not addr.is_global:
-            return f"{host} ({addr}) is a private address; name it in allowOut to reach it"
+        if inside:
+            return (
+                f"{host} ({addr}) is a private address or this node's own; only an allowOut entry naming it "
+                "(the address, or a CIDR narrower than 0.0.0.0/0) opens it"
+            )
         return None
+
+
+def destination(params: dict[str, Any]) -> tuple[str, int] | None:
+    """(host, port) if ``params`` name a DNS name (as the guest's proxy checks it) or an IP literal
+    (no zone id) and a TCP port: all a guest may ask for. Anything else never reaches the resolver."""
+    host, port = params.get("host"), params.get("port")
+    if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return None
+    if len(host) > 253 or "%" in host:
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return (host, port) if valid_name(host) else None
+    return host, port
 
 
 async def resolve(host: str, port: int) -> list[Address]:
@@ -141,36 +224,78 @@ async def resolve(host: str, port: int) -> list[Address]:
     return seen
 
 
-async def serve_connect(stream: Stream, policy: EgressPolicy) -> str:
-    """Carry out one ``egress.connect``; returns how it ended (for metrics and logs)."""
-    host = str(stream.params.get("host", ""))[:253]
-    port = stream.params.get("port")
-    if not host or not isinstance(port, int) or not 0 < port < 65536:
-        await stream.end(error=("invalid_argument", f"bad destination {host!r}:{port!r}"))
-        return "invalid"
+class Refused(Exception):
+    """An egress.connect that ends without a connection: the stream's error and the outcome."""
+
+    def __init__(self, code: str, message: str, outcome: str) -> None:
+        super().__init__(message)
+        self.code, self.message, self.outcome = code, message, outcome
+
+
+class Abandoned(Exception):
+    """The guest ended the stream before it had its answer."""
+
+
+async def connect(
+    host: str, port: int, policy: EgressPolicy, *, resolver: Resolver = resolve, node: Collection[Address] | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Address]:
+    """Resolve ``host``, check every address and connect to the first allowed one that answers."""
     try:
-        addrs = await resolve(host, port)
-    except (OSError, TimeoutError) as exc:
-        await stream.end(error=("unavailable", f"cannot resolve {host}: {exc}"))
-        return "unresolved"
-    reasons = [policy.check(host, addr) for addr in addrs]
+        addrs = await resolver(host, port)
+    except (OSError, TimeoutError, UnicodeError) as exc:
+        raise Refused("unavailable", f"cannot resolve {host}: {exc}", "unresolved") from None
+    reasons = [policy.check(host, addr, node) for addr in addrs]
     allowed = [addr for addr, reason in zip(addrs, reasons, strict=True) if reason is None]
     if not allowed or any(_never(_plain(addr)) for addr in addrs):  # one bad address taints the name
         reason = next((r for r in reasons if r), f"{host} has no address")
-        await stream.end(error=("permission_denied", f"egress to {host}:{port} denied: {reason}"))
-        return "denied"
+        raise Refused("permission_denied", f"egress to {host}:{port} denied: {reason}", "denied")
     last: Exception | None = None
     for addr in allowed:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(str(addr), port), CONNECT_TIMEOUT)
-            break
         except (OSError, TimeoutError) as exc:
             last = exc
-    else:
-        await stream.end(error=("unavailable", f"cannot connect to {host}:{port}: {last}"))
-        return "unreachable"
-    await stream.send({"ok": True, "address": str(addr)})
-    await splice(stream, reader, writer)
+        else:
+            return reader, writer, addr
+    raise Refused("unavailable", f"cannot connect to {host}:{port}: {last}", "unreachable")
+
+
+async def _unless_abandoned(stream: Stream, work: Coroutine[Any, Any, T]) -> T:
+    """``work``, unless the guest ends the stream first (before our answer it sends nothing else)."""
+    attempt = asyncio.ensure_future(work)
+    given_up = asyncio.ensure_future(stream.recv())
+    try:
+        await asyncio.wait({attempt, given_up}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        given_up.cancel()
+        if not attempt.done():
+            attempt.cancel()
+            await asyncio.wait({attempt})  # a cancelled connect closes its own socket
+    if attempt.cancelled():
+        raise Abandoned
+    return attempt.result()
+
+
+async def serve_connect(stream: Stream, policy: EgressPolicy, *, resolver: Resolver = resolve) -> str:
+    """Carry out one ``egress.connect``; returns how it ended (for metrics and logs)."""
+    dest = destination(stream.params)
+    if dest is None:
+        host, port = stream.params.get("host"), stream.params.get("port")
+        await stream.end(error=("invalid_argument", f"bad destination {str(host)[:300]!r}:{str(port)[:20]!r}"))
+        return "invalid"
+    host, port = dest
+    try:
+        reader, writer, addr = await _unless_abandoned(stream, connect(host, port, policy, resolver=resolver))
+    except Refused as exc:
+        await stream.end(error=(exc.code, exc.message))
+        return exc.outcome
+    except Abandoned:
+        return "abandoned"
+    try:
+        await stream.send({"ok": True, "address": str(addr)})
+        await splice(stream, reader, writer)
+    finally:
+        writer.close()
     await stream.end()
     return "connected"
 

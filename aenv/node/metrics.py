@@ -20,6 +20,7 @@ REPO_BYTES = Counter("aenv_repo_commit_bytes_total", "Bytes of commits: logical 
 REPO_FETCHES = Counter("aenv_repo_fetches_total", "Artifacts fetched from the repository", ["outcome"])
 REPO_FETCH_BYTES = Counter("aenv_repo_fetch_bytes_total", "Logical bytes of the artifacts fetched from the repository")
 EGRESS = Counter("aenv_egress_connections_total", "Outbound connections asked for by sandboxes", ["outcome"])
+CHANNEL_STREAMS = Gauge("aenv_channel_streams", "Streams open on the channels of this node's sandboxes")
 OPERATION_SECONDS = Histogram(
     "aenv_operation_seconds",
     "Duration of lifecycle operations",
@@ -38,3 +39,4 @@ def observe_node(node: Node) -> None:
     for state, n in counts.items():
         SANDBOXES.labels(state=state).set(n)
     TEMPLATES.set(len(node.templates))
+    CHANNEL_STREAMS.set(sum(sb.link.channel.open_streams for sb in node.sandboxes.values() if sb.link is not None))

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from aenv.channel import OpenHandler, StreamError
+from aenv.channel import PROTOCOL_VIOLATION, OpenHandler, StreamError
 from aenv.config import Settings
 from aenv.errors import (
     CHECKPOINT_REFUSAL,
@@ -78,6 +78,13 @@ def make_repository(settings: Settings) -> Repository | None:
         secret_access_key=settings.repo_s3_secret_access_key,
     )
     return Repository(backend)
+
+
+def _blocker(entry: Any) -> str:
+    """One process the agent says blocks a checkpoint, as the agent described it (bounded)."""
+    if isinstance(entry, dict):
+        return f"pid {str(entry.get('pid'))[:20]} ({str(entry.get('cmd'))[:200]})"
+    return str(entry)[:200]
 
 
 class Node:
@@ -309,7 +316,8 @@ class Node:
             link.watcher = asyncio.ensure_future(self._watch(sb, link))
 
     async def _watch(self, sb: LiveSandbox, link: AgentLink) -> None:
-        """Notice a sandbox that died on its own (e.g. its memory limit was hit) and clean it up."""
+        """Notice a sandbox that died on its own (e.g. its memory limit was hit) or broke the channel
+        protocol (root in it can write to the agent's pipe) and remove it."""
         while True:
             await link.channel.closed.wait()
             if sb.link is not link:
@@ -321,7 +329,12 @@ class Node:
                     pass
                 if sb.link is not link or not link.channel.closed.is_set():
                     continue
-            reason = "out of memory" if sb.instance and (await self.driver.usage(sb.instance)).oom else "exited"
+            if link.channel.close_reason.startswith(PROTOCOL_VIOLATION):
+                reason = link.channel.close_reason
+            elif sb.instance and (await self.driver.usage(sb.instance)).oom:
+                reason = "out of memory"
+            else:
+                reason = "exited"
             log.warning("sandbox %s stopped on its own (%s); removing it", sb.id, reason)
             try:
                 await self.kill(sb.id)
@@ -412,9 +425,10 @@ class Node:
             answer = await sb.link.call("sys.checkpointable")
         except StreamError:
             return  # an agent from before this check (images pin theirs): nothing to ask
-        blockers = answer.get("blockers") or []
+        blockers = answer.get("blockers") if isinstance(answer, dict) else None
         if blockers:
-            who = ", ".join(f"pid {b.get('pid')} ({b.get('cmd')})" for b in blockers[:3])
+            shown = blockers[:3] if isinstance(blockers, list) else [blockers]
+            who = ", ".join(_blocker(b) for b in shown)
             message = f"{CHECKPOINT_REFUSAL}: {who}; the sandbox keeps running"
             raise CheckpointRefused(message, sandbox_id=sb.id)
 

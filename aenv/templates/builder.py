@@ -11,13 +11,14 @@ import asyncio
 import base64
 import re
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aenv.channel import END
+from aenv.channel import END, MSG, end_error
 from aenv.errors import AenvError
 from aenv.node.agentlink import AgentLink
 from aenv.node.orchestrator import Node
@@ -29,6 +30,7 @@ from aenv.storage.layers import new_id
 from aenv.templates.catalog import retire_builds
 
 LogFn = Callable[[str], None]
+OUTPUT_TAIL = 64 * 1024  # characters of a command's output kept for its error message
 BUILD_LIMITS = Limits(cpu_count=2.0, memory_mb=4096, nproc=8192, disk_mb=16384)
 BASE_PACKAGES = [
     "bash",
@@ -76,8 +78,8 @@ class StartCommand:
         stream = await link.open("process.start", {"process": process, "user": self.user, "tag": "start"})
         first = await stream.recv()
         if first.kind == END:
-            error = (first.msg or {}).get("error") or {}
-            raise BuildFailed(f"start command failed: {error.get('message', 'did not start')}", step=0, output="")
+            error = end_error(first.msg)
+            raise BuildFailed(f"start command failed: {error.message if error else 'did not start'}", step=0, output="")
         if self.ready is None:
             await asyncio.sleep(self.settle_s)
             return
@@ -139,26 +141,47 @@ async def run_process(
     if cwd:
         process["cwd"] = cwd
     stream = await link.open("process.start", {"process": process, "user": user})
-    output: list[str] = []
+    output: deque[str] = deque()  # the tail a failure reports; all of it went to on_log
+    kept = 0
     code = -1
     while True:
         item = await stream.recv()
-        if item.msg and "event" in item.msg:
-            event = item.msg["event"]
-            data = event.get("data")
-            if data:
-                text = base64.b64decode(next(iter(data.values()))).decode(errors="replace")
-                output.append(text)
-                if on_log:
-                    for line in text.splitlines():
-                        on_log(line)
-            if "end" in event:
-                code = int(event["end"].get("exitCode", -1))
         if item.kind == END:
-            if item.msg and item.msg.get("error"):
-                output.append(str(item.msg["error"].get("message", "")))
+            error = end_error(item.msg)
+            if error is not None:
+                output.append(error.message)
             break
+        text, exit_code = _process_event(item.msg if item.kind == MSG else None)
+        if exit_code is not None:
+            code = exit_code
+        if text:
+            output.append(text)
+            kept += len(text)
+            while kept - len(output[0]) >= OUTPUT_TAIL:
+                kept -= len(output.popleft())
+            if on_log:
+                for line in text.splitlines():
+                    on_log(line)
     return code, "".join(output)
+
+
+def _process_event(msg: Any) -> tuple[str, int | None]:
+    """(output text, exit code) of one process.start event, as far as the agent's message is one."""
+    event = msg.get("event") if isinstance(msg, dict) else None
+    if not isinstance(event, dict):
+        return "", None
+    text = ""
+    data = event.get("data")
+    if isinstance(data, dict) and data:
+        try:
+            text = base64.b64decode(next(iter(data.values()))).decode(errors="replace")
+        except (TypeError, ValueError):
+            text = ""
+    end = event.get("end")
+    exit_code = end.get("exitCode", -1) if isinstance(end, dict) else None
+    if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):
+        exit_code = -1
+    return text, exit_code
 
 
 @asynccontextmanager

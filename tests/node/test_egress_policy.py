@@ -36,13 +36,13 @@ def test_internet_means_public_addresses_only() -> None:
 
 
 def test_allow_out_names_private_ranges_and_domains() -> None:
-    policy = EgressPolicy.of(True, {"allowOut": ["10.0.0.0/8", "pypi.org", "*.pythonhosted.org"]})
+    policy = EgressPolicy.of(False, {"allowOut": ["10.0.0.0/8", "pypi.org", "*.pythonhosted.org"]})
     assert decide(policy, "intranet", str(PRIVATE)) is None
-    assert decide(policy, "pypi.org", "203.0.113.80") is None
-    assert decide(policy, "files.pythonhosted.org", "203.0.113.81") is None
-    assert decide(policy, "PyPI.org.", "203.0.113.80") is None  # names compare case-insensitively
-    assert decide(policy, "evilpypi.org", "203.0.113.80") is not None
-    assert decide(policy, "pythonhosted.org.evil.com", "203.0.113.82") is not None
+    assert decide(policy, "pypi.org", "151.101.0.223") is None
+    assert decide(policy, "files.pythonhosted.org", "151.101.64.223") is None
+    assert decide(policy, "PyPI.org.", "151.101.0.223") is None  # names compare case-insensitively
+    assert decide(policy, "evilpypi.org", "151.101.0.223") is not None
+    assert decide(policy, "pythonhosted.org.evil.com", "151.101.128.223") is not None
 
 
 def test_no_internet_allows_only_the_allow_list() -> None:
