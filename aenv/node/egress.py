@@ -170,6 +170,12 @@ class EgressPolicy:
             deny=Rules.parse(network.get("denyOut"), what="denyOut", domains_allowed=False),
         )
 
+    def may_resolve(self, host: str) -> bool:
+        """Whether any address ``host`` resolves to could be allowed. The host's resolver is asked
+        only then: a sandbox without internet access must not use it to send names out (DNS
+        exfiltration) or to probe the node's own DNS."""
+        return self.internet or bool(self.allow.networks) or self.allow.has_domain(host)
+
     def check(self, host: str, addr: Address, node: Collection[Address] | None = None) -> str | None:
         """None if ``addr`` (which ``host`` resolved to) may be reached, else the reason not.
 
@@ -207,11 +213,16 @@ def destination(params: dict[str, Any]) -> tuple[str, int] | None:
     return host, port
 
 
-async def resolve(host: str, port: int) -> list[Address]:
+def _literal(host: str) -> Address | None:
     try:
-        return [ipaddress.ip_address(host)]
+        return ipaddress.ip_address(host)
     except ValueError:
-        pass
+        return None
+
+
+async def resolve(host: str, port: int) -> list[Address]:
+    if (literal := _literal(host)) is not None:
+        return [literal]
     loop = asyncio.get_running_loop()
     infos = await asyncio.wait_for(
         loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP), RESOLVE_TIMEOUT
@@ -240,8 +251,12 @@ async def connect(
     host: str, port: int, policy: EgressPolicy, *, resolver: Resolver = resolve, node: Collection[Address] | None = None
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Address]:
     """Resolve ``host``, check every address and connect to the first allowed one that answers."""
+    literal = _literal(host)
+    if literal is None and not policy.may_resolve(host):
+        reason = f"this sandbox has no internet access and {host} is not in its allowOut list"
+        raise Refused("permission_denied", f"egress to {host}:{port} denied: {reason}", "denied")
     try:
-        addrs = await resolver(host, port)
+        addrs = [literal] if literal is not None else await resolver(host, port)
     except (OSError, TimeoutError, UnicodeError) as exc:
         raise Refused("unavailable", f"cannot resolve {host}: {exc}", "unresolved") from None
     reasons = [policy.check(host, addr, node) for addr in addrs]

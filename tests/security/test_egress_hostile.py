@@ -176,6 +176,37 @@ async def test_resolver_errors_are_answers_not_crashes() -> None:
     assert exc.value.outcome == "unresolved"
 
 
+@pytest.mark.parametrize(
+    ("internet", "allow_out", "asked"),
+    [
+        (False, None, False),  # nothing could be allowed: the name never leaves the node
+        (False, ["pypi.org"], False),  # a rule for another name
+        (False, ["*.pypi.org"], True),
+        (False, ["10.0.0.0/8"], True),  # the name may resolve into the allowed range
+        (True, None, True),
+    ],
+)
+async def test_a_name_is_resolved_only_when_the_policy_could_allow_it(
+    internet: bool, allow_out: list[str] | None, asked: bool
+) -> None:
+    """A sandbox without internet access must not reach the node's resolver with names of its
+    choosing: DNS queries are a way out (exfiltration) and into the node's own DNS."""
+    from aenv.node.egress import Refused, connect
+
+    names: list[str] = []
+
+    async def recording(host: str, port: int) -> list[Address]:
+        names.append(host)
+        return [ip("127.0.0.1")]  # refused whatever the rules say: only the asking is under test
+
+    policy = EgressPolicy.of(internet, {"allowOut": allow_out} if allow_out else None)
+    with pytest.raises(Refused) as exc:
+        await connect("secret-data.files.pypi.org", 9, policy, resolver=recording)
+    assert names == (["secret-data.files.pypi.org"] if asked else [])
+    if not asked:
+        assert exc.value.outcome == "denied" and "no internet access" in exc.value.message
+
+
 @pytest.fixture()
 def node_listener() -> Iterator[tuple[str, int]]:
     """A TCP server on this node's own (non-loopback) address that says who it is."""
