@@ -2,6 +2,7 @@
 
     AenvError
     ├── InvalidRequest (ValueError)          400 invalid_request
+    │   └── PayloadTooLarge                  413 payload_too_large
     ├── Unauthenticated (PermissionError)    401 unauthenticated
     ├── NotFound (LookupError)               404 not_found
     │   ├── SandboxNotFound                  404 sandbox_not_found
@@ -16,7 +17,8 @@
     ├── OperationTimeout (TimeoutError)      500 operation_timeout
     └── StorageError (OSError)               500 storage_error
         ├── RepositoryUnavailable            503 repository_unavailable
-        └── ArtifactDamaged                  500 artifact_damaged
+        ├── ArtifactDamaged                  500 artifact_damaged
+        └── InsufficientStorage              507 insufficient_storage
 
 The API finds an error's entry by walking its MRO; the SDK maps a response's ``code`` back to the
 class with the same table.
@@ -52,6 +54,10 @@ class AenvError(Exception):
 
 class InvalidRequest(AenvError, ValueError):
     pass
+
+
+class PayloadTooLarge(InvalidRequest):
+    """A body, a build context or what it unpacks to is over a configured limit."""
 
 
 class Unauthenticated(AenvError, PermissionError):
@@ -124,10 +130,15 @@ class ArtifactDamaged(StorageError):
     """A committed snapshot or template cannot be read back: a chunk is missing or corrupt."""
 
 
+class InsufficientStorage(StorageError):
+    """The data dir's filesystem is nearly full: refused before it fills the host's disk."""
+
+
 # class -> (http status, code). The only place statuses are chosen.
 ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     AenvError: (500, "internal"),
     InvalidRequest: (400, "invalid_request"),
+    PayloadTooLarge: (413, "payload_too_large"),
     Unauthenticated: (401, "unauthenticated"),
     NotFound: (404, "not_found"),
     SandboxNotFound: (404, "sandbox_not_found"),
@@ -145,6 +156,7 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     StorageError: (500, "storage_error"),
     RepositoryUnavailable: (503, "repository_unavailable"),
     ArtifactDamaged: (500, "artifact_damaged"),
+    InsufficientStorage: (507, "insufficient_storage"),
 }
 
 CODE_TO_CLASS: dict[str, type[AenvError]] = {code: cls for cls, (_, code) in ERROR_TABLE.items()}

@@ -52,6 +52,12 @@ def domain_of(request: Request) -> str | None:
     return node.settings.domain
 
 
+def declared_length(request: Request) -> int | None:
+    """The body's Content-Length (None for a chunked body; the server has checked its syntax)."""
+    value = request.headers.get("content-length")
+    return int(value) if value is not None else None
+
+
 async def _body(request: Request, model: type[Any]) -> Any:
     raw = await request.body()
     if not raw.strip():
@@ -354,15 +360,14 @@ async def build_template(
     ``{"log": ...}``, then ``{"template": ...}`` or ``{"error": {code, message, step?, output?}}``."""
     node = node_of(request)
     args = dict(arg.split("=", 1) for arg in build_arg if "=" in arg)
-    (node.files.root / "tmp").mkdir(exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="aenv-build-", dir=node.files.root / "tmp"))
+    limits = node.uploads.limits
+    workdir = Path(tempfile.mkdtemp(prefix="aenv-build-", dir=node.files.tmp))
     try:
         raw = workdir / "context.tar"
-        with open(raw, "wb") as out:
-            async for chunk in request.stream():
-                out.write(chunk)
+        await limits.receive(request.stream(), raw, declared_length(request), "the build context")
         context = workdir / "context"
-        await asyncio.to_thread(build.unpack_context, raw, context)
+        await asyncio.to_thread(build.unpack_context, raw, context, limits)
+        raw.unlink()  # the build reads the unpacked context only
         recipe = View([context]).read(dockerfile, limit=MAX_DOCKERFILE)  # links resolve inside the context
         if recipe is None:
             raise InvalidRequest(f"no {dockerfile} in the build context")

@@ -10,13 +10,17 @@ stream is hashed as it is read, so a layer whose content is not its diff_id neve
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import hashlib
 import io
 import logging
+import lzma
 import os
+import re
 import stat
 import tarfile
+import zlib
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,10 +46,14 @@ OPAQUE = ".wh..wh..opq"
 AUFS_META = ".wh..wh."  # AUFS bookkeeping (.wh..wh.plnk, ...), not content
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+BZIP2_MAGIC = re.compile(rb"BZh[1-9]1AY&SY")  # and the first block's magic: "BZh" alone can start a file name
+XZ_MAGIC = b"\xfd7zXZ\x00"
 # Attributes a layer may set: what images use. trusted.* steers the host kernel (overlayfs's
 # redirect, origin, metacopy...), so of those only the opaque marker, which layers express anyway.
 XATTR_PREFIXES = ("user.", "security.capability", "system.posix_acl_", OPAQUE_XATTR)
 WHAT = "layer entry"
+# What reading a damaged archive raises, from the tar reader or one of the decompressors.
+UNREADABLE = (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError)
 
 
 class LayerError(InvalidRequest):
@@ -72,13 +80,18 @@ class _Hashing(io.RawIOBase):
         return n
 
 
-def _decompressed(raw: IO[bytes]) -> IO[bytes]:
-    head = raw.read(4)
+def decompressed(raw: IO[bytes]) -> IO[bytes]:
+    """``raw`` (a seekable file), decompressed as its first bytes say: gzip, zstd, bzip2, xz, or none."""
+    head = raw.read(10)
     raw.seek(0)
     if head.startswith(GZIP_MAGIC):
         return gzip.GzipFile(fileobj=raw, mode="rb")
-    if head == ZSTD_MAGIC:
+    if head.startswith(ZSTD_MAGIC):
         return zstandard.ZstdDecompressor().stream_reader(raw)  # type: ignore[return-value]
+    if BZIP2_MAGIC.match(head):
+        return bz2.BZ2File(raw)
+    if head.startswith(XZ_MAGIC):
+        return lzma.LZMAFile(raw)
     return raw
 
 
@@ -88,7 +101,7 @@ def apply_layer(blob: Path, dest: Path) -> str:
     root = open_root(dest)
     try:
         with open(blob, "rb") as raw:
-            hashing = _Hashing(_decompressed(raw))
+            hashing = _Hashing(decompressed(raw))
             stream = io.BufferedReader(hashing, buffer_size=1 << 20)
             with tarfile.open(fileobj=stream, mode="r|") as tar:
                 for member in tar:
@@ -97,7 +110,7 @@ def apply_layer(blob: Path, dest: Path) -> str:
                 pass
     except PathRefused as exc:
         raise LayerError(f"layer {blob.name}: {exc.message}") from exc
-    except (tarfile.TarError, OSError, EOFError, zstandard.ZstdError) as exc:
+    except UNREADABLE as exc:
         raise LayerError(f"cannot unpack layer {blob.name}: {exc}") from exc
     finally:
         os.close(root)

@@ -1,0 +1,214 @@
+"""What clients send to build from: Dockerfile build contexts and E2B's file uploads, both tars
+(gzip'd or not) that an API-key holder chooses.
+
+Each is bounded where it could exhaust the node: the body as sent (``build_upload_max_mb``,
+checked while it streams to disk, 413), what it unpacks to (``build_unpacked_max_mb``: the tar
+after decompression and the files it writes) and its entries (``build_max_entries``); every write
+stops with 507 when the data dir's filesystem gets within ``disk_headroom_mb`` of full. tarfile
+reads a header as large as the archive says into memory and keeps every member it has read, so
+headers are bounded here and members are not kept.
+
+E2B uploads are a cache by files hash (the SDK asks whether a hash is present before uploading
+it, then starts the build that uses it): one is removed once no build start is unpacking it and
+nothing has used it for ``build_files_ttl`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tarfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from aenv.config import Settings
+from aenv.errors import InvalidRequest, PayloadTooLarge
+from aenv.images.unpack import decompressed
+from aenv.storage import space
+from aenv.storage.layers import new_id
+from aenv.storage.space import MiB
+
+log = logging.getLogger("aenv.templates")
+
+FILES_HASH = re.compile(r"[0-9A-Za-z]{1,128}")  # the SDKs send a sha256 in hex
+MAX_HEADERS = MiB  # one entry's headers: pax records (attributes), long names, a sparse map
+SPACE_CHECK = 16 * MiB  # file bytes unpacked between two looks at the free space
+UPLOAD_SETTING = "AENV_BUILD_UPLOAD_MAX_MB"
+UNPACKED_SETTING = "AENV_BUILD_UNPACKED_MAX_MB"
+ENTRIES_SETTING = "AENV_BUILD_MAX_ENTRIES"
+
+
+@dataclass(frozen=True)
+class ContextLimits:
+    upload: int  # bytes of a body as sent
+    unpacked: int  # bytes of its tar after decompression, and of the files it holds
+    entries: int
+    headroom: int  # bytes kept free on the data dir's filesystem
+
+    @classmethod
+    def of(cls, settings: Settings) -> ContextLimits:
+        return cls(
+            upload=settings.build_upload_max_mb * MiB,
+            unpacked=settings.build_unpacked_max_mb * MiB,
+            entries=settings.build_max_entries,
+            headroom=space.headroom(settings),
+        )
+
+    async def receive(self, body: AsyncIterator[bytes], dest: Path, declared: int | None, what: str) -> int:
+        """Stream a request body into the new file ``dest`` (see `space.receive`)."""
+        return await space.receive(
+            body, dest, declared=declared, limit=self.upload, headroom=self.headroom, what=what, setting=UPLOAD_SETTING
+        )
+
+
+def unpacks_too_much(what: str, limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"{what} unpacks to more than {limit // MiB} MiB (the node's {UNPACKED_SETTING})")
+
+
+class _Counted:
+    """The decompressed tar as tarfile reads it: counted against the unpacked limit and, while
+    tarfile reads an entry's headers, against `MAX_HEADERS`."""
+
+    def __init__(self, inner: IO[bytes], limit: int, what: str) -> None:
+        self.inner = inner
+        self.limit = limit
+        self.what = what
+        self.total = 0
+        self.headers: int | None = 0  # None while an entry's content is read
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.inner.read(size if size >= 0 else MiB)
+        self.total += len(data)
+        if self.total > self.limit:
+            raise unpacks_too_much(self.what, self.limit)
+        if self.headers is not None:
+            self.headers += len(data)
+            if self.headers > MAX_HEADERS:
+                raise PayloadTooLarge(f"{self.what}: an entry's tar headers are larger than {MAX_HEADERS // MiB} MiB")
+        return data
+
+
+Member = tuple[tarfile.TarFile, tarfile.TarInfo]
+
+
+def context_members(raw: IO[bytes], limits: ContextLimits, what: str) -> Iterator[Member]:
+    """The entries of a context tar (``raw``, compressed or not), one at a time, read in bounded
+    memory; stops with 413 past the unpacked or entry limit. A caller writing a regular file
+    counts its size with `UnpackBudget`."""
+    stream = _Counted(decompressed(raw), limits.unpacked, what)
+    with tarfile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
+        entries = 0
+        while True:
+            stream.headers = 0
+            member = tar.next()
+            stream.headers = None
+            if member is None:
+                return
+            tar.members.clear()  # tarfile keeps every member it has read: not a million of them
+            entries += 1
+            if entries > limits.entries:
+                raise PayloadTooLarge(f"{what} has more than {limits.entries} entries (the node's {ENTRIES_SETTING})")
+            yield tar, member
+
+
+class UnpackBudget:
+    """The file bytes one context may still write, and a look at the free space every so often."""
+
+    def __init__(self, limits: ContextLimits, what: str) -> None:
+        self.limits = limits
+        self.what = what
+        self.written = 0
+        self._unchecked = SPACE_CHECK  # the first file looks at once
+
+    def spend(self, dir_fd: int, size: int) -> None:
+        """Before writing a file of ``size`` bytes in the directory ``dir_fd``."""
+        self.written += size
+        if self.written > self.limits.unpacked:
+            raise unpacks_too_much(self.what, self.limits.unpacked)
+        self._unchecked += size
+        if self._unchecked >= SPACE_CHECK:
+            space.ensure_space(dir_fd, self.limits.headroom, size, self.what)
+            self._unchecked = 0
+
+
+class UploadCache:
+    """E2B file uploads (one tar per files hash) in one directory."""
+
+    def __init__(self, root: Path, settings: Settings) -> None:
+        self.dir = root
+        self.limits = ContextLimits.of(settings)
+        self.ttl = settings.build_files_ttl
+        self._using: Counter[str] = Counter()  # hashes a build start is unpacking now
+
+    def tar(self, files_hash: str | None) -> Path:
+        """Where the upload of ``files_hash`` is kept (the hash is only ever a name in one directory)."""
+        if not files_hash or not FILES_HASH.fullmatch(files_hash):
+            raise InvalidRequest(f"bad files hash {files_hash!r}")
+        self.dir.mkdir(exist_ok=True)
+        return self.dir / f"{files_hash}.tar"
+
+    def has(self, files_hash: str) -> bool:
+        """Whether it is here; if so, it counts as used (the SDK will not upload it again, and
+        names it in the build it starts next)."""
+        path = self.tar(files_hash)
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def receive(self, files_hash: str, body: AsyncIterator[bytes], declared: int | None) -> None:
+        final = self.tar(files_hash)
+        part = final.with_name(f"{final.name}.{new_id()}.part")
+        await self.limits.receive(body, part, declared, f"the upload of files {files_hash}")
+        os.rename(part, final)
+
+    @contextmanager
+    def using(self, files_hash: str) -> Iterator[Path]:
+        """The upload of ``files_hash``, never collected while in use; used again when done."""
+        path = self.tar(files_hash)
+        self._using[files_hash] += 1
+        try:
+            yield path
+        finally:
+            self._using[files_hash] -= 1
+            if self._using[files_hash] <= 0:
+                del self._using[files_hash]
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                pass
+
+    def collect(self) -> list[str]:
+        """Remove uploads unused for the TTL; returns their hashes. Runs on the event loop, as
+        `has` does, so nothing reports an upload present that is removed right after."""
+        if not self.dir.is_dir():
+            return []
+        removed = []
+        now = time.time()
+        for entry in os.scandir(self.dir):
+            files_hash = entry.name.removesuffix(".tar")
+            if not entry.name.endswith(".tar") or files_hash in self._using:
+                continue
+            try:
+                idle = now - entry.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                continue
+            if idle >= self.ttl:
+                os.unlink(entry.path)
+                removed.append(files_hash)
+        if removed:
+            log.info("removed %d E2B uploads unused for %.0f s", len(removed), self.ttl)
+        return removed
+
+    def sweep(self) -> None:
+        """At start: remove uploads that a stop interrupted."""
+        if self.dir.is_dir():
+            for path in self.dir.glob("*.part"):
+                path.unlink(missing_ok=True)
