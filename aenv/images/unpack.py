@@ -30,6 +30,7 @@ from aenv.errors import InvalidRequest
 from aenv.storage.confined import (
     NEW_FILE_FLAGS,
     OPAQUE_XATTR,
+    XATTR_PREFIXES,
     PathRefused,
     entry_parts,
     lstat_at,
@@ -48,9 +49,6 @@ GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 BZIP2_MAGIC = re.compile(rb"BZh[1-9]1AY&SY")  # and the first block's magic: "BZh" alone can start a file name
 XZ_MAGIC = b"\xfd7zXZ\x00"
-# Attributes a layer may set: what images use. trusted.* steers the host kernel (overlayfs's
-# redirect, origin, metacopy...), so of those only the opaque marker, which layers express anyway.
-XATTR_PREFIXES = ("user.", "security.capability", "system.posix_acl_", OPAQUE_XATTR)
 WHAT = "layer entry"
 # What reading a damaged archive raises, from the tar reader or one of the decompressors.
 UNREADABLE = (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError)

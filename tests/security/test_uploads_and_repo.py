@@ -10,12 +10,16 @@ commit of its snapshot."""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import io
 import json
 import os
+import shutil
+import stat
 import subprocess
 import tarfile
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,8 +29,14 @@ from typing import Any
 
 import httpx
 import pytest
+import zstandard
+from e2b import Sandbox
 
 from aenv.config import Settings
+from aenv.errors import AenvError, ArtifactDamaged
+from aenv.repo.backends import PosixBackend
+from aenv.repo.chunks import CHUNK_MAX, ChunkRef, ChunkWriter, chunk_key, read_chunk
+from aenv.repo.repository import ARTIFACT_FORMAT, ArtifactRef, Repository, artifact_key, entry_key
 from tests.conftest import API_KEY, Server, start_server
 
 MiB = 1 << 20
@@ -313,3 +323,354 @@ def test_an_upload_in_use_is_never_collected(tmp_path: Path) -> None:
         assert cache.collect() == ["idle"]
     assert cache.tar("used").exists()
     assert cache.collect() == ["used"]
+
+
+# -- the snapshot repository: artifacts others wrote --------------------------------------------------
+@pytest.fixture()
+def canary() -> Iterator[Path]:
+    """A host directory no artifact may reach (not under /tmp: a sandbox has its own /tmp)."""
+    path = Path(tempfile.mkdtemp(prefix="aenv-canary-", dir="/var/tmp"))
+    (path / "secret").write_text(f"HOST SECRET {uuid.uuid4().hex}\n")
+    os.chmod(path / "secret", 0o600)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def untouched(canary: Path, secret: str) -> bool:
+    st = os.lstat(canary / "secret")
+    return (
+        [p.name for p in canary.iterdir()] == ["secret"]
+        and (canary / "secret").read_text() == secret
+        and (stat.S_IMODE(st.st_mode) == 0o600)
+    )
+
+
+def entry(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", data: bytes = b"", **attrs: Any) -> Any:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.mode = kind, link, 0o644
+    for key, value in attrs.items():
+        setattr(info, key, value)
+    return info, data
+
+
+def gnu_tar(entries: list[tuple[tarfile.TarInfo, bytes]]) -> bytes:
+    """A tar stream as a commit makes them (GNU tar's format, pax attributes where needed)."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in entries:
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data else None)
+    return raw.getvalue()
+
+
+def put_artifact(repo: Repository, kind: str, artifact_id: str, stream: bytes, **manifest: Any) -> ArtifactRef:
+    """An artifact written into ``repo`` by hand: ``stream``'s chunks and a manifest saying
+    whatever ``manifest`` adds (a tar by default)."""
+    writer = ChunkWriter(repo.backend, repo.pool)
+    chunks = writer.write_stream([stream])
+    writer.flush()
+    return put_manifest(repo, kind, artifact_id, chunks, **manifest)
+
+
+def put_manifest(repo: Repository, kind: str, artifact_id: str, chunks: list[ChunkRef], **manifest: Any) -> ArtifactRef:
+    body = {
+        "format": ARTIFACT_FORMAT,
+        "kind": kind,
+        "id": artifact_id,
+        "encoding": "tar",
+        "created_at": time.time(),
+        "size": sum(n for _, n in chunks),
+        "chunks": chunks,
+        **manifest,
+    }
+    data = json.dumps(body, sort_keys=True).encode()
+    repo.backend.put(artifact_key(kind, artifact_id), data)
+    return ArtifactRef(kind, artifact_id, hashlib.sha256(data).hexdigest())
+
+
+def escapes(canary: Path) -> list[list[Any]]:
+    """Tar streams that try to write outside their target, one way each."""
+    c = str(canary)
+    return [
+        [entry("../escape", data=b"x")],
+        [entry("a/../../escape", data=b"x")],
+        [entry("/escape-abs", data=b"x")],
+        [entry(f"{c}/pwned", data=b"x")],
+        [entry("lnk", tarfile.SYMTYPE, c), entry("lnk/pwned", data=b"x")],
+        [entry("up", tarfile.SYMTYPE, "../../../../../../../../.."), entry(f"up{c}/pwned", data=b"x")],
+        [entry("a", tarfile.SYMTYPE, "."), entry("b", tarfile.SYMTYPE, "a/a/../../.."), entry("b/escape", data=b"x")],
+        [entry("d", tarfile.DIRTYPE), entry("d/up", tarfile.SYMTYPE, ".."), entry("d/up/escape", data=b"x")],
+        [entry("s", tarfile.SYMTYPE, f"{c}/secret"), entry("s", data=b"OVERWRITTEN")],
+        [entry("h", tarfile.LNKTYPE, f"{c}/secret"), entry("h", data=b"OVERWRITTEN")],
+        [entry("h", tarfile.LNKTYPE, "../../../../../../../.." + c + "/secret")],
+        [entry("lnk", tarfile.SYMTYPE, c), entry("h", tarfile.LNKTYPE, "lnk/secret"), entry("h", data=b"OVERWRITTEN")],
+    ]
+
+
+def specials() -> list[Any]:
+    """Devices, a whiteout, a FIFO, host-kernel attributes, a set-uid file: what a layer tar can hold."""
+    attrs = {
+        "SCHILY.xattr.trusted.overlay.redirect": "/etc",
+        "SCHILY.xattr.trusted.overlay.opaque": "y",
+        "SCHILY.xattr.user.note": "kept",
+    }
+    return [
+        entry("dev", tarfile.DIRTYPE),
+        entry("dev/sda", tarfile.BLKTYPE, devmajor=8, devminor=0),
+        entry("dev/mem", tarfile.CHRTYPE, devmajor=1, devminor=1),
+        entry("dev/zero", tarfile.CHRTYPE, devmajor=1, devminor=5),
+        entry("gone", tarfile.CHRTYPE, devmajor=0, devminor=0),  # an overlay whiteout
+        entry("fifo", tarfile.FIFOTYPE),
+        entry("opt", tarfile.DIRTYPE, pax_headers=attrs),
+        entry("opt/sudo", data=b"#!/bin/sh\n", mode=0o4755),
+    ]
+
+
+def check_specials(layer: Path) -> None:
+    assert sorted(os.listdir(layer / "dev")) == []  # no device node on the host
+    gone = os.lstat(layer / "gone")
+    assert stat.S_ISCHR(gone.st_mode) and gone.st_rdev == 0
+    assert stat.S_ISFIFO(os.lstat(layer / "fifo").st_mode)
+    assert sorted(os.listxattr(layer / "opt")) == ["trusted.overlay.opaque", "user.note"]
+    assert stat.S_IMODE(os.lstat(layer / "opt" / "sudo").st_mode) == 0o4755
+
+
+def test_hostile_tar_artifacts_decode_inside_their_target(tmp_path: Path, canary: Path) -> None:
+    """Each stream is fetched into its own directory two levels down; whether it is refused or
+    decoded, nothing appears beside it or in the canary, and no device or host-kernel attribute
+    is left in what is decoded."""
+    secret = (canary / "secret").read_text()
+    repo = Repository(PosixBackend(tmp_path / "repo"))
+    for n, entries in enumerate(escapes(canary)):
+        target = tmp_path / "deep" / f"case{n}" / "layer"
+        target.parent.mkdir(parents=True)
+        try:
+            repo.fetch_artifact(put_artifact(repo, "layer", f"escape{n}", gnu_tar(entries)), target, "test")
+        except AenvError:
+            pass  # refused (GNU tar skips what it will not write, then fails): fine if nothing escaped
+        assert os.listdir(target.parent) == ["layer"], (n, entries)
+        assert sorted(os.listdir(tmp_path / "deep")) == sorted(f"case{i}" for i in range(n + 1)), (n, entries)
+        assert untouched(canary, secret), (n, entries)
+        assert not Path("/escape-abs").exists()
+    target = tmp_path / "specials"
+    repo.fetch_artifact(put_artifact(repo, "layer", "specials", gnu_tar(specials())), target, "test")
+    check_specials(target)
+
+
+@pytest.mark.parametrize(
+    "file_size, extents",
+    [
+        (8192, [(0, 4096), (1 << 20, 4096)]),  # past the end of the file
+        (16384, [(0, 8192), (4096, 4096)]),  # overlapping
+        (16384, [(8192, 4096), (0, 4096)]),  # out of order
+        (16384, [(-4096, 4096), (4096, 4096)]),  # before the start
+        (16384, [(0, 0), (0, 8192)]),  # empty
+        (16384, [(0, 4096)]),  # holding less than the chunks
+    ],
+)
+def test_sparse_artifacts_write_only_inside_their_size(tmp_path: Path, file_size: int, extents: list[Any]) -> None:
+    repo = Repository(PosixBackend(tmp_path / "repo"))
+    ref = put_artifact(repo, "layer", "img", os.urandom(8192), encoding="sparse", file_size=file_size, extents=extents)
+    dest = tmp_path / "out" / "layer.img"
+    dest.parent.mkdir()
+    with pytest.raises(ArtifactDamaged):
+        repo.fetch_artifact(ref, dest, "test")
+    assert not dest.exists() or dest.stat().st_size <= file_size
+    assert sorted(os.listdir(dest.parent)) in ([], ["layer.img"])
+
+
+def test_manifests_that_lie_about_sizes_are_refused(tmp_path: Path) -> None:
+    """One chunk larger than the chunker ever cuts (decoded whole in memory: a 1 GiB one, eight
+    fetched ahead, would take the node's memory), and a size that is not what the chunks hold."""
+    repo = Repository(PosixBackend(tmp_path / "repo"))
+    stream = gnu_tar([entry("big", data=bytes(2 * CHUNK_MAX))])
+    digest = hashlib.sha256(stream).hexdigest()
+    repo.backend.put(chunk_key(digest), zstandard.ZstdCompressor().compress(stream))
+    whole = put_manifest(repo, "layer", "whole", [(digest, len(stream))])
+    with pytest.raises(AenvError, match="claims"):
+        repo.fetch_artifact(whole, tmp_path / "whole", "test")
+    with pytest.raises(AenvError, match="claims"):
+        read_chunk(repo.backend, (digest, len(stream)), "test")
+
+    small = put_artifact(repo, "layer", "small", gnu_tar([entry("f", data=b"x")]))
+    manifest = json.loads(repo.backend.get(artifact_key("layer", "small")))
+    lying = put_manifest(repo, "layer", "lying", [tuple(c) for c in manifest["chunks"]], size=1 << 40)
+    with pytest.raises(AenvError, match="size"):
+        repo.fetch_artifact(lying, tmp_path / "lying", "test")
+    repo.fetch_artifact(small, tmp_path / "small", "test")
+    assert (tmp_path / "small" / "f").read_bytes() == b"x"
+
+
+def test_a_fetch_that_would_fill_the_disk_is_507(tmp_path: Path) -> None:
+    repo = Repository(PosixBackend(tmp_path / "repo"))
+    ref = put_artifact(repo, "layer", "some", gnu_tar([entry("f", data=os.urandom(MiB))]))
+    disk = os.statvfs(tmp_path)
+    with pytest.raises(AenvError) as refused:
+        repo.fetch_artifact(ref, tmp_path / "some", "test", disk.f_bavail * disk.f_frsize)
+    assert refused.value.status == 507 and "nearly full" in refused.value.message
+    assert not (tmp_path / "some").exists()
+
+
+# -- through a node: what it learns from the repository and fetches ---------------------------------
+def base_entry(api: httpx.Client, repo: Repository) -> dict[str, Any]:
+    found = repo.get_entry("template", api.get("/templates/base").json()["templateID"])
+    assert found is not None, "the test node commits `base` to its repository"
+    return found
+
+
+def put_entry(repo: Repository, base: dict[str, Any], refs: tuple[ArtifactRef, ...] = (), **record: Any) -> str:
+    """A template entry as another node could write it: ``base``'s, with ``record`` changed and
+    ``refs`` added to its artifacts. Returns its name."""
+    entry_id = uuid.uuid4().hex[:16]
+    name = f"repo-{entry_id[:8]}"
+    body = {
+        **base,
+        "id": entry_id,
+        "record": {**base["record"], "id": entry_id, "name": name, "aliases": [], **record},
+        "artifacts": [*base["artifacts"], *({"kind": r.kind, "id": r.id, "manifest": r.manifest} for r in refs)],
+        "committed_at": time.time(),
+    }
+    repo.backend.put(entry_key("template", entry_id), json.dumps(body).encode())
+    return name
+
+
+def create(api: httpx.Client, name: str) -> httpx.Response:
+    return api.post("/sandboxes", json={"templateID": name, "timeout": 120})
+
+
+def after_a_while() -> None:
+    """The node looks at the repository again (on a create naming something unknown) at most
+    every 3 s: from now on, the next create sees what was written before this call."""
+    time.sleep(3.5)
+
+
+@pytest.mark.sandbox
+def test_repository_records_naming_paths_are_never_imported(api: httpx.Client, server: Server, canary: Path) -> None:
+    """Layer, image and bundle ids become paths under the data dir: a record from the repository
+    whose layer is `../../../<canary>` made that host directory the top layer of the sandbox
+    (its files readable inside). Such records, and malformed ones, are not imported, and the node
+    goes on learning good ones."""
+    secret = (canary / "secret").read_text()
+    repo = Repository(PosixBackend(server.data_dir / "repo"))
+    base = base_entry(api, repo)
+    layers = base["record"]["layers"]
+    fs = server.data_dir / "fs"
+    hostile = [
+        put_entry(repo, base, layers=[*layers, os.path.relpath(canary, fs / "layers")]),
+        put_entry(repo, base, layers=[*layers, str(canary)]),
+        put_entry(repo, base, layers="../../../etc"),
+        put_entry(repo, base, image=os.path.relpath(canary, fs / "images")),
+        put_entry(repo, base, guest="../../../../etc"),
+        put_entry(repo, base, layers=None, image=7),
+    ]
+    broken = uuid.uuid4().hex[:16]
+    repo.backend.put(
+        entry_key("template", broken), json.dumps({**base, "id": broken, "record": {"id": broken}}).encode()
+    )
+    good = ""
+    after_a_while()
+    try:
+        for name in hostile:
+            r = create(api, name)
+            assert r.status_code == 404, (name, r.text)
+        assert untouched(canary, secret)
+        good = put_entry(repo, base)
+        after_a_while()
+        r = create(api, good)
+        assert r.status_code == 201, r.text
+        api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+    finally:
+        for key in [info.key for info in repo.backend.list("entries/templates/")]:
+            name = json.loads(repo.backend.get(key)).get("record", {}).get("name", "")
+            if name in (*hostile, good) or key.endswith(f"/{broken}.json"):
+                repo.backend.remove(key)
+        for name in (*hostile, good):
+            api.delete(f"/templates/{name}")
+
+
+@pytest.mark.sandbox
+def test_a_hostile_layer_from_the_repository_stays_in_its_directory(
+    api: httpx.Client, server: Server, canary: Path
+) -> None:
+    """A template another node committed with a top layer of its own making: one layer whose tar
+    tries to write outside (the fetch fails, nothing is left), one with device nodes, a host
+    kernel attribute and a set-uid file (fetched and booted: no device on the host, the attribute
+    dropped, the rest as a sandbox expects)."""
+    secret = (canary / "secret").read_text()
+    repo = Repository(PosixBackend(server.data_dir / "repo"))
+    base = base_entry(api, repo)
+    layers_dir = server.data_dir / "fs" / "layers"
+    escaping = [part for case in escapes(canary) for part in case]
+    bad_id, odd_id = f"hostile-{uuid.uuid4().hex[:8]}", f"odd-{uuid.uuid4().hex[:8]}"
+    bad = put_artifact(repo, "layer", bad_id, gnu_tar(escaping))
+    odd = put_artifact(
+        repo,
+        "layer",
+        odd_id,
+        gnu_tar(
+            [entry("probe", tarfile.DIRTYPE)]
+            + [(info.replace(name=f"probe/{info.name}"), data) for info, data in specials()]
+        ),
+    )
+    names = [
+        put_entry(repo, base, (bad,), layers=[*base["record"]["layers"], bad_id]),
+        put_entry(repo, base, (odd,), layers=[*base["record"]["layers"], odd_id]),
+    ]
+    after_a_while()
+    try:
+        r = create(api, names[0])
+        assert r.status_code == 500 and r.json()["error_code"] == "artifact_damaged", r.text
+        assert not (layers_dir / bad_id).exists() and not list(layers_dir.glob(".fetch-*"))
+        assert untouched(canary, secret)
+
+        r = create(api, names[1])  # boots: the layer is fetched and usable
+        assert r.status_code == 201, r.text
+        api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+        check_specials(layers_dir / odd_id / "probe")
+    finally:
+        for name in names:
+            api.delete(f"/templates/{name}")
+
+
+# -- sandbox-made files in a committed snapshot --------------------------------------------------------
+@pytest.mark.sandbox
+def test_a_snapshot_with_fifos_links_and_devices_commits_without_reading_the_host(
+    api: httpx.Client, server: Server, sandbox: Any, canary: Path
+) -> None:
+    """The sandbox leaves a FIFO (a commit that opened it would wait for a writer forever),
+    links to the host's /etc/shadow and to a canary, and tries device nodes. A durable snapshot
+    commits; no committed byte is the canary's."""
+    secret = (canary / "secret").read_text()
+    setup = (
+        "mkfifo /home/user/fifo /fifo && ln -s /etc/shadow /home/user/shadow && "
+        f"ln -s {canary}/secret /home/user/canary && ln -s {canary} /canary && "
+        "(mknod /home/user/sda b 8 0; mknod /home/user/mem c 1 1; true)"
+    )
+    sandbox.commands.run(setup, user="root")
+    started = time.monotonic()
+    r = api.post(
+        f"/sandboxes/{sandbox.sandbox_id}/snapshots", json={"name": f"odd-{uuid.uuid4().hex[:8]}", "durable": True}
+    )
+    assert r.status_code == 201 and r.json()["committed"] is True, r.text
+    assert time.monotonic() - started < 120
+    snap = r.json()["snapshotID"]
+    try:
+        repo = Repository(PosixBackend(server.data_dir / "repo"))
+        found = repo.get_entry("snapshot", snap)
+        assert found is not None
+        base = base_entry(api, repo)
+        known = {(a["kind"], a["id"]) for a in base["artifacts"]}
+        for ref in repo.artifact_refs(found):
+            if (ref.kind, ref.id) in known:
+                continue
+            for chunk in repo.read_manifest(ref, "test")["chunks"]:
+                assert secret.encode() not in read_chunk(repo.backend, tuple(chunk), "test"), ref
+        assert untouched(canary, secret)
+        child = Sandbox.create(template=snap, timeout=60)
+        try:
+            out = child.commands.run("ls -l /home/user/fifo; readlink /home/user/shadow /canary", user="root").stdout
+            assert out.startswith("p") and f"/etc/shadow\n{canary}\n" in out
+        finally:
+            child.kill()
+    finally:
+        api.delete(f"/templates/{snap}")
