@@ -2,8 +2,8 @@
 
     AenvError
     ├── InvalidRequest (ValueError)          400 invalid_request
-    │   └── PayloadTooLarge                  413 payload_too_large
     ├── Unauthenticated (PermissionError)    401 unauthenticated
+    ├── PayloadTooLarge                      413 payload_too_large
     ├── NotFound (LookupError)               404 not_found
     │   ├── SandboxNotFound                  404 sandbox_not_found
     │   ├── TemplateNotFound                 404 template_not_found
@@ -18,7 +18,7 @@
     └── StorageError (OSError)               500 storage_error
         ├── RepositoryUnavailable            503 repository_unavailable
         ├── ArtifactDamaged                  500 artifact_damaged
-        └── InsufficientStorage              507 insufficient_storage
+        └── InsufficientStorage              507 insufficient_storage (a disk quota, or the node's disk, is full)
 
 The API finds an error's entry by walking its MRO; the SDK maps a response's ``code`` back to the
 class with the same table.
@@ -56,12 +56,12 @@ class InvalidRequest(AenvError, ValueError):
     pass
 
 
-class PayloadTooLarge(InvalidRequest):
-    """A body, a build context or what it unpacks to is over a configured limit."""
-
-
 class Unauthenticated(AenvError, PermissionError):
     pass
+
+
+class PayloadTooLarge(AenvError):
+    """A request body over the size the node accepts for it (or a build context unpacking past it)."""
 
 
 class NotFound(AenvError, LookupError):
@@ -131,15 +131,16 @@ class ArtifactDamaged(StorageError):
 
 
 class InsufficientStorage(StorageError):
-    """The data dir's filesystem is nearly full: refused before it fills the host's disk."""
+    """Out of disk: a sandbox's quota is full, or the node's data dir is nearly full (refused
+    before it fills the host's disk)."""
 
 
 # class -> (http status, code). The only place statuses are chosen.
 ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     AenvError: (500, "internal"),
     InvalidRequest: (400, "invalid_request"),
-    PayloadTooLarge: (413, "payload_too_large"),
     Unauthenticated: (401, "unauthenticated"),
+    PayloadTooLarge: (413, "payload_too_large"),
     NotFound: (404, "not_found"),
     SandboxNotFound: (404, "sandbox_not_found"),
     TemplateNotFound: (404, "template_not_found"),

