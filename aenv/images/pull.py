@@ -105,7 +105,7 @@ async def pull(
                     assert client is not None
                     await client.fetch_blob(ref, desc["digest"], blob)
                 size = blob.stat().st_size
-                got = await asyncio.to_thread(apply_layer, blob, work)
+                got = await asyncio.to_thread(apply_layer, blob, work, headroom(node.settings))
                 if got != diff_id:
                     raise LayerError(f"layer {i} of {ref} unpacks to {got}, not its diff_id {diff_id}")
                 if not final.exists():

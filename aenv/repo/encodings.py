@@ -33,7 +33,7 @@ from pathlib import Path
 
 from aenv.errors import ArtifactDamaged, StorageError
 from aenv.storage.confined import XATTR_PREFIXES, is_whiteout
-from aenv.storage.space import ensure_space
+from aenv.storage.space import SpaceWatch
 
 log = logging.getLogger("aenv.repo")
 BLOCK = 1024 * 1024
@@ -98,12 +98,9 @@ def untar(chunks: Iterable[bytes], dest: Path, headroom: int = 0) -> None:
 
 
 def _watching_space(chunks: Iterable[bytes], dest: Path, headroom: int) -> Iterator[bytes]:
-    unchecked = SPACE_CHECK
+    room = SpaceWatch(headroom, f"fetching into {dest.name}", every=SPACE_CHECK)
     for data in chunks:
-        unchecked += len(data)
-        if unchecked >= SPACE_CHECK:
-            ensure_space(dest, headroom, len(data), f"fetching into {dest.name}")
-            unchecked = 0
+        room.before(dest, len(data))
         yield data
 
 

@@ -41,6 +41,23 @@ def ensure_space(path: Path | int, headroom: int, need: int, what: str) -> None:
         )
 
 
+class SpaceWatch:
+    """Looks at the free space before writes, once every ``every`` bytes (and before the first)."""
+
+    def __init__(self, headroom: int, what: str, every: int = 16 * MiB) -> None:
+        self.headroom = headroom
+        self.what = what
+        self.every = every
+        self._unchecked = every
+
+    def before(self, where: Path | int, size: int) -> None:
+        """Before writing ``size`` bytes on the filesystem of ``where`` (a path or an open fd)."""
+        self._unchecked += size
+        if self._unchecked >= self.every:
+            ensure_space(where, self.headroom, size, self.what)
+            self._unchecked = 0
+
+
 def too_large(what: str, limit: int, setting: str) -> PayloadTooLarge:
     return PayloadTooLarge(f"{what} is larger than {limit // MiB} MiB (the node's {setting})")
 

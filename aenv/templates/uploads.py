@@ -4,9 +4,9 @@
 Each is bounded where it could exhaust the node: the body as sent (``max_upload_mb``,
 checked while it streams to disk, 413), what it unpacks to (``max_unpacked_mb``: the tar
 after decompression and the files it writes) and its entries (``max_upload_entries``); every write
-stops with 507 when the data dir's filesystem gets within ``disk_headroom_mb`` of full. tarfile
-reads a header as large as the archive says into memory and keeps every member it has read, so
-headers are bounded here and members are not kept.
+stops with 507 when the data dir's filesystem gets within ``disk_headroom_mb`` of full. Entries
+are read through `aenv.images.unpack.TarStream`: tarfile alone would hold a header as large as
+the archive says in memory and keep every member it has read.
 
 E2B uploads are a cache by files hash (the SDK asks whether a hash is present before uploading
 it, then starts the build that uses it): one is removed once no build start is unpacking it and
@@ -29,7 +29,7 @@ from typing import IO
 
 from aenv.config import Settings
 from aenv.errors import InvalidRequest, PayloadTooLarge
-from aenv.images.unpack import decompressed
+from aenv.images.unpack import TarStream, decompressed, unpacks_too_much
 from aenv.storage import space
 from aenv.storage.layers import new_id
 from aenv.storage.space import MiB
@@ -37,8 +37,6 @@ from aenv.storage.space import MiB
 log = logging.getLogger("aenv.templates")
 
 FILES_HASH = re.compile(r"[0-9A-Za-z]{1,128}")  # the SDKs send a sha256 in hex
-MAX_HEADERS = MiB  # one entry's headers: pax records (attributes), long names, a sparse map
-SPACE_CHECK = 16 * MiB  # file bytes unpacked between two looks at the free space
 UPLOAD_SETTING = "AENV_MAX_UPLOAD_MB"
 UNPACKED_SETTING = "AENV_MAX_UNPACKED_MB"
 ENTRIES_SETTING = "AENV_MAX_UPLOAD_ENTRIES"
@@ -67,74 +65,34 @@ class ContextLimits:
         )
 
 
-def unpacks_too_much(what: str, limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"{what} unpacks to more than {limit // MiB} MiB (the node's {UNPACKED_SETTING})")
-
-
-class _Counted:
-    """The decompressed tar as tarfile reads it: counted against the unpacked limit and, while
-    tarfile reads an entry's headers, against `MAX_HEADERS`."""
-
-    def __init__(self, inner: IO[bytes], limit: int, what: str) -> None:
-        self.inner = inner
-        self.limit = limit
-        self.what = what
-        self.total = 0
-        self.headers: int | None = 0  # None while an entry's content is read
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.inner.read(size if size >= 0 else MiB)
-        self.total += len(data)
-        if self.total > self.limit:
-            raise unpacks_too_much(self.what, self.limit)
-        if self.headers is not None:
-            self.headers += len(data)
-            if self.headers > MAX_HEADERS:
-                raise PayloadTooLarge(f"{self.what}: an entry's tar headers are larger than {MAX_HEADERS // MiB} MiB")
-        return data
-
-
-Member = tuple[tarfile.TarFile, tarfile.TarInfo]
-
-
-def context_members(raw: IO[bytes], limits: ContextLimits, what: str) -> Iterator[Member]:
+def context_members(
+    raw: IO[bytes], limits: ContextLimits, what: str
+) -> Iterator[tuple[tarfile.TarFile, tarfile.TarInfo]]:
     """The entries of a context tar (``raw``, compressed or not), one at a time, read in bounded
     memory; stops with 413 past the unpacked or entry limit. A caller writing a regular file
     counts its size with `UnpackBudget`."""
-    stream = _Counted(decompressed(raw), limits.unpacked, what)
-    with tarfile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
-        entries = 0
-        while True:
-            stream.headers = 0
-            member = tar.next()
-            stream.headers = None
-            if member is None:
-                return
-            tar.members.clear()  # tarfile keeps every member it has read: not a million of them
-            entries += 1
-            if entries > limits.entries:
-                raise PayloadTooLarge(f"{what} has more than {limits.entries} entries (the node's {ENTRIES_SETTING})")
-            yield tar, member
+    stream = TarStream(decompressed(raw), what, limits.unpacked, UNPACKED_SETTING)
+    for entries, member in enumerate(stream.members(), 1):
+        if entries > limits.entries:
+            raise PayloadTooLarge(f"{what} has more than {limits.entries} entries (the node's {ENTRIES_SETTING})")
+        yield member
 
 
 class UnpackBudget:
-    """The file bytes one context may still write, and a look at the free space every so often."""
+    """The file bytes one context may still write, and the free space looked at as they are."""
 
     def __init__(self, limits: ContextLimits, what: str) -> None:
         self.limits = limits
         self.what = what
         self.written = 0
-        self._unchecked = SPACE_CHECK  # the first file looks at once
+        self.space = space.SpaceWatch(limits.headroom, what)
 
     def spend(self, dir_fd: int, size: int) -> None:
         """Before writing a file of ``size`` bytes in the directory ``dir_fd``."""
         self.written += size
         if self.written > self.limits.unpacked:
-            raise unpacks_too_much(self.what, self.limits.unpacked)
-        self._unchecked += size
-        if self._unchecked >= SPACE_CHECK:
-            space.ensure_space(dir_fd, self.limits.headroom, size, self.what)
-            self._unchecked = 0
+            raise unpacks_too_much(self.what, self.limits.unpacked, UNPACKED_SETTING)
+        self.space.before(dir_fd, size)
 
 
 class UploadCache:

@@ -38,6 +38,7 @@ from aenv.repo.backends import PosixBackend
 from aenv.repo.chunks import CHUNK_MAX, ChunkRef, ChunkWriter, chunk_key, read_chunk
 from aenv.repo.repository import ARTIFACT_FORMAT, ArtifactRef, Repository, artifact_key, entry_key
 from tests.conftest import API_KEY, Server, start_server
+from tests.images.oci import LayerTar, Registry, busybox_layer, start_registry
 
 MiB = 1 << 20
 LIMITS = {
@@ -258,6 +259,25 @@ def test_a_context_of_too_many_entries_is_413(small: Server) -> None:
     assert r.status_code == 413
     assert "500 entries" in error_of(r)["message"] and "AENV_MAX_UPLOAD_ENTRIES" in error_of(r)["message"]
     assert leftovers(small) == []
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    yield from start_registry(tmp_path_factory.mktemp("registry"))
+
+
+@pytest.mark.sandbox
+def test_an_image_layer_with_a_huge_header_is_413(registry: Registry, api: httpx.Client) -> None:
+    """Image layers are read as contexts are: an 8 MiB pax header (a few KiB gzip'd) is refused,
+    not held in memory (tarfile holds a header of any size whole)."""
+    bomb = LayerTar()
+    info = tarfile.TarInfo("notes")
+    info.pax_headers = {"comment": "x" * (8 * MiB)}
+    bomb.tar.addfile(info)
+    repo = f"tests/bomb-{uuid.uuid4().hex[:8]}"
+    registry.push_image(repo, "1", [(busybox_layer().bytes(), "gzip"), (bomb.bytes(), "gzip")])
+    r = api.post("/templates/from-image", json={"name": repo.replace("/", "-"), "image": f"{registry.host}/{repo}:1"})
+    assert r.status_code == 413 and "headers are larger than 1 MiB" in error_of(r)["message"], r.text
 
 
 # -- a nearly full disk -------------------------------------------------------------------------------
