@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import tarfile
 import time
 from collections import Counter
@@ -166,7 +167,11 @@ class UploadCache:
         return removed
 
     def sweep(self) -> None:
-        """At start: remove uploads that a stop interrupted."""
-        if self.dir.is_dir():
-            for path in self.dir.glob("*.part"):
-                path.unlink(missing_ok=True)
+        """At start: remove uploads a stop interrupted, and build contexts older versions kept here."""
+        if not self.dir.is_dir():
+            return
+        for entry in os.scandir(self.dir):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            elif entry.name.endswith(".part"):
+                os.unlink(entry.path)

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import tarfile
@@ -214,6 +215,21 @@ def test_an_oversize_e2b_upload_is_413_and_leaves_nothing(small: Server) -> None
 
     ok = httpx.put(url, content=tar_of([item("file", b"data")]), timeout=60)
     assert ok.status_code == 200 and upload_url(small, files_hash)[0] is True
+
+
+def test_an_upload_the_client_abandons_leaves_nothing(small: Server) -> None:
+    """Half a declared body, then the connection closes: what was written is removed."""
+    _, url = upload_url(small, uuid.uuid4().hex)
+    for path in ("/templates/build?name=ctx", url.split(str(small.port), 1)[1]):
+        with socket.create_connection(("127.0.0.1", small.port)) as conn:
+            method = "PUT" if "/upload" in path else "POST"
+            head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nX-API-Key: {API_KEY}\r\nContent-Length: {3 * MiB}\r\n\r\n"
+            conn.sendall(head.encode() + os.urandom(MiB))
+            time.sleep(0.5)  # the server has the first MiB
+        deadline = time.monotonic() + 10
+        while leftovers(small) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert leftovers(small) == [], path
 
 
 # -- what a context unpacks to -------------------------------------------------------------------------
