@@ -62,6 +62,7 @@ LOCK_REFRESH_S = 30.0
 LOCK_STALE_S = 600.0  # a lock not refreshed for this long belongs to a process that died
 CHANGE_TRIES = 5  # rereads of an entry that other nodes keep changing under a rewrite
 ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
+DIGEST = re.compile(r"[0-9a-f]{64}")  # a chunk's name, and a part of its key
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +129,19 @@ def _check_id(value: str) -> str:
     return value
 
 
+def _is_digest(value: object) -> bool:
+    return isinstance(value, str) and DIGEST.fullmatch(value) is not None
+
+
 def _check_manifest(manifest: dict[str, Any], what: str) -> None:
     """What a fetch relies on in a manifest another node may have written: a known encoding, chunk
     lengths that add up to its size, a sparse file's extents inside it and holding that size."""
     chunks = manifest.get("chunks")
     if manifest.get("encoding") not in ("tar", "sparse") or not isinstance(chunks, list):
         raise ArtifactDamaged(f"{what}: malformed manifest (encoding or chunks)")
-    lengths = [c[1] for c in chunks if isinstance(c, list) and len(c) == 2 and isinstance(c[1], int)]
-    if len(lengths) != len(chunks) or manifest.get("size") != sum(lengths):
+    if not all(isinstance(c, list) and len(c) == 2 and _is_digest(c[0]) and isinstance(c[1], int) for c in chunks):
+        raise ArtifactDamaged(f"{what}: malformed manifest (chunks are sha256 digests and lengths)")
+    if manifest.get("size") != sum(length for _, length in chunks):
         raise ArtifactDamaged(f"{what}: its manifest's size is not what its chunks hold")
     if manifest["encoding"] == "sparse":
         extents = manifest.get("extents")

@@ -537,6 +537,32 @@ def test_manifests_that_lie_about_sizes_are_refused(tmp_path: Path) -> None:
     assert (tmp_path / "small" / "f").read_bytes() == b"x"
 
 
+def test_repository_objects_that_are_not_files_are_refused(tmp_path: Path) -> None:
+    """In a shared repository directory, a chunk (or a manifest, an entry) replaced by a link to
+    /dev/zero, a FIFO or a huge file is refused at once: reading it would fill the node's memory
+    or stall the fetch forever."""
+    backend = PosixBackend(tmp_path / "repo")
+    repo = Repository(backend)
+    for n, make in enumerate(
+        [
+            lambda path: os.symlink("/dev/zero", path),
+            lambda path: os.mkfifo(path),
+            lambda path: path.write_bytes(bytes(100 * MiB)),
+        ]
+    ):
+        ref = put_artifact(repo, "layer", f"odd{n}", gnu_tar([entry(f"f{n}", data=b"x")]))
+        digest = json.loads(backend.get(artifact_key("layer", f"odd{n}")))["chunks"][0][0]
+        chunk = tmp_path / "repo" / chunk_key(digest)
+        chunk.unlink()
+        make(chunk)
+        with pytest.raises(ArtifactDamaged, match="cannot be read|not a file of at most 64 MiB"):
+            repo.fetch_artifact(ref, tmp_path / f"odd{n}", "test")
+    os.rename(tmp_path / "repo" / artifact_key("layer", "odd0"), tmp_path / "manifest")
+    os.symlink("/dev/zero", tmp_path / "repo" / artifact_key("layer", "odd0"))
+    with pytest.raises(ArtifactDamaged):
+        repo.find_artifact("layer", "odd0")
+
+
 def test_a_fetch_that_would_fill_the_disk_is_507(tmp_path: Path) -> None:
     repo = Repository(PosixBackend(tmp_path / "repo"))
     ref = put_artifact(repo, "layer", "some", gnu_tar([entry("f", data=os.urandom(MiB))]))
