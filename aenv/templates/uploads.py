@@ -117,7 +117,7 @@ class UploadCache:
         names it in the build it starts next)."""
         path = self.tar(files_hash)
         try:
-            os.utime(path)
+            os.utime(path, follow_symlinks=False)
         except FileNotFoundError:
             return False
         return True
@@ -140,7 +140,7 @@ class UploadCache:
             if self._using[files_hash] <= 0:
                 del self._using[files_hash]
             try:
-                os.utime(path)
+                os.utime(path, follow_symlinks=False)
             except FileNotFoundError:
                 pass
 
