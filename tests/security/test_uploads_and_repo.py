@@ -53,7 +53,8 @@ NODE = {"AENV_BUILD_BASE": "false", "AENV_REPO": "none"}
 
 @contextmanager
 def node(tmp: Path, **env: str) -> Iterator[Server]:
-    """A node of its own (fresh data dir, no `base`, no repository) with ``env`` set."""
+    """A node of its own (fresh data dir, no `base`, no repository) with ``env`` set; its driver
+    needs runsc, so the tests using one are marked `sandbox`."""
     srv = start_server(tmp / "data", extra_env={**NODE, **env}, wait_for=None)
     try:
         yield srv
@@ -183,6 +184,7 @@ def declare_only(srv: Server, path: str, length: int, api_key: bool = True) -> t
 
 
 # -- sizes as sent -----------------------------------------------------------------------------------
+@pytest.mark.sandbox
 def test_an_oversize_context_is_413_with_or_without_its_length(small: Server) -> None:
     declared = build(small, os.urandom(5 * MiB))
     assert declared.status_code == 413
@@ -201,6 +203,7 @@ def test_an_oversize_context_is_413_with_or_without_its_length(small: Server) ->
     assert fits.status_code == 400 and "no Dockerfile" in error_of(fits)["message"]  # taken and unpacked
 
 
+@pytest.mark.sandbox
 def test_an_oversize_e2b_upload_is_413_and_leaves_nothing(small: Server) -> None:
     files_hash = uuid.uuid4().hex
     present, url = upload_url(small, files_hash)
@@ -217,6 +220,7 @@ def test_an_oversize_e2b_upload_is_413_and_leaves_nothing(small: Server) -> None
     assert ok.status_code == 200 and upload_url(small, files_hash)[0] is True
 
 
+@pytest.mark.sandbox
 def test_an_upload_the_client_abandons_leaves_nothing(small: Server) -> None:
     """Half a declared body, then the connection closes: what was written is removed."""
     _, url = upload_url(small, uuid.uuid4().hex)
@@ -233,6 +237,7 @@ def test_an_upload_the_client_abandons_leaves_nothing(small: Server) -> None:
 
 
 # -- what a context unpacks to -------------------------------------------------------------------------
+@pytest.mark.sandbox
 @pytest.mark.parametrize("bomb", ["zeros", "sparse", "headers"])
 def test_context_bombs_are_413(small: Server, tmp_path: Path, bomb: str) -> None:
     """Each body is well under the 4 MiB sent; unpacked it would be 64 MiB of zeros, a 512 MiB
@@ -254,6 +259,7 @@ def test_context_bombs_are_413(small: Server, tmp_path: Path, bomb: str) -> None
     assert leftovers(small) == []
 
 
+@pytest.mark.sandbox
 def test_an_e2b_upload_that_unpacks_too_much_fails_its_build_start(small: Server) -> None:
     files_hash = uuid.uuid4().hex
     _, url = upload_url(small, files_hash)
@@ -269,6 +275,7 @@ def test_an_e2b_upload_that_unpacks_too_much_fails_its_build_start(small: Server
     assert leftovers(small) == []
 
 
+@pytest.mark.sandbox
 def test_a_context_of_too_many_entries_is_413(small: Server) -> None:
     many = [item(f"d/f{i}") for i in range(600)]
     r = build(small, tar_of(many, gz=True))
@@ -286,17 +293,18 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
 def test_an_image_layer_with_a_huge_header_is_413(registry: Registry, api: httpx.Client) -> None:
     """Image layers are read as contexts are: an 8 MiB pax header (a few KiB gzip'd) is refused,
     not held in memory (tarfile holds a header of any size whole)."""
+    repo = f"tests/bomb-{uuid.uuid4().hex[:8]}"
     bomb = LayerTar()
-    info = tarfile.TarInfo("notes")
+    info = tarfile.TarInfo(repo)  # a layer of its own: a pulled one is cached by its digest
     info.pax_headers = {"comment": "x" * (8 * MiB)}
     bomb.tar.addfile(info)
-    repo = f"tests/bomb-{uuid.uuid4().hex[:8]}"
     registry.push_image(repo, "1", [(busybox_layer().bytes(), "gzip"), (bomb.bytes(), "gzip")])
     r = api.post("/templates/from-image", json={"name": repo.replace("/", "-"), "image": f"{registry.host}/{repo}:1"})
     assert r.status_code == 413 and "headers are larger than 1 MiB" in error_of(r)["message"], r.text
 
 
 # -- a nearly full disk -------------------------------------------------------------------------------
+@pytest.mark.sandbox
 def test_a_nearly_full_disk_refuses_uploads_and_builds_with_507(full: Server) -> None:
     context = tar_of([item("f", b"x")])
     refusals = [build(full, context), build(full, chunks(8 * MiB))]
@@ -318,6 +326,7 @@ def test_a_nearly_full_disk_refuses_uploads_and_builds_with_507(full: Server) ->
     assert leftovers(full) == []
 
 
+@pytest.mark.sandbox
 def test_a_disk_that_fills_during_an_upload_stops_it(tmp_path: Path) -> None:
     """The headroom leaves 48 MiB to write when the node starts: a 1 GiB context sent chunked
     stops once that is used, and what it wrote is removed."""
@@ -333,6 +342,7 @@ def test_a_disk_that_fills_during_an_upload_stops_it(tmp_path: Path) -> None:
 
 
 # -- E2B uploads are a cache, not forever --------------------------------------------------------------
+@pytest.mark.sandbox
 def test_e2b_uploads_unused_for_their_ttl_are_collected(small: Server) -> None:
     """Aged by hand (their mtime is their last use), then collected by the node's start."""
     hashes = [uuid.uuid4().hex for _ in range(3)]
