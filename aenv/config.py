@@ -51,7 +51,21 @@ class Settings(BaseSettings):
     # Template build contexts and template file uploads are streamed to disk up to max_upload_mb;
     # envd's /files uploads stream into the sandbox, bounded by its disk quota.
     max_body_kb: int = Field(1024, ge=1)
+
+    # What clients send to build from (a Dockerfile build's context, an E2B file upload), as sent.
+    # Contexts of several GiB exist (datasets, model weights, vendored trees), most are MiBs; the
+    # disk headroom below, not this, keeps the node's disk from filling.
     max_upload_mb: int = Field(10 * 1024, ge=1)
+    # What one context or upload may unpack to (its tar after decompression, and the files it
+    # writes): a well compressed upload of the largest size fits; a small gzip bomb stops here.
+    max_unpacked_mb: int = Field(20 * 1024, ge=1)
+    max_upload_entries: int = Field(1_000_000, ge=1)  # files, directories and links of one context
+    # E2B uploads are kept by files hash (the SDK skips uploading what is present): removed once
+    # unused for this many seconds (a presence check or a build using one renews it).
+    upload_ttl: float = Field(24 * 3600.0, ge=0)
+    # Uploads, builds, pulls and repository fetches are refused (507) rather than leave less than
+    # this free on the data dir's filesystem: the host's disk never fills, sandboxes keep room.
+    disk_headroom_mb: int = Field(4 * 1024, ge=0)
 
     # The snapshot repository templates and snapshots are committed to: "" = <data-dir>/repo,
     # a path or file:// URL (e.g. a shared mount), s3://bucket/prefix, or "none" (node-local only).

@@ -19,7 +19,7 @@
     └── StorageError (OSError)               500 storage_error
         ├── RepositoryUnavailable            503 repository_unavailable
         ├── ArtifactDamaged                  500 artifact_damaged
-        └── InsufficientStorage              507 insufficient_storage (a sandbox's disk quota is full)
+        └── InsufficientStorage              507 insufficient_storage (a disk quota, or the node's disk, is full)
 
 The API finds an error's entry by walking its MRO; the SDK maps a response's ``code`` back to the
 class with the same table.
@@ -62,7 +62,7 @@ class Unauthenticated(AenvError, PermissionError):
 
 
 class PayloadTooLarge(AenvError):
-    """A request body over the size the node accepts for it."""
+    """A request body over the size the node accepts for it (or a build context unpacking past it)."""
 
 
 class NotFound(AenvError, LookupError):
@@ -136,7 +136,8 @@ class ArtifactDamaged(StorageError):
 
 
 class InsufficientStorage(StorageError):
-    """A write into a sandbox ran out of its disk quota."""
+    """Out of disk: a sandbox's quota is full, or the node's data dir is nearly full (refused
+    before it fills the host's disk)."""
 
 
 # class -> (http status, code). The only place statuses are chosen.

@@ -2,7 +2,8 @@
 uploads by hash, v2 build start, status polling), carried out by aenv's Dockerfile builder.
 
 Uploads go to a URL this server hands out; the SDK sends no API key there, so the URL carries
-an HMAC of (template, files hash) instead, and only that exact upload is accepted.
+an HMAC of (template, files hash) instead, and only that exact upload is accepted. Uploads are
+bounded and kept as a cache by files hash (`aenv.templates.uploads`).
 """
 
 from __future__ import annotations
@@ -25,18 +26,18 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from aenv.api.sandboxes import _body, json_body, node_of, receive_to_file
+from aenv.api.sandboxes import _body, declared_length, json_body, node_of
 from aenv.api.schemas import rfc3339
 from aenv.errors import AenvError, InvalidRequest, NotFound, Unauthenticated
 from aenv.node.orchestrator import Node
-from aenv.storage.layers import new_id
+from aenv.storage.space import ensure_space, headroom
 from aenv.templates import build, catalog
 from aenv.templates import dockerfile as df
 from aenv.templates.catalog import TEMPLATE_NAME
+from aenv.templates.uploads import FILES_HASH
 
 router = APIRouter(tags=["e2b templates"])
 E2B_USER, E2B_WORKDIR = "user", "/home/user"  # what E2B template steps start with
-FILES_HASH = "[0-9A-Za-z]{1,128}"  # the SDKs send a sha256 in hex; it names a tar under build-files/, never a path
 
 
 class NewTemplate(BaseModel):
@@ -49,7 +50,7 @@ class Step(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     type: str
     args: list[str] = Field(default_factory=list)
-    files_hash: str | None = Field(None, alias="filesHash", pattern=f"^{FILES_HASH}$")
+    files_hash: str | None = Field(None, alias="filesHash", pattern=f"^{FILES_HASH.pattern}$")
 
 
 class BuildStart(BaseModel):
@@ -81,19 +82,6 @@ def builds_of(node: Node) -> dict[str, Build]:
     if not hasattr(node, "e2b_builds"):
         node.e2b_builds = {}  # type: ignore[attr-defined]
     return node.e2b_builds  # type: ignore[attr-defined,no-any-return]
-
-
-def files_dir(node: Node) -> Path:
-    path = node.files.root / "build-files"
-    path.mkdir(exist_ok=True)
-    return path
-
-
-def files_tar(node: Node, files_hash: str | None) -> Path:
-    """Where the upload of ``files_hash`` is kept (the hash is only ever a name in one directory)."""
-    if not files_hash or not re.fullmatch(FILES_HASH, files_hash):
-        raise InvalidRequest(f"bad files hash {files_hash!r}: letters and digits only")
-    return files_dir(node) / f"{files_hash}.tar"
 
 
 def upload_token(node: Node, template_id: str, files_hash: str) -> str:
@@ -134,7 +122,7 @@ async def new_template(request: Request) -> JSONResponse:
 @router.get("/templates/{template_id}/files/{files_hash}", status_code=201, summary="Where to upload COPY files")
 async def files_link(request: Request, template_id: str, files_hash: str) -> JSONResponse:
     node = node_of(request)
-    present = files_tar(node, files_hash).exists()
+    present = node.uploads.has(files_hash)
     url = str(request.url_for("upload_files", template_id=template_id, files_hash=files_hash))
     url += f"?token={upload_token(node, template_id, files_hash)}"
     return JSONResponse({"present": present, "url": url}, status_code=201)
@@ -145,13 +133,7 @@ async def upload_files(request: Request, template_id: str, files_hash: str, toke
     node = node_of(request)
     if not upload_authorized(node, template_id, files_hash, token):
         raise Unauthenticated("this upload URL is not valid")
-    final = files_tar(node, files_hash)
-    part = final.with_name(f"{final.name}.{new_id()}.part")
-    try:
-        await receive_to_file(request, part)
-        part.rename(final)
-    finally:
-        part.unlink(missing_ok=True)
+    await node.uploads.receive(files_hash, request.stream(), declared_length(request))
     return Response(status_code=200)
 
 
@@ -173,14 +155,15 @@ async def start_build(request: Request, template_id: str, build_id: str) -> Resp
     base = body.from_image or body.from_template
     if not base:
         raise InvalidRequest("a build needs fromImage or fromTemplate")
-    context = files_dir(node) / f"ctx-{build_id}"
+    ensure_space(node.files.root, headroom(node.settings), 0, f"build {build_id}")
+    context = node.files.tmp / f"e2b-{build_id}"
     instructions = [df.Instruction(0, "FROM", base)]
     # E2B's starting point; the workdir is only the default one (sandboxes follow the user's home)
     instructions += [df.Instruction(0, "USER", E2B_USER), df.Instruction(0, "WORKDIR", E2B_WORKDIR, {"implicit": ""})]
     user = E2B_USER
     try:
         for step in body.steps:
-            instructions += _instructions(node, step, context, user)
+            instructions += await _instructions(node, step, context, user)
             if step.type.upper() == "USER" and step.args:
                 user = step.args[0]
     except BaseException:
@@ -194,7 +177,7 @@ async def start_build(request: Request, template_id: str, build_id: str) -> Resp
     return Response(status_code=202)
 
 
-def _instructions(node: Node, step: Step, context: Path, user: str) -> list[df.Instruction]:
+async def _instructions(node: Node, step: Step, context: Path, user: str) -> list[df.Instruction]:
     """aenv's instructions for one E2B step (``user`` is the one in force before it)."""
     kind, args = step.type.upper(), step.args
     if kind == "RUN" and args:
@@ -209,12 +192,13 @@ def _instructions(node: Node, step: Step, context: Path, user: str) -> list[df.I
     if kind in ("WORKDIR", "USER") and len(args) == 1:
         return [df.Instruction(0, kind, args[0])]
     if kind == "COPY" and len(args) >= 2 and step.files_hash:
-        tar = files_tar(node, step.files_hash)
-        if not tar.exists():
-            raise InvalidRequest(f"COPY {args[0]}: its files ({step.files_hash}) were never uploaded")
-        target = context / step.files_hash
-        if not target.exists():
-            build.unpack_context(tar, target)  # links stay links, whatever they point at
+        with node.uploads.using(step.files_hash) as tar:
+            if not tar.exists():
+                raise InvalidRequest(f"COPY {args[0]}: its files ({step.files_hash}) were never uploaded")
+            target = context / step.files_hash
+            if not target.exists():  # links stay links, whatever they point at
+                what = f"the files of COPY {args[0]} ({step.files_hash})"
+                await asyncio.to_thread(build.unpack_context, tar, target, node.uploads.limits, what)
         flags = {}
         if len(args) > 2 and args[2]:
             flags["chown"] = args[2]

@@ -33,7 +33,7 @@ from aenv.api.schemas import (
     snapshot_json,
     template_json,
 )
-from aenv.errors import AenvError, InvalidRequest, PayloadTooLarge, SnapshotNotFound, WrongState, error_body
+from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, WrongState, error_body
 from aenv.node.orchestrator import Node
 from aenv.storage.confined import View
 from aenv.templates import build, catalog, images
@@ -75,6 +75,12 @@ def add_body_schemas(openapi: dict[str, Any]) -> None:
         schemas[name] = schema
 
 
+def declared_length(request: Request) -> int | None:
+    """The body's Content-Length (None for a chunked body; the server has checked its syntax)."""
+    value = request.headers.get("content-length")
+    return int(value) if value is not None else None
+
+
 async def _body(request: Request, model: type[Any]) -> Any:
     """The request's JSON body as ``model``; an empty body is ``{}`` (required fields still are)."""
     raw = await request.body()
@@ -82,25 +88,6 @@ async def _body(request: Request, model: type[Any]) -> Any:
         return model.model_validate_json(raw if raw.strip() else b"{}")
     except ValueError as exc:
         raise InvalidRequest(_first_error(exc)) from exc
-
-
-async def receive_to_file(request: Request, path: Path) -> None:
-    """Write the request's body to ``path`` as it arrives, up to the node's AENV_MAX_UPLOAD_MB."""
-    limit = node_of(request).settings.max_upload_mb * 2**20
-    declared = request.headers.get("content-length", "")
-    if declared.isdecimal() and int(declared) > limit:
-        raise _upload_too_large(limit)
-    size = 0
-    with open(path, "wb") as out:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _upload_too_large(limit)
-            out.write(chunk)
-
-
-def _upload_too_large(limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"the upload is larger than {limit // 2**20} MiB (AENV_MAX_UPLOAD_MB)")
 
 
 def _first_error(exc: ValueError) -> str:
@@ -469,13 +456,14 @@ async def build_template(
     ``{"log": ...}``, then ``{"template": ...}`` or ``{"error": {code, message, step?, output?}}``."""
     node = node_of(request)
     args = dict(arg.split("=", 1) for arg in build_arg if "=" in arg)
-    (node.files.root / "tmp").mkdir(exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="aenv-build-", dir=node.files.root / "tmp"))
+    limits = node.uploads.limits
+    workdir = Path(tempfile.mkdtemp(prefix="aenv-build-", dir=node.files.tmp))
     try:
         raw = workdir / "context.tar"
-        await receive_to_file(request, raw)
+        await limits.receive(request.stream(), raw, declared_length(request), "the build context")
         context = workdir / "context"
-        await asyncio.to_thread(build.unpack_context, raw, context)
+        await asyncio.to_thread(build.unpack_context, raw, context, limits)
+        raw.unlink()  # the build reads the unpacked context only
         recipe = View([context]).read(dockerfile, limit=MAX_DOCKERFILE)  # links resolve inside the context
         if recipe is None:
             raise InvalidRequest(f"no {dockerfile} in the build context")

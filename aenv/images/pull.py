@@ -20,6 +20,7 @@ from aenv.images.reference import ImageRef
 from aenv.images.registry import Image, RegistryClient
 from aenv.images.unpack import LayerError, apply_layer
 from aenv.storage.layers import new_id
+from aenv.storage.space import ensure_space, headroom
 
 if TYPE_CHECKING:
     from aenv.node.orchestrator import Node
@@ -69,6 +70,7 @@ async def pull(
         client = RegistryClient(insecure=set(node.settings.insecure_registries), credentials=logins)
     tmp = node.files.root / "tmp"
     tmp.mkdir(exist_ok=True)
+    ensure_space(tmp, headroom(node.settings), 0, f"pulling {reference}")
     fetched, cached, ids = 0, 0, []
     try:
         if local is not None:
@@ -90,6 +92,9 @@ async def pull(
                 cached += 1
                 log(f"layer {i}/{len(image.layers)} {diff_id[:19]}: cached")
                 continue
+            declared = desc.get("size")  # the manifest's word for it: refuses a pull that cannot fit
+            need = declared if isinstance(declared, int) else 0
+            ensure_space(tmp, headroom(node.settings), need, f"layer {i} of {ref}")
             started = time.monotonic()
             blob = tmp / f"{new_id()}.blob"
             work = tmp / f"{layer_id}.{new_id()}"
@@ -100,7 +105,7 @@ async def pull(
                     assert client is not None
                     await client.fetch_blob(ref, desc["digest"], blob)
                 size = blob.stat().st_size
-                got = await asyncio.to_thread(apply_layer, blob, work)
+                got = await asyncio.to_thread(apply_layer, blob, work, headroom(node.settings))
                 if got != diff_id:
                     raise LayerError(f"layer {i} of {ref} unpacks to {got}, not its diff_id {diff_id}")
                 if not final.exists():

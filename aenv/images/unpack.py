@@ -10,22 +10,28 @@ stream is hashed as it is read, so a layer whose content is not its diff_id neve
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import hashlib
 import io
 import logging
+import lzma
 import os
+import re
 import stat
 import tarfile
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import zstandard
 
-from aenv.errors import InvalidRequest
+from aenv.errors import InvalidRequest, PayloadTooLarge
 from aenv.storage.confined import (
     NEW_FILE_FLAGS,
     OPAQUE_XATTR,
+    XATTR_PREFIXES,
     PathRefused,
     entry_parts,
     lstat_at,
@@ -34,6 +40,7 @@ from aenv.storage.confined import (
     parent_at,
     remove_at,
 )
+from aenv.storage.space import SpaceWatch
 
 log = logging.getLogger("aenv.images")
 
@@ -42,10 +49,13 @@ OPAQUE = ".wh..wh..opq"
 AUFS_META = ".wh..wh."  # AUFS bookkeeping (.wh..wh.plnk, ...), not content
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-# Attributes a layer may set: what images use. trusted.* steers the host kernel (overlayfs's
-# redirect, origin, metacopy...), so of those only the opaque marker, which layers express anyway.
-XATTR_PREFIXES = ("user.", "security.capability", "system.posix_acl_", OPAQUE_XATTR)
+BZIP2_MAGIC = re.compile(rb"BZh[1-9]1AY&SY")  # and the first block's magic: "BZh" alone can start a file name
+XZ_MAGIC = b"\xfd7zXZ\x00"
 WHAT = "layer entry"
+MAX_HEADERS = 1 << 20  # one entry's headers: pax records (attributes), long names, a sparse map
+SPACE_CHECK = 64 << 20  # file bytes unpacked between two looks at the free space
+# What reading a damaged archive raises, from the tar reader or one of the decompressors.
+UNREADABLE = (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError)
 
 
 class LayerError(InvalidRequest):
@@ -72,32 +82,81 @@ class _Hashing(io.RawIOBase):
         return n
 
 
-def _decompressed(raw: IO[bytes]) -> IO[bytes]:
-    head = raw.read(4)
+def decompressed(raw: IO[bytes]) -> IO[bytes]:
+    """``raw`` (a seekable file), decompressed as its first bytes say: gzip, zstd, bzip2, xz, or none."""
+    head = raw.read(10)
     raw.seek(0)
     if head.startswith(GZIP_MAGIC):
         return gzip.GzipFile(fileobj=raw, mode="rb")
-    if head == ZSTD_MAGIC:
+    if head.startswith(ZSTD_MAGIC):
         return zstandard.ZstdDecompressor().stream_reader(raw)  # type: ignore[return-value]
+    if BZIP2_MAGIC.match(head):
+        return bz2.BZ2File(raw)
+    if head.startswith(XZ_MAGIC):
+        return lzma.LZMAFile(raw)
     return raw
 
 
-def apply_layer(blob: Path, dest: Path) -> str:
-    """Unpack ``blob`` into ``dest`` (created); return ``sha256:...`` of the uncompressed tar."""
+def unpacks_too_much(what: str, limit: int, setting: str) -> PayloadTooLarge:
+    return PayloadTooLarge(f"{what} unpacks to more than {limit >> 20} MiB (the node's {setting})")
+
+
+class TarStream:
+    """A tar as tarfile reads it, entry after entry: counted (past ``limit``, 413 naming
+    ``setting``) and, while tarfile reads an entry's headers, bounded by `MAX_HEADERS`: it holds
+    a pax header, a long name or a sparse map in memory whole, as large as the archive says."""
+
+    def __init__(self, inner: IO[bytes], what: str, limit: int | None = None, setting: str = "") -> None:
+        self.inner = inner
+        self.what = what
+        self.limit = limit
+        self.setting = setting
+        self.total = 0
+        self.headers: int | None = 0  # None while an entry's content is read
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.inner.read(size if size >= 0 else MAX_HEADERS)
+        self.total += len(data)
+        if self.limit is not None and self.total > self.limit:
+            raise unpacks_too_much(self.what, self.limit, self.setting)
+        if self.headers is not None:
+            self.headers += len(data)
+            if self.headers > MAX_HEADERS:
+                raise PayloadTooLarge(f"{self.what}: an entry's tar headers are larger than {MAX_HEADERS >> 20} MiB")
+        return data
+
+    def members(self) -> Iterator[tuple[tarfile.TarFile, tarfile.TarInfo]]:
+        """The entries, one at a time (tarfile would keep every one it read: not a million)."""
+        with tarfile.open(fileobj=self, mode="r|") as tar:  # type: ignore[call-overload]
+            while True:
+                self.headers = 0
+                member = tar.next()
+                self.headers = None
+                if member is None:
+                    return
+                tar.members.clear()
+                yield tar, member
+
+
+def apply_layer(blob: Path, dest: Path, headroom: int = 0) -> str:
+    """Unpack ``blob`` into ``dest`` (created); return ``sha256:...`` of the uncompressed tar.
+    Stops (507) when the disk gets within ``headroom`` bytes of full."""
     dest.mkdir(parents=True, exist_ok=True)
     root = open_root(dest)
+    room = SpaceWatch(headroom, f"layer {blob.name}", every=SPACE_CHECK)
     try:
         with open(blob, "rb") as raw:
-            hashing = _Hashing(_decompressed(raw))
+            hashing = _Hashing(decompressed(raw))
             stream = io.BufferedReader(hashing, buffer_size=1 << 20)
-            with tarfile.open(fileobj=stream, mode="r|") as tar:
-                for member in tar:
-                    _apply(tar, member, root)
+            for tar, member in TarStream(stream, f"layer {blob.name}").members():
+                if member.isreg():
+                    room.before(root, member.size)
+                _apply(tar, member, root)
             while stream.read(1 << 20):  # tar padding after the end-of-archive blocks counts too
                 pass
     except PathRefused as exc:
         raise LayerError(f"layer {blob.name}: {exc.message}") from exc
-    except (tarfile.TarError, OSError, EOFError, zstandard.ZstdError) as exc:
+    except UNREADABLE as exc:
         raise LayerError(f"cannot unpack layer {blob.name}: {exc}") from exc
     finally:
         os.close(root)

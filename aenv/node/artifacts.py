@@ -24,19 +24,21 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aenv.errors import AenvError, ArtifactDamaged
 from aenv.node import metrics
 from aenv.node.store import SnapshotRecord, TemplateRecord
-from aenv.repo.repository import ArtifactRef, EntryKind, LocalArtifact, Repository
+from aenv.repo.repository import ArtifactRef, EntryKind, LocalArtifact, Repository, is_valid_id
 from aenv.storage.layers import new_id
+from aenv.storage.space import headroom
 
 if TYPE_CHECKING:
     from aenv.node.orchestrator import Node
 
 log = logging.getLogger("aenv.repo")
 Entry = TemplateRecord | SnapshotRecord
+R = TypeVar("R", TemplateRecord, SnapshotRecord)
 FETCHING = ".fetch-"  # prefix of artifacts still being fetched (never booted from; removed at start)
 
 
@@ -281,23 +283,20 @@ class ArtifactCache:
 
     async def _import(self, entries: dict[str, list[dict[str, Any]]]) -> int:
         added = 0
+        templates = [t for t in (_record_of(TemplateRecord, e) for e in entries["template"]) if t is not None]
         # Newest first: if two nodes committed templates of one name, the latest one is imported.
-        for entry in sorted(entries["template"], key=lambda e: -float(e["committed_at"])):
-            tmpl = TemplateRecord.from_json(json.dumps(entry["record"]))
+        for tmpl in sorted(templates, key=lambda t: -t.committed_at):
             if tmpl.id in self.node.templates:
                 continue
             if any(t.name == tmpl.name for t in self.node.templates.values()):
                 log.info("repository template %s is named %r like one here: not imported", tmpl.id, tmpl.name)
                 continue
-            tmpl.committed_at, tmpl.commit = float(entry["committed_at"]), dict(entry.get("commit") or {})
             self.node.templates[tmpl.id] = tmpl
             await self.node.store.put_template(tmpl)
             added += 1
-        for entry in entries["snapshot"]:
-            snap = SnapshotRecord.from_json(json.dumps(entry["record"]))
+        for snap in (s for s in (_record_of(SnapshotRecord, e) for e in entries["snapshot"]) if s is not None):
             if snap.id in self.node.snapshots:
                 continue
-            snap.committed_at, snap.commit = float(entry["committed_at"]), dict(entry.get("commit") or {})
             self.node.snapshots[snap.id] = snap
             await self.node.store.put_snapshot(snap)
             added += 1
@@ -410,7 +409,8 @@ class ArtifactCache:
             final = self.node.driver.guest_path(ref.id)
             temp = final.parent / f"{FETCHING}{ref.id}-{new_id(6)}"
         try:
-            size = await asyncio.to_thread(self.repo.fetch_artifact, ref, temp, what)
+            room = headroom(self.node.settings)
+            size = await asyncio.to_thread(self.repo.fetch_artifact, ref, temp, what, room)
             os.rename(temp, final)
         except BaseException:
             metrics.REPO_FETCHES.labels(outcome="error").inc()
@@ -461,6 +461,25 @@ class ArtifactCache:
                 report.freed_bytes / 2**20,
             )
         return report.as_dict()
+
+
+def _record_of(cls: type[R], entry: dict[str, Any]) -> R | None:
+    """The record a repository entry holds, or None (logged) if it cannot be used: malformed, or
+    naming itself or its artifacts otherwise than by names. Those become paths under the data dir:
+    a layer ``../../..`` would make a host directory a sandbox's layer."""
+    rec: R
+    try:
+        rec = cls.from_json(json.dumps(entry["record"]))
+        rec.committed_at, rec.commit = float(entry["committed_at"]), dict(entry.get("commit") or {})
+    except (KeyError, TypeError, ValueError) as exc:
+        log.error("repository entry %r is malformed (%s): not imported", entry.get("id"), exc)
+        return None
+    ids: list[object] = [rec.id, rec.image, *([rec.guest] if rec.guest else [])]
+    ids += rec.layers if isinstance(rec.layers, list) else [rec.layers]  # JSON gave it: maybe no list
+    if not all(is_valid_id(x) for x in ids):
+        log.error("repository %s %r names its artifacts by paths or odd names: not imported", kind_of(rec), rec.id)
+        return None
+    return rec
 
 
 def _discard(path: Path) -> None:

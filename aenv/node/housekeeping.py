@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,10 +40,21 @@ async def recover(node: Node) -> None:
     removed = await node.driver.cleanup_orphans(keep=set())
     if removed:
         log.info("removed %d orphaned instances", len(removed))
+    await asyncio.to_thread(sweep_scratch, node)
     await gc_files(node)
     uppers = {sb.rec.upper for sb in node.sandboxes.values()}
     for layer_id in referenced_layers(node):
         await node.files.mount(layer_id, writable=layer_id in uppers)
+
+
+def sweep_scratch(node: Node) -> None:
+    """Remove what pulls, builds and uploads that a stop interrupted left behind."""
+    for entry in os.scandir(node.files.tmp):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            os.unlink(entry.path)
+    node.uploads.sweep()
 
 
 def referenced_layers(node: Node) -> set[str]:
@@ -64,7 +77,8 @@ def sandbox_layers(node: Node) -> set[str]:
 
 async def gc_files(node: Node, min_age: float = 0.0) -> None:
     """Remove layers, uppers and images that no record names (and older than ``min_age``,
-    so that an operation still building them is never raced), then keep the cache in budget."""
+    so that an operation still building them is never raced), then keep the cache in budget and
+    remove E2B uploads unused for their TTL."""
     now = time.time()
 
     def old(path: Path) -> bool:
@@ -89,6 +103,7 @@ async def gc_files(node: Node, min_age: float = 0.0) -> None:
             await asyncio.to_thread(node.driver.remove_guest, key)
     cache, in_use = cache_items(node, build_cache)
     await evict_cache(node, cache, in_use, build_cache)
+    node.uploads.collect()
 
 
 def cache_items(node: Node, build_cache: dict[str, str]) -> tuple[list[tuple[str, str]], set[str]]:

@@ -44,6 +44,7 @@ from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
 from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
 from aenv.storage.layers import LayerStore, new_id
+from aenv.templates.uploads import UploadCache
 
 log = logging.getLogger("aenv.node")
 
@@ -95,6 +96,7 @@ class Node:
         self.files = LayerStore(settings.data_dir / "fs")
         self.driver = driver or make_driver(settings)
         self.artifacts = ArtifactCache(self, make_repository(settings))
+        self.uploads = UploadCache(self.files.root / "build-files", settings)
         self.sandboxes: dict[str, LiveSandbox] = {}
         self.templates: dict[str, TemplateRecord] = {}
         self.snapshots: dict[str, SnapshotRecord] = {}

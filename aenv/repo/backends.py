@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -17,10 +18,11 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from aenv.errors import InvalidRequest, RepositoryUnavailable, StorageError
+from aenv.errors import ArtifactDamaged, InvalidRequest, RepositoryUnavailable, StorageError
 
 CHANGE_LOCK_WAIT_S = 10.0  # a conditional change holds its lock for milliseconds
 CHANGE_LOCK_STALE_S = 60.0  # a lock this old was left by a process that died holding it
+MAX_OBJECT = 64 << 20  # the most an object is read (whole, in memory): a manifest of ~800k chunks
 
 
 class _ConditionFailed(StorageError):
@@ -123,10 +125,23 @@ class PosixBackend:
         return True
 
     def get(self, key: str) -> bytes:
+        return self._read(key)[0]
+
+    def _read(self, key: str) -> tuple[bytes, os.stat_result]:
+        """An object's bytes: a regular file, never a link, a FIFO or a device that another writer
+        of a shared directory left in its place (they could stall the node or fill its memory)."""
         try:
-            return self._path(key).read_bytes()
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise MissingObject(key) from None
+        except OSError as exc:  # ELOOP: a symbolic link
+            raise ArtifactDamaged(f"repository object {key} cannot be read: {exc.strerror}") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            data = f.read(MAX_OBJECT + 1) if stat.S_ISREG(st.st_mode) else b""
+            if not stat.S_ISREG(st.st_mode) or len(data) > MAX_OBJECT:
+                raise ArtifactDamaged(f"repository object {key} is not a file of at most {MAX_OBJECT >> 20} MiB")
+            return data, st
 
     # Every put is a new inode (a temp file renamed into place), so inode + mtime + size name a
     # version. Conditional changes hold a lock file beside the object for the check and the change:
@@ -136,11 +151,8 @@ class PosixBackend:
         return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
 
     def get_tagged(self, key: str) -> tuple[bytes, str]:
-        try:
-            with open(self._path(key), "rb") as f:
-                return f.read(), self._tag(os.fstat(f.fileno()))
-        except FileNotFoundError:
-            raise MissingObject(key) from None
+        data, st = self._read(key)
+        return data, self._tag(st)
 
     @contextlib.contextmanager
     def _locked(self, key: str) -> Iterator[Path]:
@@ -283,11 +295,7 @@ class S3Backend:
         self._call("put", self._s3.put_object, Key=self._key(key), Body=data)
 
     def get_tagged(self, key: str) -> tuple[bytes, str]:
-        response = self._call("get", self._s3.get_object, Key=self._key(key))
-        try:
-            return bytes(response["Body"].read()), str(response["ETag"])
-        finally:
-            response["Body"].close()
+        return self._read(key)
 
     def _put_if(self, key: str, data: bytes, **condition: str) -> bool:
         try:
@@ -306,9 +314,16 @@ class S3Backend:
         return self._put_if(key, data, IfNoneMatch="*")
 
     def get(self, key: str) -> bytes:
-        body = self._call("get", self._s3.get_object, Key=self._key(key))["Body"]
+        return self._read(key)[0]
+
+    def _read(self, key: str) -> tuple[bytes, str]:
+        """An object's bytes and ETag, at most `MAX_OBJECT` of them (it is held in memory)."""
+        response = self._call("get", self._s3.get_object, Key=self._key(key))
+        body = response["Body"]
         try:
-            return bytes(body.read())
+            if int(response.get("ContentLength") or 0) > MAX_OBJECT:
+                raise ArtifactDamaged(f"repository object {key} is larger than {MAX_OBJECT >> 20} MiB")
+            return bytes(body.read()), str(response["ETag"])
         finally:
             body.close()
 

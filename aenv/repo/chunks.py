@@ -112,6 +112,8 @@ class ChunkWriter:
 
 def read_chunk(backend: Backend, ref: ChunkRef, what: str) -> bytes:
     digest, length = ref
+    if not isinstance(length, int) or not 0 < length <= CHUNK_MAX:  # what is decompressed is held in memory
+        raise ArtifactDamaged(f"{what}: chunk {str(digest)[:16]} claims {length!r} bytes (at most {CHUNK_MAX})")
     try:
         data = backend.get(chunk_key(digest))
     except MissingObject:

@@ -8,25 +8,43 @@
 
 Readers yield blocks; writers consume verified chunk contents and build into a temporary path the
 caller renames into place only when everything arrived.
+
+The repository may be a bucket or a directory that other nodes write, so what a writer decodes is
+treated as untrusted: nothing lands outside its target. GNU tar already strips leading ``/`` and
+refuses ``..`` in names and hardlink targets, and it extracts a link that is absolute or has a
+``..`` only after everything else (a placeholder file holds its place), so nothing is ever written
+through a link the stream made. On top of that only the extended attributes layers may have are
+restored (``trusted.*`` other than the opaque marker steers the host's overlayfs), and device
+nodes other than whiteouts are removed before the tree is used, as image layers do. A sparse
+file's extents must lie inside its size, in order. Writers stop (507) when the disk gets within
+the node's headroom of full.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import stat
 import subprocess
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from aenv.errors import StorageError
+from aenv.errors import ArtifactDamaged, StorageError
+from aenv.storage.confined import XATTR_PREFIXES, is_whiteout
+from aenv.storage.space import SpaceWatch
 
+log = logging.getLogger("aenv.repo")
 BLOCK = 1024 * 1024
-TAR_OPTS = ["--numeric-owner", "--xattrs", "--xattrs-include=*"]
+SPACE_CHECK = 64 * BLOCK  # bytes written between two looks at the free space
+TAR_OPTS = ["--numeric-owner", "--xattrs"]
+CREATE_OPTS = [*TAR_OPTS, "--xattrs-include=*"]  # a commit keeps every attribute...
+EXTRACT_OPTS = [*TAR_OPTS, *(f"--xattrs-include={prefix}*" for prefix in XATTR_PREFIXES)]  # ...a fetch these
 
 
 def tar_blocks(path: Path) -> Iterator[bytes]:
-    argv = ["tar", "--create", "--file=-", "--directory", str(path), "--sparse", *TAR_OPTS, "."]
+    argv = ["tar", "--create", "--file=-", "--directory", str(path), "--sparse", *CREATE_OPTS, "."]
     with tempfile.TemporaryFile() as errors:  # a file, not a pipe: nothing can block on it
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errors)
         assert proc.stdout is not None
@@ -43,15 +61,24 @@ def tar_blocks(path: Path) -> Iterator[bytes]:
             raise StorageError(f"tar of {path} failed: {message}")
 
 
-def untar(chunks: Iterable[bytes], dest: Path) -> None:
+def untar(chunks: Iterable[bytes], dest: Path, headroom: int = 0) -> None:
     """Extract a tar stream into ``dest`` (an empty directory); any error leaves the caller to
     remove ``dest``."""
-    argv = ["tar", "--extract", "--file=-", "--directory", str(dest), "--same-permissions", "--same-owner", *TAR_OPTS]
+    argv = [
+        "tar",
+        "--extract",
+        "--file=-",
+        "--directory",
+        str(dest),
+        "--same-permissions",
+        "--same-owner",
+        *EXTRACT_OPTS,
+    ]
     with tempfile.TemporaryFile() as errors:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stderr=errors)
         assert proc.stdin is not None
         try:
-            for data in chunks:
+            for data in _watching_space(chunks, dest, headroom):
                 proc.stdin.write(data)
             proc.stdin.close()
         except BrokenPipeError:
@@ -63,10 +90,36 @@ def untar(chunks: Iterable[bytes], dest: Path) -> None:
         if proc.wait() != 0:
             errors.seek(0)
             message = errors.read().decode(errors="replace").strip()[-500:]
-            raise StorageError(f"extracting into {dest} failed: {message}")
+            raise ArtifactDamaged(f"extracting into {dest} failed: {message}")
+    _drop_devices(dest)
     # On disk before the caller renames it into place: after a crash a cached layer must be
     # whole or absent, never a tree of empty files.
     subprocess.run(["sync", "--file-system", str(dest)], check=False)
+
+
+def _watching_space(chunks: Iterable[bytes], dest: Path, headroom: int) -> Iterator[bytes]:
+    room = SpaceWatch(headroom, f"fetching into {dest.name}", every=SPACE_CHECK)
+    for data in chunks:
+        room.before(dest, len(data))
+        yield data
+
+
+def _drop_devices(dest: Path) -> None:
+    """Remove the device nodes tar made (overlay whiteouts, 0/0 character devices, stay): the
+    host holds no node that opens one of its own devices. One `find` over the new tree, not a
+    walk in Python; nothing else has seen the tree yet."""
+    found = subprocess.run(
+        ["find", str(dest), "-xdev", "(", "-type", "b", "-o", "-type", "c", ")", "-print0"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    for raw in filter(None, found.split(b"\0")):
+        path = os.fsdecode(raw)
+        st = os.lstat(path)
+        if stat.S_ISCHR(st.st_mode) and is_whiteout(st):
+            continue
+        log.warning("%s: device node %d:%d removed", path, os.major(st.st_rdev), os.minor(st.st_rdev))
+        os.unlink(path)
 
 
 def data_extents(path: Path) -> tuple[int, list[tuple[int, int]]]:
@@ -106,20 +159,32 @@ def sparse_blocks(path: Path, extents: list[tuple[int, int]]) -> Iterator[bytes]
         os.close(fd)
 
 
-def write_sparse(chunks: Iterable[bytes], dest: Path, size: int, extents: list[tuple[int, int]]) -> None:
-    """Lay a stream of extent data back out as a sparse file of ``size`` bytes."""
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def check_extents(size: int, extents: list[tuple[int, int]]) -> None:
+    """Extents of a file of ``size`` bytes: in order, apart, each inside the file."""
+    end = 0
+    for start, length in extents:
+        if start < end or length <= 0 or start + length > size:
+            raise ArtifactDamaged(f"extent ({start}, {length}) is out of order or outside a file of {size} bytes")
+        end = start + length
+
+
+def write_sparse(
+    chunks: Iterable[bytes], dest: Path, size: int, extents: list[tuple[int, int]], headroom: int = 0
+) -> None:
+    """Lay a stream of extent data back out as the new sparse file ``dest`` of ``size`` bytes."""
+    check_extents(size, extents)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, size)
         regions = iter(extents)
         offset, left = next(regions, (0, 0))
-        for data in chunks:
+        for data in _watching_space(chunks, dest.parent, headroom):
             view = memoryview(data)
             while view:
                 if left == 0:
                     nxt = next(regions, None)
                     if nxt is None:
-                        raise StorageError(f"{dest}: more data than its extents hold")
+                        raise ArtifactDamaged(f"{dest}: more data than its extents hold")
                     offset, left = nxt
                 n = min(left, len(view))
                 os.pwrite(fd, view[:n], offset)

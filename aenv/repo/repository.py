@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -47,6 +48,7 @@ from aenv.errors import ArtifactDamaged, InvalidRequest, RepositoryUnavailable, 
 from aenv.repo import encodings
 from aenv.repo.backends import Backend, MissingObject, PosixBackend
 from aenv.repo.chunks import ChunkWriter, WriteStats, chunk_key, read_chunk, read_chunks
+from aenv.storage.space import ensure_space
 
 log = logging.getLogger("aenv.repo")
 
@@ -59,6 +61,8 @@ Encoding = Literal["tar", "sparse"]
 LOCK_REFRESH_S = 30.0
 LOCK_STALE_S = 600.0  # a lock not refreshed for this long belongs to a process that died
 CHANGE_TRIES = 5  # rereads of an entry that other nodes keep changing under a rewrite
+ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
+DIGEST = re.compile(r"[0-9a-f]{64}")  # a chunk's name, and a part of its key
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,10 +118,41 @@ def entry_key(kind: str, entry_id: str) -> str:
     return f"entries/{kind}s/{entry_id}.json"
 
 
+def is_valid_id(value: object) -> bool:
+    """An artifact or entry id: a name (node ids are hex, ``oci-<hex>``, ``snap_<hex>``), never a path."""
+    return isinstance(value, str) and ID.fullmatch(value) is not None
+
+
 def _check_id(value: str) -> str:
-    if not value or "/" in value or value.startswith(".") or len(value) > 200:
+    if not is_valid_id(value):
         raise InvalidRequest(f"bad repository id {value!r}")
     return value
+
+
+def _is_digest(value: object) -> bool:
+    return isinstance(value, str) and DIGEST.fullmatch(value) is not None
+
+
+def _check_manifest(manifest: dict[str, Any], what: str) -> None:
+    """What a fetch relies on in a manifest another node may have written: a known encoding, chunk
+    lengths that add up to its size, a sparse file's extents inside it and holding that size."""
+    chunks = manifest.get("chunks")
+    if manifest.get("encoding") not in ("tar", "sparse") or not isinstance(chunks, list):
+        raise ArtifactDamaged(f"{what}: malformed manifest (encoding or chunks)")
+    if not all(isinstance(c, list) and len(c) == 2 and _is_digest(c[0]) and isinstance(c[1], int) for c in chunks):
+        raise ArtifactDamaged(f"{what}: malformed manifest (chunks are sha256 digests and lengths)")
+    if manifest.get("size") != sum(length for _, length in chunks):
+        raise ArtifactDamaged(f"{what}: its manifest's size is not what its chunks hold")
+    if manifest["encoding"] == "sparse":
+        extents = manifest.get("extents")
+        size = manifest.get("file_size")
+        if not isinstance(size, int) or not isinstance(extents, list):
+            raise ArtifactDamaged(f"{what}: malformed manifest (file size or extents)")
+        if not all(isinstance(e, list) and len(e) == 2 and all(isinstance(n, int) for n in e) for e in extents):
+            raise ArtifactDamaged(f"{what}: malformed manifest (extents)")
+        encodings.check_extents(size, [(a, b) for a, b in extents])
+        if sum(b for _, b in extents) != manifest["size"]:
+            raise ArtifactDamaged(f"{what}: its extents do not hold what its chunks hold")
 
 
 class Repository:
@@ -176,17 +211,20 @@ class Repository:
             raise ArtifactDamaged(f"{what}: the manifest of {ref.kind} {ref.id} does not match its digest")
         return dict(json.loads(data))
 
-    def fetch_artifact(self, ref: ArtifactRef, dest: Path, what: str) -> int:
+    def fetch_artifact(self, ref: ArtifactRef, dest: Path, what: str, headroom: int = 0) -> int:
         """Rebuild an artifact at ``dest`` (a directory for tar, a file for sparse), every chunk
-        verified; returns its logical size. On any error the caller discards ``dest``."""
+        verified; returns its logical size. On any error the caller discards ``dest``. Refused
+        (507) if it would leave less than ``headroom`` bytes free on its filesystem."""
         manifest = self.read_manifest(ref, what)
+        _check_manifest(manifest, what)
+        ensure_space(dest.parent, headroom, manifest["size"], what)
         chunks = read_chunks(self.backend, [tuple(c) for c in manifest["chunks"]], self.pool, what)  # type: ignore[misc]
         if manifest["encoding"] == "tar":
             dest.mkdir(parents=True)
-            encodings.untar(chunks, dest)
+            encodings.untar(chunks, dest, headroom)
         else:
-            extents = [(int(a), int(b)) for a, b in manifest["extents"]]
-            encodings.write_sparse(chunks, dest, int(manifest["file_size"]), extents)
+            extents = [(a, b) for a, b in manifest["extents"]]
+            encodings.write_sparse(chunks, dest, manifest["file_size"], extents, headroom)
         return int(manifest["size"])
 
     # -- entries ----------------------------------------------------------------------------------

@@ -30,6 +30,9 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never blocks on a FIFO
 NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 OPAQUE_XATTR = "trusted.overlay.opaque"
+# Attributes a layer may carry: what images use. trusted.* steers the host kernel (overlayfs's
+# redirect, origin, metacopy...), so of those only the opaque marker, which layers express anyway.
+XATTR_PREFIXES = ("user.", "security.capability", "system.posix_acl_", OPAQUE_XATTR)
 MAX_LINKS = 40  # Linux's MAXSYMLINKS
 MAX_READ = 16 << 20
 WILDCARDS = "*?["

@@ -43,7 +43,8 @@ class LayerStore:
         self.layers = root / "layers"
         self.images = root / "images"
         self.used = self.layers / ".used"  # last-use markers of cached layers
-        for d in (self.layers, self.images, self.used):
+        self.tmp = root / "tmp"  # work in progress (pulls, build contexts): what is left at start is garbage
+        for d in (self.layers, self.images, self.used, self.tmp):
             d.mkdir(parents=True, exist_ok=True)
         self._sealed_sizes: dict[str, int] = {}
         self._spares: dict[int, list[str]] = {}  # size in MiB -> blank, mounted uppers

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aenv.errors import InvalidRequest, TemplateNotFound
+from aenv.errors import AenvError, InvalidRequest, TemplateNotFound
 from aenv.images.pull import Pulled, pull, release
+from aenv.images.unpack import UNREADABLE
 from aenv.node.housekeeping import BUILD_CACHE
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
@@ -45,6 +46,7 @@ from aenv.storage.confined import (
 from aenv.templates import dockerfile as df
 from aenv.templates.builder import BuildFailed, LogFn, StartCommand, build_instance, commit_template, run_process, seal
 from aenv.templates.images import conventions_layer, layers_view
+from aenv.templates.uploads import ContextLimits, UnpackBudget, context_members
 
 CACHE_KEY = BUILD_CACHE  # node meta: step key -> layer id ("" for a step that wrote nothing)
 COMMITS_KEY = "build-commits"  # node meta: key of a whole build -> the template it committed
@@ -449,26 +451,30 @@ def _put(target: View, context: View, item: Source, path: str, owner: tuple[int,
             target.write_file(path, f, mode, owner)
 
 
-def unpack_context(raw: Path, dest: Path) -> None:
-    """Unpack a build context (a tar, gzip or not) into ``dest``.
+def unpack_context(raw: Path, dest: Path, limits: ContextLimits, what: str = "the build context") -> None:
+    """Unpack a build context (a tar, compressed or not) into ``dest``.
 
     Directories and regular files, links kept as links whatever they point at (a build resolves
     them inside the context, COPY copies them as links), hardlinks to files unpacked before them.
     Nothing is written through a link or outside ``dest``; names with ``..``, absolute names,
-    devices and FIFOs are refused (400)."""
+    devices and FIFOs are refused (400). Bounded as `aenv.templates.uploads` says: 413 past the
+    unpacked size or the entry limit, 507 when the disk is nearly full."""
     dest.mkdir(parents=True, exist_ok=True)
     root = open_root(dest)
+    budget = UnpackBudget(limits, what)
     try:
-        with tarfile.open(raw) as tar:
-            for member in tar:
-                _context_entry(tar, member, root)
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise InvalidRequest(f"the build context is not a readable tar: {exc}") from exc
+        with open(raw, "rb") as file:
+            for tar, member in context_members(file, limits, what):
+                _context_entry(tar, member, root, budget)
+    except AenvError:
+        raise
+    except UNREADABLE as exc:
+        raise InvalidRequest(f"{what} is not a readable tar: {exc}") from exc
     finally:
         os.close(root)
 
 
-def _context_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int) -> None:
+def _context_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int, budget: UnpackBudget) -> None:
     parts = entry_parts(member.name, CONTEXT_ENTRY)
     if not parts:
         return  # the context's own directory
@@ -496,6 +502,7 @@ def _context_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int) -> 
         elif member.islnk():
             _context_hardlink(root, member, parent, name)
         else:
+            budget.spend(parent, member.size)
             source = tar.extractfile(member)
             assert source is not None
             with os.fdopen(os.open(name, NEW_FILE_FLAGS, 0o600, dir_fd=parent), "wb") as out:

@@ -30,6 +30,7 @@ from aenv.images.unpack import LayerError, apply_layer
 from aenv.sdk import BuildError, Client
 from aenv.storage.confined import PathRefused, View
 from aenv.templates.build import unpack_context
+from aenv.templates.uploads import ContextLimits
 from tests.conftest import API_KEY, Server
 from tests.images.oci import LayerTar, Registry, busybox_layer, sha, start_registry, write_docker_archive, write_layout
 
@@ -196,6 +197,9 @@ def test_view_honours_whiteouts_and_opaque_directories(tmp_path: Path) -> None:
 
 
 # -- build contexts and E2B uploads (unpack_context) ----------------------------------------------
+LIMITS = ContextLimits(upload=1 << 30, unpacked=1 << 30, entries=1000, headroom=0)
+
+
 def context_tar(tmp: Path, build: Callable[[tarfile.TarFile], None]) -> Path:
     path = tmp / f"context-{uuid.uuid4().hex[:8]}.tar"
     with tarfile.open(path, "w") as tar:
@@ -217,7 +221,7 @@ def test_contexts_keep_links_as_links(tmp_path: Path, canary: Path) -> None:
         add(tar, "./same", tarfile.LNKTYPE, "file")
 
     dest = tmp_path / "ctx"
-    unpack_context(context_tar(tmp_path, build), dest)
+    unpack_context(context_tar(tmp_path, build), dest, LIMITS)
     assert os.readlink(dest / "abs") == str(canary / "secret")
     assert os.readlink(dest / "rel") == "../../../../../../../etc/hostname"
     assert (dest / "same").read_bytes() == b"data" and os.lstat(dest / "same").st_nlink == 2
@@ -246,7 +250,7 @@ def test_contexts_refuse_what_would_leave_them(tmp_path: Path, canary: Path) -> 
                 add(tar, name, kind, link.replace("CANARY", str(canary)), b"x" if kind == tarfile.REGTYPE else b"")
 
         with pytest.raises(InvalidRequest) as refused:
-            unpack_context(context_tar(tmp_path, build), tmp_path / "deep" / uuid.uuid4().hex)
+            unpack_context(context_tar(tmp_path, build), tmp_path / "deep" / uuid.uuid4().hex, LIMITS)
         assert refused.value.status == 400 and entries[-1][0] in refused.value.message, (entries, refused.value)
         assert untouched(canary) and not (tmp_path / "escape").exists() and not (tmp_path / "deep" / "escape").exists()
 

@@ -1,0 +1,109 @@
+"""Disk space on the data dir's filesystem, and request bodies written to it as they arrive.
+
+What clients make the node write (build contexts, E2B uploads, what they unpack to, artifacts
+fetched from the repository) is refused with 507 before it would leave less than the configured
+headroom free: the host's disk never fills up, and sandboxes, the database and the logs keep room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from aenv.config import Settings
+from aenv.errors import InsufficientStorage, PayloadTooLarge
+
+MiB = 1 << 20
+FLUSH = MiB  # bytes gathered before each write (and space check), off the event loop
+
+
+def headroom(settings: Settings) -> int:
+    """Bytes kept free on the data dir's filesystem."""
+    return settings.disk_headroom_mb * MiB
+
+
+def free_bytes(path: Path | int) -> int:
+    """What an unprivileged process may still write on the filesystem of ``path`` (or of an open
+    fd); the root-reserved blocks are spare on top."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def ensure_space(path: Path | int, headroom: int, need: int, what: str) -> None:
+    """Refuse (507) ``what`` if writing ``need`` more bytes would leave less than ``headroom``."""
+    free = free_bytes(path)
+    if free - need < headroom:
+        raise InsufficientStorage(
+            f"{what}: the node's disk is nearly full ({free // MiB} MiB free, "
+            f"{max(need, 0) // MiB} MiB more needed, {headroom // MiB} MiB are kept free)"
+        )
+
+
+class SpaceWatch:
+    """Looks at the free space before writes, once every ``every`` bytes (and before the first)."""
+
+    def __init__(self, headroom: int, what: str, every: int = 16 * MiB) -> None:
+        self.headroom = headroom
+        self.what = what
+        self.every = every
+        self._unchecked = every
+
+    def before(self, where: Path | int, size: int) -> None:
+        """Before writing ``size`` bytes on the filesystem of ``where`` (a path or an open fd)."""
+        self._unchecked += size
+        if self._unchecked >= self.every:
+            ensure_space(where, self.headroom, size, self.what)
+            self._unchecked = 0
+
+
+def too_large(what: str, limit: int, setting: str) -> PayloadTooLarge:
+    return PayloadTooLarge(f"{what} is larger than {limit // MiB} MiB (the node's {setting})")
+
+
+async def receive(
+    body: AsyncIterator[bytes],
+    dest: Path,
+    *,
+    declared: int | None,
+    limit: int,
+    headroom: int,
+    what: str,
+    setting: str,
+) -> int:
+    """Write a request body to the new file ``dest`` as it arrives; return its size.
+
+    Refused before a byte is written when the declared length is over ``limit`` or would not fit
+    (413, 507), and as soon as the bytes received pass ``limit`` or the disk gets within
+    ``headroom`` of full (a chunked body declares nothing). ``dest`` is removed on any failure,
+    the client going away included."""
+    if declared is not None and declared > limit:
+        raise too_large(what, limit, setting)
+    ensure_space(dest.parent, headroom, declared or 0, what)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    size = 0
+    pending = bytearray()
+    try:
+        async for chunk in body:
+            size += len(chunk)
+            if size > limit:
+                raise too_large(what, limit, setting)
+            pending += chunk
+            if len(pending) >= FLUSH:
+                await asyncio.to_thread(_write, fd, bytes(pending), headroom, what)
+                pending.clear()
+        await asyncio.to_thread(_write, fd, bytes(pending), headroom, what)
+    except BaseException:
+        os.close(fd)
+        dest.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return size
+
+
+def _write(fd: int, data: bytes, headroom: int, what: str) -> None:
+    ensure_space(fd, headroom, len(data), what)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
