@@ -154,7 +154,7 @@ class GVisorDriver:
         lower = ":".join(str(p) for p in reversed(rootfs.layers))
         opts = f"lowerdir={lower},upperdir={upper},workdir={work},index=off"
         if len(opts) < MOUNT_OPTIONS_MAX:
-            await hostexec.mount("overlay", target, "overlay", opts)
+            await hostexec.mount("overlay", target, "overlay", opts, flags=hostexec.NOSUID_NODEV)
         else:
             # The kernel takes one page of options: paths relative to a common base (the `mount`
             # tool run there) keep a long layer list within it.
@@ -162,6 +162,7 @@ class GVisorDriver:
             lower = ":".join(os.path.relpath(p, base) for p in reversed(rootfs.layers))
             upper_rel, work_rel = os.path.relpath(upper, base), os.path.relpath(work, base)
             opts = f"lowerdir={lower},upperdir={upper_rel},workdir={work_rel},index=off"
+            opts = ",".join((*hostexec.NOSUID_NODEV, opts))
             await hostexec.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(target)], cwd=base)
         (target / guestbundle.GUEST_MOUNT.lstrip("/")).mkdir(exist_ok=True)
         return target

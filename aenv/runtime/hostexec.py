@@ -71,15 +71,24 @@ async def run(
 
 _libc = ctypes.CDLL(None, use_errno=True)  # the process's own libc: nothing is loaded
 
+# What a sandbox or an image wrote is mounted on the host without setuid or device files, so a
+# setuid-root binary or a device node that sandbox root made in its upper is inert on the host.
+# Uppers' disk images are also noexec. A sandbox's root overlay cannot be: the sentry maps the
+# files the gofer opens for it, executables included, and mmap(PROT_EXEC) fails on a noexec mount.
+NOSUID_NODEV = ("nosuid", "nodev")
+UNTRUSTED_FLAGS = (*NOSUID_NODEV, "noexec")
+_MS_FLAGS = {"nosuid": 0x2, "nodev": 0x4, "noexec": 0x8}
 
-async def mount(source: str, target: Path, fstype: str, options: str) -> None:
+
+async def mount(source: str, target: Path, fstype: str, options: str, *, flags: tuple[str, ...]) -> None:
     """mount(2) directly: a fork's N+1 overlay mounts each cost a `mount` process otherwise,
     on cores that the concurrent restores need."""
+    bits = sum(_MS_FLAGS[f] for f in flags)
 
     def call() -> None:
-        if _libc.mount(source.encode(), os.fsencode(target), fstype.encode(), 0, options.encode()) != 0:
+        if _libc.mount(source.encode(), os.fsencode(target), fstype.encode(), bits, options.encode()) != 0:
             err = ctypes.get_errno()
-            argv = ["mount", "-t", fstype, source, "-o", options, str(target)]
+            argv = ["mount", "-t", fstype, source, "-o", ",".join((*flags, options)), str(target)]
             raise RuntimeFailure(f"mount {target}: {os.strerror(err)}", argv=argv, stderr=os.strerror(err))
 
     await asyncio.to_thread(call)
