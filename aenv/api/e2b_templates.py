@@ -15,7 +15,6 @@ import json
 import re
 import shlex
 import shutil
-import tarfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -188,8 +187,7 @@ def _instructions(node: Node, step: Step, context: Path, user: str) -> list[df.I
             raise InvalidRequest(f"COPY {args[0]}: its files ({step.files_hash}) were never uploaded")
         target = context / step.files_hash
         if not target.exists():
-            with tarfile.open(tar) as t:
-                t.extractall(target, filter="data")
+            build.unpack_context(tar, target)
         flags = {}
         if len(args) > 2 and args[2]:
             flags["chown"] = args[2]

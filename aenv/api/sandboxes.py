@@ -404,8 +404,7 @@ async def build_template(
 
 def _unpack_context(raw: Path, dest: Path) -> None:
     try:
-        with tarfile.open(raw) as tar:
-            tar.extractall(dest, filter="data")  # no absolute paths, no escapes, no devices
+        build.unpack_context(raw, dest)
     except (tarfile.TarError, OSError) as exc:
         raise InvalidRequest(f"the build context is not a readable tar: {exc}") from exc
 

@@ -72,7 +72,8 @@ def _safe_path(root: Path, name: str) -> Path:
         try:
             mode = os.lstat(here).st_mode
         except FileNotFoundError:
-            os.mkdir(here, 0o755)
+            os.mkdir(here)
+            os.chmod(here, 0o755)  # not the node's umask (077): a directory the image implies
             continue
         if not stat.S_ISDIR(mode):
             raise LayerError(f"layer entry {name!r} goes through a non-directory ({part})")

@@ -43,6 +43,7 @@ from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
 from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
+from aenv.storage import datadir
 from aenv.storage.layers import LayerStore, new_id
 
 log = logging.getLogger("aenv.node")
@@ -83,7 +84,7 @@ def make_repository(settings: Settings) -> Repository | None:
 class Node:
     def __init__(self, settings: Settings, driver: Driver | None = None) -> None:
         self.settings = settings
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        datadir.secure(settings.data_dir)
         self.store = Store(settings.data_dir / "aenv.db")
         self.files = LayerStore(settings.data_dir / "fs")
         self.driver = driver or make_driver(settings)
@@ -172,7 +173,7 @@ class Node:
     def _lock_data_dir(self) -> None:
         """One node per data dir: a second one would reconcile away the first one's sandboxes."""
         path = self.settings.data_dir / "node.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

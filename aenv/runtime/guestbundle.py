@@ -162,9 +162,10 @@ def ensure_bundle(cache_dir: Path) -> Path:
     # Precompile so every sandbox starts without writing bytecode.
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(tmp / "pkg")], check=False)
     (tmp / ".complete").write_text(bundle_key())
+    # Every user of the sandbox loads the statx shim, and the node's umask (077) is not theirs.
     for path in [tmp, *tmp.rglob("*")]:
-        if path.is_dir():
-            path.chmod(0o755)
+        executable = path.is_dir() or path.stat().st_mode & 0o111
+        path.chmod(0o755 if executable else 0o644)
     try:
         tmp.rename(dest)
     except OSError:  # another process finished first

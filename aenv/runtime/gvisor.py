@@ -16,6 +16,7 @@ from typing import Any
 from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec
 from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
+from aenv.storage.datadir import sandbox_dir
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "aenv"
@@ -147,7 +148,8 @@ class GVisorDriver:
         target = bundle / "rootfs"
         target.mkdir(parents=True, exist_ok=True)
         upper, work = rootfs.upper / "upper", rootfs.upper / "work"
-        upper.mkdir(parents=True, exist_ok=True)
+        if not upper.is_dir():
+            sandbox_dir(upper)
         work.mkdir(parents=True, exist_ok=True)
         # index=off: after a snapshot the old instance's upper becomes a lower of new overlays while
         # the old (inert) overlay may still be unmounting; that is safe, and only a warning then.
@@ -164,7 +166,9 @@ class GVisorDriver:
             opts = f"lowerdir={lower},upperdir={upper_rel},workdir={work_rel},index=off"
             opts = ",".join((*hostexec.NOSUID_NODEV, opts))
             await hostexec.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(target)], cwd=base)
-        (target / guestbundle.GUEST_MOUNT.lstrip("/")).mkdir(exist_ok=True)
+        mountpoint = target / guestbundle.GUEST_MOUNT.lstrip("/")
+        if not mountpoint.is_dir():
+            sandbox_dir(mountpoint)
         return target
 
     async def _start(self, argv: list[str], instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:

@@ -22,13 +22,15 @@ async def run(
     stdout: int | None = asyncio.subprocess.PIPE,
     check: bool = True,
     stderr_file: Path | None = None,
+    umask: int = -1,
 ) -> str:
     """Run ``argv``; return stdout. Failures raise RuntimeFailure carrying argv and stderr.
 
     ``stderr_file`` sends stderr to a file instead of a pipe: `runsc run --detach` hands its
-    stdio to the sandbox, so a pipe would never reach EOF.
+    stdio to the sandbox, so a pipe would never reach EOF. ``umask`` replaces the node's (077)
+    for a tool that makes files sandboxes see (debootstrap).
     """
-    err_fd = os.open(stderr_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if stderr_file else None
+    err_fd = os.open(stderr_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if stderr_file else None
     start = stderr_file.stat().st_size if stderr_file else 0
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -38,6 +40,7 @@ async def run(
             stdout=stdout,
             stderr=err_fd if err_fd is not None else asyncio.subprocess.PIPE,
             start_new_session=True,
+            umask=umask,
         )
     except OSError as exc:
         raise RuntimeFailure(f"cannot run {argv[0]}: {exc}", argv=list(argv)) from exc

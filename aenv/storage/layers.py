@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aenv.runtime import hostexec
+from aenv.storage import datadir
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class LayerStore:
                 f.truncate(size_mb * 2**20)
             await hostexec.run([*MKFS, str(disk)], timeout=60)
             await self.mount(upper_id, writable=True)
-            (mnt / "upper").mkdir(exist_ok=True)
+            datadir.sandbox_dir(mnt / "upper")  # the sandbox's "/" takes this directory's mode
             (mnt / "work").mkdir(exist_ok=True)
         except BaseException:
             await self.remove(upper_id)

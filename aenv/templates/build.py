@@ -17,6 +17,7 @@ import os
 import posixpath
 import shutil
 import stat
+import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,6 +363,28 @@ def _owner(node: Node, layers: list[str], chown: str | None, line: int) -> tuple
     uid = lookup(user, "etc/passwd")
     gid = lookup(group, "etc/group") if group else uid
     return uid, gid
+
+
+def unpack_context(archive: Path, dest: Path) -> None:
+    """Extract a build context with tarfile's "data" filter (no absolute paths, no escapes, no
+    devices). COPY takes modes from the extracted tree: directories the archive implies without
+    listing them get 0755, as in the client's own tree, not the node's umask (077)."""
+    listed: set[str] = set()
+
+    def keep(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+        kept = tarfile.data_filter(member, path)
+        if kept is not None and kept.isdir():
+            listed.add(os.path.normpath(kept.name))
+        return kept
+
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter=keep)
+    os.chmod(dest, 0o755)
+    for dirpath, dirnames, _ in os.walk(dest):
+        for name in dirnames:
+            path = os.path.join(dirpath, name)
+            if os.path.relpath(path, dest) not in listed and not os.path.islink(path):
+                os.chmod(path, 0o755)
 
 
 def _copy_into(

@@ -263,6 +263,7 @@ async def build_base(node: Node, *, on_log: LogFn | None = None) -> TemplateReco
                 mirror,
             ],
             timeout=1800,
+            umask=0o022,  # a root filesystem: its files are for every user of the sandbox
         )
     except BaseException:
         await node.files.remove(layer_id)

@@ -84,29 +84,32 @@ def conventions_layer(node: Node, layers: list[str]) -> str:
     passwd = (read_from_layers(node, layers, "etc/passwd") or b"root:x:0:0:root:/root:/bin/sh\n").decode()
     group = (read_from_layers(node, layers, "etc/group") or b"root:x:0:\n").decode()
     shell = "/bin/bash" if _exists_in_layers(node, layers, "bin/bash") else "/bin/sh"
-    (root / "etc").mkdir()
+    etc = make_dirs(node, layers, root, "etc")
     if not any(line.startswith("user:") for line in passwd.splitlines()):
         passwd = passwd.rstrip("\n") + f"\nuser:x:{USER_UID}:{USER_UID}:user:/home/user:{shell}\n"
     if not any(line.startswith("user:") for line in group.splitlines()):
         group = group.rstrip("\n") + f"\nuser:x:{USER_UID}:\n"
-    (root / "etc" / "passwd").write_text(passwd)
-    (root / "etc" / "group").write_text(group)
-    (root / "etc" / "hostname").write_text("sandbox\n")
-    (root / "etc" / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n")
+    _write(etc / "passwd", passwd)
+    _write(etc / "group", group)
+    _write(etc / "hostname", "sandbox\n")
+    _write(etc / "hosts", "127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n")
     if _exists_in_layers(node, layers, "lib*/ld-linux*") or _exists_in_layers(node, layers, "usr/lib*/ld-linux*"):
         # glibc only reads it (musl ignores the file), and only glibc programs need the shim
         preload = (read_from_layers(node, layers, "etc/ld.so.preload") or b"").decode()
         if COMPAT_LIB not in preload:
-            (root / "etc" / "ld.so.preload").write_text(preload + COMPAT_LIB + "\n")
-    home = root / "home" / "user"
-    home.mkdir(parents=True)
-    os.chown(home, USER_UID, USER_UID)
+            _write(etc / "ld.so.preload", preload + COMPAT_LIB + "\n")
+    make_dirs(node, layers, root, "home")
+    os.chown(make_dirs(node, layers, root, "home/user", owner=(USER_UID, USER_UID)), USER_UID, USER_UID)
     if not _exists_in_layers(node, layers, "root"):
         (root / "root").mkdir(mode=0o700)  # commands start in their user's home
-    (root / "run" / "e2b").mkdir(parents=True)
-    for sub in ("home", "run"):
-        os.chmod(root / sub, 0o755)
+    make_dirs(node, layers, root, "run/e2b")
     return layer_id
+
+
+def _write(path: Path, text: str) -> None:
+    """A file every user of the sandbox reads (the node's own umask is 077)."""
+    path.write_text(text)
+    os.chmod(path, 0o644)
 
 
 async def template_from_image(
