@@ -34,7 +34,7 @@ from aenv.templates.images import conventions_layer, dir_in_layers, make_dirs, r
 
 CACHE_KEY = BUILD_CACHE  # node meta: step key -> layer id ("" for a step that wrote nothing)
 COMMITS_KEY = "build-commits"  # node meta: key of a whole build -> the template it committed
-CONVENTIONS_VERSION = "conventions-1"
+CONVENTIONS_VERSION = "conventions-2"
 
 
 @dataclass

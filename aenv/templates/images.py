@@ -15,7 +15,7 @@ from pathlib import Path
 from aenv.images.pull import Pulled, pull, release
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
-from aenv.runtime.guestbundle import COMPAT_LIB
+from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
 from aenv.templates.builder import LogFn, commit_template
 
 USER_UID = 1000
@@ -103,6 +103,9 @@ def conventions_layer(node: Node, layers: list[str]) -> str:
     if not _exists_in_layers(node, layers, "root"):
         (root / "root").mkdir(mode=0o700)  # commands start in their user's home
     make_dirs(node, layers, root, "run/e2b")
+    if stat_in_layers(node, layers, "usr/bin") is None or dir_in_layers(node, layers, "usr/bin"):
+        # sudo through the agent (aenv.guest.sudo): an image's setuid sudo cannot work in gVisor
+        os.symlink(SUDO, make_dirs(node, layers, root, "usr/bin") / "sudo")
     return layer_id
 
 
