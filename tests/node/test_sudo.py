@@ -57,7 +57,8 @@ def test_sudo_runs_commands_as_root_for_user(sandbox: Sandbox) -> None:
 def test_sudo_dies_as_its_command_and_takes_it_down(sandbox: Sandbox) -> None:
     """Signals to the client reach the command; the client ends as the command ended; killing
     the client kills the command."""
-    trap = "sudo sh -c 'trap \"echo caught; exit 3\" INT; sleep 60 >/dev/null 2>&1 & wait' & pid=$!; sleep 1; kill -INT $pid; wait $pid"
+    command = "sh -c 'trap \"echo caught; exit 3\" INT; sleep 60 >/dev/null 2>&1 & wait'"
+    trap = f"sudo {command} & pid=$!; sleep 1; kill -INT $pid; wait $pid"
     assert sandbox.commands.run(f"{trap}; echo status $?", timeout=30).stdout == "caught\nstatus 3\n"
     term = "sudo sleep 60 & pid=$!; sleep 1; kill -TERM $pid; wait $pid; echo status $?"
     assert sandbox.commands.run(term, timeout=30).stdout == "status 143\n"  # died of SIGTERM, as its command
