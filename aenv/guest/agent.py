@@ -474,6 +474,17 @@ async def sys_checkpointable(agent: Agent, stream: Stream) -> dict[str, Any]:
     return {"ok": not blockers, "blockers": blockers}
 
 
+@handler("sys.contain")
+async def sys_contain(agent: Agent, stream: Stream) -> dict[str, Any]:
+    """The host sees this sandbox near its host task limit: stop the users that hold theirs."""
+    if not agent.procs.nproc:
+        return {"killed": {}}
+    from aenv.guest import runaway  # only ever needed under a fork bomb
+
+    killed = await asyncio.get_running_loop().run_in_executor(None, runaway.contain, agent.procs.nproc)
+    return {"killed": killed}
+
+
 @handler("sys.configure")
 async def sys_configure(agent: Agent, stream: Stream) -> Any:
     agent.configure(stream.params)

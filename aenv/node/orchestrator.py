@@ -100,6 +100,7 @@ class Node:
         self._teardowns: set[asyncio.Task[None]] = set()
         self._pending_layers: set[str] = set()  # uppers of instances still being torn down
         self._teardown_of: dict[str, asyncio.Task[None]] = {}  # upper id -> its instance's teardown
+        self.contained: dict[str, int] = {}  # instance id -> its host tasks when last contained
         self.started_at = time.time()
 
     # -- start and stop ---------------------------------------------------------------------------

@@ -39,6 +39,24 @@ CAPS = [
 ]
 
 
+def host_tasks_limit(nproc: int) -> int:
+    """The sandbox's host pids cgroup: a backstop that stops the whole sandbox when hit.
+
+    It counts the sentry's threads and, under the ptrace platform, a stub process per guest
+    process with a thread per sentry thread that ran it, kept for reuse after the process exits:
+    a user at its RLIMIT_NPROC keeps growing it (see aenv/guest/runaway.py, which the node uses
+    to stop such a user first). Whatever the limits asked for, one sandbox gets at most a quarter
+    of the host's pid space, so no sandbox can starve the node or its neighbours of processes."""
+    return min(max(8192, nproc * 32), _pid_max() // 4)
+
+
+def _pid_max() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return 32768  # the kernel's default
+
+
 class GVisorDriver:
     name = "gvisor"
     saves_epoll_tcp = False  # runsc 20221219: "endpoint still has waiters upon save", then it exits
@@ -136,9 +154,7 @@ class GVisorDriver:
                 "resources": {
                     "memory": {"limit": limits.memory_mb * 2**20, "swap": limits.memory_mb * 2**20},
                     "cpu": {"quota": int(limits.cpu_count * 100_000), "period": 100_000},
-                    # The host pids cgroup also counts the sentry's own threads: a generous backstop
-                    # only. RLIMIT_NPROC above is the real fork-bomb guard.
-                    "pids": {"limit": max(4096, nproc * 8)},
+                    "pids": {"limit": host_tasks_limit(nproc)},
                 },
                 "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],
             },
@@ -248,13 +264,14 @@ class GVisorDriver:
             try:
                 return int((CGROUP_ROOT / controller / CGROUP_PARENT / instance.id / name).read_text().split()[0])
             except (OSError, ValueError, IndexError):
-                return 0
+                return 0  # also pids.max's "max"
 
         return Usage(
             cpu_seconds=read("cpuacct", "cpuacct.usage") / 1e9,
             memory_bytes=read("memory", "memory.usage_in_bytes"),
             memory_limit_bytes=instance.limits.memory_mb * 2**20,
             pids=read("pids", "pids.current"),
+            pids_limit=read("pids", "pids.max"),
             oom=read("memory", "memory.failcnt") > 0,
         )
 
