@@ -257,3 +257,87 @@ def test_images_and_disks_of_an_older_data_dir_are_tightened(e2b_env: Server, ap
         assert back.commands.run("stat -c %a /home/user/kept.txt; stat -c %a /").stdout.split() == ["644", "755"]
     finally:
         api.delete(f"/sandboxes/{sbx.sandbox_id}")
+
+
+# -- fork bombs -------------------------------------------------------------------------------------
+BOMB = ":(){ :|:& };:"
+
+
+def new_instance(data_dir: Path, before: set[str]) -> str:
+    (created,) = set(os.listdir(data_dir / "runtime" / "instances")) - before
+    return created
+
+
+def host_tasks(instance_id: str) -> tuple[int, int]:
+    """(current, limit) of an instance's host pids cgroup."""
+    cgroup = Path("/sys/fs/cgroup/pids/aenv") / instance_id
+    return int((cgroup / "pids.current").read_text()), int((cgroup / "pids.max").read_text())
+
+
+@pytest.fixture()
+def neighbour(e2b_env: Server) -> Iterator[Sandbox]:
+    sbx = Sandbox.create(timeout=300)
+    sbx.files.write("/home/user/neighbour.txt", "intact")
+    yield sbx
+    sbx.kill()
+
+
+def assert_unharmed(server: Server, neighbour: Sandbox) -> None:
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert neighbour.commands.run("cat /home/user/neighbour.txt").stdout == "intact"
+
+
+def test_a_user_fork_bomb_is_contained_and_the_sandbox_lives_on(e2b_env: Server, neighbour: Sandbox) -> None:
+    """With the default limits: the bomb runs as `user` until the node has it stopped; the
+    sandbox never dies of it, and works as before (exec, files, pause and resume)."""
+    before = set(os.listdir(e2b_env.data_dir / "runtime" / "instances"))
+    sbx = Sandbox.create(timeout=300)
+    instance = new_instance(e2b_env.data_dir, before)
+    try:
+        bomb = sbx.commands.run(BOMB, user="user", background=True, timeout=60)
+        deadline = time.monotonic() + 25
+        peak = 0
+        while time.monotonic() < deadline:
+            peak = max(peak, host_tasks(instance)[0])  # raises once the sandbox is gone
+            time.sleep(0.5)
+        try:
+            bomb.kill()
+        except Exception:
+            pass  # already killed by the containment
+        assert peak > host_tasks(instance)[1] // 8, peak  # it was a real bomb
+        assert sbx.commands.run("echo alive; pgrep -c -u user || true", timeout=30).stdout.split()[0] == "alive"
+        assert int(sbx.commands.run("ps -e --no-headers | wc -l", user="root").stdout) < 20
+        sbx.files.write("/home/user/after.txt", "written")
+        assert sbx.commands.run("cat /home/user/after.txt").stdout == "written"
+        assert sbx.pause()
+        sbx = Sandbox.connect(sbx.sandbox_id)
+        assert sbx.commands.run("cat /home/user/after.txt; sudo true && echo ok").stdout == "writtenok\n"
+        assert_unharmed(e2b_env, neighbour)
+    finally:
+        sbx.kill()
+
+
+def test_a_root_fork_bomb_costs_at_most_its_own_sandbox(e2b_env: Server, api: httpx.Client, neighbour: Sandbox) -> None:
+    """Sandbox root is not held by any process limit the agent can enforce, and asks for the
+    highest one the API allows: its bomb may stop its sandbox, never the node or a neighbour."""
+    before = set(os.listdir(e2b_env.data_dir / "runtime" / "instances"))
+    r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300, "limits": {"nproc": 65536}})
+    assert r.status_code == 201, r.text
+    sbx = Sandbox.connect(r.json()["sandboxID"])
+    instance = new_instance(e2b_env.data_dir, before)
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    assert host_tasks(instance)[1] <= pid_max // 4  # whatever the limits asked for
+    try:
+        sbx.commands.run(BOMB, user="root", background=True, timeout=60)
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline and api.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 200:
+            time.sleep(1)
+        assert_unharmed(e2b_env, neighbour)
+        fresh = Sandbox.create(timeout=60)
+        assert fresh.commands.run("echo fine").stdout == "fine\n"
+        fresh.kill()
+    finally:
+        try:
+            sbx.kill()
+        except Exception:
+            pass
