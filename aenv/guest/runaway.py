@@ -5,10 +5,11 @@ what a process costs on the host is not bounded by it: every guest process has a
 the host, which gets a thread for each sentry thread that ever ran it, and runsc keeps the stubs
 of exited processes for reuse. A bomb that holds a user at its limit therefore keeps growing the
 sandbox's host task count (measured: a bomb at 256 tasks added ~200 host tasks a second, at 512
-~600) until the host pids cgroup refuses a thread and the sentry dies. The node watches that count; near the limit it
-asks the agent to contain the sandbox, and the agent kills every process of each user that is at
-its process limit, as the OOM killer would: that user's processes can no longer fork anyway.
-Root is never killed here (the agent is root): a root bomb may cost its sandbox, never the host.
+~600) until the host pids cgroup refuses a thread and the sentry dies. The node watches that
+count; near the limit it asks the agent to contain the sandbox, and the agent kills every process
+of each user that is at its process limit, as the OOM killer would: that user's processes can no
+longer fork anyway. Root is never killed here (the agent is root): a root bomb may cost its own
+sandbox, never the host (aenv.runtime.gvisor.host_tasks_limit).
 """
 
 from __future__ import annotations
@@ -44,34 +45,32 @@ def contain(nproc: int) -> dict[str, int]:
     """Kill the processes of every non-root user at its process limit; {uid: processes it had}."""
     runaways = {uid: n for uid, n in processes_by_user().items() if uid != 0 and n >= nproc * AT_LIMIT}
     for uid in runaways:
-        done = threading.Event()
-        threading.Thread(target=_kill_all_of, args=(uid, done), name="contain", daemon=True).start()
-        done.wait()
+        worker = threading.Thread(target=_kill_all_of, args=(uid,), name="contain", daemon=True)
+        worker.start()
+        worker.join()
     return {str(uid): n for uid, n in runaways.items()}
 
 
-def _kill_all_of(uid: int, done: threading.Event) -> None:
+def _kill_all_of(uid: int) -> None:
     """kill(-1) as ``uid``: the kernel signals every process of that user (never the agent, which
     is PID 1 and the caller) in one call, however fast they fork. Stopped first, as stopped
     processes cannot fork. Only this thread takes the user's ids (a raw setresuid: glibc's would
     change every thread of the agent), on a thread of its own that ends right after."""
     import ctypes  # the agent's spawner has loaded it already
 
+    setresuid = SYS_SETRESUID.get(os.uname().machine)
     libc = ctypes.CDLL(None, use_errno=True)
+    if setresuid is None or libc.syscall(setresuid, uid, uid, 0) != 0:
+        return
     try:
-        if libc.syscall(SYS_SETRESUID, uid, uid, 0) != 0:
-            return
-        try:
-            for sig, rounds in ((signal.SIGSTOP, STOP_ROUNDS), (signal.SIGKILL, KILL_ROUNDS)):
-                for _ in range(rounds):
-                    if not _kill_every(sig):
-                        break
-                    time.sleep(ROUND_PAUSE)
-        finally:
-            if libc.syscall(SYS_SETRESUID, 0, 0, 0) != 0:  # back to root (the saved id), or else
-                os._exit(70)  # never leave a thread of the agent with another user's ids
+        for sig, rounds in ((signal.SIGSTOP, STOP_ROUNDS), (signal.SIGKILL, KILL_ROUNDS)):
+            for _ in range(rounds):
+                if not _kill_every(sig):
+                    break
+                time.sleep(ROUND_PAUSE)
     finally:
-        done.set()
+        if libc.syscall(setresuid, 0, 0, 0) != 0:  # back to root (the saved id), or else
+            os._exit(70)  # never leave a thread of the agent with another user's ids
 
 
 def _kill_every(sig: int) -> bool:
@@ -83,4 +82,4 @@ def _kill_every(sig: int) -> bool:
     return True
 
 
-SYS_SETRESUID = {"x86_64": 117, "aarch64": 147}[os.uname().machine]
+SYS_SETRESUID = {"x86_64": 117, "aarch64": 147}

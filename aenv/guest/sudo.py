@@ -22,6 +22,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -300,6 +301,7 @@ class SudoServer:
             try:
                 conn, _ = listener.accept()
             except OSError:
+                time.sleep(0.1)  # e.g. out of descriptors: not a busy loop
                 continue
             if not self.slots.acquire(blocking=False):
                 _answer(conn, Refused(1, f"sudo: more than {MAX_CLIENTS} sudo commands at once\n"))
