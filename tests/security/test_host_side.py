@@ -222,10 +222,16 @@ def open_parent() -> Iterator[Path]:
 
 
 def test_an_older_data_dir_is_tightened_at_start(server: Server, open_parent: Path) -> None:
-    data = open_parent / "data"
+    data, repo = open_parent / "data", open_parent / "repo"  # a repository outside the data dir too
     files = make_old_layout(data)
+    (repo / "chunks").mkdir(parents=True)
+    (repo / "chunks" / "old").write_bytes(b"chunk")
+    for path in (repo, repo / "chunks"):
+        path.chmod(0o755)
     assert as_nobody("cat", str(files["key"])).returncode == 0  # the threat before: any user reads it
-    srv = start_server(data, extra_env={"AENV_BUILD_BASE": "false", "AENV_API_KEY": ""}, wait_for=None)
+    assert as_nobody("cat", str(repo / "chunks" / "old")).returncode == 0
+    env = {"AENV_BUILD_BASE": "false", "AENV_API_KEY": "", "AENV_REPO": str(repo)}
+    srv = start_server(data, extra_env=env, wait_for=None)
     try:
         with httpx.Client(base_url=srv.url, headers={"X-API-Key": "e2b_" + "1" * 40}) as api:
             assert api.get("/sandboxes").status_code == 200  # the key was read from the file
@@ -233,6 +239,8 @@ def test_an_older_data_dir_is_tightened_at_start(server: Server, open_parent: Pa
         loose = [p for p in node_files(data) if not owner_only(p)]
         assert not loose, loose
         assert as_nobody("cat", str(files["key"])).returncode != 0
+        assert stat.S_IMODE(repo.stat().st_mode) == 0o700
+        assert as_nobody("cat", str(repo / "chunks" / "old")).returncode != 0
     finally:
         srv.stop()
 
