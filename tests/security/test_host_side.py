@@ -302,6 +302,7 @@ def test_a_user_fork_bomb_is_contained_and_the_sandbox_lives_on(e2b_env: Server,
     sbx = Sandbox.create(timeout=300)
     instance = new_instance(e2b_env.data_dir, before)
     try:
+        sbx.commands.run("nohup sleep 1000 >/dev/null 2>&1 &", user="root")  # root's: never a target
         bomb = sbx.commands.run(BOMB, user="user", background=True, timeout=60)
         deadline = time.monotonic() + 25
         peak = 0
@@ -315,6 +316,7 @@ def test_a_user_fork_bomb_is_contained_and_the_sandbox_lives_on(e2b_env: Server,
         assert peak > host_tasks(instance)[1] // 8, peak  # it was a real bomb
         assert sbx.commands.run("echo alive; pgrep -c -u user || true", timeout=30).stdout.split()[0] == "alive"
         assert int(sbx.commands.run("ps -e --no-headers | wc -l", user="root").stdout) < 20
+        assert sbx.commands.run("pgrep -u root -f 'sleep 1000'", user="root").exit_code == 0
         sbx.files.write("/home/user/after.txt", "written")
         assert sbx.commands.run("cat /home/user/after.txt").stdout == "written"
         assert sbx.pause()
