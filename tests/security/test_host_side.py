@@ -1,5 +1,6 @@
-"""The host side of the data dir, adversarially: what a sandbox (or a build) leaves on the host is
-out of reach of every host user but root, and inert even where it could be reached.
+"""The host side of sandboxes, adversarially: what a sandbox (or a build) leaves on the host is
+out of reach of every host user but root and inert even where it could be reached, and a fork
+bomb costs at most its own sandbox.
 
 A local host user is played by `nobody` (setpriv); sandbox root plants a setuid-root shell and a
 device node in its upper.
@@ -25,8 +26,11 @@ from e2b import Sandbox
 
 from aenv.sdk import Client
 from tests.conftest import API_KEY, Server, start_server
+from tests.node import test_isolation
+from tests.node.test_isolation import assert_unharmed
 
 pytestmark = pytest.mark.sandbox
+neighbour = test_isolation.neighbour  # the fixture: a sandbox whose file must stay intact
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
 
@@ -69,19 +73,9 @@ def planted(data_dir: Path, marker: str) -> Path:
     return hits[0]
 
 
-@pytest.fixture()
-def running(e2b_env: Server) -> Iterator[Sandbox]:
-    sbx = Sandbox.create(timeout=300)
-    yield sbx
-    try:
-        sbx.kill()
-    except Exception:
-        pass
-
-
-def test_host_user_reaches_nothing_under_the_data_dir(running: Sandbox, server: Server) -> None:
+def test_host_user_reaches_nothing_under_the_data_dir(sandbox: Sandbox, server: Server) -> None:
     marker = f"m{uuid.uuid4().hex[:8]}"
-    plant(running, marker)
+    plant(sandbox, marker)
     shell = planted(server.data_dir, marker)
     for probe in (
         ["ls", str(server.data_dir)],
@@ -95,13 +89,13 @@ def test_host_user_reaches_nothing_under_the_data_dir(running: Sandbox, server: 
     assert result.returncode != 0 and result.stdout.strip() != "0", result
 
 
-def test_setuid_and_devices_from_an_upper_are_inert_even_when_reachable(running: Sandbox, server: Server) -> None:
+def test_setuid_and_devices_from_an_upper_are_inert_even_when_reachable(sandbox: Sandbox, server: Server) -> None:
     """Given a path (a bind mount where any host user can reach it), sandbox root's setuid shell
     gives no host user root, and its device node opens nothing. The sandbox is paused first: its
     upper stays mounted, and no gofer holds the shell open for writing (exec would say ETXTBSY)."""
     marker = f"m{uuid.uuid4().hex[:8]}"
-    plant(running, marker)
-    assert running.pause()
+    plant(sandbox, marker)
+    assert sandbox.pause()
     upper_mount = planted(server.data_dir, marker).parents[2]
     assert os.path.ismount(upper_mount)
     reachable = Path(tempfile.mkdtemp(prefix="aenv-reach-", dir="/tmp"))
@@ -177,8 +171,8 @@ def node_files(data_dir: Path) -> list[Path]:
     return seen
 
 
-def test_secrets_images_and_disks_are_owner_only(running: Sandbox, server: Server, api: httpx.Client) -> None:
-    running.files.write("/home/user/secret.txt", "s3cret")
+def test_secrets_images_and_disks_are_owner_only(sandbox: Sandbox, server: Server, api: httpx.Client) -> None:
+    sandbox.files.write("/home/user/secret.txt", "s3cret")
     paused = Sandbox.create(timeout=300)
     try:
         assert paused.pause()
@@ -280,19 +274,6 @@ def host_tasks(instance_id: str) -> tuple[int, int]:
     """(current, limit) of an instance's host pids cgroup."""
     cgroup = Path("/sys/fs/cgroup/pids/aenv") / instance_id
     return int((cgroup / "pids.current").read_text()), int((cgroup / "pids.max").read_text())
-
-
-@pytest.fixture()
-def neighbour(e2b_env: Server) -> Iterator[Sandbox]:
-    sbx = Sandbox.create(timeout=300)
-    sbx.files.write("/home/user/neighbour.txt", "intact")
-    yield sbx
-    sbx.kill()
-
-
-def assert_unharmed(server: Server, neighbour: Sandbox) -> None:
-    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-    assert neighbour.commands.run("cat /home/user/neighbour.txt").stdout == "intact"
 
 
 def test_a_user_fork_bomb_is_contained_and_the_sandbox_lives_on(e2b_env: Server, neighbour: Sandbox) -> None:
