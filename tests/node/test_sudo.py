@@ -10,21 +10,13 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from e2b import CommandExitException, Sandbox
+from e2b import Sandbox
 
 from tests.conftest import Server
 from tests.images.oci import Registry, busybox_layer, start_registry
+from tests.node.test_isolation import run
 
 pytestmark = pytest.mark.sandbox
-
-
-def run(sbx: Sandbox, cmd: str, **kw: object) -> tuple[int, str]:
-    """Exit code and combined output, without raising on failure."""
-    try:
-        r = sbx.commands.run(cmd, **kw)  # type: ignore[arg-type]
-        return r.exit_code, r.stdout + r.stderr
-    except CommandExitException as exc:
-        return exc.exit_code, exc.stdout + exc.stderr
 
 
 def test_sudo_runs_commands_as_root_for_user(sandbox: Sandbox) -> None:
