@@ -12,6 +12,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+from aenv.guest.sudo import Refused, parse
 from tests.conftest import Server
 from tests.images.oci import Registry, busybox_layer, start_registry
 from tests.node.test_isolation import run
@@ -141,3 +142,27 @@ def test_sudo_in_a_template_from_an_image(registry: Registry, api: httpx.Client,
     finally:
         sbx.kill()
         api.delete("/templates/sudo-bb")
+
+
+@pytest.mark.parametrize(
+    ("argv", "flags", "user", "assignments", "command"),
+    [
+        (["-nEu", "nobody", "id"], {"n", "E"}, "nobody", {}, ["id"]),
+        (["-unobody", "--", "-x"], set(), "nobody", {}, ["-x"]),
+        (["--user=#65534", "--login"], {"i"}, "#65534", {}, []),
+        (["--user", "nobody", "A=1", "B=x=y", "env", "C=2"], set(), "nobody", {"A": "1", "B": "x=y"}, ["env", "C=2"]),
+        (["-k", "ls", "-l"], {"k"}, "root", {}, ["ls", "-l"]),
+    ],
+)
+def test_sudo_options_parse_as_sudo_reads_them(
+    argv: list[str], flags: set[str], user: str, assignments: dict[str, str], command: list[str]
+) -> None:
+    opts = parse(argv)
+    assert (opts.flags, opts.user, opts.assignments, opts.command) == (flags, user, assignments, command)
+
+
+@pytest.mark.parametrize("argv", [["-Z"], ["-u"], ["--frobnicate"], ["--user"]])
+def test_sudo_refuses_bad_options(argv: list[str]) -> None:
+    with pytest.raises(Refused) as refused:
+        parse(argv)
+    assert refused.value.code == 1 and "usage: sudo" in refused.value.err
