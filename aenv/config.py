@@ -79,7 +79,10 @@ class Settings(BaseSettings):
 
     cpu_count: float = 1.0
     memory_mb: int = 1024
-    nproc: int = 512
+    # Tasks (processes and threads) of one user inside a sandbox. A fork bomb held at this limit
+    # is killed by the node before the host stops the sandbox: at 512 the bomb starved the agent
+    # of CPU for longer than the host's limit took to reach (see aenv/guest/runaway.py).
+    nproc: int = 256
     disk_mb: int = 2048
     # Blank uppers kept formatted and mounted, so creates and forks need not make theirs:
     # None = max_fork + 1 (a whole fork's worth); 0 = none.

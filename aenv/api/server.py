@@ -13,6 +13,7 @@ import uvicorn
 from aenv.api.app import build
 from aenv.config import Settings
 from aenv.node.orchestrator import Node
+from aenv.storage import datadir
 
 log = logging.getLogger("aenv.server")
 
@@ -24,7 +25,7 @@ def resolve_api_key(settings: Settings) -> str:
     path = settings.data_dir / "api-key"
     if path.exists():
         return path.read_text().strip()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    datadir.secure(settings.data_dir)
     key = "e2b_" + secrets.token_hex(20)  # E2B-shaped, so SDKs that validate key format accept it
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -38,6 +39,7 @@ async def serve(
     from aenv.templates.builder import ensure_base
 
     say = on_log or (lambda line: log.info("%s", line))
+    os.umask(datadir.PRIVATE_UMASK)  # the node's files, its tools' (runsc's images) and logs: owner-only
     api_key = resolve_api_key(settings)
     node = Node(settings)
     await node.start()

@@ -25,6 +25,7 @@ from aenv.guest.egress import PROXY_ENV, EgressProxy
 from aenv.guest.processes import SIGNALS, ProcessError, ProcessTable
 from aenv.guest.sentry import HeapRelease
 from aenv.guest.sockets import checkpoint_blockers, relay_in_thread
+from aenv.guest.sudo import SudoServer
 from aenv.guest.users import UnknownUser, User, lookup
 from aenv.guest.watch import Watcher
 
@@ -52,6 +53,7 @@ class Agent:
         # Even stream ids: the host numbers the streams it opens odd, these are the agent's own.
         self.channel = Channel(on_open=self._serve, on_ctrl=self._on_ctrl, first_stream_id=2)
         self.egress = EgressProxy(self.channel)
+        self.sudo = SudoServer(self)
         self.procs = ProcessTable()
         self.env: dict[str, str] = {}
         self.default_user = "user"
@@ -150,6 +152,7 @@ class Agent:
         self.channel.attach(reader, writer)  # type: ignore[arg-type]
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self.procs.reap)
         self.egress.start(asyncio.get_running_loop())
+        self.sudo.start(asyncio.get_running_loop())
         await self.channel.ctrl({"op": "ready", "version": AGENT_VERSION, "pid": os.getpid()})
         await self.channel.closed.wait()
 
@@ -485,6 +488,17 @@ async def tunnel_open(agent: Agent, stream: Stream) -> None:
 async def sys_checkpointable(agent: Agent, stream: Stream) -> dict[str, Any]:
     blockers = await asyncio.get_running_loop().run_in_executor(None, checkpoint_blockers)
     return {"ok": not blockers, "blockers": blockers}
+
+
+@handler("sys.contain")
+async def sys_contain(agent: Agent, stream: Stream) -> dict[str, Any]:
+    """The host sees this sandbox near its host task limit: stop the users that hold theirs."""
+    if not agent.procs.nproc:
+        return {"killed": {}}
+    from aenv.guest import runaway  # only ever needed under a fork bomb
+
+    killed = await asyncio.get_running_loop().run_in_executor(None, runaway.contain, agent.procs.nproc)
+    return {"killed": killed}
 
 
 @handler("sys.configure")

@@ -135,7 +135,7 @@ class Process:
 class _Spawner:
     """``aenv_spawn`` from the bundle's libaenv_spawn.so (see aenv/runtime/compat/aenv_spawn.c)."""
 
-    SETSID, SETCTTY, SETUSER = 1, 2, 4
+    SETSID, SETCTTY, SETUSER, CHDIR_FIRST = 1, 2, 4, 8
 
     def __init__(self) -> None:
         self._fn: Any = None
@@ -271,6 +271,15 @@ class ProcessTable:
         self._exits[pid] = exited
         self.reap()  # a child that already exited must not be missed
         return pid, exited
+
+    def start_with_fds(
+        self, argv: list[str], env: dict[str, str], cwd: str, user: User, fds: tuple[int, ...]
+    ) -> tuple[int, asyncio.Future[int]]:
+        """Start ``argv`` in a session of its own on descriptors that someone else owns (sudo's
+        client's stdio), in ``cwd`` even where ``user`` could not enter it (as sudo's command
+        inherits it); it is not a listed process. Returns its pid and a future of its exit."""
+        stdin, stdout, stderr = fds
+        return self._spawn(argv, env, cwd, user, (stdin, stdout, stderr), spawn.SETSID | spawn.CHDIR_FIRST)
 
     def find(self, selector: dict[str, Any]) -> Process:
         pid = selector.get("pid")

@@ -12,16 +12,24 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aenv.errors import CheckpointRefused
+from aenv.channel import StreamError
+from aenv.errors import AenvError, CheckpointRefused
 from aenv.node import metrics
 from aenv.node.sandbox import LiveSandbox, log_failure
 from aenv.node.state import SandboxState as S
 
 if TYPE_CHECKING:
+    from aenv.node.agentlink import AgentLink
     from aenv.node.orchestrator import Node
 
 log = logging.getLogger("aenv.node")
 BUILD_CACHE = "build-cache"  # node meta written by aenv.templates.build: step key -> layer id
+# Of a sandbox's host task limit: a fork bomb of 256 processes adds ~200 host tasks a second (512:
+# ~600) and starves the agent of CPU for seconds. Above what 256 sleeping processes cost (~13 host
+# tasks each); asking costs little anyway: the agent kills only users at their process limit.
+CONTAIN_AT = 1 / 4
+RECONTAIN_STEP = 1 / 16
+CONTAIN_TIMEOUT = 30.0
 
 
 async def recover(node: Node) -> None:
@@ -186,6 +194,7 @@ async def reap_forever(node: Node) -> None:
         await asyncio.sleep(node.settings.reaper_interval)
         try:
             await reap_once(node)
+            await contain_runaways(node)
             if time.monotonic() - last_gc > 60:
                 last_gc = time.monotonic()
                 await gc_files(node, min_age=120)
@@ -196,6 +205,42 @@ async def reap_forever(node: Node) -> None:
                 node._spawn(node.artifacts.gc_repository())
         except Exception:
             log.exception("reaper pass failed")
+
+
+async def contain_runaways(node: Node) -> None:
+    """Ask the agent of each sandbox near its host task limit to stop the users that hold their
+    process limit (a fork bomb; see aenv/guest/runaway.py): hitting the limit would stop the
+    sandbox as a whole."""
+    live = {sb.instance.id for sb in node.sandboxes.values() if sb.instance is not None}
+    for instance_id in set(node.contained) - live:
+        del node.contained[instance_id]
+    for sb in list(node.sandboxes.values()):
+        instance, link = sb.instance, sb.link
+        if sb.state != S.RUNNING or instance is None or link is None or sb.lock.locked():
+            continue
+        usage = await node.driver.usage(instance)
+        # Host tasks do not go down when the bomb is gone (runsc keeps the stubs until a restore):
+        # asked again only once they grew on.
+        since = node.contained.get(instance.id, 0) + usage.pids_limit * RECONTAIN_STEP
+        if usage.pids_limit and usage.pids > max(usage.pids_limit * CONTAIN_AT, since):
+            node.contained[instance.id] = usage.pids
+            task = asyncio.ensure_future(_contain(sb.id, link, usage.pids, usage.pids_limit))
+            node._background.add(task)
+            task.add_done_callback(log_failure(sb.id, node._background))
+
+
+async def _contain(sandbox_id: str, link: AgentLink, pids: int, limit: int) -> None:
+    try:
+        answer = await asyncio.wait_for(link.call("sys.contain"), CONTAIN_TIMEOUT)
+    except (AenvError, StreamError, TimeoutError) as exc:
+        log.warning("sandbox %s is at %d of %d host tasks and could not be contained: %s", sandbox_id, pids, limit, exc)
+        return
+    killed = answer.get("killed") or {}
+    if killed:
+        who = ", ".join(f"{n} processes of uid {uid}" for uid, n in killed.items())
+        log.warning(
+            "sandbox %s had %d of %d host tasks: killed %s (at its process limit)", sandbox_id, pids, limit, who
+        )
 
 
 async def _expire(node: Node, sandbox_id: str, *, pause: bool) -> None:

@@ -43,6 +43,7 @@ from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
 from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
+from aenv.storage import datadir
 from aenv.storage.layers import LayerStore, new_id
 from aenv.templates.uploads import UploadCache
 
@@ -91,7 +92,7 @@ def _blocker(entry: Any) -> str:
 class Node:
     def __init__(self, settings: Settings, driver: Driver | None = None) -> None:
         self.settings = settings
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        datadir.secure(settings.data_dir)
         self.store = Store(settings.data_dir / "aenv.db")
         self.files = LayerStore(settings.data_dir / "fs")
         self.driver = driver or make_driver(settings)
@@ -108,6 +109,7 @@ class Node:
         self._teardowns: set[asyncio.Task[None]] = set()
         self._pending_layers: set[str] = set()  # uppers of instances still being torn down
         self._teardown_of: dict[str, asyncio.Task[None]] = {}  # upper id -> its instance's teardown
+        self.contained: dict[str, int] = {}  # instance id -> its host tasks when last contained
         self.started_at = time.time()
 
     # -- start and stop ---------------------------------------------------------------------------
@@ -181,7 +183,7 @@ class Node:
     def _lock_data_dir(self) -> None:
         """One node per data dir: a second one would reconcile away the first one's sandboxes."""
         path = self.settings.data_dir / "node.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from aenv.errors import ArtifactDamaged, InvalidRequest, RepositoryUnavailable, StorageError
+from aenv.storage import datadir
 
 CHANGE_LOCK_WAIT_S = 10.0  # a conditional change holds its lock for milliseconds
 CHANGE_LOCK_STALE_S = 60.0  # a lock this old was left by a process that died holding it
@@ -82,7 +83,7 @@ class PosixBackend:
         self.root = root
         self.url = f"file://{root}"
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            datadir.private_dir(root)  # what templates and snapshots hold: the node's alone
         except OSError as exc:
             raise RepositoryUnavailable(f"cannot create the repository directory {root}: {exc}") from exc
 
@@ -164,7 +165,7 @@ class PosixBackend:
         deadline = time.monotonic() + CHANGE_LOCK_WAIT_S
         while True:
             try:
-                os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
                 break
             except FileExistsError:
                 try:

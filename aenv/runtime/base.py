@@ -19,7 +19,7 @@ class Limits:
 
     cpu_count: float = 1.0
     memory_mb: int = 1024
-    nproc: int = 512  # processes+threads of one uid inside the sandbox (fork-bomb guard)
+    nproc: int = 256  # processes+threads of one uid inside the sandbox (fork-bomb guard)
     disk_mb: int = 2048  # bytes the sandbox may write to its filesystem
 
 
@@ -39,7 +39,8 @@ class Usage:
     cpu_seconds: float = 0.0
     memory_bytes: int = 0
     memory_limit_bytes: int = 0
-    pids: int = 0
+    pids: int = 0  # host tasks (the sentry's threads, and stubs under the ptrace platform)
+    pids_limit: int = 0  # where the host stops the sandbox (0: no limit known)
     oom: bool = False  # the memory limit was hit
 
 

@@ -34,7 +34,7 @@ _SKIP_STDLIB = {
 }
 _SKIP_PREFIXES = ("config-", "_tkinter", "_test", "_ctypes_test", "_xx", "xxlimited")
 _SKIP_SUFFIXES = (".opt-1.pyc", ".opt-2.pyc")  # the agent runs without -O
-BUNDLE_LAYOUT = "2"  # bumped whenever what goes into a bundle changes
+BUNDLE_LAYOUT = "3"  # bumped whenever what goes into a bundle changes
 
 
 def _skipped(name: str) -> bool:
@@ -46,12 +46,14 @@ _AGENT_PACKAGES = ("channel", "guest")
 
 COMPAT_SOURCE = Path(__file__).parent / "compat" / "aenv_compat.c"
 SPAWN_SOURCE = Path(__file__).parent / "compat" / "aenv_spawn.c"
+SUDO_SOURCE = Path(__file__).parent / "compat" / "aenv_sudo.c"
+SUDO = f"{GUEST_MOUNT}/bin/sudo"  # what images have as /usr/bin/sudo (a symlink)
 COMPAT_LIB = f"{GUEST_MOUNT}/compat/libaenv_compat.so"  # what images list in /etc/ld.so.preload
 
 
 def _agent_sources() -> list[Path]:
     root = Path(aenv.__file__).parent
-    out = [root / "__init__.py", COMPAT_SOURCE, SPAWN_SOURCE]
+    out = [root / "__init__.py", COMPAT_SOURCE, SPAWN_SOURCE, SUDO_SOURCE]
     for pkg in _AGENT_PACKAGES:
         out += sorted(p for p in (root / pkg).rglob("*.py"))
     return out
@@ -113,13 +115,13 @@ def agent_env() -> list[str]:
     return [f"PYTHONHOME={GUEST_MOUNT}", f"PYTHONPATH={GUEST_MOUNT}/pkg", "PYTHONUNBUFFERED=1", "LANG=C.UTF-8"]
 
 
-def _compile_library(source: Path, dest: Path, *extra: str) -> None:
-    """Compile a shim from source with the host's compiler (never shipped as a binary)."""
+def _compile(source: Path, dest: Path, *extra: str) -> None:
+    """Compile a shim or tool from source with the host's compiler (never shipped as a binary)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError(f"a C compiler (gcc) is needed to build {source.name} for the guest bundle")
-    argv = [cc, "-O2", "-shared", "-fPIC", *extra, "-o", str(dest), str(source)]
+    argv = [cc, "-O2", *extra, "-o", str(dest), str(source)]
     subprocess.run(argv, check=True, capture_output=True)
 
 
@@ -155,16 +157,20 @@ def ensure_bundle(cache_dir: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
     # The statx shim runs inside any image's programs: no startup files, only libc's syscall().
-    _compile_library(COMPAT_SOURCE, tmp / "compat" / Path(COMPAT_LIB).name, "-nostartfiles")
+    _compile(COMPAT_SOURCE, tmp / "compat" / Path(COMPAT_LIB).name, "-shared", "-fPIC", "-nostartfiles")
     # The spawner runs inside the agent, on the bundle's own glibc; bound now, so that its vfork
     # child never enters the dynamic linker.
-    _compile_library(SPAWN_SOURCE, tmp / "compat" / "libaenv_spawn.so", "-Wl,-z,now")
+    _compile(SPAWN_SOURCE, tmp / "compat" / "libaenv_spawn.so", "-shared", "-fPIC", "-Wl,-z,now")
+    # sudo runs in any image on the bundle's own loader and glibc (dynamically: see aenv_sudo.c).
+    loader = f"-Wl,--dynamic-linker={GUEST_MOUNT}/lib/{loader_name()}"
+    _compile(SUDO_SOURCE, tmp / "bin" / "sudo", loader, f"-Wl,-rpath,{GUEST_MOUNT}/lib")
     # Precompile so every sandbox starts without writing bytecode.
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(tmp / "pkg")], check=False)
     (tmp / ".complete").write_text(bundle_key())
+    # Every user of the sandbox loads the statx shim, and the node's umask (077) is not theirs.
     for path in [tmp, *tmp.rglob("*")]:
-        if path.is_dir():
-            path.chmod(0o755)
+        executable = path.is_dir() or path.stat().st_mode & 0o111
+        path.chmod(0o755 if executable else 0o644)
     try:
         tmp.rename(dest)
     except OSError:  # another process finished first

@@ -16,6 +16,7 @@ from typing import Any
 from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec
 from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
+from aenv.storage.datadir import sandbox_dir
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "aenv"
@@ -36,6 +37,24 @@ CAPS = [
     "CAP_AUDIT_WRITE",
     "CAP_SETFCAP",
 ]
+
+
+def host_tasks_limit(nproc: int) -> int:
+    """The sandbox's host pids cgroup: a backstop that stops the whole sandbox when hit.
+
+    It counts the sentry's threads and, under the ptrace platform, a stub process per guest
+    process with a thread per sentry thread that ran it, kept for reuse after the process exits:
+    a user at its RLIMIT_NPROC keeps growing it (see aenv/guest/runaway.py, which the node uses
+    to stop such a user first). Whatever the limits asked for, one sandbox gets at most a quarter
+    of the host's pid space, so no sandbox can starve the node or its neighbours of processes."""
+    return min(max(8192, nproc * 32), _pid_max() // 4)
+
+
+def _pid_max() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return 32768  # the kernel's default
 
 
 class GVisorDriver:
@@ -135,9 +154,7 @@ class GVisorDriver:
                 "resources": {
                     "memory": {"limit": limits.memory_mb * 2**20, "swap": limits.memory_mb * 2**20},
                     "cpu": {"quota": int(limits.cpu_count * 100_000), "period": 100_000},
-                    # The host pids cgroup also counts the sentry's own threads: a generous backstop
-                    # only. RLIMIT_NPROC above is the real fork-bomb guard.
-                    "pids": {"limit": max(4096, nproc * 8)},
+                    "pids": {"limit": host_tasks_limit(nproc)},
                 },
                 "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],
             },
@@ -147,14 +164,15 @@ class GVisorDriver:
         target = bundle / "rootfs"
         target.mkdir(parents=True, exist_ok=True)
         upper, work = rootfs.upper / "upper", rootfs.upper / "work"
-        upper.mkdir(parents=True, exist_ok=True)
+        if not upper.is_dir():
+            sandbox_dir(upper)
         work.mkdir(parents=True, exist_ok=True)
         # index=off: after a snapshot the old instance's upper becomes a lower of new overlays while
         # the old (inert) overlay may still be unmounting; that is safe, and only a warning then.
         lower = ":".join(str(p) for p in reversed(rootfs.layers))
         opts = f"lowerdir={lower},upperdir={upper},workdir={work},index=off"
         if len(opts) < MOUNT_OPTIONS_MAX:
-            await hostexec.mount("overlay", target, "overlay", opts)
+            await hostexec.mount("overlay", target, "overlay", opts, flags=hostexec.NOSUID_NODEV)
         else:
             # The kernel takes one page of options: paths relative to a common base (the `mount`
             # tool run there) keep a long layer list within it.
@@ -162,8 +180,11 @@ class GVisorDriver:
             lower = ":".join(os.path.relpath(p, base) for p in reversed(rootfs.layers))
             upper_rel, work_rel = os.path.relpath(upper, base), os.path.relpath(work, base)
             opts = f"lowerdir={lower},upperdir={upper_rel},workdir={work_rel},index=off"
+            opts = ",".join((*hostexec.NOSUID_NODEV, opts))
             await hostexec.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(target)], cwd=base)
-        (target / guestbundle.GUEST_MOUNT.lstrip("/")).mkdir(exist_ok=True)
+        mountpoint = target / guestbundle.GUEST_MOUNT.lstrip("/")
+        if not mountpoint.is_dir():
+            sandbox_dir(mountpoint)
         return target
 
     async def _start(self, argv: list[str], instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:
@@ -243,13 +264,14 @@ class GVisorDriver:
             try:
                 return int((CGROUP_ROOT / controller / CGROUP_PARENT / instance.id / name).read_text().split()[0])
             except (OSError, ValueError, IndexError):
-                return 0
+                return 0  # also pids.max's "max"
 
         return Usage(
             cpu_seconds=read("cpuacct", "cpuacct.usage") / 1e9,
             memory_bytes=read("memory", "memory.usage_in_bytes"),
             memory_limit_bytes=instance.limits.memory_mb * 2**20,
             pids=read("pids", "pids.current"),
+            pids_limit=read("pids", "pids.max"),
             oom=read("memory", "memory.failcnt") > 0,
         )
 

@@ -22,13 +22,15 @@ async def run(
     stdout: int | None = asyncio.subprocess.PIPE,
     check: bool = True,
     stderr_file: Path | None = None,
+    umask: int = -1,
 ) -> str:
     """Run ``argv``; return stdout. Failures raise RuntimeFailure carrying argv and stderr.
 
     ``stderr_file`` sends stderr to a file instead of a pipe: `runsc run --detach` hands its
-    stdio to the sandbox, so a pipe would never reach EOF.
+    stdio to the sandbox, so a pipe would never reach EOF. ``umask`` replaces the node's (077)
+    for a tool that makes files sandboxes see (debootstrap).
     """
-    err_fd = os.open(stderr_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if stderr_file else None
+    err_fd = os.open(stderr_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if stderr_file else None
     start = stderr_file.stat().st_size if stderr_file else 0
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -38,6 +40,7 @@ async def run(
             stdout=stdout,
             stderr=err_fd if err_fd is not None else asyncio.subprocess.PIPE,
             start_new_session=True,
+            umask=umask,
         )
     except OSError as exc:
         raise RuntimeFailure(f"cannot run {argv[0]}: {exc}", argv=list(argv)) from exc
@@ -71,15 +74,24 @@ async def run(
 
 _libc = ctypes.CDLL(None, use_errno=True)  # the process's own libc: nothing is loaded
 
+# What a sandbox or an image wrote is mounted on the host without setuid or device files, so a
+# setuid-root binary or a device node that sandbox root made in its upper is inert on the host.
+# Uppers' disk images are also noexec. A sandbox's root overlay cannot be: the sentry maps the
+# files the gofer opens for it, executables included, and mmap(PROT_EXEC) fails on a noexec mount.
+NOSUID_NODEV = ("nosuid", "nodev")
+UNTRUSTED_FLAGS = (*NOSUID_NODEV, "noexec")
+_MS_FLAGS = {"nosuid": 0x2, "nodev": 0x4, "noexec": 0x8}
 
-async def mount(source: str, target: Path, fstype: str, options: str) -> None:
+
+async def mount(source: str, target: Path, fstype: str, options: str, *, flags: tuple[str, ...]) -> None:
     """mount(2) directly: a fork's N+1 overlay mounts each cost a `mount` process otherwise,
     on cores that the concurrent restores need."""
+    bits = sum(_MS_FLAGS[f] for f in flags)
 
     def call() -> None:
-        if _libc.mount(source.encode(), os.fsencode(target), fstype.encode(), 0, options.encode()) != 0:
+        if _libc.mount(source.encode(), os.fsencode(target), fstype.encode(), bits, options.encode()) != 0:
             err = ctypes.get_errno()
-            argv = ["mount", "-t", fstype, source, "-o", options, str(target)]
+            argv = ["mount", "-t", fstype, source, "-o", ",".join((*flags, options)), str(target)]
             raise RuntimeFailure(f"mount {target}: {os.strerror(err)}", argv=argv, stderr=os.strerror(err))
 
     await asyncio.to_thread(call)

@@ -96,10 +96,12 @@ def parent_at(root_fd: int, parts: Sequence[str], what: str, *, create: bool) ->
             if st is None:
                 if not create:
                     raise PathRefused(f"{what} {'/'.join(parts)!r}: {part!r} does not exist")
-                os.mkdir(part, 0o755, dir_fd=fd)
+                os.mkdir(part, 0o700, dir_fd=fd)
             elif not stat.S_ISDIR(st.st_mode):
                 raise PathRefused(f"{what} {'/'.join(parts)!r} goes through a non-directory ({part!r})")
             sub = open_dir_at(fd, part)
+            if st is None:
+                os.fchmod(sub, 0o755)  # set, not asked of mkdir: the node's umask (077) must not reach sandboxes
             os.close(fd)
             fd = sub
         return fd

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aenv.runtime import hostexec
+from aenv.storage import datadir
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class LayerStore:
                 f.truncate(size_mb * 2**20)
             await hostexec.run([*MKFS, str(disk)], timeout=60)
             await self.mount(upper_id, writable=True)
-            (mnt / "upper").mkdir(exist_ok=True)
+            datadir.sandbox_dir(mnt / "upper")  # the sandbox's "/" takes this directory's mode
             (mnt / "work").mkdir(exist_ok=True)
         except BaseException:
             await self.remove(upper_id)
@@ -211,14 +212,16 @@ class LayerStore:
         if not img.exists() or os.path.ismount(mnt):
             return
         mnt.mkdir(exist_ok=True)
-        opts = "loop,noatime" + ("" if writable else ",ro")
+        opts = ",".join(("loop", "noatime", *hostexec.UNTRUSTED_FLAGS, *(() if writable else ("ro",))))
         await hostexec.run(["mount", "-o", opts, str(img), str(mnt)], timeout=60)
 
     async def make_read_only(self, layer_id: str) -> None:
         """Seal for good: called once the instance that wrote the layer is gone."""
         mnt = self.layers / layer_id
         if self._img(layer_id).exists() and os.path.ismount(mnt):
-            await hostexec.run(["mount", "-o", "remount,ro", str(mnt)], timeout=60, check=False)
+            # A remount sets the mount's flags anew: the untrusted ones are repeated, not dropped.
+            opts = ",".join(("remount", "ro", *hostexec.UNTRUSTED_FLAGS))
+            await hostexec.run(["mount", "-o", opts, str(mnt)], timeout=60, check=False)
 
     async def remove(self, layer_id: str) -> None:
         if not layer_id:

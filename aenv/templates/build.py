@@ -50,7 +50,7 @@ from aenv.templates.uploads import ContextLimits, UnpackBudget, context_members
 
 CACHE_KEY = BUILD_CACHE  # node meta: step key -> layer id ("" for a step that wrote nothing)
 COMMITS_KEY = "build-commits"  # node meta: key of a whole build -> the template it committed
-CONVENTIONS_VERSION = "conventions-1"
+CONVENTIONS_VERSION = "conventions-2"
 CHMOD = re.compile(r"[0-7]{1,4}")
 MAX_ID = 2**32 - 2  # the largest uid/gid (-1 means "unchanged" to chown)
 CONTEXT_ENTRY = "build context entry"

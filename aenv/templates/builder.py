@@ -25,7 +25,7 @@ from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
 from aenv.runtime import hostexec
 from aenv.runtime.base import Instance, Limits
-from aenv.runtime.guestbundle import COMPAT_LIB
+from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
 from aenv.storage.layers import new_id
 from aenv.templates.catalog import retire_builds
 
@@ -52,6 +52,9 @@ set -eu
 echo {COMPAT_LIB} > /etc/ld.so.preload
 id -u user >/dev/null 2>&1 || useradd --create-home --uid 1000 --shell /bin/bash user
 echo 'user ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/user && chmod 0440 /etc/sudoers.d/user
+# setuid never works under gVisor (no_new_privs): the agent runs sudo's commands (aenv.guest.sudo)
+dpkg-divert --quiet --local --rename --divert /usr/bin/sudo.setuid --add /usr/bin/sudo
+ln -s {SUDO} /usr/bin/sudo
 mkdir -p /run/e2b /home/user && chown user:user /home/user
 echo sandbox > /etc/hostname
 echo '127.0.0.1 localhost sandbox' > /etc/hosts
@@ -286,6 +289,7 @@ async def build_base(node: Node, *, on_log: LogFn | None = None) -> TemplateReco
                 mirror,
             ],
             timeout=1800,
+            umask=0o022,  # a root filesystem: its files are for every user of the sandbox
         )
     except BaseException:
         await node.files.remove(layer_id)

@@ -9,12 +9,13 @@ image's layers, without running anything from the image.
 from __future__ import annotations
 
 import shutil
+import stat
 from pathlib import Path
 
 from aenv.images.pull import Pulled, pull, release
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
-from aenv.runtime.guestbundle import COMPAT_LIB
+from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
 from aenv.storage.confined import View
 from aenv.templates.builder import LogFn, commit_template
 
@@ -63,6 +64,10 @@ def _write_conventions(view: View) -> None:
     if view.stat("/root", follow=False) is None:
         view.make_dir("/root", attrs=(0o700, 0, 0))  # commands start in their user's home
     view.make_dir("/run/e2b")
+    usr_bin = view.stat("/usr/bin")
+    if usr_bin is None or stat.S_ISDIR(usr_bin.st_mode):
+        # sudo through the agent (aenv.guest.sudo): an image's setuid sudo cannot work in gVisor
+        view.symlink("/usr/bin/sudo", SUDO)
 
 
 async def template_from_image(

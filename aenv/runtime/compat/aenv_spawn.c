@@ -5,7 +5,8 @@
  *
  * One clone(CLONE_VM | CLONE_VFORK) and one execve, as glibc's posix_spawn does, plus what
  * posix_spawn cannot do: switch to the user (setgroups, setresgid, setresuid), set RLIMIT_NPROC,
- * start a session (AENV_SETSID), take fd 0 as controlling terminal (AENV_SETCTTY) and chdir.
+ * start a session (AENV_SETSID), take fd 0 as controlling terminal (AENV_SETCTTY) and chdir (as the
+ * user; before switching with AENV_CHDIR_FIRST, as a command inherits its parent's directory).
  *
  * Why not fork, or a helper program that does this and then execs the command:
  * - forking the agent's Python process under gVisor's ptrace platform costs several times more;
@@ -43,6 +44,7 @@
 #define AENV_SETSID 1
 #define AENV_SETCTTY 2
 #define AENV_SETUSER 4
+#define AENV_CHDIR_FIRST 8
 
 #define STACK_SIZE (64 * 1024)
 #define KERNEL_SIGSET_BYTES 8 /* the kernel's sigset_t, not glibc's 128-byte one */
@@ -116,12 +118,14 @@ static int child(void *p) {
         struct rlimit rl = {(rlim_t)a->nproc, (rlim_t)a->nproc};
         if ((err = RAW(SYS_prlimit64, 0, RLIMIT_NPROC, &rl, NULL))) return fail("setrlimit", NULL, err);
     }
+    int chdir_first = a->cwd && a->cwd[0] && (a->flags & AENV_CHDIR_FIRST);
+    if (chdir_first && (err = RAW(SYS_chdir, a->cwd))) return fail("chdir", a->cwd, err);
     if (a->flags & AENV_SETUSER) {
         if ((err = RAW(SYS_setgroups, a->ngroups, a->groups))) return fail("setgroups", NULL, err);
         if ((err = RAW(SYS_setresgid, a->gid, a->gid, a->gid))) return fail("setgid", NULL, err);
         if ((err = RAW(SYS_setresuid, a->uid, a->uid, a->uid))) return fail("setuid", NULL, err);
     }
-    if (a->cwd && a->cwd[0] && (err = RAW(SYS_chdir, a->cwd))) return fail("chdir", a->cwd, err);
+    if (!chdir_first && a->cwd && a->cwd[0] && (err = RAW(SYS_chdir, a->cwd))) return fail("chdir", a->cwd, err);
     uint64_t none = 0;
     syscall(SYS_rt_sigprocmask, SIG_SETMASK, &none, NULL, KERNEL_SIGSET_BYTES);
     err = RAW(SYS_execve, a->path, a->argv, a->envp);
