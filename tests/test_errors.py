@@ -34,13 +34,17 @@ def test_one_exception_root_in_the_package() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") == "Exception" for b in node.bases):
                 roots.append(f"{path.name}:{node.name}")
-    # AenvError, plus the guest side, which must stay stdlib-only and speaks Connect codes
+    # AenvError, plus the channel and the guest side, which must stay stdlib-only and speak
+    # Connect codes, HTTP statuses (the in-sandbox proxy) or sudo's exit codes
     assert sorted(roots) == sorted(
         [
             "errors.py:AenvError",
             "__init__.py:StreamError",
+            "__init__.py:ProtocolViolation",
             "files.py:FileError",
             "processes.py:ProcessError",
+            "egress.py:Refusal",
+            "sudo.py:Refused",
             "connect.py:ConnectError",
         ]
     ), roots

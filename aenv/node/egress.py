@@ -235,15 +235,15 @@ async def resolve(host: str, port: int) -> list[Address]:
     return seen
 
 
-class Refused(Exception):
+class Refused(AenvError):
     """An egress.connect that ends without a connection: the stream's error and the outcome."""
 
     def __init__(self, code: str, message: str, outcome: str) -> None:
         super().__init__(message)
-        self.code, self.message, self.outcome = code, message, outcome
+        self.code, self.outcome = code, outcome
 
 
-class Abandoned(Exception):
+class Abandoned(AenvError):
     """The guest ended the stream before it had its answer."""
 
 
@@ -287,7 +287,7 @@ async def _unless_abandoned(stream: Stream, work: Coroutine[Any, Any, T]) -> T:
             attempt.cancel()
             await asyncio.wait({attempt})  # a cancelled connect closes its own socket
     if attempt.cancelled():
-        raise Abandoned
+        raise Abandoned("the guest ended the stream before its answer")
     return attempt.result()
 
 
