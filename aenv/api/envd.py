@@ -24,7 +24,8 @@ from aenv.api import connect
 from aenv.api.connect import ConnectError
 from aenv.api.proxy import sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError
-from aenv.errors import AenvError
+from aenv.errors import AenvError, AgentTimeout, AgentUnavailable
+from aenv.node.agentlink import AgentLink
 from aenv.node.orchestrator import LiveSandbox, Node
 
 KEEPALIVE_DEFAULT = 90.0
@@ -50,19 +51,27 @@ def _connect_error(exc: BaseException) -> ConnectError:
         return exc
     if isinstance(exc, StreamError):
         return ConnectError(exc.code, exc.message)
+    if isinstance(exc, AgentTimeout):
+        return ConnectError("deadline_exceeded", exc.message)
     if isinstance(exc, ChannelClosed | AenvError):
         return ConnectError("unavailable", f"The sandbox was not found: {exc}")
     return ConnectError("internal", str(exc))
 
 
 # -- process.Process -------------------------------------------------------------------------------
-async def _stream_events(request: Request, stream: Stream, *, first: Any = None) -> AsyncIterator[bytes]:
-    """Forward a guest stream of JSON messages as Connect envelopes, with keepalives."""
+async def _stream_events(
+    request: Request, link: AgentLink, stream: Stream, *, first: Any = None
+) -> AsyncIterator[bytes]:
+    """Forward a guest stream of JSON messages as Connect envelopes, with keepalives.
+
+    A quiet stream is normal (a command that prints nothing); a quiet agent is not: at each
+    keepalive the agent is pinged, and a ping it has not answered ends the stream with an error."""
     try:
         interval = float(request.headers.get("keepalive-ping-interval") or KEEPALIVE_DEFAULT)
     except ValueError:
         interval = KEEPALIVE_DEFAULT
     finished = False
+    ping: asyncio.Future[None] | None = None
     try:
         if first is not None:
             yield connect.message_envelope(first)
@@ -70,7 +79,13 @@ async def _stream_events(request: Request, stream: Stream, *, first: Any = None)
             try:
                 item = await asyncio.wait_for(stream.recv(), timeout=max(interval, 1.0))
             except TimeoutError:
+                if ping is not None and ping.done() and ping.exception() is not None:
+                    finished = True
+                    yield connect.end_stream(_connect_error(ping.exception()))  # type: ignore[arg-type]
+                    return
                 yield connect.message_envelope({"event": {"keepalive": {}}})
+                if ping is None or ping.done():
+                    ping = asyncio.ensure_future(link.ping())
                 continue
             if item.kind == MSG:
                 yield connect.envelope(item.data)
@@ -80,32 +95,41 @@ async def _stream_events(request: Request, stream: Stream, *, first: Any = None)
                 yield connect.end_stream(ConnectError(err["code"], err["message"]) if err else None)
                 return
     finally:
-        if not finished:  # the client left: stop following, the process keeps running
-            await stream.end()
+        if ping is not None:
+            ping.cancel()
+        if not finished:  # the client left (or the agent is gone): stop following, the process keeps running
+            stream.cancel()
 
 
-async def _open_stream(sb: LiveSandbox, method: str, params: dict[str, Any]) -> Stream:
-    assert sb.link is not None
-    return await sb.link.open(method, params)
+def _link(sb: LiveSandbox) -> AgentLink:
+    if sb.link is None:  # paused or killed since the request was routed
+        raise AgentUnavailable(f"sandbox {sb.id} is {sb.state.value}", sandbox_id=sb.id)
+    return sb.link
 
 
-async def _first_message(stream: Stream) -> Any:
-    """Wait for the first message, so errors before it become a proper Connect error."""
-    item = await stream.recv()
+async def _open_first(link: AgentLink, method: str, params: dict[str, Any]) -> tuple[Stream, Any]:
+    """Open a stream and wait (within the agent deadline) for its first message, so errors
+    before it become a proper error answer."""
+    stream = await link.open(method, params)
+    try:
+        item = await link.within(stream.recv(), method)
+    except BaseException:
+        stream.cancel()
+        raise
     if item.kind == END:
         err = (item.msg or {}).get("error") or {"code": "internal", "message": "stream ended early"}
         raise ConnectError(err["code"], err["message"])
-    return item.msg
+    return stream, item.msg
 
 
 async def _server_stream(request: Request, sb: LiveSandbox, method: str, params: dict[str, Any]) -> Response:
     try:
-        stream = await _open_stream(sb, method, params)
-        first = await _first_message(stream)
+        link = _link(sb)
+        stream, first = await _open_first(link, method, params)
     except Exception as exc:
         body = connect.end_stream(_connect_error(exc))
         return Response(body, media_type=connect.STREAM_CONTENT_TYPE)
-    return StreamingResponse(_stream_events(request, stream, first=first), media_type=connect.STREAM_CONTENT_TYPE)
+    return StreamingResponse(_stream_events(request, link, stream, first=first), media_type=connect.STREAM_CONTENT_TYPE)
 
 
 async def process_start(request: Request, sb: LiveSandbox, user: str | None) -> Response:
@@ -132,9 +156,8 @@ async def process_connect(request: Request, sb: LiveSandbox, user: str | None) -
 
 
 async def _unary(sb: LiveSandbox, method: str, params: dict[str, Any]) -> Response:
-    assert sb.link is not None
     try:
-        result = await sb.link.call(method, params)
+        result = await _link(sb).call(method, params)
     except Exception as exc:
         return connect.unary_error(_connect_error(exc))
     return JSONResponse(result if result is not None else {})
@@ -162,8 +185,7 @@ async def process_stream_input(request: Request, sb: LiveSandbox, user: str | No
                 selector = (msg["start"] or {}).get("process") or {}
             elif "data" in msg and selector is not None:
                 data = (msg["data"] or {}).get("input") or {}
-                assert sb.link is not None
-                await sb.link.call("process.input", {"process": selector, "input": data})
+                await _link(sb).call("process.input", {"process": selector, "input": data})
     except Exception as exc:
         return Response(connect.end_stream(_connect_error(exc)), media_type=connect.STREAM_CONTENT_TYPE)
     return Response(connect.message_envelope({}) + connect.end_stream(), media_type=connect.STREAM_CONTENT_TYPE)
@@ -204,7 +226,13 @@ RPC: dict[str, Handler] = {
 # -- /files ------------------------------------------------------------------------------------------
 def _file_error(exc: BaseException) -> JSONResponse:
     err = _connect_error(exc)
-    status = {"not_found": 404, "invalid_argument": 400, "unauthenticated": 401, "permission_denied": 403}.get(err.code)
+    status = {
+        "not_found": 404,
+        "invalid_argument": 400,
+        "unauthenticated": 401,
+        "permission_denied": 403,
+        "deadline_exceeded": 504,
+    }.get(err.code)
     if err.code == "resource_exhausted":
         status = 507
     if status is None:
@@ -251,25 +279,23 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
     path = request.query_params.get("path", "")
     user = request.query_params.get("username") or user
     try:
-        stream = await _open_stream(sb, "fs.read", {"path": path, "user": user})
-        first = await _first_message(stream)
+        link = _link(sb)
+        stream, first = await _open_first(link, "fs.read", {"path": path, "user": user})
     except Exception as exc:
         return _file_error(exc)
     entry = first.get("entry", {})
 
     async def body() -> AsyncIterator[bytes]:
-        done = False
         try:
             while True:
-                item = await stream.recv()
+                item = await link.within(stream.recv(), "fs.read")  # a stalled agent cuts the download short
                 if item.kind == DATA:
                     yield item.data
                 elif item.kind == END:
-                    done = True
                     return
         finally:
-            if not done:
-                await stream.end()
+            if not stream.remote_ended:
+                stream.cancel()
 
     name = entry.get("name", "file")
     headers = {
@@ -281,16 +307,22 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
 
 
 async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: AsyncIterator[bytes]) -> dict[str, Any]:
-    stream = await _open_stream(sb, "fs.write", {"path": path, "user": user})
+    link = _link(sb)
+    stream = await link.open("fs.write", {"path": path, "user": user})
     try:
-        async for chunk in chunks:
-            if chunk:
-                await stream.send_data(chunk)
-        await stream.send_eof()
-        result: dict[str, Any] = await stream.result()
+        try:
+            async for chunk in chunks:
+                if chunk:
+                    await link.within(stream.send_data(chunk), "fs.write")
+            await link.within(stream.send_eof(), "fs.write")
+        except ChannelClosed:
+            if not stream.remote_ended:
+                raise
+            # The agent ended the write before all was sent (e.g. refused the path): its answer says why.
+        result: dict[str, Any] = await link.within(stream.result(), "fs.write")
     except BaseException:
         if not stream.remote_ended:
-            await stream.end()
+            stream.cancel()
         raise
     return {"path": result["path"], "name": result["name"], "type": "file"}
 

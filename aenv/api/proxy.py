@@ -21,7 +21,7 @@ from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
 from aenv.channel import DATA, END, EOF, Item, Stream
-from aenv.errors import AenvError
+from aenv.errors import AenvError, AgentTimeout
 from aenv.node.orchestrator import Node
 
 HOP_BY_HOP = {
@@ -62,7 +62,12 @@ async def open_tunnel(node: Node, sandbox_id: str, port: int) -> Stream | Respon
         stream = await sb.link.open("tunnel.open", {"port": port})
     except AenvError:
         return sandbox_gone(sandbox_id)
-    first = await stream.recv()
+    try:
+        first = await sb.link.within(stream.recv(), "tunnel.open")
+    except AgentTimeout as exc:
+        stream.cancel()
+        body = {"sandboxId": sandbox_id, "message": exc.message, "code": 504}
+        return JSONResponse(body, status_code=504, media_type="application/json; charset=utf-8")
     if first.kind == END:
         return port_closed(sandbox_id, port)
     return stream
