@@ -533,7 +533,6 @@ class Node:
         rec = SandboxRecord(
             id=new_sandbox_id(),
             template_id=template_id,
-            state=S.CREATING,
             started_at=now,
             end_at=now + timeout,
             auto_pause=auto_pause,
@@ -778,7 +777,6 @@ class Node:
         rec = SandboxRecord(
             id=new_sandbox_id(),
             template_id=src.template_id,
-            state=S.CREATING,
             started_at=now,
             end_at=now + ttl,
             auto_pause=src.auto_pause,
