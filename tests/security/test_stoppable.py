@@ -123,9 +123,9 @@ def new_instance(server: Server, before: set[str]) -> tuple[str, Path]:
 
 
 def wedge(sbx: Sandbox) -> None:
-    """Stop the agent (PID 1) from inside, as sandbox root may."""
-    sbx.commands.run("kill -STOP 1", user="root", background=True)
-    time.sleep(0.5)
+    """Stop the agent (PID 1) from inside, as sandbox root may (once it has said the command started)."""
+    sbx.commands.run("sleep 0.5; kill -STOP 1", user="root", background=True)
+    time.sleep(1.5)
 
 
 # -- hostile files, on the session node (real `base`, real e2b SDK) ------------------------------------
@@ -308,11 +308,11 @@ def test_a_stream_on_a_wedged_agent_ends_at_a_keepalive(own: Server) -> None:
             "Keepalive-Ping-Interval": "1",
             "Authorization": "Basic cm9vdDo=",  # root
         }
-        body = {"process": {"cmd": "/bin/sh", "args": ["-c", "kill -STOP 1; sleep 600"]}}
+        body = {"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 0.5; kill -STOP 1; sleep 600"]}}
         started = time.monotonic()
         r = api.post("/process.Process/Start", json=body, headers=headers, timeout=60)
         assert time.monotonic() - started < 2 * (1 + AGENT_TIMEOUT) + QUICK
-        assert b"did not answer" in r.content, r.content[-300:]
+        assert b"did not answer a ping" in r.content, r.content[-300:]
         assert api.delete(f"/sandboxes/{created['sandboxID']}").status_code == 204
 
 
