@@ -80,12 +80,12 @@ async def _stream_events(
                 item = await asyncio.wait_for(stream.recv(), timeout=max(interval, 1.0))
             except TimeoutError:
                 if ping is not None and ping.done() and ping.exception() is not None:
-                    finished = True
                     yield connect.end_stream(_connect_error(ping.exception()))  # type: ignore[arg-type]
                     return
                 yield connect.message_envelope({"event": {"keepalive": {}}})
                 if ping is None or ping.done():
                     ping = asyncio.ensure_future(link.ping())
+                    ping.add_done_callback(lambda t: t.cancelled() or t.exception())  # read above, or dropped
                 continue
             if item.kind == MSG:
                 yield connect.envelope(item.data)

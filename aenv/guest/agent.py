@@ -481,13 +481,7 @@ async def fs_watch(agent: Agent, stream: Stream) -> None:
 @handler("tunnel.open", streaming=True)
 async def tunnel_open(agent: Agent, stream: Stream) -> None:
     port = int(stream.params.get("port", 0))
-    conn = None
-    for host in ("127.0.0.1", "::1"):  # loopback answers at once: accepted or refused
-        try:
-            conn = socket.create_connection((host, port), timeout=5)
-            break
-        except OSError:
-            continue
+    conn = await asyncio.get_running_loop().run_in_executor(None, _connect_loopback, port)
     if conn is None:
         await stream.end(error=("unavailable", f"port {port} is not open"))
         return
@@ -495,6 +489,16 @@ async def tunnel_open(agent: Agent, stream: Stream) -> None:
     await stream.send({"ok": True})
     await relay_in_thread(conn, stream)
     await stream.end(result={})
+
+
+def _connect_loopback(port: int) -> socket.socket | None:
+    """Off the event loop: a listener whose backlog is full lets a connect wait its whole timeout."""
+    for host in ("127.0.0.1", "::1"):
+        try:
+            return socket.create_connection((host, port), timeout=5)
+        except OSError:
+            continue
+    return None
 
 
 @handler("sys.checkpointable")

@@ -199,10 +199,18 @@ async def _expire(node: Node, sandbox_id: str, *, pause: bool) -> None:
     await node.kill(sandbox_id)
 
 
+# States a timeout kill overtakes: the operation in flight would only bring the sandbox back running.
+KILLED_AT_TIMEOUT = frozenset({S.RUNNING, S.SNAPSHOTTING, S.FORKING})
+
+
 async def reap_once(node: Node) -> None:
     now = time.time()
     for sb in list(node.sandboxes.values()):
-        if sb.state != S.RUNNING or sb.rec.end_at > now or sb.lock.locked():
+        if sb.rec.end_at > now or sb.killer is not None:
+            continue
+        if sb.rec.auto_pause and (sb.state != S.RUNNING or sb.lock.locked()):
+            continue  # paused once the operation in flight is over
+        if not sb.rec.auto_pause and sb.state not in KILLED_AT_TIMEOUT:
             continue
         log.info("sandbox %s timed out: %s", sb.id, "pausing" if sb.rec.auto_pause else "killing")
         task = asyncio.ensure_future(_expire(node, sb.id, pause=sb.rec.auto_pause))

@@ -220,27 +220,46 @@ def _in_flight(e2b: Sandbox, api: httpx.Client, op: str) -> Callable[[], Any]:
 
 
 @pytest.mark.parametrize("op", ["pause", "snapshot", "fork", "exec", "download", "upload"])
-def test_delete_overtakes_an_operation_on_a_wedged_agent(e2b_env: Server, api: httpx.Client, op: str) -> None:
+def test_delete_overtakes_operations_on_a_wedged_agent(e2b_env: Server, api: httpx.Client, op: str) -> None:
+    """``op`` and a pause in flight (it holds the sandbox's lock; ``op`` may queue behind it)."""
     listed = {s["sandboxID"] for s in api.get("/sandboxes").json()}
     before = runsc_containers(e2b_env)
     sbx = Sandbox.create(timeout=120)
     instance_id, upper = new_instance(e2b_env, before)
     wedge(sbx)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(_in_flight(sbx, api, op))
-        time.sleep(1.5)  # it is waiting on the agent now
-        assert not pending.done()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pending = [pool.submit(_in_flight(sbx, api, "pause")), pool.submit(_in_flight(sbx, api, op))]
+        time.sleep(1.5)  # they are waiting on the agent, or for the lock, now
+        assert not any(p.done() for p in pending)
         with quick(5):
-            assert api.delete(f"/sandboxes/{sbx.sandbox_id}", timeout=30).status_code == 204
-        concurrent.futures.wait([pending], timeout=QUICK)
-        assert pending.done()  # the operation in flight ended too, with an error for its caller
-    outcome = pending.result() if pending.exception() is None else pending.exception()
-    if isinstance(outcome, httpx.Response):
-        assert outcome.status_code == 404 and "was killed" in outcome.json()["message"], outcome.text
-    else:
-        assert isinstance(outcome, SandboxException), outcome
+            if op in ("pause", "snapshot", "fork"):
+                assert api.delete(f"/sandboxes/{sbx.sandbox_id}", timeout=30).status_code == 204
+            else:
+                assert sbx.kill(request_timeout=30)  # the SDK's kill: the same DELETE
+        concurrent.futures.wait(pending, timeout=QUICK)
+        assert all(p.done() for p in pending)  # the operations in flight ended too, with errors
+    for p in pending:
+        outcome = p.result() if p.exception() is None else p.exception()
+        if isinstance(outcome, httpx.Response):
+            assert outcome.status_code == 404 and "was killed" in outcome.json()["message"], outcome.text
+        else:
+            assert isinstance(outcome, SandboxException), outcome
     assert api.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 404
     assert {s["sandboxID"] for s in api.get("/sandboxes").json()} <= listed  # no fork child either
+    assert poll(lambda: instance_traces(e2b_env, instance_id, upper)) == []
+
+
+def test_the_timeout_kills_a_sandbox_whatever_is_in_flight(e2b_env: Server, api: httpx.Client) -> None:
+    before = runsc_containers(e2b_env)
+    sbx = Sandbox.create(timeout=6)
+    instance_id, upper = new_instance(e2b_env, before)
+    wedge(sbx)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        snapshot = pool.submit(lambda: api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={}, timeout=60))
+        gone = poll(lambda: [] if api.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 404 else ["alive"], 6 + QUICK)
+        assert gone == []  # at its timeout, though the snapshot still waits on the wedged agent
+        r = snapshot.result(timeout=QUICK)
+    assert r.status_code == 404 and "was killed" in r.json()["message"], r.text
     assert poll(lambda: instance_traces(e2b_env, instance_id, upper)) == []
 
 
