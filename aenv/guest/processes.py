@@ -325,6 +325,7 @@ class ProcessTable:
             else:
                 # O_NONBLOCK: sandbox root may have made /dev/null a FIFO, whose open would wait.
                 child_in = os.open(os.devnull, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                os.set_blocking(child_in, True)  # the command gets an ordinary stdin
                 stdin_w = None
                 if want_stdin:
                     os.close(child_in)
