@@ -58,10 +58,11 @@ class StateWrites(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> None:
-        name = node.func.id if isinstance(node.func, ast.Name) else ""
-        if name == "setattr" and len(node.args) > 1 and getattr(node.args[1], "value", None) == "state":
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+        if name in ("setattr", "__setattr__") and any(getattr(a, "value", None) == "state" for a in node.args):
             self.found.append((self.function, node.lineno))
-        if name == "SandboxRecord" and any(k.arg == "state" for k in node.keywords):
+        if name in ("SandboxRecord", "replace") and any(k.arg == "state" for k in node.keywords):
             self.found.append((self.function, node.lineno))  # a new record starts creating
         self.generic_visit(node)
 
@@ -79,9 +80,11 @@ def test_the_scan_finds_every_kind_of_state_write() -> None:
         "def c(x):\n    x.state, y = 3, 4\n"
         "def d(x):\n    setattr(x, 'state', 5)\n"
         "def e():\n    return SandboxRecord(id='x', state=6)\n"
-        "def f(app):\n    app.state.node = 7\n    return x.state\n"
+        "def f(x):\n    object.__setattr__(x, 'state', 7)\n"
+        "def g(rec):\n    return dataclasses.replace(rec, state=8)\n"
+        "def h(app):\n    app.state.node = 9\n    return x.state\n"
     )
-    assert [f for f, _ in state_writes(source)] == ["a", "b", "c", "d", "e"]
+    assert [f for f, _ in state_writes(source)] == ["a", "b", "c", "d", "e", "f", "g"]
 
 
 def test_only_set_state_writes_a_state() -> None:
