@@ -66,6 +66,12 @@ class Settings(BaseSettings):
     # Uploads, builds, pulls and repository fetches are refused (507) rather than leave less than
     # this free on the data dir's filesystem: the host's disk never fills, sandboxes keep room.
     disk_headroom_mb: int = Field(4 * 1024, ge=0)
+    # How long the node waits for a sandbox's agent to answer a call (or to show it is alive while
+    # a stream is quiet); a wedged agent's calls then fail with 504 agent_timeout.
+    agent_timeout: float = Field(30.0, gt=0)
+    # Longest any lifecycle operation (create, pause, resume, snapshot, fork) may take: past it the
+    # operation is cancelled and the sandbox goes back to where it was, or is killed.
+    operation_timeout: float = Field(600.0, gt=0)
 
     # The snapshot repository templates and snapshots are committed to: "" = <data-dir>/repo,
     # a path or file:// URL (e.g. a shared mount), s3://bucket/prefix, or "none" (node-local only).

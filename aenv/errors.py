@@ -16,6 +16,7 @@
     │   ├── RuntimeFailure                   500 runtime_failure (a driver binary failed)
     │   └── AgentUnavailable (ConnectionError)  500 agent_unavailable
     ├── OperationTimeout (TimeoutError)      500 operation_timeout
+    │   └── AgentTimeout                     504 agent_timeout (the sandbox's agent did not answer)
     └── StorageError (OSError)               500 storage_error
         ├── RepositoryUnavailable            503 repository_unavailable
         ├── ArtifactDamaged                  500 artifact_damaged
@@ -123,6 +124,10 @@ class OperationTimeout(AenvError, TimeoutError):
     pass
 
 
+class AgentTimeout(OperationTimeout):
+    """The sandbox's agent did not answer in time (it is wedged, stopped or overloaded)."""
+
+
 class StorageError(AenvError, OSError):
     pass
 
@@ -160,6 +165,7 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     CheckpointRefused: (422, "checkpoint_refused"),
     AgentUnavailable: (500, "agent_unavailable"),
     OperationTimeout: (500, "operation_timeout"),
+    AgentTimeout: (504, "agent_timeout"),
     StorageError: (500, "storage_error"),
     RepositoryUnavailable: (503, "repository_unavailable"),
     ArtifactDamaged: (500, "artifact_damaged"),

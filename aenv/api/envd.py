@@ -23,7 +23,8 @@ from aenv.api import connect, uploads
 from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, ConnectError, Message
 from aenv.api.proxy import sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError, end_error
-from aenv.errors import AenvError, InsufficientStorage, InvalidRequest, error_body
+from aenv.errors import AenvError, AgentTimeout, AgentUnavailable, InsufficientStorage, InvalidRequest, error_body
+from aenv.node.agentlink import AgentLink
 from aenv.node.orchestrator import LiveSandbox, Node
 
 KEEPALIVE_DEFAULT = 90.0
@@ -50,16 +51,24 @@ def _connect_error(exc: BaseException) -> ConnectError:
         return exc
     if isinstance(exc, StreamError):
         return ConnectError(exc.code, exc.message)
+    if isinstance(exc, AgentTimeout):
+        return ConnectError("deadline_exceeded", exc.message)
     if isinstance(exc, ChannelClosed | AenvError):
         return ConnectError("unavailable", f"The sandbox was not found: {exc}")
     return ConnectError("internal", str(exc))
 
 
 # -- process.Process -------------------------------------------------------------------------------
-async def _stream_events(request: Request, stream: Stream, *, first: Any = None) -> AsyncIterator[bytes]:
-    """Forward a guest stream of JSON messages as Connect envelopes, with keepalives."""
+async def _stream_events(
+    request: Request, link: AgentLink, stream: Stream, *, first: Any = None
+) -> AsyncIterator[bytes]:
+    """Forward a guest stream of JSON messages as Connect envelopes, with keepalives.
+
+    A quiet stream is normal (a command that prints nothing); a quiet agent is not: at each
+    keepalive the agent is pinged, and a ping it has not answered ends the stream with an error."""
     interval = connect.keepalive_interval(request, KEEPALIVE_DEFAULT)
     finished = False
+    ping: asyncio.Future[None] | None = None
     try:
         if first is not None:
             yield connect.message_envelope(first)
@@ -67,7 +76,13 @@ async def _stream_events(request: Request, stream: Stream, *, first: Any = None)
             try:
                 item = await asyncio.wait_for(stream.recv(), timeout=interval)
             except TimeoutError:
+                if ping is not None and ping.done() and ping.exception() is not None:
+                    yield connect.end_stream(_connect_error(ping.exception()))  # type: ignore[arg-type]
+                    return
                 yield connect.message_envelope({"event": {"keepalive": {}}})
+                if ping is None or ping.done():
+                    ping = asyncio.ensure_future(link.ping())
+                    ping.add_done_callback(lambda t: t.cancelled() or t.exception())  # read above, or dropped
                 continue
             if item.kind == MSG:
                 yield connect.envelope(item.data)
@@ -77,31 +92,40 @@ async def _stream_events(request: Request, stream: Stream, *, first: Any = None)
                 yield connect.end_stream(_connect_error(error) if error else None)
                 return
     finally:
-        if not finished:  # the client left: stop following, the process keeps running
-            await stream.end()
+        if ping is not None:
+            ping.cancel()
+        if not finished:  # the client left (or the agent is gone): stop following, the process keeps running
+            stream.cancel()
 
 
-async def _open_stream(sb: LiveSandbox, method: str, params: dict[str, Any]) -> Stream:
-    assert sb.link is not None
-    return await sb.link.open(method, params)
+def _link(sb: LiveSandbox) -> AgentLink:
+    if sb.link is None:  # paused or killed since the request was routed
+        raise AgentUnavailable(f"sandbox {sb.id} is {sb.state.value}", sandbox_id=sb.id)
+    return sb.link
 
 
-async def _first_message(stream: Stream) -> Any:
-    """Wait for the first message, so errors before it become a proper Connect error."""
-    item = await stream.recv()
+async def _open_first(link: AgentLink, method: str, params: dict[str, Any]) -> tuple[Stream, Any]:
+    """Open a stream and wait (within the agent deadline) for its first message, so errors
+    before it become a proper error answer."""
+    stream = await link.open(method, params)
+    try:
+        item = await link.within(stream.recv(), method)
+    except BaseException:
+        stream.cancel()
+        raise
     if item.kind == END:
         raise _connect_error(end_error(item.msg) or StreamError("internal", "stream ended early"))
-    return item.msg
+    return stream, item.msg
 
 
 async def _server_stream(request: Request, sb: LiveSandbox, method: str, params: dict[str, Any]) -> Response:
     try:
-        stream = await _open_stream(sb, method, params)
-        first = await _first_message(stream)
+        link = _link(sb)
+        stream, first = await _open_first(link, method, params)
     except Exception as exc:
         body = connect.end_stream(_connect_error(exc))
         return Response(body, media_type=connect.STREAM_CONTENT_TYPE)
-    return StreamingResponse(_stream_events(request, stream, first=first), media_type=connect.STREAM_CONTENT_TYPE)
+    return StreamingResponse(_stream_events(request, link, stream, first=first), media_type=connect.STREAM_CONTENT_TYPE)
 
 
 # The messages of envd's services as aenv reads them (proto3 JSON; see connect.checked).
@@ -142,9 +166,8 @@ async def process_connect(request: Request, sb: LiveSandbox, user: str | None) -
 
 
 async def _unary(sb: LiveSandbox, method: str, params: dict[str, Any]) -> Response:
-    assert sb.link is not None
     try:
-        result = await sb.link.call(method, params)
+        result = await _link(sb).call(method, params)
     except Exception as exc:
         return connect.unary_error(_connect_error(exc))
     return JSONResponse(result if result is not None else {})
@@ -171,8 +194,7 @@ async def process_stream_input(request: Request, sb: LiveSandbox, user: str | No
                 selector = msg["start"].get("process") or {}
             elif "data" in msg and selector is not None:
                 data = msg["data"].get("input") or {}
-                assert sb.link is not None
-                await sb.link.call("process.input", {"process": selector, "input": data})
+                await _link(sb).call("process.input", {"process": selector, "input": data})
     except Exception as exc:
         return Response(connect.end_stream(_connect_error(exc)), media_type=connect.STREAM_CONTENT_TYPE)
     return Response(connect.message_envelope({}) + connect.end_stream(), media_type=connect.STREAM_CONTENT_TYPE)
@@ -273,26 +295,24 @@ def _query_user(request: Request, user: str | None) -> str | None:
 async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Response:
     try:
         path, user = _query_path(request) or "", _query_user(request, user)
-        stream = await _open_stream(sb, "fs.read", {"path": path, "user": user})
-        first = await _first_message(stream)
+        link = _link(sb)
+        stream, first = await _open_first(link, "fs.read", {"path": path, "user": user})
     except Exception as exc:
         return _file_error(request, exc)
     entry = first.get("entry") if isinstance(first, dict) else None
     entry = entry if isinstance(entry, dict) else {}  # what the agent says is only a hint
 
     async def body() -> AsyncIterator[bytes]:
-        done = False
         try:
             while True:
-                item = await stream.recv()
+                item = await link.within(stream.recv(), "fs.read")  # a stalled agent cuts the download short
                 if item.kind == DATA:
                     yield item.data
                 elif item.kind == END:
-                    done = True
                     return
         finally:
-            if not done:
-                await stream.end()
+            if not stream.remote_ended:
+                stream.cancel()
 
     name, size = entry.get("name"), entry.get("size")
     headers = {
@@ -307,20 +327,22 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
 async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: AsyncIterator[bytes]) -> dict[str, Any]:
     """Write ``chunks`` into the sandbox as they come; the channel's credit window is all that is
     ever buffered. If the agent gives up (a full disk), its reason is what this raises."""
-    stream = await _open_stream(sb, "fs.write", {"path": path, "user": user})
+    link = _link(sb)
+    stream = await link.open("fs.write", {"path": path, "user": user})
     try:
-        async for chunk in chunks:
-            if chunk:
-                await stream.send_data(chunk)
-        await stream.send_eof()
-        result = await stream.result()
-    except ChannelClosed:
-        if stream.remote_ended:
-            await stream.result()  # raises the agent's error
-        raise
+        try:
+            async for chunk in chunks:
+                if chunk:
+                    await link.within(stream.send_data(chunk), "fs.write")
+            await link.within(stream.send_eof(), "fs.write")
+        except ChannelClosed:
+            if not stream.remote_ended:
+                raise
+            # The agent ended the write before all was sent (e.g. refused the path): its answer says why.
+        result = await link.within(stream.result(), "fs.write")
     except BaseException:
         if not stream.remote_ended:
-            await stream.end()
+            stream.cancel()
         raise
     written = result if isinstance(result, dict) else {}
     return {

@@ -21,7 +21,7 @@ from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
 from aenv.channel import DATA, END, EOF, Item, Stream
-from aenv.errors import AenvError
+from aenv.errors import AenvError, AgentTimeout
 from aenv.node.orchestrator import Node
 
 HOP_BY_HOP = {
@@ -37,7 +37,6 @@ HOP_BY_HOP = {
 }
 ROUTING = {b"e2b-sandbox-id", b"e2b-sandbox-port"}
 WS_MAX_MESSAGE = 16 * 2**20  # a message from a sandbox port, whole (as uvicorn bounds the client's)
-TUNNEL_TIMEOUT = 30.0  # the agent answers a tunnel.open within its own 5 s connect timeout
 
 
 def sandbox_gone(sandbox_id: str) -> JSONResponse:
@@ -65,10 +64,11 @@ async def open_tunnel(node: Node, sandbox_id: str, port: int) -> Stream | Respon
     except AenvError:
         return sandbox_gone(sandbox_id)
     try:
-        first = await asyncio.wait_for(stream.recv(), TUNNEL_TIMEOUT)
-    except TimeoutError:
-        await stream.end()
-        return port_closed(sandbox_id, port)
+        first = await sb.link.within(stream.recv(), "tunnel.open")
+    except AgentTimeout as exc:
+        stream.cancel()
+        body = {"sandboxId": sandbox_id, "message": exc.message, "code": 504}
+        return JSONResponse(body, status_code=504, media_type="application/json; charset=utf-8")
     if first.kind == END:
         return port_closed(sandbox_id, port)
     return stream

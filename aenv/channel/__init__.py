@@ -243,6 +243,15 @@ class Stream:
         except ChannelClosed:
             pass
 
+    def cancel(self) -> None:
+        """Like :meth:`end` without a result, but never waits: cleanup must not hang on a peer
+        that has stopped reading."""
+        if self.ended:
+            return
+        self.ended = True
+        self.channel._streams.pop(self.id, None)
+        self.channel._write_nowait(encode(END, self.id, dumps({})))
+
     # -- called by the channel's reader ----------------------------------------------------------
     def _take(self, kind: int, payload: bytes) -> None:
         """A MSG or DATA frame from the peer, within the credit it was given."""
@@ -400,7 +409,11 @@ class Channel:
         self._reader = self._writer = None
 
     def close(self, reason: str = "channel closed") -> None:
-        """Drop the pipe and fail every stream."""
+        """Drop the pipe and fail every stream. Frames not yet written are dropped: a peer that
+        stopped reading must not keep writers waiting."""
+        transport = getattr(self._writer, "transport", None)
+        if transport is not None and not transport.is_closing():
+            transport.abort()
         self.detach()
         self._fail_all(reason)
 
@@ -468,7 +481,7 @@ class Channel:
         self._streams[sid] = stream
         try:
             await self._write(encode(OPEN, sid, payload))
-        except ChannelClosed:
+        except BaseException:  # closed, or the caller gave up waiting for room in the pipe
             self._streams.pop(sid, None)
             raise
         return stream

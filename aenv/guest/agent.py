@@ -17,10 +17,11 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from aenv.channel import DATA, END, EOF, Channel, ChannelClosed, Stream
-from aenv.guest import files, processes
+from aenv.guest import files, processes, safeio
 from aenv.guest.egress import PROXY_ENV, EgressProxy
 from aenv.guest.processes import SIGNALS, ProcessError, ProcessTable
 from aenv.guest.sentry import HeapRelease
@@ -32,7 +33,12 @@ from aenv.guest.watch import Watcher
 AGENT_VERSION = "0.6.4"  # the envd API level this agent implements
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 READ_CHUNK = 256 * 1024
+SANDBOX_ID_FILE = "/run/e2b/.E2B_SANDBOX_ID"
+# File operations run here, never on the event loop (a slow disk or a huge tree delays only them),
+# in a pool of their own: the freeze's sync and the checkpoint check never queue behind them.
+FILE_IO = ThreadPoolExecutor(max_workers=4, thread_name_prefix="files")
 
+T = TypeVar("T")
 Handler = Callable[["Agent", Stream], Awaitable[Any]]
 HANDLERS: dict[str, Handler] = {}
 STREAMING: set[str] = set()
@@ -122,9 +128,7 @@ class Agent:
         sandbox_id = self.env.get("E2B_SANDBOX_ID")
         if sandbox_id:
             try:
-                os.makedirs("/run/e2b", exist_ok=True)
-                with open("/run/e2b/.E2B_SANDBOX_ID", "w") as f:
-                    f.write(sandbox_id)
+                _write_sandbox_id(sandbox_id)
             except OSError:
                 pass
 
@@ -155,6 +159,27 @@ class Agent:
         self.sudo.start(asyncio.get_running_loop())
         await self.channel.ctrl({"op": "ready", "version": AGENT_VERSION, "pid": os.getpid()})
         await self.channel.closed.wait()
+
+
+def _write_sandbox_id(sandbox_id: str) -> None:
+    """Written beside and renamed over: whatever the sandbox left at the name (a FIFO would block
+    an open for writing) is replaced, never opened."""
+    os.makedirs(os.path.dirname(SANDBOX_ID_FILE), exist_ok=True)
+    staging = f"{SANDBOX_ID_FILE}.{os.getpid()}"
+    try:
+        os.unlink(staging)
+    except FileNotFoundError:
+        pass
+    fd = safeio.open_regular(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        files.write_all(fd, sandbox_id.encode())
+    finally:
+        os.close(fd)
+    os.replace(staging, SANDBOX_ID_FILE)
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(FILE_IO, fn, *args)
 
 
 def stdio_streams(rfd: int, wfd: int) -> tuple[asyncio.StreamReader, BlockingWriter]:
@@ -329,39 +354,48 @@ def _path(agent: Agent, params: dict[str, Any], key: str = "path") -> tuple[str,
 
 @handler("fs.stat")
 async def fs_stat(agent: Agent, stream: Stream) -> Any:
-    return files.stat_path(_path(agent, stream.params)[0])
+    return await off_loop(files.stat_path, _path(agent, stream.params)[0])
 
 
 @handler("fs.list")
 async def fs_list(agent: Agent, stream: Stream) -> Any:
-    return files.list_dir(_path(agent, stream.params)[0], int(stream.params.get("depth") or 1))
+    return await off_loop(files.list_dir, _path(agent, stream.params)[0], int(stream.params.get("depth") or 1))
 
 
 @handler("fs.mkdir")
 async def fs_mkdir(agent: Agent, stream: Stream) -> Any:
-    return files.make_dir(*_path(agent, stream.params))
+    return await off_loop(files.make_dir, *_path(agent, stream.params))
 
 
 @handler("fs.move")
 async def fs_move(agent: Agent, stream: Stream) -> Any:
     src, user = _path(agent, stream.params, "source")
     dst, _ = _path(agent, stream.params, "destination")
-    return files.move(src, dst, user)
+    return await off_loop(files.move, src, dst, user)
 
 
 @handler("fs.remove")
 async def fs_remove(agent: Agent, stream: Stream) -> Any:
-    return files.remove(_path(agent, stream.params)[0])
+    return await off_loop(files.remove, _path(agent, stream.params)[0])
 
 
 @handler("fs.read", streaming=True)
 async def fs_read(agent: Agent, stream: Stream) -> None:
+    """The entry (its size is exactly what follows), then the file's bytes."""
     path, _ = _path(agent, stream.params)
-    fd, entry = files.open_for_read(path)
+    fd, entry = await off_loop(files.open_for_read, path)
     try:
-        await stream.send({"entry": entry})
-        while chunk := os.read(fd, READ_CHUNK):
-            await stream.send_data(chunk)
+        if entry["size"] == 0:
+            data = await off_loop(files.read_unsized, fd, path)
+            entry["size"] = len(data)
+            await stream.send({"entry": entry})
+            await stream.send_data(data)
+        else:
+            await stream.send({"entry": entry})
+            left = entry["size"]  # a file that grows meanwhile is sent as it was when opened
+            while left > 0 and (chunk := await off_loop(os.read, fd, min(READ_CHUNK, left))):
+                left -= len(chunk)
+                await stream.send_data(chunk)
     finally:
         os.close(fd)
     await stream.end(result={})
@@ -370,16 +404,13 @@ async def fs_read(agent: Agent, stream: Stream) -> None:
 @handler("fs.write")
 async def fs_write(agent: Agent, stream: Stream) -> Any:
     path, user = _path(agent, stream.params)
-    fd = files.open_for_write(path, user)
+    fd = await off_loop(files.open_for_write, path, user)
     written = 0
     try:
         while True:
             item = await stream.recv()
             if item.kind == DATA:
-                view = memoryview(item.data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
+                await off_loop(files.write_all, fd, item.data)
                 written += len(item.data)
             elif item.kind == EOF:
                 break
@@ -403,16 +434,23 @@ def _discard_partial(fd: int, path: str) -> None:
         pass
 
 
-@handler("fs.watch_create")
-async def fs_watch_create(agent: Agent, stream: Stream) -> Any:
-    path, _ = _path(agent, stream.params)
+def _watcher(path: str, params: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> Watcher:
     if not os.path.isdir(path):
         files.stat_path(path)
         raise files.FileError("invalid_argument", f"path '{path}' is not a directory")
+    return Watcher(path, bool(params.get("recursive")), emit, bool(params.get("includeEntry")))
+
+
+async def _start_watcher(agent: Agent, stream: Stream, emit: Callable[[dict[str, Any]], None]) -> Watcher:
+    watcher = await off_loop(_watcher, _path(agent, stream.params)[0], stream.params, emit)
+    watcher.start()
+    return watcher
+
+
+@handler("fs.watch_create")
+async def fs_watch_create(agent: Agent, stream: Stream) -> Any:
     events: list[dict[str, Any]] = []
-    watcher = Watcher(
-        path, bool(stream.params.get("recursive")), events.append, bool(stream.params.get("includeEntry"))
-    )
+    watcher = await _start_watcher(agent, stream, events.append)
     wid = f"w{next(agent._watch_ids)}"
     agent.watchers[wid] = (watcher, events)
     return {"watcherId": wid}
@@ -440,14 +478,8 @@ async def fs_watch_remove(agent: Agent, stream: Stream) -> Any:
 
 @handler("fs.watch", streaming=True)
 async def fs_watch(agent: Agent, stream: Stream) -> None:
-    path, _ = _path(agent, stream.params)
-    if not os.path.isdir(path):
-        files.stat_path(path)
-        raise files.FileError("invalid_argument", f"path '{path}' is not a directory")
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    watcher = Watcher(
-        path, bool(stream.params.get("recursive")), queue.put_nowait, bool(stream.params.get("includeEntry"))
-    )
+    watcher = await _start_watcher(agent, stream, queue.put_nowait)
     agent.stream_watchers[stream.id] = watcher
     await stream.send({"start": {}})
     cancel = asyncio.ensure_future(_until_cancelled(stream))
@@ -468,13 +500,7 @@ async def fs_watch(agent: Agent, stream: Stream) -> None:
 @handler("tunnel.open", streaming=True)
 async def tunnel_open(agent: Agent, stream: Stream) -> None:
     port = int(stream.params.get("port", 0))
-    conn = None
-    for host in ("127.0.0.1", "::1"):  # loopback answers at once: accepted or refused
-        try:
-            conn = socket.create_connection((host, port), timeout=5)
-            break
-        except OSError:
-            continue
+    conn = await asyncio.get_running_loop().run_in_executor(None, _connect_loopback, port)
     if conn is None:
         await stream.end(error=("unavailable", f"port {port} is not open"))
         return
@@ -482,6 +508,16 @@ async def tunnel_open(agent: Agent, stream: Stream) -> None:
     await stream.send({"ok": True})
     await relay_in_thread(conn, stream)
     await stream.end(result={})
+
+
+def _connect_loopback(port: int) -> socket.socket | None:
+    """Off the event loop: a listener whose backlog is full lets a connect wait its whole timeout."""
+    for host in ("127.0.0.1", "::1"):
+        try:
+            return socket.create_connection((host, port), timeout=5)
+        except OSError:
+            continue
+    return None
 
 
 @handler("sys.checkpointable")

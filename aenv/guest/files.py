@@ -9,6 +9,7 @@ import stat
 import time
 from typing import Any
 
+from aenv.guest import safeio
 from aenv.guest.users import User, name_of_gid, name_of_uid
 
 # Go's os.FileMode bits, which E2B reports in EntryInfo.mode.
@@ -19,6 +20,8 @@ GO_SOCKET = 1 << 24
 GO_SETUID = 1 << 23
 GO_SETGID = 1 << 22
 GO_STICKY = 1 << 20
+# /proc and /sys files report size 0 and may hold anything, or never end: read whole up to this.
+UNSIZED_READ_LIMIT = 16 * 2**20
 
 
 class FileError(Exception):
@@ -105,6 +108,8 @@ def entry_info(path: str) -> dict[str, Any]:
 
 
 def translate(exc: OSError, path: str) -> FileError:
+    if isinstance(exc, safeio.NotRegularFile):
+        return FileError("invalid_argument", f"path '{path}' is not a regular file")
     if exc.errno == errno.ENOENT:
         return FileError("not_found", f"path '{path}' does not exist")
     if exc.errno in (errno.EACCES, errno.EPERM):
@@ -207,10 +212,27 @@ def move(source: str, destination: str, user: User) -> dict[str, Any]:
                 raise
             import shutil  # on first use: see aenv/guest/__main__.py
 
-            shutil.move(source, destination)
+            shutil.move(source, destination, copy_function=_copy_regular)
         return {"entry": entry_info(destination)}
     except OSError as exc:
         raise translate(exc, destination) from exc
+
+
+def _copy_regular(source: str, destination: str) -> None:
+    """A move's copy across file systems, of regular files only: a device would never end."""
+    import shutil
+
+    src = safeio.open_regular(source, os.O_RDONLY)
+    try:
+        dst = safeio.open_regular(destination, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with open(src, "rb", closefd=False) as reader, open(dst, "wb", closefd=False) as writer:
+                shutil.copyfileobj(reader, writer)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+    shutil.copystat(source, destination)
 
 
 def remove(path: str) -> dict[str, Any]:
@@ -228,25 +250,68 @@ def remove(path: str) -> dict[str, Any]:
     return {}
 
 
-def open_for_read(path: str) -> tuple[int, dict[str, Any]]:
+def _stat_or_none(path: str) -> os.stat_result | None:
     try:
-        if os.path.isdir(path):
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+
+
+def open_for_read(path: str) -> tuple[int, dict[str, Any]]:
+    """An open regular file and its entry, whose size is what the file holds now."""
+    try:
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):
             raise FileError("invalid_argument", f"path '{path}' is a directory")
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        return fd, entry_info(path)
+        safeio.check_regular(st, path)
+        fd = safeio.open_regular(path, os.O_RDONLY)
+        try:
+            entry = entry_info(path)
+            entry["size"] = os.fstat(fd).st_size  # the target's, when the path is a symlink
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, entry
     except OSError as exc:
         raise translate(exc, path) from exc
+
+
+def read_unsized(fd: int, path: str) -> bytes:
+    """All of a regular file that reports size 0 (the size sent ahead of the data must be the
+    data's), refused past UNSIZED_READ_LIMIT."""
+    data = bytearray()
+    try:
+        while chunk := os.read(fd, 2**16):
+            data += chunk
+            if len(data) > UNSIZED_READ_LIMIT:
+                limit = UNSIZED_READ_LIMIT >> 20
+                raise FileError("invalid_argument", f"path '{path}' reports no size and holds more than {limit} MiB")
+    except OSError as exc:
+        raise translate(exc, path) from exc
+    return bytes(data)
 
 
 def open_for_write(path: str, user: User) -> int:
     try:
-        if os.path.isdir(path):
+        existing = _stat_or_none(path)
+        if existing is not None and stat.S_ISDIR(existing.st_mode):
             raise FileError("invalid_argument", f"path '{path}' is a directory")
+        if existing is not None:
+            safeio.check_regular(existing, path)
         make_parents(path, user)
-        existed = os.path.exists(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        if not existed:
-            _chown(path, user)
+        fd = safeio.open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            if existing is None and os.getuid() == 0:
+                os.fchown(fd, user.uid, user.gid)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
     except OSError as exc:
         raise translate(exc, path) from exc
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

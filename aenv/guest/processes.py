@@ -332,7 +332,9 @@ class ProcessTable:
             if pty_size is not None:
                 proc = self._start_pty(argv, env, cwd, user, config, tag, pty_size)
             else:
-                child_in = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                # O_NONBLOCK: sandbox root may have made /dev/null a FIFO, whose open would wait.
+                child_in = os.open(os.devnull, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                os.set_blocking(child_in, True)  # the command gets an ordinary stdin
                 stdin_w = None
                 if want_stdin:
                     os.close(child_in)

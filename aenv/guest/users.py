@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from aenv.guest.safeio import read_small
+
 
 class UnknownUser(LookupError):
     pass
@@ -21,11 +23,13 @@ class User:
 
 
 def _read(path: str) -> list[list[str]]:
+    """The rows of a colon-separated file; whatever the sandbox put at the path (a FIFO, a link
+    to /dev/zero) is read without blocking and only up to a bound."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return [line.rstrip("\n").split(":") for line in f if line.strip() and not line.startswith("#")]
+        text = read_small(path).decode("utf-8", errors="replace")
     except OSError:
         return []
+    return [line.split(":") for line in text.split("\n") if line.strip() and not line.startswith("#")]
 
 
 _cache: dict[str, tuple[tuple[float, float], User]] = {}
@@ -65,15 +69,29 @@ def _lookup(name: str) -> User:
     raise UnknownUser(f"user '{name}' does not exist in the sandbox")
 
 
+_names: dict[str, tuple[float, dict[str, str]]] = {}
+
+
+def _id_names(path: str) -> dict[str, str]:
+    """id -> name from /etc/passwd or /etc/group, parsed again only when the file changes: every
+    entry of a listing and every event of a watch names its owner and group."""
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError:
+        mtime = 0.0
+    hit = _names.get(path)
+    if hit is None or hit[0] != mtime:
+        table: dict[str, str] = {}
+        for row in _read(path):
+            if len(row) >= 3:
+                table.setdefault(row[2], row[0])
+        hit = _names[path] = (mtime, table)
+    return hit[1]
+
+
 def name_of_uid(uid: int) -> str:
-    for row in _read("/etc/passwd"):
-        if len(row) >= 3 and row[2] == str(uid):
-            return row[0]
-    return str(uid)
+    return _id_names("/etc/passwd").get(str(uid), str(uid))
 
 
 def name_of_gid(gid: int) -> str:
-    for row in _read("/etc/group"):
-        if len(row) >= 3 and row[2] == str(gid):
-            return row[0]
-    return str(gid)
+    return _id_names("/etc/group").get(str(gid), str(gid))

@@ -51,7 +51,9 @@ def _event_type(mask: int) -> str | None:
 
 
 class Watcher:
-    """Watches ``root`` (recursively if asked) and calls ``emit`` with FilesystemEvent dicts."""
+    """Watches ``root`` (recursively if asked) and calls ``emit`` with FilesystemEvent dicts.
+
+    Made off the event loop (a recursive watch walks the whole tree), then :meth:`start`ed on it."""
 
     def __init__(self, root: str, recursive: bool, emit: Callable[[dict[str, Any]], None], include_entry: bool) -> None:
         self.root = root
@@ -65,11 +67,17 @@ class Watcher:
 
             raise OSError(ctypes.get_errno(), "inotify_init1 failed")
         self.dirs: dict[int, str] = {}
-        self._add(root)
-        if recursive:
-            for base, subdirs, _ in os.walk(root):
-                for name in subdirs:
-                    self._add(os.path.join(base, name))
+        try:
+            self._add(root)
+            if recursive:
+                for base, subdirs, _ in os.walk(root):
+                    for name in subdirs:
+                        self._add(os.path.join(base, name))
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def start(self) -> None:
         asyncio.get_running_loop().add_reader(self.fd, self._readable)
 
     def _add(self, path: str) -> None:

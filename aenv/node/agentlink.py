@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
-from aenv.channel import MAX_GUEST_STREAMS, Channel, ChannelClosed, OpenHandler, Stream, Unsendable
-from aenv.errors import AgentUnavailable, InvalidRequest, OperationTimeout
+from aenv.channel import MAX_GUEST_STREAMS, Channel, ChannelClosed, OpenHandler, Stream, StreamError, Unsendable
+from aenv.errors import AgentTimeout, AgentUnavailable, InvalidRequest
 from aenv.runtime.base import Instance
 
 READY_TIMEOUT = 30.0
 FREEZE_TIMEOUT = 10.0
+CALL_TIMEOUT = 30.0
+
+T = TypeVar("T")
 
 
 class AgentLink:
-    def __init__(self, sandbox_id: str, serve: OpenHandler | None = None) -> None:
+    """Every wait on the agent has a deadline: whatever runs in the sandbox (its root can stop the
+    agent), a call fails with AgentTimeout instead of hanging its caller."""
+
+    def __init__(
+        self, sandbox_id: str, serve: OpenHandler | None = None, *, call_timeout: float = CALL_TIMEOUT
+    ) -> None:
         self.sandbox_id = sandbox_id
         # ``serve`` answers streams the agent opens (egress); the host's own streams are odd-numbered.
         self.channel = Channel(on_ctrl=self._on_ctrl, on_open=serve, max_peer_streams=MAX_GUEST_STREAMS)
+        self.call_timeout = call_timeout
         self._waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._ping: asyncio.Future[None] | None = None
         self.agent_version = ""
         self.watcher: asyncio.Future[None] | None = None
 
@@ -41,13 +52,29 @@ class AgentLink:
         if fut in done:
             return fut.result()
         if not done:
-            raise OperationTimeout(
-                f"the sandbox's agent did not answer {what} within {timeout:.0f}s", sandbox_id=self.sandbox_id
-            )
+            raise self._timeout(what, timeout)
         raise AgentUnavailable(f"the sandbox's agent went away during {what}", sandbox_id=self.sandbox_id)
 
     def attach(self, instance: Instance) -> None:
         self.channel.attach(instance.reader, instance.writer)
+
+    def _timeout(self, what: str, timeout: float) -> AgentTimeout:
+        return AgentTimeout(
+            f"the sandbox's agent did not answer {what} within {timeout:g}s", sandbox_id=self.sandbox_id
+        )
+
+    async def within(self, step: Awaitable[T], what: str, timeout: float | None = None) -> T:
+        """One step of an exchange with the agent (a write, which waits while the pipe is full; an
+        answer; a message; credit for data), within ``timeout`` (default: ``call_timeout``)."""
+        limit = self.call_timeout if timeout is None else timeout
+        deadline = asyncio.timeout(limit)
+        try:
+            async with deadline:
+                return await step
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise self._timeout(what, limit) from None
 
     async def booted(self, instance: Instance) -> None:
         """Attach to a freshly booted instance and wait for the agent's hello."""
@@ -64,16 +91,19 @@ class AgentLink:
         """
         if fresh:
             self.channel.drop_streams()
-        fut = self._expect("thawed")
         self.attach(instance)
         msg: dict[str, Any] = {"op": "thaw", "fresh": fresh}
         if config is not None:
             msg["config"] = config
+        await self._thaw(msg, replay=not fresh)
+
+    async def _thaw(self, msg: dict[str, Any], *, replay: bool) -> None:
+        fut = self._expect("thawed")
         try:
-            await self.channel.release(replay=not fresh)
-            await self.channel.ctrl(msg, force=True)
+            await self.within(self.channel.release(replay=replay), "thaw", READY_TIMEOUT)
+            await self.within(self.channel.ctrl(msg, force=True), "thaw", READY_TIMEOUT)
         except ChannelClosed as exc:
-            raise AgentUnavailable(f"the restored agent is gone: {exc}", sandbox_id=self.sandbox_id) from exc
+            raise AgentUnavailable(f"the sandbox's agent is gone: {exc}", sandbox_id=self.sandbox_id) from exc
         except Unsendable as exc:
             raise InvalidRequest(f"the sandbox's settings: {exc.message}", sandbox_id=self.sandbox_id) from exc
         await self._await(fut, "thaw", READY_TIMEOUT)
@@ -82,19 +112,20 @@ class AgentLink:
         """Bring both pipe directions to a frame boundary before a checkpoint."""
         fut = self._expect("frozen")
         try:
-            await self.channel.ctrl({"op": "freeze"})
+            await self.within(self.channel.ctrl({"op": "freeze"}), "freeze", FREEZE_TIMEOUT)
         except ChannelClosed as exc:
             raise AgentUnavailable(f"cannot freeze the sandbox's agent: {exc}", sandbox_id=self.sandbox_id) from exc
         self.channel.hold()
         try:
             await self._await(fut, "freeze", FREEZE_TIMEOUT)
         except BaseException:
-            # Never leave the sandbox half-frozen: release our writes and tell the agent to go on.
+            # Never leave the sandbox half-frozen: release our writes and tell the agent to go on
+            # (as far as a wedged agent lets us: these writes have a deadline too).
             self._waiters.pop("frozen", None)
-            await self.channel.release(replay=True)
             try:
-                await self.channel.ctrl({"op": "thaw", "fresh": False})
-            except ChannelClosed:
+                await self.within(self.channel.release(replay=True), "thaw", FREEZE_TIMEOUT)
+                await self.within(self.channel.ctrl({"op": "thaw", "fresh": False}), "thaw", FREEZE_TIMEOUT)
+            except (ChannelClosed, AgentTimeout):
                 pass
             raise
         # The agent now writes nothing until thaw. Stop reading, so the pipe closing under a
@@ -103,24 +134,40 @@ class AgentLink:
 
     async def unfreeze(self) -> None:
         """Undo :meth:`freeze` on the same pipe (the checkpoint failed or left the sandbox running)."""
-        fut = self._expect("thawed")
         self.channel.resume_reading()
-        try:
-            await self.channel.release(replay=True)
-            await self.channel.ctrl({"op": "thaw", "fresh": False}, force=True)
-        except ChannelClosed as exc:
-            raise AgentUnavailable(f"the sandbox's agent is gone: {exc}", sandbox_id=self.sandbox_id) from exc
-        await self._await(fut, "thaw", READY_TIMEOUT)
+        await self._thaw({"op": "thaw", "fresh": False}, replay=True)
 
     async def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
+        """A unary call: its result, StreamError for the agent's refusal, AgentTimeout if no answer."""
+        stream = await self.open(method, params)
         try:
-            return await self.channel.call(method, params or {})
+            return await self.within(stream.result(), method)
+        except StreamError as exc:
+            if exc.code == "unavailable":  # the channel failed the stream: the sandbox went away
+                raise AgentUnavailable(exc.message, sandbox_id=self.sandbox_id) from exc
+            raise
+        finally:
+            if not stream.remote_ended:
+                stream.cancel()  # the agent may stop working on it
+
+    async def ping(self) -> None:
+        """Return once the agent shows it is alive; AgentTimeout if it does not within the deadline.
+        Concurrent callers share one ping."""
+        if self._ping is None or self._ping.done():
+            self._ping = asyncio.ensure_future(self._ping_once())
+        await asyncio.shield(self._ping)
+
+    async def _ping_once(self) -> None:
+        fut = self._expect("pong")
+        try:
+            await self.within(self.channel.ctrl({"op": "ping"}), "a ping")
         except ChannelClosed as exc:
             raise AgentUnavailable(str(exc), sandbox_id=self.sandbox_id) from exc
+        await self._await(fut, "a ping", self.call_timeout)
 
     async def open(self, method: str, params: dict[str, Any] | None = None) -> Stream:
         try:
-            return await self.channel.open(method, params or {})
+            return await self.within(self.channel.open(method, params or {}), method)
         except ChannelClosed as exc:
             raise AgentUnavailable(str(exc), sandbox_id=self.sandbox_id) from exc
 

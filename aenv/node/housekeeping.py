@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aenv.channel import StreamError
-from aenv.errors import AenvError, CheckpointRefused
+from aenv.errors import AenvError, SandboxNotFound, WrongState
 from aenv.node import metrics
 from aenv.node.sandbox import LiveSandbox, log_failure
 from aenv.node.state import SandboxState as S
@@ -37,10 +37,12 @@ async def recover(node: Node) -> None:
     node restart (its channel pipes died with the old process), paused sandboxes do."""
     for rec in await node.store.sandboxes():
         if rec.state in (S.PAUSED, S.RESUMING) and rec.image and node.files.image(rec.image).exists():
-            rec.state = S.PAUSED
+            sb = LiveSandbox(rec)
+            if rec.state != S.PAUSED:  # a resume the stop interrupted: its image is still there
+                await node._set_state(sb, S.PAUSED, persist=False)
             rec.instance_id = ""
             await node.store.put_sandbox(rec)
-            node.sandboxes[rec.id] = LiveSandbox(rec)
+            node.sandboxes[rec.id] = sb
         else:
             log.warning("sandbox %s was %s when the node stopped; removing it", rec.id, rec.state.value)
             node.files.remove_image(rec.image)
@@ -248,16 +250,27 @@ async def _expire(node: Node, sandbox_id: str, *, pause: bool) -> None:
         try:
             await node.pause(sandbox_id)
             return
-        except CheckpointRefused as exc:
-            # It cannot be paused as it is; a timeout must still end it, as without autoPause.
+        except (SandboxNotFound, WrongState):
+            return  # killed or paused meanwhile: nothing left to expire
+        except AenvError as exc:
+            # It cannot be paused (a socket the runtime cannot save, a wedged agent); a timeout
+            # must still end it, as without autoPause.
             log.warning("sandbox %s timed out and cannot be paused (%s): killing it", sandbox_id, exc)
     await node.kill(sandbox_id)
+
+
+# States a timeout kill overtakes: the operation in flight would only bring the sandbox back running.
+KILLED_AT_TIMEOUT = frozenset({S.RUNNING, S.SNAPSHOTTING, S.FORKING})
 
 
 async def reap_once(node: Node) -> None:
     now = time.time()
     for sb in list(node.sandboxes.values()):
-        if sb.state != S.RUNNING or sb.rec.end_at > now or sb.lock.locked():
+        if sb.rec.end_at > now or sb.killer is not None:
+            continue
+        if sb.rec.auto_pause and (sb.state != S.RUNNING or sb.lock.locked()):
+            continue  # paused once the operation in flight is over
+        if not sb.rec.auto_pause and sb.state not in KILLED_AT_TIMEOUT:
             continue
         log.info("sandbox %s timed out: %s", sb.id, "pausing" if sb.rec.auto_pause else "killing")
         task = asyncio.ensure_future(_expire(node, sb.id, pause=sb.rec.auto_pause))

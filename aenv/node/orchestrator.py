@@ -2,7 +2,9 @@
 
 Each operation on a sandbox runs as its own task under the sandbox's lock, so it completes even
 if the client that asked for it goes away, and concurrent requests for the same idempotent
-transition (pause, resume, kill) join the task already running instead of starting a second one.
+transition (pause, resume) join the task already running instead of starting a second one. Every
+operation has a deadline. A kill does not queue behind them: it cancels whatever is in flight on
+the sandbox (those callers get 404, the sandbox was killed) and removes it within seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from aenv.errors import (
     Conflict,
     InvalidRequest,
     LimitExceeded,
+    OperationTimeout,
     SandboxNotFound,
     SnapshotNotFound,
     TemplateNotFound,
@@ -38,7 +41,7 @@ from aenv.node.agentlink import AgentLink
 from aenv.node.artifacts import ArtifactCache
 from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
-from aenv.node.state import PUBLIC_STATE, SandboxState, check_transition
+from aenv.node.state import PUBLIC_STATE, SETTLED, SandboxState, check_transition
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
@@ -52,6 +55,9 @@ log = logging.getLogger("aenv.node")
 T = TypeVar("T")
 S = SandboxState
 DEFAULT_USER = "user"
+KILL_GRACE = 10.0  # how long a kill waits for the operations it cancelled to unwind
+STOP_OPS_GRACE = 30.0  # how long a stopping node lets operations in flight finish
+STOP_PAUSE_TIMEOUT = 60.0  # per sandbox, a stopping node's pause; past it the sandbox is killed
 
 
 def make_driver(settings: Settings) -> Driver:
@@ -135,33 +141,47 @@ class Node:
         self._reaper = asyncio.create_task(housekeeping.reap_forever(self))
 
     async def stop(self, *, pause_running: bool = True) -> None:
-        """Stop the node. Running sandboxes are paused so a restart loses nothing."""
+        """Stop the node. Running sandboxes are paused so a restart loses nothing; one that cannot
+        be paused in time (its agent is wedged) is killed. Nothing of this node outlives it: no
+        runsc process, mount or cgroup."""
         if self._stopped:
             return
         self._stopped = True
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper = None
+        in_flight = [t for sb in self.sandboxes.values() for t in sb.tasks]
+        if in_flight:
+            await asyncio.wait(in_flight, timeout=STOP_OPS_GRACE)
         running = [sb for sb in self.sandboxes.values() if sb.state == S.RUNNING]
         sem = asyncio.Semaphore(4)
 
         async def settle(sb: LiveSandbox) -> None:
             async with sem:
+                if not pause_running:
+                    await self.kill(sb.id)
+                    return
                 try:
-                    await (self.pause(sb.id) if pause_running else self.kill(sb.id))
-                except AenvError as exc:
-                    log.warning("could not pause %s at shutdown: %s", sb.id, exc)
+                    async with asyncio.timeout(STOP_PAUSE_TIMEOUT):
+                        await self.pause(sb.id)
+                except (AenvError, TimeoutError) as exc:
+                    log.warning("could not pause %s at shutdown (%r); killing it", sb.id, exc)
                     await self.kill(sb.id)
 
         if running:
             log.info("stopping: pausing %d running sandboxes", len(running))
         await asyncio.gather(*(settle(sb) for sb in running), return_exceptions=True)
+        # Whatever is not paused by now is in an operation that did not finish in time.
+        stuck = [sb.id for sb in self.sandboxes.values() if sb.state != S.PAUSED]
+        await asyncio.gather(*(self.kill(x) for x in stuck), return_exceptions=True)
         await self.settle()
-        for task in list(self._background):
+        background = list(self._background)
+        for task in background:
             task.cancel()
+        if background:  # builds among them kill their instances on the way out
+            await asyncio.wait(background, timeout=STOP_OPS_GRACE)
         await self.files.drop_spares()
-        if not any(sb.instance is not None for sb in self.sandboxes.values()):
-            await self.files.unmount_all()
+        await self.files.unmount_all()
         await self.artifacts.close()
         await self.store.close()
         if self._lock_fd is not None:
@@ -241,34 +261,76 @@ class Node:
         if join:
             running = sb.ops.get(name)
             if running is not None and not running.done():
-                return await asyncio.shield(running)
+                return await self._outcome(sb, name, running)
+        if sb.killer is not None:
+            raise self._killed(sb, name)
 
         async def locked() -> T:
             async with sb.lock:
+                if sb.killer is not None:  # killed while this one waited for the lock
+                    raise self._killed(sb, name)
                 started = time.monotonic()
                 try:
-                    result = await fn()
+                    result = await self._within_deadline(sb, name, fn)
                 except BaseException:
                     metrics.OPERATIONS.labels(op=name, outcome="error").inc()
                     raise
+                finally:
+                    self._check_settled(sb, name)
                 metrics.OPERATIONS.labels(op=name, outcome="ok").inc()
                 metrics.OPERATION_SECONDS.labels(op=name).observe(time.monotonic() - started)
                 return result
 
         task: asyncio.Task[T] = asyncio.ensure_future(locked())
         self._background.add(task)
+        sb.tasks.add(task)
         if join:
             sb.ops[name] = task
 
         def done(t: asyncio.Task[T]) -> None:
             self._background.discard(t)
+            sb.tasks.discard(t)
             if sb.ops.get(name) is t:
                 sb.ops.pop(name, None)
             if not t.cancelled():
                 t.exception()  # retrieved: a client that left must not cause a warning
 
         task.add_done_callback(done)
-        return await asyncio.shield(task)
+        return await self._outcome(sb, name, task)
+
+    async def _outcome(self, sb: LiveSandbox, name: str, task: asyncio.Task[T]) -> T:
+        """The operation's result; if a kill stopped it, a clear error for its caller."""
+        try:
+            return await asyncio.shield(task)
+        except BaseException as exc:
+            caller = asyncio.current_task()
+            if sb.killer is None or (caller is not None and caller.cancelling()):
+                raise
+            raise self._killed(sb, name) from exc
+
+    def _killed(self, sb: LiveSandbox, name: str) -> SandboxNotFound:
+        return SandboxNotFound(f"sandbox {sb.id} was killed (during {name})", sandbox_id=sb.id)
+
+    async def _within_deadline(self, sb: LiveSandbox, name: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """``fn``, cancelled past the operation deadline: its cleanup puts the sandbox back."""
+        limit = self.settings.operation_timeout
+        deadline = asyncio.timeout(limit)
+        try:
+            async with deadline:
+                return await fn()
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise
+            raise OperationTimeout(
+                f"{name} of sandbox {sb.id} did not finish within {limit:g}s", sandbox_id=sb.id
+            ) from exc
+
+    def _check_settled(self, sb: LiveSandbox, name: str) -> None:
+        """After an operation a sandbox is running, paused or gone; one left in between (an
+        operation that could not put it back) is killed rather than left there for good."""
+        if self.sandboxes.get(sb.id) is sb and sb.killer is None and sb.state not in SETTLED:
+            log.error("sandbox %s was left %s by %s; killing it", sb.id, sb.state.value, name)
+            self._spawn(self.kill(sb.id))
 
     async def _set_state(self, sb: LiveSandbox, target: SandboxState, *, persist: bool = True) -> None:
         check_transition(sb.id, sb.state, target)
@@ -308,7 +370,7 @@ class Node:
             limits=self._limits(sb.rec),
             image_dir=self.files.image(image),
         )
-        link = sb.link if (sb.link is not None and not fresh) else AgentLink(sb.id, serve=self._guest_request(sb.id))
+        link = sb.link if (sb.link is not None and not fresh) else self._new_link(sb)
         try:
             await link.restored(instance, fresh=fresh, config=self._agent_config(sb.rec))
         except BaseException:
@@ -318,6 +380,9 @@ class Node:
         sb.rec.instance_id = instance_id
         if link.watcher is None:
             link.watcher = asyncio.ensure_future(self._watch(sb, link))
+
+    def _new_link(self, sb: LiveSandbox) -> AgentLink:
+        return AgentLink(sb.id, serve=self._guest_request(sb.id), call_timeout=self.settings.agent_timeout)
 
     async def _watch(self, sb: LiveSandbox, link: AgentLink) -> None:
         """Notice a sandbox that died on its own (e.g. its memory limit was hit) or broke the channel
@@ -438,11 +503,12 @@ class Node:
 
     async def _after_failed_checkpoint(self, sb: LiveSandbox) -> None:
         """Back to running if the instance survived (the usual case); otherwise it is gone."""
+        if sb.killer is not None:
+            return  # the kill that stopped the checkpoint removes the sandbox
         if sb.instance is not None:
-            sb.rec.state = S.RUNNING
+            await self._set_state(sb, S.RUNNING, persist=False)
         else:
-            sb.rec.state = S.KILLING
-            await self._forget(sb)
+            await self._discard(sb)
 
     # -- create -----------------------------------------------------------------------------------------
     async def create(
@@ -485,7 +551,6 @@ class Node:
         rec = SandboxRecord(
             id=new_sandbox_id(),
             template_id=template_id,
-            state=S.CREATING,
             started_at=now,
             end_at=now + timeout,
             auto_pause=auto_pause,
@@ -511,13 +576,11 @@ class Node:
                 async with self.artifacts.using(source):  # fetched from the repository if not here
                     await self._restore_into(sb, image=image, layers=layers, upper=rec.upper, fresh=True)
             except BaseException:
-                self.sandboxes.pop(rec.id, None)
-                await self.files.remove(rec.upper)
+                await self._discard(sb)
                 raise
-            rec.state = S.RUNNING
             rec.started_at = time.time()
             rec.end_at = rec.started_at + timeout
-            await self.store.put_sandbox(rec)
+            await self._set_state(sb, S.RUNNING)
             return rec
 
         return await self._operate(sb, "create", run, join=False)
@@ -567,7 +630,8 @@ class Node:
                 await self.files.mount(sb.rec.upper, writable=True)
                 await self._restore_into(sb, image=sb.rec.image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=True)
             except BaseException:
-                sb.rec.state = S.PAUSED
+                if sb.killer is None:
+                    await self._set_state(sb, S.PAUSED, persist=False)
                 raise
             self.files.remove_image(sb.rec.image)
             sb.rec.image = ""
@@ -622,16 +686,17 @@ class Node:
         try:
             await self._restore_into(sb, image=image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=False)
         except BaseException:
-            # The source could not come back; keep it as a paused sandbox rather than lose it.
-            log.exception("sandbox %s could not be restarted after a checkpoint; keeping it paused", sb.id)
             if sb.link is not None:
                 sb.link.close("sandbox could not be restarted")
                 sb.link = None
+            if sb.killer is not None:
+                raise  # killed meanwhile: nothing to keep
+            # The source could not come back; keep it as a paused sandbox rather than lose it.
+            log.exception("sandbox %s could not be restarted after a checkpoint; keeping it paused", sb.id)
             copy = new_id()
-            shutil.copytree(self.files.image(image), self.files.image(copy))
+            await asyncio.to_thread(shutil.copytree, self.files.image(image), self.files.image(copy))
             sb.rec.image = copy
-            sb.rec.state = S.PAUSED
-            await self.store.put_sandbox(sb.rec)
+            await self._set_state(sb, S.PAUSED)
             raise
 
     async def snapshot(self, sandbox_id: str, *, name: str | None = None, durable: bool = False) -> SnapshotRecord:
@@ -662,8 +727,7 @@ class Node:
             await self.store.put_snapshot(snap)
             self.artifacts.commit_later(snap)
             await self._restart_source(sb, image)
-            sb.rec.state = S.RUNNING
-            await self.store.put_sandbox(sb.rec)
+            await self._set_state(sb, S.RUNNING)
             return snap
 
         snap = await self._operate(sb, "snapshot", run, join=False)
@@ -691,28 +755,33 @@ class Node:
             image, layers = await self._branch(sb, S.FORKING)
             now = time.time()
             ttl = child_timeout if child_timeout is not None else max(1, int(sb.rec.end_at - now))
-            children = list(await asyncio.gather(*(self._child_of(sb, layers, now, ttl) for _ in range(count))))
-            for child in children:
-                self.sandboxes[child.id] = child
-            outcomes = await asyncio.gather(
-                self._restart_source(sb, image),
-                *(self._start_child(child, image) for child in children),
-                return_exceptions=True,
-            )
-            self.files.remove_image(image)  # a restored instance no longer needs its image
+            children: list[LiveSandbox] = []
+            try:
+                for _ in range(count):
+                    children.append(await self._child_of(sb, layers, now, ttl))
+                for child in children:
+                    self.sandboxes[child.id] = child
+                outcomes = await asyncio.gather(
+                    self._restart_source(sb, image),
+                    *(self._start_child(child, image) for child in children),
+                    return_exceptions=True,
+                )
+            except BaseException:  # cancelled (killed, or past the deadline): no child is handed out
+                for child in children:
+                    await self._discard(child)
+                raise
+            finally:
+                self.files.remove_image(image)  # a restored instance no longer needs its image
             if isinstance(outcomes[0], BaseException):
                 for child in children:
-                    if child.instance is not None:
-                        await self.kill(child.id)
+                    await self._discard(child)
                 raise outcomes[0]
-            sb.rec.state = S.RUNNING
-            await self.store.put_sandbox(sb.rec)
+            await self._set_state(sb, S.RUNNING)
             results = []
             for child, outcome in zip(children, outcomes[1:], strict=True):
                 if isinstance(outcome, BaseException):
-                    self.sandboxes.pop(child.id, None)
-                    await self.files.remove(child.rec.upper)
-                    err = outcome if isinstance(outcome, AenvError) else AenvError(str(outcome))
+                    await self._discard(child)
+                    err = outcome if isinstance(outcome, AenvError) else self._killed(child, "fork")
                     results.append(ForkResult(error=err))
                 else:
                     results.append(ForkResult(sandbox=child.rec))
@@ -726,7 +795,6 @@ class Node:
         rec = SandboxRecord(
             id=new_sandbox_id(),
             template_id=src.template_id,
-            state=S.CREATING,
             started_at=now,
             end_at=now + ttl,
             auto_pause=src.auto_pause,
@@ -746,11 +814,18 @@ class Node:
         )
         return LiveSandbox(rec)
 
-    async def _start_child(self, child: LiveSandbox, image: str) -> None:
-        async with child.lock:
-            await self._restore_into(child, image=image, layers=child.rec.layers, upper=child.rec.upper, fresh=True)
-            child.rec.state = S.RUNNING
-            await self.store.put_sandbox(child.rec)
+    def _start_child(self, child: LiveSandbox, image: str) -> asyncio.Task[None]:
+        """A fork child's restore, as an operation of the child: killing the child cancels it."""
+
+        async def start() -> None:
+            async with child.lock:
+                await self._restore_into(child, image=image, layers=child.rec.layers, upper=child.rec.upper, fresh=True)
+                await self._set_state(child, S.RUNNING)
+
+        task = asyncio.ensure_future(start())
+        child.tasks.add(task)
+        task.add_done_callback(child.tasks.discard)
+        return task
 
     # -- network policy --------------------------------------------------------------------------------
     def policy_of(self, sandbox_id: str) -> EgressPolicy:
@@ -777,15 +852,39 @@ class Node:
         return sb.rec
 
     async def kill(self, sandbox_id: str) -> None:
+        """Stop and remove a sandbox within seconds, whatever it or its agent is doing: operations
+        in flight on it are cancelled (their callers get 404) and concurrent kills join this one."""
         sb = self.get(sandbox_id)
+        if sb.killer is None:
+            sb.killer = asyncio.ensure_future(self._kill(sb))
+            self._background.add(sb.killer)
+            sb.killer.add_done_callback(log_failure(sb.id, self._background))
+        await asyncio.shield(sb.killer)
 
-        async def run() -> None:
-            if sb.state == S.KILLED:
-                return
-            sb.rec.state = S.KILLING
+    async def _kill(self, sb: LiveSandbox) -> None:
+        started = time.monotonic()
+        if sb.link is not None:
+            sb.link.close(f"sandbox {sb.id} was killed")  # every wait on the agent ends now
+        in_flight = [t for t in sb.tasks if not t.done()]
+        for task in in_flight:
+            task.cancel()
+        if in_flight:
+            _, stuck = await asyncio.wait(in_flight, timeout=KILL_GRACE)
+            if stuck:
+                log.error(
+                    "sandbox %s: %d operations did not stop within %gs of its kill", sb.id, len(stuck), KILL_GRACE
+                )
+        if sb.state != S.KILLED:
+            await self._set_state(sb, S.KILLING, persist=False)
             await self._forget(sb)
+        metrics.OPERATIONS.labels(op="kill", outcome="ok").inc()
+        metrics.OPERATION_SECONDS.labels(op="kill").observe(time.monotonic() - started)
 
-        await self._operate(sb, "kill", run, join=True)
+    async def _discard(self, sb: LiveSandbox) -> None:
+        """Remove a sandbox an operation cannot keep (it died, or is a failed fork's child)."""
+        if sb.killer is None and sb.state != S.KILLED:
+            await self._set_state(sb, S.KILLING, persist=False)
+            await self._forget(sb)
 
     async def _forget(self, sb: LiveSandbox) -> None:
         upper, image = sb.rec.upper, sb.rec.image
@@ -795,7 +894,7 @@ class Node:
             self.files.remove_image(image)
 
         self._stop_instance(sb, f"sandbox {sb.id} was killed", then=release)
-        sb.rec.state = S.KILLED
+        await self._set_state(sb, S.KILLED, persist=False)
         self.sandboxes.pop(sb.id, None)
         await self.store.delete_sandbox(sb.id)
 

@@ -30,7 +30,9 @@ class LiveSandbox:
     instance: Instance | None = None
     link: AgentLink | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    ops: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+    ops: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # joinable operations by name
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)  # every operation in flight (a kill cancels them)
+    killer: asyncio.Task[None] | None = None  # the kill in progress: nothing else starts any more
 
     @property
     def id(self) -> str:

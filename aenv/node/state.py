@@ -27,11 +27,15 @@ TRANSITIONS: dict[SandboxState, frozenset[SandboxState]] = {
     SandboxState.PAUSING: frozenset({SandboxState.PAUSED, SandboxState.RUNNING, SandboxState.KILLING}),
     SandboxState.PAUSED: frozenset({SandboxState.RESUMING, SandboxState.KILLING}),
     SandboxState.RESUMING: frozenset({SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.KILLING}),
-    SandboxState.SNAPSHOTTING: frozenset({SandboxState.RUNNING, SandboxState.KILLING}),
-    SandboxState.FORKING: frozenset({SandboxState.RUNNING, SandboxState.KILLING}),
+    # ... -> PAUSED: the checkpoint was taken but the source could not be restarted from it.
+    SandboxState.SNAPSHOTTING: frozenset({SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.KILLING}),
+    SandboxState.FORKING: frozenset({SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.KILLING}),
     SandboxState.KILLING: frozenset({SandboxState.KILLED}),
     SandboxState.KILLED: frozenset(),
 }
+
+# Where a sandbox rests between operations; any other state is an operation in progress.
+SETTLED = frozenset({SandboxState.RUNNING, SandboxState.PAUSED})
 
 # What the E2B API shows for each internal state.
 PUBLIC_STATE = {

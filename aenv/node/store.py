@@ -27,9 +27,10 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 class SandboxRecord:
     id: str
     template_id: str
-    state: SandboxState
     started_at: float
     end_at: float
+    # A new sandbox is being created; every later change is Node._set_state's (checked).
+    state: SandboxState = SandboxState.CREATING
     auto_pause: bool = False
     auto_resume: bool = False
     metadata: dict[str, str] = field(default_factory=dict)

@@ -54,14 +54,14 @@ async def run(
                 f.seek(start)
                 err = f.read()
     except TimeoutError as exc:
-        try:
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
-        await proc.wait()
+        await _kill(proc)
         raise OperationTimeout(
             f"{argv[0]} {argv[1] if len(argv) > 1 else ''} timed out after {timeout}s", argv=list(argv)
         ) from exc
+    except BaseException:
+        if proc.returncode is None:  # cancelled (a kill overtook the operation): it must not go on alone
+            await _kill(proc)
+        raise
     if check and proc.returncode != 0:
         text = (err or b"").decode(errors="replace").strip()
         raise RuntimeFailure(
@@ -70,6 +70,14 @@ async def run(
             stderr=text[-STDERR_KEPT:],
         )
     return (out or b"").decode(errors="replace")
+
+
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    await proc.wait()
 
 
 _libc = ctypes.CDLL(None, use_errno=True)  # the process's own libc: nothing is loaded

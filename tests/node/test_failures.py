@@ -20,7 +20,7 @@ from aenv.channel import END
 from aenv.config import Settings
 from aenv.errors import RuntimeFailure, SandboxNotFound
 from aenv.node.orchestrator import Node
-from aenv.runtime.base import Instance
+from aenv.runtime.base import Instance, Limits, RootfsSpec
 from aenv.runtime.gvisor import GVisorDriver
 from aenv.templates.builder import commit_template
 
@@ -37,9 +37,16 @@ COUNTER = (
 
 class FaultyDriver(GVisorDriver):
     """The real gVisor driver, whose checkpoint can be told to fail (before or after it stopped
-    the instance)."""
+    the instance), and whose next restore can be told to fail."""
 
     fail_next: str | None = None  # "before" | "after"
+    fail_restore = False
+
+    async def restore(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits, image_dir: Path) -> Instance:
+        if self.fail_restore:
+            self.fail_restore = False
+            raise RuntimeFailure("injected restore failure")
+        return await super().restore(instance_id=instance_id, rootfs=rootfs, limits=limits, image_dir=image_dir)
 
     async def checkpoint(self, instance: Instance, *, image_dir: Path, leave_running: bool) -> None:
         mode, self.fail_next = self.fail_next, None
