@@ -65,8 +65,9 @@ async def pull(
     local = LocalSource(reference, roots) if is_local(reference) else None
     client = None
     if local is None:
-        logins = {ImageRef.parse(reference).registry: login} if login else {}
-        client = RegistryClient(insecure=set(node.settings.insecure_registries), credentials=logins)
+        registry = ImageRef.parse(reference).registry
+        logins = {registry: login} if login else {}
+        client = RegistryClient(registry, insecure=set(node.settings.insecure_registries), credentials=logins)
     tmp = node.files.root / "tmp"
     tmp.mkdir(exist_ok=True)
     fetched, cached, ids = 0, 0, []
@@ -98,7 +99,7 @@ async def pull(
                     await asyncio.to_thread(local.fetch, desc["digest"], blob)
                 else:
                     assert client is not None
-                    await client.fetch_blob(ref, desc["digest"], blob)
+                    await client.fetch_blob(ref, desc, blob)
                 size = blob.stat().st_size
                 got = await asyncio.to_thread(apply_layer, blob, work)
                 if got != diff_id:

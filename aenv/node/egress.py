@@ -42,11 +42,13 @@ LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
 DOMAIN = re.compile(rf"(?:\*\.)?(?:{LABEL}\.)*{LABEL}")
 
 
-def _never(addr: Address) -> bool:
+def never_reachable(addr: Address) -> bool:
+    """Loopback, link-local (cloud metadata), multicast, unspecified or reserved: the node's own
+    services and its cloud's live there."""
     return addr.is_loopback or addr.is_link_local or addr.is_multicast or addr.is_unspecified or addr.is_reserved
 
 
-def _plain(addr: Address) -> Address:
+def plain(addr: Address) -> Address:
     """IPv4-mapped IPv6 (::ffff:127.0.0.1) is judged as the IPv4 address it is."""
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return addr.ipv4_mapped
@@ -110,8 +112,8 @@ class EgressPolicy:
 
     def check(self, host: str, addr: Address) -> str | None:
         """None if ``addr`` (which ``host`` resolved to) may be reached, else the reason not."""
-        addr = _plain(addr)
-        if _never(addr):
+        addr = plain(addr)
+        if never_reachable(addr):
             return f"{host} ({addr}) is a loopback, link-local or reserved address, never reachable from a sandbox"
         if self.allow.has_domain(host) or self.allow.has_address(addr):
             return None
@@ -155,7 +157,7 @@ async def serve_connect(stream: Stream, policy: EgressPolicy) -> str:
         return "unresolved"
     reasons = [policy.check(host, addr) for addr in addrs]
     allowed = [addr for addr, reason in zip(addrs, reasons, strict=True) if reason is None]
-    if not allowed or any(_never(_plain(addr)) for addr in addrs):  # one bad address taints the name
+    if not allowed or any(never_reachable(plain(addr)) for addr in addrs):  # one bad address taints the name
         reason = next((r for r in reasons if r), f"{host} has no address")
         await stream.end(error=("permission_denied", f"egress to {host}:{port} denied: {reason}"))
         return "denied"
