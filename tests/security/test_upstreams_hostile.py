@@ -6,6 +6,7 @@ plays the cloud metadata service or a node-local service and records whether it 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
@@ -483,3 +484,29 @@ def test_templates_from_hostile_registries_are_a_short_error(
     assert body["code"] == r.status_code and len(body["message"]) < 600 and "SECRET" not in body["message"], body
     assert says in body["message"], body
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+async def test_ecr_logins_never_fall_back_to_the_nodes_own_aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without keys of its own, an E2B `fromImageRegistry: {type: aws}` would be answered with an
+    ECR token of the node's instance role, which the registry the caller names then receives."""
+    import boto3
+
+    from aenv.api.e2b_templates import registry_login
+
+    used: list[dict[str, Any]] = []
+
+    class Session:
+        def client(self, service: str, **kw: Any) -> Any:
+            used.append(kw)
+            token = base64.b64encode(b"AWS:node-role-token").decode()
+            data = {"authorizationData": [{"authorizationToken": token}]}
+            return type("Ecr", (), {"get_authorization_token": lambda self: data})()
+
+    monkeypatch.setattr(boto3.session, "Session", Session)
+    for config in ({"type": "aws", "awsRegion": "us-east-1"}, {"type": "aws", "awsAccessKeyId": "AKIA"}):
+        with pytest.raises(InvalidRequest, match="awsAccessKeyId and awsSecretAccessKey"):
+            await registry_login(config)
+    assert used == []
+    given = {"type": "aws", "awsAccessKeyId": "AKIA", "awsSecretAccessKey": "s", "awsRegion": "eu-west-1"}
+    assert await registry_login(given) == ("AWS", "node-role-token")
+    assert used[0]["aws_access_key_id"] == "AKIA"
