@@ -15,7 +15,7 @@ HTTP client, so no request can skip it:
   registry its internal token service, and only a registry on this node this node's loopback;
 - redirects are bounded (:func:`send_following`, which never reads a redirect's body); answers
   are read with a bound (:func:`read_bounded`), every read and connect has a timeout, and
-  upstream text reaches an error message only as a short, sanitised :func:`snippet`.
+  upstream text reaches an error message only as a short, sanitised snippet.
 """
 
 from __future__ import annotations
@@ -27,13 +27,12 @@ from collections.abc import Iterable
 import httpcore
 import httpx
 
-from aenv.errors import InvalidRequest, UpstreamError
+from aenv.errors import InvalidRequest, UpstreamError, snippet
 from aenv.node.egress import Address, never_reachable, plain, resolve
 
 MAX_REDIRECTS = 5
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 60.0  # between two reads of one answer
-SNIPPET = 120
 
 
 class Reach(enum.IntEnum):
@@ -55,12 +54,6 @@ def reach_of(addr: Address) -> Reach:
     if never_reachable(addr):
         return Reach.NEVER
     return Reach.PUBLIC if addr.is_global else Reach.PRIVATE
-
-
-def snippet(text: str, limit: int = SNIPPET) -> str:
-    """Upstream text as an error message may quote it: printable, and short."""
-    clean = "".join(ch if ch.isprintable() else "?" for ch in text[: limit + 1])
-    return clean if len(clean) <= limit else clean[:limit] + "..."
 
 
 async def read_bounded(response: httpx.Response, limit: int, what: str) -> bytes:

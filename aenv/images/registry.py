@@ -24,8 +24,8 @@ from typing import Any
 
 import httpx
 
-from aenv.errors import InvalidRequest, NotFound, UpstreamError
-from aenv.images.guard import guarded_client, read_bounded, send_following, snippet
+from aenv.errors import InvalidRequest, NotFound, UpstreamError, snippet
+from aenv.images.guard import guarded_client, read_bounded, send_following
 from aenv.images.reference import DIGEST, DOCKER_HUB, ImageRef
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
