@@ -52,6 +52,11 @@ class Settings(BaseSettings):
     # envd's /files uploads stream into the sandbox, bounded by its disk quota.
     max_body_kb: int = Field(1024, ge=1)
     max_upload_mb: int = Field(10 * 1024, ge=1)
+    # The port proxy (get_host URLs): seconds a sandbox's port has to take a request's bytes and to
+    # start its answer (the response head, the WebSocket handshake) before the proxy gives up
+    # (504), and the largest WebSocket message relayed either way (a larger one closes with 1009).
+    port_response_timeout: float = Field(300.0, gt=0)
+    port_ws_max_message_mb: int = Field(16, ge=1)
 
     # The snapshot repository templates and snapshots are committed to: "" = <data-dir>/repo,
     # a path or file:// URL (e.g. a shared mount), s3://bucket/prefix, or "none" (node-local only).

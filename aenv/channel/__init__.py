@@ -307,6 +307,9 @@ class Channel:
             raise
         return stream
 
+    def open_streams(self) -> list[Stream]:
+        return list(self._streams.values())
+
     async def call(self, method: str, params: Any = None) -> Any:
         """Open a stream, wait for its END and return the result (a unary call)."""
         stream = await self.open(method, params)

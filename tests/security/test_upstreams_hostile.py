@@ -10,6 +10,7 @@ import base64
 import hashlib
 import io
 import json
+import select
 import socket
 import ssl
 import subprocess
@@ -24,6 +25,8 @@ from typing import Any
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import connect as ws_connect
 
 from aenv.errors import AenvError, InvalidRequest, UpstreamError
 from aenv.images import guard
@@ -510,3 +513,268 @@ async def test_ecr_logins_never_fall_back_to_the_nodes_own_aws_credentials(monke
     given = {"type": "aws", "awsAccessKeyId": "AKIA", "awsSecretAccessKey": "s", "awsRegion": "eu-west-1"}
     assert await registry_login(given) == ("AWS", "node-role-token")
     assert used[0]["aws_access_key_id"] == "AKIA"
+
+
+# -- the port proxy: what a sandbox's server sends back is hostile -----------------------------------
+# One script, two ports: on PORT the behaviour is chosen by the request path; on PORT+1 nothing is
+# ever read. WebSocket paths write the close code they got from the proxy to /tmp/ws-<name>.
+HOSTILE_PORT_SERVER = r"""
+import base64, hashlib, socket, struct, sys, threading, time
+GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+def read_exact(conn, n):
+    buf = b""
+    while len(buf) < n:
+        part = conn.recv(n - len(buf))
+        if not part: raise EOFError
+        buf += part
+    return buf
+def frame(opcode, data, fin=True):
+    n = len(data)
+    head = bytes([(0x80 if fin else 0) | opcode])
+    if n < 126: head += bytes([n])
+    elif n < 65536: head += bytes([126]) + struct.pack("!H", n)
+    else: head += bytes([127]) + struct.pack("!Q", n)
+    return head + data
+def record(name, what):
+    with open(f"/tmp/ws-{name}", "w") as f: f.write(what)
+def close_code(conn, name):
+    try:
+        while True:
+            b1, b2 = read_exact(conn, 2)
+            n = b2 & 0x7F
+            if n == 126: n = struct.unpack("!H", read_exact(conn, 2))[0]
+            elif n == 127: n = struct.unpack("!Q", read_exact(conn, 8))[0]
+            mask = read_exact(conn, 4) if b2 & 0x80 else b"\0\0\0\0"
+            data = read_exact(conn, n)
+            if b1 & 0x0F == 8:
+                code = bytes(c ^ m for c, m in zip(data[:2], mask))
+                return record(name, str(struct.unpack("!H", code)[0]) if len(code) == 2 else "none")
+    except (EOFError, OSError):
+        record(name, "eof")
+def quietly(fn, *args):
+    try: fn(*args)
+    except OSError: pass
+def serve(conn):
+    request = b""
+    while b"\r\n\r\n" not in request:
+        part = conn.recv(4096)
+        if not part: return
+        request += part
+    path = request.split(b" ")[1].decode()
+    lines = [l.split(": ", 1) for l in request.decode().split("\r\n")[1:] if ": " in l]
+    headers = {k.lower(): v for k, v in lines}
+    if path == "/silent" or path == "/ws/silent":
+        time.sleep(3600); return
+    if path == "/bighead":
+        conn.sendall(b"HTTP/1.1 200 OK\r\n")
+        for _ in range(1000): conn.sendall(b"X-Pad: " + b"a" * 1000 + b"\r\n")
+        conn.sendall(b"Content-Length: 2\r\n\r\nok"); return
+    if "sec-websocket-key" not in headers:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"); return
+    accept = base64.b64encode(hashlib.sha1(headers["sec-websocket-key"].encode() + GUID).digest()).decode()
+    conn.sendall(("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  f"Sec-WebSocket-Accept: {accept}\r\n\r\n").encode())
+    name = path.rsplit("/", 1)[1]
+    if name == "big":  # one message of 2 MiB
+        threading.Thread(target=quietly, args=(conn.sendall, frame(2, b"b" * (2 << 20))), daemon=True).start()
+    elif name == "fragments":  # a message that never ends, 64 KiB at a time
+        def fragments():
+            conn.sendall(frame(1, b"f" * 65536, fin=False))
+            for _ in range(1024): conn.sendall(frame(0, b"f" * 65536, fin=False))
+        threading.Thread(target=quietly, args=(fragments,), daemon=True).start()
+    close_code(conn, name)
+    time.sleep(3600)
+def deaf(port):
+    listener = socket.create_server(("127.0.0.1", port))
+    held = []
+    while True:
+        held.append(listener.accept()[0])
+port = int(sys.argv[1])
+threading.Thread(target=deaf, args=(port + 1,), daemon=True).start()
+listener = socket.create_server(("127.0.0.1", port))
+while True:
+    conn, _ = listener.accept()
+    threading.Thread(target=serve, args=(conn,), daemon=True).start()
+"""
+HOSTILE = 8700
+
+
+@pytest.fixture(scope="module")
+def tight_server(server: Server) -> Iterator[Server]:
+    """The session's server with a 3 s port deadline and a 1 MiB WebSocket message bound."""
+    saved = server.extra_env
+    server.extra_env = {**(saved or {}), "AENV_PORT_RESPONSE_TIMEOUT": "3", "AENV_PORT_WS_MAX_MESSAGE_MB": "1"}
+    server.restart()
+    yield server
+    server.extra_env = saved
+    server.restart()
+
+
+@pytest.fixture()
+def hostile_sandbox(tight_server: Server, e2b_env: Server) -> Iterator[Any]:
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=300)
+    try:
+        sbx.files.write("/home/user/hostile.py", HOSTILE_PORT_SERVER)
+        sbx.commands.run(f"python3 /home/user/hostile.py {HOSTILE}", background=True, timeout=0)
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{tight_server.url}/", headers=routed(sbx.sandbox_id)).status_code == 502:
+            assert time.monotonic() < deadline, "the hostile server did not come up"
+            time.sleep(0.2)
+        yield sbx
+    finally:
+        sbx.kill()
+
+
+def routed(sandbox_id: str, port: int = HOSTILE) -> dict[str, str]:
+    return {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": str(port)}
+
+
+def tunnels(server: Server) -> int:
+    """Streams the node holds open to agents for proxied connections (the debug metric)."""
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith('aenv_channel_streams{method="tunnel.open"}'):
+            return int(float(line.split()[-1]))
+    return 0
+
+
+def agent_threads(sbx: Any) -> int:
+    """Threads of the sandbox's agent (PID 1): each proxied connection holds two while it lasts."""
+    return int(sbx.commands.run("ls /proc/1/task | wc -l").stdout)
+
+
+def settle(probe: Callable[[], int], want: int, within: float = 20.0) -> int:
+    deadline = time.monotonic() + within
+    while (value := probe()) > want and time.monotonic() < deadline:
+        time.sleep(0.3)
+    return value
+
+
+@pytest.mark.sandbox
+def test_clients_that_leave_release_the_tunnel_on_both_sides(hostile_sandbox: Any, tight_server: Server) -> None:
+    """A port that accepts and never answers, and clients that give up: the node's tunnel streams
+    and the agent's relay threads go with the clients, not with the port."""
+    baseline = agent_threads(hostile_sandbox)
+    clients = [socket.create_connection(("127.0.0.1", tight_server.port)) for _ in range(3)]
+    for client in clients:
+        head = f"GET /silent HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: {hostile_sandbox.sandbox_id}\r\n"
+        client.sendall(f"{head}E2b-Sandbox-Port: {HOSTILE}\r\n\r\n".encode())
+    assert settle(lambda: -tunnels(tight_server), -3, within=10) <= -3, "the requests reached the port"
+    assert agent_threads(hostile_sandbox) >= baseline + 6
+    for client in clients:
+        client.close()
+    assert settle(lambda: tunnels(tight_server), 0) == 0, "a client left and its tunnel stayed open on the host"
+    assert settle(lambda: agent_threads(hostile_sandbox), baseline) <= baseline, "relay threads stayed in the agent"
+
+
+@pytest.mark.sandbox
+def test_a_port_that_never_answers_is_a_504_after_the_deadline(hostile_sandbox: Any, tight_server: Server) -> None:
+    started = time.monotonic()
+    r = httpx.get(f"{tight_server.url}/silent", headers=routed(hostile_sandbox.sandbox_id), timeout=60)
+    assert r.status_code == 504 and "within 3s" in r.json()["message"], r.text
+    assert time.monotonic() - started < 20
+    assert settle(lambda: tunnels(tight_server), 0) == 0
+
+
+@pytest.mark.sandbox
+def test_a_response_head_past_h11s_bound_is_a_502(hostile_sandbox: Any, tight_server: Server) -> None:
+    r = httpx.get(f"{tight_server.url}/bighead", headers=routed(hostile_sandbox.sandbox_id), timeout=60)
+    assert r.status_code == 502 and len(r.json()["message"]) < 400, r.text
+    assert settle(lambda: tunnels(tight_server), 0) == 0
+
+
+@pytest.mark.sandbox
+def test_an_endless_body_to_a_port_that_never_reads_is_held_back_then_cut(
+    hostile_sandbox: Any, tight_server: Server
+) -> None:
+    """Flow control holds (the node buffers a credit window, not the body) and the port's deadline
+    ends the request with a 504 the client can read while it is still sending."""
+    rss_before = rss_kib(tight_server.proc.pid)
+    client = socket.create_connection(("127.0.0.1", tight_server.port))
+    head = f"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: {1 << 40}\r\n"
+    head += f"E2b-Sandbox-Id: {hostile_sandbox.sandbox_id}\r\nE2b-Sandbox-Port: {HOSTILE + 1}\r\n\r\n"
+    client.sendall(head.encode())
+    client.setblocking(False)
+    sent, answer, started = 0, b"", time.monotonic()
+    block = b"x" * 65536
+    while time.monotonic() - started < 60 and b"\r\n\r\n" not in answer:
+        readable, writable, _ = select.select([client], [client], [], 1)
+        if readable:
+            answer += client.recv(65536) or b"\r\n\r\n"
+        elif writable:
+            try:
+                sent += client.send(block)
+            except (BlockingIOError, OSError):
+                pass
+    client.close()
+    assert answer.startswith(b"HTTP/1.1 504"), answer[:200]
+    assert sent < 256 * MiB, f"the node took {sent} bytes of a body the port never read"
+    assert rss_kib(tight_server.proc.pid) - rss_before < 128 * 1024
+    assert settle(lambda: tunnels(tight_server), 0) == 0
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("name", ["big", "fragments"])
+def test_websocket_messages_from_a_port_are_bounded(hostile_sandbox: Any, tight_server: Server, name: str) -> None:
+    """One oversized message, or a fragmented one that never ends: the client and the port both
+    get 1009 and the node buffers no more than the bound."""
+    url = tight_server.url.replace("http", "ws", 1) + f"/ws/{name}"
+    headers = routed(hostile_sandbox.sandbox_id)
+    with ws_connect(url, additional_headers=headers, open_timeout=30, max_size=None) as ws:  # the proxy's bound
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=30)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
+    assert settle(lambda: 0 if port_saw(hostile_sandbox, name) else 1, 0) == 0
+    assert port_saw(hostile_sandbox, name) == "1009"
+    assert settle(lambda: tunnels(tight_server), 0) == 0
+
+
+@pytest.mark.sandbox
+def test_websocket_messages_to_a_port_are_bounded(hostile_sandbox: Any, tight_server: Server) -> None:
+    url = tight_server.url.replace("http", "ws", 1) + "/ws/record"
+    with ws_connect(url, additional_headers=routed(hostile_sandbox.sandbox_id), open_timeout=30) as ws:
+        ws.send(b"x" * (2 * MiB))
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=30)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
+    assert settle(lambda: 0 if port_saw(hostile_sandbox, "record") else 1, 0) == 0
+    assert port_saw(hostile_sandbox, "record") == "1009"
+
+
+@pytest.mark.sandbox
+def test_a_port_that_never_answers_the_websocket_handshake_is_a_504(hostile_sandbox: Any, tight_server: Server) -> None:
+    url = tight_server.url.replace("http", "ws", 1) + "/ws/silent"
+    with pytest.raises(InvalidStatus) as refused:
+        with ws_connect(url, additional_headers=routed(hostile_sandbox.sandbox_id), open_timeout=30):
+            pass
+    assert refused.value.response.status_code == 504
+    assert settle(lambda: tunnels(tight_server), 0) == 0
+
+
+def port_saw(sbx: Any, name: str) -> str:
+    """The close code the hostile port got from the proxy ('' if none yet)."""
+    return str(sbx.commands.run(f"cat /tmp/ws-{name} 2>/dev/null || true").stdout).strip()
+
+
+@pytest.mark.sandbox
+def test_a_websocket_client_that_vanishes_releases_the_tunnel(hostile_sandbox: Any, tight_server: Server) -> None:
+    """The client's TCP connection just drops and the port never answers the close it is sent:
+    the port hears "going away" and the node lets the tunnel go after a short close timeout."""
+    baseline = agent_threads(hostile_sandbox)
+    url = tight_server.url.replace("http", "ws", 1) + "/ws/record"
+    ws = ws_connect(url, additional_headers=routed(hostile_sandbox.sandbox_id), open_timeout=30)
+    assert tunnels(tight_server) == 1
+    ws.socket.shutdown(socket.SHUT_RDWR)  # no closing handshake
+    ws.socket.close()
+    assert settle(lambda: 0 if port_saw(hostile_sandbox, "record") else 1, 0) == 0
+    assert port_saw(hostile_sandbox, "record") == "1001"
+    assert settle(lambda: tunnels(tight_server), 0, within=30) == 0, "the tunnel outlived its client"
+    assert settle(lambda: agent_threads(hostile_sandbox), baseline, within=30) <= baseline
