@@ -565,6 +565,8 @@ def serve(conn):
     headers = {k.lower(): v for k, v in lines}
     if path == "/silent" or path == "/ws/silent":
         time.sleep(3600); return
+    if path == "/headonly":  # the head, then a body that never comes
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"); time.sleep(3600); return
     if path == "/bighead":
         conn.sendall(b"HTTP/1.1 200 OK\r\n")
         for _ in range(1000): conn.sendall(b"X-Pad: " + b"a" * 1000 + b"\r\n")
@@ -652,13 +654,16 @@ def settle(probe: Callable[[], int], want: int, within: float = 20.0) -> int:
 
 
 @pytest.mark.sandbox
-def test_clients_that_leave_release_the_tunnel_on_both_sides(hostile_sandbox: Any, tight_server: Server) -> None:
-    """A port that accepts and never answers, and clients that give up: the node's tunnel streams
-    and the agent's relay threads go with the clients, not with the port."""
+@pytest.mark.parametrize("path", ["/silent", "/headonly"])
+def test_clients_that_leave_release_the_tunnel_on_both_sides(
+    hostile_sandbox: Any, tight_server: Server, path: str
+) -> None:
+    """A port that never answers, or never sends the body it announced, and clients that give up:
+    the node's tunnel streams and the agent's relay threads go with the clients, not with the port."""
     baseline = agent_threads(hostile_sandbox)
     clients = [socket.create_connection(("127.0.0.1", tight_server.port)) for _ in range(3)]
     for client in clients:
-        head = f"GET /silent HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: {hostile_sandbox.sandbox_id}\r\n"
+        head = f"GET {path} HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: {hostile_sandbox.sandbox_id}\r\n"
         client.sendall(f"{head}E2b-Sandbox-Port: {HOSTILE}\r\n\r\n".encode())
     assert settle(lambda: -tunnels(tight_server), -3, within=10) <= -3, "the requests reached the port"
     assert agent_threads(hostile_sandbox) >= baseline + 6
