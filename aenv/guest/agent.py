@@ -354,12 +354,23 @@ async def fs_read(agent: Agent, stream: Stream) -> None:
     path, _ = _path(agent, stream.params)
     fd, entry = files.open_for_read(path)
     try:
+        # The first read comes before the answer starts, so a file that cannot be read is a clean
+        # error; a later failure ends the stream with the same translated reason.
+        chunk = _read(fd, path)
         await stream.send({"entry": entry})
-        while chunk := os.read(fd, READ_CHUNK):
+        while chunk:
             await stream.send_data(chunk)
+            chunk = _read(fd, path)
     finally:
         os.close(fd)
     await stream.end(result={})
+
+
+def _read(fd: int, path: str) -> bytes:
+    try:
+        return os.read(fd, READ_CHUNK)
+    except OSError as exc:
+        raise files.translate(exc, path) from exc
 
 
 @handler("fs.write")

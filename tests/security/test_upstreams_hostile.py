@@ -783,3 +783,82 @@ def test_a_websocket_client_that_vanishes_releases_the_tunnel(hostile_sandbox: A
     assert port_saw(hostile_sandbox, "record") == "1001"
     assert settle(lambda: tunnels(tight_server), 0, within=30) == 0, "the tunnel outlived its client"
     assert settle(lambda: agent_threads(hostile_sandbox), baseline, within=30) <= baseline
+
+
+# -- what the sandbox's file system and process table answer -------------------------------------------
+ENVD_PORT = 49983
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize(
+    ("op", "path"),
+    [
+        ("write", "/proc/version"),  # EIO
+        ("write", "/proc/sys/kernel/hostname"),  # EIO
+        ("write", "/dev/net/tun"),  # EBADFD
+        ("read", "/proc/self/mem"),  # EIO on the first read
+    ],
+)
+def test_what_the_sandbox_file_system_refuses_is_the_clients_4xx(sandbox: Any, op: str, path: str) -> None:
+    """Errors the sandbox's file system returns for a client's request are the client's: a 4xx
+    naming the errno, never a 500 (and never an empty 200 for a file that cannot be read)."""
+    from e2b import InvalidArgumentException
+
+    with pytest.raises(InvalidArgumentException, match=r"\(E[A-Z]+\)"):
+        if op == "write":
+            sandbox.files.write(path, "x")
+        else:
+            sandbox.files.read(path)
+    if op == "write":  # the SDK's signed URLs, as a browser would use them
+        r = httpx.post(sandbox.upload_url(path), content=b"x", headers={"content-type": "application/octet-stream"})
+    else:
+        r = httpx.get(sandbox.download_url(path))
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    assert r.json()["code"] == r.status_code and "(E" in r.json()["message"], r.text
+
+
+@pytest.mark.sandbox
+def test_a_full_disk_met_by_a_filesystem_rpc_is_what_envd_answers(api: httpx.Client, e2b_env: Server) -> None:
+    """envd answers MakeDir/Move on a full disk with `internal`; `resource_exhausted` (HTTP 429)
+    would make the E2B SDKs report rate limiting. The message names the errno and the quota."""
+    from e2b import RateLimitException, Sandbox, SandboxException
+
+    r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300, "limits": {"diskSizeMB": 64}})
+    assert r.status_code == 201, r.text
+    sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
+    try:
+        sbx = Sandbox.connect(sid)
+        fill = "dd if=/dev/zero of=/home/user/fill{} bs={} 2>/dev/null"  # MiBs, then the last KiBs
+        sbx.commands.run(f"mkdir /home/user/src; {fill.format(1, '1M')}; {fill.format(2, '1k')}; true")
+        for attempt in (
+            lambda: sbx.files.make_dir("/home/user/a/b/c"),
+            lambda: sbx.files.rename("/home/user/src", "/home/user/new/dir/src"),
+        ):
+            with pytest.raises(SandboxException) as caught:
+                attempt()
+            assert not isinstance(caught.value, RateLimitException), caught.value
+            assert "ENOSPC" in str(caught.value) and "64 MiB" in str(caught.value), caught.value
+        headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(ENVD_PORT), "X-Access-Token": token}
+        r = httpx.post(f"{e2b_env.url}/filesystem.Filesystem/MakeDir", json={"path": "/home/user/x/y"}, headers=headers)
+        assert (r.status_code, r.json()["code"]) == (500, "internal"), r.text
+        sbx.commands.run("rm /home/user/fill1 /home/user/fill2")
+        sbx.files.make_dir("/home/user/a/b/c")  # space back, all well
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("cwd", ["/root", "/home/user/locked"])
+def test_a_cwd_the_user_cannot_enter_fails_the_start_as_envd_does(sandbox: Any, cwd: str) -> None:
+    """envd's exec fails a start whose chdir fails (invalid_argument: the SDK's
+    InvalidArgumentException); the command must not run, in or out of a PTY."""
+    from e2b import InvalidArgumentException
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    sandbox.commands.run("mkdir -p /home/user/locked && chmod 000 /home/user/locked", user="root")
+    with pytest.raises(InvalidArgumentException, match="chdir.*EACCES"):
+        sandbox.commands.run("touch /tmp/ran-anyway", cwd=cwd)
+    with pytest.raises(InvalidArgumentException, match="chdir.*EACCES"):
+        sandbox.pty.create(PtySize(rows=24, cols=80), cwd=cwd)
+    assert sandbox.commands.run("ls /tmp/ran-anyway 2>&1 || true").stdout.strip().endswith("No such file or directory")
+    assert sandbox.commands.run("pwd", cwd="/home/user").stdout == "/home/user\n"
