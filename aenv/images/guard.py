@@ -57,12 +57,13 @@ def reach_of(addr: Address) -> Reach:
 
 
 async def read_bounded(response: httpx.Response, limit: int, what: str) -> bytes:
-    """The whole body of ``response`` (as sent: no content decoding), refused past ``limit``."""
+    """The whole body of ``response``, refused past ``limit`` bytes (counted as decoded, should a
+    server compress what it was asked not to: one read decompresses at most ~1000 times its size)."""
     declared = response.headers.get("content-length", "")
     if declared.isdecimal() and int(declared) > limit:
         raise UpstreamError(f"{what} is {declared} bytes, more than the {limit} it may be", status=502)
     body = bytearray()
-    async for chunk in response.aiter_raw():
+    async for chunk in response.aiter_bytes():
         body += chunk
         if len(body) > limit:
             raise UpstreamError(f"{what} is more than the {limit} bytes it may be", status=502)
