@@ -392,4 +392,6 @@ async def _body(conn: h11.Connection, tunnel: Stream) -> AsyncIterator[bytes]:
         return
     finally:
         if not tunnel.remote_ended:
-            await tunnel.end()
+            # Shielded: when the client leaves, Starlette cancels this body, and the END must
+            # still reach the agent, or its relay threads would wait on the port for good.
+            await asyncio.shield(tunnel.end())
