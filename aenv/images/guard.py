@@ -93,7 +93,7 @@ class RegistryGuard(httpcore.AsyncNetworkBackend):
     """The network backend of one pull's HTTP client: every connection it makes is checked here."""
 
     def __init__(self, registry_url: httpx.URL) -> None:
-        self.registry_host = registry_url.host.lower()
+        self.registry_host = registry_url.raw_host.decode("ascii").lower()  # as httpcore names it to connect_tcp
         self.plain_http = registry_url.scheme == "http"
         self._inner = httpcore.AnyIOBackend()
         self._resolved: dict[str, list[Address]] = {}
