@@ -44,7 +44,9 @@ class Reach(enum.IntEnum):
     NEVER = 3
 
     def __str__(self) -> str:
-        return {3: "link-local, multicast or reserved", 2: "loopback (this node)"}.get(self, self.name.lower())
+        if self is Reach.NEVER:
+            return "link-local, multicast or reserved"
+        return "loopback (this node)" if self is Reach.LOOPBACK else self.name.lower()
 
 
 def reach_of(addr: Address) -> Reach:
