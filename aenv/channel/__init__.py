@@ -87,6 +87,7 @@ class Stream:
         self._unacked = 0
         self.ended = False  # we sent END (or received one)
         self.remote_ended = False
+        self.peer_end = asyncio.Event()  # set with remote_ended, for whoever must react to it
 
     # -- receiving ---------------------------------------------------------------------------
     async def recv(self) -> Item:
@@ -153,6 +154,7 @@ class Stream:
     def _deliver(self, item: Item) -> None:
         if item.kind == END:  # the peer's last word: nothing more will arrive
             self.remote_ended = True
+            self.peer_end.set()
             self._credit_event.set()
             self.channel._streams.pop(self.id, None)
         self._items.put_nowait(item)

@@ -695,7 +695,7 @@ def test_an_endless_body_to_a_port_that_never_reads_is_held_back_then_cut(
 ) -> None:
     """Flow control holds (the node buffers a credit window, not the body) and the port's deadline
     ends the request with a 504 the client can read while it is still sending."""
-    rss_before = rss_kib(tight_server.proc.pid)
+    rss_before, threads_before = rss_kib(tight_server.proc.pid), agent_threads(hostile_sandbox)
     client = socket.create_connection(("127.0.0.1", tight_server.port))
     head = f"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: {1 << 40}\r\n"
     head += f"E2b-Sandbox-Id: {hostile_sandbox.sandbox_id}\r\nE2b-Sandbox-Port: {HOSTILE + 1}\r\n\r\n"
@@ -717,6 +717,8 @@ def test_an_endless_body_to_a_port_that_never_reads_is_held_back_then_cut(
     assert sent < 256 * MiB, f"the node took {sent} bytes of a body the port never read"
     assert rss_kib(tight_server.proc.pid) - rss_before < 128 * 1024
     assert settle(lambda: tunnels(tight_server), 0) == 0
+    # the agent's relay was blocked writing to a port that never reads: it is woken and gone too
+    assert settle(lambda: agent_threads(hostile_sandbox), threads_before) <= threads_before
 
 
 def rss_kib(pid: int) -> int:
