@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import ipaddress
 import json
 import select
 import socket
@@ -268,6 +269,40 @@ async def test_a_name_resolving_to_link_local_is_refused_before_any_connection(
     registry.routes["/v2/evil/img/manifests/"] = challenge("http://metadata.attacker.example/token")
     err = await refused(registry)
     assert "metadata.attacker.example (169.254.169.254)" in err.message, err.message
+
+
+async def test_names_are_resolved_once_per_pull(registry: Upstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DNS rebinding: a name that answers harmlessly when checked and then with the metadata
+    service is never asked twice; every connection goes to the address that was checked."""
+    image = FakeImage()
+    image.serve(registry)
+    storage = Upstream()
+    closing = {"Connection": "close"}  # every request a new connection, so a new chance to re-resolve
+    storage.routes["/token"] = lambda h: reply(h, 200, b'{"token": "t"}', closing)
+    storage.routes["/layer"] = lambda h: reply(h, 200, image.layer, closing)
+    answers = iter([["127.0.0.1"], ["169.254.169.254"], ["169.254.169.254"]])
+    asked: list[str] = []
+    real_resolve = guard.resolve
+
+    async def resolve(host: str, port: int) -> list[Any]:
+        if host != "rebind.attacker.example":
+            return await real_resolve(host, port)
+        asked.append(host)
+        return [ipaddress.ip_address(a) for a in next(answers)]
+
+    monkeypatch.setattr(guard, "resolve", resolve)
+    real_manifest = registry.routes["/v2/evil/img/manifests/"]
+    origin = f"http://rebind.attacker.example:{storage.port}"
+    registry.routes["/v2/evil/img/manifests/"] = lambda h: (
+        real_manifest(h) if h.headers.get("Authorization") == "Bearer t" else challenge(f"{origin}/token")(h)
+    )
+    registry.routes[f"/v2/evil/img/blobs/{sha(image.layer)}"] = redirect(f"{origin}/layer")
+    try:
+        await pull_image(registry)
+    finally:
+        storage.close()
+    assert asked == ["rebind.attacker.example"]
+    assert [path.split("?")[0] for path, _ in storage.hits] == ["/token", "/layer"]
 
 
 @pytest.mark.parametrize("how", ["realm", "redirect"])
