@@ -72,6 +72,11 @@ class Settings(BaseSettings):
     # Longest any lifecycle operation (create, pause, resume, snapshot, fork) may take: past it the
     # operation is cancelled and the sandbox goes back to where it was, or is killed.
     operation_timeout: float = Field(600.0, gt=0)
+    # The port proxy (get_host URLs): seconds a sandbox's port has to take a request's bytes and to
+    # start its answer (the response head, the WebSocket handshake) before the proxy gives up
+    # (504), and the largest WebSocket message relayed either way (a larger one closes with 1009).
+    port_response_timeout: float = Field(300.0, gt=0)
+    port_ws_max_message_mb: int = Field(16, ge=1)
 
     # The snapshot repository templates and snapshots are committed to: "" = <data-dir>/repo,
     # a path or file:// URL (e.g. a shared mount), s3://bucket/prefix, or "none" (node-local only).

@@ -175,6 +175,13 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
 CODE_TO_CLASS: dict[str, type[AenvError]] = {code: cls for cls, (_, code) in ERROR_TABLE.items()}
 
 
+def snippet(text: str, limit: int = 120) -> str:
+    """What an error message may quote of text from outside (a registry, a sandbox's port): printable
+    characters, and few of them."""
+    clean = "".join(ch if ch.isprintable() else "?" for ch in text[: limit + 1])
+    return clean if len(clean) <= limit else clean[:limit] + "..."
+
+
 def lookup(cls: type[BaseException]) -> tuple[int, str]:
     for klass in cls.__mro__:
         if klass in ERROR_TABLE:

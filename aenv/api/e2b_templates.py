@@ -230,6 +230,10 @@ async def registry_login(config: dict[str, Any]) -> tuple[str, str]:
 
 
 def _ecr_login(config: dict[str, Any]) -> tuple[str, str]:
+    # Without both keys boto3 would fall back to the node's own AWS credentials (its environment,
+    # its instance role) and the registry the caller names would receive the node's ECR token.
+    if not config.get("awsAccessKeyId") or not config.get("awsSecretAccessKey"):
+        raise InvalidRequest("fromImageRegistry of type aws needs awsAccessKeyId and awsSecretAccessKey")
     try:
         import boto3
         from botocore.exceptions import BotoCoreError, ClientError

@@ -165,12 +165,21 @@ async def process_connect(request: Request, sb: LiveSandbox, user: str | None) -
     return await _server_stream(request, sb, "process.connect", {"process": msg.get("process") or {}})
 
 
-async def _unary(sb: LiveSandbox, method: str, params: dict[str, Any]) -> Response:
+async def _unary(sb: LiveSandbox, method: str, params: dict[str, Any], disk_mb: int | None = None) -> Response:
     try:
         result = await _link(sb).call(method, params)
     except Exception as exc:
-        return connect.unary_error(_connect_error(exc))
+        err = _connect_error(exc)
+        if err.code == "resource_exhausted" and method.startswith("fs."):
+            # A full disk: envd answers a filesystem RPC that meets one with internal (the SDKs
+            # read resource_exhausted as rate limiting, which a full disk is not).
+            err = ConnectError("internal", _disk_full(err.message, disk_mb))
+        return connect.unary_error(err)
     return JSONResponse(result if result is not None else {})
+
+
+def _disk_full(message: str, disk_mb: int | None) -> str:
+    return f"{message} (the sandbox's disk quota, diskSizeMB, is {disk_mb} MiB)"
 
 
 def _unary_handler(method: str, schema: Message) -> Handler:
@@ -180,7 +189,7 @@ def _unary_handler(method: str, schema: Message) -> Handler:
         except ConnectError as exc:
             return connect.unary_error(exc)
         params["user"] = user
-        return await _unary(sb, method, params)
+        return await _unary(sb, method, params, request.state.disk_mb)
 
     return handle
 
@@ -239,8 +248,7 @@ def _file_error(request: Request, exc: BaseException) -> JSONResponse:
         return JSONResponse(error_body(exc), status_code=exc.status)
     err = _connect_error(exc)
     if err.code == "resource_exhausted":
-        quota = request.state.disk_mb
-        full = InsufficientStorage(f"{err.message} (the sandbox's disk quota, diskSizeMB, is {quota} MiB)")
+        full = InsufficientStorage(_disk_full(err.message, request.state.disk_mb))
         return JSONResponse(error_body(full), status_code=full.status)
     status = 502 if err.code == "unavailable" else connect.CODE_STATUS[err.code]
     return JSONResponse({"code": status, "message": err.message}, status_code=status)

@@ -8,20 +8,21 @@ WebSocket framing with the sans-I/O protocol objects of `websockets`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import h11
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Send
 from websockets.client import ClientProtocol
-from websockets.frames import Opcode
+from websockets.frames import EXTERNAL_CLOSE_CODES, Opcode
 from websockets.protocol import State
 from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
 from aenv.channel import DATA, END, EOF, Item, Stream
-from aenv.errors import AenvError, AgentTimeout
+from aenv.errors import AenvError, AgentTimeout, snippet
 from aenv.node.orchestrator import Node
 
 HOP_BY_HOP = {
@@ -36,7 +37,6 @@ HOP_BY_HOP = {
     b"content-length",
 }
 ROUTING = {b"e2b-sandbox-id", b"e2b-sandbox-port"}
-WS_MAX_MESSAGE = 16 * 2**20  # a message from a sandbox port, whole (as uvicorn bounds the client's)
 
 
 def sandbox_gone(sandbox_id: str) -> JSONResponse:
@@ -78,6 +78,8 @@ async def proxy_http(request: Request, node: Node, sandbox_id: str, port: int) -
     tunnel = await open_tunnel(node, sandbox_id, port)
     if isinstance(tunnel, Response):
         return tunnel
+    patience = node.settings.port_response_timeout
+    # h11 bounds what it buffers of an incomplete response head (16 KiB): a longer head is an error.
     conn = h11.Connection(our_role=h11.CLIENT)
     target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     headers = [(k, v) for k, v in request.headers.raw if k.lower() not in HOP_BY_HOP | ROUTING]
@@ -88,16 +90,23 @@ async def proxy_http(request: Request, node: Node, sandbox_id: str, port: int) -
     elif "chunked" in request.headers.get("transfer-encoding", "").lower():
         headers.append((b"transfer-encoding", b"chunked"))
     headers.append((b"connection", b"close"))
+    head = h11.Request(method=request.method, target=target, headers=headers)
     try:
-        await tunnel.send_data(conn.send(h11.Request(method=request.method, target=target, headers=headers)) or b"")
-        async for chunk in request.stream():
-            if chunk:
-                await tunnel.send_data(conn.send(h11.Data(data=chunk)) or b"")
-        await tunnel.send_data(conn.send(h11.EndOfMessage()) or b"")
-        response = await _read_head(conn, tunnel)
-    except (h11.ProtocolError, ConnectionError) as exc:
-        await tunnel.end()
-        return JSONResponse({"code": 502, "message": f"bad response from port {port}: {exc}"}, status_code=502)
+        response = await _exchange(request, conn, tunnel, head, patience)
+    except BaseException as exc:
+        # Whatever ended the exchange (the port, the client leaving, a cancellation), the tunnel goes
+        # with it: nothing on the host or in the sandbox waits for it any more.
+        if not tunnel.remote_ended:
+            await tunnel.end()
+        if isinstance(exc, TimeoutError):
+            message = f"port {port} did not take the request or answer it within {patience:g}s"
+            return JSONResponse({"code": 504, "message": message}, status_code=504)
+        if isinstance(exc, h11.ProtocolError | ConnectionError):
+            message = f"bad response from port {port}: {snippet(str(exc))}"
+            return JSONResponse({"code": 502, "message": message}, status_code=502)
+        if isinstance(exc, ClientDisconnect):
+            return Response(status_code=499)  # nobody reads it
+        raise
     if response is None:
         await tunnel.end()
         return port_closed(sandbox_id, port)
@@ -108,55 +117,101 @@ async def proxy_http(request: Request, node: Node, sandbox_id: str, port: int) -
     return streaming
 
 
+async def _exchange(
+    request: Request, conn: h11.Connection, tunnel: Stream, head: h11.Request, patience: float
+) -> h11.Response | None:
+    """Send the request to the port and read the head of its answer. Every step must move within
+    ``patience`` seconds (a port that stops reading, or never answers, times out), and the
+    answer is awaited only while the client is still there."""
+    await _to_port(tunnel, conn.send(head), patience)
+    async for chunk in request.stream():  # ClientDisconnect if the client leaves meanwhile
+        if chunk:
+            await _to_port(tunnel, conn.send(h11.Data(data=chunk)), patience)
+    await _to_port(tunnel, conn.send(h11.EndOfMessage()), patience)
+    return await _unless_client_leaves(request.receive, asyncio.wait_for(_read_head(conn, tunnel), patience))
+
+
+async def _to_port(tunnel: Stream, data: bytes | None, patience: float) -> None:
+    if data:
+        await asyncio.wait_for(tunnel.send_data(data), patience)
+
+
+T = TypeVar("T")
+
+
+async def _unless_client_leaves(receive: Receive, work: Awaitable[T]) -> T:
+    """``work``'s result, or ClientDisconnect as soon as the client is gone (then ``work`` is cancelled).
+    Only for when the request's own messages have all been read: this reads the next one."""
+    task = asyncio.ensure_future(work)
+    left = asyncio.ensure_future(_disconnected(receive))
+    try:
+        done, _ = await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, left):
+            pending.cancel()
+    if task in done:
+        return task.result()
+    raise ClientDisconnect()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] not in ("http.disconnect", "websocket.disconnect"):
+        pass
+
+
 async def proxy_websocket(scope: Any, receive: Any, send: Any, node: Node, sandbox_id: str, port: int) -> None:
     """Bridge a client WebSocket to a WebSocket server on a sandbox port.
 
     Both ends are terminated here: the upstream handshake is made first over the tunnel (with
     the client's headers and subprotocols), then the client is accepted with what the port
-    agreed to, and messages, pings and close codes are relayed each way.
+    agreed to, and messages, pings and close codes are relayed each way. A message larger than
+    ``port_ws_max_message_mb`` closes both sides with 1009 (uvicorn bounds the client's side).
     """
+    if (await receive())["type"] != "websocket.connect":
+        return
     tunnel = await open_tunnel(node, sandbox_id, port)
     if isinstance(tunnel, Response):
         await _refuse_websocket(scope, send, tunnel)
         return
+    patience = node.settings.port_response_timeout
     path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
     query = (scope.get("query_string") or b"").decode("latin-1")
     uri = parse_uri(f"ws://127.0.0.1:{port}{path}" + (f"?{query}" if query else ""))
     offered = [Subprotocol(p) for p in scope.get("subprotocols", [])] or None  # [] would send an empty header
-    upstream = ClientProtocol(uri, subprotocols=offered, max_size=WS_MAX_MESSAGE)
+    upstream = ClientProtocol(uri, subprotocols=offered, max_size=node.settings.port_ws_max_message_mb * 2**20)
     handshake = upstream.connect()
     for key, value in scope["headers"]:
         name = key.decode("latin-1").lower()
         if name not in WS_OWN_HEADERS and key not in ROUTING:
             handshake.headers[name] = value.decode("latin-1")
     upstream.send_request(handshake)
+    bridge = _Bridge(send, upstream, tunnel, patience)
     try:
-        await _flush(upstream, tunnel)
-        answer = await _upstream_handshake(upstream, tunnel)
+        await bridge.flush()
+        answer = await _unless_client_leaves(receive, asyncio.wait_for(_upstream_handshake(upstream, tunnel), patience))
     except ConnectionError:
         answer = None
+    except BaseException as exc:
+        await bridge.release()
+        if isinstance(exc, TimeoutError):
+            message = f"port {port} did not answer the WebSocket handshake within {patience:g}s"
+            await _refuse_websocket(scope, send, JSONResponse({"code": 504, "message": message}, status_code=504))
+            return
+        if isinstance(exc, ClientDisconnect):
+            return
+        raise
     if answer is None or upstream.handshake_exc is not None:
-        if not tunnel.remote_ended:
-            await tunnel.end()
+        await bridge.release()
         refusal: Response = port_closed(sandbox_id, port)
         if answer is not None and answer.status_code != 101:  # the port refused the upgrade: pass that on
             refusal = Response(answer.body or b"", status_code=answer.status_code)
         elif answer is not None:  # it agreed, but to something the client did not ask for
-            message = f"bad WebSocket handshake from port {port}: {upstream.handshake_exc}"
+            message = f"bad WebSocket handshake from port {port}: {snippet(str(upstream.handshake_exc))}"
             refusal = JSONResponse({"code": 502, "message": message}, status_code=502)
         await _refuse_websocket(scope, send, refusal)
         return
-    if (await receive())["type"] != "websocket.connect":
-        await tunnel.end()
-        return
     await send({"type": "websocket.accept", "subprotocol": answer.headers.get("Sec-WebSocket-Protocol")})
-    to_port = asyncio.ensure_future(_client_to_port(receive, upstream, tunnel))
-    try:
-        await _port_to_client(send, upstream, tunnel)
-    finally:
-        to_port.cancel()
-        if not tunnel.remote_ended:
-            await tunnel.end()
+    await bridge.run(receive)
 
 
 WS_OWN_HEADERS = {
@@ -182,14 +237,6 @@ async def _refuse_websocket(scope: Any, send: Any, response: Response) -> None:
         await send({"type": "websocket.close", "code": 1011})
 
 
-async def _flush(upstream: ClientProtocol, tunnel: Stream) -> None:
-    for data in upstream.data_to_send():
-        if data:
-            await tunnel.send_data(data)
-        elif not tunnel.remote_ended:
-            await tunnel.send_eof()  # the protocol asks for the TCP half-close
-
-
 async def _feed(upstream: ClientProtocol, tunnel: Stream) -> Item:
     """Hand the next thing from the port to the protocol object (anything but data is the end)."""
     item = await tunnel.recv()
@@ -211,51 +258,111 @@ async def _upstream_handshake(upstream: ClientProtocol, tunnel: Stream) -> Any:
             return None
 
 
-async def _client_to_port(receive: Any, upstream: ClientProtocol, tunnel: Stream) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "websocket.disconnect":
-            if upstream.state is State.OPEN:
-                upstream.send_close(message.get("code") or 1000, message.get("reason") or "")
-                await _flush(upstream, tunnel)
-            return
-        if message.get("text") is not None:
-            upstream.send_text(message["text"].encode())
-        elif message.get("bytes") is not None:
-            upstream.send_binary(message["bytes"])
-        await _flush(upstream, tunnel)
+class _Bridge:
+    """An accepted client WebSocket and the port's, relayed both ways until either side ends."""
 
+    CLOSE_TIMEOUT = 10.0  # how long the port has to answer a close the client started
 
-async def _port_to_client(send: Any, upstream: ClientProtocol, tunnel: Stream) -> None:
-    parts: list[bytes] = []
-    text = False
-    while True:
-        item = await _feed(upstream, tunnel)
-        for frame in upstream.events_received():
-            if frame.opcode is Opcode.CLOSE:
-                close = upstream.close_rcvd
-                code, reason = (close.code, close.reason) if close else (1000, "")
-                await send({"type": "websocket.close", "code": code, "reason": reason})
-                continue
-            if frame.opcode in (Opcode.TEXT, Opcode.BINARY):
-                parts, text = [frame.data], frame.opcode is Opcode.TEXT
-            elif frame.opcode is Opcode.CONT:
-                parts.append(frame.data)
-            else:
-                continue  # pings are answered by the protocol object; pongs need nothing
-            if frame.fin:
-                data = b"".join(parts)
-                await send({"type": "websocket.send", **({"text": data.decode()} if text else {"bytes": data})})
-                parts = []
-        await _flush(upstream, tunnel)
-        if upstream.parser_exc is not None:  # a message too large or bad framing: we have closed on the port
-            close = upstream.close_sent
-            await send({"type": "websocket.close", "code": close.code if close else 1011})
-            return
-        if item.kind != DATA or upstream.state is State.CLOSED:
-            if upstream.close_rcvd is None:
-                await send({"type": "websocket.close", "code": 1011})  # the port went away without a close
-            return
+    def __init__(self, send: Send, upstream: ClientProtocol, tunnel: Stream, patience: float) -> None:
+        self.send = send
+        self.upstream = upstream
+        self.tunnel = tunnel
+        self.patience = patience
+        self.client_closed = False
+
+    async def flush(self) -> None:
+        """Send what the protocol object has for the port; a port that takes nothing for
+        ``patience`` seconds times out (the channel's credit holds the rest back)."""
+        for data in self.upstream.data_to_send():
+            if data:
+                await asyncio.wait_for(self.tunnel.send_data(data), self.patience)
+            elif not self.tunnel.remote_ended:
+                await self.tunnel.send_eof()  # the protocol asks for the TCP half-close
+
+    async def release(self) -> None:
+        if not self.tunnel.remote_ended:
+            await self.tunnel.end()
+
+    async def close_client(self, code: int, reason: str = "") -> None:
+        if not self.client_closed:
+            self.client_closed = True
+            try:
+                await self.send({"type": "websocket.close", "code": code, "reason": reason})
+            except OSError:
+                pass  # the client is already gone
+
+    async def run(self, receive: Receive) -> None:
+        to_port = asyncio.ensure_future(self._client_to_port(receive))
+        to_client = asyncio.ensure_future(self._port_to_client())
+        try:
+            await asyncio.wait({to_port, to_client}, return_when=asyncio.FIRST_COMPLETED)
+            if to_port.done() and isinstance(to_port.exception(), TimeoutError):
+                await self.close_client(1011, "the sandbox's port stopped reading")
+            elif to_port.done():
+                # The client left (its close went to the port) or the port's end went away: what
+                # the port still sends has a moment to arrive, and no more.
+                await asyncio.wait({to_client}, timeout=self.CLOSE_TIMEOUT)
+        finally:
+            for task in (to_port, to_client):
+                task.cancel()
+                if task.done() and not task.cancelled():
+                    task.exception()  # a gone port or client just ends the relay
+            await self.release()
+
+    async def _client_to_port(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                # 1009 when the client's message was too big for uvicorn's ws_max_size; a client that
+                # vanished (1005, 1006: codes no frame may carry) is "going away" to the port.
+                code = message.get("code") or 1000
+                if code not in EXTERNAL_CLOSE_CODES and not 3000 <= code < 5000:
+                    code = 1001
+                if self.upstream.state is State.OPEN:
+                    self.upstream.send_close(code, message.get("reason") or "")
+                    await self.flush()
+                return
+            if message.get("text") is not None:
+                self.upstream.send_text(message["text"].encode())
+            elif message.get("bytes") is not None:
+                self.upstream.send_binary(message["bytes"])
+            await self.flush()
+
+    async def _port_to_client(self) -> None:
+        upstream = self.upstream
+        parts: list[bytes] = []  # bounded: the protocol object refuses a message past its max_size
+        text = False
+        while True:
+            item = await _feed(upstream, self.tunnel)
+            for frame in upstream.events_received():
+                if frame.opcode is Opcode.CLOSE:
+                    close = upstream.close_rcvd
+                    await self.close_client(*((close.code, close.reason) if close else (1000, "")))
+                    continue
+                if frame.opcode in (Opcode.TEXT, Opcode.BINARY):
+                    parts, text = [frame.data], frame.opcode is Opcode.TEXT
+                elif frame.opcode is Opcode.CONT:
+                    parts.append(frame.data)
+                else:
+                    continue  # pings are answered by the protocol object; pongs need nothing
+                if frame.fin:
+                    data = b"".join(parts)
+                    await self.send(
+                        {"type": "websocket.send", **({"text": data.decode()} if text else {"bytes": data})}
+                    )
+                    parts = []
+            await self.flush()
+            if upstream.parser_exc is not None:
+                # The port broke the protocol: a message past the bound (1009), bad framing (1002),
+                # bad UTF-8 (1007). Its close is sent; the client gets the same code, and the port
+                # no longer matters.
+                failed = upstream.close_sent
+                await self.close_client(*((failed.code, failed.reason) if failed else (1011, "")))
+                return
+            if item.kind != DATA or upstream.state is State.CLOSED:
+                if upstream.close_rcvd is None:
+                    await self.close_client(1011)  # the port went away without a close
+                return
 
 
 async def _read_head(conn: h11.Connection, tunnel: Stream) -> h11.Response | None:
@@ -290,4 +397,6 @@ async def _body(conn: h11.Connection, tunnel: Stream) -> AsyncIterator[bytes]:
         return
     finally:
         if not tunnel.remote_ended:
-            await tunnel.end()
+            # Shielded: when the client leaves, Starlette cancels this body, and the END must
+            # still reach the agent, or its relay threads would wait on the port for good.
+            await asyncio.shield(tunnel.end())

@@ -57,6 +57,7 @@ async def serve(
             log_level="info",
             access_log=False,
             timeout_graceful_shutdown=5,
+            ws_max_size=settings.port_ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
         )
         server = uvicorn.Server(config)
         say(f"aenv listening on http://{settings.host}:{settings.port} (API key in {settings.data_dir / 'api-key'})")

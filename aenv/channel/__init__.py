@@ -171,6 +171,7 @@ class Stream:
         self.ended = False  # we sent END (or received one)
         self.remote_ended = False
         self.opened_by_peer = False
+        self.peer_end = asyncio.Event()  # set with remote_ended, for whoever must react to it
 
     # -- receiving ---------------------------------------------------------------------------
     async def recv(self) -> Item:
@@ -302,6 +303,7 @@ class Stream:
     def _deliver(self, item: Item) -> None:
         if item.kind == END:  # the peer's last word: nothing more will arrive
             self.remote_ended = True
+            self.peer_end.set()
             self._credit_event.set()
             self.channel._streams.pop(self.id, None)
         if self._items:
@@ -485,6 +487,9 @@ class Channel:
             self._streams.pop(sid, None)
             raise
         return stream
+
+    def streams(self) -> list[Stream]:
+        return list(self._streams.values())
 
     async def call(self, method: str, params: Any = None) -> Any:
         """Open a stream, wait for its END and return the result (a unary call)."""

@@ -391,14 +391,25 @@ async def fs_read(agent: Agent, stream: Stream) -> None:
             await stream.send({"entry": entry})
             await stream.send_data(data)
         else:
-            await stream.send({"entry": entry})
+            # The first read comes before the answer starts, so a file that cannot be read is a
+            # clean error; a later failure ends the stream with the same translated reason.
             left = entry["size"]  # a file that grows meanwhile is sent as it was when opened
-            while left > 0 and (chunk := await off_loop(os.read, fd, min(READ_CHUNK, left))):
+            chunk = await off_loop(_read, fd, path, left)
+            await stream.send({"entry": entry})
+            while chunk:
                 left -= len(chunk)
                 await stream.send_data(chunk)
+                chunk = await off_loop(_read, fd, path, left) if left > 0 else b""
     finally:
         os.close(fd)
     await stream.end(result={})
+
+
+def _read(fd: int, path: str, left: int) -> bytes:
+    try:
+        return os.read(fd, min(READ_CHUNK, left))
+    except OSError as exc:
+        raise files.translate(exc, path) from exc
 
 
 @handler("fs.write")

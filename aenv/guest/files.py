@@ -107,28 +107,43 @@ def entry_info(path: str) -> dict[str, Any]:
     return info
 
 
+# What a sandbox's file system answers a client's request is the client's to hear (a 4xx): the path
+# it named, in the state the sandbox is in. Anything not named here is failed_precondition.
+# ENOSPC/EDQUOT stay apart: the host answers them as envd does (507 on /files, internal on Connect).
+_CODES = {
+    errno.ENOENT: "not_found",
+    errno.EACCES: "permission_denied",
+    errno.EPERM: "permission_denied",
+    errno.EROFS: "permission_denied",
+    errno.ENAMETOOLONG: "invalid_argument",
+    errno.ELOOP: "invalid_argument",
+    errno.EINVAL: "invalid_argument",
+    errno.ENOTDIR: "invalid_argument",
+    errno.EISDIR: "invalid_argument",
+    errno.EEXIST: "already_exists",
+    errno.ENOSPC: "resource_exhausted",
+    errno.EDQUOT: "resource_exhausted",
+}
+_MESSAGES = {
+    errno.ENOENT: "path '{path}' does not exist",
+    errno.EACCES: "permission denied: '{path}'",
+    errno.EPERM: "permission denied: '{path}'",
+    errno.EROFS: "read-only file system: '{path}'",
+    errno.ENOTDIR: "path '{path}' is not a directory",
+    errno.EISDIR: "path '{path}' is a directory",
+    errno.EEXIST: "path '{path}' already exists",
+    errno.ENOSPC: "not enough disk space for '{path}'",
+    errno.EDQUOT: "not enough disk space for '{path}'",
+}
+
+
 def translate(exc: OSError, path: str) -> FileError:
+    """The answer to a client for ``exc``, met on ``path``; the message names the errno."""
     if isinstance(exc, safeio.NotRegularFile):
         return FileError("invalid_argument", f"path '{path}' is not a regular file")
-    if exc.errno == errno.ENOENT:
-        return FileError("not_found", f"path '{path}' does not exist")
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return FileError("permission_denied", f"permission denied: '{path}'")
-    if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.EINVAL):
-        return FileError("invalid_argument", f"{exc.strerror}: '{path}'")
-    if exc.errno == errno.EROFS:
-        return FileError("permission_denied", f"read-only file system: '{path}'")
-    if exc.errno in (errno.EBUSY, errno.ETXTBSY, errno.ENOTEMPTY):
-        return FileError("failed_precondition", f"{exc.strerror}: '{path}'")
-    if exc.errno == errno.ENOTDIR:
-        return FileError("invalid_argument", f"path '{path}' is not a directory")
-    if exc.errno == errno.EISDIR:
-        return FileError("invalid_argument", f"path '{path}' is a directory")
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return FileError("resource_exhausted", f"not enough disk space for '{path}'")
-    if exc.errno == errno.EEXIST:
-        return FileError("already_exists", f"path '{path}' already exists")
-    return FileError("internal", f"{exc.strerror or exc} ({path})")
+    err = exc.errno or 0
+    text = _MESSAGES.get(err, "{reason}: '{path}'").format(path=path, reason=exc.strerror or exc)
+    return FileError(_CODES.get(err, "failed_precondition"), f"{text} ({errno.errorcode.get(err, 'error')})")
 
 
 def stat_path(path: str) -> dict[str, Any]:

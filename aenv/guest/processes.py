@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import fcntl
 import os
 import pty
@@ -136,6 +137,8 @@ class _Spawner:
     """``aenv_spawn`` from the bundle's libaenv_spawn.so (see aenv/runtime/compat/aenv_spawn.c)."""
 
     SETSID, SETCTTY, SETUSER, CHDIR_FIRST = 1, 2, 4, 8
+    # What failed before the command's exec, by aenv_spawn's STEP_* (0: the clone itself).
+    STEPS = {0: "clone", 1: "set up stdio", 2: "start a session", 3: "set limits", 4: "switch user", 5: "chdir"}
 
     def __init__(self) -> None:
         self._fn: Any = None
@@ -159,6 +162,7 @@ class _Spawner:
             ctypes.c_int,
             ctypes.c_char_p,
             ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_int),
         ]
         fn.restype = ctypes.c_int
         self._ctypes = ctypes
@@ -184,6 +188,7 @@ class _Spawner:
         if user.uid != os.getuid() or user.gid != os.getgid():
             flags |= self.SETUSER
         groups = (ct.c_uint32 * max(1, len(user.groups)))(*user.groups)
+        step = ct.c_int(0)
         pid = fn(
             os.fsencode(argv[0]),
             strings([os.fsencode(a) for a in argv]),
@@ -197,13 +202,25 @@ class _Spawner:
             flags,
             os.fsencode(cwd),
             _non_default_signals(),
+            ct.byref(step),
         )
-        if pid < 0:
-            raise OSError(-pid, os.strerror(-pid))
+        if pid < 0:  # the command never ran: envd's exec fails a chdir the user cannot make the same way
+            what = self.STEPS.get(step.value, "start")
+            if what == "chdir":
+                what = f"chdir '{cwd}'"
+            raise OSError(-pid, f"{what}: {os.strerror(-pid)}")
         return int(pid)
 
 
 spawn = _Spawner()
+
+# As envd: a start that failed for want of resources may be retried (resource_exhausted); any other
+# reason (a cwd the user cannot enter, ...) is the request's (invalid_argument).
+_EXHAUSTED = {errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC}
+
+
+def _start_error_code(err: int | None) -> str:
+    return "resource_exhausted" if err in _EXHAUSTED else "invalid_argument"
 
 
 def _non_default_signals() -> int:
@@ -364,7 +381,9 @@ class ProcessTable:
                 ]
                 asyncio.ensure_future(self._wait(proc, readers))
         except OSError as exc:
-            raise ProcessError("resource_exhausted" if exc.errno == 11 else "internal", f"cannot start: {exc}") from exc
+            name = errno.errorcode.get(exc.errno or 0, "error")
+            message = f"cannot start '{argv[0]}': {exc.strerror or exc} ({name})"
+            raise ProcessError(_start_error_code(exc.errno), message) from exc
         self.procs[proc.pid] = proc
         if timeout_ms:
             loop.call_later(timeout_ms / 1000, self._deadline, proc)

@@ -12,12 +12,13 @@ import asyncio
 import os
 import socket
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from aenv.channel import DATA, END, EOF, SPLICE_CHUNK, ChannelClosed, Stream
 
 T = TypeVar("T")
+RELAY_LINGER = 2.0  # after the peer ends a stream, how long its last data has to reach the socket
 
 
 def on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -52,6 +53,20 @@ def relay(loop: asyncio.AbstractEventLoop, conn: socket.socket, stream: Stream) 
             except OSError:
                 pass
 
+    # Once the peer ends the stream, a direction blocked on a socket that neither reads nor writes
+    # (sendall to a port that never reads, recv from one that never sends) is woken by a shutdown.
+    # The lock keeps that shutdown off a socket this relay is already done with (and its fd).
+    lock, finished = threading.Lock(), threading.Event()
+
+    def wake() -> None:
+        with lock:
+            if not finished.is_set():
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    watcher = asyncio.run_coroutine_threadsafe(_after_peer_end(stream, wake), loop)
     down = threading.Thread(target=inbound, name="relay-in", daemon=True)
     down.start()
     try:
@@ -61,6 +76,15 @@ def relay(loop: asyncio.AbstractEventLoop, conn: socket.socket, stream: Stream) 
     except (OSError, ChannelClosed):
         pass
     down.join()
+    with lock:
+        finished.set()
+    watcher.cancel()
+
+
+async def _after_peer_end(stream: Stream, then: Callable[[], None]) -> None:
+    await stream.peer_end.wait()
+    await asyncio.sleep(RELAY_LINGER)
+    then()
 
 
 async def relay_in_thread(conn: socket.socket, stream: Stream) -> None:

@@ -66,8 +66,9 @@ async def pull(
     local = LocalSource(reference, roots) if is_local(reference) else None
     client = None
     if local is None:
-        logins = {ImageRef.parse(reference).registry: login} if login else {}
-        client = RegistryClient(insecure=set(node.settings.insecure_registries), credentials=logins)
+        registry = ImageRef.parse(reference).registry
+        logins = {registry: login} if login else {}
+        client = RegistryClient(registry, insecure=set(node.settings.insecure_registries), credentials=logins)
     tmp = node.files.root / "tmp"
     tmp.mkdir(exist_ok=True)
     ensure_space(tmp, headroom(node.settings), 0, f"pulling {reference}")
@@ -103,7 +104,7 @@ async def pull(
                     await asyncio.to_thread(local.fetch, desc["digest"], blob)
                 else:
                     assert client is not None
-                    await client.fetch_blob(ref, desc["digest"], blob)
+                    await client.fetch_blob(ref, desc, blob)
                 size = blob.stat().st_size
                 got = await asyncio.to_thread(apply_layer, blob, work, headroom(node.settings))
                 if got != diff_id:

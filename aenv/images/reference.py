@@ -11,6 +11,10 @@ DOCKER_HUB = "registry-1.docker.io"
 COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
 TAG = re.compile(r"[\w][\w.-]{0,127}")
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+# A host name or an IPv6 address in brackets, and a port: nothing that would change the URL made of it.
+REGISTRY = re.compile(
+    r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:.]+\])(?::[0-9]{1,5})?"
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class ImageRef:
         first, _, remainder = rest.partition("/")
         if remainder and ("." in first or ":" in first or first == "localhost"):
             registry, repository = first, remainder
+            if not REGISTRY.fullmatch(registry):
+                raise InvalidRequest(f"image reference {text!r}: bad registry {registry!r}")
         else:
             registry, repository = DOCKER_HUB, rest
             if "/" not in repository:

@@ -3,27 +3,30 @@
 Image indexes (OCI and Docker manifest lists) resolve to the manifest of one platform; every
 blob and every manifest fetched by digest is verified against that digest. Credentials come from
 the user's Docker config (``~/.docker/config.json`` or ``$DOCKER_CONFIG``): bearer tokens are
-fetched from the realm a 401 names, basic auth is sent where the registry asks for it.
+fetched from the realm a 401 names, basic auth is sent where the registry asks for it. Where the
+client may connect and how much it reads is :mod:`aenv.images.guard`'s to say.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
 import os
 import platform
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from aenv.errors import InvalidRequest, NotFound, UpstreamError
-from aenv.images.reference import DOCKER_HUB, ImageRef
+from aenv.errors import InvalidRequest, NotFound, UpstreamError, snippet
+from aenv.images.guard import guarded_client, read_bounded, send_following
+from aenv.images.reference import DIGEST, DOCKER_HUB, ImageRef
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -33,6 +36,13 @@ INDEXES = {OCI_INDEX, DOCKER_LIST}
 MANIFESTS = {OCI_MANIFEST, DOCKER_MANIFEST}
 ACCEPT = ", ".join([OCI_INDEX, OCI_MANIFEST, DOCKER_LIST, DOCKER_MANIFEST])
 CHUNK = 1 << 20
+# Registry answers read whole are bounded: a manifest or index (Docker's own limit is 4 MiB), an
+# image config, a token answer. Blobs are bounded by the size their descriptor gives.
+MAX_DOCUMENT = 4 * 2**20
+MAX_TOKEN_ANSWER = 2**20
+MAX_TOKEN = 64 * 1024
+TOKEN = re.compile(r"[\x21-\x7e]+")  # what a header value can carry as one word
+DOCUMENT_DEADLINE = 120.0  # for the whole of one such answer, however slowly it trickles
 
 
 class RegistryError(UpstreamError):
@@ -45,8 +55,10 @@ def _talking_to(registry: str) -> Iterator[None]:
     try:
         yield
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        reason = str(exc) or type(exc).__name__
+        reason = snippet(str(exc) or type(exc).__name__)
         raise RegistryError(f"registry {registry} cannot be reached: {reason}", status=502) from exc
+    except TimeoutError as exc:
+        raise RegistryError(f"registry {registry} did not answer within {DOCUMENT_DEADLINE:.0f}s", status=502) from exc
 
 
 def _json_object(raw: bytes, what: str) -> dict[str, Any]:
@@ -60,8 +72,12 @@ def _json_object(raw: bytes, what: str) -> dict[str, Any]:
 
 
 def _descriptor(desc: Any, what: str) -> dict[str, Any]:
-    if not isinstance(desc, dict) or not isinstance(desc.get("digest"), str):
-        raise RegistryError(f"{what} has no digest", status=502)
+    """A descriptor names what to fetch by its sha256 digest and says how large it is."""
+    if not isinstance(desc, dict) or not isinstance(desc.get("digest"), str) or not DIGEST.fullmatch(desc["digest"]):
+        raise RegistryError(f"{what} has no sha256 digest", status=502)
+    size = desc.get("size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise RegistryError(f"{what} has no size", status=502)
     return desc
 
 
@@ -113,41 +129,55 @@ class Image:
 
 
 class RegistryClient:
+    """A client for one registry (one pull): every request it makes goes through the pull's
+    :mod:`aenv.images.guard`."""
+
     def __init__(
         self,
+        registry: str,
         *,
         insecure: set[str] | None = None,
         credentials: dict[str, tuple[str, str]] | None = None,
-        timeout: float = 60.0,
     ) -> None:
-        self.insecure = insecure or set()
+        self.registry = registry
+        plain = registry in (insecure or set()) or registry.split(":")[0] in ("localhost", "127.0.0.1")
+        self.root = f"{'http' if plain else 'https'}://{registry}"
         # registry -> (user, password) given with the request; before the Docker config's
         self.credentials = credentials or {}
-        self.http = httpx.AsyncClient(timeout=timeout, follow_redirects=True)
-        self._tokens: dict[tuple[str, str], str] = {}
+        self.http = guarded_client(httpx.URL(self.root))
+        self._tokens: dict[str, str] = {}  # repository -> Authorization
 
     async def close(self) -> None:
         await self.http.aclose()
 
-    def _base(self, ref: ImageRef) -> str:
-        plain = ref.registry in self.insecure or ref.registry.split(":")[0] in ("localhost", "127.0.0.1")
-        return f"{'http' if plain else 'https'}://{ref.registry}/v2/{ref.repository}"
+    def _url(self, ref: ImageRef, path: str) -> str:
+        if ref.registry != self.registry:
+            raise ValueError(f"this client talks to {self.registry}, not {ref.registry}")
+        return f"{self.root}/v2/{ref.repository}/{path}"
 
-    async def _request(self, method: str, ref: ImageRef, path: str, **kw: Any) -> httpx.Response:
-        url = f"{self._base(ref)}/{path}"
-        headers = dict(kw.pop("headers", {}))
-        token = self._tokens.get((ref.registry, ref.repository))
-        if token:
-            headers["Authorization"] = token
+    @asynccontextmanager
+    async def _get(
+        self, ref: ImageRef, path: str, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[httpx.Response]:
+        """GET from the registry, authorising once if it asks; the answer's body is still to be read."""
+        url = self._url(ref, path)
+        headers = dict(headers or {})
         with _talking_to(ref.registry):
-            response = await self.http.request(method, url, headers=headers, **kw)
-            if response.status_code == 401 and "www-authenticate" in response.headers:
-                headers["Authorization"] = await self._authorize(ref, response.headers["www-authenticate"])
-                self._tokens[(ref.registry, ref.repository)] = headers["Authorization"]
-                response = await self.http.request(method, url, headers=headers, **kw)
-        if response.status_code in (401, 403):
-            raise RegistryError(f"{ref}: the registry refused access ({response.status_code})", status=403)
-        return response
+            if token := self._tokens.get(ref.repository):
+                headers["Authorization"] = token
+            response = await send_following(self.http, self.http.build_request("GET", url, headers=headers))
+            try:
+                challenge = response.headers.get("www-authenticate")
+                if response.status_code == 401 and challenge:
+                    await response.aclose()
+                    headers["Authorization"] = await self._authorize(ref, challenge)
+                    self._tokens[ref.repository] = headers["Authorization"]
+                    response = await send_following(self.http, self.http.build_request("GET", url, headers=headers))
+                if response.status_code in (401, 403):
+                    raise RegistryError(f"{ref}: the registry refused access ({response.status_code})", status=403)
+                yield response
+            finally:
+                await response.aclose()
 
     async def _authorize(self, ref: ImageRef, header: str) -> str:
         scheme, params = _challenge(header)
@@ -157,29 +187,45 @@ class RegistryClient:
                 raise RegistryError(f"{ref.registry} wants a login; none given or in the Docker config", status=403)
             return "Basic " + base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
         if scheme != "bearer" or "realm" not in params:
-            raise RegistryError(f"{ref.registry}: unsupported auth challenge {header!r}", status=403)
+            raise RegistryError(f"{ref.registry}: unsupported auth challenge {snippet(header)!r}", status=403)
         query = {"scope": params.get("scope") or f"repository:{ref.repository}:pull"}
         if "service" in params:
             query["service"] = params["service"]
-        with _talking_to(params["realm"]):
-            reply = await self.http.get(params["realm"], params=query, auth=creds)
-        if reply.status_code != 200:
-            raise RegistryError(f"{ref.registry}: token request failed ({reply.status_code})", status=403)
-        body = _json_object(reply.content, f"{ref.registry}: the token answer")
-        return "Bearer " + str(body.get("token") or body.get("access_token"))
+        request = self.http.build_request("GET", params["realm"], params=query)
+        async with asyncio.timeout(DOCUMENT_DEADLINE):
+            reply = await send_following(self.http, request, auth=creds)
+            try:
+                if reply.status_code != 200:
+                    raise RegistryError(f"{ref.registry}: token request failed ({reply.status_code})", status=403)
+                raw = await read_bounded(reply, MAX_TOKEN_ANSWER, f"{ref.registry}: the token answer")
+            finally:
+                await reply.aclose()
+        body = _json_object(raw, f"{ref.registry}: the token answer")
+        token = body.get("token") or body.get("access_token")
+        if not isinstance(token, str) or not 0 < len(token) <= MAX_TOKEN or not TOKEN.fullmatch(token):
+            raise RegistryError(f"{ref.registry}: the token answer has no usable token", status=502)
+        return "Bearer " + token
+
+    async def _document(self, ref: ImageRef, path: str, limit: int, what: str, **headers: str) -> tuple[bytes, str]:
+        """A whole answer read (a manifest, an index, a config): bounded in size and in time.
+        Returns the body and its content type."""
+        with _talking_to(ref.registry):  # outermost: the deadline's TimeoutError is the registry's too
+            async with asyncio.timeout(DOCUMENT_DEADLINE), self._get(ref, path, headers) as response:
+                if response.status_code == 404:
+                    raise NotFound(f"image {ref} not found ({what})")
+                if response.status_code != 200:
+                    raise RegistryError(f"{ref}: {what}: HTTP {response.status_code}", status=502)
+                return await read_bounded(response, limit, f"{ref}: {what}"), response.headers.get("content-type", "")
 
     async def _manifest(self, ref: ImageRef, reference: str) -> tuple[str, dict[str, Any], str]:
-        response = await self._request("GET", ref, f"manifests/{reference}", headers={"Accept": ACCEPT})
-        if response.status_code == 404:
-            raise NotFound(f"image {ref} not found (manifest {reference})")
-        if response.status_code != 200:
-            raise RegistryError(f"{ref}: manifest {reference}: HTTP {response.status_code}", status=502)
-        raw = response.content
+        raw, content_type = await self._document(
+            ref, f"manifests/{reference}", MAX_DOCUMENT, f"manifest {reference}", Accept=ACCEPT
+        )
         digest = "sha256:" + hashlib.sha256(raw).hexdigest()
         if reference.startswith("sha256:") and digest != reference:
             raise RegistryError(f"{ref}: manifest digest mismatch ({digest} != {reference})", status=502)
         body = _json_object(raw, f"{ref}: manifest {reference}")
-        kind = body.get("mediaType") or response.headers.get("content-type", "").split(";")[0]
+        kind = body.get("mediaType") or content_type.split(";")[0]
         if kind not in INDEXES | MANIFESTS:
             kind = OCI_INDEX if "manifests" in body else OCI_MANIFEST
         return kind, body, digest
@@ -194,11 +240,11 @@ class RegistryClient:
             pairs = zip(entries, platforms, strict=True)
             chosen = [m for m, p in pairs if (p.get("os"), p.get("architecture")) == (want_os, want_arch)]
             if not chosen:
-                offered = sorted(f"{p.get('os')}/{p.get('architecture')}" for p in platforms)
+                offered = sorted(snippet(f"{p.get('os')}/{p.get('architecture')}", 40) for p in platforms)[:20]
                 raise InvalidRequest(f"image {ref} has no {want_os}/{want_arch} variant (has {', '.join(offered)})")
             kind, body, digest = await self._manifest(ref, _descriptor(chosen[0], f"{ref}: an index entry")["digest"])
         config_desc = _descriptor(body.get("config"), f"{ref}: the manifest's config")
-        config = _json_object(await self.blob_bytes(ref, config_desc["digest"]), f"{ref}: the image config")
+        config = _json_object(await self._config(ref, config_desc), f"{ref}: the image config")
         layers = [_descriptor(layer, f"{ref}: a layer") for layer in body.get("layers") or []]
         rootfs = config.get("rootfs")
         diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
@@ -206,38 +252,44 @@ class RegistryClient:
             raise RegistryError(f"{ref}: manifest and config disagree on the layer count", status=502)
         return Image(ref, digest, body, config, layers)
 
-    async def blob_bytes(self, ref: ImageRef, digest: str) -> bytes:
-        response = await self._request("GET", ref, f"blobs/{digest}")
-        if response.status_code != 200:
-            raise RegistryError(f"{ref}: blob {digest}: HTTP {response.status_code}", status=502)
-        if "sha256:" + hashlib.sha256(response.content).hexdigest() != digest:
+    async def _config(self, ref: ImageRef, desc: dict[str, Any]) -> bytes:
+        digest = desc["digest"]
+        what = f"config blob {digest}"
+        if desc["size"] > MAX_DOCUMENT:
+            raise RegistryError(f"{ref}: {what} is {desc['size']} bytes, more than {MAX_DOCUMENT}", status=502)
+        raw, _ = await self._document(ref, f"blobs/{digest}", desc["size"], what)
+        if "sha256:" + hashlib.sha256(raw).hexdigest() != digest:
             raise RegistryError(f"{ref}: blob {digest} does not match its digest", status=502)
-        return response.content
+        return raw
 
-    async def fetch_blob(self, ref: ImageRef, digest: str, dest: Path, on_bytes: Any = None) -> None:
-        """Stream a blob to ``dest``, verifying its digest (a bad blob leaves no file)."""
-        url = f"{self._base(ref)}/blobs/{digest}"
-        headers = {}
-        token = self._tokens.get((ref.registry, ref.repository))
-        if token:
-            headers["Authorization"] = token
+    async def fetch_blob(
+        self, ref: ImageRef, desc: dict[str, Any], dest: Path, on_bytes: Callable[[int], None] | None = None
+    ) -> None:
+        """Stream the blob ``desc`` describes to ``dest``, verifying its digest; a blob larger than
+        its descriptor says is refused as it arrives. A bad blob leaves no file."""
+        digest, size = desc["digest"], desc["size"]
         hasher = hashlib.sha256()
         tmp = dest.with_name(dest.name + ".part")
+        written = 0
         try:
-            with _talking_to(ref.registry):
-                async with self.http.stream("GET", url, headers=headers) as response:
-                    if response.status_code == 401:
-                        await response.aread()
-                        await self._request("HEAD", ref, f"blobs/{digest}")  # gets a token, then retry
-                        return await self.fetch_blob(ref, digest, dest, on_bytes)
-                    if response.status_code != 200:
-                        raise RegistryError(f"{ref}: blob {digest}: HTTP {response.status_code}", status=502)
-                    with open(tmp, "wb") as out:
-                        async for chunk in response.aiter_bytes(CHUNK):
-                            hasher.update(chunk)
-                            out.write(chunk)
-                            if on_bytes is not None:
-                                on_bytes(len(chunk))
+            async with self._get(ref, f"blobs/{digest}") as response:
+                if response.status_code != 200:
+                    raise RegistryError(f"{ref}: blob {digest}: HTTP {response.status_code}", status=502)
+                too_large = RegistryError(
+                    f"{ref}: blob {digest} is larger than its descriptor's {size} bytes", status=502
+                )
+                declared = response.headers.get("content-length", "")
+                if declared.isdecimal() and int(declared) > size:
+                    raise too_large
+                with open(tmp, "wb") as out:
+                    async for chunk in response.aiter_raw(CHUNK):
+                        written += len(chunk)
+                        if written > size:
+                            raise too_large
+                        hasher.update(chunk)
+                        out.write(chunk)
+                        if on_bytes is not None:
+                            on_bytes(len(chunk))
             if "sha256:" + hasher.hexdigest() != digest:
                 raise RegistryError(f"{ref}: blob {digest} does not match its digest", status=502)
             tmp.rename(dest)

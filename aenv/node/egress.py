@@ -52,7 +52,9 @@ THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")  # Linux connects 0.x to this n
 RTF_GATEWAY = 0x2
 
 
-def _never(addr: Address) -> bool:
+def never_reachable(addr: Address) -> bool:
+    """Loopback, link-local (cloud metadata), multicast, unspecified, reserved or 0.0.0.0/8: the
+    node's own services and its cloud's live there."""
     return (
         addr.is_loopback
         or addr.is_link_local
@@ -63,7 +65,7 @@ def _never(addr: Address) -> bool:
     )
 
 
-def _plain(addr: Address) -> Address:
+def plain(addr: Address) -> Address:
     """IPv4-mapped IPv6 (::ffff:127.0.0.1) is judged as the IPv4 address it is."""
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return addr.ipv4_mapped
@@ -180,8 +182,8 @@ class EgressPolicy:
         """None if ``addr`` (which ``host`` resolved to) may be reached, else the reason not.
 
         ``node``: this node's own addresses (read from the kernel when not given)."""
-        addr = _plain(addr)
-        if _never(addr):
+        addr = plain(addr)
+        if never_reachable(addr):
             return f"{host} ({addr}) is a loopback, link-local or reserved address, never reachable from a sandbox"
         inside = not addr.is_global or addr in (node_addresses() if node is None else node)
         if self.allow.has_address(addr, named=inside) or (not inside and self.allow.has_domain(host)):
@@ -261,7 +263,7 @@ async def connect(
         raise Refused("unavailable", f"cannot resolve {host}: {exc}", "unresolved") from None
     reasons = [policy.check(host, addr, node) for addr in addrs]
     allowed = [addr for addr, reason in zip(addrs, reasons, strict=True) if reason is None]
-    if not allowed or any(_never(_plain(addr)) for addr in addrs):  # one bad address taints the name
+    if not allowed or any(never_reachable(plain(addr)) for addr in addrs):  # one bad address taints the name
         reason = next((r for r in reasons if r), f"{host} has no address")
         raise Refused("permission_denied", f"egress to {host}:{port} denied: {reason}", "denied")
     last: Exception | None = None

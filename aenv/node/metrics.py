@@ -19,8 +19,13 @@ REPO_COMMITS = Counter("aenv_repo_commits_total", "Templates and snapshots commi
 REPO_BYTES = Counter("aenv_repo_commit_bytes_total", "Bytes of commits: logical size and actually uploaded", ["what"])
 REPO_FETCHES = Counter("aenv_repo_fetches_total", "Artifacts fetched from the repository", ["outcome"])
 REPO_FETCH_BYTES = Counter("aenv_repo_fetch_bytes_total", "Logical bytes of the artifacts fetched from the repository")
+CHANNEL_STREAMS = Gauge(
+    "aenv_channel_streams",
+    "Open streams between the node and its sandboxes' agents: by method for those the node opened "
+    "(tunnel.open: proxied connections), 'guest' for those agents opened",
+    ["method"],
+)
 EGRESS = Counter("aenv_egress_connections_total", "Outbound connections asked for by sandboxes", ["outcome"])
-CHANNEL_STREAMS = Gauge("aenv_channel_streams", "Streams open on the channels of this node's sandboxes")
 OPERATION_SECONDS = Histogram(
     "aenv_operation_seconds",
     "Duration of lifecycle operations",
@@ -39,4 +44,12 @@ def observe_node(node: Node) -> None:
     for state, n in counts.items():
         SANDBOXES.labels(state=state).set(n)
     TEMPLATES.set(len(node.templates))
-    CHANNEL_STREAMS.set(sum(sb.link.channel.open_streams for sb in node.sandboxes.values() if sb.link is not None))
+    streams: dict[str, int] = {}
+    for sb in node.sandboxes.values():
+        for stream in sb.link.channel.streams() if sb.link is not None else []:
+            # Only the node's own method names become labels: an agent names its streams itself.
+            method = stream.method if stream.id % 2 == 1 else "guest"
+            streams[method] = streams.get(method, 0) + 1
+    CHANNEL_STREAMS.clear()
+    for method, n in streams.items():
+        CHANNEL_STREAMS.labels(method=method).set(n)

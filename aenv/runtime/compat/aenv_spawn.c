@@ -1,7 +1,7 @@
 /*
  * libaenv_spawn: how the guest agent starts a user's command, loaded into the agent with ctypes.
  *
- *   pid_t aenv_spawn(path, argv, envp, fds[3], uid, gid, groups, ngroups, nproc, flags, cwd, reset)
+ *   pid_t aenv_spawn(path, argv, envp, fds[3], uid, gid, groups, ngroups, nproc, flags, cwd, reset, &step)
  *
  * One clone(CLONE_VM | CLONE_VFORK) and one execve, as glibc's posix_spawn does, plus what
  * posix_spawn cannot do: switch to the user (setgroups, setresgid, setresuid), set RLIMIT_NPROC,
@@ -23,8 +23,11 @@
  * agent ignores SIGPIPE, and a command must not inherit that. Only those: every system call costs
  * tens of microseconds under the ptrace platform, and resetting all 64 was ~1 ms per command.
  *
- * Returns the child's pid, or -errno when clone itself failed. When a step in the child fails it
- * writes "aenv: <step> <arg>: <reason>" to its stderr (fds[2]) and exits 127 (not found) or 126.
+ * Returns the child's pid, or -errno when the command could not be started: clone failed (*step
+ * is 0), or a step before the exec did (*step names it: STEP_*; the child is reaped here), as Go's
+ * exec reports a chdir into a directory the user cannot enter. A failed exec is the command's
+ * own result, as from a shell: the child writes "aenv: exec <path>: <reason>" to its stderr
+ * (fds[2]) and exits 127 (not found) or 126.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -39,12 +42,20 @@
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define AENV_SETSID 1
 #define AENV_SETCTTY 2
 #define AENV_SETUSER 4
 #define AENV_CHDIR_FIRST 8
+
+/* The step before the exec that failed (what aenv_spawn reports in *step). */
+#define STEP_FDS 1
+#define STEP_SESSION 2
+#define STEP_LIMITS 3
+#define STEP_USER 4
+#define STEP_CHDIR 5
 
 #define STACK_SIZE (64 * 1024)
 #define KERNEL_SIGSET_BYTES 8 /* the kernel's sigset_t, not glibc's 128-byte one */
@@ -68,6 +79,7 @@ struct spawn_args {
     int flags;
     const char *cwd;
     uint64_t reset;
+    int failed_step, failed_errno; /* written by the child, which shares this memory (CLONE_VM) */
 };
 
 static size_t length(const char *s) {
@@ -77,6 +89,14 @@ static size_t length(const char *s) {
 }
 
 static void say(const char *s) { syscall(SYS_write, 2, s, length(s)); }
+
+/* A step before the exec failed: the parent reports it (the child's memory is the parent's). */
+static int setup_failed(struct spawn_args *a, int step, long err) {
+    a->failed_step = step;
+    a->failed_errno = (int)err;
+    syscall(SYS_exit_group, 126);
+    return 0;
+}
 
 static int fail(const char *step, const char *arg, long err) {
     const char *reason = strerrordesc_np((int)err); /* a static string: safe without locks */
@@ -97,7 +117,7 @@ static int fail(const char *step, const char *arg, long err) {
 #define RAW(...) (syscall(__VA_ARGS__) < 0 ? errno : 0)
 
 static int child(void *p) {
-    const struct spawn_args *a = p;
+    struct spawn_args *a = p;
     long err;
 
     struct kernel_sigaction dfl = {0};
@@ -107,25 +127,25 @@ static int child(void *p) {
     for (int i = 0; i < 3; i++) {
         int fd = a->fds[i];
         if (fd == i) {
-            if ((err = RAW(SYS_fcntl, fd, F_SETFD, 0))) return fail("fcntl", NULL, err);
+            if ((err = RAW(SYS_fcntl, fd, F_SETFD, 0))) return setup_failed(a, STEP_FDS, err);
         } else if ((err = RAW(SYS_dup3, fd, i, 0))) {
-            return fail("dup", NULL, err);
+            return setup_failed(a, STEP_FDS, err);
         }
     }
-    if ((a->flags & AENV_SETSID) && (err = RAW(SYS_setsid))) return fail("setsid", NULL, err);
-    if ((a->flags & AENV_SETCTTY) && (err = RAW(SYS_ioctl, 0, TIOCSCTTY, 0))) return fail("TIOCSCTTY", NULL, err);
+    if ((a->flags & AENV_SETSID) && (err = RAW(SYS_setsid))) return setup_failed(a, STEP_SESSION, err);
+    if ((a->flags & AENV_SETCTTY) && (err = RAW(SYS_ioctl, 0, TIOCSCTTY, 0))) return setup_failed(a, STEP_SESSION, err);
     if (a->nproc > 0) {
         struct rlimit rl = {(rlim_t)a->nproc, (rlim_t)a->nproc};
-        if ((err = RAW(SYS_prlimit64, 0, RLIMIT_NPROC, &rl, NULL))) return fail("setrlimit", NULL, err);
+        if ((err = RAW(SYS_prlimit64, 0, RLIMIT_NPROC, &rl, NULL))) return setup_failed(a, STEP_LIMITS, err);
     }
     int chdir_first = a->cwd && a->cwd[0] && (a->flags & AENV_CHDIR_FIRST);
-    if (chdir_first && (err = RAW(SYS_chdir, a->cwd))) return fail("chdir", a->cwd, err);
+    if (chdir_first && (err = RAW(SYS_chdir, a->cwd))) return setup_failed(a, STEP_CHDIR, err);
     if (a->flags & AENV_SETUSER) {
-        if ((err = RAW(SYS_setgroups, a->ngroups, a->groups))) return fail("setgroups", NULL, err);
-        if ((err = RAW(SYS_setresgid, a->gid, a->gid, a->gid))) return fail("setgid", NULL, err);
-        if ((err = RAW(SYS_setresuid, a->uid, a->uid, a->uid))) return fail("setuid", NULL, err);
+        if ((err = RAW(SYS_setgroups, a->ngroups, a->groups))) return setup_failed(a, STEP_USER, err);
+        if ((err = RAW(SYS_setresgid, a->gid, a->gid, a->gid))) return setup_failed(a, STEP_USER, err);
+        if ((err = RAW(SYS_setresuid, a->uid, a->uid, a->uid))) return setup_failed(a, STEP_USER, err);
     }
-    if (!chdir_first && a->cwd && a->cwd[0] && (err = RAW(SYS_chdir, a->cwd))) return fail("chdir", a->cwd, err);
+    if (!chdir_first && a->cwd && a->cwd[0] && (err = RAW(SYS_chdir, a->cwd))) return setup_failed(a, STEP_CHDIR, err);
     uint64_t none = 0;
     syscall(SYS_rt_sigprocmask, SIG_SETMASK, &none, NULL, KERNEL_SIGSET_BYTES);
     err = RAW(SYS_execve, a->path, a->argv, a->envp);
@@ -134,8 +154,9 @@ static int child(void *p) {
 
 pid_t aenv_spawn(const char *path, char *const argv[], char *const envp[], const int fds[3], uint32_t uid,
                  uint32_t gid, const uint32_t *groups, int ngroups, long nproc, int flags, const char *cwd,
-                 uint64_t reset) {
-    struct spawn_args a = {path, argv, envp, fds, uid, gid, groups, ngroups, nproc, flags, cwd, reset};
+                 uint64_t reset, int *step) {
+    struct spawn_args a = {path, argv, envp, fds, uid, gid, groups, ngroups, nproc, flags, cwd, reset, 0, 0};
+    *step = 0;
     void *stack = mmap(NULL, STACK_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
     if (stack == MAP_FAILED) return -errno;
     sigset_t all, old;
@@ -146,5 +167,12 @@ pid_t aenv_spawn(const char *path, char *const argv[], char *const envp[], const
     int saved = errno;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     munmap(stack, STACK_SIZE);
-    return pid < 0 ? -saved : pid;
+    if (pid < 0) return -saved;
+    if (a.failed_step) { /* the child exited before its exec: reap it, report why */
+        while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {
+        }
+        *step = a.failed_step;
+        return -a.failed_errno;
+    }
+    return pid;
 }
