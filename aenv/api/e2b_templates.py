@@ -31,7 +31,7 @@ from aenv.api.schemas import rfc3339
 from aenv.errors import AenvError, InvalidRequest, NotFound, Unauthenticated
 from aenv.node.orchestrator import Node
 from aenv.storage.space import ensure_space, headroom
-from aenv.templates import build, catalog
+from aenv.templates import build, catalog, uploads
 from aenv.templates import dockerfile as df
 from aenv.templates.catalog import TEMPLATE_NAME
 from aenv.templates.uploads import FILES_HASH
@@ -198,7 +198,7 @@ async def _instructions(node: Node, step: Step, context: Path, user: str) -> lis
             target = context / step.files_hash
             if not target.exists():  # links stay links, whatever they point at
                 what = f"the files of COPY {args[0]} ({step.files_hash})"
-                await asyncio.to_thread(build.unpack_context, tar, target, node.uploads.limits, what)
+                await asyncio.to_thread(uploads.unpack_context, tar, target, node.uploads.limits, what)
         flags = {}
         if len(args) > 2 and args[2]:
             flags["chown"] = args[2]

@@ -36,7 +36,7 @@ from aenv.api.schemas import (
 from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, WrongState, error_body
 from aenv.node.orchestrator import Node
 from aenv.storage.confined import View
-from aenv.templates import build, catalog, images
+from aenv.templates import build, catalog, images, uploads
 from aenv.templates.catalog import TEMPLATE_NAME
 
 router = APIRouter()
@@ -462,7 +462,7 @@ async def build_template(
         raw = workdir / "context.tar"
         await limits.receive(request.stream(), raw, declared_length(request), "the build context")
         context = workdir / "context"
-        await asyncio.to_thread(build.unpack_context, raw, context, limits)
+        await asyncio.to_thread(uploads.unpack_context, raw, context, limits)
         raw.unlink()  # the build reads the unpacked context only
         recipe = View([context]).read(dockerfile, limit=MAX_DOCKERFILE)  # links resolve inside the context
         if recipe is None:

@@ -3,7 +3,9 @@
 (``docker-archive:FILE[:REPO:TAG]``). Every blob read is checked against its digest, as from a
 registry, and must be a regular file inside the layout or archive named: what a manifest or an
 index names (digests, docker-save paths) is refused when it is absolute, has ``..`` or reaches
-outside through a link.
+outside through a link. An archive is unpacked as a build context is (never `tarfile`'s
+extraction: its ``data`` filter checks names with ``os.path.realpath``, which a path longer than
+PATH_MAX fools), in the node's work directory, bounded like one.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ import os
 import re
 import shutil
 import stat
-import tarfile
-import tempfile
 from pathlib import Path
 from typing import IO, Any
 
 from aenv.errors import InvalidRequest, NotFound
 from aenv.images.reference import ImageRef
 from aenv.images.registry import INDEXES, Image, RegistryError, host_platform
+from aenv.storage.layers import new_id
+from aenv.templates.uploads import ContextLimits, unpack_context
 
 TRANSPORTS = ("oci:", "oci-archive:", "docker-archive:")
 REF_NAME = "org.opencontainers.image.ref.name"
@@ -96,11 +98,14 @@ def _json(data: bytes, what: str) -> Any:
 
 
 class LocalSource:
-    """Resolves a local image and hands out its blobs (verified) like a registry would."""
+    """Resolves a local image and hands out its blobs (verified) like a registry would. An
+    archive is unpacked in a directory of its own under ``work``, within ``limits``."""
 
-    def __init__(self, reference: str, roots: list[Path]) -> None:
+    def __init__(self, reference: str, roots: list[Path], work: Path, limits: ContextLimits) -> None:
         self.reference = reference
         self.transport, self.path, self.tag = _split(reference, roots)
+        self.work = work
+        self.limits = limits
         self._tmp: Path | None = None
         self._blobs: dict[str, Path] = {}
 
@@ -115,12 +120,8 @@ class LocalSource:
     def resolve(self) -> Image:
         root = self.path
         if self.transport in ("oci-archive", "docker-archive"):
-            self._tmp = Path(tempfile.mkdtemp(prefix="aenv-image-"))
-            try:
-                with tarfile.open(self.path) as tar:
-                    tar.extractall(self._tmp, filter="data")
-            except (tarfile.TarError, OSError) as exc:
-                raise InvalidRequest(f"{self.path}: not a readable image archive: {exc}") from exc
+            self._tmp = self.work / f"image-{new_id()}"
+            unpack_context(self.path, self._tmp, self.limits, f"the image archive {self.path.name}")
             root = self._tmp
         if self.transport == "docker-archive" and (root / "manifest.json").exists():
             return self._docker(root)

@@ -63,14 +63,14 @@ async def pull(
     ``oci-archive:``, ``docker-archive:``)."""
     log = on_log or (lambda line: None)
     roots = [node.settings.data_dir / "imports", *map(Path, node.settings.image_import_dirs)]
-    local = LocalSource(reference, roots) if is_local(reference) else None
+    tmp = node.files.root / "tmp"
+    tmp.mkdir(exist_ok=True)
+    local = LocalSource(reference, roots, tmp, node.uploads.limits) if is_local(reference) else None
     client = None
     if local is None:
         registry = ImageRef.parse(reference).registry
         logins = {registry: login} if login else {}
         client = RegistryClient(registry, insecure=set(node.settings.insecure_registries), credentials=logins)
-    tmp = node.files.root / "tmp"
-    tmp.mkdir(exist_ok=True)
     ensure_space(tmp, headroom(node.settings), 0, f"pulling {reference}")
     fetched, cached, ids = 0, 0, []
     try:

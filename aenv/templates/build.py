@@ -18,42 +18,27 @@ import posixpath
 import re
 import shutil
 import stat
-import tarfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aenv.errors import AenvError, InvalidRequest, TemplateNotFound
+from aenv.errors import TemplateNotFound
 from aenv.images.pull import Pulled, pull, release
-from aenv.images.unpack import UNREADABLE
 from aenv.node.housekeeping import BUILD_CACHE
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
-from aenv.storage.confined import (
-    NEW_FILE_FLAGS,
-    WILDCARDS,
-    PathRefused,
-    View,
-    entry_parts,
-    lstat_at,
-    open_dir_at,
-    open_root,
-    parent_at,
-    remove_at,
-)
+from aenv.storage.confined import WILDCARDS, PathRefused, View
 from aenv.templates import dockerfile as df
 from aenv.templates.builder import BuildFailed, LogFn, StartCommand, build_instance, commit_template, run_process, seal
 from aenv.templates.images import conventions_layer, layers_view
-from aenv.templates.uploads import ContextLimits, UnpackBudget, context_members
 
 CACHE_KEY = BUILD_CACHE  # node meta: step key -> layer id ("" for a step that wrote nothing)
 COMMITS_KEY = "build-commits"  # node meta: key of a whole build -> the template it committed
 CONVENTIONS_VERSION = "conventions-2"
 CHMOD = re.compile(r"[0-7]{1,4}")
 MAX_ID = 2**32 - 2  # the largest uid/gid (-1 means "unchanged" to chown)
-CONTEXT_ENTRY = "build context entry"
 
 
 @dataclass
@@ -449,77 +434,3 @@ def _put(target: View, context: View, item: Source, path: str, owner: tuple[int,
     else:
         with context.open(item.path) as f:
             target.write_file(path, f, mode, owner)
-
-
-def unpack_context(raw: Path, dest: Path, limits: ContextLimits, what: str = "the build context") -> None:
-    """Unpack a build context (a tar, compressed or not) into ``dest``.
-
-    Directories and regular files, links kept as links whatever they point at (a build resolves
-    them inside the context, COPY copies them as links), hardlinks to files unpacked before them.
-    Nothing is written through a link or outside ``dest``; names with ``..``, absolute names,
-    devices and FIFOs are refused (400). Bounded as `aenv.templates.uploads` says: 413 past the
-    unpacked size or the entry limit, 507 when the disk is nearly full."""
-    dest.mkdir(parents=True, exist_ok=True)
-    root = open_root(dest)
-    budget = UnpackBudget(limits, what)
-    try:
-        with open(raw, "rb") as file:
-            for tar, member in context_members(file, limits, what):
-                _context_entry(tar, member, root, budget)
-    except AenvError:
-        raise
-    except UNREADABLE as exc:
-        raise InvalidRequest(f"{what} is not a readable tar: {exc}") from exc
-    finally:
-        os.close(root)
-
-
-def _context_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int, budget: UnpackBudget) -> None:
-    parts = entry_parts(member.name, CONTEXT_ENTRY)
-    if not parts:
-        return  # the context's own directory
-    if not (member.isdir() or member.isreg() or member.issym() or member.islnk()):
-        raise PathRefused(f"{CONTEXT_ENTRY} {member.name!r}: devices and FIFOs have no place in a build context")
-    parent = parent_at(root, parts, CONTEXT_ENTRY, create=True)
-    try:
-        name = parts[-1]
-        existing = lstat_at(parent, name)
-        if member.isdir():
-            if existing is not None and not stat.S_ISDIR(existing.st_mode):
-                remove_at(parent, name)
-                existing = None
-            if existing is None:
-                os.mkdir(name, 0o700, dir_fd=parent)
-            fd = open_dir_at(parent, name)
-            try:
-                os.fchmod(fd, member.mode & 0o7777)
-            finally:
-                os.close(fd)
-            return
-        remove_at(parent, name)  # a later entry replaces an earlier one, as tar does
-        if member.issym():
-            os.symlink(member.linkname, name, dir_fd=parent)
-        elif member.islnk():
-            _context_hardlink(root, member, parent, name)
-        else:
-            budget.spend(parent, member.size)
-            source = tar.extractfile(member)
-            assert source is not None
-            with os.fdopen(os.open(name, NEW_FILE_FLAGS, 0o600, dir_fd=parent), "wb") as out:
-                shutil.copyfileobj(source, out, 1 << 20)
-                os.fchmod(out.fileno(), member.mode & 0o7777)
-    finally:
-        os.close(parent)
-
-
-def _context_hardlink(root: int, member: tarfile.TarInfo, parent: int, name: str) -> None:
-    target = entry_parts(member.linkname, f"{CONTEXT_ENTRY} {member.name!r}: hardlink")
-    holder = parent_at(root, target, CONTEXT_ENTRY, create=False) if target else None
-    try:
-        st = lstat_at(holder, target[-1]) if holder is not None else None
-        if holder is None or st is None or not stat.S_ISREG(st.st_mode):
-            raise PathRefused(f"{CONTEXT_ENTRY} {member.name!r} links to {member.linkname!r}, not a file before it")
-        os.link(target[-1], name, src_dir_fd=holder, dst_dir_fd=parent, follow_symlinks=False)
-    finally:
-        if holder is not None:
-            os.close(holder)

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tarfile
 import time
 from collections import Counter
@@ -29,9 +30,19 @@ from pathlib import Path
 from typing import IO
 
 from aenv.config import Settings
-from aenv.errors import InvalidRequest, PayloadTooLarge
-from aenv.images.unpack import TarStream, decompressed, unpacks_too_much
+from aenv.errors import AenvError, InvalidRequest, PayloadTooLarge
+from aenv.images.unpack import UNREADABLE, TarStream, decompressed, unpacks_too_much
 from aenv.storage import space
+from aenv.storage.confined import (
+    NEW_FILE_FLAGS,
+    PathRefused,
+    entry_parts,
+    lstat_at,
+    open_dir_at,
+    open_root,
+    parent_at,
+    remove_at,
+)
 from aenv.storage.layers import new_id
 from aenv.storage.space import MiB
 
@@ -175,3 +186,79 @@ class UploadCache:
                 shutil.rmtree(entry.path, ignore_errors=True)
             elif entry.name.endswith(".part"):
                 os.unlink(entry.path)
+
+
+def unpack_context(raw: Path, dest: Path, limits: ContextLimits, what: str = "the build context") -> None:
+    """Unpack a tar a client or an operator handed over (a build context, E2B files, an image
+    archive; compressed or not) into ``dest``.
+
+    Directories and regular files, links kept as links whatever they point at (a build resolves
+    them inside the context, COPY copies them as links), hardlinks to files unpacked before them.
+    Nothing is written through a link or outside ``dest``; names with ``..``, absolute names,
+    devices and FIFOs are refused (400). Bounded as this module says: 413 past the unpacked size
+    or the entry limit, 507 when the disk is nearly full."""
+    dest.mkdir(parents=True, exist_ok=True)
+    root = open_root(dest)
+    budget = UnpackBudget(limits, what)
+    try:
+        with open(raw, "rb") as file:
+            for tar, member in context_members(file, limits, what):
+                _context_entry(tar, member, root, budget)
+    except AenvError:
+        raise
+    except UNREADABLE as exc:
+        raise InvalidRequest(f"{what} is not a readable tar: {exc}") from exc
+    finally:
+        os.close(root)
+
+
+def _context_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int, budget: UnpackBudget) -> None:
+    label = f"{budget.what}: entry"
+    parts = entry_parts(member.name, label)
+    if not parts:
+        return  # the context's own directory
+    if not (member.isdir() or member.isreg() or member.issym() or member.islnk()):
+        raise PathRefused(f"{label} {member.name!r}: devices and FIFOs have no place in {budget.what}")
+    parent = parent_at(root, parts, label, create=True)
+    try:
+        name = parts[-1]
+        existing = lstat_at(parent, name)
+        if member.isdir():
+            if existing is not None and not stat.S_ISDIR(existing.st_mode):
+                remove_at(parent, name)
+                existing = None
+            if existing is None:
+                os.mkdir(name, 0o700, dir_fd=parent)
+            fd = open_dir_at(parent, name)
+            try:
+                os.fchmod(fd, member.mode & 0o7777)
+            finally:
+                os.close(fd)
+            return
+        remove_at(parent, name)  # a later entry replaces an earlier one, as tar does
+        if member.issym():
+            os.symlink(member.linkname, name, dir_fd=parent)
+        elif member.islnk():
+            _context_hardlink(root, member, parent, name, label)
+        else:
+            budget.spend(parent, member.size)
+            source = tar.extractfile(member)
+            assert source is not None
+            with os.fdopen(os.open(name, NEW_FILE_FLAGS, 0o600, dir_fd=parent), "wb") as out:
+                shutil.copyfileobj(source, out, 1 << 20)
+                os.fchmod(out.fileno(), member.mode & 0o7777)
+    finally:
+        os.close(parent)
+
+
+def _context_hardlink(root: int, member: tarfile.TarInfo, parent: int, name: str, label: str) -> None:
+    target = entry_parts(member.linkname, f"{label} {member.name!r}: hardlink")
+    holder = parent_at(root, target, label, create=False) if target else None
+    try:
+        st = lstat_at(holder, target[-1]) if holder is not None else None
+        if holder is None or st is None or not stat.S_ISREG(st.st_mode):
+            raise PathRefused(f"{label} {member.name!r} links to {member.linkname!r}, not a file before it")
+        os.link(target[-1], name, src_dir_fd=holder, dst_dir_fd=parent, follow_symlinks=False)
+    finally:
+        if holder is not None:
+            os.close(holder)

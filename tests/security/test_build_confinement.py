@@ -29,8 +29,7 @@ from aenv.images.local import LocalSource
 from aenv.images.unpack import LayerError, apply_layer
 from aenv.sdk import BuildError, Client
 from aenv.storage.confined import PathRefused, View
-from aenv.templates.build import unpack_context
-from aenv.templates.uploads import ContextLimits
+from aenv.templates.uploads import ContextLimits, unpack_context
 from tests.conftest import API_KEY, Server
 from tests.images.oci import LayerTar, Registry, busybox_layer, sha, start_registry, write_docker_archive, write_layout
 
@@ -279,7 +278,7 @@ def test_docker_archives_are_read_only_inside(tmp_path: Path) -> None:
             info = tarfile.TarInfo("config.json")
             info.size = len(config)
             tar.addfile(info, io.BytesIO(config.encode()))
-        source = LocalSource(f"docker-archive:{archive}", [imports])
+        source = LocalSource(f"docker-archive:{archive}", [imports], tmp_path / "work", LIMITS)
         try:
             with pytest.raises(InvalidRequest):
                 source.resolve()
@@ -298,7 +297,7 @@ def test_oci_layouts_are_read_only_inside(tmp_path: Path) -> None:
     layer_blob = blobs / manifest["layers"][0]["digest"].split(":")[1]
     os.rename(layer_blob, tmp_path / "moved")  # the blob outside, a link to it inside
     os.symlink(tmp_path / "moved", layer_blob)
-    source = LocalSource(f"oci:{layout}:v1", [imports])
+    source = LocalSource(f"oci:{layout}:v1", [imports], tmp_path / "work", LIMITS)
     with pytest.raises(InvalidRequest, match="inside the image"):
         source.resolve()
 
@@ -306,7 +305,7 @@ def test_oci_layouts_are_read_only_inside(tmp_path: Path) -> None:
         index["manifests"][0]["digest"] = bad
         (layout / "index.json").write_text(json.dumps(index))
         with pytest.raises(InvalidRequest):
-            LocalSource(f"oci:{layout}:v1", [imports]).resolve()
+            LocalSource(f"oci:{layout}:v1", [imports], tmp_path / "work", LIMITS).resolve()
 
 
 def test_docker_archives_still_import(tmp_path: Path) -> None:
@@ -314,7 +313,7 @@ def test_docker_archives_still_import(tmp_path: Path) -> None:
     imports.mkdir()
     layer = LayerTar().file("marker", b"fine").bytes()
     write_docker_archive(imports / "saved.tar", [layer], "saved/img:1")
-    source = LocalSource(f"docker-archive:{imports / 'saved.tar'}:saved/img:1", [imports])
+    source = LocalSource(f"docker-archive:{imports / 'saved.tar'}:saved/img:1", [imports], tmp_path / "work", LIMITS)
     try:
         image = source.resolve()
         source.fetch(image.layers[0]["digest"], tmp_path / "blob")

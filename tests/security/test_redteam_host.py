@@ -1,0 +1,118 @@
+"""Red-team variants of issue 10's host-side cases: what the first fixes left open.
+
+Each test is an attack that got through the merged fixes: a local image archive that wrote
+outside its extraction directory through Python's own tar filter, ..."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from aenv.errors import InvalidRequest
+from aenv.images.local import LocalSource
+from aenv.templates.uploads import ContextLimits
+from tests.conftest import Server
+from tests.images.oci import LayerTar, write_docker_archive
+from tests.security.test_build_confinement import canary, dockerfile, fresh, post_context, untouched  # noqa: F401
+
+LIMITS = ContextLimits(upload=1 << 30, unpacked=1 << 30, entries=1000, headroom=0)
+
+
+# -- local imports (aenv/images/local.py) ---------------------------------------------------------
+def realpath_escape(tar: tarfile.TarFile, target_dir: Path, name: str, data: bytes) -> None:
+    """Entries that make ``escape`` lead to ``target_dir`` for the kernel while os.path.realpath,
+    which stops resolving once a path passes PATH_MAX, sees it inside (CVE-2025-4517): Python's
+    own `filter="data"` lets ``escape/<name>`` through."""
+    long_dir = "d" * 247
+    steps = "abcdefghijklmnop"
+    path = ""
+
+    def add(member: str, kind: bytes, link: str = "", content: bytes = b"") -> None:
+        info = tarfile.TarInfo(member)
+        info.type, info.linkname, info.size, info.mode = kind, link, len(content), 0o755
+        tar.addfile(info, io.BytesIO(content) if content else None)
+
+    for step in steps:
+        add(os.path.join(path, long_dir), tarfile.DIRTYPE)
+        add(os.path.join(path, step), tarfile.SYMTYPE, long_dir)
+        path = os.path.join(path, long_dir)
+    too_long = os.path.join(*steps, "l" * 254)  # resolves to the archive's root, past PATH_MAX
+    add(too_long, tarfile.SYMTYPE, "../" * len(steps))
+    add("escape", tarfile.SYMTYPE, too_long + "/.." * (len(steps) + 1) + str(target_dir))
+    add(f"escape/{name}", tarfile.REGTYPE, content=data)
+
+
+@pytest.mark.parametrize("transport", ["docker-archive", "oci-archive"])
+def test_image_archives_do_not_unpack_through_links(tmp_path: Path, canary: Path, transport: str) -> None:  # noqa: F811
+    imports = tmp_path / "imports"
+    imports.mkdir()
+    archive = imports / "image.tar"
+    write_docker_archive(archive, [LayerTar().file("marker", b"x").bytes()], "img:1")
+    with tarfile.open(archive, "a") as tar:
+        realpath_escape(tar, canary, "pwned", b"written by an image archive\n")
+    source = LocalSource(f"{transport}:{archive}", [imports], tmp_path / "work", LIMITS)
+    try:
+        with pytest.raises(InvalidRequest) as refused:
+            source.resolve()
+        assert refused.value.status == 400
+    finally:
+        source.close()
+    assert untouched(canary), sorted(p.name for p in canary.iterdir())
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
+
+
+@pytest.mark.sandbox
+def test_image_archives_named_through_the_api_do_not_write_the_host(
+    api: httpx.Client,
+    server: Server,
+    canary: Path,  # noqa: F811
+) -> None:
+    """The same archive named by `POST /templates/from-image` and by a Dockerfile's FROM."""
+    archive = server.data_dir / "imports" / f"escape-{uuid.uuid4().hex[:8]}.tar"
+    archive.parent.mkdir(exist_ok=True)
+    write_docker_archive(archive, [LayerTar().file("marker", b"x").bytes()], "img:1")
+    with tarfile.open(archive, "a") as tar:
+        realpath_escape(tar, canary, "pwned", b"written by an image archive\n")
+    for transport in ("docker-archive", "oci-archive"):
+        r = api.post("/templates/from-image", json={"name": fresh("escape"), "image": f"{transport}:{archive}"})
+        assert r.status_code == 400, r.text
+        status, error = post_context(api, fresh("escape"), [dockerfile(f"FROM {transport}:{archive}\n")])
+        assert status == 400, error
+    assert untouched(canary), sorted(p.name for p in canary.iterdir())
+    assert not [p for p in (server.data_dir / "fs" / "tmp").iterdir() if p.name.startswith("image-")]
+
+
+def test_image_archives_still_import_with_links_inside(tmp_path: Path) -> None:
+    """`docker save` writes a layer shared by two images once, and a link to it for the other."""
+    imports = tmp_path / "imports"
+    imports.mkdir()
+    layer = LayerTar().file("marker", b"fine").bytes()
+    archive = imports / "saved.tar"
+    write_docker_archive(archive, [layer], "saved/img:1")
+    with tarfile.open(archive) as tar:
+        manifest = json.load(tar.extractfile("manifest.json"))  # type: ignore[arg-type]
+    manifest[0]["Layers"] = ["linked/layer.tar"]
+    with tarfile.open(archive, "a") as tar:
+        for name, link in (("linked", ""), ("linked/layer.tar", "../layer0/layer.tar")):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = (tarfile.SYMTYPE, link) if link else (tarfile.DIRTYPE, "")
+            tar.addfile(info)
+        data = json.dumps(manifest).encode()
+        info = tarfile.TarInfo("manifest.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    source = LocalSource(f"docker-archive:{archive}:saved/img:1", [imports], tmp_path / "work", LIMITS)
+    try:
+        image = source.resolve()
+        source.fetch(image.layers[0]["digest"], tmp_path / "blob")
+        assert (tmp_path / "blob").read_bytes() == layer
+    finally:
+        source.close()
+    assert not any((tmp_path / "work").iterdir())
