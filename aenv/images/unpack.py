@@ -54,8 +54,9 @@ XZ_MAGIC = b"\xfd7zXZ\x00"
 WHAT = "layer entry"
 MAX_HEADERS = 1 << 20  # one entry's headers: pax records (attributes), long names, a sparse map
 SPACE_CHECK = 64 << 20  # file bytes unpacked between two looks at the free space
-# What reading a damaged archive raises, from the tar reader or one of the decompressors.
-UNREADABLE = (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError)
+# What reading a damaged archive raises, from the tar reader or one of the decompressors
+# (tarfile parses some headers' numbers with int(): a GNU sparse map of words is a ValueError).
+UNREADABLE = (tarfile.TarError, OSError, EOFError, ValueError, zlib.error, lzma.LZMAError, zstandard.ZstdError)
 
 
 class LayerError(InvalidRequest):
@@ -135,6 +136,8 @@ class TarStream:
                 if member is None:
                     return
                 tar.members.clear()
+                if "\0" in member.name or "\0" in member.linkname:  # a pax header can say so; no file can
+                    raise tarfile.InvalidHeaderError(f"entry {member.name!r} has a NUL byte in its name or link")
                 yield tar, member
 
 
@@ -252,5 +255,5 @@ def _attributes(fd: int, member: tarfile.TarInfo) -> None:
         if key.startswith("SCHILY.xattr.") and attribute.startswith(XATTR_PREFIXES):
             try:
                 os.setxattr(fd, attribute, value.encode("latin-1"))
-            except OSError:
+            except (OSError, ValueError):  # ValueError: a NUL byte in its name
                 pass  # an attribute this filesystem does not take is not worth the layer

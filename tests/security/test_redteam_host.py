@@ -17,10 +17,19 @@ import pytest
 
 from aenv.errors import InvalidRequest
 from aenv.images.local import LocalSource
-from aenv.templates.uploads import ContextLimits
+from aenv.images.unpack import apply_layer
+from aenv.templates.uploads import ContextLimits, unpack_context
 from tests.conftest import Server
-from tests.images.oci import LayerTar, write_docker_archive
-from tests.security.test_build_confinement import canary, dockerfile, fresh, post_context, untouched  # noqa: F401
+from tests.images.oci import LayerTar, Registry, write_docker_archive
+from tests.security.test_build_confinement import (  # noqa: F401 - fixtures too
+    canary,
+    dockerfile,
+    fresh,
+    image,
+    post_context,
+    registry,
+    untouched,
+)
 
 LIMITS = ContextLimits(upload=1 << 30, unpacked=1 << 30, entries=1000, headroom=0)
 
@@ -116,3 +125,63 @@ def test_image_archives_still_import_with_links_inside(tmp_path: Path) -> None:
     finally:
         source.close()
     assert not any((tmp_path / "work").iterdir())
+
+
+# -- malformed tar headers: a 400, never a 500 -----------------------------------------------------
+def pax_member(kind: bytes, pax: dict[str, str]) -> tuple[tarfile.TarInfo, bytes]:
+    """An entry whose pax header says what no file system name can hold, and its content."""
+    info = tarfile.TarInfo("placeholder")
+    info.type, info.linkname, info.pax_headers = kind, "placeholder-target", pax
+    data = b"x" if kind == tarfile.REGTYPE else b""
+    info.size = len(data)
+    return info, data
+
+
+def pax_entry(kind: bytes, pax: dict[str, str]) -> LayerTar:
+    layer = LayerTar()
+    info, data = pax_member(kind, pax)
+    layer.tar.addfile(info, io.BytesIO(data))
+    return layer
+
+
+SPARSE_OF_WORDS = {"GNU.sparse.major": "0", "GNU.sparse.minor": "1", "GNU.sparse.map": "a,b", "path": "s"}
+MALFORMED = {
+    "nul-name": (tarfile.REGTYPE, {"path": "a\0b"}),
+    "nul-symlink": (tarfile.SYMTYPE, {"path": "l", "linkpath": "x\0y"}),
+    "nul-hardlink": (tarfile.LNKTYPE, {"path": "h", "linkpath": "x\0y"}),
+    "sparse-map-of-words": (tarfile.REGTYPE, {**SPARSE_OF_WORDS, "GNU.sparse.realsize": "10"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_tar_headers_are_refused(tmp_path: Path, case: str) -> None:
+    kind, pax = MALFORMED[case]
+    tar = tmp_path / "layer.tar"
+    tar.write_bytes(pax_entry(kind, pax).bytes())
+    with pytest.raises(InvalidRequest) as layer:
+        apply_layer(tar, tmp_path / "layer")
+    with pytest.raises(InvalidRequest) as context:
+        unpack_context(tar, tmp_path / "context", LIMITS)
+    assert layer.value.status == context.value.status == 400
+
+
+def test_an_attribute_name_with_a_nul_byte_is_only_skipped(tmp_path: Path) -> None:
+    tar = tmp_path / "layer.tar"
+    tar.write_bytes(pax_entry(tarfile.REGTYPE, {"path": "f", "SCHILY.xattr.user.a\0b": "v"}).bytes())
+    apply_layer(tar, tmp_path / "layer")
+    assert (tmp_path / "layer" / "f").read_bytes() == b"x"
+
+
+@pytest.mark.sandbox
+def test_malformed_headers_through_the_api_are_400(registry: Registry, api: httpx.Client) -> None:  # noqa: F811
+    for case, (kind, pax) in MALFORMED.items():
+        r = api.post(
+            "/templates/from-image", json={"name": fresh(case), "image": image(registry, pax_entry(kind, pax))}
+        )
+        assert r.status_code == 400, (case, r.text)
+        info = tarfile.TarInfo("placeholder")
+        info.type, info.linkname, info.pax_headers = kind, "placeholder-target", pax
+        status, error = post_context(
+            api, fresh(case), [dockerfile("FROM base\n"), (info, b"x" if kind == tarfile.REGTYPE else b"")]
+        )
+        assert status == 400, (case, error)
