@@ -27,7 +27,7 @@ from typing import IO, Any
 
 import zstandard
 
-from aenv.errors import InvalidRequest, PayloadTooLarge
+from aenv.errors import AenvError, InvalidRequest, PayloadTooLarge
 from aenv.storage.confined import (
     NEW_FILE_FLAGS,
     OPAQUE_XATTR,
@@ -152,13 +152,14 @@ def apply_layer(blob: Path, dest: Path, headroom: int = 0) -> str:
             hashing = _Hashing(decompressed(raw))
             stream = io.BufferedReader(hashing, buffer_size=1 << 20)
             for tar, member in TarStream(stream, f"layer {blob.name}").members():
-                if member.isreg():
-                    room.before(root, member.size)
+                room.before(root, member.size if member.isreg() else 0)  # every entry takes an inode
                 _apply(tar, member, root)
             while stream.read(1 << 20):  # tar padding after the end-of-archive blocks counts too
                 pass
     except PathRefused as exc:
         raise LayerError(f"layer {blob.name}: {exc.message}") from exc
+    except AenvError:
+        raise  # a full disk (507), a layer too large (413): OSErrors too, but not the layer's fault
     except UNREADABLE as exc:
         raise LayerError(f"cannot unpack layer {blob.name}: {exc}") from exc
     finally:

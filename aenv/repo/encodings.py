@@ -37,7 +37,7 @@ from aenv.storage.space import SpaceWatch
 
 log = logging.getLogger("aenv.repo")
 BLOCK = 1024 * 1024
-SPACE_CHECK = 64 * BLOCK  # bytes written between two looks at the free space
+SPACE_CHECK = 64 * 1024  # bytes written between two looks at the free space (a tar's 64 KiB: 128 files)
 TAR_OPTS = ["--numeric-owner", "--xattrs"]
 CREATE_OPTS = [*TAR_OPTS, "--xattrs-include=*"]  # a commit keeps every attribute...
 EXTRACT_OPTS = [*TAR_OPTS, *(f"--xattrs-include={prefix}*" for prefix in XATTR_PREFIXES)]  # ...a fetch these
@@ -97,11 +97,16 @@ def untar(chunks: Iterable[bytes], dest: Path, headroom: int = 0) -> None:
     subprocess.run(["sync", "--file-system", str(dest)], check=False)
 
 
-def _watching_space(chunks: Iterable[bytes], dest: Path, headroom: int) -> Iterator[bytes]:
+def _watching_space(chunks: Iterable[bytes], dest: Path, headroom: int) -> Iterator[memoryview]:
+    """``chunks`` in pieces of `SPACE_CHECK` bytes, the free space (bytes and inodes) looked at
+    before each: a chunk of up to 4 MiB of tar is 8192 empty files."""
     room = SpaceWatch(headroom, f"fetching into {dest.name}", every=SPACE_CHECK)
     for data in chunks:
-        room.before(dest, len(data))
-        yield data
+        view = memoryview(data)
+        for start in range(0, len(view), SPACE_CHECK):
+            piece = view[start : start + SPACE_CHECK]
+            room.before(dest, len(piece))
+            yield piece
 
 
 def _drop_devices(dest: Path) -> None:

@@ -31,6 +31,7 @@ SPARE_REFILL_QUIET_SECONDS = 1.0
 SPARE_SIZE_KEEP_SECONDS = 3600.0
 MAX_SPARE_SIZES = 4
 OTHER_SIZE_SPARES = 2
+ENTRY_COST = 4096  # what the cache counts for an entry of a layer, at the least (one block)
 MKFS = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", "-m", "0"]
 
 
@@ -274,7 +275,9 @@ class LayerStore:
                 await hostexec.run(["umount", "-l", str(mnt)], timeout=60, check=False)
 
     def disk_usage(self, layer_id: str) -> int:
-        """Bytes a layer holds on disk (allocated blocks of its image file, or of its tree)."""
+        """Bytes a layer holds on disk (allocated blocks of its image file, or of its tree, where
+        each entry counts as at least one block: an empty file holds no block but an inode, and a
+        layer of millions of them must not be free to the cache)."""
         img = self._img(layer_id)
         if img.exists():
             return img.stat().st_blocks * 512
@@ -282,7 +285,7 @@ class LayerStore:
         for dirpath, dirnames, filenames in os.walk(self.layers / layer_id):
             for name in (*dirnames, *filenames):
                 try:
-                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                    total += max(os.lstat(os.path.join(dirpath, name)).st_blocks * 512, ENTRY_COST)
                 except OSError:
                     continue
         return total

@@ -3,6 +3,9 @@
 What clients make the node write (build contexts, E2B uploads, what they unpack to, artifacts
 fetched from the repository) is refused with 507 before it would leave less than the configured
 headroom free: the host's disk never fills up, and sandboxes, the database and the logs keep room.
+Inodes count as much as bytes: a layer of millions of empty files uses none of the disk's bytes
+and every one of its inodes (~15 minutes from a 100 MiB gzip'd layer), after which no host process
+can create a file. The headroom keeps the same share of the filesystem's inodes free as of its bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from aenv.errors import InsufficientStorage, PayloadTooLarge
 
 MiB = 1 << 20
 FLUSH = MiB  # bytes gathered before each write (and space check), off the event loop
+ENTRIES = 256  # files made between two looks at the free space (a statvfs: microseconds)
 
 
 def headroom(settings: Settings) -> int:
@@ -24,38 +28,44 @@ def headroom(settings: Settings) -> int:
     return settings.disk_headroom_mb * MiB
 
 
-def free_bytes(path: Path | int) -> int:
-    """What an unprivileged process may still write on the filesystem of ``path`` (or of an open
-    fd); the root-reserved blocks are spare on top."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
 def ensure_space(path: Path | int, headroom: int, need: int, what: str) -> None:
-    """Refuse (507) ``what`` if writing ``need`` more bytes would leave less than ``headroom``."""
-    free = free_bytes(path)
+    """Refuse (507) ``what`` if writing ``need`` more bytes would leave less than ``headroom``,
+    or fewer inodes than the same share of the filesystem's."""
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize  # what an unprivileged process may write: root's reserve is spare
     if free - need < headroom:
         raise InsufficientStorage(
             f"{what}: the node's disk is nearly full ({free // MiB} MiB free, "
             f"{max(need, 0) // MiB} MiB more needed, {headroom // MiB} MiB are kept free)"
         )
+    size = st.f_blocks * st.f_frsize
+    if headroom and st.f_files and size:  # some filesystems have no inode table (f_files 0)
+        kept = -(-st.f_files * headroom // size)
+        if st.f_favail < kept:
+            raise InsufficientStorage(
+                f"{what}: the node's disk is nearly full ({st.f_favail} inodes free, {kept} are kept free)"
+            )
 
 
 class SpaceWatch:
-    """Looks at the free space before writes, once every ``every`` bytes (and before the first)."""
+    """Looks at the free space before writes, once every ``every`` bytes or `ENTRIES` files
+    (and before the first)."""
 
     def __init__(self, headroom: int, what: str, every: int = 16 * MiB) -> None:
         self.headroom = headroom
         self.what = what
         self.every = every
         self._unchecked = every
+        self._entries = 0
 
     def before(self, where: Path | int, size: int) -> None:
-        """Before writing ``size`` bytes on the filesystem of ``where`` (a path or an open fd)."""
+        """Before making a file (a directory, a link...) of ``size`` bytes on the filesystem of
+        ``where`` (a path or an open fd)."""
         self._unchecked += size
-        if self._unchecked >= self.every:
+        self._entries += 1
+        if self._unchecked >= self.every or self._entries >= ENTRIES:
             ensure_space(where, self.headroom, size, self.what)
-            self._unchecked = 0
+            self._unchecked = self._entries = 0
 
 
 def too_large(what: str, limit: int, setting: str) -> PayloadTooLarge:

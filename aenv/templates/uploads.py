@@ -100,7 +100,7 @@ class UnpackBudget:
         self.space = space.SpaceWatch(limits.headroom, what)
 
     def spend(self, dir_fd: int, size: int) -> None:
-        """Before writing a file of ``size`` bytes in the directory ``dir_fd``."""
+        """Before making an entry (``size`` bytes for a file) in the directory ``dir_fd``."""
         self.written += size
         if self.written > self.limits.unpacked:
             raise unpacks_too_much(self.what, self.limits.unpacked, UNPACKED_SETTING)
@@ -221,6 +221,7 @@ def _context_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int, bud
         raise PathRefused(f"{label} {member.name!r}: devices and FIFOs have no place in {budget.what}")
     parent = parent_at(root, parts, label, create=True)
     try:
+        budget.spend(parent, member.size if member.isreg() else 0)  # every entry takes an inode
         name = parts[-1]
         existing = lstat_at(parent, name)
         if member.isdir():
@@ -241,7 +242,6 @@ def _context_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int, bud
         elif member.islnk():
             _context_hardlink(root, member, parent, name, label)
         else:
-            budget.spend(parent, member.size)
             source = tar.extractfile(member)
             assert source is not None
             with os.fdopen(os.open(name, NEW_FILE_FLAGS, 0o600, dir_fd=parent), "wb") as out:

@@ -8,16 +8,20 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 import tarfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from aenv.errors import InvalidRequest
+from aenv.errors import AenvError, InvalidRequest
 from aenv.images.local import LocalSource
 from aenv.images.unpack import apply_layer
+from aenv.repo.backends import PosixBackend
+from aenv.repo.repository import Repository
 from aenv.templates.uploads import ContextLimits, unpack_context
 from tests.conftest import Server
 from tests.images.oci import LayerTar, Registry, write_docker_archive
@@ -30,6 +34,7 @@ from tests.security.test_build_confinement import (  # noqa: F401 - fixtures too
     registry,
     untouched,
 )
+from tests.security.test_uploads_and_repo import gnu_tar, put_artifact
 
 LIMITS = ContextLimits(upload=1 << 30, unpacked=1 << 30, entries=1000, headroom=0)
 
@@ -185,3 +190,69 @@ def test_malformed_headers_through_the_api_are_400(registry: Registry, api: http
             api, fresh(case), [dockerfile("FROM base\n"), (info, b"x" if kind == tarfile.REGTYPE else b"")]
         )
         assert status == 400, (case, error)
+
+
+# -- inodes are disk space too ---------------------------------------------------------------------
+MiB = 1 << 20
+HEADROOM = 16 * MiB
+
+
+@pytest.fixture()
+def few_inodes(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB ext4 file system with 8192 inodes: room for bytes, not for many files."""
+    disk, mountpoint = tmp_path / "disk.img", tmp_path / "mnt"
+    with open(disk, "wb") as f:
+        f.truncate(64 * MiB)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-N", "8192", "-m", "0", str(disk)], check=True)
+    mountpoint.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(disk), str(mountpoint)], check=True)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+def empty_files(count: int) -> bytes:
+    """A tar of ``count`` empty files: no bytes to speak of, one inode each."""
+    return gnu_tar([(tarfile.TarInfo(f"f{n}"), b"") for n in range(count)])
+
+
+def assert_kept_inodes(refused: pytest.ExceptionInfo[AenvError], where: Path) -> None:
+    """Refused with 507, and far from the last inode (the headroom's share is a quarter: 2048)."""
+    assert refused.value.status == 507 and "nearly full" in refused.value.message, refused.value
+    assert os.statvfs(where).f_favail >= 1024
+
+
+def test_a_layer_of_empty_files_stops_at_the_inode_headroom(few_inodes: Path) -> None:
+    blob = few_inodes / "layer.tar"
+    blob.write_bytes(empty_files(10_000))
+    with pytest.raises(AenvError) as refused:
+        apply_layer(blob, few_inodes / "layer", HEADROOM)
+    assert_kept_inodes(refused, few_inodes)
+
+
+def test_a_context_of_empty_files_stops_at_the_inode_headroom(few_inodes: Path) -> None:
+    context = few_inodes / "context.tar"
+    context.write_bytes(empty_files(10_000))
+    limits = ContextLimits(upload=1 << 30, unpacked=1 << 30, entries=10_000, headroom=HEADROOM)
+    with pytest.raises(AenvError) as refused:
+        unpack_context(context, few_inodes / "context", limits)
+    assert_kept_inodes(refused, few_inodes)
+
+
+def test_a_repository_artifact_of_empty_files_stops_at_the_inode_headroom(tmp_path: Path, few_inodes: Path) -> None:
+    repo = Repository(PosixBackend(tmp_path / "repo"))
+    ref = put_artifact(repo, "layer", "many", empty_files(10_000))
+    with pytest.raises(AenvError) as refused:
+        repo.fetch_artifact(ref, few_inodes / "many", "test", HEADROOM)
+    assert_kept_inodes(refused, few_inodes)
+
+
+def test_the_layer_cache_counts_what_empty_files_hold(tmp_path: Path) -> None:
+    from aenv.storage.layers import LayerStore
+
+    store = LayerStore(tmp_path)
+    layer_id, root = store.new_layer_dir()
+    for n in range(1000):
+        (root / f"f{n}").touch()
+    assert store.disk_usage(layer_id) >= 1000 * 4096
