@@ -22,10 +22,10 @@ def resolve_api_key(settings: Settings) -> str:
     """AENV_API_KEY if set; else a key generated once and kept in the data dir."""
     if settings.api_key:
         return settings.api_key
+    datadir.secure(settings.data_dir)  # before reading a key from it: nobody else's key
     path = settings.data_dir / "api-key"
     if path.exists():
         return path.read_text().strip()
-    datadir.secure(settings.data_dir)
     key = "e2b_" + secrets.token_hex(20)  # E2B-shaped, so SDKs that validate key format accept it
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -32,11 +32,34 @@ SANDBOX_TREES = ("fs/layers", "runtime/guest")
 NODE_ONLY_BESIDE_THEM = (".used",)
 
 
+class UnsafeDirectory(PermissionError):
+    """A directory of the node's that another host user could change."""
+
+
 def secure(data_dir: Path) -> None:
     """Create ``data_dir`` owner-only, or make an existing one (and what the node keeps in it)
     so: an older version left it 0755 with 0644 files."""
     data_dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    check_owned(data_dir)
     _tighten(data_dir, "")
+
+
+def check_owned(path: Path) -> None:
+    """Refuse (UnsafeDirectory) a directory that another host user owns, or could rename or
+    replace: one of its parents is theirs, or writable by others without the sticky bit. Such a
+    user could have made it before the node's first start (in /var/tmp, say) and swap what root
+    reads and writes there, an `api-key` of theirs or links where layers go; tightening its mode
+    does not help, an owner can loosen it again. As OpenSSH's StrictModes does."""
+    me = os.geteuid()
+    real = path.resolve()
+    for here in (real, *real.parents):
+        st = os.stat(here)
+        if st.st_uid not in (0, me) or (here == real and st.st_uid != me):
+            raise UnsafeDirectory(f"{here} belongs to another user (uid {st.st_uid}): {path} cannot be the node's")
+        if here != real and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise UnsafeDirectory(
+                f"another user may write in {here} (mode {stat.S_IMODE(st.st_mode):o}): {path} cannot be the node's"
+            )
 
 
 def _tighten(path: Path, rel: str) -> None:
@@ -55,6 +78,7 @@ def _tighten(path: Path, rel: str) -> None:
 def private_dir(path: Path) -> None:
     """A directory of the node's own outside the data dir (a repository on a path): owner-only."""
     path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    check_owned(path)
     _make_private(path)
 
 

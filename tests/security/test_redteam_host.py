@@ -8,8 +8,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import tarfile
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +25,7 @@ from aenv.images.unpack import apply_layer
 from aenv.repo.backends import PosixBackend
 from aenv.repo.repository import Repository
 from aenv.templates.uploads import ContextLimits, unpack_context
-from tests.conftest import Server
+from tests.conftest import Server, start_server
 from tests.images.oci import LayerTar, Registry, write_docker_archive
 from tests.security.test_build_confinement import (  # noqa: F401 - fixtures too
     canary,
@@ -34,6 +36,7 @@ from tests.security.test_build_confinement import (  # noqa: F401 - fixtures too
     registry,
     untouched,
 )
+from tests.security.test_host_side import as_nobody
 from tests.security.test_uploads_and_repo import gnu_tar, put_artifact
 
 LIMITS = ContextLimits(upload=1 << 30, unpacked=1 << 30, entries=1000, headroom=0)
@@ -256,3 +259,38 @@ def test_the_layer_cache_counts_what_empty_files_hold(tmp_path: Path) -> None:
     for n in range(1000):
         (root / f"f{n}").touch()
     assert store.disk_usage(layer_id) >= 1000 * 4096
+
+
+# -- a data dir another host user made -------------------------------------------------------------
+@pytest.fixture()
+def shared_tmp() -> Iterator[Path]:
+    """A directory like /var/tmp: every host user may create entries in it (sticky)."""
+    path = Path(tempfile.mkdtemp(prefix="aenv-shared-", dir="/var/tmp"))
+    path.chmod(0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+NO_BASE = {"AENV_BUILD_BASE": "false", "AENV_API_KEY": ""}
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("made_by_nobody", ["data", "data/..", "repo"])
+def test_a_node_refuses_directories_another_user_can_change(shared_tmp: Path, made_by_nobody: str) -> None:
+    """A host user who made the data dir (or a directory on its path, or the repository's) before
+    the node's first start could swap what root reads and writes there: plant an `api-key` of
+    their own, or links where layers go. The node refuses to start instead."""
+    owned = shared_tmp / "nobody"
+    assert as_nobody("mkdir", "-m", "0777", str(owned)).returncode == 0
+    data = {"data": owned, "data/..": owned / "data", "repo": shared_tmp / "data"}[made_by_nobody]
+    env = {**NO_BASE, "AENV_REPO": str(owned if made_by_nobody == "repo" else shared_tmp / "repo")}
+    with pytest.raises(RuntimeError, match="another user"):
+        srv = start_server(data, extra_env=env, wait_for=None, timeout=60)
+        srv.stop()
+
+
+@pytest.mark.sandbox
+def test_a_node_starts_in_its_own_directory_under_a_shared_one(shared_tmp: Path) -> None:
+    env = {**NO_BASE, "AENV_REPO": str(shared_tmp / "repo")}
+    srv = start_server(shared_tmp / "data", extra_env=env, wait_for=None, timeout=60)
+    srv.stop()
