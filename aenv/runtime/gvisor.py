@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -15,8 +16,10 @@ from typing import Any
 
 from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec
-from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
+from aenv.runtime.base import MAX_NPROC, Instance, Limits, RootfsSpec, Usage
 from aenv.storage.datadir import sandbox_dir
+
+log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "aenv"
@@ -46,15 +49,40 @@ def host_tasks_limit(nproc: int) -> int:
     process with a thread per sentry thread that ran it, kept for reuse after the process exits:
     a user at its RLIMIT_NPROC keeps growing it (see aenv/guest/runaway.py, which the node uses
     to stop such a user first). Whatever the limits asked for, one sandbox gets at most a quarter
-    of the host's pid space, so no sandbox can starve the node or its neighbours of processes."""
-    return min(max(8192, nproc * 32), _pid_max() // 4)
+    of the host's tasks, so no sandbox can starve the node or its neighbours of processes."""
+    return min(max(8192, nproc * 32), _host_tasks() // 4)
 
 
-def _pid_max() -> int:
+def all_sandboxes_tasks_limit() -> int:
+    """The host tasks every sandbox together may hold (the pids cgroup that holds them all): half
+    of the host's. A contained fork bomb leaves its sandbox thousands of stubs until it is next
+    restored, and a root bomb may take its quarter: a few sandboxes running one program (a
+    rollout's forks) took every pid of a host otherwise. Past it a sandbox that needs a thread
+    stops, as at its own limit; the host keeps half."""
+    return _host_tasks() // 2
+
+
+def _host_tasks() -> int:
+    """How many tasks the host can have: its pid space, or its thread limit if lower (a 24 GiB
+    host has pid_max 4194304 and threads-max 192730)."""
+    return min(_kernel_limit("pid_max"), _kernel_limit("threads-max"))
+
+
+def _kernel_limit(name: str) -> int:
     try:
-        return int(Path("/proc/sys/kernel/pid_max").read_text())
+        return int(Path(f"/proc/sys/kernel/{name}").read_text())
     except (OSError, ValueError):
-        return 32768  # the kernel's default
+        return 32768  # pid_max's default, and lower than any host's threads-max
+
+
+def limit_all_sandboxes() -> None:
+    """Cap the pids cgroup every sandbox's is made in (runsc makes the parent on first use)."""
+    parent = CGROUP_ROOT / "pids" / CGROUP_PARENT
+    try:
+        parent.mkdir(exist_ok=True)
+        (parent / "pids.max").write_text(str(all_sandboxes_tasks_limit()))
+    except OSError as exc:  # not root, or no cgroup v1 pids controller: runsc would fail as well
+        log.warning("cannot limit the host tasks of all sandboxes in %s: %s", parent, exc)
 
 
 class GVisorDriver:
@@ -72,6 +100,7 @@ class GVisorDriver:
         for d in (self.runsc_root, self.bundles, self.guest_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._guest: Path | None = None
+        limit_all_sandboxes()
 
     # -- helpers ----------------------------------------------------------------------------------
     def _global(self, instance_id: str | None = None) -> list[str]:
@@ -121,7 +150,10 @@ class GVisorDriver:
                 "cwd": "/",
                 "capabilities": {k: CAPS for k in ("bounding", "effective", "permitted")},
                 "rlimits": [
-                    {"type": "RLIMIT_NPROC", "hard": nproc, "soft": nproc},
+                    # The agent sets each process's limit to the sandbox's nproc, which a restore
+                    # may raise past the template's: its own hard limit is the highest the API
+                    # allows (without CAP_SYS_RESOURCE it could not raise one for a child).
+                    {"type": "RLIMIT_NPROC", "hard": MAX_NPROC, "soft": nproc},
                     {"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536},
                 ],
                 "noNewPrivileges": False,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from e2b import Sandbox
 
 from aenv.errors import AenvError, InvalidRequest
 from aenv.images.local import LocalSource
@@ -294,3 +295,56 @@ def test_a_node_starts_in_its_own_directory_under_a_shared_one(shared_tmp: Path)
     env = {**NO_BASE, "AENV_REPO": str(shared_tmp / "repo")}
     srv = start_server(shared_tmp / "data", extra_env=env, wait_for=None, timeout=60)
     srv.stop()
+
+
+# -- host tasks: what all sandboxes together may take ----------------------------------------------
+def test_one_sandbox_gets_at_most_a_quarter_of_the_host_s_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A typical 24 GiB host: pid_max 4194304 (systemd's), threads-max 192730. A quarter of the
+    pid space was a million: one root bomb could take every thread the host may have."""
+    from aenv.runtime import gvisor
+
+    host = {"pid_max": 4194304, "threads-max": 192730}
+    monkeypatch.setattr(gvisor, "_kernel_limit", lambda name: host[name])
+    assert gvisor.host_tasks_limit(65536) <= 192730 // 4
+    assert gvisor.all_sandboxes_tasks_limit() <= 192730 // 2
+
+
+@pytest.mark.sandbox
+def test_all_sandboxes_together_keep_half_of_the_host_s_tasks(e2b_env: Server, api: httpx.Client) -> None:
+    """A contained user fork bomb leaves its sandbox ~4300 host tasks (runsc keeps the stubs of
+    exited processes) until it is restored, and a root bomb may take a quarter of the host's:
+    four such sandboxes (a rollout's forks all running one program) took every pid of a host
+    with pid_max 32768. The node caps the cgroup that holds every sandbox at half of them."""
+    r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120, "limits": {"nproc": 65536}})
+    assert r.status_code == 201, r.text
+    try:
+        space = min(int(Path(f"/proc/sys/kernel/{name}").read_text()) for name in ("pid_max", "threads-max"))
+        parent = Path("/sys/fs/cgroup/pids/aenv")
+        assert (parent / "pids.max").read_text().strip() != "max"
+        assert int((parent / "pids.max").read_text()) <= space // 2
+        limits = [int((d / "pids.max").read_text()) for d in parent.iterdir() if (d / "pids.max").exists()]
+        assert limits and max(limits) <= space // 4
+    finally:
+        api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+
+
+HIGHEST_NPROC = 65536
+
+
+@pytest.mark.sandbox
+def test_the_highest_nproc_the_api_allows_is_the_one_processes_get(e2b_env: Server, api: httpx.Client) -> None:
+    """65536, the API's highest. A template's agent keeps the limits it was committed with, and
+    could not give a process a limit above its own: with `limits.nproc` past the commit's (8192)
+    every command failed with 'set limits: EPERM'. A template committed now takes any nproc."""
+    name = fresh("nproc")
+    status, error = post_context(api, name, [dockerfile(f"FROM base\nRUN echo {uuid.uuid4().hex} > /opt/id\n")])
+    assert status == 200, error
+    r = api.post("/v2/sandboxes", json={"templateID": name, "timeout": 120, "limits": {"nproc": HIGHEST_NPROC}})
+    assert r.status_code == 201, r.text
+    try:
+        sbx = Sandbox.connect(r.json()["sandboxID"])
+        assert sbx.commands.run("ulimit -u; ulimit -Hu").stdout.split() == [str(HIGHEST_NPROC)] * 2
+        assert sbx.commands.run("ulimit -u", user="root").stdout.strip() == str(HIGHEST_NPROC)
+    finally:
+        api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+        api.delete(f"/templates/{name}")
