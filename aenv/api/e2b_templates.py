@@ -15,7 +15,6 @@ import hmac
 import json
 import re
 import shlex
-import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from aenv.api.sandboxes import _body, declared_length, json_body, node_of
 from aenv.api.schemas import rfc3339
 from aenv.errors import AenvError, InvalidRequest, NotFound, Unauthenticated
 from aenv.node.orchestrator import Node
+from aenv.storage.confined import remove_tree
 from aenv.storage.space import ensure_space, headroom
 from aenv.templates import build, catalog, uploads
 from aenv.templates import dockerfile as df
@@ -167,7 +167,7 @@ async def start_build(request: Request, template_id: str, build_id: str) -> Resp
             if step.type.upper() == "USER" and step.args:
                 user = step.args[0]
     except BaseException:
-        shutil.rmtree(context, ignore_errors=True)
+        remove_tree(context, ignore_errors=True)
         raise
     for number, instr in enumerate(instructions, 1):
         instr.line = number  # errors name the step
@@ -278,7 +278,7 @@ async def _run(
         entry.status = "error"
         raise
     finally:
-        shutil.rmtree(context, ignore_errors=True)
+        remove_tree(context, ignore_errors=True)
 
 
 @router.get("/templates/{template_id}/builds/{build_id}/status", summary="E2B template build status and logs")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -35,7 +34,7 @@ from aenv.api.schemas import (
 )
 from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, WrongState, error_body
 from aenv.node.orchestrator import Node
-from aenv.storage.confined import View
+from aenv.storage.confined import View, remove_tree
 from aenv.templates import build, catalog, images, uploads
 from aenv.templates.catalog import TEMPLATE_NAME
 
@@ -469,7 +468,7 @@ async def build_template(
             raise InvalidRequest(f"no {dockerfile} in the build context")
         text = recipe.decode(errors="replace")
     except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_tree(workdir, ignore_errors=True)
         raise
     lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
@@ -493,7 +492,7 @@ async def build_template(
             raise
         finally:
             lines.put_nowait(None)
-            shutil.rmtree(workdir, ignore_errors=True)
+            remove_tree(workdir, ignore_errors=True)
 
     node._spawn(run())  # a build finishes even if its client goes away
 

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import stat
 from pathlib import Path
 from typing import IO, Any
@@ -22,6 +21,7 @@ from typing import IO, Any
 from aenv.errors import InvalidRequest, NotFound
 from aenv.images.reference import ImageRef
 from aenv.images.registry import INDEXES, Image, RegistryError, host_platform
+from aenv.storage.confined import remove_tree
 from aenv.storage.layers import new_id
 from aenv.templates.uploads import ContextLimits, unpack_context
 
@@ -111,7 +111,7 @@ class LocalSource:
 
     def close(self) -> None:
         if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            remove_tree(self._tmp, ignore_errors=True)
 
     def ref(self) -> ImageRef:
         name = self.path.name.lower().replace("_", "-").split(".")[0] or "local"

@@ -8,7 +8,6 @@ fetched again. A layer appears under its id only once it is complete and verifie
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from aenv.images.local import DIGEST, LocalSource, is_local
 from aenv.images.reference import ImageRef
 from aenv.images.registry import Image, RegistryClient
 from aenv.images.unpack import LayerError, apply_layer
+from aenv.storage.confined import remove_tree
 from aenv.storage.layers import new_id
 from aenv.storage.space import ensure_space, headroom
 
@@ -114,7 +114,7 @@ async def pull(
             finally:
                 blob.unlink(missing_ok=True)
                 if work.exists():
-                    await asyncio.to_thread(shutil.rmtree, work, True)
+                    await asyncio.to_thread(remove_tree, work, ignore_errors=True)
             fetched += size
             took = time.monotonic() - started
             log(f"layer {i}/{len(image.layers)} {diff_id[:19]}: {size / 2**20:.1f} MiB in {took:.1f}s")

@@ -18,7 +18,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -30,6 +29,7 @@ from aenv.errors import AenvError, ArtifactDamaged
 from aenv.node import metrics
 from aenv.node.store import SnapshotRecord, TemplateRecord
 from aenv.repo.repository import ArtifactRef, EntryKind, LocalArtifact, Repository, is_valid_id
+from aenv.storage.confined import remove_tree
 from aenv.storage.layers import new_id
 from aenv.storage.space import headroom
 
@@ -484,7 +484,7 @@ def _record_of(cls: type[R], entry: dict[str, Any]) -> R | None:
 
 def _discard(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path, ignore_errors=True)
     else:
         try:
             path.unlink()

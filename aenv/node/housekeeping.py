@@ -7,7 +7,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +16,7 @@ from aenv.errors import AenvError, SandboxNotFound, WrongState
 from aenv.node import metrics
 from aenv.node.sandbox import LiveSandbox, log_failure
 from aenv.node.state import SandboxState as S
+from aenv.storage.confined import remove_tree
 
 if TYPE_CHECKING:
     from aenv.node.agentlink import AgentLink
@@ -61,7 +61,7 @@ def sweep_scratch(node: Node) -> None:
     """Remove what pulls, builds and uploads that a stop interrupted left behind."""
     for entry in os.scandir(node.files.tmp):
         if entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path, ignore_errors=True)
+            remove_tree(Path(entry.path), ignore_errors=True)
         else:
             os.unlink(entry.path)
     node.uploads.sweep()

@@ -18,9 +18,10 @@ import posixpath
 import shutil
 import stat
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO
 
@@ -63,15 +64,131 @@ def open_root(path: Path) -> int:
     return os.open(path, DIR_FLAGS)
 
 
-def remove_at(dir_fd: int, name: str) -> None:
+def remove_at(dir_fd: int, name: str, *, ignore_errors: bool = False) -> None:
     """Remove ``name`` (a whole tree if it is a directory) without following any link."""
     st = lstat_at(dir_fd, name)
     if st is None:
         return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(name, dir_fd=dir_fd)
-    else:
+    if not stat.S_ISDIR(st.st_mode):
         os.unlink(name, dir_fd=dir_fd)
+        return
+    top = open_dir_at(dir_fd, name)
+    try:
+        walk_dirs(top, partial(_empty_dir, ignore_errors=ignore_errors), partial(_rmdir, ignore_errors=ignore_errors))
+    finally:
+        os.close(top)
+    _rmdir(dir_fd, name, ignore_errors=ignore_errors)
+
+
+def remove_tree(path: Path, *, ignore_errors: bool = False) -> None:
+    """`shutil.rmtree` for trees an image, a context, a repository or a sandbox made: no link
+    followed, no other file system entered (a bind mount of the same one is not told apart), and
+    no recursion (Python's own walks recurse: a tree 3000 directories deep, a few KiB of tar,
+    overflowed the stack of every removal)."""
+    try:
+        parent = open_root(path.parent)
+    except OSError:
+        if ignore_errors:
+            return
+        raise
+    try:
+        remove_at(parent, path.name, ignore_errors=ignore_errors)
+    except OSError:
+        if not ignore_errors:
+            raise
+    finally:
+        os.close(parent)
+
+
+def tree_usage(path: Path, least: int = 0) -> int:
+    """Bytes the tree at ``path`` holds on disk (allocated blocks), each entry counted as at least
+    ``least``; links not followed, other file systems not entered, no recursion."""
+    total = 0
+
+    def count(fd: int) -> list[str]:
+        nonlocal total
+        subdirs = []
+        device = os.fstat(fd).st_dev
+        for entry in _entries(fd):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # gone meanwhile
+            total += max(st.st_blocks * 512, least)
+            if stat.S_ISDIR(st.st_mode) and st.st_dev == device:
+                subdirs.append(entry.name)
+        return subdirs
+
+    top = open_root(path)
+    try:
+        walk_dirs(top, count)
+    finally:
+        os.close(top)
+    return total
+
+
+def walk_dirs(top: int, enter: Callable[[int], list[str]], leave: Callable[[int, str], None] | None = None) -> None:
+    """Every directory below the directory fd ``top``, depth first, without recursion and with two
+    fds open at most: ``enter(fd)`` is called in each and names the subdirectories to go into;
+    ``leave(parent_fd, name)`` once everything below one is done."""
+    fd = os.dup(top)
+    pending = [enter(fd)]
+    names: list[str] = []
+    try:
+        while pending:
+            if pending[-1]:
+                name = pending[-1].pop()
+                try:
+                    sub = open_dir_at(fd, name)
+                except OSError:
+                    continue  # gone meanwhile, or no longer a directory
+                os.close(fd)
+                fd = sub
+                names.append(name)
+                pending.append(enter(fd))
+                continue
+            pending.pop()
+            if names:
+                parent = os.open("..", DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                if leave is not None:
+                    leave(fd, names.pop())
+                else:
+                    names.pop()
+    finally:
+        os.close(fd)
+
+
+def _entries(fd: int) -> list[os.DirEntry[str]]:
+    with os.scandir(fd) as it:
+        return list(it)
+
+
+def _empty_dir(fd: int, *, ignore_errors: bool) -> list[str]:
+    """Unlink what is not a directory in ``fd``; the subdirectories on its file system."""
+    subdirs = []
+    device = os.fstat(fd).st_dev
+    for entry in _entries(fd):
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                if st.st_dev == device:  # a mount inside: never emptied (its rmdir fails)
+                    subdirs.append(entry.name)
+            else:
+                os.unlink(entry.name, dir_fd=fd)
+        except OSError:
+            if not ignore_errors:
+                raise
+    return subdirs
+
+
+def _rmdir(parent: int, name: str, *, ignore_errors: bool) -> None:
+    try:
+        os.rmdir(name, dir_fd=parent)
+    except OSError:
+        if not ignore_errors:
+            raise
 
 
 def entry_parts(name: str, what: str, *, absolute_ok: bool = False) -> list[str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from aenv.runtime import hostexec
 from aenv.storage import datadir
+from aenv.storage.confined import remove_tree, tree_usage
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class LayerStore:
             except Exception:
                 await hostexec.run(["umount", "-l", str(mnt)], timeout=60, check=False)
         self._img(layer_id).unlink(missing_ok=True)
-        await asyncio.to_thread(shutil.rmtree, mnt, True)  # big trees take seconds: off the loop
+        await asyncio.to_thread(remove_tree, mnt, ignore_errors=True)  # big trees take seconds: off the loop
         self._sealed_sizes.pop(layer_id, None)
         (self.used / layer_id).unlink(missing_ok=True)
 
@@ -256,9 +257,9 @@ class LayerStore:
         mnt = self.layers / layer_id
         if os.path.ismount(mnt):
             await hostexec.run(["umount", "-l", str(mnt)], timeout=60, check=False)
-            shutil.rmtree(mnt, ignore_errors=True)
+            remove_tree(mnt, ignore_errors=True)
         (self.layers / f"{token}.img").unlink(missing_ok=True)
-        await asyncio.to_thread(shutil.rmtree, self.layers / token, True)
+        await asyncio.to_thread(remove_tree, self.layers / token, ignore_errors=True)
 
     def is_local(self, layer_id: str) -> bool:
         """Usable right now: an image layer mounted, or a directory layer (not a stale mountpoint)."""
@@ -281,14 +282,10 @@ class LayerStore:
         img = self._img(layer_id)
         if img.exists():
             return img.stat().st_blocks * 512
-        total = 0
-        for dirpath, dirnames, filenames in os.walk(self.layers / layer_id):
-            for name in (*dirnames, *filenames):
-                try:
-                    total += max(os.lstat(os.path.join(dirpath, name)).st_blocks * 512, ENTRY_COST)
-                except OSError:
-                    continue
-        return total
+        try:
+            return tree_usage(self.layers / layer_id, least=ENTRY_COST)
+        except OSError:
+            return 0  # gone meanwhile
 
     def sealed_size(self, layer_id: str) -> int:
         """:meth:`disk_usage` of a layer that no longer changes, measured once (the layer cache

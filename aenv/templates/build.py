@@ -11,12 +11,12 @@ start command, running in every sandbox made from it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import posixpath
 import re
-import shutil
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,7 +29,7 @@ from aenv.images.pull import Pulled, pull, release
 from aenv.node.housekeeping import BUILD_CACHE
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
-from aenv.storage.confined import WILDCARDS, PathRefused, View
+from aenv.storage.confined import WILDCARDS, PathRefused, View, remove_tree
 from aenv.templates import dockerfile as df
 from aenv.templates.builder import BuildFailed, LogFn, StartCommand, build_instance, commit_template, run_process, seal
 from aenv.templates.images import conventions_layer, layers_view
@@ -191,7 +191,7 @@ async def _from(
     key = state.chain(CONVENTIONS_VERSION)
     layer = cache.get(key)
     if not layer or not (node.files.layers / layer).exists():
-        layer = conventions_layer(node, state.layers)
+        layer = await asyncio.to_thread(conventions_layer, node, state.layers)
         cache[key] = layer
     state.layers.append(layer)
     return state, pulled
@@ -243,9 +243,10 @@ async def _step(
         key = state.chain("WORKDIR", state.workdir)
         workdir, layers = state.workdir, list(state.layers)
         with _refusals(instr.line):
-            if layers_view(node, layers).is_dir(workdir):
+            if await asyncio.to_thread(layers_view(node, layers).is_dir, workdir):
                 return True  # there already: a layer would only hide its owner and mode
-            owner = _owner(node, layers, state.user if state.user != "root" else None, instr.line)
+            user = state.user if state.user != "root" else None
+            owner = await asyncio.to_thread(_owner, node, layers, user, instr.line)
             return await _layer(
                 node, state, key, cache, announce, lambda root: layers_view(node, layers, root).make_dir(workdir, owner)
             )
@@ -254,14 +255,14 @@ async def _step(
         chmod = _chmod(instr.flags.get("chmod"), instr.line)
         source = View([context])
         with _refusals(instr.line):
-            files = _collect(source, sources, instr.line)
-            digest = _content_digest(source, files)
+            files = await asyncio.to_thread(_collect, source, sources, instr.line)
+            digest = await asyncio.to_thread(_content_digest, source, files)
         single = len(files) == 1 and files[0].named and not stat.S_ISDIR(files[0].stat.st_mode)
         into_dir = not single or dest.endswith("/") or posixpath.basename(dest) in (".", "..")
         dest = posixpath.normpath(posixpath.join(state.workdir, dest))
         if into_dir:
             dest = dest.rstrip("/") + "/"
-        owner = _owner(node, state.layers, instr.flags.get("chown"), instr.line)
+        owner = await asyncio.to_thread(_owner, node, state.layers, instr.flags.get("chown"), instr.line)
         key = state.chain(kw, digest, dest, owner, instr.flags.get("chmod"))
         layers = list(state.layers)
         with _refusals(instr.line):
@@ -303,11 +304,14 @@ async def _layer(
         return True
     announce(False)
     layer_id, root = node.files.new_layer_dir()
+    node.artifacts.pin([layer_id])  # a collection spares unnamed layers for two minutes only
     try:
-        write(root)
+        await asyncio.to_thread(write, root)  # host file work of any size: never on the event loop
     except BaseException:
-        shutil.rmtree(root, ignore_errors=True)
+        remove_tree(root, ignore_errors=True)
         raise
+    finally:
+        node.artifacts.unpin([layer_id])
     cache[key] = layer_id
     state.layers.append(layer_id)
     return False

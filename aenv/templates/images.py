@@ -8,7 +8,7 @@ image's layers, without running anything from the image.
 
 from __future__ import annotations
 
-import shutil
+import asyncio
 import stat
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from aenv.images.pull import Pulled, pull, release
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
 from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
-from aenv.storage.confined import View
+from aenv.storage.confined import View, remove_tree
 from aenv.templates.builder import LogFn, commit_template
 
 USER_UID = 1000
@@ -38,7 +38,7 @@ def conventions_layer(node: Node, layers: list[str]) -> str:
     try:
         _write_conventions(layers_view(node, layers, root))
     except BaseException:
-        shutil.rmtree(root, ignore_errors=True)
+        remove_tree(root, ignore_errors=True)
         raise
     return layer_id
 
@@ -78,7 +78,7 @@ async def template_from_image(
     pulled: Pulled | None = None
     try:
         pulled = await pull(node, reference, login=login, on_log=log)
-        extra = conventions_layer(node, pulled.layers)
+        extra = await asyncio.to_thread(conventions_layer, node, pulled.layers)
         config = pulled.config.get("config") or {}
         env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
         log(f"pulled {pulled.fetched_bytes / 2**20:.1f} MiB ({pulled.cached_layers} layers cached); committing")

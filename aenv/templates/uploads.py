@@ -42,6 +42,7 @@ from aenv.storage.confined import (
     open_root,
     parent_at,
     remove_at,
+    remove_tree,
 )
 from aenv.storage.layers import new_id
 from aenv.storage.space import MiB
@@ -183,7 +184,7 @@ class UploadCache:
             return
         for entry in os.scandir(self.dir):
             if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
+                remove_tree(Path(entry.path), ignore_errors=True)
             elif entry.name.endswith(".part"):
                 os.unlink(entry.path)
 

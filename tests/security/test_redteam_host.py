@@ -5,6 +5,7 @@ outside its extraction directory through Python's own tar filter, ..."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -12,6 +13,8 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -348,3 +351,113 @@ def test_the_highest_nproc_the_api_allows_is_the_one_processes_get(e2b_env: Serv
     finally:
         api.delete(f"/sandboxes/{r.json()['sandboxID']}")
         api.delete(f"/templates/{name}")
+
+
+# -- deep trees: Python's own walks recurse --------------------------------------------------------
+DEEP = 3000  # directories: a few KiB of tar, past Python's recursion limit (1000)
+
+
+def deep_tree(tar: LayerTar, top: str = "deep") -> LayerTar:
+    info = tarfile.TarInfo("/".join([top] + ["d"] * DEEP + ["f"]))
+    info.size = 1
+    tar.tar.addfile(info, io.BytesIO(b"x"))
+    return tar
+
+
+@pytest.fixture()
+def deep_tmp(tmp_path: Path) -> Iterator[Path]:
+    """tmp_path, emptied here: pytest's own cleanup (shutil.rmtree) cannot remove a deep tree."""
+    yield tmp_path
+    from aenv.storage.confined import remove_tree
+
+    remove_tree(tmp_path, ignore_errors=True)
+
+
+def test_a_layer_thousands_of_directories_deep_is_measured_and_removed(deep_tmp: Path) -> None:
+    """shutil.rmtree and os.walk recursed: a deep layer could never be measured (every cache
+    pass failed on it) nor removed, and a whiteout of a deep directory answered 500."""
+    from aenv.storage.layers import LayerStore
+
+    store = LayerStore(deep_tmp / "fs")
+    blob = deep_tmp / "layer.tar"
+    blob.write_bytes(deep_tree(LayerTar()).bytes())
+    apply_layer(blob, store.layers / "oci-deep")
+    assert store.disk_usage("oci-deep") >= DEEP * 4096
+    asyncio.run(store.remove("oci-deep"))
+    assert not (store.layers / "oci-deep").exists()
+
+    blob.write_bytes(deep_tree(LayerTar()).file(".wh.deep", b"").bytes())  # whited out in its own layer
+    apply_layer(blob, deep_tmp / "whiteout")
+    assert (deep_tmp / "whiteout" / "deep").is_char_device()
+
+
+def test_removing_a_tree_never_follows_links_nor_enters_other_file_systems(tmp_path: Path, canary: Path) -> None:  # noqa: F811
+    from aenv.storage.confined import remove_tree
+
+    tree = tmp_path / "tree"
+    (tree / "a" / "b").mkdir(parents=True)
+    os.symlink(canary, tree / "a" / "link")
+    os.symlink(canary / "secret", tree / "a" / "b" / "file-link")
+    (tree / "mnt").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(tree / "mnt")], check=True)
+    try:
+        (tree / "mnt" / "kept").write_text("kept")
+        with pytest.raises(OSError):
+            remove_tree(tree)  # the mount point cannot go
+        assert (tree / "mnt" / "kept").read_text() == "kept"
+    finally:
+        subprocess.run(["umount", str(tree / "mnt")], check=True)
+    assert untouched(canary)
+    remove_tree(tree)
+    assert not tree.exists() and untouched(canary)
+
+
+@pytest.mark.sandbox
+def test_deep_contexts_and_layers_through_the_api(registry: Registry, api: httpx.Client, server: Server) -> None:  # noqa: F811
+    """A build context and an image layer thousands of directories deep build, and leave nothing."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        data = b"FROM base\nCOPY ctx/d/d /opt/d\n"
+        info = tarfile.TarInfo("Dockerfile")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        for member in tarfile.open(fileobj=io.BytesIO(deep_tree(LayerTar(), "ctx").bytes())):
+            tar.addfile(member, io.BytesIO(b"x") if member.isreg() else None)
+    r = api.post("/templates/build", params={"name": fresh("deep")}, content=raw.getvalue(), timeout=600)
+    assert r.status_code == 200 and "template" in json.loads(r.text.strip().splitlines()[-1]), r.text[-2000:]
+    r = api.post("/templates/from-image", json={"name": fresh("deep"), "image": image(registry, deep_tree(LayerTar()))})
+    assert r.status_code == 201, r.text
+    assert not list((server.data_dir / "fs" / "tmp").iterdir())
+
+
+@pytest.mark.sandbox
+def test_a_copy_never_holds_the_node_s_event_loop(api: httpx.Client, server: Server) -> None:
+    """COPY, WORKDIR and the conventions ran their host file work on the event loop: a 4 KiB
+    context 1500 directories deep held every API call and sandbox stream for 13 s (and hashing
+    and copying a 20 GiB context would for minutes)."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        data = f"FROM base\nCOPY ctx /opt/ctx-{uuid.uuid4().hex}\nWORKDIR /opt/w\n".encode()
+        info = tarfile.TarInfo("Dockerfile")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        info = tarfile.TarInfo("ctx/" + "/".join(["d"] * 1500) + "/f")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    answers: list[httpx.Response] = []
+    building = threading.Thread(
+        target=lambda: answers.append(
+            api.post("/templates/build", params={"name": fresh("loop")}, content=raw.getvalue())
+        )
+    )
+    building.start()
+    slowest = 0.0
+    with httpx.Client(base_url=server.url, timeout=120) as probe:
+        while building.is_alive():
+            started = time.monotonic()
+            assert probe.get("/health").status_code == 200
+            slowest = max(slowest, time.monotonic() - started)
+            time.sleep(0.1)
+    building.join()
+    assert "template" in json.loads(answers[0].text.strip().splitlines()[-1]), answers[0].text[-1000:]
+    assert slowest < 2.0, f"/health took {slowest:.1f} s during the build"
