@@ -171,6 +171,8 @@ def _apply(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int) -> None:
     parts = entry_parts(member.name, WHAT, absolute_ok=True)
     if not parts:
         return  # the layer's root: an overlay takes its attributes from the top layer
+    if parts[0].startswith(AUFS_META):
+        return  # AUFS bookkeeping (.wh..wh.plnk/ holds hardlinks' originals): skipped, as Docker does
     if any(part.startswith(WHITEOUT) for part in parts[:-1]):  # the prefix is reserved for whiteouts
         raise PathRefused(f"{WHAT} {member.name!r} is inside a whiteout")
     parent = parent_at(root, parts, WHAT, create=True)

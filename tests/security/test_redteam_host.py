@@ -461,3 +461,15 @@ def test_a_copy_never_holds_the_node_s_event_loop(api: httpx.Client, server: Ser
     building.join()
     assert "template" in json.loads(answers[0].text.strip().splitlines()[-1]), answers[0].text[-1000:]
     assert slowest < 2.0, f"/health took {slowest:.1f} s during the build"
+
+
+def test_aufs_bookkeeping_at_a_layer_s_top_is_skipped_as_docker_skips_it(tmp_path: Path) -> None:
+    """Images exported from AUFS keep hardlinks' originals in /.wh..wh.plnk/: a 400 before."""
+    blob = tmp_path / "layer.tar"
+    layer = LayerTar().dir(".wh..wh.plnk", 0o700).file(".wh..wh.plnk/1234.5678", b"x").file("kept", b"y")
+    blob.write_bytes(layer.bytes())
+    apply_layer(blob, tmp_path / "layer")
+    assert sorted(os.listdir(tmp_path / "layer")) == ["kept"]
+    blob.write_bytes(LayerTar().file("d/.wh..wh.plnk/1234", b"x").bytes())  # anywhere else: refused
+    with pytest.raises(InvalidRequest):
+        apply_layer(blob, tmp_path / "other")
