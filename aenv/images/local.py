@@ -40,7 +40,7 @@ def _split(reference: str, roots: list[Path]) -> tuple[str, Path, str | None]:
     path, tag = rest, None
     if not Path(rest).exists() and ":" in rest:
         path, _, tag = rest.partition(":")
-    resolved = Path(path).resolve()
+    resolved = _resolved(Path(path), f"{transport}: {path}")
     if not any(resolved.is_relative_to(root.resolve()) for root in roots):
         allowed = ", ".join(str(r) for r in roots)
         raise InvalidRequest(f"{transport} images must be under one of: {allowed} (AENV_IMAGE_IMPORT_DIRS)")
@@ -55,10 +55,18 @@ def _inside(root: Path, name: Any, what: str) -> Path:
     """``name`` (from a manifest or an index) as a regular file inside ``root``."""
     if not isinstance(name, str) or not name or name.startswith("/") or ".." in name.split("/"):
         raise InvalidRequest(f"{what} {name!r} is not a path inside the image")
-    path = (root / name).resolve()
+    path = _resolved(root / name, f"{what} {name!r}")
     if not path.is_relative_to(root.resolve()) or not path.is_file():
         raise InvalidRequest(f"{what} {name!r} is not a file inside the image")
     return path
+
+
+def _resolved(path: Path, what: str) -> Path:
+    """``path`` without links; a loop of them is the client's mistake (400), not a 500."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as exc:  # Python < 3.13 raises RuntimeError for a loop
+        raise InvalidRequest(f"{what} cannot be resolved: {exc}") from exc
 
 
 def _open(path: Path) -> IO[bytes]:

@@ -110,6 +110,31 @@ def test_image_archives_named_through_the_api_do_not_write_the_host(
     assert not [p for p in (server.data_dir / "fs" / "tmp").iterdir() if p.name.startswith("image-")]
 
 
+def test_a_link_loop_in_an_image_archive_is_400(tmp_path: Path) -> None:
+    imports = tmp_path / "imports"
+    imports.mkdir()
+    archive = imports / "loop.tar"
+    write_docker_archive(archive, [LayerTar().file("marker", b"x").bytes()], "img:1")
+    with tarfile.open(archive) as tar:
+        manifest = json.load(tar.extractfile("manifest.json"))  # type: ignore[arg-type]
+    manifest[0]["Config"] = "x"
+    with tarfile.open(archive, "a") as tar:
+        for name, link in (("x", "y"), ("y", "x")):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, link
+            tar.addfile(info)
+        data = json.dumps(manifest).encode()
+        info = tarfile.TarInfo("manifest.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    source = LocalSource(f"docker-archive:{archive}", [imports], tmp_path / "work", LIMITS)
+    try:
+        with pytest.raises(InvalidRequest):
+            source.resolve()
+    finally:
+        source.close()
+
+
 def test_image_archives_still_import_with_links_inside(tmp_path: Path) -> None:
     """`docker save` writes a layer shared by two images once, and a link to it for the other."""
     imports = tmp_path / "imports"
