@@ -10,6 +10,7 @@ stream is hashed as it is read, so a layer whose content is not its diff_id neve
 
 from __future__ import annotations
 
+import _compression
 import bz2
 import gzip
 import hashlib
@@ -51,6 +52,7 @@ GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 BZIP2_MAGIC = re.compile(rb"BZh[1-9]1AY&SY")  # and the first block's magic: "BZh" alone can start a file name
 XZ_MAGIC = b"\xfd7zXZ\x00"
+XZ_MEMORY = 128 << 20  # what decoding an xz stream may take, as zstd's default window limit
 WHAT = "layer entry"
 MAX_HEADERS = 1 << 20  # one entry's headers: pax records (attributes), long names, a sparse map
 SPACE_CHECK = 64 << 20  # file bytes unpacked between two looks at the free space
@@ -94,7 +96,13 @@ def decompressed(raw: IO[bytes]) -> IO[bytes]:
     if BZIP2_MAGIC.match(head):
         return bz2.BZ2File(raw)
     if head.startswith(XZ_MAGIC):
-        return lzma.LZMAFile(raw)
+        # lzma.LZMAFile takes no memory limit, and an xz header names the dictionary its decoder
+        # fills: a 150 KiB upload held 1 GiB of the node's memory while it unpacked. What
+        # LZMAFile reads through, with the limit zstd has by default (xz -9 needs 65 MiB).
+        reader = _compression.DecompressReader(
+            raw, lzma.LZMADecompressor, trailing_error=lzma.LZMAError, memlimit=XZ_MEMORY
+        )
+        return io.BufferedReader(reader)  # type: ignore[arg-type]
     return raw
 
 

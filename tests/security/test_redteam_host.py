@@ -498,3 +498,33 @@ def test_aufs_bookkeeping_at_a_layer_s_top_is_skipped_as_docker_skips_it(tmp_pat
     blob.write_bytes(LayerTar().file("d/.wh..wh.plnk/1234", b"x").bytes())  # anywhere else: refused
     with pytest.raises(InvalidRequest):
         apply_layer(blob, tmp_path / "other")
+
+
+# -- decompressors hold what their header asks -----------------------------------------------------
+def xz_with_a_large_dictionary(tmp_path: Path, dictionary: int = 512 << 20, zeros: int = 64 << 20) -> Path:
+    """A tar of one file of zeros, xz'd with a dictionary of ``dictionary`` bytes: a few KiB that
+    the decoder unpacks into as much memory as it writes, up to the dictionary's size."""
+    import lzma
+
+    info = tarfile.TarInfo("zeros")
+    info.size = zeros
+    compressor = lzma.LZMACompressor(filters=[{"id": lzma.FILTER_LZMA2, "preset": 0, "dict_size": dictionary}])
+    parts = [compressor.compress(info.tobuf())]
+    parts += [compressor.compress(bytes(1 << 20)) for _ in range(zeros >> 20)]
+    parts += [compressor.compress(bytes(1024)), compressor.flush()]
+    path = tmp_path / "bomb.tar.xz"
+    path.write_bytes(b"".join(parts))
+    return path
+
+
+def test_an_xz_stream_gets_the_memory_zstd_gets(tmp_path: Path) -> None:
+    bomb = xz_with_a_large_dictionary(tmp_path)
+    with pytest.raises(InvalidRequest) as layer:
+        apply_layer(bomb, tmp_path / "layer")
+    with pytest.raises(InvalidRequest) as context:
+        unpack_context(bomb, tmp_path / "context", LIMITS)
+    assert layer.value.status == context.value.status == 400
+    assert "memory" in context.value.message.lower()
+    fine = xz_with_a_large_dictionary(tmp_path, dictionary=64 << 20, zeros=1 << 20)  # xz -9's
+    unpack_context(fine, tmp_path / "fine", LIMITS)
+    assert (tmp_path / "fine" / "zeros").stat().st_size == 1 << 20
