@@ -52,6 +52,7 @@ async def recover(node: Node) -> None:
         log.info("removed %d orphaned instances", len(removed))
     await asyncio.to_thread(sweep_scratch, node)
     await gc_files(node)
+    await node.files.secure_mounts()  # what stayed mounted: mount() leaves a mounted layer alone
     uppers = {sb.rec.upper for sb in node.sandboxes.values()}
     for layer_id in referenced_layers(node):
         await node.files.mount(layer_id, writable=layer_id in uppers)

@@ -32,6 +32,7 @@ SPARE_REFILL_QUIET_SECONDS = 1.0
 SPARE_SIZE_KEEP_SECONDS = 3600.0
 MAX_SPARE_SIZES = 4
 OTHER_SIZE_SPARES = 2
+UNTRUSTED_BITS = os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC  # hostexec.UNTRUSTED_FLAGS, as statvfs says them
 ENTRY_COST = 4096  # what the cache counts for an entry of a layer, at the least (one block)
 MKFS = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", "-m", "0"]
 
@@ -216,6 +217,20 @@ class LayerStore:
         mnt.mkdir(exist_ok=True)
         opts = ",".join(("loop", "noatime", *hostexec.UNTRUSTED_FLAGS, *(() if writable else ("ro",))))
         await hostexec.run(["mount", "-o", opts, str(img), str(mnt)], timeout=60)
+
+    async def secure_mounts(self) -> None:
+        """Give the untrusted flags to layer mounts that lack them: a restart keeps what is
+        mounted, and a version before them (or a crash of one) left setuid files and device nodes
+        that sandbox root made live on the host."""
+        for layer_id in self.layer_ids():
+            mnt = self.layers / layer_id
+            if not os.path.ismount(mnt):
+                continue
+            flags = os.statvfs(mnt).f_flag
+            if flags & UNTRUSTED_BITS != UNTRUSTED_BITS:
+                kept = ("ro",) if flags & os.ST_RDONLY else ()
+                opts = ",".join(("remount", *kept, *hostexec.UNTRUSTED_FLAGS))
+                await hostexec.run(["mount", "-o", opts, str(mnt)], timeout=60)
 
     async def make_read_only(self, layer_id: str) -> None:
         """Seal for good: called once the instance that wrote the layer is gone."""

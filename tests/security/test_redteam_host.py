@@ -10,6 +10,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tarfile
 import tempfile
@@ -528,3 +529,29 @@ def test_an_xz_stream_gets_the_memory_zstd_gets(tmp_path: Path) -> None:
     fine = xz_with_a_large_dictionary(tmp_path, dictionary=64 << 20, zeros=1 << 20)  # xz -9's
     unpack_context(fine, tmp_path / "fine", LIMITS)
     assert (tmp_path / "fine" / "zeros").stat().st_size == 1 << 20
+
+
+# -- mounts a restart keeps ------------------------------------------------------------------------
+@pytest.mark.sandbox
+def test_mounts_a_crash_or_an_older_version_left_get_the_untrusted_flags(e2b_env: Server) -> None:
+    """A crash keeps the paused sandboxes' uppers and the sealed layers mounted, and the restart
+    left a mounted layer alone: mounts an older version made without nosuid,nodev,noexec (played
+    here by remounting them so) stayed that way."""
+    from tests.security.test_host_side import assert_untrusted_mounts, mounts_under
+
+    sbx = Sandbox.create(timeout=300)
+    try:
+        sbx.files.write("/home/user/kept.txt", "kept")
+        assert sbx.pause()
+        layers = e2b_env.data_dir / "fs" / "layers"
+        loosened = {point: opts for point, opts in mounts_under(layers).items() if point != str(layers)}
+        assert loosened
+        for point, opts in loosened.items():
+            kept = ",ro" if "ro" in opts else ""
+            subprocess.run(["mount", "-o", f"remount,suid,dev,exec{kept}", point], check=True)
+        e2b_env.restart(signal.SIGKILL)
+        seen = assert_untrusted_mounts(e2b_env.data_dir)
+        assert set(loosened) & set(seen)  # the same mounts, kept, now with the flags
+        assert Sandbox.connect(sbx.sandbox_id).files.read("/home/user/kept.txt") == "kept"
+    finally:
+        sbx.kill()
