@@ -76,6 +76,9 @@ class Backend(Protocol):
         ...
 
 
+KEY_DEPTH = 2  # directories a key has (chunks/ab/<sha256>, entries/templates/<id>.json)
+
+
 class PosixBackend:
     """Objects as files under a root directory (local disk or a shared mount)."""
 
@@ -86,6 +89,16 @@ class PosixBackend:
             datadir.private_dir(root)  # what templates and snapshots hold: the node's alone
         except OSError as exc:
             raise RepositoryUnavailable(f"cannot create the repository directory {root}: {exc}") from exc
+
+    def _walk(self, base: Path) -> Iterator[tuple[str, list[str]]]:
+        """(directory, file names) below ``base``, no deeper than keys go: whoever else writes
+        the directory could put a tree there thousands deep, and os.walk recurses (a listing that
+        overflowed the stack stopped every node sharing the repository from starting)."""
+        top = len(self.root.parts)
+        for dirpath, dirnames, filenames in os.walk(base):
+            if len(Path(dirpath).parts) - top >= KEY_DEPTH:
+                dirnames[:] = []  # os.walk goes only into what is left here
+            yield dirpath, filenames
 
     def _path(self, key: str) -> Path:
         if key.startswith("/") or ".." in key.split("/"):
@@ -208,7 +221,7 @@ class PosixBackend:
         base = self._path(prefix.rstrip("/")) if prefix else self.root
         if not base.is_dir():
             return
-        for dirpath, _dirnames, filenames in os.walk(base):
+        for dirpath, filenames in self._walk(base):
             for name in filenames:
                 if name.startswith((".put-", ".lock-")):
                     continue  # an interrupted put or a conditional change's lock: never an object
@@ -229,7 +242,7 @@ class PosixBackend:
     def sweep_partial_puts(self, older_than: float) -> int:
         """Remove temp files of puts interrupted by a crash."""
         now, removed = time.time(), 0
-        for dirpath, _dirnames, filenames in os.walk(self.root):
+        for dirpath, filenames in self._walk(self.root):
             for name in filenames:
                 path = os.path.join(dirpath, name)
                 try:

@@ -555,3 +555,22 @@ def test_mounts_a_crash_or_an_older_version_left_get_the_untrusted_flags(e2b_env
         assert Sandbox.connect(sbx.sandbox_id).files.read("/home/user/kept.txt") == "kept"
     finally:
         sbx.kill()
+
+
+def test_a_deep_tree_in_the_repository_does_not_stop_its_listings(deep_tmp: Path) -> None:
+    """Whoever else writes a repository directory put a tree 1200 deep under entries/: listing
+    it overflowed the stack, and every node sharing the repository failed to start."""
+    repo = Repository(PosixBackend(deep_tmp / "repo"))
+    ref = put_artifact(repo, "layer", "kept", empty_files(1))
+    for where in ("entries/templates", "chunks/ab"):
+        (deep_tmp / "repo" / where).mkdir(parents=True, exist_ok=True)
+        fd = os.open(deep_tmp / "repo" / where, os.O_RDONLY | os.O_DIRECTORY)
+        for _ in range(1200):  # by fds: the path would be longer than PATH_MAX
+            os.mkdir("d", dir_fd=fd)
+            deeper = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+        os.close(fd)
+    assert repo.entries("template") == []
+    assert repo.find_artifact("layer", "kept") is not None and ref.id == "kept"
+    assert any(info.key.startswith("chunks/") for info in repo.backend.list("chunks/"))
