@@ -296,8 +296,10 @@ class Repository:
             entry = json.loads(data)
         except ValueError:
             raise ArtifactDamaged(f"{kind} {entry_id}: its entry in the repository is not valid JSON") from None
+        if not isinstance(entry, dict):
+            raise ArtifactDamaged(f"{kind} {entry_id}: its entry in the repository is not a JSON object")
         if entry.get("format") != ENTRY_FORMAT:
-            raise ArtifactDamaged(f"{kind} {entry_id}: unknown entry format {entry.get('format')!r}")
+            raise ArtifactDamaged(f"{kind} {entry_id}: unknown entry format {str(entry.get('format'))[:100]!r}")
         return dict(entry)
 
     def entries(self, kind: EntryKind, damaged: set[str] | None = None) -> list[dict[str, Any]]:
@@ -305,6 +307,9 @@ class Repository:
         out = []
         for info in self.backend.list(f"entries/{kind}s/"):
             entry_id = info.key.rsplit("/", 1)[-1].removesuffix(".json")
+            if not is_valid_id(entry_id):  # whoever else writes the repository: not one of ours
+                log.error("skipping %s: not an entry's name", info.key[:200])
+                continue
             try:
                 entry = self.get_entry(kind, entry_id)
             except ArtifactDamaged as exc:

@@ -574,3 +574,20 @@ def test_a_deep_tree_in_the_repository_does_not_stop_its_listings(deep_tmp: Path
     assert repo.entries("template") == []
     assert repo.find_artifact("layer", "kept") is not None and ref.id == "kept"
     assert any(info.key.startswith("chunks/") for info in repo.backend.list("chunks/"))
+
+
+def test_odd_entries_in_the_repository_are_skipped_one_by_one(tmp_path: Path) -> None:
+    """An entry that is JSON but no object stopped every node sharing the repository from
+    starting (AttributeError), and one file under entries/ with an odd name kept the whole
+    catalogue from being read."""
+    from aenv.repo.repository import ENTRY_FORMAT
+
+    repo = Repository(PosixBackend(tmp_path / "repo"))
+    good = {"format": ENTRY_FORMAT, "id": "good", "record": {}}
+    repo.backend.put("entries/templates/good.json", json.dumps(good).encode())
+    for n, body in enumerate((b"[]", b"7", b'"x"', b"null")):
+        repo.backend.put(f"entries/templates/odd{n}.json", body)
+    repo.backend.put("entries/templates/not an id!.json", json.dumps(good).encode())
+    damaged: set[str] = set()
+    assert [e["id"] for e in repo.entries("template", damaged)] == ["good"]
+    assert damaged == {"odd0", "odd1", "odd2", "odd3"}
