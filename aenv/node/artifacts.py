@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aenv.errors import AenvError, ArtifactDamaged
 from aenv.node import metrics
-from aenv.node.store import SnapshotRecord, TemplateRecord
+from aenv.node.store import SnapshotRecord, TemplateRecord, well_typed
 from aenv.repo.repository import ArtifactRef, EntryKind, LocalArtifact, Repository, is_valid_id
 from aenv.storage.confined import remove_tree
 from aenv.storage.layers import new_id
@@ -473,6 +473,9 @@ def _record_of(cls: type[R], entry: dict[str, Any]) -> R | None:
         rec.committed_at, rec.commit = float(entry["committed_at"]), dict(entry.get("commit") or {})
     except (KeyError, TypeError, ValueError) as exc:
         log.error("repository entry %r is malformed (%s): not imported", entry.get("id"), exc)
+        return None
+    if not well_typed(rec):
+        log.error("repository %s %r has fields of the wrong type: not imported", kind_of(rec), rec.id)
         return None
     ids: list[object] = [rec.id, rec.image, *([rec.guest] if rec.guest else [])]
     ids += rec.layers if isinstance(rec.layers, list) else [rec.layers]  # JSON gave it: maybe no list

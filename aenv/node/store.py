@@ -7,13 +7,16 @@ named by the ids stored here.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import aiosqlite
 
 from aenv.node.state import SandboxState
+
+log = logging.getLogger("aenv.node")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (id TEXT PRIMARY KEY, body TEXT NOT NULL, state TEXT NOT NULL);
@@ -124,6 +127,38 @@ def _known(cls: type[Any], body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k in names}
 
 
+def well_typed(rec: Any) -> bool:
+    """Whether every field of a record has the type it declares. Records are made from JSON by
+    field names alone, and the repository's are written by others: a number for `aliases` made
+    every template lookup raise, a number for `name` every /health."""
+    hints = get_type_hints(type(rec))
+    return all(_has_type(getattr(rec, f.name), hints[f.name]) for f in fields(rec))
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    if hint is Any:
+        return True
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is list:
+        return isinstance(value, list) and all(_has_type(v, args[0]) for v in value)
+    if origin is dict:
+        key, item = args
+        return isinstance(value, dict) and all(_has_type(k, key) and _has_type(v, item) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _kept(records: list[T]) -> list[T]:
+    """The records of the right types: an older version imported the repository's untyped."""
+    for rec in records:
+        if not well_typed(rec):
+            log.error("record %.100r has fields of the wrong type: ignored", getattr(rec, "id", "?"))
+    return [rec for rec in records if well_typed(rec)]
+
+
 class Store:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -175,7 +210,7 @@ class Store:
 
     async def templates(self) -> list[TemplateRecord]:
         async with self.db.execute("SELECT body FROM templates") as cur:
-            return [TemplateRecord.from_json(row[0]) async for row in cur]
+            return _kept([TemplateRecord.from_json(row[0]) async for row in cur])
 
     # -- snapshots --------------------------------------------------------------------------------
     async def put_snapshot(self, rec: SnapshotRecord) -> None:
@@ -188,7 +223,7 @@ class Store:
 
     async def snapshots(self) -> list[SnapshotRecord]:
         async with self.db.execute("SELECT body FROM snapshots") as cur:
-            return [SnapshotRecord.from_json(row[0]) async for row in cur]
+            return _kept([SnapshotRecord.from_json(row[0]) async for row in cur])
 
     # -- meta ---------------------------------------------------------------------------------------
     async def get_meta(self, key: str) -> str | None:

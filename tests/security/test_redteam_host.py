@@ -42,7 +42,7 @@ from tests.security.test_build_confinement import (  # noqa: F401 - fixtures too
     untouched,
 )
 from tests.security.test_host_side import as_nobody
-from tests.security.test_uploads_and_repo import gnu_tar, put_artifact
+from tests.security.test_uploads_and_repo import after_a_while, base_entry, create, gnu_tar, put_artifact, put_entry
 
 LIMITS = ContextLimits(upload=1 << 30, unpacked=1 << 30, entries=1000, headroom=0)
 
@@ -591,3 +591,43 @@ def test_odd_entries_in_the_repository_are_skipped_one_by_one(tmp_path: Path) ->
     damaged: set[str] = set()
     assert [e["id"] for e in repo.entries("template", damaged)] == ["good"]
     assert damaged == {"odd0", "odd1", "odd2", "odd3"}
+
+
+ILL_TYPED = [
+    {"aliases": 5},
+    {"aliases": [7]},
+    {"name": 12},
+    {"env_vars": ["A=1"]},
+    {"env_vars": {"A": 1}},
+    {"limits": "big"},
+    {"created_at": "yesterday"},
+    {"description": {"x": 1}},
+    {"user": None},
+]
+
+
+@pytest.mark.sandbox
+def test_ill_typed_repository_records_are_not_imported(api: httpx.Client, server: Server) -> None:
+    """Records are imported by field names, not types: one whose aliases were a number made every
+    template lookup (every create, every build FROM a template) a 500 on every node sharing the
+    repository, and one with odd types broke the template listing."""
+    repo = Repository(PosixBackend(server.data_dir / "repo"))
+    base = base_entry(api, repo)
+    names = [put_entry(repo, base, **fields) for fields in ILL_TYPED]
+    after_a_while()
+    try:
+        for name in names:  # each create of an unknown name has the node read the repository
+            r = create(api, name)
+            if r.status_code == 201:
+                api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+            assert r.status_code == 404, (name, r.text)
+            assert create(api, fresh("unknown")).status_code == 404  # a lookup past every record
+        r = create(api, "base")
+        assert r.status_code == 201, r.text
+        api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+        assert api.get("/templates").status_code == 200
+    finally:
+        ours = {name.removeprefix("repo-") for name in names}
+        for info in list(repo.backend.list("entries/templates/")):
+            if info.key.rsplit("/", 1)[-1][:8] in ours:
+                repo.backend.remove(info.key)
