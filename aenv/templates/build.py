@@ -30,6 +30,7 @@ from aenv.node.housekeeping import BUILD_CACHE
 from aenv.node.orchestrator import Node
 from aenv.node.store import TemplateRecord
 from aenv.storage.confined import WILDCARDS, PathRefused, View, remove_tree
+from aenv.storage.space import SpaceWatch, ensure_space, headroom
 from aenv.templates import dockerfile as df
 from aenv.templates.builder import BuildFailed, LogFn, StartCommand, build_instance, commit_template, run_process, seal
 from aenv.templates.images import conventions_layer, layers_view
@@ -265,6 +266,7 @@ async def _step(
         owner = await asyncio.to_thread(_owner, node, state.layers, instr.flags.get("chown"), instr.line)
         key = state.chain(kw, digest, dest, owner, instr.flags.get("chmod"))
         layers = list(state.layers)
+        room = SpaceWatch(headroom(node.settings), f"line {instr.line}: {kw}")
         with _refusals(instr.line):
             return await _layer(
                 node,
@@ -272,7 +274,7 @@ async def _step(
                 key,
                 cache,
                 announce,
-                lambda root: _copy_into(layers_view(node, layers, root), source, files, dest, owner, chmod),
+                lambda root: _copy_into(layers_view(node, layers, root), source, files, dest, owner, chmod, room),
             )
     assert kw == "RUN", kw
     argv = instr.exec_form() or ["/bin/sh", "-c", instr.args]
@@ -318,6 +320,8 @@ async def _layer(
 
 
 async def _run(node: Node, state: State, argv: list[str], env: dict[str, str], line: int, log: LogFn) -> str | None:
+    # Each step's upper may take its disk quota of the host's disk: none starts at the headroom.
+    ensure_space(node.files.root, headroom(node.settings), 0, f"line {line}: RUN")
     async with build_instance(node, state.layers, f"build-step-{line}") as (link, _, upper):
         code, output = await run_process(link, argv, env=env, cwd=state.workdir, user=state.user, on_log=log)
         if code != 0:
@@ -414,19 +418,33 @@ def _id_of(view: View, name: str, table: str, line: int) -> int:
 
 
 def _copy_into(
-    target: View, context: View, files: list[Source], dest: str, owner: tuple[int, int], chmod: int | None
+    target: View,
+    context: View,
+    files: list[Source],
+    dest: str,
+    owner: tuple[int, int],
+    chmod: int | None,
+    room: SpaceWatch,
 ) -> None:
     """Write ``files`` at ``dest`` in the top layer of ``target``, resolving every path as the
-    sandbox will (links in the destination and the layers below followed inside the view)."""
+    sandbox will (links in the destination and the layers below followed inside the view). Each
+    COPY writes its sources again: ``room`` stops it (507) at the disk headroom."""
+    assert target.top is not None
     if not dest.endswith("/"):
         path = target.canonical(dest)
         if target.is_dir(path):  # COPY file /existing-dir puts the file in it, as Docker does
             path = posixpath.join(path, files[0].rel)
+        room.before(target.top, _size(files[0]))
         _put(target, context, files[0], path, owner, chmod)
         return
     base = target.make_dir(dest, owner)
     for item in files:
+        room.before(target.top, _size(item))
         _put(target, context, item, posixpath.join(base, item.rel), owner, chmod)
+
+
+def _size(item: Source) -> int:
+    return item.stat.st_size if stat.S_ISREG(item.stat.st_mode) else 0
 
 
 def _put(target: View, context: View, item: Source, path: str, owner: tuple[int, int], chmod: int | None) -> None:

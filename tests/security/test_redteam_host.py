@@ -631,3 +631,46 @@ def test_ill_typed_repository_records_are_not_imported(api: httpx.Client, server
         for info in list(repo.backend.list("entries/templates/")):
             if info.key.rsplit("/", 1)[-1][:8] in ours:
                 repo.backend.remove(info.key)
+
+
+# -- host writes a build makes: within the headroom --------------------------------------------------
+@pytest.fixture()
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 GiB ext4 file system of its own: a node's data dir there fills the same way whatever
+    else the machine's disk does."""
+    disk, mountpoint = tmp_path / "disk.img", tmp_path / "mnt"
+    with open(disk, "wb") as f:
+        f.truncate(1 << 30)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(disk)], check=True)
+    mountpoint.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(disk), str(mountpoint)], check=True)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+@pytest.mark.sandbox
+def test_copies_stop_at_the_disk_headroom(registry: Registry, small_disk: Path) -> None:  # noqa: F811
+    """Each COPY writes its sources again, with no look at the free space: a context of 250 MiB
+    of zeros (a few hundred KiB sent) copied by N steps wrote N x 250 MiB on the host's disk."""
+    env = {"AENV_BUILD_BASE": "false", "AENV_REPO": "none", "AENV_SPARE_UPPERS": "0", "AENV_DISK_HEADROOM_MB": "300"}
+    srv = start_server(small_disk / "data", extra_env=env, wait_for=None)
+    try:
+        raw = io.BytesIO()
+        with tarfile.open(fileobj=raw, mode="w|gz") as tar:
+            data = f"FROM {image(registry)}\nCOPY big /a\nCOPY big /b\nCOPY big /c\n".encode()
+            info = tarfile.TarInfo("Dockerfile")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            info = tarfile.TarInfo("big")
+            info.size = 250 * MiB
+            tar.addfile(info, io.BytesIO(bytes(info.size)))
+        with srv.client() as api:
+            r = api.post("/templates/build", params={"name": "copies"}, content=raw.getvalue(), timeout=600)
+        last = json.loads(r.text.strip().splitlines()[-1])
+        assert "error" in last and last["error"]["code"] == 507, last
+        assert "COPY" in last["error"]["message"] and "nearly full" in last["error"]["message"], last
+        assert os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize >= 250 * MiB
+    finally:
+        srv.stop()
