@@ -11,13 +11,15 @@ import json
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec
 from aenv.runtime.base import MAX_NPROC, Instance, Limits, RootfsSpec, Usage
-from aenv.storage.datadir import sandbox_dir
+from aenv.storage.confined import lstat_at, open_dir_at, open_root, remove_at
+from aenv.storage.datadir import SANDBOX_DIR, sandbox_dir
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,26 @@ def limit_all_sandboxes() -> None:
         (parent / "pids.max").write_text(str(all_sandboxes_tasks_limit()))
     except OSError as exc:  # not root, or no cgroup v1 pids controller: runsc would fail as well
         log.warning("cannot limit the host tasks of all sandboxes in %s: %s", parent, exc)
+
+
+def _guest_mount_point(upper: Path) -> None:
+    """Where the guest bundle is mounted, made a directory in the upper: whatever the layers
+    have there (an image's link to a host path) is hidden from the sandbox and never looked at
+    on the host, where the merged root file system would follow it."""
+    name = guestbundle.GUEST_MOUNT.lstrip("/")
+    fd = open_root(upper)
+    try:
+        found = lstat_at(fd, name)
+        if found is not None and not stat.S_ISDIR(found.st_mode):
+            remove_at(fd, name)
+            found = None
+        if found is None:
+            os.mkdir(name, 0o700, dir_fd=fd)
+            point = open_dir_at(fd, name)
+            os.fchmod(point, SANDBOX_DIR)  # the node's umask is not its users'
+            os.close(point)
+    finally:
+        os.close(fd)
 
 
 class GVisorDriver:
@@ -199,6 +221,7 @@ class GVisorDriver:
         if not upper.is_dir():
             sandbox_dir(upper)
         work.mkdir(parents=True, exist_ok=True)
+        _guest_mount_point(upper)
         # index=off: after a snapshot the old instance's upper becomes a lower of new overlays while
         # the old (inert) overlay may still be unmounting; that is safe, and only a warning then.
         lower = ":".join(str(p) for p in reversed(rootfs.layers))
@@ -214,9 +237,6 @@ class GVisorDriver:
             opts = f"lowerdir={lower},upperdir={upper_rel},workdir={work_rel},index=off"
             opts = ",".join((*hostexec.NOSUID_NODEV, opts))
             await hostexec.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(target)], cwd=base)
-        mountpoint = target / guestbundle.GUEST_MOUNT.lstrip("/")
-        if not mountpoint.is_dir():
-            sandbox_dir(mountpoint)
         return target
 
     async def _start(self, argv: list[str], instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:

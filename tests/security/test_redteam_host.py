@@ -37,6 +37,7 @@ from tests.security.test_build_confinement import (  # noqa: F401 - fixtures too
     dockerfile,
     fresh,
     image,
+    in_sandbox,
     post_context,
     registry,
     untouched,
@@ -674,3 +675,25 @@ def test_copies_stop_at_the_disk_headroom(registry: Registry, small_disk: Path) 
         assert os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize >= 250 * MiB
     finally:
         srv.stop()
+
+
+# -- the guest bundle's mount point ----------------------------------------------------------------
+@pytest.mark.sandbox
+def test_an_image_s_own_aenv_is_hidden_not_followed(
+    registry: Registry,
+    e2b_env: Server,
+    api: httpx.Client,
+    canary: Path,  # noqa: F811
+) -> None:
+    """/.aenv is where the agent's bundle is mounted. The host looked at it in the merged root
+    file system, following an image's link there (to a host path); one that led nowhere made
+    every boot of the template fail (500)."""
+    for target in (str(canary / "nowhere"), str(canary / "secret"), str(canary)):
+        name = fresh("aenv-link")
+        hostile = image(registry, LayerTar().symlink(".aenv", target))
+        r = api.post("/templates/from-image", json={"name": name, "image": hostile})
+        assert r.status_code == 201, (target, r.text)
+        ((code, out),) = in_sandbox(name, "ls /.aenv/bin && test -d /.aenv && echo ok")
+        assert code == 0 and out.endswith("ok\n"), out
+        api.delete(f"/templates/{name}")
+    assert untouched(canary)
