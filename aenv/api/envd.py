@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import posixpath
@@ -348,7 +349,18 @@ async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: Asyn
                 raise
             # The agent ended the write before all was sent (e.g. refused the path): its answer says why.
         result = await link.within(stream.result(), "fs.write")
-    except BaseException:
+    except Exception as exc:
+        if stream.remote_ended:
+            raise
+        if isinstance(exc, ChannelClosed | AgentUnavailable | AgentTimeout):
+            stream.cancel()  # the agent is gone or not answering: nothing to wait for
+        else:
+            # The upload failed on this side (a body that does not decode, a client that left):
+            # the agent removes the partial file, and the answer goes out once it has.
+            with contextlib.suppress(AenvError):
+                await link.within(stream.abandon(), "fs.write")
+        raise
+    except BaseException:  # cancelled (a kill): never wait
         if not stream.remote_ended:
             stream.cancel()
         raise

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from aenv.config import MAX_NPROC
 from aenv.guest.agent import AGENT_VERSION
 from aenv.node.orchestrator import LiveSandbox, Node
 from aenv.node.state import PUBLIC_STATE
@@ -33,7 +34,7 @@ class Limits(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
     cpu_count: float | None = Field(None, alias="cpuCount", gt=0, le=64)
     memory_mb: int | None = Field(None, alias="memoryMB", ge=128, le=262144)
-    nproc: int | None = Field(None, ge=16, le=65536)
+    nproc: int | None = Field(None, ge=16, le=MAX_NPROC)
     disk_mb: int | None = Field(None, alias="diskSizeMB", ge=64, le=1048576)
 
 

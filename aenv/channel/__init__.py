@@ -244,6 +244,21 @@ class Stream:
         except ChannelClosed:
             pass
 
+    async def abandon(self) -> None:
+        """End the stream without a result, then wait for the peer's END: what the peer does with
+        a stream given up (a write removes its partial file) is done when this returns. The caller
+        bounds the wait; on a peer that may have stopped reading, use :meth:`cancel`."""
+        try:
+            if not self.ended:
+                self.ended = True
+                await self.channel._write(encode(END, self.id, dumps({})))
+            while not self.remote_ended:
+                await self.recv()
+        except ChannelClosed:
+            pass
+        finally:
+            self.channel._streams.pop(self.id, None)
+
     def cancel(self) -> None:
         """Like :meth:`end` without a result, but never waits: cleanup must not hang on a peer
         that has stopped reading."""

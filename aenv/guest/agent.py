@@ -10,6 +10,7 @@ import asyncio
 import base64
 import itertools
 import os
+import resource
 import signal
 import socket
 import stat
@@ -25,7 +26,7 @@ from aenv.guest import files, processes, safeio
 from aenv.guest.egress import PROXY_ENV, EgressProxy
 from aenv.guest.processes import SIGNALS, ProcessError, ProcessTable
 from aenv.guest.sentry import HeapRelease
-from aenv.guest.sockets import checkpoint_blockers, relay_in_thread
+from aenv.guest.sockets import checkpoint_blockers, on_own_thread, relay_in_thread
 from aenv.guest.sudo import SudoServer
 from aenv.guest.users import UnknownUser, User, lookup
 from aenv.guest.watch import Watcher
@@ -123,7 +124,11 @@ class Agent:
             self.env = {str(k): str(v) for k, v in config["env"].items()}
         self.default_user = config.get("user", self.default_user)
         if config.get("nproc"):
-            self.procs.nproc = int(config["nproc"])
+            # Raising a command's limit above the agent's own is refused (EPERM); an agent that was
+            # checkpointed with a lower one (by an older node) gives its commands what it has.
+            own = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+            wanted = int(config["nproc"])
+            self.procs.nproc = wanted if own == resource.RLIM_INFINITY else min(wanted, own)
         self.workdir = config.get("workdir", self.workdir)
         sandbox_id = self.env.get("E2B_SANDBOX_ID")
         if sandbox_id:
@@ -511,7 +516,7 @@ async def fs_watch(agent: Agent, stream: Stream) -> None:
 @handler("tunnel.open", streaming=True)
 async def tunnel_open(agent: Agent, stream: Stream) -> None:
     port = int(stream.params.get("port", 0))
-    conn = await asyncio.get_running_loop().run_in_executor(None, _connect_loopback, port)
+    conn = await on_own_thread(_connect_loopback, port, name="tunnel-connect")
     if conn is None:
         await stream.end(error=("unavailable", f"port {port} is not open"))
         return

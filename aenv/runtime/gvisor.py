@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from aenv.config import MAX_NPROC
 from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec
 from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
@@ -121,7 +122,8 @@ class GVisorDriver:
                 "cwd": "/",
                 "capabilities": {k: CAPS for k in ("bounding", "effective", "permitted")},
                 "rlimits": [
-                    {"type": "RLIMIT_NPROC", "hard": nproc, "soft": nproc},
+                    # The agent's own, kept through every restore; each command gets the sandbox's.
+                    {"type": "RLIMIT_NPROC", "hard": MAX_NPROC, "soft": MAX_NPROC},
                     {"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536},
                 ],
                 "noNewPrivileges": False,
