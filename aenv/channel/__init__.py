@@ -39,6 +39,7 @@ import asyncio
 import json
 import logging
 import struct
+from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -51,9 +52,10 @@ MAX_JSON = 4 * 1024 * 1024  # one OPEN, MSG or END frame: a request, an event, a
 MAX_CTRL = 1024 * 1024  # one CTRL frame (a thaw carries the sandbox's env)
 MAX_GUEST_STREAMS = 256  # streams the guest may have open at once (its egress connections)
 ITEM_FLOOR = 8  # a stream queues at most window // ITEM_FLOOR items: no real message is smaller
-COALESCE_BELOW = 16 * 1024  # small DATA frames queue as one item (see Stream._take)
+COALESCE_BELOW = 16 * 1024  # smaller frames queue back to back in one buffer (see _Run)
 SPLICE_CHUNK = 256 * 1024
 SPLICE_LINGER = 30.0  # after one direction ends, how long the other may go on
+END_LINGER = 2.0  # after the peer ends a spliced stream, how long its last data has to reach the socket
 DEFAULT_WINDOW = 4 * 1024 * 1024
 
 OPEN, MSG, DATA, EOF, END, CREDIT, CTRL = 1, 2, 3, 4, 5, 6, 7
@@ -152,6 +154,48 @@ class Item:
         return self._msg
 
 
+class _Run:
+    """Small frames queued back to back: their bytes in one buffer and four bytes of bookkeeping
+    each (length and kind), not an object each (~100 bytes: a window of one-byte messages would
+    cost a hundred windows). Consecutive small DATA frames join into one item."""
+
+    __slots__ = ("buf", "marks", "start", "next")
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.marks = array("I")  # length << 1 | (1 for MSG)
+        self.start = 0  # where the next item's bytes begin in buf
+        self.next = 0  # the next item's index in marks
+
+    def add(self, kind: int, payload: bytes) -> bool:
+        """Queue ``payload``; False when it joined the DATA item queued last (no new item)."""
+        self.buf += payload
+        marks = self.marks
+        if kind == DATA and self.next < len(marks) and not marks[-1] & 1 and marks[-1] >> 1 < COALESCE_BELOW:
+            marks[-1] += len(payload) << 1
+            return False
+        marks.append(len(payload) << 1 | (kind == MSG))
+        return True
+
+    def take(self) -> Item:
+        mark = self.marks[self.next]
+        end = self.start + (mark >> 1)
+        data = bytes(self.buf[self.start : end])
+        self.next += 1
+        if self.next == len(self.marks):  # all taken: start over
+            del self.buf[:], self.marks[:]
+            self.start = self.next = 0
+        elif end >= COALESCE_BELOW and end * 2 >= len(self.buf):  # drop what was taken (amortised)
+            del self.buf[:end], self.marks[: self.next]
+            self.start = self.next = 0
+        else:
+            self.start = end
+        return Item(MSG, _UNDECODED, data) if mark & 1 else Item(DATA, None, data)
+
+    def empty(self) -> bool:
+        return self.next == len(self.marks)
+
+
 class Stream:
     """One logical stream. Items arrive in order through :meth:`recv`."""
 
@@ -160,8 +204,8 @@ class Stream:
         self.id = sid
         self.method = method
         self.params = params if params is not None else {}
-        self._items: deque[Item] = deque()
-        self._pending: bytearray | None = None  # small DATA frames joined to the last item queued
+        self._items: deque[Item | _Run] = deque()
+        self._queued = 0  # items received and not taken (a run holds several)
         self._arrived = asyncio.Event()
         self._send_credit = channel.window
         self._credit_event = asyncio.Event()
@@ -178,9 +222,14 @@ class Stream:
         while not self._items:
             self._arrived.clear()
             await self._arrived.wait()
-        item = self._items.popleft()
-        if not self._items:
-            self._seal_tail(item)
+        head = self._items[0]
+        if isinstance(head, _Run):
+            item = head.take()
+            if head.empty():
+                self._items.popleft()
+        else:
+            item = self._items.popleft()
+        self._queued -= 1
         self._consumed(item)
         return item
 
@@ -255,45 +304,28 @@ class Stream:
 
     # -- called by the channel's reader ----------------------------------------------------------
     def _take(self, kind: int, payload: bytes) -> None:
-        """A MSG or DATA frame from the peer, within the credit it was given."""
+        """A MSG or DATA frame from the peer, within the credit it was given. What a stalled
+        consumer leaves queued costs its bytes: a frame of 16 KiB or more as it came (never
+        copied), smaller ones in a :class:`_Run`."""
         if self._recv_credit <= 0:
             raise ProtocolViolation(f"stream {self.id}: {len(payload)} bytes sent beyond the credit granted")
         self._recv_credit -= len(payload)
-        items = self._items
         if kind == MSG:
             loads(payload)  # checked now, decoded when used: a queued message costs its bytes only
-            item = Item(MSG, _UNDECODED, payload)
         elif not payload:
             raise ProtocolViolation(f"stream {self.id}: an empty DATA frame")
-        elif self._coalesce(payload):
+        if self._queued >= self.channel.window // ITEM_FLOOR:
+            raise ProtocolViolation(f"stream {self.id}: more than {self._queued} items queued")
+        if len(payload) >= COALESCE_BELOW:
+            self._deliver(Item(kind, _UNDECODED if kind == MSG else None, payload))
             return
-        else:
-            item = Item(DATA, None, payload)
-        if len(items) >= self.channel.window // ITEM_FLOOR:
-            raise ProtocolViolation(f"stream {self.id}: more than {len(items)} items queued")
-        self._deliver(item)
-
-    def _coalesce(self, payload: bytes) -> bool:
-        """Append a small DATA frame to a small DATA item still queued, if there is one.
-
-        While the consumer lags, tiny frames then cost their bytes, not a hundred times that in
-        per-item overhead; frames that arrive while nothing is queued are never copied."""
         tail = self._items[-1] if self._items else None
-        if tail is None or tail.kind != DATA or len(payload) >= COALESCE_BELOW:
-            return False
-        if self._pending is None:
-            if len(tail.data) >= COALESCE_BELOW:
-                return False
-            self._pending = bytearray(tail.data)
-        elif len(self._pending) >= COALESCE_BELOW:
-            return False
-        self._pending += payload
-        return True
-
-    def _seal_tail(self, tail: Item) -> None:
-        if self._pending is not None:
-            tail.data = bytes(self._pending)
-            self._pending = None
+        if not isinstance(tail, _Run):
+            tail = _Run()
+            self._items.append(tail)
+        if tail.add(kind, payload):
+            self._queued += 1
+        self._arrived.set()
 
     def _got_eof(self) -> None:
         if not self._eof:  # a repeated EOF says nothing new
@@ -306,9 +338,8 @@ class Stream:
             self.peer_end.set()
             self._credit_event.set()
             self.channel._streams.pop(self.id, None)
-        if self._items:
-            self._seal_tail(self._items[-1])
         self._items.append(item)
+        self._queued += 1
         self._arrived.set()
 
     def _grant(self, n: int) -> None:
@@ -558,8 +589,9 @@ class Channel:
             stream._grant(GRANT.unpack(payload)[0])
         elif kind == EOF:
             stream._got_eof()
-        else:
-            stream._deliver(Item(END, _object(payload, "an END") if payload else {}))
+        else:  # checked now, decoded when used: held, it costs its bytes, not a tree of objects
+            _object(payload or b"{}", "an END")
+            stream._deliver(Item(END, _UNDECODED, payload or b"{}"))
 
     def _serve_peer(self, sid: int, payload: bytes) -> None:
         if sid in self._streams or (sid % 2 == self._next_id % 2 and sid < self._next_id):
@@ -582,12 +614,13 @@ class Channel:
         """Run the handler; a stream the peer opened always gets its END, whatever the handler did."""
         try:
             await (self._on_open or _refuse_open)(stream)
+        except ChannelClosed:
+            pass  # the peer ended the stream or the pipe is gone: its doing, not worth a traceback in the log
         except Exception:
             log.exception("serving %r on stream %d failed", stream.method, stream.id)
             await stream.end(error=("internal", f"serving {stream.method!r} failed"))
-        else:
-            if not stream.remote_ended:
-                await stream.end(error=("internal", f"{stream.method!r} ended without an answer"))
+        if not stream.remote_ended:
+            await stream.end(error=("internal", f"{stream.method!r} ended without an answer"))
 
     def _check_late(self, kind: int, sid: int, payload: bytes) -> None:
         """A frame for a stream already forgotten (ended while it was on its way): checked, dropped."""
@@ -606,7 +639,10 @@ def _bad_header(kind: int, sid: int, length: int) -> str:
 async def splice(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Copy bytes both ways between a stream and a TCP connection until the exchange is over.
 
-    Half-closes pass through (EOF each way); the caller ends the stream afterwards."""
+    Half-closes pass through (EOF each way); the caller ends the stream afterwards. Once the peer
+    has ended the stream, what it queued has END_LINGER to reach the socket: a connection whose far
+    end never reads must not hold the peer's data (and a socket) after the stream is gone, or a
+    peer could end and reopen streams past any limit on how many it may have open."""
 
     async def inbound() -> None:  # stream -> socket
         while True:
@@ -627,13 +663,23 @@ async def splice(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.S
 
     into = asyncio.ensure_future(inbound())
     out = asyncio.ensure_future(outbound())
+    ended = asyncio.ensure_future(stream.peer_end.wait())
     try:
-        await asyncio.wait({into, out}, return_when=asyncio.FIRST_COMPLETED)
-        if out.done() and not into.done():
-            await asyncio.wait({into}, timeout=SPLICE_LINGER)  # the other side may still be talking
+        await asyncio.wait({into, out, ended}, return_when=asyncio.FIRST_COMPLETED)
+        if out.done() and not into.done():  # the other side may still be talking
+            await asyncio.wait({into, ended}, timeout=SPLICE_LINGER, return_when=asyncio.FIRST_COMPLETED)
+        if ended.done() and not into.done():
+            await asyncio.wait({into}, timeout=END_LINGER)
     finally:
+        ended.cancel()
+        delivered = into.done()
         for task in (into, out):
             task.cancel()
             if task.done() and not task.cancelled():
                 task.exception()  # a reset connection or a closed channel just ends the exchange
-        writer.close()
+        # A far end that never reads would keep a closing transport (its buffer, its socket) for good.
+        if delivered:
+            writer.close()
+            asyncio.get_running_loop().call_later(END_LINGER, writer.transport.abort)
+        else:
+            writer.transport.abort()

@@ -1,0 +1,176 @@
+"""Red-team variants of issue 10 on the sandbox-facing side: the channel, egress and envd as a
+hostile sandbox (or a hostile agent answering the host) shapes them, beyond the cases the
+first fixes were written against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import tracemalloc
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from aenv.channel import DATA, END, ITEM_FLOOR, MAX_GUEST_STREAMS, MSG, OPEN, Channel, Stream
+from aenv.node.egress import EgressPolicy, guest_requests
+from tests.channel.test_channel import pipe_pair
+from tests.node.test_egress import host_address
+from tests.security.test_channel_hostile import RawPeer, frame
+
+MIB = 2**20
+WINDOW = MIB
+
+
+# -- the channel: what a hostile peer makes the host hold ------------------------------------------
+async def never_read(stream: Stream) -> None:
+    await asyncio.sleep(3600)
+
+
+@pytest.fixture()
+async def stalled_host() -> AsyncIterator[tuple[Channel, RawPeer]]:
+    """The host's channel as AgentLink sets it up (a smaller window, for speed) whose handlers of
+    guest streams never read."""
+    host_end, peer_end = await pipe_pair()
+    channel = Channel(on_open=never_read, window=WINDOW, max_peer_streams=MAX_GUEST_STREAMS)
+    channel.attach(*host_end)
+    peer = RawPeer(*peer_end)
+    yield channel, peer
+    channel.close()
+    peer.close()
+
+
+async def settled(channel: Channel, stream_ids: list[int], count: int) -> None:
+    """Until the host has queued ``count`` items on each stream (the pipe is drained)."""
+    for _ in range(600):
+        streams = [channel._streams.get(sid) for sid in stream_ids]
+        if channel.closed.is_set() or all(s is not None and s._queued >= count for s in streams):
+            return
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("shape", ["messages", "alternating"])
+async def test_queued_small_frames_cost_their_bytes_on_every_stream(
+    stalled_host: tuple[Channel, RawPeer], shape: str
+) -> None:
+    """Just under the item limit, one-byte messages (or one-byte messages and data frames in turn,
+    so that nothing joins) on streams nobody reads: the host holds their bytes and a few bytes
+    each, not an object each (~100 bytes: 49 MiB per stream of the default window's 512 KiB sent,
+    and a sandbox may open 256 streams)."""
+    channel, peer = stalled_host
+    count = WINDOW // ITEM_FLOOR - 1
+    sids = [1000 + 2 * n for n in range(3)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for sid in sids:
+            await peer.send(frame(OPEN, sid, b'{"m": "egress.connect", "p": {}}'))
+            one = frame(MSG, sid, b"7")
+            both = one + frame(DATA, sid, b"x")
+            await peer.send(one * count if shape == "messages" else both * (count // 2))
+        await settled(channel, sids, count - 1)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert not channel.closed.is_set(), channel.close_reason
+    assert grown < 2 * MIB * len(sids), f"{grown / MIB:.0f} MiB for {len(sids)} streams"
+    stream = channel._streams[sids[0]]
+    for n in range(1000):  # and every item comes out as it was sent
+        item = await stream.recv()
+        if shape == "messages" or n % 2 == 0:
+            assert (item.kind, item.msg) == (MSG, 7)
+        else:
+            assert (item.kind, item.data) == (DATA, b"x")
+
+
+async def test_a_held_end_costs_its_bytes_not_its_decoded_tree(stalled_host: tuple[Channel, RawPeer]) -> None:
+    """An END the consumer has not read yet is kept as the bytes that came (4 MiB of ``{}`` is
+    ~90 MiB of dicts once decoded), and decoded when read."""
+    channel, peer = stalled_host
+    streams = [await channel.open("fs.read", {}) for _ in range(3)]
+    body = b'{"result": [' + b",".join([b"{}"] * (4 * MIB // 3 - 10)) + b"]}"
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for stream in streams:
+            await peer.send(frame(END, stream.id, body))
+        for _ in range(200):
+            if all(s.remote_ended for s in streams):
+                break
+            await asyncio.sleep(0.05)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert all(s.remote_ended for s in streams) and not channel.closed.is_set()
+    assert grown < 3 * 8 * MIB, f"{grown / MIB:.0f} MiB held for three ENDs of {len(body) / MIB:.0f} MiB"
+    assert len(await streams[0].result()) == 4 * MIB // 3 - 10
+
+
+# -- egress: a guest that ends its streams cannot keep host connections past its limit ------------
+@pytest.fixture()
+def silent_listener() -> Iterator[tuple[str, int, list[socket.socket]]]:
+    """A listener on this node's address that accepts and never reads; the connections it holds."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    listener.bind((host_address(), 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield host_address(), int(listener.getsockname()[1]), held
+    listener.close()
+    for conn in held:
+        conn.close()
+
+
+def closed_by_host(conn: socket.socket) -> bool:
+    """Whether the host closed its end: what it sent is read first (a FIN comes after the data)."""
+    conn.settimeout(5)
+    try:
+        while conn.recv(MIB):
+            pass
+    except OSError:
+        return False
+    return True
+
+
+async def test_ended_egress_streams_release_their_connections_and_data(
+    silent_listener: tuple[str, int, list[socket.socket]],
+) -> None:
+    """Open a connection to a port that never reads, fill it until the host holds data for it,
+    end the stream, again and again: each END frees the guest's slot, so the host must let the
+    connection and what it holds go too, or a guest holds any number of them."""
+    addr, port, held = silent_listener
+    window, limit, rounds = 256 * 1024, 3, 2
+    host_end, guest_end = await pipe_pair()
+    policy = EgressPolicy.of(True, {"allowOut": [f"{addr}/32"]})
+    host = Channel(on_open=guest_requests("sbx", lambda: policy), window=window, max_peer_streams=limit)
+    guest = Channel(first_stream_id=2, window=window)
+    host.attach(*host_end)
+    guest.attach(*guest_end)
+    try:
+        for _ in range(rounds):
+            for _ in range(limit):
+                stream = await guest.open("egress.connect", {"host": addr, "port": port})
+                assert (await asyncio.wait_for(stream.recv(), 10)).kind == MSG  # connected
+                with pytest.raises(TimeoutError):  # until the host stops granting credit
+                    await asyncio.wait_for(stream.send_data(bytes(256 * MIB)), 2)
+                await stream.end()
+        for _ in range(100):
+            if not host._tasks:
+                break
+            await asyncio.sleep(0.1)
+        assert not host._tasks, f"{len(host._tasks)} egress handlers outlive their streams"
+        assert len(held) == rounds * limit and all(closed_by_host(conn) for conn in held)
+        assert not host.closed.is_set()
+    finally:
+        host.close()
+        guest.close()
