@@ -66,9 +66,11 @@ def never_reachable(addr: Address) -> bool:
 
 
 def plain(addr: Address) -> Address:
-    """IPv4-mapped IPv6 (::ffff:127.0.0.1) is judged as the IPv4 address it is."""
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped
+    """IPv6 that carries an IPv4 address to where it leads is judged as that address: IPv4-mapped
+    (::ffff:127.0.0.1) and 6to4 (2002:a00:1::, tunnelled to 10.0.0.1 where 6to4 is routed).
+    NAT64's 64:ff9b::/96 is reserved, hence never reachable."""
+    if isinstance(addr, ipaddress.IPv6Address):
+        return addr.ipv4_mapped or addr.sixtofour or addr
     return addr
 
 

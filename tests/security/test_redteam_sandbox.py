@@ -6,6 +6,7 @@ first fixes were written against.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import threading
 import tracemalloc
@@ -174,3 +175,16 @@ async def test_ended_egress_streams_release_their_connections_and_data(
     finally:
         host.close()
         guest.close()
+
+
+# -- egress: IPv6 spellings of addresses the policy keeps closed ------------------------------------
+@pytest.mark.parametrize(
+    "literal",
+    ["2002:a00:1::", "2002:c0a8:101::1", "2002:7f00:1::", "64:ff9b::a00:1", "64:ff9b::7f00:1", "::ffff:0:a00:1"],
+)
+def test_ipv6_that_carries_an_inside_ipv4_address_stays_closed(literal: str) -> None:
+    """6to4 (2002::/16) and NAT64 (64:ff9b::/96) addresses lead to the IPv4 address inside them:
+    the catch-all or internet access must not open a private or loopback address through them."""
+    addr = ipaddress.ip_address(literal)
+    for policy in (EgressPolicy.of(True, None), EgressPolicy.of(True, {"allowOut": ["0.0.0.0/0"]})):
+        assert policy.check(literal, addr) is not None, policy
