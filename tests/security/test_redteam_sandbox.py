@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 import threading
 import tracemalloc
@@ -188,3 +189,38 @@ def test_ipv6_that_carries_an_inside_ipv4_address_stays_closed(literal: str) -> 
     addr = ipaddress.ip_address(literal)
     for policy in (EgressPolicy.of(True, None), EgressPolicy.of(True, {"allowOut": ["0.0.0.0/0"]})):
         assert policy.check(literal, addr) is not None, policy
+
+
+# -- a hostile agent's answers, as the host takes them ------------------------------------------
+class Answering:
+    """An AgentLink stand-in whose agent answers every call with ``answer``."""
+
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+
+    async def call(self, method: str, params: object = None) -> object:
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        ["killed"],
+        "killed",
+        {"killed": ["1000"]},
+        {"killed": {"1000": "x" * 100_000}},
+        {"killed": {"1000\n2026-01-01 00:00:00 ERROR aenv.node forged": 5}},
+        {"killed": {str(n): n for n in range(1, 100_000)}},
+    ],
+    ids=["list", "string", "list-of-uids", "huge-count", "forged-line", "many-uids"],
+)
+async def test_a_contain_answer_cannot_fail_the_check_or_write_the_nodes_log(
+    answer: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aenv.node.housekeeping import _contain
+
+    with caplog.at_level(logging.INFO, logger="aenv.node"):
+        await _contain("sbx", Answering(answer), 900, 1000)  # type: ignore[arg-type]
+    for record in caplog.records:
+        text = record.getMessage()
+        assert "\n" not in text and len(text) < 1000, text[:200]
