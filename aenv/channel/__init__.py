@@ -110,7 +110,9 @@ def _sendable(obj: Any, limit: int, what: str) -> bytes:
     except ValueError as exc:  # NaN or Infinity: the peer would refuse it
         raise Unsendable("invalid_argument", f"{what} is not JSON: {exc}") from exc
     if len(payload) > limit:
-        raise Unsendable("resource_exhausted", f"{what} is {len(payload)} bytes, more than the limit of {limit}")
+        # out_of_range, not resource_exhausted: what was asked for is too large (a listing of a whole
+        # tree), not a resource running out (the SDKs read resource_exhausted as rate limiting).
+        raise Unsendable("out_of_range", f"{what} is {len(payload)} bytes, more than the limit of {limit}")
     return payload
 
 

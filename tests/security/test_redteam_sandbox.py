@@ -13,12 +13,14 @@ import threading
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
 
+import httpx
 import pytest
 
 from aenv.channel import DATA, END, ITEM_FLOOR, MAX_GUEST_STREAMS, MSG, OPEN, Channel, Stream
 from aenv.node.egress import EgressPolicy, guest_requests
 from tests.channel.test_channel import pipe_pair
 from tests.node.test_egress import host_address
+from tests.security.test_api_hostile import envd  # noqa: F401  (a fixture)
 from tests.security.test_channel_hostile import RawPeer, frame
 
 MIB = 2**20
@@ -224,3 +226,64 @@ async def test_a_contain_answer_cannot_fail_the_check_or_write_the_nodes_log(
     for record in caplog.records:
         text = record.getMessage()
         assert "\n" not in text and len(text) < 1000, text[:200]
+
+
+# -- envd on a real sandbox: what a client asks of a big or deep tree is an answer, not a 500 ------
+def run_as_root(client: httpx.Client, cmd: str) -> None:
+    r = client.post(
+        "/process.Process/Start",
+        json={"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}},
+        headers={"content-type": "application/json", "authorization": "Basic cm9vdDo="},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.sandbox
+def test_listing_a_tree_too_large_for_one_answer_is_a_client_error(
+    envd: tuple[httpx.Client, str],  # noqa: F811
+) -> None:
+    """ListDir of / at depth 100 is more than one answer holds: a 4xx that says so, not an internal
+    error blaming the disk quota (the answer's size limit was taken for a full disk)."""
+    client, _ = envd
+    r = client.post("/filesystem.Filesystem/ListDir", json={"path": "/", "depth": 100}, timeout=120)
+    assert r.status_code == 400 and r.json()["code"] == "out_of_range", r.text
+    assert "disk" not in r.json()["message"] and "more than the limit" in r.json()["message"], r.text
+    assert client.post("/filesystem.Filesystem/ListDir", json={"path": "/home", "depth": 2}).status_code == 200
+
+
+@pytest.mark.sandbox
+def test_a_tree_deeper_than_the_recursion_limit_is_listed_watched_and_removed_without_5xx(
+    envd: tuple[httpx.Client, str],  # noqa: F811
+) -> None:
+    client, _ = envd
+    deep = "/home/user/deep/" + "/".join(["d"] * 1500)
+    run_as_root(client, f"mkdir -p {deep}")
+    assert client.post("/filesystem.Filesystem/Stat", json={"path": deep}).status_code == 200
+    r = client.post("/filesystem.Filesystem/ListDir", json={"path": "/home/user/deep", "depth": 5000}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["entries"]) == 1500 and r.json()["entries"][-1]["path"] == deep
+    for path, msg in [
+        ("/filesystem.Filesystem/CreateWatcher", {"path": "/home/user/deep", "recursive": True}),
+        ("/filesystem.Filesystem/Remove", {"path": "/home/user/deep"}),
+    ]:
+        r = client.post(path, json=msg, timeout=120)
+        assert r.status_code < 500, (path, r.status_code, r.text)
+    assert client.post("/filesystem.Filesystem/Stat", json={"path": "/home/user"}).status_code == 200
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"name": "redteam-bool", "cpuCount": True},
+        {"name": "redteam-bool", "memoryMB": True},
+        {"name": "redteam-bool", "cpuCount": 1.5},
+        {"name": "redteam-bool", "memoryMB": "512"},
+        {"name": "redteam-bool", "minFreeDiskMB": False},
+    ],
+)
+def test_template_numbers_are_numbers(api: httpx.Client, body: dict[str, object]) -> None:
+    r = api.post("/v3/templates", json=body)
+    assert r.status_code == 400 and r.json()["code"] == 400, r.text
+    assert "redteam-bool" not in {t.get("name") for t in api.get("/templates").json()}
