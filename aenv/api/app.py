@@ -6,6 +6,7 @@ are sandbox traffic; everything else is the control plane, which needs the API k
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -24,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from aenv import __version__
 from aenv.api import e2b_templates, envd, proxy, repository
 from aenv.api.sandboxes import add_body_schemas, router
-from aenv.errors import AenvError, PayloadTooLarge, error_body
+from aenv.errors import AenvError, PayloadTooLarge, RequestTimeout, error_body
 from aenv.node import metrics
 from aenv.node.orchestrator import Node
 
@@ -37,6 +38,7 @@ PUBLIC_ROUTES = frozenset(
     for method in ("GET", "HEAD")
 )
 # E2B's SDK uploads template files without its API key: a PUT there needs the URL's own token instead.
+BODY_TIMEOUT = 60.0  # seconds a control-plane body (at most AENV_MAX_BODY_KB) has to arrive
 SIGNED_UPLOAD = re.compile(r"/templates/(?P<template>[^/]+)/files/(?P<files_hash>[^/]+)/upload")
 
 
@@ -198,12 +200,25 @@ def _too_large(limit: int) -> PayloadTooLarge:
 
 def _bounded(receive: Receive, limit: int) -> Receive:
     """``receive`` that counts body bytes as they arrive (chunked bodies included) and fails the
-    read past ``limit``: the route's error handler answers 413, nothing larger is ever held."""
+    read past ``limit`` (413) or past BODY_TIMEOUT (408): nothing larger is ever held, and a body
+    sent a byte now and then does not hold its request for good. Once the body is in, what
+    follows (a disconnect) is waited for as long as the response takes."""
     received = 0
+    deadline: float | None = None
+    complete = False
 
     async def bounded_receive() -> Message:
-        nonlocal received
-        message = await receive()
+        nonlocal received, deadline, complete
+        if complete:
+            return await receive()
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + BODY_TIMEOUT
+        try:
+            async with asyncio.timeout_at(deadline):
+                message = await receive()
+        except TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within {BODY_TIMEOUT:g}s") from None
+        complete = message["type"] != "http.request" or not message.get("more_body", False)
         if message["type"] == "http.request":
             received += len(message.get("body", b""))
             if received > limit:

@@ -6,10 +6,12 @@ first fixes were written against.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ipaddress
 import logging
 import socket
 import threading
+import time
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
 
@@ -19,6 +21,7 @@ import pytest
 from aenv.channel import DATA, END, ITEM_FLOOR, MAX_GUEST_STREAMS, MSG, OPEN, Channel, Stream
 from aenv.node.egress import EgressPolicy, guest_requests
 from tests.channel.test_channel import pipe_pair
+from tests.conftest import API_KEY, Server
 from tests.node.test_egress import host_address
 from tests.security.test_api_hostile import envd  # noqa: F401  (a fixture)
 from tests.security.test_channel_hostile import RawPeer, frame
@@ -287,3 +290,60 @@ def test_template_numbers_are_numbers(api: httpx.Client, body: dict[str, object]
     r = api.post("/v3/templates", json=body)
     assert r.status_code == 400 and r.json()["code"] == 400, r.text
     assert "redteam-bool" not in {t.get("name") for t in api.get("/templates").json()}
+
+
+# -- slow clients: a request's head and a control-plane body have a deadline -------------------------
+def answer_within(server: Server, parts: list[bytes], gap: float, limit: float) -> tuple[bytes, float]:
+    """Send ``parts`` ``gap`` seconds apart (then nothing); what the server answers (b"" if it
+    closes) and when, or (b"<open>", limit) if the connection is still open after ``limit`` s."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        answers = b""
+        for part in parts:
+            try:
+                conn.sendall(part)
+            except OSError:
+                return answers, time.monotonic() - started
+            time.sleep(gap)
+            conn.setblocking(False)
+            try:
+                answers += conn.recv(65536) or b"<closed>"
+            except BlockingIOError:
+                pass
+            conn.setblocking(True)
+        conn.settimeout(max(0.1, limit - (time.monotonic() - started)))
+        before = answers.count(b"HTTP/1.1 ")
+        try:
+            while chunk := conn.recv(65536):
+                answers += chunk
+                if answers.count(b"HTTP/1.1 ") > before:  # an answer: enough
+                    break
+        except TimeoutError:
+            return answers + b"<open>", time.monotonic() - started
+        return answers, time.monotonic() - started
+
+
+@pytest.mark.sandbox
+def test_slow_heads_and_bodies_do_not_hold_connections(server: Server) -> None:
+    """Half a head (no key needed), a byte of the next head every few seconds after a first
+    request, and a control-plane body that never completes (plain and chunked) each held a
+    connection and a file descriptor for good: the head is closed after 30 s, the body is a 408
+    after 60 s."""
+    key = f"X-API-Key: {API_KEY}\r\n".encode()
+    body_head = b"POST /sandboxes HTTP/1.1\r\nHost: x\r\n" + key + b"Content-Type: application/json\r\n"
+    cases = {
+        "half a head": ([b"GET /health HTTP/1.1\r\nHost: x\r\n"], 0.0, 45),
+        "a byte now and then": ([b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"] + [b"G"] * 20, 3.0, 70),
+        "a body that stops": ([body_head + b"Content-Length: 100\r\n\r\n{"], 0.0, 75),
+        "a chunked body that stops": ([body_head + b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"], 0.0, 75),
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        futures = {name: pool.submit(answer_within, server, *case) for name, case in cases.items()}
+        results = {name: future.result() for name, future in futures.items()}
+    for name, (answer, took) in results.items():
+        assert not answer.endswith(b"<open>"), f"{name}: still open after {took:.0f}s"
+    assert results["half a head"][0] == b""
+    assert results["a byte now and then"][0].count(b"HTTP/1.1 200") == 1
+    for name in ("a body that stops", "a chunked body that stops"):
+        assert results[name][0].startswith(b"HTTP/1.1 408"), results[name][0][:200]
+        assert b'"error_code":"request_timeout"' in results[name][0]
