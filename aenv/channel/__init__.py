@@ -39,6 +39,7 @@ import asyncio
 import json
 import logging
 import struct
+import time
 from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -57,6 +58,8 @@ SPLICE_CHUNK = 256 * 1024
 SPLICE_LINGER = 30.0  # after one direction ends, how long the other may go on
 END_LINGER = 2.0  # after the peer ends a spliced stream, how long its last data has to reach the socket
 DEFAULT_WINDOW = 4 * 1024 * 1024
+SHARE_BURST = 0.5  # seconds of the event loop a peer's frames may take at once (see _Share)
+FRAME_COST = 3e-6  # what reading a frame's header and payload costs the loop, besides handling it
 
 OPEN, MSG, DATA, EOF, END, CREDIT, CTRL = 1, 2, 3, 4, 5, 6, 7
 # The largest payload of each kind of frame; a kind not listed is a protocol violation.
@@ -378,12 +381,33 @@ async def _refuse_open(stream: Stream) -> None:
 CtrlHandler = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+class _Share:
+    """A token bucket of the event loop's time: what taking a peer's frames in may use of it.
+
+    Each frame costs what its handling took (JSON is the dear part: 4 MiB of nested empty lists
+    took 280 ms to check); past the share, the reader pauses, the pipe fills and the peer waits.
+    One peer flooding frames then slows only itself, not the node's other sandboxes and its API."""
+
+    def __init__(self, share: float, burst: float = SHARE_BURST) -> None:
+        self.share, self.burst = share, burst
+        self.tokens = burst
+        self.at = time.monotonic()
+
+    async def spent(self, seconds: float) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.share) - seconds
+        self.at = now
+        if self.tokens < 0:
+            await asyncio.sleep(-self.tokens / self.share)
+
+
 class Channel:
     """A multiplexed channel over a (reader, writer) pair of asyncio streams.
 
     ``on_open`` serves streams the peer opens; ``on_ctrl`` receives control messages. Streams
     this side opens are numbered from ``first_stream_id`` in steps of two, the peer's have the
-    other parity; ``max_peer_streams`` caps how many of the peer's may be open at once. The host
+    other parity; ``max_peer_streams`` caps how many of the peer's may be open at once and
+    ``cpu_share`` what fraction of the event loop's time reading the peer's frames may take. The host
     side may swap the underlying pipe with :meth:`attach` after a checkpoint without losing its
     streams.
     """
@@ -396,6 +420,7 @@ class Channel:
         window: int = DEFAULT_WINDOW,
         first_stream_id: int = 1,
         max_peer_streams: int | None = None,
+        cpu_share: float | None = None,
     ) -> None:
         self.window = window
         self._on_open = on_open
@@ -403,6 +428,7 @@ class Channel:
         self._streams: dict[int, Stream] = {}
         self._next_id = first_stream_id
         self._max_peer_streams = max_peer_streams
+        self._cpu_share = cpu_share
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._write_lock = asyncio.Lock()
@@ -542,6 +568,7 @@ class Channel:
 
     # -- reading ------------------------------------------------------------------------------
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        share = _Share(self._cpu_share) if self._cpu_share is not None else None
         try:
             while True:
                 header = await reader.readexactly(HEADER.size)
@@ -549,7 +576,12 @@ class Channel:
                 if length > MAX_LENGTH.get(kind, -1):  # checked before a byte of it is buffered
                     raise ProtocolViolation(_bad_header(kind, sid, length))
                 payload = await reader.readexactly(length) if length else b""
-                await self._dispatch(kind, sid, payload)
+                started = time.perf_counter()
+                then = self._dispatch(kind, sid, payload)
+                if share is not None:
+                    await share.spent(FRAME_COST + time.perf_counter() - started)
+                if then is not None:
+                    await then
         except asyncio.IncompleteReadError:
             self._lost(reader, "the peer closed the channel")
         except asyncio.CancelledError:
@@ -566,20 +598,19 @@ class Channel:
         self.detach()
         self._fail_all(reason)
 
-    async def _dispatch(self, kind: int, sid: int, payload: bytes) -> None:
+    def _dispatch(self, kind: int, sid: int, payload: bytes) -> Awaitable[None] | None:
+        """Take one frame in; what must be awaited after it (the control handler, or letting an
+        OPEN's handler start), if anything."""
         if kind == CTRL:
             if sid:
                 raise ProtocolViolation(f"a control frame on stream {sid}")
             msg = _object(payload, "a control message")
-            if self._on_ctrl is not None:
-                await self._on_ctrl(msg)
-            return
+            return self._on_ctrl(msg) if self._on_ctrl is not None else None
         if not sid:
             raise ProtocolViolation(f"a frame of kind {kind} on the control stream")
         if kind == OPEN:
             self._serve_peer(sid, payload)
-            await asyncio.sleep(0)  # let its handler start: a flood of OPENs must not pile up tasks
-            return
+            return asyncio.sleep(0)  # let its handler start: a flood of OPENs must not pile up tasks
         if kind == CREDIT and len(payload) != GRANT.size:
             raise ProtocolViolation(f"a CREDIT of {len(payload)} bytes on stream {sid}")
         stream = self._streams.get(sid)
@@ -594,6 +625,7 @@ class Channel:
         else:  # checked now, decoded when used: held, it costs its bytes, not a tree of objects
             _object(payload or b"{}", "an END")
             stream._deliver(Item(END, _UNDECODED, payload or b"{}"))
+        return None
 
     def _serve_peer(self, sid: int, payload: bytes) -> None:
         if sid in self._streams or (sid % 2 == self._next_id % 2 and sid < self._next_id):

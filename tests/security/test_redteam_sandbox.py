@@ -10,6 +10,7 @@ import concurrent.futures
 import ipaddress
 import logging
 import socket
+import struct
 import threading
 import time
 import tracemalloc
@@ -18,13 +19,14 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from aenv.channel import DATA, END, ITEM_FLOOR, MAX_GUEST_STREAMS, MSG, OPEN, Channel, Stream
+from aenv.channel import CTRL, DATA, END, ITEM_FLOOR, MAX_GUEST_STREAMS, MSG, OPEN, Channel, Stream
+from aenv.node.agentlink import AgentLink
 from aenv.node.egress import EgressPolicy, guest_requests
 from tests.channel.test_channel import pipe_pair
 from tests.conftest import API_KEY, Server
 from tests.node.test_egress import host_address
 from tests.security.test_api_hostile import envd  # noqa: F401  (a fixture)
-from tests.security.test_channel_hostile import RawPeer, frame
+from tests.security.test_channel_hostile import RawPeer, frame, refuse_everything
 
 MIB = 2**20
 WINDOW = MIB
@@ -347,3 +349,49 @@ def test_slow_heads_and_bodies_do_not_hold_connections(server: Server) -> None:
     for name in ("a body that stops", "a chunked body that stops"):
         assert results[name][0].startswith(b"HTTP/1.1 408"), results[name][0][:200]
         assert b'"error_code":"request_timeout"' in results[name][0]
+
+
+# -- the channel: a peer's frames take a share of the node's event loop, not all of it -------------
+def nested(size: int, head: bytes, tail: bytes) -> bytes:
+    """A JSON document of about ``size`` bytes that is dear to check: empty lists, one after another."""
+    return head + b",".join([b"[]"] * (size // 3)) + tail
+
+
+FLOODS = {
+    "open": frame(OPEN, 0, nested(4 * MIB - 64, b'{"m": "x", "p": {"a": [', b"]}}")),
+    "ctrl": frame(CTRL, 0, nested(MIB - 64, b'{"op": "x", "a": [', b"]}")),
+    "late-end": frame(END, 999_999, nested(4 * MIB - 64, b'{"a": [', b"]}")),
+}
+
+
+@pytest.mark.parametrize("flood", list(FLOODS))
+async def test_a_flood_of_frames_leaves_the_event_loop_to_everyone_else(flood: str) -> None:
+    """Frames that are dear to check (4 MiB of nested empty lists took 280 ms) kept the node's
+    single event loop busy: every sandbox and the API waited (~10 ticks of ~390 ran)."""
+    host_end, peer_end = await pipe_pair()
+    link = AgentLink("sbx-under-test", serve=refuse_everything)
+    link.channel.attach(*host_end)
+    peer = RawPeer(*peer_end)
+    sid = 2
+
+    async def attack() -> None:
+        nonlocal sid
+        data = FLOODS[flood]
+        while True:
+            if flood == "open":  # a new stream each time (the host refuses and forgets it)
+                data = data[:1] + struct.pack("!I", sid) + data[5:]
+                sid += 2
+            await peer.send(data)
+
+    flooding = asyncio.ensure_future(attack())
+    try:
+        await asyncio.sleep(1)  # the flood is under way
+        ticks, started = 0, time.monotonic()
+        while time.monotonic() - started < 4:
+            await asyncio.sleep(0.01)
+            ticks += 1
+    finally:
+        flooding.cancel()
+        link.channel.close()
+        peer.close()
+    assert ticks > 150, f"the loop ran {ticks} times in 4 s of 10 ms sleeps: the {flood} flood held it"
