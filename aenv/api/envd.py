@@ -348,9 +348,9 @@ async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: Asyn
                 raise
             # The agent ended the write before all was sent (e.g. refused the path): its answer says why.
         result = await link.within(stream.result(), "fs.write")
-    except BaseException:
+    except BaseException as exc:
         if not stream.remote_ended:
-            stream.cancel()
+            await _withdraw(link, stream, waiting=not isinstance(exc, AgentTimeout | AgentUnavailable))
         raise
     written = result if isinstance(result, dict) else {}
     return {
@@ -360,12 +360,26 @@ async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: Asyn
     }
 
 
+async def _withdraw(link: AgentLink, stream: Stream, *, waiting: bool) -> None:
+    """Give up a write. Unless the agent is not answering anyway, wait (within the deadline) for
+    it to remove what it wrote: the client must not hear of the failure and then find the file."""
+    try:
+        if waiting:
+            await link.within(stream.withdraw(), "fs.write")
+    except (AgentTimeout, ChannelClosed):
+        pass
+    finally:
+        stream.cancel()
+
+
 async def _part_bytes(events: AsyncIterator[uploads.PartEvent]) -> AsyncIterator[bytes]:
     async for event in events:
         if isinstance(event, uploads.PartEnd):
             return
         if isinstance(event, bytes):
             yield event
+    # A body cut short (no closing boundary) is not a whole file, whatever arrived of it.
+    raise InvalidRequest("the multipart upload ends inside a file part")
 
 
 async def _write_parts(request: Request, sb: LiveSandbox, path: str | None, user: str | None) -> list[dict[str, Any]]:

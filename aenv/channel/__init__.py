@@ -298,13 +298,23 @@ class Stream:
         except ChannelClosed:
             pass
 
+    async def withdraw(self) -> None:
+        """END the stream and wait for the peer's END: once this returns, the peer has undone its
+        side (a write the host gave up on is removed before the client hears it failed). The
+        caller bounds the wait and calls :meth:`cancel` if the peer does not answer."""
+        if not self.ended:
+            self.ended = True
+            self.channel._write_nowait(encode(END, self.id, dumps({})))
+        while not self.remote_ended:
+            await self.recv()
+
     def cancel(self) -> None:
         """Like :meth:`end` without a result, but never waits: cleanup must not hang on a peer
         that has stopped reading."""
+        self.channel._streams.pop(self.id, None)
         if self.ended:
             return
         self.ended = True
-        self.channel._streams.pop(self.id, None)
         self.channel._write_nowait(encode(END, self.id, dumps({})))
 
     # -- called by the channel's reader ----------------------------------------------------------

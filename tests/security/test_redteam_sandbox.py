@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gzip
 import ipaddress
 import logging
+import os
 import socket
 import struct
 import threading
@@ -395,3 +397,28 @@ async def test_a_flood_of_frames_leaves_the_event_loop_to_everyone_else(flood: s
         link.channel.close()
         peer.close()
     assert ticks > 150, f"the loop ran {ticks} times in 4 s of 10 ms sleeps: the {flood} flood held it"
+
+
+# -- /files: an upload that fails leaves nothing, by the time the client hears it failed -------------
+@pytest.mark.sandbox
+def test_a_failed_upload_is_gone_before_its_answer(envd: tuple[httpx.Client, str]) -> None:  # noqa: F811
+    """The agent removed a refused upload's partial file only after the client had its 400: a GET
+    right after the answer found an empty file (gzip that is not, or stops short; multipart with
+    or without a path whose body stops inside the file part, which was even taken as a whole file)."""
+    from tests.security.test_api_hostile import GZIP, MULTIPART, _multipart
+
+    client, _ = envd
+    cut = _multipart(b"p.txt", b"x" * 300_000).rsplit(b"\r\n--", 1)[0]  # the closing boundary never comes
+    compressed = gzip.compress(os.urandom(200_000))
+    uploads = [
+        ({"path": "/home/user/z"}, b"not gzip", GZIP),
+        ({"path": "/home/user/z"}, compressed[: len(compressed) // 2], GZIP),
+        ({"path": "/home/user/z"}, cut, {"content-type": MULTIPART}),
+        ({}, cut, {"content-type": MULTIPART}),
+    ]
+    for _ in range(3):
+        for n, (params, body, headers) in enumerate(uploads):
+            r = client.post("/files", params=params, content=body, headers=headers)
+            assert r.status_code == 400, (n, r.text)
+            for path in ("/home/user/z", "/home/user/p.txt"):
+                assert client.get("/files", params={"path": path}).status_code == 404, (n, path)
