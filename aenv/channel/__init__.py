@@ -680,13 +680,16 @@ def _bad_header(kind: int, sid: int, length: int) -> str:
     return f"a frame of kind {kind} on stream {sid} with {length} bytes, more than the {MAX_LENGTH[kind]} it may have"
 
 
-async def splice(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def splice(
+    stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, until: asyncio.Event | None = None
+) -> None:
     """Copy bytes both ways between a stream and a TCP connection until the exchange is over.
 
     Half-closes pass through (EOF each way); the caller ends the stream afterwards. Once the peer
     has ended the stream, what it queued has END_LINGER to reach the socket: a connection whose far
     end never reads must not hold the peer's data (and a socket) after the stream is gone, or a
-    peer could end and reopen streams past any limit on how many it may have open."""
+    peer could end and reopen streams past any limit on how many it may have open. ``until``
+    cuts the exchange short when it is set (the connection is no longer allowed)."""
 
     async def inbound() -> None:  # stream -> socket
         while True:
@@ -708,14 +711,16 @@ async def splice(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.S
     into = asyncio.ensure_future(inbound())
     out = asyncio.ensure_future(outbound())
     ended = asyncio.ensure_future(stream.peer_end.wait())
+    cut = asyncio.ensure_future((until or asyncio.Event()).wait())
     try:
-        await asyncio.wait({into, out, ended}, return_when=asyncio.FIRST_COMPLETED)
-        if out.done() and not into.done():  # the other side may still be talking
-            await asyncio.wait({into, ended}, timeout=SPLICE_LINGER, return_when=asyncio.FIRST_COMPLETED)
-        if ended.done() and not into.done():
-            await asyncio.wait({into}, timeout=END_LINGER)
+        await asyncio.wait({into, out, ended, cut}, return_when=asyncio.FIRST_COMPLETED)
+        if out.done() and not into.done() and not cut.done():  # the other side may still be talking
+            await asyncio.wait({into, ended, cut}, timeout=SPLICE_LINGER, return_when=asyncio.FIRST_COMPLETED)
+        if ended.done() and not into.done() and not cut.done():
+            await asyncio.wait({into, cut}, timeout=END_LINGER, return_when=asyncio.FIRST_COMPLETED)
     finally:
         ended.cancel()
+        cut.cancel()
         delivered = into.done()
         for task in (into, out):
             task.cancel()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from aenv.channel import OpenHandler, Stream, splice
+from aenv.channel import ChannelClosed, Stream, splice
 from aenv.errors import AenvError, InvalidRequest
 from aenv.guest.egress import valid_name
 from aenv.node.metrics import EGRESS
@@ -295,8 +295,11 @@ async def _unless_abandoned(stream: Stream, work: Coroutine[Any, Any, T]) -> T:
     return attempt.result()
 
 
-async def serve_connect(stream: Stream, policy: EgressPolicy, *, resolver: Resolver = resolve) -> str:
-    """Carry out one ``egress.connect``; returns how it ended (for metrics and logs)."""
+async def serve_connect(
+    stream: Stream, policy: EgressPolicy, *, resolver: Resolver = resolve, held: Connections | None = None
+) -> str:
+    """Carry out one ``egress.connect``; returns how it ended (for metrics and logs). ``held``
+    records the connection while it is open, so that new rules can end it (:meth:`Guest.recheck`)."""
     dest = destination(stream.params)
     if dest is None:
         host, port = stream.params.get("host"), stream.params.get("port")
@@ -310,31 +313,61 @@ async def serve_connect(stream: Stream, policy: EgressPolicy, *, resolver: Resol
         return exc.outcome
     except Abandoned:
         return "abandoned"
+    revoked = asyncio.Event()
+    if held is not None:
+        held[revoked] = (host, addr)
     try:
         await stream.send({"ok": True, "address": str(addr)})
-        await splice(stream, reader, writer)
+        await splice(stream, reader, writer, until=revoked)
+    except ChannelClosed:  # the guest ended the stream right after our answer
+        return "abandoned"
     finally:
         writer.close()
+        if held is not None:
+            held.pop(revoked, None)
+    if revoked.is_set():
+        message = f"egress to {host}:{port} ended: this sandbox's network rules no longer allow {addr}"
+        await stream.end(error=("permission_denied", message))
+        return "revoked"
     await stream.end()
     return "connected"
 
 
-def guest_requests(sandbox_id: str, policy_of: Callable[[], EgressPolicy]) -> OpenHandler:
-    """The handler for streams a sandbox's agent opens; ``policy_of`` reads the current policy,
-    so a changed policy applies to the next connection."""
+# The connections a sandbox holds open: each one's "end it" event and where it goes.
+Connections = dict[asyncio.Event, tuple[str, Address]]
 
-    async def serve(stream: Stream) -> None:
+
+class Guest:
+    """The handler of the streams one sandbox's agent opens (its egress connections); ``policy_of``
+    reads the current policy, so a changed policy applies to the next connection, and
+    :meth:`recheck` applies it to those already open."""
+
+    def __init__(self, sandbox_id: str, policy_of: Callable[[], EgressPolicy]) -> None:
+        self.sandbox_id = sandbox_id
+        self.policy_of = policy_of
+        self.connections: Connections = {}
+
+    async def __call__(self, stream: Stream) -> None:
         if stream.method != "egress.connect":
             await stream.end(error=("unimplemented", f"the host serves no {stream.method!r}"))
             return
         try:
-            policy = policy_of()
+            policy = self.policy_of()
         except AenvError as exc:
             await stream.end(error=("unavailable", str(exc)))
             return
-        outcome = await serve_connect(stream, policy)
+        outcome = await serve_connect(stream, policy, held=self.connections)
         EGRESS.labels(outcome=outcome).inc()
         if outcome == "denied":
-            log.info("egress denied", extra={"sandbox_id": sandbox_id, "host": stream.params.get("host")})
+            log.info("egress denied", extra={"sandbox_id": self.sandbox_id, "host": stream.params.get("host")})
 
-    return serve
+    def recheck(self) -> int:
+        """End the open connections the current policy refuses (a denyOut added, an allowOut taken
+        away, internet access turned off); how many."""
+        policy = self.policy_of()
+        ended = 0
+        for revoked, (host, addr) in list(self.connections.items()):
+            if policy.check(host, addr) is not None:
+                revoked.set()
+                ended += 1
+        return ended

@@ -23,7 +23,7 @@ import pytest
 
 from aenv.channel import CTRL, DATA, END, ITEM_FLOOR, MAX_GUEST_STREAMS, MSG, OPEN, Channel, Stream
 from aenv.node.agentlink import AgentLink
-from aenv.node.egress import EgressPolicy, guest_requests
+from aenv.node.egress import EgressPolicy, Guest
 from tests.channel.test_channel import pipe_pair
 from tests.conftest import API_KEY, Server
 from tests.node.test_egress import host_address
@@ -163,7 +163,7 @@ async def test_ended_egress_streams_release_their_connections_and_data(
     window, limit, rounds = 256 * 1024, 3, 2
     host_end, guest_end = await pipe_pair()
     policy = EgressPolicy.of(True, {"allowOut": [f"{addr}/32"]})
-    host = Channel(on_open=guest_requests("sbx", lambda: policy), window=window, max_peer_streams=limit)
+    host = Channel(on_open=Guest("sbx", lambda: policy), window=window, max_peer_streams=limit)
     guest = Channel(first_stream_id=2, window=window)
     host.attach(*host_end)
     guest.attach(*guest_end)
@@ -422,3 +422,108 @@ def test_a_failed_upload_is_gone_before_its_answer(envd: tuple[httpx.Client, str
             assert r.status_code == 400, (n, r.text)
             for path in ("/home/user/z", "/home/user/p.txt"):
                 assert client.get("/files", params={"path": path}).status_code == 404, (n, path)
+
+
+# -- egress: new rules apply to the connections already open -----------------------------------------
+@pytest.fixture()
+def echo_listener() -> Iterator[tuple[str, int]]:
+    """A TCP echo server on this node's own address."""
+    listener = socket.create_server((host_address(), 0))
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield host_address(), int(listener.getsockname()[1])
+    listener.close()
+
+
+async def test_rules_that_no_longer_allow_an_open_connection_end_it(echo_listener: tuple[str, int]) -> None:
+    """allowOut named the node's address, a connection went out; the rules change: a connection
+    they no longer allow ends at once (a denied destination stayed reachable for as long as the
+    connection lasted), one they still allow goes on."""
+    addr, port = echo_listener
+    rules: dict[str, object] = {"allowOut": [f"{addr}/32"]}
+    host_end, guest_end = await pipe_pair()
+    served = Guest("sbx", lambda: EgressPolicy.of(False, rules))
+    host = Channel(on_open=served, max_peer_streams=MAX_GUEST_STREAMS)
+    guest = Channel(first_stream_id=2)
+    host.attach(*host_end)
+    guest.attach(*guest_end)
+    try:
+        stream = await guest.open("egress.connect", {"host": addr, "port": port})
+        assert (await asyncio.wait_for(stream.recv(), 10)).kind == MSG
+        await stream.send_data(b"ping")
+        assert (await asyncio.wait_for(stream.recv(), 5)).data == b"ping"
+        assert served.recheck() == 0  # nothing changed: nothing ends
+        rules["allowOut"] = [f"{addr}/32", "203.0.113.0/24"]
+        assert served.recheck() == 0
+        rules["allowOut"] = ["203.0.113.0/24"]
+        assert served.recheck() == 1
+        item = await asyncio.wait_for(stream.recv(), 5)
+        assert item.kind == END and item.msg["error"]["code"] == "permission_denied", item.msg
+        for _ in range(50):
+            if not host._tasks and not served.connections:
+                break
+            await asyncio.sleep(0.1)
+        assert not host._tasks and not served.connections
+    finally:
+        host.close()
+        guest.close()
+
+
+HOLD_OPEN = r"""
+import socket, sys, time
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(f"CONNECT {sys.argv[1]} HTTP/1.1\r\nHost: {sys.argv[1]}\r\n\r\n".encode())
+assert s.recv(4096).startswith(b"HTTP/1.1 200"), "not connected"
+s.sendall(b"ping")
+assert s.recv(4) == b"ping"
+print("connected", flush=True)
+s.settimeout(60)
+started = time.monotonic()
+while True:
+    try:
+        data = s.recv(4096)
+    except OSError as exc:
+        data = b""
+    if not data:
+        break
+print(f"closed after {time.monotonic() - started:.1f}s", flush=True)
+"""
+
+
+@pytest.mark.sandbox
+def test_update_network_ends_an_open_connection_it_no_longer_allows(
+    e2b_env: Server, api: httpx.Client, echo_listener: tuple[str, int]
+) -> None:
+    from e2b import Sandbox
+
+    addr, port = echo_listener
+    sbx = Sandbox.create(timeout=300, allow_internet_access=False, network={"allow_out": [f"{addr}/32"]})
+    try:
+        sbx.files.write("/tmp/hold.py", HOLD_OPEN)
+        said: list[str] = []
+        handle = sbx.commands.run(f"python3 /tmp/hold.py {addr}:{port}", background=True)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the sync SDK hands output over in wait()
+            result = pool.submit(handle.wait, on_stdout=said.append)
+            deadline = time.monotonic() + 30
+            while "connected" not in "".join(said) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert "connected" in "".join(said), said
+            r = api.put(f"/sandboxes/{sbx.sandbox_id}/network", json={"allowOut": ["203.0.113.0/24"]})
+            assert r.status_code == 204, r.text
+            out = result.result(timeout=30).stdout
+        assert "closed after" in out and float(out.split()[-1][:-1]) < 10, out
+    finally:
+        sbx.kill()
