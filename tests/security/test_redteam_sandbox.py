@@ -527,3 +527,47 @@ def test_update_network_ends_an_open_connection_it_no_longer_allows(
         assert "closed after" in out and float(out.split()[-1][:-1]) < 10, out
     finally:
         sbx.kill()
+
+
+# -- Connect client streams: a body of tiny envelopes does not hold the node's loop ----------------
+class Body:
+    """A request whose body arrives in the given chunks (what EnvelopeReader reads)."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    def stream(self) -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncIterator[bytes]:
+            for chunk in self.chunks:
+                yield chunk
+
+        return chunks()
+
+
+async def test_a_client_stream_of_empty_envelopes_leaves_the_loop_to_everyone_else() -> None:
+    """StreamInput reads envelopes one after another: 1 MiB of empty ones (a chunk the size a
+    client can make the server read at once, several times over) took 3 s, the loop held."""
+    from aenv.api.connect import ENVELOPE, EnvelopeReader
+    from aenv.api.envd import STREAM_INPUT
+
+    empty = ENVELOPE.pack(0, 0)
+    reader = EnvelopeReader(Body([empty * (MIB // 5)] * 4), STREAM_INPUT)  # type: ignore[arg-type]
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.005)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    ticking = asyncio.ensure_future(ticker())
+    started, taken = time.monotonic(), 0
+    try:
+        while await reader.next() is not None:
+            taken += 1
+    finally:
+        ticking.cancel()
+    assert taken == 4 * (MIB // 5)
+    assert time.monotonic() - started < 30, "reading the envelopes took too long"
+    assert gaps and max(gaps) < 0.5, f"the loop stood still for {max(gaps or [0]):.1f}s"
