@@ -20,12 +20,14 @@ Policy, in order (E2B's fields: ``allow_internet_access``, ``network.allowOut``/
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -224,13 +226,18 @@ def _literal(host: str) -> Address | None:
         return None
 
 
+# Lookups run on threads of their own: a lookup whose servers never answer holds its thread for the
+# resolver's whole timeout (well past RESOLVE_TIMEOUT), and a sandbox asking for such names must not
+# fill the event loop's default executor, which the node's mounts and file work run on.
+RESOLVERS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="egress-dns")
+LOOKUPS_PER_SANDBOX = 4  # of those threads, what one sandbox may hold at once
+
+
 async def resolve(host: str, port: int) -> list[Address]:
     if (literal := _literal(host)) is not None:
         return [literal]
-    loop = asyncio.get_running_loop()
-    infos = await asyncio.wait_for(
-        loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP), RESOLVE_TIMEOUT
-    )
+    lookup = functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    infos = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(RESOLVERS, lookup), RESOLVE_TIMEOUT)
     seen: list[Address] = []
     for *_, sockaddr in infos:
         addr = ipaddress.ip_address(sockaddr[0])
@@ -346,6 +353,7 @@ class Guest:
         self.sandbox_id = sandbox_id
         self.policy_of = policy_of
         self.connections: Connections = {}
+        self._lookups = asyncio.Semaphore(LOOKUPS_PER_SANDBOX)
 
     async def __call__(self, stream: Stream) -> None:
         if stream.method != "egress.connect":
@@ -356,10 +364,15 @@ class Guest:
         except AenvError as exc:
             await stream.end(error=("unavailable", str(exc)))
             return
-        outcome = await serve_connect(stream, policy, held=self.connections)
+        outcome = await serve_connect(stream, policy, resolver=self._resolve, held=self.connections)
         EGRESS.labels(outcome=outcome).inc()
         if outcome == "denied":
             log.info("egress denied", extra={"sandbox_id": self.sandbox_id, "host": stream.params.get("host")})
+
+    async def _resolve(self, host: str, port: int) -> list[Address]:
+        """:func:`resolve`, a few at a time: a sandbox whose lookups never end waits for its own."""
+        async with self._lookups:
+            return await resolve(host, port)
 
     def recheck(self) -> int:
         """End the open connections the current policy refuses (a denyOut added, an allowOut taken

@@ -571,3 +571,51 @@ async def test_a_client_stream_of_empty_envelopes_leaves_the_loop_to_everyone_el
     assert taken == 4 * (MIB // 5)
     assert time.monotonic() - started < 30, "reading the envelopes took too long"
     assert gaps and max(gaps) < 0.5, f"the loop stood still for {max(gaps or [0]):.1f}s"
+
+
+# -- egress: slow name lookups do not take the threads the node works on -----------------------------
+async def test_slow_name_lookups_leave_the_nodes_default_executor_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names whose servers never answer hold a lookup's thread for the resolver's whole timeout: a
+    sandbox asking for many filled the loop's default executor, and every mount of every restore
+    (and the node's other file work) queued behind them."""
+    from aenv.node.egress import resolve
+
+    def unanswered(*args: object, **kwargs: object) -> object:
+        time.sleep(3)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unanswered)
+    lookups = [asyncio.ensure_future(resolve(f"n{n}.slow.example", 443)) for n in range(40)]
+    await asyncio.sleep(0.2)
+    started = time.monotonic()
+    await asyncio.wait_for(asyncio.to_thread(lambda: None), 30)
+    waited = time.monotonic() - started
+    await asyncio.gather(*lookups, return_exceptions=True)
+    assert waited < 1, f"the node's own work waited {waited:.1f}s behind name lookups"
+
+
+async def test_a_sandbox_whose_lookups_never_end_waits_for_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Egress lookups share a pool of threads: one sandbox holds at most a few of them, so
+    another sandbox's names still resolve while the first floods names that never answer."""
+    from aenv.node.egress import Guest
+
+    real = socket.getaddrinfo
+
+    def lookup(host: str, *args: object, **kwargs: object) -> object:
+        if host.endswith(".slow.example"):
+            time.sleep(3)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real("127.0.0.1", *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    policy = EgressPolicy.of(True, None)
+    flooding, neighbour = Guest("flooding", lambda: policy), Guest("neighbour", lambda: policy)
+    slow = [asyncio.ensure_future(flooding._resolve(f"n{n}.slow.example", 443)) for n in range(40)]
+    await asyncio.sleep(0.2)
+    started = time.monotonic()
+    assert await asyncio.wait_for(neighbour._resolve("fine.example", 443), 30)
+    waited = time.monotonic() - started
+    for task in slow:
+        task.cancel()
+    await asyncio.gather(*slow, return_exceptions=True)
+    assert waited < 1, f"the neighbour's lookup waited {waited:.1f}s behind another sandbox's"
