@@ -38,7 +38,8 @@ PUBLIC_ROUTES = frozenset(
     for method in ("GET", "HEAD")
 )
 # E2B's SDK uploads template files without its API key: a PUT there needs the URL's own token instead.
-BODY_TIMEOUT = 60.0  # seconds a control-plane body (at most AENV_MAX_BODY_KB) has to arrive
+BODY_TIMEOUT = 60.0  # seconds a control-plane body (at most AENV_MAX_BODY_KB) has to arrive, and an envd
+# body (an upload of any size) may go without a byte
 SIGNED_UPLOAD = re.compile(r"/templates/(?P<template>[^/]+)/files/(?P<files_hash>[^/]+)/upload")
 
 
@@ -159,6 +160,8 @@ class SandboxRouter:
                     return
                 await proxy.proxy_websocket(scope, receive, send, self.node, sandbox_id, port)
                 return
+            if port == envd.ENVD_PORT and scope["path"] not in envd.CLIENT_STREAMS:
+                receive = _bounded(receive, None, BODY_TIMEOUT, idle=True)  # an upload that stops is let go
             request = StarletteRequest(scope, receive)
             if port == envd.ENVD_PORT:
                 response = await envd.handle(request, self.node, sandbox_id)
@@ -182,7 +185,7 @@ class SandboxRouter:
             if declared.isdecimal() and int(declared) > limit:
                 await _reply(scope, receive, send, _error_response(_too_large(limit)))
                 return
-            receive = _bounded(receive, limit)
+            receive = _bounded(receive, limit, BODY_TIMEOUT)
         await self.app(scope, receive, send)
 
 
@@ -198,30 +201,32 @@ def _too_large(limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"the request body is larger than {limit // 1024} KiB (AENV_MAX_BODY_KB)")
 
 
-def _bounded(receive: Receive, limit: int) -> Receive:
+def _bounded(receive: Receive, limit: int | None, deadline: float, *, idle: bool = False) -> Receive:
     """``receive`` that counts body bytes as they arrive (chunked bodies included) and fails the
-    read past ``limit`` (413) or past BODY_TIMEOUT (408): nothing larger is ever held, and a body
-    sent a byte now and then does not hold its request for good. Once the body is in, what
-    follows (a disconnect) is waited for as long as the response takes."""
+    read past ``limit`` (413) or past ``deadline`` seconds (408): for the whole body, or with
+    ``idle`` for each of its pieces. Nothing larger is ever held, and a body sent a byte now and
+    then does not hold its request for good. Once the body is in, what follows (a disconnect) is
+    waited for as long as the response takes."""
     received = 0
-    deadline: float | None = None
+    due: float | None = None
     complete = False
 
     async def bounded_receive() -> Message:
-        nonlocal received, deadline, complete
+        nonlocal received, due, complete
         if complete:
             return await receive()
-        if deadline is None:
-            deadline = asyncio.get_running_loop().time() + BODY_TIMEOUT
+        if due is None or idle:
+            due = asyncio.get_running_loop().time() + deadline
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(due):
                 message = await receive()
         except TimeoutError:
-            raise RequestTimeout(f"the request body did not arrive within {BODY_TIMEOUT:g}s") from None
+            what = "stopped for" if idle else "did not arrive within"
+            raise RequestTimeout(f"the request body {what} {deadline:g}s") from None
         complete = message["type"] != "http.request" or not message.get("more_body", False)
         if message["type"] == "http.request":
             received += len(message.get("body", b""))
-            if received > limit:
+            if limit is not None and received > limit:
                 raise _too_large(limit)
         return message
 

@@ -23,7 +23,15 @@ from aenv.api import connect, uploads
 from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, ConnectError, Message
 from aenv.api.proxy import sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError, end_error
-from aenv.errors import AenvError, AgentTimeout, AgentUnavailable, InsufficientStorage, InvalidRequest, error_body
+from aenv.errors import (
+    AenvError,
+    AgentTimeout,
+    AgentUnavailable,
+    InsufficientStorage,
+    InvalidRequest,
+    RequestTimeout,
+    error_body,
+)
 from aenv.node.agentlink import AgentLink
 from aenv.node.orchestrator import LiveSandbox, Node
 
@@ -220,6 +228,8 @@ async def fs_watch_dir(request: Request, sb: LiveSandbox, user: str | None) -> R
     return await _server_stream(request, sb, "fs.watch", params)
 
 
+# Client streams: their requests' bodies are what a client types, and may pause for as long as it likes.
+CLIENT_STREAMS = frozenset({"/process.Process/StreamInput"})
 RPC: dict[str, Handler] = {
     "/process.Process/Start": process_start,
     "/process.Process/Connect": process_connect,
@@ -474,5 +484,8 @@ async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
     request.state.disk_mb = node._limits(sb.rec).disk_mb  # what a full disk's answer names
     try:
         return await endpoint(request, sb, _user(request))
+    except RequestTimeout as exc:  # the client's body stopped coming (see aenv.api.app)
+        error = ConnectError("deadline_exceeded", exc.message)
+        return _file_error(request, exc) if path == "/files" else connect.unary_error(error)
     except ConnectError as exc:
         return _file_error(request, exc) if path == "/files" else connect.unary_error(exc)

@@ -619,3 +619,33 @@ async def test_a_sandbox_whose_lookups_never_end_waits_for_its_own(monkeypatch: 
         task.cancel()
     await asyncio.gather(*slow, return_exceptions=True)
     assert waited < 1, f"the neighbour's lookup waited {waited:.1f}s behind another sandbox's"
+
+
+@pytest.mark.sandbox
+def test_envd_bodies_that_stop_are_let_go(server: Server, envd: tuple[httpx.Client, str]) -> None:  # noqa: F811
+    """An upload (or a Connect request) whose body stops coming held its connection, and the
+    agent's write, for good: envd bodies may not go 60 s without a byte (408, or deadline_exceeded),
+    and what the stopped upload wrote is gone."""
+    client, sid = envd
+    routing = "".join(f"{k}: {v}\r\n" for k, v in client.headers.items() if k.lower().startswith(("e2b-", "x-access")))
+    head = f"Host: x\r\n{routing}".encode()
+    upload = b"POST /files?path=/home/user/stalled HTTP/1.1\r\n" + head + b"Content-Length: 1000000\r\n\r\n"
+    rpc = b"POST /filesystem.Filesystem/Stat HTTP/1.1\r\n" + head + b"Content-Type: application/json\r\n"
+    cases = {
+        "upload": ([upload + b"x" * 100_000], 0.0, 80),
+        "chunked upload": (
+            [upload.replace(b"Content-Length: 1000000", b"Transfer-Encoding: chunked") + b"5\r\nxxxxx\r\n"],
+            0.0,
+            80,
+        ),
+        "rpc": ([rpc + b"Content-Length: 100\r\n\r\n{"], 0.0, 80),
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        futures = {name: pool.submit(answer_within, server, *case) for name, case in cases.items()}
+        results = {name: future.result() for name, future in futures.items()}
+    for name, (answer, took) in results.items():
+        assert not answer.endswith(b"<open>"), f"{name}: still open after {took:.0f}s"
+    assert results["upload"][0].startswith(b"HTTP/1.1 408"), results["upload"][0][:300]
+    assert results["chunked upload"][0].startswith(b"HTTP/1.1 408"), results["chunked upload"][0][:300]
+    assert b"deadline_exceeded" in results["rpc"][0], results["rpc"][0][:300]
+    assert client.get("/files", params={"path": "/home/user/stalled"}).status_code == 404
