@@ -38,8 +38,8 @@ PUBLIC_ROUTES = frozenset(
     for method in ("GET", "HEAD")
 )
 # E2B's SDK uploads template files without its API key: a PUT there needs the URL's own token instead.
-BODY_TIMEOUT = 60.0  # seconds a control-plane body (at most AENV_MAX_BODY_KB) has to arrive, and an envd
-# body (an upload of any size) may go without a byte
+BODY_TIMEOUT = 60.0  # seconds a control-plane body (at most AENV_MAX_BODY_KB) has to arrive, and a
+# sandbox's (an envd upload, a request to a port; any size) may go without a byte
 SIGNED_UPLOAD = re.compile(r"/templates/(?P<template>[^/]+)/files/(?P<files_hash>[^/]+)/upload")
 
 
@@ -160,8 +160,10 @@ class SandboxRouter:
                     return
                 await proxy.proxy_websocket(scope, receive, send, self.node, sandbox_id, port)
                 return
-            if port == envd.ENVD_PORT and scope["path"] not in envd.CLIENT_STREAMS:
-                receive = _bounded(receive, None, BODY_TIMEOUT, idle=True)  # an upload that stops is let go
+            if not (port == envd.ENVD_PORT and scope["path"] in envd.CLIENT_STREAMS):
+                # A body that stops is let go (an upload to envd or a port), as proxies do (nginx's
+                # client_body_timeout): else any client of a public port holds connections for good.
+                receive = _bounded(receive, None, BODY_TIMEOUT, idle=True)
             request = StarletteRequest(scope, receive)
             if port == envd.ENVD_PORT:
                 response = await envd.handle(request, self.node, sandbox_id)

@@ -17,6 +17,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -649,3 +650,19 @@ def test_envd_bodies_that_stop_are_let_go(server: Server, envd: tuple[httpx.Clie
     assert results["chunked upload"][0].startswith(b"HTTP/1.1 408"), results["chunked upload"][0][:300]
     assert b"deadline_exceeded" in results["rpc"][0], results["rpc"][0][:300]
     assert client.get("/files", params={"path": "/home/user/stalled"}).status_code == 404
+
+
+@pytest.mark.sandbox
+def test_a_body_to_a_sandbox_port_that_stops_is_let_go(server: Server, sandbox: Any) -> None:
+    """Sandbox ports are public: a client that sent a head and then a byte of its body held a
+    connection, a tunnel and the agent's relay threads for good (nginx's client_body_timeout)."""
+    from tests.api.test_proxy import wait_for_port
+
+    sandbox.commands.run("python3 -m http.server 8123 --directory /tmp", background=True)
+    routed = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8123"}
+    wait_for_port(f"{server.url}/", routed)
+    head = "".join(f"{k}: {v}\r\n" for k, v in routed.items()).encode()
+    request = b"POST /x HTTP/1.1\r\nHost: x\r\n" + head + b"Content-Length: 1000\r\n\r\nx"
+    answer, took = answer_within(server, [request], 0.0, 80)
+    assert not answer.endswith(b"<open>"), f"still open after {took:.0f}s"
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
