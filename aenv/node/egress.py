@@ -231,6 +231,7 @@ def _literal(host: str) -> Address | None:
 # fill the event loop's default executor, which the node's mounts and file work run on.
 RESOLVERS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="egress-dns")
 LOOKUPS_PER_SANDBOX = 4  # of those threads, what one sandbox may hold at once
+DENIED_LOG_EVERY = 10.0  # seconds between two "egress denied" lines of one sandbox
 
 
 async def resolve(host: str, port: int) -> list[Address]:
@@ -354,6 +355,8 @@ class Guest:
         self.policy_of = policy_of
         self.connections: Connections = {}
         self._lookups = asyncio.Semaphore(LOOKUPS_PER_SANDBOX)
+        self._denied_logged_at = -DENIED_LOG_EVERY
+        self._denied_unlogged = 0
 
     async def __call__(self, stream: Stream) -> None:
         if stream.method != "egress.connect":
@@ -367,7 +370,19 @@ class Guest:
         outcome = await serve_connect(stream, policy, resolver=self._resolve, held=self.connections)
         EGRESS.labels(outcome=outcome).inc()
         if outcome == "denied":
-            log.info("egress denied", extra={"sandbox_id": self.sandbox_id, "host": stream.params.get("host")})
+            self._log_denied(str(stream.params.get("host"))[:253])
+
+    def _log_denied(self, host: str) -> None:
+        """At most one line per DENIED_LOG_EVERY seconds and sandbox, with how many were left out:
+        the sandbox decides how often it is refused, and must not fill the node's log (the
+        aenv_egress_connections_total metric counts every one)."""
+        now = time.monotonic()
+        if now - self._denied_logged_at < DENIED_LOG_EVERY:
+            self._denied_unlogged += 1
+            return
+        more = f" (and {self._denied_unlogged} more since)" if self._denied_unlogged else ""
+        log.info("egress denied%s", more, extra={"sandbox_id": self.sandbox_id, "host": host})
+        self._denied_logged_at, self._denied_unlogged = now, 0
 
     async def _resolve(self, host: str, port: int) -> list[Address]:
         """:func:`resolve`, a few at a time: a sandbox whose lookups never end waits for its own."""

@@ -666,3 +666,24 @@ def test_a_body_to_a_sandbox_port_that_stops_is_let_go(server: Server, sandbox: 
     answer, took = answer_within(server, [request], 0.0, 80)
     assert not answer.endswith(b"<open>"), f"still open after {took:.0f}s"
     assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+
+
+async def test_refused_attempts_do_not_fill_the_nodes_log(caplog: pytest.LogCaptureFixture) -> None:
+    """A sandbox decides how often it is refused: a line per attempt let it write the node's log at
+    its own pace. Refusals are counted (the metric) and logged a line per 10 s at most."""
+    host_end, guest_end = await pipe_pair()
+    host = Channel(on_open=Guest("sbx", lambda: EgressPolicy.of(False, None)), max_peer_streams=MAX_GUEST_STREAMS)
+    guest = Channel(first_stream_id=2)
+    host.attach(*host_end)
+    guest.attach(*guest_end)
+    try:
+        with caplog.at_level(logging.INFO, logger="aenv.egress"):
+            for n in range(300):
+                stream = await guest.open("egress.connect", {"host": f"x{n}.example", "port": 443})
+                item = await asyncio.wait_for(stream.recv(), 5)
+                assert item.kind == END and item.msg["error"]["code"] == "permission_denied"
+    finally:
+        host.close()
+        guest.close()
+    denied = [r for r in caplog.records if r.getMessage().startswith("egress denied")]
+    assert 1 <= len(denied) <= 2, len(denied)
