@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import hmac
 import posixpath
@@ -24,7 +23,15 @@ from aenv.api import connect, uploads
 from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, ConnectError, Message
 from aenv.api.proxy import sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError, end_error
-from aenv.errors import AenvError, AgentTimeout, AgentUnavailable, InsufficientStorage, InvalidRequest, error_body
+from aenv.errors import (
+    AenvError,
+    AgentTimeout,
+    AgentUnavailable,
+    InsufficientStorage,
+    InvalidRequest,
+    RequestTimeout,
+    error_body,
+)
 from aenv.node.agentlink import AgentLink
 from aenv.node.orchestrator import LiveSandbox, Node
 
@@ -221,6 +228,8 @@ async def fs_watch_dir(request: Request, sb: LiveSandbox, user: str | None) -> R
     return await _server_stream(request, sb, "fs.watch", params)
 
 
+# Client streams: their requests' bodies are what a client types, and may pause for as long as it likes.
+CLIENT_STREAMS = frozenset({"/process.Process/StreamInput"})
 RPC: dict[str, Handler] = {
     "/process.Process/Start": process_start,
     "/process.Process/Connect": process_connect,
@@ -349,20 +358,9 @@ async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: Asyn
                 raise
             # The agent ended the write before all was sent (e.g. refused the path): its answer says why.
         result = await link.within(stream.result(), "fs.write")
-    except Exception as exc:
-        if stream.remote_ended:
-            raise
-        if isinstance(exc, ChannelClosed | AgentUnavailable | AgentTimeout):
-            stream.cancel()  # the agent is gone or not answering: nothing to wait for
-        else:
-            # The upload failed on this side (a body that does not decode, a client that left):
-            # the agent removes the partial file, and the answer goes out once it has.
-            with contextlib.suppress(AenvError):
-                await link.within(stream.abandon(), "fs.write")
-        raise
-    except BaseException:  # cancelled (a kill): never wait
+    except BaseException as exc:
         if not stream.remote_ended:
-            stream.cancel()
+            await _withdraw(link, stream, waiting=not isinstance(exc, AgentTimeout | AgentUnavailable))
         raise
     written = result if isinstance(result, dict) else {}
     return {
@@ -372,12 +370,26 @@ async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: Asyn
     }
 
 
+async def _withdraw(link: AgentLink, stream: Stream, *, waiting: bool) -> None:
+    """Give up a write. Unless the agent is not answering anyway, wait (within the deadline) for
+    it to remove what it wrote: the client must not hear of the failure and then find the file."""
+    try:
+        if waiting:
+            await link.within(stream.withdraw(), "fs.write")
+    except (AgentTimeout, ChannelClosed):
+        pass
+    finally:
+        stream.cancel()
+
+
 async def _part_bytes(events: AsyncIterator[uploads.PartEvent]) -> AsyncIterator[bytes]:
     async for event in events:
         if isinstance(event, uploads.PartEnd):
             return
         if isinstance(event, bytes):
             yield event
+    # A body cut short (no closing boundary) is not a whole file, whatever arrived of it.
+    raise InvalidRequest("the multipart upload ends inside a file part")
 
 
 async def _write_parts(request: Request, sb: LiveSandbox, path: str | None, user: str | None) -> list[dict[str, Any]]:
@@ -472,5 +484,8 @@ async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
     request.state.disk_mb = node._limits(sb.rec).disk_mb  # what a full disk's answer names
     try:
         return await endpoint(request, sb, _user(request))
+    except RequestTimeout as exc:  # the client's body stopped coming (see aenv.api.app)
+        error = ConnectError("deadline_exceeded", exc.message)
+        return _file_error(request, exc) if path == "/files" else connect.unary_error(error)
     except ConnectError as exc:
         return _file_error(request, exc) if path == "/files" else connect.unary_error(exc)

@@ -86,6 +86,8 @@ class Agent:
             await stream.end(error=(exc.code, exc.message))
         except UnknownUser as exc:
             await stream.end(error=("unauthenticated", str(exc)))
+        except RecursionError:  # a walk of a tree nested deeper than the stdlib's recursion allows
+            await stream.end(error=("out_of_range", f"{stream.method}: the directory tree is nested too deeply"))
         except ChannelClosed:
             pass
         except Exception as exc:  # the agent must outlive any one request

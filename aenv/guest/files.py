@@ -7,6 +7,7 @@ import math
 import os
 import stat
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from aenv.guest import safeio
@@ -162,24 +163,31 @@ def list_dir(path: str, depth: int) -> dict[str, Any]:
     except OSError as exc:
         raise translate(exc, path) from exc
     entries: list[dict[str, Any]] = []
-
-    def walk(directory: str, level: int) -> None:
+    # Each entry followed by what is below it, in name order, without recursion: a tree may be
+    # nested deeper than Python's recursion limit.
+    stack: list[tuple[str, int, Iterator[str]]] = []
+    _descend(stack, path, 1)
+    while stack:
+        directory, level, names = stack[-1]
+        name = next(names, None)
+        if name is None:
+            stack.pop()
+            continue
+        full = os.path.join(directory, name)
         try:
-            names = sorted(os.listdir(directory))
+            entries.append(entry_info(full))
         except OSError:
-            return
-        for name in names:
-            full = os.path.join(directory, name)
-            try:
-                info = entry_info(full)
-            except OSError:
-                continue
-            entries.append(info)
-            if level < depth and os.path.isdir(full) and not os.path.islink(full):
-                walk(full, level + 1)
-
-    walk(path, 1)
+            continue
+        if level < depth and os.path.isdir(full) and not os.path.islink(full):
+            _descend(stack, full, level + 1)
     return {"entries": entries}
+
+
+def _descend(stack: list[tuple[str, int, Iterator[str]]], directory: str, level: int) -> None:
+    try:
+        stack.append((directory, level, iter(sorted(os.listdir(directory)))))
+    except OSError:
+        pass
 
 
 def _chown(path: str, user: User) -> None:
