@@ -18,13 +18,17 @@ from aenv.node.orchestrator import Node
 from aenv.storage import datadir
 
 log = logging.getLogger("aenv.server")
-HEAD_TIMEOUT = 30.0  # seconds a client has to send a request's head, from its connection or its last answer
+HEAD_TIMEOUT = 30.0  # seconds a client has to send a request's head, from its connection or its first byte
 
 
 class HeadDeadline(HttpToolsProtocol):
     """uvicorn's HTTP protocol with a deadline on each request head, which uvicorn has not: a client
     that sent half a head, or a byte now and then, kept its connection and a file descriptor for as
-    long as it liked, without an API key (enough of them leave the node without descriptors)."""
+    long as it liked, without an API key (enough of them leave the node without descriptors).
+
+    The deadline runs from a connection's start (a client connects to send a request) and from the
+    first byte of each later head; an idle kept-alive connection between requests is bounded by
+    uvicorn's keep-alive timeout instead, which clients' pools rely on."""
 
     _head_timer: asyncio.TimerHandle | None = None
 
@@ -32,15 +36,14 @@ class HeadDeadline(HttpToolsProtocol):
         super().connection_made(transport)
         self._await_head()
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._head_timer is None:
+            self._await_head()
+
     def on_headers_complete(self) -> None:
         self._head_in()  # what follows (the body) is the route's to bound
         super().on_headers_complete()
-
-    def on_response_complete(self) -> None:
-        idle = not self.pipeline  # else the next request's head is in already
-        super().on_response_complete()
-        if idle and not self.transport.is_closing():
-            self._await_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._head_in()
