@@ -394,15 +394,17 @@ async def _part_bytes(events: AsyncIterator[uploads.PartEvent]) -> AsyncIterator
 
 async def _write_parts(request: Request, sb: LiveSandbox, path: str | None, user: str | None) -> list[dict[str, Any]]:
     """Each ``file`` part of a multipart upload, written into the sandbox while it arrives: to
-    ``path`` when given (then only one file may come), else to the part's filename."""
+    ``path`` when given (then only one file may come), else to the part's filename. As in envd, a
+    part is a file by its field name alone: a browser's ``FormData.append("file", text)`` or
+    ``curl -F file=<x`` sends no filename, and the path parameter says where it goes."""
     written: list[dict[str, Any]] = []
     events = uploads.multipart_parts(request)
     async for event in events:
-        if not isinstance(event, uploads.PartStart) or event.name != "file" or event.filename is None:
+        if not isinstance(event, uploads.PartStart) or event.name != "file":
             continue  # another field, or the bytes of one: skipped
         if path and written:
             raise InvalidRequest("the path parameter names one file, and this upload has several")
-        target = connect.path_string(path or event.filename, "the file part's filename")
+        target = connect.path_string(path or event.filename or "", "the file part's filename")
         if not target:
             raise InvalidRequest("a file part has no filename")
         written.append(await _write_file(sb, target, user, _part_bytes(events)))
