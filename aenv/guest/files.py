@@ -12,14 +12,6 @@ from typing import Any
 from aenv.guest import safeio
 from aenv.guest.users import User, name_of_gid, name_of_uid
 
-# Go's os.FileMode bits, which E2B reports in EntryInfo.mode.
-GO_DIR = 1 << 31
-GO_SYMLINK = 1 << 27
-GO_PIPE = 1 << 25
-GO_SOCKET = 1 << 24
-GO_SETUID = 1 << 23
-GO_SETGID = 1 << 22
-GO_STICKY = 1 << 20
 # /proc and /sys files report size 0 and may hold anything, or never end: read whole up to this.
 UNSIZED_READ_LIMIT = 16 * 2**20
 
@@ -44,29 +36,23 @@ def resolve(path: str, user: User, workdir: str | None = None) -> str:
     return os.path.normpath(path)
 
 
-def _go_mode(st: os.stat_result) -> int:
-    mode = stat.S_IMODE(st.st_mode) & 0o777
-    if stat.S_ISDIR(st.st_mode):
-        mode |= GO_DIR
-    elif stat.S_ISLNK(st.st_mode):
-        mode |= GO_SYMLINK
-    elif stat.S_ISFIFO(st.st_mode):
-        mode |= GO_PIPE
-    elif stat.S_ISSOCK(st.st_mode):
-        mode |= GO_SOCKET
-    if st.st_mode & stat.S_ISUID:
-        mode |= GO_SETUID
-    if st.st_mode & stat.S_ISGID:
-        mode |= GO_SETGID
-    if st.st_mode & stat.S_ISVTX:
-        mode |= GO_STICKY
-    return mode
-
-
-def _permissions(st: os.stat_result) -> str:
-    """Go's FileMode.String(): 'd' for directories, 'L' for symlinks, then rwx triplets."""
-    kind = "d" if stat.S_ISDIR(st.st_mode) else "L" if stat.S_ISLNK(st.st_mode) else "-"
-    return kind + stat.filemode(st.st_mode)[1:]
+def _go_permissions(mode: int) -> str:
+    """Go's os.FileMode.String() of a stat mode, as envd reports it: a letter for each type or
+    special bit set, in Go's order ("dalTLDpSugct?"), then the nine rwx permission bits."""
+    kind = stat.S_IFMT(mode)
+    flags = (
+        (kind == stat.S_IFDIR, "d"),
+        (kind == stat.S_IFLNK, "L"),
+        (kind in (stat.S_IFBLK, stat.S_IFCHR), "D"),
+        (kind == stat.S_IFIFO, "p"),
+        (kind == stat.S_IFSOCK, "S"),
+        (bool(mode & stat.S_ISUID), "u"),
+        (bool(mode & stat.S_ISGID), "g"),
+        (kind == stat.S_IFCHR, "c"),
+        (bool(mode & stat.S_ISVTX), "t"),
+    )
+    letters = "".join(letter for is_set, letter in flags if is_set) or "-"
+    return letters + "".join(c if mode & (0o400 >> i) else "-" for i, c in enumerate("rwxrwxrwx"))
 
 
 def _rfc3339(ts: float) -> str:
@@ -78,32 +64,40 @@ def _rfc3339(ts: float) -> str:
     return text + (f".{micros:06d}" if micros else "") + "Z"
 
 
+def _entry_type(mode: int) -> str | None:
+    if stat.S_ISREG(mode):
+        return "FILE_TYPE_FILE"
+    if stat.S_ISDIR(mode):
+        return "FILE_TYPE_DIRECTORY"
+    return None  # FIFOs, sockets, devices: envd's FILE_TYPE_UNSPECIFIED, left out of the message
+
+
 def entry_info(path: str) -> dict[str, Any]:
+    """envd's EntryInfo of ``path``, not following a final symlink, with envd's rules: ``mode`` is
+    the permission bits only; a symlink is reported with the type and permission bits of what it
+    finally leads to and that target's absolute path (a broken or looping link: no type, mode 0,
+    the link's own path as target); ``permissions``, size, owner and time are the link's own."""
     st = os.lstat(path)
-    if stat.S_ISDIR(st.st_mode):
-        kind = "FILE_TYPE_DIRECTORY"
-    elif stat.S_ISLNK(st.st_mode):
-        kind = "FILE_TYPE_SYMLINK"
-    else:
-        kind = "FILE_TYPE_FILE"
-    info: dict[str, Any] = {
-        "name": os.path.basename(path) or "/",
-        "type": kind,
-        "path": path,
-        "size": st.st_size,
-        "mode": _go_mode(st),
-        "permissions": _permissions(st),
-        "owner": name_of_uid(st.st_uid),
-        "group": name_of_gid(st.st_gid),
-        "modifiedTime": _rfc3339(st.st_mtime),
-    }
-    if kind == "FILE_TYPE_SYMLINK":
-        info["symlinkTarget"] = os.readlink(path)
-        try:  # E2B reports a symlink to a directory with the directory's type
-            if stat.S_ISDIR(os.stat(path).st_mode):
-                info["type"] = "FILE_TYPE_DIRECTORY"
-        except OSError:
-            pass
+    target: os.stat_result | None = st
+    info: dict[str, Any] = {"name": os.path.basename(path) or "/", "path": path}
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            resolved = os.path.realpath(path, strict=True)
+            target = os.stat(resolved)
+        except OSError:  # broken, looping or unreadable on the way
+            resolved, target = path, None
+        info["symlinkTarget"] = resolved
+    kind = _entry_type(target.st_mode) if target is not None else None
+    if kind is not None:
+        info["type"] = kind
+    info.update(
+        size=st.st_size,
+        mode=stat.S_IMODE(target.st_mode) & 0o777 if target is not None else 0,
+        permissions=_go_permissions(st.st_mode),
+        owner=name_of_uid(st.st_uid),
+        group=name_of_gid(st.st_gid),
+        modifiedTime=_rfc3339(st.st_mtime),
+    )
     return info
 
 

@@ -1,0 +1,76 @@
+"""What E2B's own SDK test suite found aenv answering differently from envd and E2B's API, checked
+with the official `e2b` SDK: entries' modes and symlinks, file metadata, E2B's error wording, idle
+keep-alive connections and the `base` template's `python`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from e2b import FileType, Sandbox
+
+pytestmark = pytest.mark.sandbox
+
+HOME = "/home/user"
+
+
+@pytest.fixture()
+def sbx() -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(timeout=300)
+    yield sandbox
+    sandbox.kill()
+
+
+# -- entries: envd's mode, type and symlink target ------------------------------------------------
+def test_modes_are_the_permission_bits_only(sbx: Sandbox) -> None:
+    assert sbx.files.make_dir(f"{HOME}/d") is True
+    sbx.files.write(f"{HOME}/d/f.txt", "x")
+    sbx.commands.run(f"mkdir -m 1777 {HOME}/sticky && touch {HOME}/suid && chmod 4755 {HOME}/suid && mkfifo {HOME}/p")
+    directory, file = sbx.files.get_info(f"{HOME}/d"), sbx.files.get_info(f"{HOME}/d/f.txt")
+    assert (directory.type, directory.mode, directory.permissions) == (FileType.DIR, 0o755, "drwxr-xr-x")
+    assert (file.type, file.mode, file.permissions) == (FileType.FILE, 0o644, "-rw-r--r--")
+    sticky, suid, fifo = (sbx.files.get_info(f"{HOME}/{n}") for n in ("sticky", "suid", "p"))
+    assert (sticky.mode, sticky.permissions) == (0o777, "dtrwxrwxrwx")
+    assert (suid.mode, suid.permissions) == (0o755, "urwxr-xr-x")
+    assert (fifo.type, fifo.mode, fifo.permissions) == (None, 0o644, "prw-r--r--")  # envd: type unspecified
+    listed = {e.name: e for e in sbx.files.list(HOME)}
+    assert (listed["d"].mode, listed["sticky"].mode, listed["suid"].mode) == (0o755, 0o777, 0o755)
+    assert sbx.files.get_info("/tmp").mode == 0o777
+
+
+def test_symlinks_report_what_they_lead_to(sbx: Sandbox) -> None:
+    sbx.files.write(f"{HOME}/t/file.txt", "hello")
+    sbx.commands.run(
+        "cd ~/t && mkdir -m 700 dir && ln -s file.txt to-file && ln -s dir to-dir && ln -s to-file chain"
+        " && ln -s missing broken && ln -s loop loop && ln -s ../t/./dir/.. up && chmod 600 file.txt"
+    )
+    infos = {n: sbx.files.get_info(f"{HOME}/t/{n}") for n in ("to-file", "to-dir", "chain", "broken", "loop", "up")}
+    listed = {e.name: e for e in sbx.files.list(f"{HOME}/t")}
+    assert "broken" not in listed and "loop" not in listed  # no type: the SDK leaves them out of lists
+    for name, info in infos.items():
+        assert info.path == f"{HOME}/t/{name}" and info.name == name
+        assert info.permissions == "Lrwxrwxrwx", name  # the link's own, as Go's FileMode.String()
+        if info.type is not None:
+            same = listed[name]
+            assert (same.type, same.mode, same.symlink_target, same.path) == (
+                info.type,
+                info.mode,
+                info.symlink_target,
+                info.path,
+            ), name
+    assert (infos["to-file"].type, infos["to-file"].mode) == (FileType.FILE, 0o600)
+    assert infos["to-file"].symlink_target == infos["chain"].symlink_target == f"{HOME}/t/file.txt"
+    assert infos["to-file"].size == len("file.txt")  # lstat's size, as envd
+    assert (infos["to-dir"].type, infos["to-dir"].mode, infos["to-dir"].symlink_target) == (
+        FileType.DIR,
+        0o700,
+        f"{HOME}/t/dir",
+    )
+    assert (infos["up"].type, infos["up"].symlink_target) == (FileType.DIR, f"{HOME}/t")
+    for name in ("broken", "loop"):  # envd: no type, mode 0, the link's own path as target
+        assert (infos[name].type, infos[name].mode, infos[name].symlink_target) == (None, 0, f"{HOME}/t/{name}")
+    assert sbx.files.get_info(f"{HOME}/t/file.txt").symlink_target is None
+    # reading through a link still reads the target; listing through a link to a directory lists it
+    assert sbx.files.read(f"{HOME}/t/chain") == "hello"
+    sbx.files.write(f"{HOME}/t/dir/inner", "i")
+    assert [e.path for e in sbx.files.list(f"{HOME}/t/to-dir")] == [f"{HOME}/t/to-dir/inner"]
