@@ -31,6 +31,7 @@ from aenv.node.orchestrator import LiveSandbox, Node
 KEEPALIVE_DEFAULT = 90.0
 ENVD_PORT = 49983
 UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"
+TOKEN_MISMATCH = "access token present in header but does not match"
 
 Handler = Callable[[Request, LiveSandbox, str | None], Awaitable[Response]]
 
@@ -262,31 +263,49 @@ def signature(path: str, operation: str, username: str | None, token: str, expir
     return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).decode().rstrip("=")
 
 
-def files_authorized(request: Request, token: str, operation: str) -> bool:
+def _signature_expiration(request: Request) -> int | None:
+    raw = request.query_params.get("signature_expiration")
+    return int(raw) if raw and raw.isascii() and raw.isdigit() and len(raw) <= 20 else None
+
+
+def _signed_by(request: Request, token: str, operation: str) -> bool:
+    """The URL's signature was made with ``token`` (whether or not it has expired since)."""
+    expected = signature(
+        request.query_params.get("path", ""),
+        operation,
+        request.query_params.get("username"),
+        token,
+        _signature_expiration(request),
+    )
+    return hmac.compare_digest(request.query_params.get("signature", "").encode(), expected.encode())
+
+
+def files_refusal(request: Request, token: str, operation: str) -> str | None:
+    """Why envd would refuse this /files request to a secure sandbox (its words, for a 401), or None.
+
+    As envd: the access token header when one is given, else the signature, then its expiry."""
     given = request.headers.get("x-access-token")
-    if given is not None:
-        return hmac.compare_digest(given.encode(), token.encode())
-    sig = request.query_params.get("signature")
-    if not sig:
-        return False
-    exp_raw = request.query_params.get("signature_expiration")
-    expiration = int(exp_raw) if exp_raw and exp_raw.isascii() and exp_raw.isdigit() else None
+    if given:
+        return None if hmac.compare_digest(given.encode(), token.encode()) else TOKEN_MISMATCH
+    if not request.query_params.get("signature"):
+        return "missing signature query parameter"
+    if not _signed_by(request, token, operation):
+        return "invalid signature"
+    expiration = _signature_expiration(request)
     if expiration is not None and expiration < time.time():
-        return False
-    path = request.query_params.get("path", "")
-    expected = signature(path, operation, request.query_params.get("username"), token, expiration)
-    return hmac.compare_digest(sig.encode(), expected.encode())
+        return "signature is already expired"
+    return None
 
 
 def signed_for(request: Request, node: Node) -> str | None:
     """The secure sandbox whose token signed this /files URL.
 
     Signed URLs from ``download_url()``/``upload_url()`` carry no sandbox id when the SDK's
-    sandbox URL is a single proxy (E2B_SANDBOX_URL): the signature itself names the sandbox.
-    """
+    sandbox URL is a single proxy (E2B_SANDBOX_URL): the signature itself names the sandbox, which
+    then answers as envd would (an expired signature is its 401, not the API's)."""
     operation = "write" if request.method == "POST" else "read"
     for sb in node.list():
-        if sb.rec.secure and files_authorized(request, node.access_token(sb.rec.id), operation):
+        if sb.rec.secure and _signed_by(request, node.access_token(sb.rec.id), operation):
             return sb.rec.id
     return None
 
@@ -436,11 +455,11 @@ def _endpoint(request: Request) -> Handler | None:
     return None
 
 
-def _authorized(request: Request, token: str) -> bool:
+def _refusal(request: Request, token: str) -> str | None:
     if request.url.path == "/files" and request.method in ("GET", "POST"):
-        return files_authorized(request, token, "read" if request.method == "GET" else "write")
+        return files_refusal(request, token, "read" if request.method == "GET" else "write")
     given = request.headers.get("x-access-token")
-    return given is not None and hmac.compare_digest(given.encode(), token.encode())
+    return None if given is not None and hmac.compare_digest(given.encode(), token.encode()) else UNAUTHORIZED
 
 
 async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
@@ -457,9 +476,10 @@ async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
         if sb.state.value != "running" or sb.link is None:
             return sandbox_gone(sandbox_id)
         return Response(status_code=204)
-    if sb.rec.secure and not _authorized(request, node.access_token(sandbox_id)):
+    refusal = _refusal(request, node.access_token(sandbox_id)) if sb.rec.secure else None
+    if refusal is not None:
         code = 401 if path == "/files" else "unauthenticated"
-        return JSONResponse({"code": code, "message": UNAUTHORIZED}, status_code=401)
+        return JSONResponse({"code": code, "message": refusal}, status_code=401)
     endpoint = _endpoint(request)
     if endpoint is None:
         return JSONResponse(

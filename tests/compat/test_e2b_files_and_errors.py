@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from e2b import FileType, Sandbox
 
@@ -74,3 +75,37 @@ def test_symlinks_report_what_they_lead_to(sbx: Sandbox) -> None:
     assert sbx.files.read(f"{HOME}/t/chain") == "hello"
     sbx.files.write(f"{HOME}/t/dir/inner", "i")
     assert [e.path for e in sbx.files.list(f"{HOME}/t/to-dir")] == [f"{HOME}/t/to-dir/inner"]
+
+
+# -- E2B's words for its errors -------------------------------------------------------------------
+def _refusal(url: str, method: str = "GET", **kwargs: object) -> tuple[int, object]:
+    response = httpx.request(method, url, timeout=30, **kwargs)  # type: ignore[arg-type]
+    return response.status_code, response.json() if response.status_code != 200 else response.text
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["signature-names-the-sandbox", "sandbox-header"])
+def test_signed_urls_are_refused_in_envds_words(sbx: Sandbox, routed: bool) -> None:
+    sbx.files.write(f"{HOME}/signed.txt", "signed")
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"} if routed else {}
+    expired = {"code": 401, "message": "signature is already expired"}
+    assert _refusal(sbx.download_url("signed.txt", "user", 120), headers=headers) == (200, "signed")
+    assert _refusal(sbx.download_url("signed.txt", "user", use_signature_expiration=-120), headers=headers) == (
+        401,
+        expired,
+    )
+    upload = sbx.upload_url("up.txt", "user", use_signature_expiration=-5)
+    assert _refusal(upload, "POST", files={"file": ("up.txt", b"x")}, headers=headers) == (401, expired)
+    assert not sbx.files.exists("up.txt")
+    good = sbx.download_url("signed.txt", "user", 120)
+    tampered = good.replace("signature=v1_", "signature=v1_A")
+    invalid = {"code": 401, "message": "invalid signature"}
+    if routed:  # without a sandbox in the URL, a signature no sandbox made names none: the API refuses it
+        assert _refusal(tampered, headers=headers) == (401, invalid)
+        unsigned = good.split("&signature=")[0]
+        missing = {"code": 401, "message": "missing signature query parameter"}
+        assert _refusal(unsigned, headers=headers) == (401, missing)
+    # a signature for reading does not write, and one for another path does not read this one
+    assert _refusal(good, "POST", files={"file": ("signed.txt", b"y")}, headers=headers)[0] == 401
+    other = sbx.download_url("other.txt", "user", 120).replace("other.txt", "signed.txt")
+    assert _refusal(other, headers=headers)[0] == 401
+    assert sbx.files.read("signed.txt") == "signed"
