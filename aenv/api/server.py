@@ -57,6 +57,7 @@ async def serve(
             log_level="info",
             access_log=False,
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=settings.http_keepalive,
             ws_max_size=settings.port_ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
         )
         server = uvicorn.Server(config)

@@ -4,11 +4,15 @@ keep-alive connections and the `base` template's `python`."""
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from e2b import FileType, Sandbox
+
+from tests.compat.conftest import Deployment
 
 pytestmark = pytest.mark.sandbox
 
@@ -109,3 +113,35 @@ def test_signed_urls_are_refused_in_envds_words(sbx: Sandbox, routed: bool) -> N
     other = sbx.download_url("other.txt", "user", 120).replace("other.txt", "signed.txt")
     assert _refusal(other, headers=headers)[0] == 401
     assert sbx.files.read("signed.txt") == "signed"
+
+
+# -- connections ------------------------------------------------------------------------------------
+def _exchange(sock: socket.socket, host: str) -> bytes:
+    """One GET /health on an open connection: the response's status line, or b"" if it was closed."""
+    sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    reader = sock.makefile("rb")
+    status = reader.readline()
+    length = 0
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    reader.read(length)
+    return status
+
+
+def test_idle_keepalive_connections_outlive_the_sdks_pools(deployment: Deployment) -> None:
+    """The SDK's pools reuse a connection idle for up to 300 s: the server must not close it first."""
+    url = httpx.URL(deployment.url)
+    with socket.create_connection((url.host, url.port or 80), timeout=30) as sock:
+        assert _exchange(sock, url.netloc.decode()).startswith(b"HTTP/1.1 200")
+        for gap in (6, 10):
+            time.sleep(gap)
+            assert _exchange(sock, url.netloc.decode()).startswith(b"HTTP/1.1 200"), f"closed after {gap} s idle"
+
+
+def test_calls_after_an_idle_gap_on_one_client(sbx: Sandbox) -> None:
+    for gap in (5.0, 7.0):  # about uvicorn's default 5 s, when a reused connection could be closing
+        time.sleep(gap)
+        assert sbx.commands.run("echo ok").stdout == "ok\n"
+        assert sbx.files.exists(HOME)
