@@ -85,7 +85,7 @@ class Settings(BaseSettings):
     # Seconds an idle keep-alive connection stays open. Longer than any client pool reuses one
     # (the E2B Python SDK: 300 s; undici: at most 600 s): a pool that reuses a connection the server
     # is closing at that moment fails the request (RemoteProtocolError).
-    http_keepalive: float = Field(610.0, gt=0)
+    http_keepalive: int = Field(610, ge=1)
 
     # The snapshot repository templates and snapshots are committed to: "" = <data-dir>/repo,
     # a path or file:// URL (e.g. a shared mount), s3://bucket/prefix, or "none" (node-local only).

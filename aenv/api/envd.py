@@ -11,6 +11,7 @@ import base64
 import contextlib
 import hashlib
 import hmac
+import logging
 import posixpath
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,8 +20,9 @@ from urllib.parse import quote
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Send
 
-from aenv.api import connect, uploads
+from aenv.api import connect, connections, uploads
 from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, ConnectError, Message
 from aenv.api.proxy import sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError, end_error
@@ -34,6 +36,32 @@ UNAUTHORIZED = "unauthorized access, please provide a valid access token or meth
 TOKEN_MISMATCH = "access token present in header but does not match"
 
 Handler = Callable[[Request, LiveSandbox, str | None], Awaitable[Response]]
+UNFINISHED = "ASGI callable returned without completing response."  # uvicorn's words for a dropped one
+
+
+class StreamDropped(Exception):
+    """The sandbox went away (killed, paused, died) while an answer streamed."""
+
+
+class DroppableStream(StreamingResponse):
+    """A streamed answer that, when its sandbox goes away, is dropped rather than ended: the body
+    is left unfinished and the connection reset, as E2B's proxy resets the stream of a sandbox that
+    is gone. The SDKs read that as a lost connection, probe the sandbox's health and report it
+    killed ("killed or reached its end of life"); an error message ending the stream would be
+    reported as that error instead."""
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        except StreamDropped:
+            connections.reset_on_close()
+
+
+class DroppedStreamsAreNotErrors(logging.Filter):
+    """uvicorn logs an unfinished response as an error; a dropped stream is one on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != UNFINISHED
 
 
 def _user(request: Request) -> str | None:
@@ -91,6 +119,8 @@ async def _stream_events(
             elif item.kind == END:
                 finished = True
                 error = end_error(item.msg)
+                if error is not None and link.channel.closed.is_set():
+                    raise StreamDropped(error.message)
                 yield connect.end_stream(_connect_error(error) if error else None)
                 return
     finally:
@@ -127,7 +157,7 @@ async def _server_stream(request: Request, sb: LiveSandbox, method: str, params:
     except Exception as exc:
         body = connect.end_stream(_connect_error(exc))
         return Response(body, media_type=connect.STREAM_CONTENT_TYPE)
-    return StreamingResponse(_stream_events(request, link, stream, first=first), media_type=connect.STREAM_CONTENT_TYPE)
+    return DroppableStream(_stream_events(request, link, stream, first=first), media_type=connect.STREAM_CONTENT_TYPE)
 
 
 # The messages of envd's services as aenv reads them (proto3 JSON; see connect.checked).
@@ -337,6 +367,9 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
                 if item.kind == DATA:
                     yield item.data
                 elif item.kind == END:
+                    error = end_error(item.msg)
+                    if error is not None:  # cut short: the client must not take it for the whole file
+                        raise StreamDropped(error.message)
                     return
         finally:
             if not stream.remote_ended:
@@ -349,7 +382,7 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
     }
     if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
         headers["Content-Length"] = str(size)
-    return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
+    return DroppableStream(body(), media_type="application/octet-stream", headers=headers)
 
 
 async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: AsyncIterator[bytes]) -> dict[str, Any]:
@@ -473,7 +506,7 @@ async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
     except AenvError:
         return sandbox_gone(sandbox_id)
     if request.method == "GET" and path == "/health":
-        if sb.state.value != "running" or sb.link is None:
+        if sb.state.value != "running" or sb.link is None or sb.killer is not None:
             return sandbox_gone(sandbox_id)
         return Response(status_code=204)
     refusal = _refusal(request, node.access_token(sandbox_id)) if sb.rec.secure else None

@@ -4,13 +4,18 @@ keep-alive connections and the `base` template's `python`."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
 import socket
+import struct
+import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from e2b import FileType, Sandbox
+from e2b import AsyncSandbox, FileType, Sandbox, TimeoutException
 
 from tests.compat.conftest import Deployment
 
@@ -145,3 +150,109 @@ def test_calls_after_an_idle_gap_on_one_client(sbx: Sandbox) -> None:
         time.sleep(gap)
         assert sbx.commands.run("echo ok").stdout == "ok\n"
         assert sbx.files.exists(HOME)
+
+
+# -- a sandbox killed while a command streams ---------------------------------------------------------
+KILLED = "sandbox was killed or reached its end of life"  # what the SDKs say once /health confirms it
+
+
+def _raw_stream_of_a_running_command(deployment: Deployment, sandbox: Sandbox) -> tuple[str, bytes]:
+    """Start a chatty command over envd's Connect protocol, kill the sandbox while it streams and
+    read on: (how the answer ended: "reset", "cut" or "ended", the bytes that came)."""
+    headers = {
+        "E2b-Sandbox-Id": sandbox.sandbox_id,
+        "E2b-Sandbox-Port": "49983",
+        "X-Access-Token": sandbox._envd_access_token or "",
+        "Content-Type": "application/connect+json",
+        "Connect-Protocol-Version": "1",
+    }
+    request = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", "while true; do echo tick; sleep 0.1; done"]}})
+    body = struct.pack(">BI", 0, len(request)) + request.encode()
+    received = b""
+    with httpx.stream(
+        "POST", f"{deployment.url}/process.Process/Start", headers=headers, content=body, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        chunks = response.iter_raw()
+        try:
+            while b"tick" not in base64_decoded(received):
+                received += next(chunks)
+            Sandbox.kill(sandbox.sandbox_id)
+            for chunk in chunks:
+                received += chunk
+        except httpx.ReadError:
+            return "reset", received
+        except httpx.RemoteProtocolError:
+            return "cut", received
+    return "ended", received
+
+
+def base64_decoded(raw: bytes) -> bytes:
+    """The stdout bytes of the Connect envelopes in ``raw`` (each event's data is base64)."""
+    out, offset = b"", 0
+    while offset + 5 <= len(raw):
+        (length,) = struct.unpack(">I", raw[offset + 1 : offset + 5])
+        payload = raw[offset + 5 : offset + 5 + length]
+        if len(payload) < length:
+            break
+        stdout = json.loads(payload).get("event", {}).get("data", {}).get("stdout")
+        out += base64.b64decode(stdout) if stdout else b""
+        offset += 5 + length
+    return out
+
+
+def _end_of_stream_in(raw: bytes) -> bool:
+    offset = 0
+    while offset + 5 <= len(raw):
+        flags, length = struct.unpack(">BI", raw[offset : offset + 5])
+        if flags & 0x02:
+            return True
+        offset += 5 + length
+    return False
+
+
+def test_a_killed_sandbox_drops_its_streams(deployment: Deployment) -> None:
+    """E2B's edge resets the stream of a sandbox that is gone: no end-of-stream message ends it, and
+    the SDKs (e2b 2.45 needs a read error, not a body cut short) then ask /health and say it was killed."""
+    sandbox = Sandbox.create(timeout=120)
+    ending, received = _raw_stream_of_a_running_command(deployment, sandbox)
+    assert ending == "reset" and not _end_of_stream_in(received), (ending, received[-300:])
+    health = httpx.get(
+        f"{deployment.url}/health", headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49983"}
+    )
+    assert health.status_code == 502 and "was not found" in health.json()["message"]
+
+
+def test_the_sync_sdk_says_a_sandbox_killed_mid_command_was_killed() -> None:
+    sandbox = Sandbox.create(timeout=120)
+    background = sandbox.commands.run("sleep 60", background=True)
+    sandbox.kill()
+    with pytest.raises(TimeoutException, match=KILLED):
+        background.wait()
+    sandbox = Sandbox.create(timeout=120)
+    lines: list[str] = []
+    killer = threading.Timer(1.5, sandbox.kill)
+    killer.start()
+    try:
+        with pytest.raises(TimeoutException, match=KILLED):
+            sandbox.commands.run("while true; do echo tick; sleep 0.1; done", on_stdout=lines.append, timeout=60)
+    finally:
+        killer.join()
+    assert lines  # it was streaming when the sandbox went
+
+
+async def test_the_async_sdk_says_a_sandbox_killed_mid_command_was_killed() -> None:
+    sandbox = await AsyncSandbox.create(timeout=120)
+    background = await sandbox.commands.run("sleep 60", background=True)
+    await sandbox.kill()
+    with pytest.raises(TimeoutException, match=KILLED):
+        await background.wait()
+    sandbox = await AsyncSandbox.create(timeout=120)
+    streaming = asyncio.Event()
+    running = asyncio.ensure_future(
+        sandbox.commands.run("while true; do echo tick; sleep 0.1; done", on_stdout=lambda _: streaming.set())
+    )
+    await asyncio.wait_for(streaming.wait(), 60)
+    await sandbox.kill()
+    with pytest.raises(TimeoutException, match=KILLED):
+        await running
