@@ -138,7 +138,13 @@ class Agent:
                 pass
 
     def user_of(self, params: dict[str, Any]) -> User:
-        return lookup(params.get("user") or self.default_user)
+        """The user a request names, else the sandbox's default; refused in envd's words."""
+        name = params.get("user")
+        try:
+            return lookup(name or self.default_user)
+        except UnknownUser:
+            refusal = f"invalid username: '{name}'" if name else f"invalid default user: '{self.default_user}'"
+            raise UnknownUser(refusal) from None
 
     def process_env(self, user: User, extra: dict[str, str] | None) -> dict[str, str]:
         env = {"PATH": DEFAULT_PATH, "HOME": user.home, "USER": user.name, "LOGNAME": user.name, "SHELL": user.shell}

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from aenv.channel import END, MSG, end_error
 from aenv.errors import AenvError
@@ -88,12 +88,12 @@ class StartCommand:
             return
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
-            code, output = await run_process(link, self.ready, env=self.env, cwd=self.cwd, user=self.user)
-            if code == 0:
+            ran = await run_process(link, self.ready, env=self.env, cwd=self.cwd, user=self.user)
+            if ran.code == 0:
                 log("ready check passed")
                 return
             if time.monotonic() > deadline:
-                raise BuildFailed(f"ready check did not pass in {self.ready_timeout_s:.0f}s", step=0, output=output)
+                raise BuildFailed(f"ready check did not pass in {self.ready_timeout_s:.0f}s", step=0, output=ran.output)
             await asyncio.sleep(0.5)
 
 
@@ -123,11 +123,19 @@ def host_debian_mirror() -> str:
     return candidates[0] if candidates else "http://deb.debian.org/debian"
 
 
-async def run_in(link: AgentLink, script: str, *, user: str = "root", on_log: LogFn | None = None) -> tuple[int, str]:
-    """Run a bash script through the agent, streaming its output; return (exit code, output)."""
+async def run_in(link: AgentLink, script: str, *, user: str = "root", on_log: LogFn | None = None) -> Ran:
+    """Run a bash script through the agent, streaming its output."""
     return await run_process(
         link, ["/bin/bash", "-c", script], env={"DEBIAN_FRONTEND": "noninteractive"}, user=user, on_log=on_log
     )
+
+
+class Ran(NamedTuple):
+    """How a command run through the agent went."""
+
+    code: int  # its exit code; -1 when it did not exit (a signal, or it never started)
+    output: str  # the tail of its output (all of it went to on_log)
+    failure: str  # why it failed in envd's words ("exit status 9", "command failed: <code>: <why>"); "" if it did not
 
 
 async def run_process(
@@ -138,25 +146,26 @@ async def run_process(
     cwd: str | None = None,
     user: str = "root",
     on_log: LogFn | None = None,
-) -> tuple[int, str]:
-    """Run ``argv`` through the agent, streaming its output; return (exit code, output)."""
+) -> Ran:
+    """Run ``argv`` through the agent, streaming its output."""
     process: dict[str, Any] = {"cmd": argv[0], "args": argv[1:], "envs": dict(env or {})}
     if cwd:
         process["cwd"] = cwd
     stream = await link.open("process.start", {"process": process, "user": user})
     output: deque[str] = deque()  # the tail a failure reports; all of it went to on_log
     kept = 0
-    code = -1
+    code, status = -1, ""
     while True:
         item = await stream.recv()
         if item.kind == END:
             error = end_error(item.msg)
-            if error is not None:
+            if error is not None:  # refused (an unknown user) or cut short: as E2B's builder words it
                 output.append(error.message)
+                status = f"command failed: {error}"
             break
-        text, exit_code = _process_event(item.msg if item.kind == MSG else None)
-        if exit_code is not None:
-            code = exit_code
+        text, ended = _process_event(item.msg if item.kind == MSG else None)
+        if ended is not None:
+            code, status = ended
         if text:
             output.append(text)
             kept += len(text)
@@ -165,11 +174,12 @@ async def run_process(
             if on_log:
                 for line in text.splitlines():
                     on_log(line)
-    return code, "".join(output)
+    return Ran(code, "".join(output), status if code != 0 else "")
 
 
-def _process_event(msg: Any) -> tuple[str, int | None]:
-    """(output text, exit code) of one process.start event, as far as the agent's message is one."""
+def _process_event(msg: Any) -> tuple[str, tuple[int, str] | None]:
+    """(output text, (exit code, status) if it ended) of one process.start event, as far as the
+    agent's message is one."""
     event = msg.get("event") if isinstance(msg, dict) else None
     if not isinstance(event, dict):
         return "", None
@@ -181,10 +191,13 @@ def _process_event(msg: Any) -> tuple[str, int | None]:
         except (TypeError, ValueError):
             text = ""
     end = event.get("end")
-    exit_code = end.get("exitCode", -1) if isinstance(end, dict) else None
-    if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):
-        exit_code = -1
-    return text, exit_code
+    if not isinstance(end, dict):
+        return text, None
+    code = end.get("exitCode", -1)
+    if isinstance(code, bool) or not isinstance(code, int):
+        code = -1
+    status = end.get("status")
+    return text, (code, status[:200] if isinstance(status, str) and status else f"exit status {code}")
 
 
 @asynccontextmanager
@@ -237,9 +250,9 @@ async def commit_template(
     async with build_instance(node, layers, f"build-{name}") as (link, instance, upper):
         for i, step in enumerate(steps, 1):
             log(f"step {i}/{len(steps)}")
-            code, output = await run_in(link, step, on_log=log)
-            if code != 0:
-                raise BuildFailed(f"step {i} failed with exit code {code}", step=i, output=output[-4000:])
+            ran = await run_in(link, step, on_log=log)
+            if ran.code != 0:
+                raise BuildFailed(f"step {i} failed: {ran.failure}", step=i, output=ran.output[-4000:])
         if start is not None:
             await start.launch(link, log)
         await link.freeze()

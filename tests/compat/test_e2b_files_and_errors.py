@@ -11,11 +11,20 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from e2b import AsyncSandbox, FileType, Sandbox, TimeoutException
+from e2b import (
+    AsyncSandbox,
+    AuthenticationException,
+    BuildException,
+    FileType,
+    Sandbox,
+    Template,
+    TimeoutException,
+)
 
 from tests.compat.conftest import Deployment
 
@@ -256,3 +265,39 @@ async def test_the_async_sdk_says_a_sandbox_killed_mid_command_was_killed() -> N
     await sandbox.kill()
     with pytest.raises(TimeoutException, match=KILLED):
         await running
+
+
+# -- template steps and users, as E2B's builder and envd word them ------------------------------------
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        (
+            lambda t: t.run_cmd("whoami", user="root123"),
+            "failed to run command 'whoami': command failed: unauthenticated: invalid username: 'root123'",
+        ),
+        (
+            lambda t: t.set_user("nobody2").run_cmd("id -u"),
+            "failed to run command 'id -u': command failed: unauthenticated: invalid username: 'nobody2'",
+        ),
+        (lambda t: t.run_cmd("exit 9"), "failed to run command 'exit 9': exit status 9"),
+    ],
+    ids=["run-cmd-user", "set-user", "exit-status"],
+)
+def test_failed_template_steps_are_worded_as_e2b_does(steps: Callable[[Template], Template], expected: str) -> None:
+    logs: list[tuple[str, str]] = []
+    with pytest.raises(BuildException) as failed:
+        Template.build(
+            steps(Template().from_template("base").skip_cache()),
+            f"failing-{uuid.uuid4().hex[:8]}",
+            on_build_logs=lambda entry: logs.append((entry.level, entry.message)),
+        )
+    assert expected in str(failed.value)
+    assert any(level == "error" and expected in message for level, message in logs), logs
+
+
+def test_commands_as_an_unknown_user_are_refused_as_envd_does(sbx: Sandbox) -> None:
+    with pytest.raises(AuthenticationException, match="invalid username: 'root123'"):
+        sbx.commands.run("whoami", user="root123")
+    with pytest.raises(AuthenticationException, match="invalid username: 'root123'"):
+        sbx.files.list("/", user="root123")
+    assert sbx.commands.run("whoami", user="root").stdout == "root\n"
