@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import re
 import time
 from collections import deque
@@ -56,11 +57,14 @@ echo 'user ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/user && chmod 0440 /etc/sudo
 dpkg-divert --quiet --local --rename --divert /usr/bin/sudo.setuid --add /usr/bin/sudo
 ln -s {SUDO} /usr/bin/sudo
 mkdir -p /run/e2b /home/user && chown user:user /home/user
+ln -sf python3 /usr/bin/python  # E2B's base has both, as Debian's python-is-python3 makes it
 echo sandbox > /etc/hostname
 echo '127.0.0.1 localhost sandbox' > /etc/hosts
 echo '::1 localhost ip6-localhost' >> /etc/hosts
 apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 """
+# Names the setup `base` was committed with: a node whose setup steps changed recommits it.
+BASE_DESCRIPTION = f"Debian with aenv's setup {hashlib.sha256(BASE_SETUP.encode()).hexdigest()[:12]}"
 
 
 @dataclass
@@ -308,19 +312,27 @@ async def build_base(node: Node, *, on_log: LogFn | None = None) -> TemplateReco
         await node.files.remove(layer_id)
         raise
     log(f"root filesystem ready in {time.monotonic() - started:.0f}s")
-    return await commit_template(node, name="base", layers=[layer_id], steps=[BASE_SETUP], on_log=log)
+    return await _commit_base(node, layer_id, log)
+
+
+async def _commit_base(node: Node, debian_layer: str, log: LogFn | None) -> TemplateRecord:
+    return await commit_template(
+        node, name="base", layers=[debian_layer], steps=[BASE_SETUP], description=BASE_DESCRIPTION, on_log=log
+    )
 
 
 async def ensure_base(node: Node, *, on_log: LogFn | None = None) -> TemplateRecord:
-    """`base`, built on first use and rebuilt when the guest agent changed.
+    """`base`, built on first use and recommitted when the guest agent or the setup steps changed.
 
     The agent inside a template's image is the one that was running at commit time; a new agent
-    reaches sandboxes only through a new image. A rebuild reuses the Debian root filesystem."""
+    reaches sandboxes only through a new image. A recommit reruns the setup on the Debian root
+    filesystem (the first layer) in seconds: no new debootstrap."""
     try:
         current = node.find_template("base")
     except AenvError:
         return await build_base(node, on_log=on_log)
-    if current.guest == node.driver.guest_key():
+    if current.guest == node.driver.guest_key() and current.description == BASE_DESCRIPTION:
         return current
-    (on_log or (lambda line: None))("the guest agent changed: recommitting `base` on its existing root filesystem")
-    return await commit_template(node, name="base", layers=current.layers[:1], steps=[BASE_SETUP], on_log=on_log)
+    changed = "guest agent" if current.guest != node.driver.guest_key() else "setup of `base`"
+    (on_log or (lambda line: None))(f"the {changed} changed: recommitting `base` on its existing root filesystem")
+    return await _commit_base(node, current.layers[0], on_log)

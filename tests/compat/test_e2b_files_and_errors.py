@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -26,6 +27,7 @@ from e2b import (
     TimeoutException,
 )
 
+from aenv.templates import builder
 from tests.compat.conftest import Deployment
 
 pytestmark = pytest.mark.sandbox
@@ -301,3 +303,38 @@ def test_commands_as_an_unknown_user_are_refused_as_envd_does(sbx: Sandbox) -> N
     with pytest.raises(AuthenticationException, match="invalid username: 'root123'"):
         sbx.files.list("/", user="root123")
     assert sbx.commands.run("whoami", user="root").stdout == "root\n"
+
+
+# -- the base template ------------------------------------------------------------------------------------
+def test_base_has_python_as_e2bs_does(sbx: Sandbox) -> None:
+    for command in ("python", "python3"):
+        version = sbx.commands.run(f"{command} --version").stdout
+        assert version.startswith("Python 3."), (command, version)
+    assert sbx.commands.run("python -c 'import sys; print(sys.version_info[0])'", user="root").stdout == "3\n"
+
+
+@pytest.mark.parametrize(
+    ("guest", "description", "recommitted"),
+    [
+        ("current", builder.BASE_DESCRIPTION, False),
+        ("current", "", True),  # committed by a node whose setup steps were others (an older one)
+        ("current", "Debian with aenv's setup 000000000000", True),
+        ("older", builder.BASE_DESCRIPTION, True),
+    ],
+)
+async def test_base_is_recommitted_when_its_setup_changes(
+    guest: str, description: str, recommitted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data dir's `base` gets a changed setup (such as `python`) at the next start, on its own
+    Debian layer: without this, only a new guest agent would ever bring it."""
+    record = SimpleNamespace(guest=guest, description=description, layers=["debian", "setup"])
+    node = SimpleNamespace(find_template=lambda name: record, driver=SimpleNamespace(guest_key=lambda: "current"))
+    commits: list[str] = []
+
+    async def commit(node: object, debian_layer: str, log: object) -> object:
+        commits.append(debian_layer)
+        return "new base"
+
+    monkeypatch.setattr(builder, "_commit_base", commit)
+    assert await builder.ensure_base(node) == ("new base" if recommitted else record)  # type: ignore[arg-type]
+    assert commits == (["debian"] if recommitted else [])
