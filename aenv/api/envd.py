@@ -27,6 +27,7 @@ from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, Co
 from aenv.api.proxy import sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError, end_error
 from aenv.errors import AenvError, AgentTimeout, AgentUnavailable, InsufficientStorage, InvalidRequest, error_body
+from aenv.guest import metadata
 from aenv.node.agentlink import AgentLink
 from aenv.node.orchestrator import LiveSandbox, Node
 
@@ -34,6 +35,7 @@ KEEPALIVE_DEFAULT = 90.0
 ENVD_PORT = 49983
 UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"
 TOKEN_MISMATCH = "access token present in header but does not match"
+METADATA_HEADER = "x-metadata-"  # envd's X-Metadata-<key> upload headers
 
 Handler = Callable[[Request, LiveSandbox, str | None], Awaitable[Response]]
 UNFINISHED = "ASGI callable returned without completing response."  # uvicorn's words for a dropped one
@@ -385,11 +387,37 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
     return DroppableStream(body(), media_type="application/octet-stream", headers=headers)
 
 
-async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: AsyncIterator[bytes]) -> dict[str, Any]:
+def _upload_metadata(request: Request) -> dict[str, str]:
+    """envd's ``X-Metadata-<key>`` upload headers: keys lowercased, the first value of each, checked
+    as envd checks them (400 "invalid metadata: ...") before anything reaches the sandbox."""
+    found: dict[str, str] = {}
+    for raw_name, raw_value in request.headers.raw:
+        name = raw_name.decode("latin-1").lower()
+        if name.startswith(METADATA_HEADER) and len(name) > len(METADATA_HEADER):
+            found.setdefault(name[len(METADATA_HEADER) :], raw_value.decode("latin-1"))
+    try:
+        metadata.validate(found)
+    except metadata.Invalid as exc:
+        raise InvalidRequest(f"invalid metadata: {exc}") from exc
+    return found
+
+
+def _kept_metadata(written: dict[str, Any]) -> dict[str, str] | None:
+    """The metadata the agent says the file has: a map of strings, or nothing."""
+    kept = written.get("metadata")
+    if isinstance(kept, dict) and kept and all(isinstance(k, str) and isinstance(v, str) for k, v in kept.items()):
+        return kept
+    return None
+
+
+async def _write_file(
+    sb: LiveSandbox, path: str, user: str | None, chunks: AsyncIterator[bytes], meta: dict[str, str]
+) -> dict[str, Any]:
     """Write ``chunks`` into the sandbox as they come; the channel's credit window is all that is
-    ever buffered. If the agent gives up (a full disk), its reason is what this raises."""
+    ever buffered. If the agent gives up (a full disk), its reason is what this raises. The file's
+    metadata becomes ``meta`` (none clears it, as envd)."""
     link = _link(sb)
-    stream = await link.open("fs.write", {"path": path, "user": user})
+    stream = await link.open("fs.write", {"path": path, "user": user, "metadata": meta})
     try:
         try:
             async for chunk in chunks:
@@ -417,11 +445,13 @@ async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: Asyn
             stream.cancel()
         raise
     written = result if isinstance(result, dict) else {}
-    return {
+    entry = {
         "path": str(written.get("path", path)),
         "name": str(written.get("name", posixpath.basename(path))),
         "type": "file",
     }
+    kept = _kept_metadata(written)
+    return {**entry, "metadata": kept} if kept else entry
 
 
 async def _part_bytes(events: AsyncIterator[uploads.PartEvent]) -> AsyncIterator[bytes]:
@@ -432,7 +462,9 @@ async def _part_bytes(events: AsyncIterator[uploads.PartEvent]) -> AsyncIterator
             yield event
 
 
-async def _write_parts(request: Request, sb: LiveSandbox, path: str | None, user: str | None) -> list[dict[str, Any]]:
+async def _write_parts(
+    request: Request, sb: LiveSandbox, path: str | None, user: str | None, meta: dict[str, str]
+) -> list[dict[str, Any]]:
     """Each ``file`` part of a multipart upload, written into the sandbox while it arrives: to
     ``path`` when given (then only one file may come), else to the part's filename."""
     written: list[dict[str, Any]] = []
@@ -445,7 +477,7 @@ async def _write_parts(request: Request, sb: LiveSandbox, path: str | None, user
         target = connect.path_string(path or event.filename, "the file part's filename")
         if not target:
             raise InvalidRequest("a file part has no filename")
-        written.append(await _write_file(sb, target, user, _part_bytes(events)))
+        written.append(await _write_file(sb, target, user, _part_bytes(events), meta))
     if not written:
         raise InvalidRequest("no file part in the upload")
     return written
@@ -453,13 +485,13 @@ async def _write_parts(request: Request, sb: LiveSandbox, path: str | None, user
 
 async def files_post(request: Request, sb: LiveSandbox, user: str | None) -> Response:
     try:
-        path, user = _query_path(request), _query_user(request, user)
+        path, user, meta = _query_path(request), _query_user(request, user), _upload_metadata(request)
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
-            written = await _write_parts(request, sb, path, user)
+            written = await _write_parts(request, sb, path, user, meta)
         elif not path:
             raise InvalidRequest("the path query parameter is required")
         else:
-            written = [await _write_file(sb, path, user, uploads.decoded(request))]
+            written = [await _write_file(sb, path, user, uploads.decoded(request), meta)]
     except Exception as exc:
         return _file_error(request, exc)
     return JSONResponse(written)

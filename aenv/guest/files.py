@@ -9,7 +9,7 @@ import stat
 import time
 from typing import Any
 
-from aenv.guest import safeio
+from aenv.guest import metadata, safeio
 from aenv.guest.users import User, name_of_gid, name_of_uid
 
 # /proc and /sys files report size 0 and may hold anything, or never end: read whole up to this.
@@ -72,11 +72,19 @@ def _entry_type(mode: int) -> str | None:
     return None  # FIFOs, sockets, devices: envd's FILE_TYPE_UNSPECIFIED, left out of the message
 
 
-def entry_info(path: str) -> dict[str, Any]:
+def real_path(path: str, real_parent: str | None = None) -> str:
+    """``path`` with its directory's symlinks resolved (a final symlink stays itself): the key of
+    the metadata store. ``real_parent``: the directory's real path, when known."""
+    parent, name = os.path.split(path)
+    return os.path.join(real_parent or os.path.realpath(parent), name) if name else path
+
+
+def entry_info(path: str, real_parent: str | None = None) -> dict[str, Any]:
     """envd's EntryInfo of ``path``, not following a final symlink, with envd's rules: ``mode`` is
     the permission bits only; a symlink is reported with the type and permission bits of what it
     finally leads to and that target's absolute path (a broken or looping link: no type, mode 0,
-    the link's own path as target); ``permissions``, size, owner and time are the link's own."""
+    the link's own path as target); ``permissions``, size, owner and time are the link's own; the
+    metadata is what the path leads to has. ``real_parent``: the real path of its directory."""
     st = os.lstat(path)
     target: os.stat_result | None = st
     info: dict[str, Any] = {"name": os.path.basename(path) or "/", "path": path}
@@ -98,6 +106,10 @@ def entry_info(path: str) -> dict[str, Any]:
         group=name_of_gid(st.st_gid),
         modifiedTime=_rfc3339(st.st_mtime),
     )
+    if target is not None:
+        found = metadata.read(path, target, lambda: info.get("symlinkTarget") or real_path(path, real_parent))
+        if found:
+            info["metadata"] = found
     return info
 
 
@@ -162,10 +174,11 @@ def list_dir(path: str, depth: int) -> dict[str, Any]:
             names = sorted(os.listdir(directory))
         except OSError:
             return
+        real_directory = os.path.realpath(directory) if len(metadata.STORE) else None  # once, not per entry
         for name in names:
             full = os.path.join(directory, name)
             try:
-                info = entry_info(full)
+                info = entry_info(full, real_directory)
             except OSError:
                 continue
             entries.append(info)
@@ -202,6 +215,7 @@ def make_dir(path: str, user: User) -> dict[str, Any]:
         make_parents(path, user)
         os.mkdir(path)
         _chown(path, user)
+        metadata.STORE.removed(real_path(path))  # what a directory removed behind the agent's back had
         return {"entry": entry_info(path)}
     except OSError as exc:
         raise translate(exc, path) from exc
@@ -214,29 +228,35 @@ def move(source: str, destination: str, user: User) -> dict[str, Any]:
         raise translate(exc, source) from exc
     try:
         make_parents(destination, user)
+        real_source = real_path(source)
         try:
             os.rename(source, destination)
+            metadata.STORE.moved(real_source, real_path(destination))  # a rename keeps the inode, and its xattrs
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
             import shutil  # on first use: see aenv/guest/__main__.py
 
             shutil.move(source, destination, copy_function=_copy_regular)
+            metadata.STORE.removed(real_source)
         return {"entry": entry_info(destination)}
     except OSError as exc:
         raise translate(exc, destination) from exc
 
 
 def _copy_regular(source: str, destination: str) -> None:
-    """A move's copy across file systems, of regular files only: a device would never end."""
+    """A move's copy across file systems, of regular files only: a device would never end. The
+    metadata comes along, whichever file system keeps it on either side."""
     import shutil
 
     src = safeio.open_regular(source, os.O_RDONLY)
     try:
+        carried = metadata.read(source, os.fstat(src), lambda: os.path.realpath(source)) or {}
         dst = safeio.open_regular(destination, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             with open(src, "rb", closefd=False) as reader, open(dst, "wb", closefd=False) as writer:
                 shutil.copyfileobj(reader, writer)
+            metadata.write(dst, os.path.realpath(destination), carried)
         finally:
             os.close(dst)
     finally:
@@ -246,12 +266,14 @@ def _copy_regular(source: str, destination: str) -> None:
 
 def remove(path: str) -> dict[str, Any]:
     try:
+        real = real_path(path)
         if os.path.isdir(path) and not os.path.islink(path):
             import shutil
 
             shutil.rmtree(path)
         else:
             os.unlink(path)
+        metadata.STORE.removed(real)
     except FileNotFoundError:
         pass  # like rm -rf, a missing path is fine
     except OSError as exc:
@@ -318,6 +340,32 @@ def open_for_write(path: str, user: User) -> int:
         return fd
     except OSError as exc:
         raise translate(exc, path) from exc
+
+
+def check_metadata_room(path: str, wanted: dict[str, str]) -> None:
+    """Refuse an upload whose metadata could not be kept before a byte of it is written."""
+    if wanted:
+        try:
+            metadata.STORE.room_for(path, wanted)
+        except metadata.Full as exc:
+            raise _no_metadata_room(exc) from exc
+
+
+def set_metadata(fd: int, path: str, wanted: dict[str, str]) -> dict[str, str] | None:
+    """Give the file just written at ``path`` (open as ``fd``) exactly ``wanted`` as its metadata
+    (none clears what an earlier upload set, as envd) and return what it has now."""
+    real = os.path.realpath(path)
+    try:
+        metadata.write(fd, real, wanted)
+        return metadata.read(path, os.fstat(fd), lambda: real)
+    except metadata.Full as exc:
+        raise _no_metadata_room(exc) from exc
+    except OSError as exc:
+        raise translate(exc, path) from exc
+
+
+def _no_metadata_room(exc: OSError) -> FileError:
+    return FileError("resource_exhausted", f"not enough space for file metadata: {exc.strerror}")
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import socket
+import stat
 import struct
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -26,7 +29,9 @@ from e2b import (
     Template,
     TimeoutException,
 )
+from e2b.sandbox.filesystem.filesystem import WriteEntry
 
+from aenv.guest import metadata
 from aenv.templates import builder
 from tests.compat.conftest import Deployment
 
@@ -95,6 +100,202 @@ def test_symlinks_report_what_they_lead_to(sbx: Sandbox) -> None:
     assert sbx.files.read(f"{HOME}/t/chain") == "hello"
     sbx.files.write(f"{HOME}/t/dir/inner", "i")
     assert [e.path for e in sbx.files.list(f"{HOME}/t/to-dir")] == [f"{HOME}/t/to-dir/inner"]
+
+
+# -- file metadata: envd's user.e2b.* xattrs ----------------------------------------------------------
+META = {"author": "mish", "purpose": "upload"}
+
+
+@pytest.mark.parametrize("octet_stream", [False, True], ids=["multipart", "octet-stream"])
+def test_metadata_of_an_upload_is_kept_and_surfaced(sbx: Sandbox, octet_stream: bool) -> None:
+    info = sbx.files.write("meta.txt", "content", metadata=META, use_octet_stream=octet_stream)
+    assert info.metadata == META
+    assert sbx.files.get_info("meta.txt").metadata == META
+    assert {e.name: e.metadata for e in sbx.files.list(HOME)}["meta.txt"] == META
+    assert sbx.files.write("plain.txt", "no metadata").metadata is None
+    assert sbx.files.get_info("plain.txt").metadata is None
+    # an overwrite replaces the whole set: keys it does not name are gone, none clears them all
+    assert sbx.files.write("meta.txt", "again", metadata={"author": "other"}).metadata == {"author": "other"}
+    assert sbx.files.get_info("meta.txt").metadata == {"author": "other"}
+    assert sbx.files.write("meta.txt", "bare").metadata is None
+    assert sbx.files.get_info("meta.txt").metadata is None
+    both = sbx.files.write_files(
+        [WriteEntry(path="multi/one.txt", data="1"), WriteEntry(path="multi/two.txt", data="2")], metadata={"s": "t"}
+    )
+    assert [w.metadata for w in both] == [{"s": "t"}, {"s": "t"}]
+    assert [e.metadata for e in sbx.files.list(f"{HOME}/multi")] == [{"s": "t"}, {"s": "t"}]
+    # reading through a symlink reads what it leads to, as envd's path-based xattr calls do
+    sbx.commands.run("ln -s multi/one.txt link && ln -s multi linkdir")
+    assert sbx.files.get_info("link").metadata == {"s": "t"}
+    assert [e.metadata for e in sbx.files.list(f"{HOME}/linkdir")] == [{"s": "t"}, {"s": "t"}]
+
+
+def test_metadata_follows_moves_and_goes_with_removals(sbx: Sandbox) -> None:
+    sbx.files.write("d/inner/file.txt", "x", metadata={"k": "v"})
+    assert sbx.files.rename("d/inner/file.txt", "d/inner/renamed.txt").metadata == {"k": "v"}
+    sbx.files.rename("d", "moved")  # a directory: what is inside keeps its metadata
+    assert sbx.files.get_info("moved/inner/renamed.txt").metadata == {"k": "v"}
+    assert sbx.files.rename("moved/inner/renamed.txt", "/tmp/across.txt").metadata == {"k": "v"}  # another fs
+    assert sbx.files.rename("/tmp/across.txt", f"{HOME}/back.txt").metadata == {"k": "v"}
+    sbx.commands.run("mv back.txt by-user.txt")  # a rename by a program: the inode, and its metadata, moves
+    assert sbx.files.get_info("by-user.txt").metadata == {"k": "v"}
+    sbx.commands.run("sed -i s/x/y/ by-user.txt")  # a new file renamed over it: ext4 would keep no xattr
+    assert sbx.files.get_info("by-user.txt").metadata is None
+    sbx.files.write("gone.txt", "x", metadata={"k": "v"})
+    sbx.files.remove("gone.txt")
+    sbx.commands.run("echo new > gone.txt")
+    assert sbx.files.get_info("gone.txt").metadata is None
+    sbx.files.make_dir("tree/sub")
+    sbx.files.write("tree/sub/f.txt", "x", metadata={"k": "v"})
+    sbx.files.remove("tree")
+    sbx.files.make_dir("tree/sub")
+    sbx.files.write("tree/sub/f.txt", "x")
+    assert sbx.files.get_info("tree/sub/f.txt").metadata is None
+
+
+def test_metadata_in_tmpfs_is_the_real_xattrs(sbx: Sandbox) -> None:
+    """Where the sandbox's file system keeps xattrs (runsc's tmpfs), metadata is them, both ways."""
+    sbx.files.write("/tmp/x.txt", "x", metadata={"k": "v"})
+    listed = sbx.commands.run("python3 -c \"import os; print(os.getxattr('/tmp/x.txt', 'user.e2b.k'))\"")
+    assert listed.stdout == "b'v'\n"
+    sbx.commands.run("python3 -c \"import os; os.setxattr('/tmp/x.txt', 'user.e2b.author', b'mish')\"")
+    sbx.commands.run("python3 -c \"import os; os.setxattr('/tmp/x.txt', 'user.other', b'not ours')\"")
+    assert sbx.files.get_info("/tmp/x.txt").metadata == {"k": "v", "author": "mish"}
+
+
+def test_metadata_survives_pause_resume_fork_and_snapshot(sbx: Sandbox, deployment: Deployment) -> None:
+    sbx.files.write("kept.txt", "x", metadata={"k": "v"})
+    sbx.files.write("/tmp/kept.txt", "x", metadata={"t": "mp"})
+    assert sbx.pause() is True
+    resumed = Sandbox.connect(sbx.sandbox_id)
+    assert resumed.files.get_info("kept.txt").metadata == {"k": "v"}
+    assert resumed.files.get_info("/tmp/kept.txt").metadata == {"t": "mp"}
+    resumed.commands.run("mv kept.txt moved.txt")  # inode numbers changed at the restore: still followed
+    assert resumed.files.get_info("moved.txt").metadata == {"k": "v"}
+    r = httpx.post(
+        f"{deployment.url}/sandboxes/{sbx.sandbox_id}/fork",
+        json={"count": 1},
+        headers={"X-API-Key": deployment.api_key},
+        timeout=120,
+    )
+    assert r.status_code == 201, r.text
+    child = Sandbox.connect(r.json()[0]["sandbox"]["sandboxID"])
+    try:
+        assert child.files.get_info("moved.txt").metadata == {"k": "v"}
+        child.files.write("moved.txt", "child's", metadata={"child": "1"})
+        assert resumed.files.get_info("moved.txt").metadata == {"k": "v"}  # each has its own
+    finally:
+        child.kill()
+    snapshot = resumed.create_snapshot()
+    try:
+        fresh = Sandbox.create(template=snapshot.snapshot_id, timeout=60)
+        try:
+            assert fresh.files.get_info("moved.txt").metadata == {"k": "v"}
+        finally:
+            fresh.kill()
+    finally:
+        Sandbox.delete_snapshot(snapshot.snapshot_id)
+
+
+def _raw_upload(deployment: Deployment, sandbox: Sandbox, headers: list[tuple[str, str | bytes]]) -> httpx.Response:
+    routed = [
+        ("E2b-Sandbox-Id", sandbox.sandbox_id),
+        ("E2b-Sandbox-Port", "49983"),
+        ("X-Access-Token", sandbox._envd_access_token or ""),
+        ("Content-Type", "application/octet-stream"),
+    ]
+    return httpx.post(
+        f"{deployment.url}/files", params={"path": f"{HOME}/raw.txt"}, headers=routed + headers, content=b"raw"
+    )
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [("X-Metadata-" + "k" * 247, "v")],  # past the kernel's xattr name limit, with user.e2b.
+        [(f"X-Metadata-k{i}", "v" * 200) for i in range(20)],  # past the 4 KiB an inode's xattrs get
+        [("X-Metadata-k", "caf\u00e9")],  # not printable ASCII
+        [("X-Metadata-k", "tab\tinside")],
+    ],
+    ids=["long-key", "too-much", "non-ascii", "control"],
+)
+def test_invalid_metadata_is_refused_as_envd_does(sbx: Sandbox, deployment: Deployment, headers: list) -> None:
+    r = _raw_upload(deployment, sbx, [(k, v.encode()) for k, v in headers])
+    assert r.status_code == 400 and r.json()["message"].startswith("invalid metadata: "), r.text
+    assert not sbx.files.exists("raw.txt")
+
+
+def test_metadata_headers_are_read_as_envd_reads_them(sbx: Sandbox, deployment: Deployment) -> None:
+    headers = [("X-Metadata-Author", "first"), ("x-metadata-author", "second"), ("X-Metadata-", "no key")]
+    r = _raw_upload(deployment, sbx, headers)
+    assert r.status_code == 200 and r.json()[0]["metadata"] == {"author": "first"}, r.text
+
+
+def test_the_metadata_store_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a client (or the sandbox) can make the agent hold is bounded; files that are gone give
+    their room back first."""
+    monkeypatch.setattr(metadata, "MAX_ENTRIES", 3)
+    store = metadata.Store()
+    paths = [tmp_path / f"f{i}" for i in range(4)]
+    for path in paths:
+        path.write_text("x")
+    for path in paths[:3]:
+        store.set(str(path), path.stat(), {"k": "v"})
+    with pytest.raises(metadata.Full):
+        store.room_for(str(paths[3]), {"k": "v"})
+    with pytest.raises(metadata.Full):
+        store.set(str(paths[3]), paths[3].stat(), {"k": "v"})
+    store.set(str(paths[0]), paths[0].stat(), {"k": "replaced"})  # replacing takes no new room
+    paths[1].unlink()
+    store.set(str(paths[3]), paths[3].stat(), {"k": "v"})  # the removed file's entry made way
+    assert len(store) == 3 and store.get(str(paths[3]), paths[3].stat()) == {"k": "v"}
+    monkeypatch.setattr(metadata, "MAX_STORED", 64)
+    with pytest.raises(metadata.Full):
+        store.set(str(paths[2]), paths[2].stat(), {"k" * 40: "v" * 40})
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [
+        b"[" * 100_000 + b"]" * 100_000,  # nested past the recursion limit
+        b"{not json",
+        b'["a list"]',
+        json.dumps({"relative/path": {"k": "v"}, "/nul\u0000": {"k": "v"}, "/bad": {"k": "\n"}}).encode(),
+        json.dumps({"/x": {"k": 1}, "/y": "not a map", "/z": {}}).encode(),
+    ],
+    ids=["deep", "broken", "list", "bad-entries", "bad-values"],
+)
+def test_a_hostile_saved_store_loads_nothing_and_breaks_nothing(tmp_path: Path, saved: bytes) -> None:
+    """The file is in the sandbox's file system: its root may have written anything there."""
+    path = tmp_path / "file-metadata.json"
+    path.write_bytes(saved)
+    store = metadata.Store()
+    store.load(str(path))
+    assert len(store) == 0
+
+
+def test_the_store_is_saved_and_loaded_safely(tmp_path: Path) -> None:
+    kept = tmp_path / "kept.txt"
+    kept.write_text("x")
+    store = metadata.Store()
+    store.set(str(kept), kept.stat(), {"k": "v"})
+    target = tmp_path / "lib" / "file-metadata.json"
+    store.save(str(target))
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600 and stat.S_IMODE(target.parent.stat().st_mode) == 0o700
+    again = metadata.Store()
+    again.load(str(target))
+    assert again.get(str(kept), kept.stat()) == {"k": "v"}
+    # whatever the sandbox left at the name is replaced, never opened or followed
+    os.unlink(target)
+    os.mkfifo(target)
+    again.load(str(target))  # a FIFO: not waited on
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("untouched")
+    os.unlink(target)
+    os.symlink(elsewhere, target)
+    store.set(str(kept), kept.stat(), {"k": "changed"})
+    store.save(str(target))
+    assert elsewhere.read_text() == "untouched" and not target.is_symlink()
 
 
 # -- E2B's words for its errors -------------------------------------------------------------------

@@ -1,0 +1,335 @@
+"""User-defined file metadata, as envd keeps it: ``user.e2b.<key>`` extended attributes of a file.
+
+gVisor (runsc 20221219) keeps no extended attributes on its gofer-backed root file system: both of
+its gofers (9p and lisafs) answer EOPNOTSUPP to every xattr call, whatever the host file system
+under them takes. Its tmpfs mounts (/tmp, /dev/shm) do keep them. So metadata is a real xattr
+where the file system takes one (what user programs set there is read back too), and elsewhere
+the agent keeps it in a store of its own, which follows what xattrs follow as far as the agent
+can tell:
+
+- it is keyed by the file's real path and checked against the inode number the file had when its
+  metadata was set: a file replaced at that path (``sed -i``, an editor's save, ``mv x file``) has
+  none, and a file moved away (``mv file x``) is found again by its inode number at its new path;
+  the agent's own moves and removals carry it along or drop it;
+- it lives in the agent's memory, so a pause, snapshot or fork keeps it, and in a file the agent
+  writes at each freeze (read when an agent boots on a kept file system).
+
+The sentry numbers inodes anew at each restore, so after a thaw every entry is bound again to the
+inode number its path has then. A file removed and created again at the same path often gets the
+same inode number back from the host: such a file keeps the old metadata, where ext4 would not.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aenv.guest import safeio
+
+PREFIX = "user.e2b."
+MAX_KEY = 255 - len(PREFIX)  # the kernel's limit on an xattr name, with the prefix
+MAX_TOTAL = 4096  # envd's: what fits in the one ext4 block that holds an inode's xattrs
+MAX_READ = 64 * 1024  # what is surfaced of one file's user.e2b.* xattrs, whoever set them
+# The store's bounds: its memory is the sandbox's. Past them, entries of files that are gone are
+# dropped; if that is not enough, new metadata is refused (as a full disk refuses an xattr).
+MAX_ENTRIES = 16384
+MAX_STORED = 16 * 2**20
+STORE_FILE = "/var/lib/aenv/file-metadata.json"
+_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOTSUP)
+
+
+class Invalid(ValueError):
+    """Metadata a client may not set (envd's ValidateMetadata)."""
+
+
+class Full(OSError):
+    """No room left in the store."""
+
+
+def validate(metadata: dict[str, str]) -> None:
+    """envd's rules: non-empty keys of at most MAX_KEY bytes, printable US-ASCII keys and values,
+    names and values together at most MAX_TOTAL bytes."""
+    total = 0
+    for key, value in metadata.items():
+        if not key:
+            raise Invalid("metadata key must not be empty")
+        if len(key.encode()) > MAX_KEY:
+            raise Invalid(f"metadata key {key[:64]!r}... exceeds {MAX_KEY} bytes")
+        for label, text in (("key", key), (f"value for key {key!r}", value)):
+            bad = next((i for i, c in enumerate(text) if not " " <= c <= "~"), None)
+            if bad is not None:
+                raise Invalid(f"metadata {label} contains a non-printable-ASCII character at offset {bad}")
+        total += len(PREFIX) + len(key) + len(value)
+    if total > MAX_TOTAL:
+        raise Invalid(f"total metadata size {total} exceeds {MAX_TOTAL} bytes")
+
+
+def _size(key: str, metadata: dict[str, str]) -> int:
+    return len(key) + sum(len(k) + len(v) for k, v in metadata.items())
+
+
+@dataclass(slots=True)
+class _Entry:
+    metadata: dict[str, str]
+    inode: tuple[int, int] | None  # (st_dev, st_ino) in the current epoch; None: not bound since a restore
+
+
+class Store:
+    """Metadata of files whose file system keeps no xattrs, by real path. Thread-safe: file
+    operations run on a pool."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._by_inode: dict[tuple[int, int], str] = {}
+        self._bytes = 0
+        self._dirty = False
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- lookups ------------------------------------------------------------------------------
+    def get(self, key: str, st: os.stat_result) -> dict[str, str] | None:
+        """The metadata of the file at real path ``key`` (``st``: its stat)."""
+        inode = (st.st_dev, st.st_ino)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.inode is None:
+                self._bind(key, entry, inode)
+            if entry is not None and entry.inode == inode:
+                return dict(entry.metadata)
+            elsewhere = self._by_inode.get(inode)
+            if elsewhere is None or elsewhere == key:
+                return None
+            found = self._entries[elsewhere]
+        if _inode_at(elsewhere) == inode:
+            return dict(found.metadata)  # a hard link to it: they share their xattrs
+        with self._lock:  # moved here by someone else: its metadata came along
+            if self._entries.get(elsewhere) is found:
+                self._drop(elsewhere)
+                self._put(key, found.metadata, inode)
+        return dict(found.metadata)
+
+    # -- changes --------------------------------------------------------------------------------
+    def set(self, key: str, st: os.stat_result, metadata: dict[str, str]) -> None:
+        """Replace the metadata of the file at ``key``; an empty one clears it."""
+        with self._lock:
+            self._drop(key)
+            if metadata:
+                self._make_room(_size(key, metadata))
+                self._put(key, dict(metadata), (st.st_dev, st.st_ino))
+
+    def room_for(self, key: str, metadata: dict[str, str]) -> None:
+        """Raise Full now if setting ``metadata`` at ``key`` would not fit."""
+        with self._lock:
+            old = self._entries.get(key)
+            self._make_room(_size(key, metadata) - (_size(key, old.metadata) if old else 0))
+
+    def moved(self, source: str, destination: str) -> None:
+        """The agent renamed ``source`` to ``destination`` (real paths): what was under it follows."""
+        with self._lock:
+            for key in self._under(source):
+                entry = self._entries[key]
+                self._drop(key)
+                target = destination + key[len(source) :]
+                self._drop(target)
+                self._put(target, entry.metadata, entry.inode)
+
+    def removed(self, key: str) -> None:
+        with self._lock:
+            for under in self._under(key):
+                self._drop(under)
+
+    def rebind(self) -> None:
+        """After a restore: inode numbers were given anew, so every entry is bound to the one its
+        path has now (and dropped if the path is gone)."""
+        with self._lock:
+            self._by_inode.clear()
+            for unbound in self._entries.values():
+                unbound.inode = None
+            keys = list(self._entries)
+        for key in keys:
+            inode = _inode_at(key, follow=True)
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is None or entry.inode is not None:
+                    continue  # changed or looked up meanwhile
+                if inode is None:
+                    self._drop(key)
+                else:
+                    self._bind(key, entry, inode)
+
+    # -- persistence ------------------------------------------------------------------------------
+    def save(self, path: str = STORE_FILE) -> None:
+        """Write the store beside its file and rename it over (best effort: the sandbox's root
+        may have made the place unusable; memory still has it)."""
+        with self._lock:
+            if not self._dirty:
+                return
+            data = json.dumps({key: entry.metadata for key, entry in self._entries.items()}).encode()
+            self._dirty = False
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            safeio.replace_file(path, data, 0o600)
+        except OSError:
+            with self._lock:
+                self._dirty = True
+
+    def load(self, path: str = STORE_FILE) -> None:
+        """Read what a previous agent saved on this file system; anything malformed is skipped."""
+        try:
+            saved = json.loads(safeio.read_small(path, MAX_STORED + 2**20))
+        except (OSError, ValueError, RecursionError):
+            return
+        if not isinstance(saved, dict):
+            return
+        with self._lock:
+            for key, metadata in list(saved.items())[:MAX_ENTRIES]:
+                if _loadable(key, metadata) and self._bytes + _size(key, metadata) <= MAX_STORED:
+                    self._drop(key)
+                    self._put(key, metadata, None)
+
+    # -- internals (under the lock) --------------------------------------------------------------
+    def _put(self, key: str, metadata: dict[str, str], inode: tuple[int, int] | None) -> None:
+        self._entries[key] = _Entry(metadata, inode)
+        self._bytes += _size(key, metadata)
+        if inode is not None:
+            self._by_inode[inode] = key
+        self._dirty = True
+
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        self._bytes -= _size(key, entry.metadata)
+        if entry.inode is not None and self._by_inode.get(entry.inode) == key:
+            del self._by_inode[entry.inode]
+        self._dirty = True
+
+    def _bind(self, key: str, entry: _Entry, inode: tuple[int, int]) -> None:
+        entry.inode = inode
+        self._by_inode[inode] = key
+
+    def _under(self, key: str) -> list[str]:
+        inside = key.rstrip("/") + "/"
+        return [k for k in self._entries if k == key or k.startswith(inside)]
+
+    def _make_room(self, needed: int) -> None:
+        if len(self._entries) < MAX_ENTRIES and self._bytes + needed <= MAX_STORED:
+            return
+        for key in [k for k in self._entries if _inode_at(k, follow=True) is None]:
+            self._drop(key)  # files that are gone
+        if len(self._entries) >= MAX_ENTRIES or self._bytes + needed > MAX_STORED:
+            raise Full(errno.ENOSPC, f"no room left for file metadata ({len(self._entries)} files have some)")
+
+
+def _inode_at(path: str, *, follow: bool = False) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _loadable(key: object, metadata: object) -> bool:
+    if not isinstance(key, str) or not key.startswith("/") or "\0" in key or len(key) > 4096:
+        return False
+    if not isinstance(metadata, dict) or not metadata:
+        return False
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        return False
+    try:
+        validate(metadata)
+    except Invalid:
+        return False
+    return True
+
+
+STORE = Store()
+# Whether each device (st_dev) keeps xattrs. Asked with a getxattr: the gofer's file system answers
+# listxattr with an empty list, and only the other calls with EOPNOTSUPP.
+_keeps: dict[int, bool] = {}
+
+
+def forget_devices() -> None:
+    """After a restore device numbers may differ: each file system is asked again."""
+    _keeps.clear()
+
+
+def _keeps_xattrs(file: str | int, dev: int) -> bool:
+    known = _keeps.get(dev)
+    if known is None:
+        try:
+            os.getxattr(file, PREFIX + "?")
+            known = True
+        except OSError as exc:
+            if exc.errno not in (*_UNSUPPORTED, errno.ENODATA):
+                return True  # the file, not its file system (it went away): try, and fail softly
+            known = exc.errno == errno.ENODATA
+        _keeps[dev] = known
+    return known
+
+
+def read(path: str, st: os.stat_result, real_path: Callable[[], str]) -> dict[str, str] | None:
+    """The metadata of what ``path`` leads to (a file or directory; ``st``: its stat), as envd
+    reads it through a symlink. ``real_path`` gives its real path, asked only if the store is."""
+    if _keeps_xattrs(path, st.st_dev):
+        try:
+            return _read_xattrs(path)
+        except OSError:
+            return None  # unreadable here (a pseudo file): as envd, the entry is still reported
+    return STORE.get(real_path(), st) if len(STORE) else None
+
+
+def _read_xattrs(path: str) -> dict[str, str] | None:
+    found: dict[str, str] = {}
+    total = 0
+    for name in os.listxattr(path):
+        if not name.startswith(PREFIX):
+            continue
+        try:
+            raw = os.getxattr(path, name)
+        except OSError as exc:
+            if exc.errno == errno.ENODATA:
+                continue
+            raise
+        total += len(name) + len(raw)
+        if total > MAX_READ:
+            break
+        try:
+            found[name[len(PREFIX) :]] = raw.decode()
+        except UnicodeDecodeError:
+            continue  # as envd: an entry that is not UTF-8 is skipped, not the whole answer
+    return found or None
+
+
+def write(fd: int, key: str, metadata: dict[str, str]) -> None:
+    """Replace the metadata of the open file ``fd`` (at real path ``key``): names not given are
+    removed, so that an overwritten file does not keep a previous upload's."""
+    st = os.fstat(fd)
+    if _keeps_xattrs(fd, st.st_dev):
+        try:
+            _write_xattrs(fd, metadata)
+            STORE.set(key, st, {})  # a file moved here from a file system that keeps none
+            return
+        except OSError as exc:
+            if exc.errno not in _UNSUPPORTED:
+                raise
+            _keeps[st.st_dev] = False
+    STORE.set(key, st, metadata)
+
+
+def _write_xattrs(fd: int, metadata: dict[str, str]) -> None:
+    for name in os.listxattr(fd):
+        if name.startswith(PREFIX) and name[len(PREFIX) :] not in metadata:
+            try:
+                os.removexattr(fd, name)
+            except OSError as exc:
+                if exc.errno != errno.ENODATA:
+                    raise
+    for key, value in metadata.items():
+        os.setxattr(fd, PREFIX + key, value.encode())
