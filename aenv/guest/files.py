@@ -346,7 +346,7 @@ def check_metadata_room(path: str, wanted: dict[str, str]) -> None:
     """Refuse an upload whose metadata could not be kept before a byte of it is written."""
     if wanted:
         try:
-            metadata.STORE.room_for(path, wanted)
+            metadata.STORE.room_for(path, metadata.as_attrs(wanted))
         except metadata.Full as exc:
             raise _no_metadata_room(exc) from exc
 

@@ -68,19 +68,44 @@ def validate(metadata: dict[str, str]) -> None:
         raise Invalid(f"total metadata size {total} exceeds {MAX_TOTAL} bytes")
 
 
-def _size(key: str, metadata: dict[str, str]) -> int:
-    return len(key) + sum(len(k) + len(v) for k, v in metadata.items())
+Attrs = dict[str, bytes]  # a file's user.* xattrs: full name -> value
+
+
+def as_attrs(metadata: dict[str, str]) -> Attrs:
+    return {PREFIX + key: value.encode() for key, value in metadata.items()}
+
+
+def as_metadata(attrs: Attrs) -> dict[str, str] | None:
+    """The user.e2b.* part of ``attrs``, prefix stripped; as envd, a value that is not UTF-8 is
+    skipped, not the whole answer."""
+    found: dict[str, str] = {}
+    for name, value in attrs.items():
+        if name.startswith(PREFIX):
+            try:
+                found[name[len(PREFIX) :]] = value.decode()
+            except UnicodeDecodeError:
+                continue
+    return found or None
+
+
+def attrs_size(attrs: Attrs) -> int:
+    """What ext4 would count against the one block an inode's xattrs get."""
+    return sum(len(name) + len(value) for name, value in attrs.items())
+
+
+def _size(key: str, attrs: Attrs) -> int:
+    return len(key) + attrs_size(attrs)
 
 
 @dataclass(slots=True)
 class _Entry:
-    metadata: dict[str, str]
+    attrs: Attrs
     inode: tuple[int, int] | None  # (st_dev, st_ino) in the current epoch; None: not bound since a restore
 
 
 class Store:
-    """Metadata of files whose file system keeps no xattrs, by real path. Thread-safe: file
-    operations run on a pool."""
+    """The user.* xattrs of files whose file system keeps none, by real path. Thread-safe: file
+    operations run on a pool, user programs' xattr calls on threads of their own."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -93,41 +118,43 @@ class Store:
         return len(self._entries)
 
     # -- lookups ------------------------------------------------------------------------------
-    def get(self, key: str, st: os.stat_result) -> dict[str, str] | None:
-        """The metadata of the file at real path ``key`` (``st``: its stat)."""
+    def get(self, key: str, st: os.stat_result) -> Attrs | None:
+        """The xattrs of the file at real path ``key`` (``st``: its stat)."""
         inode = (st.st_dev, st.st_ino)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.inode is None:
                 self._bind(key, entry, inode)
             if entry is not None and entry.inode == inode:
-                return dict(entry.metadata)
+                return dict(entry.attrs)
             elsewhere = self._by_inode.get(inode)
             if elsewhere is None or elsewhere == key:
                 return None
             found = self._entries[elsewhere]
         if _inode_at(elsewhere) == inode:
-            return dict(found.metadata)  # a hard link to it: they share their xattrs
-        with self._lock:  # moved here by someone else: its metadata came along
+            return dict(found.attrs)  # a hard link to it: they share their xattrs
+        with self._lock:  # moved here by someone else: its xattrs came along
             if self._entries.get(elsewhere) is found:
                 self._drop(elsewhere)
-                self._put(key, found.metadata, inode)
-        return dict(found.metadata)
+                self._put(key, found.attrs, inode)
+        return dict(found.attrs)
 
     # -- changes --------------------------------------------------------------------------------
-    def set(self, key: str, st: os.stat_result, metadata: dict[str, str]) -> None:
-        """Replace the metadata of the file at ``key``; an empty one clears it."""
-        with self._lock:
-            self._drop(key)
-            if metadata:
-                self._make_room(_size(key, metadata))
-                self._put(key, dict(metadata), (st.st_dev, st.st_ino))
-
-    def room_for(self, key: str, metadata: dict[str, str]) -> None:
-        """Raise Full now if setting ``metadata`` at ``key`` would not fit."""
+    def put(self, key: str, st: os.stat_result, attrs: Attrs) -> None:
+        """Replace the xattrs of the file at ``key``; none clears them."""
         with self._lock:
             old = self._entries.get(key)
-            self._make_room(_size(key, metadata) - (_size(key, old.metadata) if old else 0))
+            if attrs:
+                self._make_room(_size(key, attrs) - (_size(key, old.attrs) if old else 0), old is None)
+            self._drop(key)
+            if attrs:
+                self._put(key, dict(attrs), (st.st_dev, st.st_ino))
+
+    def room_for(self, key: str, attrs: Attrs) -> None:
+        """Raise Full now if giving the file at ``key`` ``attrs`` would not fit."""
+        with self._lock:
+            old = self._entries.get(key)
+            self._make_room(_size(key, attrs) - (_size(key, old.attrs) if old else 0), old is None)
 
     def moved(self, source: str, destination: str) -> None:
         """The agent renamed ``source`` to ``destination`` (real paths): what was under it follows."""
@@ -137,7 +164,7 @@ class Store:
                 self._drop(key)
                 target = destination + key[len(source) :]
                 self._drop(target)
-                self._put(target, entry.metadata, entry.inode)
+                self._put(target, entry.attrs, entry.inode)
 
     def removed(self, key: str) -> None:
         with self._lock:
@@ -170,7 +197,10 @@ class Store:
         with self._lock:
             if not self._dirty:
                 return
-            data = json.dumps({key: entry.metadata for key, entry in self._entries.items()}).encode()
+            saved = {
+                key: {n: v.decode("latin-1") for n, v in entry.attrs.items()} for key, entry in self._entries.items()
+            }
+            data = json.dumps(saved).encode()
             self._dirty = False
         try:
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
@@ -188,15 +218,16 @@ class Store:
         if not isinstance(saved, dict):
             return
         with self._lock:
-            for key, metadata in list(saved.items())[:MAX_ENTRIES]:
-                if _loadable(key, metadata) and self._bytes + _size(key, metadata) <= MAX_STORED:
+            for key, value in list(saved.items())[:MAX_ENTRIES]:
+                attrs = _loadable(key, value)
+                if attrs and self._bytes + _size(key, attrs) <= MAX_STORED:
                     self._drop(key)
-                    self._put(key, metadata, None)
+                    self._put(key, attrs, None)
 
     # -- internals (under the lock) --------------------------------------------------------------
-    def _put(self, key: str, metadata: dict[str, str], inode: tuple[int, int] | None) -> None:
-        self._entries[key] = _Entry(metadata, inode)
-        self._bytes += _size(key, metadata)
+    def _put(self, key: str, attrs: Attrs, inode: tuple[int, int] | None) -> None:
+        self._entries[key] = _Entry(attrs, inode)
+        self._bytes += _size(key, attrs)
         if inode is not None:
             self._by_inode[inode] = key
         self._dirty = True
@@ -205,7 +236,7 @@ class Store:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
-        self._bytes -= _size(key, entry.metadata)
+        self._bytes -= _size(key, entry.attrs)
         if entry.inode is not None and self._by_inode.get(entry.inode) == key:
             del self._by_inode[entry.inode]
         self._dirty = True
@@ -218,12 +249,15 @@ class Store:
         inside = key.rstrip("/") + "/"
         return [k for k in self._entries if k == key or k.startswith(inside)]
 
-    def _make_room(self, needed: int) -> None:
-        if len(self._entries) < MAX_ENTRIES and self._bytes + needed <= MAX_STORED:
+    def _make_room(self, needed: int, new_entry: bool) -> None:
+        def fits() -> bool:
+            return (not new_entry or len(self._entries) < MAX_ENTRIES) and self._bytes + needed <= MAX_STORED
+
+        if fits():
             return
         for key in [k for k in self._entries if _inode_at(k, follow=True) is None]:
             self._drop(key)  # files that are gone
-        if len(self._entries) >= MAX_ENTRIES or self._bytes + needed > MAX_STORED:
+        if not fits():
             raise Full(errno.ENOSPC, f"no room left for file metadata ({len(self._entries)} files have some)")
 
 
@@ -235,18 +269,31 @@ def _inode_at(path: str, *, follow: bool = False) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _loadable(key: object, metadata: object) -> bool:
+def _saved(attrs: Attrs) -> dict[str, str]:
+    return {name: value.decode("latin-1") for name, value in attrs.items()}  # bytes as JSON strings
+
+
+def _loadable(key: object, saved: object) -> Attrs | None:
+    """The xattrs a saved entry holds, if it is one a live store could hold."""
     if not isinstance(key, str) or not key.startswith("/") or "\0" in key or len(key) > 4096:
-        return False
-    if not isinstance(metadata, dict) or not metadata:
-        return False
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        return False
+        return None
+    if not isinstance(saved, dict) or not saved:
+        return None
     try:
-        validate(metadata)
-    except Invalid:
-        return False
-    return True
+        attrs = {name: value.encode("latin-1") for name, value in saved.items()}
+        for name in attrs:
+            check_name(name)
+    except (AttributeError, UnicodeEncodeError, OSError):
+        return None
+    return attrs if attrs_size(attrs) <= MAX_TOTAL else None
+
+
+def check_name(name: object) -> None:
+    """What a user.* xattr name must be, with the kernel's errno otherwise."""
+    if not isinstance(name, str) or not name.startswith("user.") or len(name) == len("user.") or "\0" in name:
+        raise OSError(errno.EOPNOTSUPP, "not a user xattr")
+    if len(name.encode()) > 255:
+        raise OSError(errno.ERANGE, "xattr name too long")
 
 
 STORE = Store()
@@ -282,45 +329,46 @@ def read(path: str, st: os.stat_result, real_path: Callable[[], str]) -> dict[st
             return _read_xattrs(path)
         except OSError:
             return None  # unreadable here (a pseudo file): as envd, the entry is still reported
-    return STORE.get(real_path(), st) if len(STORE) else None
+    return as_metadata(STORE.get(real_path(), st) or {}) if len(STORE) else None
 
 
 def _read_xattrs(path: str) -> dict[str, str] | None:
-    found: dict[str, str] = {}
+    found: Attrs = {}
     total = 0
     for name in os.listxattr(path):
         if not name.startswith(PREFIX):
             continue
         try:
-            raw = os.getxattr(path, name)
+            found[name] = os.getxattr(path, name)
         except OSError as exc:
             if exc.errno == errno.ENODATA:
                 continue
             raise
-        total += len(name) + len(raw)
+        total += len(name) + len(found[name])
         if total > MAX_READ:
             break
-        try:
-            found[name[len(PREFIX) :]] = raw.decode()
-        except UnicodeDecodeError:
-            continue  # as envd: an entry that is not UTF-8 is skipped, not the whole answer
-    return found or None
+    return as_metadata(found)
 
 
 def write(fd: int, key: str, metadata: dict[str, str]) -> None:
     """Replace the metadata of the open file ``fd`` (at real path ``key``): names not given are
-    removed, so that an overwritten file does not keep a previous upload's."""
+    removed, so that an overwritten file does not keep a previous upload's; other user.* xattrs
+    stay, as envd leaves them."""
     st = os.fstat(fd)
     if _keeps_xattrs(fd, st.st_dev):
         try:
             _write_xattrs(fd, metadata)
-            STORE.set(key, st, {})  # a file moved here from a file system that keeps none
+            STORE.put(key, st, {})  # a file moved here from a file system that keeps none
             return
         except OSError as exc:
             if exc.errno not in _UNSUPPORTED:
                 raise
             _keeps[st.st_dev] = False
-    STORE.set(key, st, metadata)
+    others = {n: v for n, v in (STORE.get(key, st) or {}).items() if not n.startswith(PREFIX)}
+    attrs = {**others, **as_attrs(metadata)}
+    if attrs_size(attrs) > MAX_TOTAL:
+        raise Full(errno.ENOSPC, "the file's other user xattrs leave no room for this metadata")
+    STORE.put(key, st, attrs)
 
 
 def _write_xattrs(fd: int, metadata: dict[str, str]) -> None:

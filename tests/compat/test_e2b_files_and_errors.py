@@ -239,19 +239,20 @@ def test_the_metadata_store_is_bounded(tmp_path: Path, monkeypatch: pytest.Monke
     paths = [tmp_path / f"f{i}" for i in range(4)]
     for path in paths:
         path.write_text("x")
+    attrs = {"user.e2b.k": b"v"}
     for path in paths[:3]:
-        store.set(str(path), path.stat(), {"k": "v"})
+        store.put(str(path), path.stat(), attrs)
     with pytest.raises(metadata.Full):
-        store.room_for(str(paths[3]), {"k": "v"})
+        store.room_for(str(paths[3]), attrs)
     with pytest.raises(metadata.Full):
-        store.set(str(paths[3]), paths[3].stat(), {"k": "v"})
-    store.set(str(paths[0]), paths[0].stat(), {"k": "replaced"})  # replacing takes no new room
+        store.put(str(paths[3]), paths[3].stat(), attrs)
+    store.put(str(paths[0]), paths[0].stat(), {"user.e2b.k": b"replaced"})  # replacing takes no new room
     paths[1].unlink()
-    store.set(str(paths[3]), paths[3].stat(), {"k": "v"})  # the removed file's entry made way
-    assert len(store) == 3 and store.get(str(paths[3]), paths[3].stat()) == {"k": "v"}
+    store.put(str(paths[3]), paths[3].stat(), attrs)  # the removed file's entry made way
+    assert len(store) == 3 and store.get(str(paths[3]), paths[3].stat()) == attrs
     monkeypatch.setattr(metadata, "MAX_STORED", 64)
     with pytest.raises(metadata.Full):
-        store.set(str(paths[2]), paths[2].stat(), {"k" * 40: "v" * 40})
+        store.put(str(paths[2]), paths[2].stat(), {"user." + "k" * 40: b"v" * 40})
 
 
 @pytest.mark.parametrize(
@@ -260,10 +261,11 @@ def test_the_metadata_store_is_bounded(tmp_path: Path, monkeypatch: pytest.Monke
         b"[" * 100_000 + b"]" * 100_000,  # nested past the recursion limit
         b"{not json",
         b'["a list"]',
-        json.dumps({"relative/path": {"k": "v"}, "/nul\u0000": {"k": "v"}, "/bad": {"k": "\n"}}).encode(),
-        json.dumps({"/x": {"k": 1}, "/y": "not a map", "/z": {}}).encode(),
+        json.dumps({"relative": {"user.k": "v"}, "/nul\u0000": {"user.k": "v"}, "/bad": {"trusted.k": "v"}}).encode(),
+        json.dumps({"/x": {"user.k": 1}, "/y": "not a map", "/z": {}, "/w": {"user.k": "\u0100"}}).encode(),
+        json.dumps({"/big": {"user.k": "v" * 5000}, "/long": {"user." + "k" * 300: "v"}}).encode(),
     ],
-    ids=["deep", "broken", "list", "bad-entries", "bad-values"],
+    ids=["deep", "broken", "list", "bad-entries", "bad-values", "too-large"],
 )
 def test_a_hostile_saved_store_loads_nothing_and_breaks_nothing(tmp_path: Path, saved: bytes) -> None:
     """The file is in the sandbox's file system: its root may have written anything there."""
@@ -278,13 +280,13 @@ def test_the_store_is_saved_and_loaded_safely(tmp_path: Path) -> None:
     kept = tmp_path / "kept.txt"
     kept.write_text("x")
     store = metadata.Store()
-    store.set(str(kept), kept.stat(), {"k": "v"})
+    store.put(str(kept), kept.stat(), {"user.e2b.k": b"v", "user.bytes": bytes(range(256))})
     target = tmp_path / "lib" / "file-metadata.json"
     store.save(str(target))
     assert stat.S_IMODE(target.stat().st_mode) == 0o600 and stat.S_IMODE(target.parent.stat().st_mode) == 0o700
     again = metadata.Store()
     again.load(str(target))
-    assert again.get(str(kept), kept.stat()) == {"k": "v"}
+    assert again.get(str(kept), kept.stat()) == {"user.e2b.k": b"v", "user.bytes": bytes(range(256))}
     # whatever the sandbox left at the name is replaced, never opened or followed
     os.unlink(target)
     os.mkfifo(target)
@@ -293,7 +295,7 @@ def test_the_store_is_saved_and_loaded_safely(tmp_path: Path) -> None:
     elsewhere.write_text("untouched")
     os.unlink(target)
     os.symlink(elsewhere, target)
-    store.set(str(kept), kept.stat(), {"k": "changed"})
+    store.put(str(kept), kept.stat(), {"user.e2b.k": b"changed"})
     store.save(str(target))
     assert elsewhere.read_text() == "untouched" and not target.is_symlink()
 
