@@ -30,6 +30,7 @@ from aenv.guest.sockets import checkpoint_blockers, on_own_thread, relay_in_thre
 from aenv.guest.sudo import SudoServer
 from aenv.guest.users import UnknownUser, User, lookup
 from aenv.guest.watch import Watcher
+from aenv.guest.xattrs import XattrServer
 
 AGENT_VERSION = "0.6.4"  # the envd API level this agent implements
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -171,6 +172,7 @@ class Agent:
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self.procs.reap)
         self.egress.start(asyncio.get_running_loop())
         self.sudo.start(asyncio.get_running_loop())
+        XattrServer().start()
         await off_loop(metadata.STORE.load)  # what an agent before this one kept, on this file system
         await self.channel.ctrl({"op": "ready", "version": AGENT_VERSION, "pid": os.getpid()})
         await self.channel.closed.wait()

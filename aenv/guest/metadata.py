@@ -39,6 +39,10 @@ MAX_READ = 64 * 1024  # what is surfaced of one file's user.e2b.* xattrs, whoeve
 MAX_ENTRIES = 16384
 MAX_STORED = 16 * 2**20
 STORE_FILE = "/var/lib/aenv/file-metadata.json"
+# There while the store holds anything: programs' listxattr asks the agent only then (one stat,
+# where asking costs most of a millisecond under the ptrace platform). On runsc's tmpfs; that a
+# user may make one of the same name only makes their listings ask.
+KEPT_FLAG = "/dev/shm/.aenv-user-xattrs"
 _UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOTSUP)
 
 
@@ -107,7 +111,8 @@ class Store:
     """The user.* xattrs of files whose file system keeps none, by real path. Thread-safe: file
     operations run on a pool, user programs' xattr calls on threads of their own."""
 
-    def __init__(self) -> None:
+    def __init__(self, flag: str | None = None) -> None:
+        self._flag = flag  # KEPT_FLAG for the agent's own store
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._by_inode: dict[tuple[int, int], str] = {}
@@ -226,6 +231,8 @@ class Store:
 
     # -- internals (under the lock) --------------------------------------------------------------
     def _put(self, key: str, attrs: Attrs, inode: tuple[int, int] | None) -> None:
+        if not self._entries:
+            self._show(kept=True)
         self._entries[key] = _Entry(attrs, inode)
         self._bytes += _size(key, attrs)
         if inode is not None:
@@ -240,6 +247,19 @@ class Store:
         if entry.inode is not None and self._by_inode.get(entry.inode) == key:
             del self._by_inode[entry.inode]
         self._dirty = True
+        if not self._entries:
+            self._show(kept=False)
+
+    def _show(self, *, kept: bool) -> None:
+        if self._flag is None:
+            return
+        try:
+            if kept:
+                os.close(os.open(self._flag, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444))
+            else:
+                os.unlink(self._flag)
+        except OSError:
+            pass  # there already (or not), or /dev/shm is not a directory here: programs just ask
 
     def _bind(self, key: str, entry: _Entry, inode: tuple[int, int]) -> None:
         entry.inode = inode
@@ -296,7 +316,7 @@ def check_name(name: object) -> None:
         raise OSError(errno.ERANGE, "xattr name too long")
 
 
-STORE = Store()
+STORE = Store(KEPT_FLAG)
 # Whether each device (st_dev) keeps xattrs. Asked with a getxattr: the gofer's file system answers
 # listxattr with an empty list, and only the other calls with EOPNOTSUPP.
 _keeps: dict[int, bool] = {}

@@ -4,6 +4,7 @@ keep-alive connections and the `base` template's `python`."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import base64
 import json
@@ -229,6 +230,104 @@ def test_metadata_headers_are_read_as_envd_reads_them(sbx: Sandbox, deployment: 
     headers = [("X-Metadata-Author", "first"), ("x-metadata-author", "second"), ("X-Metadata-", "no key")]
     r = _raw_upload(deployment, sbx, headers)
     assert r.status_code == 200 and r.json()[0]["metadata"] == {"author": "first"}, r.text
+
+
+XATTR_CALLS = r"""
+import errno, os, sys
+def attempt(call, *args, **kwargs):
+    try:
+        result = call(*args, **kwargs)
+        return sorted(result) if isinstance(result, list) else result
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+p = sys.argv[1]
+q = p + ".sizes"
+open(q, "w").close()
+print(repr([
+    attempt(os.setxattr, p, "user.e2b.author", b"mish"),
+    attempt(os.getxattr, p, "user.e2b.author"),
+    attempt(os.setxattr, p, "user.other", b"1"),
+    attempt(os.listxattr, p),
+    attempt(os.setxattr, p, "user.e2b.author", b"again", os.XATTR_CREATE),
+    attempt(os.setxattr, p, "user.none", b"x", os.XATTR_REPLACE),
+    attempt(os.removexattr, p, "user.other"),
+    attempt(os.removexattr, p, "user.other"),
+    attempt(os.getxattr, p, "user.missing"),
+    attempt(os.setxattr, q, "user.big", b"x" * 70000),
+    attempt(os.setxattr, q, "user.full", b"x" * 4090),
+    attempt(os.setxattr, "/etc/passwd", "user.k", b"v"),
+    attempt(os.getxattr, os.open(p, os.O_RDONLY), "user.e2b.author"),
+    attempt(os.setxattr, "/home/user/link", "user.k", b"v", follow_symlinks=False),
+    attempt(os.getxattr, "/home/user/link", "user.e2b.author"),
+]))
+"""
+
+
+@pytest.mark.parametrize("place", ["/home/user/x.txt", "/tmp/x.txt"], ids=["root-fs", "tmpfs"])
+def test_programs_user_xattrs_work_as_the_kernel_does(sbx: Sandbox, place: str) -> None:
+    """On the root file system runsc refuses every xattr call; the preloaded shim has the agent
+    keep user.* ones, with the kernel's rules, and what a program sets is the file's metadata."""
+    sbx.files.write(place, "x")
+    sbx.files.write(f"{HOME}/xattrs.py", XATTR_CALLS)
+    sbx.commands.run(f"ln -s {place} {HOME}/link")
+    got = ast.literal_eval(sbx.commands.run(f"python3 {HOME}/xattrs.py {place}").stdout)
+    four_kib = "ENOSPC" if place.startswith(HOME) else None  # ext4's bound, kept; gVisor's tmpfs has none
+    expected = [None, b"mish", None, ["user.e2b.author", "user.other"], "EEXIST", "ENODATA", None, "ENODATA"]
+    expected += ["ENODATA", "E2BIG", four_kib, "EACCES", b"mish", "EPERM", b"mish"]
+    assert got == expected  # /etc/passwd is root's; a symlink itself takes no user xattrs
+    assert sbx.files.get_info(place).metadata == {"author": "mish"}
+    # an upload replaces the metadata (user.e2b.*) and leaves the file's other user xattrs alone
+    sbx.commands.run(f"python3 -c \"import os; os.setxattr('{place}', 'user.other', b'kept')\"")
+    sbx.files.write(place, "y", metadata={"new": "1"})
+    names = sbx.commands.run(f"python3 -c \"import os; print(sorted(os.listxattr('{place}')))\"").stdout
+    assert names == "['user.e2b.new', 'user.other']\n"
+    # tools that carry xattrs carry these too
+    sbx.commands.run(f"cp -a {place} {place}.copy")
+    assert sbx.files.get_info(f"{place}.copy").metadata == {"new": "1"}
+
+
+def test_programs_user_xattrs_are_kept_through_pause_and_fork(sbx: Sandbox, deployment: Deployment) -> None:
+    sbx.files.write("kept.txt", "x")
+    sbx.commands.run("python3 -c \"import os; os.setxattr('kept.txt', 'user.e2b.by', b'program')\"")
+    assert sbx.pause() is True
+    resumed = Sandbox.connect(sbx.sandbox_id)
+    assert resumed.files.get_info("kept.txt").metadata == {"by": "program"}
+    got = resumed.commands.run("python3 -c \"import os; print(os.getxattr('kept.txt', 'user.e2b.by'))\"").stdout
+    assert got == "b'program'\n"
+
+
+HOSTILE_CALLERS = r"""
+import os, socket, struct, time
+name = b"\0aenv-xattr"
+held = []
+for payload in (b"", b"x", b"\xff" * 70000, struct.pack("<c3xIIH2x", b"s", 0, 0, 65535)):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(name)
+    if payload:
+        try:
+            s.send(payload)
+        except OSError:
+            pass
+    held.append(s)  # some never send at all, and none is closed
+for _ in range(200):  # more connections than the agent has workers, all silent
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.connect(name)
+        held.append(s)
+    except OSError:
+        break
+time.sleep(3)
+print("done", len(held))
+"""
+
+
+def test_hostile_xattr_callers_do_not_harm_the_agent(sbx: Sandbox) -> None:
+    sbx.files.write(f"{HOME}/hostile.py", HOSTILE_CALLERS)
+    assert sbx.commands.run(f"python3 {HOME}/hostile.py", timeout=60).stdout.startswith("done")
+    sbx.files.write("after.txt", "x", metadata={"still": "works"})
+    assert sbx.files.get_info("after.txt").metadata == {"still": "works"}
+    got = sbx.commands.run("python3 -c \"import os; print(os.getxattr('after.txt', 'user.e2b.still'))\"").stdout
+    assert got == "b'works'\n"
 
 
 def test_the_metadata_store_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
