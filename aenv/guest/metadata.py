@@ -4,7 +4,8 @@ gVisor (runsc 20221219) keeps no extended attributes on its gofer-backed root fi
 its gofers (9p and lisafs) answer EOPNOTSUPP to every xattr call, whatever the host file system
 under them takes. Its tmpfs mounts (/tmp, /dev/shm) do keep them. So metadata is a real xattr
 where the file system takes one (what user programs set there is read back too), and elsewhere
-the agent keeps it in a store of its own, which follows what xattrs follow as far as the agent
+the agent keeps a file's user.* xattrs in a store of its own (programs' own xattr calls reach it
+through the compat shim: aenv.guest.xattrs), which follows what xattrs follow as far as the agent
 can tell:
 
 - it is keyed by the file's real path and checked against the inode number the file had when its
