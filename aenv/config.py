@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     # (504), and the largest WebSocket message relayed either way (a larger one closes with 1009).
     port_response_timeout: float = Field(300.0, gt=0)
     port_ws_max_message_mb: int = Field(16, ge=1)
+    # Seconds an idle keep-alive connection stays open. Longer than any client pool reuses one
+    # (the E2B Python SDK: 300 s; undici: at most 600 s): a pool that reuses a connection the server
+    # is closing at that moment fails the request (RemoteProtocolError).
+    http_keepalive: int = Field(610, ge=1)
 
     # The snapshot repository templates and snapshots are committed to: "" = <data-dir>/repo,
     # a path or file:// URL (e.g. a shared mount), s3://bucket/prefix, or "none" (node-local only).

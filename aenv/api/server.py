@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import secrets
@@ -10,53 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from aenv.api import connections, envd
 from aenv.api.app import build
 from aenv.config import Settings
 from aenv.node.orchestrator import Node
 from aenv.storage import datadir
 
 log = logging.getLogger("aenv.server")
-HEAD_TIMEOUT = 30.0  # seconds a client has to send a request's head, from its connection or its first byte
-
-
-class HeadDeadline(HttpToolsProtocol):
-    """uvicorn's HTTP protocol with a deadline on each request head, which uvicorn has not: a client
-    that sent half a head, or a byte now and then, kept its connection and a file descriptor for as
-    long as it liked, without an API key (enough of them leave the node without descriptors).
-
-    The deadline runs from a connection's start (a client connects to send a request) and from the
-    first byte of each later head; an idle kept-alive connection between requests is bounded by
-    uvicorn's keep-alive timeout instead, which clients' pools rely on."""
-
-    _head_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._await_head()
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        if self._head_timer is None:
-            self._await_head()
-
-    def on_headers_complete(self) -> None:
-        self._head_in()  # what follows (the body) is the route's to bound
-        super().on_headers_complete()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._head_in()
-        super().connection_lost(exc)
-
-    def _await_head(self) -> None:
-        self._head_in()
-        self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self.transport.close)
-
-    def _head_in(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
 
 
 def resolve_api_key(settings: Settings) -> str:
@@ -98,9 +58,11 @@ async def serve(
             log_level="info",
             access_log=False,
             timeout_graceful_shutdown=5,
-            http=HeadDeadline,
+            timeout_keep_alive=settings.http_keepalive,
+            http=connections.NodeHTTPProtocol,
             ws_max_size=settings.port_ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
         )
+        logging.getLogger("uvicorn.error").addFilter(envd.DroppedStreamsAreNotErrors())
         server = uvicorn.Server(config)
         say(f"aenv listening on http://{settings.host}:{settings.port} (API key in {settings.data_dir / 'api-key'})")
         if ready_file is not None:

@@ -341,6 +341,8 @@ def test_slow_heads_and_bodies_do_not_hold_connections(server: Server) -> None:
         "a byte now and then": ([b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"] + [b"G"] * 20, 3.0, 70),
         "a body that stops": ([body_head + b"Content-Length: 100\r\n\r\n{"], 0.0, 75),
         "a chunked body that stops": ([body_head + b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"], 0.0, 75),
+        # an idle kept-alive connection is not a slow head: clients' pools reuse them for minutes
+        "idle between requests": ([b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"] * 2, 40.0, 75),
     }
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         futures = {name: pool.submit(answer_within, server, *case) for name, case in cases.items()}
@@ -349,6 +351,7 @@ def test_slow_heads_and_bodies_do_not_hold_connections(server: Server) -> None:
         assert not answer.endswith(b"<open>"), f"{name}: still open after {took:.0f}s"
     assert results["half a head"][0] == b""
     assert results["a byte now and then"][0].count(b"HTTP/1.1 200") == 1
+    assert results["idle between requests"][0].count(b"HTTP/1.1 200") == 2, results["idle between requests"][0]
     for name in ("a body that stops", "a chunked body that stops"):
         assert results[name][0].startswith(b"HTTP/1.1 408"), results[name][0][:200]
         assert b'"error_code":"request_timeout"' in results[name][0]
