@@ -48,7 +48,7 @@ Handler = Callable[[Request, LiveSandbox, str | None], Awaitable[Response]]
 UNFINISHED = "ASGI callable returned without completing response."  # uvicorn's words for a dropped one
 
 
-class StreamDropped(Exception):
+class StreamDropped(AgentUnavailable):
     """The sandbox went away (killed, paused, died) while an answer streamed."""
 
 
