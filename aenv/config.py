@@ -13,6 +13,11 @@ DEFAULT_TIMEOUT = 300
 DEFAULT_MAX_FORK = 16
 
 
+# The highest per-user process limit a sandbox may be given. Agents boot with it as their own
+# limit (a restored agent keeps the rlimits it was checkpointed with) and set each command's.
+MAX_NPROC = 65536
+
+
 class Settings(BaseSettings):
     """Every setting of a node. See docs/configuration.md for the full list."""
 
@@ -77,6 +82,10 @@ class Settings(BaseSettings):
     # (504), and the largest WebSocket message relayed either way (a larger one closes with 1009).
     port_response_timeout: float = Field(300.0, gt=0)
     port_ws_max_message_mb: int = Field(16, ge=1)
+    # Seconds an idle keep-alive connection stays open. Longer than any client pool reuses one
+    # (the E2B Python SDK: 300 s; undici: at most 600 s): a pool that reuses a connection the server
+    # is closing at that moment fails the request (RemoteProtocolError).
+    http_keepalive: int = Field(610, ge=1)
 
     # The snapshot repository templates and snapshots are committed to: "" = <data-dir>/repo,
     # a path or file:// URL (e.g. a shared mount), s3://bucket/prefix, or "none" (node-local only).
@@ -93,7 +102,7 @@ class Settings(BaseSettings):
     # Tasks (processes and threads) of one user inside a sandbox. A fork bomb held at this limit
     # is killed by the node before the host stops the sandbox: at 512 the bomb starved the agent
     # of CPU for longer than the host's limit took to reach (see aenv/guest/runaway.py).
-    nproc: int = 256
+    nproc: int = Field(256, ge=16, le=MAX_NPROC)
     disk_mb: int = 2048
     # Blank uppers kept formatted and mounted, so creates and forks need not make theirs:
     # None = max_fork + 1 (a whole fork's worth); 0 = none.

@@ -4,6 +4,7 @@
     ├── InvalidRequest (ValueError)          400 invalid_request
     ├── Unauthenticated (PermissionError)    401 unauthenticated
     ├── PayloadTooLarge                      413 payload_too_large
+    ├── RequestTimeout                       408 request_timeout (a body that does not arrive in time)
     ├── NotFound (LookupError)               404 not_found
     │   ├── SandboxNotFound                  404 sandbox_not_found
     │   ├── TemplateNotFound                 404 template_not_found
@@ -64,6 +65,10 @@ class Unauthenticated(AenvError, PermissionError):
 
 class PayloadTooLarge(AenvError):
     """A request body over the size the node accepts for it (or a build context unpacking past it)."""
+
+
+class RequestTimeout(AenvError, TimeoutError):
+    """A request whose body did not arrive within the time the node gives it."""
 
 
 class NotFound(AenvError, LookupError):
@@ -151,6 +156,7 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     InvalidRequest: (400, "invalid_request"),
     Unauthenticated: (401, "unauthenticated"),
     PayloadTooLarge: (413, "payload_too_large"),
+    RequestTimeout: (408, "request_timeout"),
     NotFound: (404, "not_found"),
     SandboxNotFound: (404, "sandbox_not_found"),
     TemplateNotFound: (404, "template_not_found"),

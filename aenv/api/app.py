@@ -6,6 +6,7 @@ are sandbox traffic; everything else is the control plane, which needs the API k
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -24,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from aenv import __version__
 from aenv.api import e2b_templates, envd, proxy, repository
 from aenv.api.sandboxes import add_body_schemas, router
-from aenv.errors import AenvError, PayloadTooLarge, error_body
+from aenv.errors import AenvError, PayloadTooLarge, RequestTimeout, error_body
 from aenv.node import metrics
 from aenv.node.orchestrator import Node
 
@@ -37,6 +38,8 @@ PUBLIC_ROUTES = frozenset(
     for method in ("GET", "HEAD")
 )
 # E2B's SDK uploads template files without its API key: a PUT there needs the URL's own token instead.
+BODY_TIMEOUT = 60.0  # seconds a control-plane body (at most AENV_MAX_BODY_KB) has to arrive, and a
+# sandbox's (an envd upload, a request to a port; any size) may go without a byte
 SIGNED_UPLOAD = re.compile(r"/templates/(?P<template>[^/]+)/files/(?P<files_hash>[^/]+)/upload")
 
 
@@ -157,6 +160,10 @@ class SandboxRouter:
                     return
                 await proxy.proxy_websocket(scope, receive, send, self.node, sandbox_id, port)
                 return
+            if not (port == envd.ENVD_PORT and scope["path"] in envd.CLIENT_STREAMS):
+                # A body that stops is let go (an upload to envd or a port), as proxies do (nginx's
+                # client_body_timeout): else any client of a public port holds connections for good.
+                receive = _bounded(receive, None, BODY_TIMEOUT, idle=True)
             request = StarletteRequest(scope, receive)
             if port == envd.ENVD_PORT:
                 response = await envd.handle(request, self.node, sandbox_id)
@@ -180,7 +187,7 @@ class SandboxRouter:
             if declared.isdecimal() and int(declared) > limit:
                 await _reply(scope, receive, send, _error_response(_too_large(limit)))
                 return
-            receive = _bounded(receive, limit)
+            receive = _bounded(receive, limit, BODY_TIMEOUT)
         await self.app(scope, receive, send)
 
 
@@ -196,17 +203,32 @@ def _too_large(limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"the request body is larger than {limit // 1024} KiB (AENV_MAX_BODY_KB)")
 
 
-def _bounded(receive: Receive, limit: int) -> Receive:
+def _bounded(receive: Receive, limit: int | None, deadline: float, *, idle: bool = False) -> Receive:
     """``receive`` that counts body bytes as they arrive (chunked bodies included) and fails the
-    read past ``limit``: the route's error handler answers 413, nothing larger is ever held."""
+    read past ``limit`` (413) or past ``deadline`` seconds (408): for the whole body, or with
+    ``idle`` for each of its pieces. Nothing larger is ever held, and a body sent a byte now and
+    then does not hold its request for good. Once the body is in, what follows (a disconnect) is
+    waited for as long as the response takes."""
     received = 0
+    due: float | None = None
+    complete = False
 
     async def bounded_receive() -> Message:
-        nonlocal received
-        message = await receive()
+        nonlocal received, due, complete
+        if complete:
+            return await receive()
+        if due is None or idle:
+            due = asyncio.get_running_loop().time() + deadline
+        try:
+            async with asyncio.timeout_at(due):
+                message = await receive()
+        except TimeoutError:
+            what = "stopped for" if idle else "did not arrive within"
+            raise RequestTimeout(f"the request body {what} {deadline:g}s") from None
+        complete = message["type"] != "http.request" or not message.get("more_body", False)
         if message["type"] == "http.request":
             received += len(message.get("body", b""))
-            if received > limit:
+            if limit is not None and received > limit:
                 raise _too_large(limit)
         return message
 

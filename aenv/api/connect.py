@@ -7,6 +7,7 @@ with a matching HTTP status. Server streams: ``application/connect+json`` bodies
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -98,25 +99,35 @@ def _decode(payload: bytes, schema: Message) -> dict[str, Any]:
 
 class EnvelopeReader:
     """Reads envelopes one by one from a streaming request body (client streams), each checked
-    against ``schema`` and at most MAX_MESSAGE bytes."""
+    against ``schema`` and at most MAX_MESSAGE bytes.
+
+    Each message costs its own bytes (the body is read through an offset, not re-sliced: a 1 MiB
+    chunk of empty envelopes took 3 s) and lets the event loop run before it is taken, so a body of
+    tiny envelopes does not hold the node's loop."""
 
     def __init__(self, request: Request, schema: Message) -> None:
         self._chunks = request.stream()
-        self._buf = b""
+        self._buf = bytearray()
+        self._at = 0  # where the next envelope starts in _buf
         self._schema = schema
 
     async def next(self) -> dict[str, Any] | None:
+        await asyncio.sleep(0)
         while True:
-            if len(self._buf) >= ENVELOPE.size:
-                flags, length = ENVELOPE.unpack_from(self._buf)
+            available = len(self._buf) - self._at
+            if available >= ENVELOPE.size:
+                flags, length = ENVELOPE.unpack_from(self._buf, self._at)
                 if length > MAX_MESSAGE:
                     raise _too_large()
-                if len(self._buf) >= ENVELOPE.size + length:
-                    payload = self._buf[ENVELOPE.size : ENVELOPE.size + length]
-                    self._buf = self._buf[ENVELOPE.size + length :]
+                if available >= ENVELOPE.size + length:
+                    start = self._at + ENVELOPE.size
+                    payload = bytes(self._buf[start : start + length])
+                    self._at = start + length
                     if flags & END_STREAM:
                         return None
                     return _decode(payload, self._schema)
+            del self._buf[: self._at]  # once per chunk read: what was taken goes
+            self._at = 0
             try:
                 chunk = await self._chunks.__anext__()
             except StopAsyncIteration:

@@ -44,6 +44,10 @@ class NewTemplate(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     name: str = Field(..., min_length=1, max_length=200)
     tags: list[str] = Field(default_factory=list)
+    # Checked as E2B checks them, not used: a sandbox's limits come from its own create request.
+    cpu_count: int | None = Field(None, alias="cpuCount", ge=1)
+    memory_mb: int | None = Field(None, alias="memoryMB", ge=1)
+    min_free_disk_mb: int | None = Field(None, alias="minFreeDiskMB", ge=0)
 
 
 class Step(BaseModel):

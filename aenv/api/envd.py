@@ -10,6 +10,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import logging
 import posixpath
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,20 +19,58 @@ from urllib.parse import quote
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Send
 
-from aenv.api import connect, uploads
+from aenv.api import connect, connections, uploads
 from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, ConnectError, Message
 from aenv.api.proxy import sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError, end_error
-from aenv.errors import AenvError, AgentTimeout, AgentUnavailable, InsufficientStorage, InvalidRequest, error_body
+from aenv.errors import (
+    AenvError,
+    AgentTimeout,
+    AgentUnavailable,
+    InsufficientStorage,
+    InvalidRequest,
+    RequestTimeout,
+    error_body,
+)
+from aenv.guest import metadata
 from aenv.node.agentlink import AgentLink
 from aenv.node.orchestrator import LiveSandbox, Node
 
 KEEPALIVE_DEFAULT = 90.0
 ENVD_PORT = 49983
 UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"
+TOKEN_MISMATCH = "access token present in header but does not match"
+METADATA_HEADER = "x-metadata-"  # envd's X-Metadata-<key> upload headers
 
 Handler = Callable[[Request, LiveSandbox, str | None], Awaitable[Response]]
+UNFINISHED = "ASGI callable returned without completing response."  # uvicorn's words for a dropped one
+
+
+class StreamDropped(AgentUnavailable):
+    """The sandbox went away (killed, paused, died) while an answer streamed."""
+
+
+class DroppableStream(StreamingResponse):
+    """A streamed answer that, when its sandbox goes away, is dropped rather than ended: the body
+    is left unfinished and the connection reset, as E2B's proxy resets the stream of a sandbox that
+    is gone. The SDKs read that as a lost connection, probe the sandbox's health and report it
+    killed ("killed or reached its end of life"); an error message ending the stream would be
+    reported as that error instead."""
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        except StreamDropped:
+            connections.reset_on_close()
+
+
+class DroppedStreamsAreNotErrors(logging.Filter):
+    """uvicorn logs an unfinished response as an error; a dropped stream is one on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != UNFINISHED
 
 
 def _user(request: Request) -> str | None:
@@ -89,6 +128,8 @@ async def _stream_events(
             elif item.kind == END:
                 finished = True
                 error = end_error(item.msg)
+                if error is not None and link.channel.closed.is_set():
+                    raise StreamDropped(error.message)
                 yield connect.end_stream(_connect_error(error) if error else None)
                 return
     finally:
@@ -125,7 +166,7 @@ async def _server_stream(request: Request, sb: LiveSandbox, method: str, params:
     except Exception as exc:
         body = connect.end_stream(_connect_error(exc))
         return Response(body, media_type=connect.STREAM_CONTENT_TYPE)
-    return StreamingResponse(_stream_events(request, link, stream, first=first), media_type=connect.STREAM_CONTENT_TYPE)
+    return DroppableStream(_stream_events(request, link, stream, first=first), media_type=connect.STREAM_CONTENT_TYPE)
 
 
 # The messages of envd's services as aenv reads them (proto3 JSON; see connect.checked).
@@ -220,6 +261,8 @@ async def fs_watch_dir(request: Request, sb: LiveSandbox, user: str | None) -> R
     return await _server_stream(request, sb, "fs.watch", params)
 
 
+# Client streams: their requests' bodies are what a client types, and may pause for as long as it likes.
+CLIENT_STREAMS = frozenset({"/process.Process/StreamInput"})
 RPC: dict[str, Handler] = {
     "/process.Process/Start": process_start,
     "/process.Process/Connect": process_connect,
@@ -261,31 +304,49 @@ def signature(path: str, operation: str, username: str | None, token: str, expir
     return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).decode().rstrip("=")
 
 
-def files_authorized(request: Request, token: str, operation: str) -> bool:
+def _signature_expiration(request: Request) -> int | None:
+    raw = request.query_params.get("signature_expiration")
+    return int(raw) if raw and raw.isascii() and raw.isdigit() and len(raw) <= 20 else None
+
+
+def _signed_by(request: Request, token: str, operation: str) -> bool:
+    """The URL's signature was made with ``token`` (whether or not it has expired since)."""
+    expected = signature(
+        request.query_params.get("path", ""),
+        operation,
+        request.query_params.get("username"),
+        token,
+        _signature_expiration(request),
+    )
+    return hmac.compare_digest(request.query_params.get("signature", "").encode(), expected.encode())
+
+
+def files_refusal(request: Request, token: str, operation: str) -> str | None:
+    """Why envd would refuse this /files request to a secure sandbox (its words, for a 401), or None.
+
+    As envd: the access token header when one is given, else the signature, then its expiry."""
     given = request.headers.get("x-access-token")
-    if given is not None:
-        return hmac.compare_digest(given.encode(), token.encode())
-    sig = request.query_params.get("signature")
-    if not sig:
-        return False
-    exp_raw = request.query_params.get("signature_expiration")
-    expiration = int(exp_raw) if exp_raw and exp_raw.isascii() and exp_raw.isdigit() else None
+    if given:
+        return None if hmac.compare_digest(given.encode(), token.encode()) else TOKEN_MISMATCH
+    if not request.query_params.get("signature"):
+        return "missing signature query parameter"
+    if not _signed_by(request, token, operation):
+        return "invalid signature"
+    expiration = _signature_expiration(request)
     if expiration is not None and expiration < time.time():
-        return False
-    path = request.query_params.get("path", "")
-    expected = signature(path, operation, request.query_params.get("username"), token, expiration)
-    return hmac.compare_digest(sig.encode(), expected.encode())
+        return "signature is already expired"
+    return None
 
 
 def signed_for(request: Request, node: Node) -> str | None:
     """The secure sandbox whose token signed this /files URL.
 
     Signed URLs from ``download_url()``/``upload_url()`` carry no sandbox id when the SDK's
-    sandbox URL is a single proxy (E2B_SANDBOX_URL): the signature itself names the sandbox.
-    """
+    sandbox URL is a single proxy (E2B_SANDBOX_URL): the signature itself names the sandbox, which
+    then answers as envd would (an expired signature is its 401, not the API's)."""
     operation = "write" if request.method == "POST" else "read"
     for sb in node.list():
-        if sb.rec.secure and files_authorized(request, node.access_token(sb.rec.id), operation):
+        if sb.rec.secure and _signed_by(request, node.access_token(sb.rec.id), operation):
             return sb.rec.id
     return None
 
@@ -317,6 +378,9 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
                 if item.kind == DATA:
                     yield item.data
                 elif item.kind == END:
+                    error = end_error(item.msg)
+                    if error is not None:  # cut short: the client must not take it for the whole file
+                        raise StreamDropped(error.message)
                     return
         finally:
             if not stream.remote_ended:
@@ -329,14 +393,40 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
     }
     if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
         headers["Content-Length"] = str(size)
-    return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
+    return DroppableStream(body(), media_type="application/octet-stream", headers=headers)
 
 
-async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: AsyncIterator[bytes]) -> dict[str, Any]:
+def _upload_metadata(request: Request) -> dict[str, str]:
+    """envd's ``X-Metadata-<key>`` upload headers: keys lowercased, the first value of each, checked
+    as envd checks them (400 "invalid metadata: ...") before anything reaches the sandbox."""
+    found: dict[str, str] = {}
+    for raw_name, raw_value in request.headers.raw:
+        name = raw_name.decode("latin-1").lower()
+        if name.startswith(METADATA_HEADER) and len(name) > len(METADATA_HEADER):
+            found.setdefault(name[len(METADATA_HEADER) :], raw_value.decode("latin-1"))
+    try:
+        metadata.validate(found)
+    except metadata.Invalid as exc:
+        raise InvalidRequest(f"invalid metadata: {exc}") from exc
+    return found
+
+
+def _kept_metadata(written: dict[str, Any]) -> dict[str, str] | None:
+    """The metadata the agent says the file has: a map of strings, or nothing."""
+    kept = written.get("metadata")
+    if isinstance(kept, dict) and kept and all(isinstance(k, str) and isinstance(v, str) for k, v in kept.items()):
+        return kept
+    return None
+
+
+async def _write_file(
+    sb: LiveSandbox, path: str, user: str | None, chunks: AsyncIterator[bytes], meta: dict[str, str]
+) -> dict[str, Any]:
     """Write ``chunks`` into the sandbox as they come; the channel's credit window is all that is
-    ever buffered. If the agent gives up (a full disk), its reason is what this raises."""
+    ever buffered. If the agent gives up (a full disk), its reason is what this raises. The file's
+    metadata becomes ``meta`` (none clears it, as envd)."""
     link = _link(sb)
-    stream = await link.open("fs.write", {"path": path, "user": user})
+    stream = await link.open("fs.write", {"path": path, "user": user, "metadata": meta})
     try:
         try:
             async for chunk in chunks:
@@ -348,16 +438,30 @@ async def _write_file(sb: LiveSandbox, path: str, user: str | None, chunks: Asyn
                 raise
             # The agent ended the write before all was sent (e.g. refused the path): its answer says why.
         result = await link.within(stream.result(), "fs.write")
-    except BaseException:
+    except BaseException as exc:
         if not stream.remote_ended:
-            stream.cancel()
+            await _withdraw(link, stream, waiting=not isinstance(exc, AgentTimeout | AgentUnavailable))
         raise
     written = result if isinstance(result, dict) else {}
-    return {
+    entry = {
         "path": str(written.get("path", path)),
         "name": str(written.get("name", posixpath.basename(path))),
         "type": "file",
     }
+    kept = _kept_metadata(written)
+    return {**entry, "metadata": kept} if kept else entry
+
+
+async def _withdraw(link: AgentLink, stream: Stream, *, waiting: bool) -> None:
+    """Give up a write. Unless the agent is not answering anyway, wait (within the deadline) for
+    it to remove what it wrote: the client must not hear of the failure and then find the file."""
+    try:
+        if waiting:
+            await link.within(stream.withdraw(), "fs.write")
+    except (AgentTimeout, ChannelClosed):
+        pass
+    finally:
+        stream.cancel()
 
 
 async def _part_bytes(events: AsyncIterator[uploads.PartEvent]) -> AsyncIterator[bytes]:
@@ -366,22 +470,28 @@ async def _part_bytes(events: AsyncIterator[uploads.PartEvent]) -> AsyncIterator
             return
         if isinstance(event, bytes):
             yield event
+    # A body cut short (no closing boundary) is not a whole file, whatever arrived of it.
+    raise InvalidRequest("the multipart upload ends inside a file part")
 
 
-async def _write_parts(request: Request, sb: LiveSandbox, path: str | None, user: str | None) -> list[dict[str, Any]]:
+async def _write_parts(
+    request: Request, sb: LiveSandbox, path: str | None, user: str | None, meta: dict[str, str]
+) -> list[dict[str, Any]]:
     """Each ``file`` part of a multipart upload, written into the sandbox while it arrives: to
-    ``path`` when given (then only one file may come), else to the part's filename."""
+    ``path`` when given (then only one file may come), else to the part's filename. As in envd, a
+    part is a file by its field name alone: a browser's ``FormData.append("file", text)`` or
+    ``curl -F file=<x`` sends no filename, and the path parameter says where it goes."""
     written: list[dict[str, Any]] = []
     events = uploads.multipart_parts(request)
     async for event in events:
-        if not isinstance(event, uploads.PartStart) or event.name != "file" or event.filename is None:
+        if not isinstance(event, uploads.PartStart) or event.name != "file":
             continue  # another field, or the bytes of one: skipped
         if path and written:
             raise InvalidRequest("the path parameter names one file, and this upload has several")
-        target = connect.path_string(path or event.filename, "the file part's filename")
+        target = connect.path_string(path or event.filename or "", "the file part's filename")
         if not target:
             raise InvalidRequest("a file part has no filename")
-        written.append(await _write_file(sb, target, user, _part_bytes(events)))
+        written.append(await _write_file(sb, target, user, _part_bytes(events), meta))
     if not written:
         raise InvalidRequest("no file part in the upload")
     return written
@@ -389,13 +499,13 @@ async def _write_parts(request: Request, sb: LiveSandbox, path: str | None, user
 
 async def files_post(request: Request, sb: LiveSandbox, user: str | None) -> Response:
     try:
-        path, user = _query_path(request), _query_user(request, user)
+        path, user, meta = _query_path(request), _query_user(request, user), _upload_metadata(request)
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
-            written = await _write_parts(request, sb, path, user)
+            written = await _write_parts(request, sb, path, user, meta)
         elif not path:
             raise InvalidRequest("the path query parameter is required")
         else:
-            written = [await _write_file(sb, path, user, uploads.decoded(request))]
+            written = [await _write_file(sb, path, user, uploads.decoded(request), meta)]
     except Exception as exc:
         return _file_error(request, exc)
     return JSONResponse(written)
@@ -424,11 +534,11 @@ def _endpoint(request: Request) -> Handler | None:
     return None
 
 
-def _authorized(request: Request, token: str) -> bool:
+def _refusal(request: Request, token: str) -> str | None:
     if request.url.path == "/files" and request.method in ("GET", "POST"):
-        return files_authorized(request, token, "read" if request.method == "GET" else "write")
+        return files_refusal(request, token, "read" if request.method == "GET" else "write")
     given = request.headers.get("x-access-token")
-    return given is not None and hmac.compare_digest(given.encode(), token.encode())
+    return None if given is not None and hmac.compare_digest(given.encode(), token.encode()) else UNAUTHORIZED
 
 
 async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
@@ -442,12 +552,13 @@ async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
     except AenvError:
         return sandbox_gone(sandbox_id)
     if request.method == "GET" and path == "/health":
-        if sb.state.value != "running" or sb.link is None:
+        if sb.state.value != "running" or sb.link is None or sb.killer is not None:
             return sandbox_gone(sandbox_id)
         return Response(status_code=204)
-    if sb.rec.secure and not _authorized(request, node.access_token(sandbox_id)):
+    refusal = _refusal(request, node.access_token(sandbox_id)) if sb.rec.secure else None
+    if refusal is not None:
         code = 401 if path == "/files" else "unauthenticated"
-        return JSONResponse({"code": code, "message": UNAUTHORIZED}, status_code=401)
+        return JSONResponse({"code": code, "message": refusal}, status_code=401)
     endpoint = _endpoint(request)
     if endpoint is None:
         return JSONResponse(
@@ -460,5 +571,8 @@ async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
     request.state.disk_mb = node._limits(sb.rec).disk_mb  # what a full disk's answer names
     try:
         return await endpoint(request, sb, _user(request))
+    except RequestTimeout as exc:  # the client's body stopped coming (see aenv.api.app)
+        error = ConnectError("deadline_exceeded", exc.message)
+        return _file_error(request, exc) if path == "/files" else connect.unary_error(error)
     except ConnectError as exc:
         return _file_error(request, exc) if path == "/files" else connect.unary_error(exc)

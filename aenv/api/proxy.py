@@ -22,7 +22,7 @@ from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
 from aenv.channel import DATA, END, EOF, Item, Stream
-from aenv.errors import AenvError, AgentTimeout, snippet
+from aenv.errors import AenvError, AgentTimeout, RequestTimeout, error_body, snippet
 from aenv.node.orchestrator import Node
 
 HOP_BY_HOP = {
@@ -98,6 +98,8 @@ async def proxy_http(request: Request, node: Node, sandbox_id: str, port: int) -
         # with it: nothing on the host or in the sandbox waits for it any more.
         if not tunnel.remote_ended:
             await tunnel.end()
+        if isinstance(exc, RequestTimeout):  # the client's body stopped coming, not the port
+            return JSONResponse(error_body(exc), status_code=exc.status)
         if isinstance(exc, TimeoutError):
             message = f"port {port} did not take the request or answer it within {patience:g}s"
             return JSONResponse({"code": 504, "message": message}, status_code=504)

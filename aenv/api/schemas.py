@@ -11,11 +11,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from aenv.config import MAX_NPROC
 from aenv.guest.agent import AGENT_VERSION
 from aenv.node.orchestrator import LiveSandbox, Node
 from aenv.node.state import PUBLIC_STATE
 from aenv.node.store import SnapshotRecord, TemplateRecord
-from aenv.runtime.base import MAX_NPROC
 from aenv.templates.catalog import TEMPLATE_NAME
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import uvicorn
 
+from aenv.api import connections, envd
 from aenv.api.app import build
 from aenv.config import Settings
 from aenv.node.orchestrator import Node
@@ -57,8 +58,11 @@ async def serve(
             log_level="info",
             access_log=False,
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=settings.http_keepalive,
+            http=connections.NodeHTTPProtocol,
             ws_max_size=settings.port_ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
         )
+        logging.getLogger("uvicorn.error").addFilter(envd.DroppedStreamsAreNotErrors())
         server = uvicorn.Server(config)
         say(f"aenv listening on http://{settings.host}:{settings.port} (API key in {settings.data_dir / 'api-key'})")
         if ready_file is not None:

@@ -39,6 +39,8 @@ import asyncio
 import json
 import logging
 import struct
+import time
+from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -51,10 +53,13 @@ MAX_JSON = 4 * 1024 * 1024  # one OPEN, MSG or END frame: a request, an event, a
 MAX_CTRL = 1024 * 1024  # one CTRL frame (a thaw carries the sandbox's env)
 MAX_GUEST_STREAMS = 256  # streams the guest may have open at once (its egress connections)
 ITEM_FLOOR = 8  # a stream queues at most window // ITEM_FLOOR items: no real message is smaller
-COALESCE_BELOW = 16 * 1024  # small DATA frames queue as one item (see Stream._take)
+COALESCE_BELOW = 16 * 1024  # smaller frames queue back to back in one buffer (see _Run)
 SPLICE_CHUNK = 256 * 1024
 SPLICE_LINGER = 30.0  # after one direction ends, how long the other may go on
+END_LINGER = 2.0  # after the peer ends a spliced stream, how long its last data has to reach the socket
 DEFAULT_WINDOW = 4 * 1024 * 1024
+SHARE_BURST = 0.5  # seconds of the event loop a peer's frames may take at once (see _Share)
+FRAME_COST = 3e-6  # what reading a frame's header and payload costs the loop, besides handling it
 
 OPEN, MSG, DATA, EOF, END, CREDIT, CTRL = 1, 2, 3, 4, 5, 6, 7
 # The largest payload of each kind of frame; a kind not listed is a protocol violation.
@@ -108,7 +113,9 @@ def _sendable(obj: Any, limit: int, what: str) -> bytes:
     except ValueError as exc:  # NaN or Infinity: the peer would refuse it
         raise Unsendable("invalid_argument", f"{what} is not JSON: {exc}") from exc
     if len(payload) > limit:
-        raise Unsendable("resource_exhausted", f"{what} is {len(payload)} bytes, more than the limit of {limit}")
+        # out_of_range, not resource_exhausted: what was asked for is too large (a listing of a whole
+        # tree), not a resource running out (the SDKs read resource_exhausted as rate limiting).
+        raise Unsendable("out_of_range", f"{what} is {len(payload)} bytes, more than the limit of {limit}")
     return payload
 
 
@@ -152,6 +159,48 @@ class Item:
         return self._msg
 
 
+class _Run:
+    """Small frames queued back to back: their bytes in one buffer and four bytes of bookkeeping
+    each (length and kind), not an object each (~100 bytes: a window of one-byte messages would
+    cost a hundred windows). Consecutive small DATA frames join into one item."""
+
+    __slots__ = ("buf", "marks", "start", "next")
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.marks = array("I")  # length << 1 | (1 for MSG)
+        self.start = 0  # where the next item's bytes begin in buf
+        self.next = 0  # the next item's index in marks
+
+    def add(self, kind: int, payload: bytes) -> bool:
+        """Queue ``payload``; False when it joined the DATA item queued last (no new item)."""
+        self.buf += payload
+        marks = self.marks
+        if kind == DATA and self.next < len(marks) and not marks[-1] & 1 and marks[-1] >> 1 < COALESCE_BELOW:
+            marks[-1] += len(payload) << 1
+            return False
+        marks.append(len(payload) << 1 | (kind == MSG))
+        return True
+
+    def take(self) -> Item:
+        mark = self.marks[self.next]
+        end = self.start + (mark >> 1)
+        data = bytes(self.buf[self.start : end])
+        self.next += 1
+        if self.next == len(self.marks):  # all taken: start over
+            del self.buf[:], self.marks[:]
+            self.start = self.next = 0
+        elif end >= COALESCE_BELOW and end * 2 >= len(self.buf):  # drop what was taken (amortised)
+            del self.buf[:end], self.marks[: self.next]
+            self.start = self.next = 0
+        else:
+            self.start = end
+        return Item(MSG, _UNDECODED, data) if mark & 1 else Item(DATA, None, data)
+
+    def empty(self) -> bool:
+        return self.next == len(self.marks)
+
+
 class Stream:
     """One logical stream. Items arrive in order through :meth:`recv`."""
 
@@ -160,8 +209,8 @@ class Stream:
         self.id = sid
         self.method = method
         self.params = params if params is not None else {}
-        self._items: deque[Item] = deque()
-        self._pending: bytearray | None = None  # small DATA frames joined to the last item queued
+        self._items: deque[Item | _Run] = deque()
+        self._queued = 0  # items received and not taken (a run holds several)
         self._arrived = asyncio.Event()
         self._send_credit = channel.window
         self._credit_event = asyncio.Event()
@@ -178,9 +227,14 @@ class Stream:
         while not self._items:
             self._arrived.clear()
             await self._arrived.wait()
-        item = self._items.popleft()
-        if not self._items:
-            self._seal_tail(item)
+        head = self._items[0]
+        if isinstance(head, _Run):
+            item = head.take()
+            if head.empty():
+                self._items.popleft()
+        else:
+            item = self._items.popleft()
+        self._queued -= 1
         self._consumed(item)
         return item
 
@@ -244,56 +298,49 @@ class Stream:
         except ChannelClosed:
             pass
 
+    async def withdraw(self) -> None:
+        """END the stream and wait for the peer's END: once this returns, the peer has undone its
+        side (a write the host gave up on is removed before the client hears it failed). The
+        caller bounds the wait and calls :meth:`cancel` if the peer does not answer."""
+        if not self.ended:
+            self.ended = True
+            self.channel._write_nowait(encode(END, self.id, dumps({})))
+        while not self.remote_ended:
+            await self.recv()
+
     def cancel(self) -> None:
         """Like :meth:`end` without a result, but never waits: cleanup must not hang on a peer
         that has stopped reading."""
+        self.channel._streams.pop(self.id, None)
         if self.ended:
             return
         self.ended = True
-        self.channel._streams.pop(self.id, None)
         self.channel._write_nowait(encode(END, self.id, dumps({})))
 
     # -- called by the channel's reader ----------------------------------------------------------
     def _take(self, kind: int, payload: bytes) -> None:
-        """A MSG or DATA frame from the peer, within the credit it was given."""
+        """A MSG or DATA frame from the peer, within the credit it was given. What a stalled
+        consumer leaves queued costs its bytes: a frame of 16 KiB or more as it came (never
+        copied), smaller ones in a :class:`_Run`."""
         if self._recv_credit <= 0:
             raise ProtocolViolation(f"stream {self.id}: {len(payload)} bytes sent beyond the credit granted")
         self._recv_credit -= len(payload)
-        items = self._items
         if kind == MSG:
             loads(payload)  # checked now, decoded when used: a queued message costs its bytes only
-            item = Item(MSG, _UNDECODED, payload)
         elif not payload:
             raise ProtocolViolation(f"stream {self.id}: an empty DATA frame")
-        elif self._coalesce(payload):
+        if self._queued >= self.channel.window // ITEM_FLOOR:
+            raise ProtocolViolation(f"stream {self.id}: more than {self._queued} items queued")
+        if len(payload) >= COALESCE_BELOW:
+            self._deliver(Item(kind, _UNDECODED if kind == MSG else None, payload))
             return
-        else:
-            item = Item(DATA, None, payload)
-        if len(items) >= self.channel.window // ITEM_FLOOR:
-            raise ProtocolViolation(f"stream {self.id}: more than {len(items)} items queued")
-        self._deliver(item)
-
-    def _coalesce(self, payload: bytes) -> bool:
-        """Append a small DATA frame to a small DATA item still queued, if there is one.
-
-        While the consumer lags, tiny frames then cost their bytes, not a hundred times that in
-        per-item overhead; frames that arrive while nothing is queued are never copied."""
         tail = self._items[-1] if self._items else None
-        if tail is None or tail.kind != DATA or len(payload) >= COALESCE_BELOW:
-            return False
-        if self._pending is None:
-            if len(tail.data) >= COALESCE_BELOW:
-                return False
-            self._pending = bytearray(tail.data)
-        elif len(self._pending) >= COALESCE_BELOW:
-            return False
-        self._pending += payload
-        return True
-
-    def _seal_tail(self, tail: Item) -> None:
-        if self._pending is not None:
-            tail.data = bytes(self._pending)
-            self._pending = None
+        if not isinstance(tail, _Run):
+            tail = _Run()
+            self._items.append(tail)
+        if tail.add(kind, payload):
+            self._queued += 1
+        self._arrived.set()
 
     def _got_eof(self) -> None:
         if not self._eof:  # a repeated EOF says nothing new
@@ -306,9 +353,8 @@ class Stream:
             self.peer_end.set()
             self._credit_event.set()
             self.channel._streams.pop(self.id, None)
-        if self._items:
-            self._seal_tail(self._items[-1])
         self._items.append(item)
+        self._queued += 1
         self._arrived.set()
 
     def _grant(self, n: int) -> None:
@@ -345,12 +391,33 @@ async def _refuse_open(stream: Stream) -> None:
 CtrlHandler = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+class _Share:
+    """A token bucket of the event loop's time: what taking a peer's frames in may use of it.
+
+    Each frame costs what its handling took (JSON is the dear part: 4 MiB of nested empty lists
+    took 280 ms to check); past the share, the reader pauses, the pipe fills and the peer waits.
+    One peer flooding frames then slows only itself, not the node's other sandboxes and its API."""
+
+    def __init__(self, share: float, burst: float = SHARE_BURST) -> None:
+        self.share, self.burst = share, burst
+        self.tokens = burst
+        self.at = time.monotonic()
+
+    async def spent(self, seconds: float) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.share) - seconds
+        self.at = now
+        if self.tokens < 0:
+            await asyncio.sleep(-self.tokens / self.share)
+
+
 class Channel:
     """A multiplexed channel over a (reader, writer) pair of asyncio streams.
 
     ``on_open`` serves streams the peer opens; ``on_ctrl`` receives control messages. Streams
     this side opens are numbered from ``first_stream_id`` in steps of two, the peer's have the
-    other parity; ``max_peer_streams`` caps how many of the peer's may be open at once. The host
+    other parity; ``max_peer_streams`` caps how many of the peer's may be open at once and
+    ``cpu_share`` what fraction of the event loop's time reading the peer's frames may take. The host
     side may swap the underlying pipe with :meth:`attach` after a checkpoint without losing its
     streams.
     """
@@ -363,6 +430,7 @@ class Channel:
         window: int = DEFAULT_WINDOW,
         first_stream_id: int = 1,
         max_peer_streams: int | None = None,
+        cpu_share: float | None = None,
     ) -> None:
         self.window = window
         self._on_open = on_open
@@ -370,6 +438,7 @@ class Channel:
         self._streams: dict[int, Stream] = {}
         self._next_id = first_stream_id
         self._max_peer_streams = max_peer_streams
+        self._cpu_share = cpu_share
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._write_lock = asyncio.Lock()
@@ -509,6 +578,7 @@ class Channel:
 
     # -- reading ------------------------------------------------------------------------------
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        share = _Share(self._cpu_share) if self._cpu_share is not None else None
         try:
             while True:
                 header = await reader.readexactly(HEADER.size)
@@ -516,7 +586,12 @@ class Channel:
                 if length > MAX_LENGTH.get(kind, -1):  # checked before a byte of it is buffered
                     raise ProtocolViolation(_bad_header(kind, sid, length))
                 payload = await reader.readexactly(length) if length else b""
-                await self._dispatch(kind, sid, payload)
+                started = time.perf_counter()
+                then = self._dispatch(kind, sid, payload)
+                if share is not None:
+                    await share.spent(FRAME_COST + time.perf_counter() - started)
+                if then is not None:
+                    await then
         except asyncio.IncompleteReadError:
             self._lost(reader, "the peer closed the channel")
         except asyncio.CancelledError:
@@ -533,20 +608,19 @@ class Channel:
         self.detach()
         self._fail_all(reason)
 
-    async def _dispatch(self, kind: int, sid: int, payload: bytes) -> None:
+    def _dispatch(self, kind: int, sid: int, payload: bytes) -> Awaitable[None] | None:
+        """Take one frame in; what must be awaited after it (the control handler, or letting an
+        OPEN's handler start), if anything."""
         if kind == CTRL:
             if sid:
                 raise ProtocolViolation(f"a control frame on stream {sid}")
             msg = _object(payload, "a control message")
-            if self._on_ctrl is not None:
-                await self._on_ctrl(msg)
-            return
+            return self._on_ctrl(msg) if self._on_ctrl is not None else None
         if not sid:
             raise ProtocolViolation(f"a frame of kind {kind} on the control stream")
         if kind == OPEN:
             self._serve_peer(sid, payload)
-            await asyncio.sleep(0)  # let its handler start: a flood of OPENs must not pile up tasks
-            return
+            return asyncio.sleep(0)  # let its handler start: a flood of OPENs must not pile up tasks
         if kind == CREDIT and len(payload) != GRANT.size:
             raise ProtocolViolation(f"a CREDIT of {len(payload)} bytes on stream {sid}")
         stream = self._streams.get(sid)
@@ -558,8 +632,10 @@ class Channel:
             stream._grant(GRANT.unpack(payload)[0])
         elif kind == EOF:
             stream._got_eof()
-        else:
-            stream._deliver(Item(END, _object(payload, "an END") if payload else {}))
+        else:  # checked now, decoded when used: held, it costs its bytes, not a tree of objects
+            _object(payload or b"{}", "an END")
+            stream._deliver(Item(END, _UNDECODED, payload or b"{}"))
+        return None
 
     def _serve_peer(self, sid: int, payload: bytes) -> None:
         if sid in self._streams or (sid % 2 == self._next_id % 2 and sid < self._next_id):
@@ -582,12 +658,13 @@ class Channel:
         """Run the handler; a stream the peer opened always gets its END, whatever the handler did."""
         try:
             await (self._on_open or _refuse_open)(stream)
+        except ChannelClosed:
+            pass  # the peer ended the stream or the pipe is gone: its doing, not worth a traceback in the log
         except Exception:
             log.exception("serving %r on stream %d failed", stream.method, stream.id)
             await stream.end(error=("internal", f"serving {stream.method!r} failed"))
-        else:
-            if not stream.remote_ended:
-                await stream.end(error=("internal", f"{stream.method!r} ended without an answer"))
+        if not stream.remote_ended:
+            await stream.end(error=("internal", f"{stream.method!r} ended without an answer"))
 
     def _check_late(self, kind: int, sid: int, payload: bytes) -> None:
         """A frame for a stream already forgotten (ended while it was on its way): checked, dropped."""
@@ -603,10 +680,16 @@ def _bad_header(kind: int, sid: int, length: int) -> str:
     return f"a frame of kind {kind} on stream {sid} with {length} bytes, more than the {MAX_LENGTH[kind]} it may have"
 
 
-async def splice(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def splice(
+    stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, until: asyncio.Event | None = None
+) -> None:
     """Copy bytes both ways between a stream and a TCP connection until the exchange is over.
 
-    Half-closes pass through (EOF each way); the caller ends the stream afterwards."""
+    Half-closes pass through (EOF each way); the caller ends the stream afterwards. Once the peer
+    has ended the stream, what it queued has END_LINGER to reach the socket: a connection whose far
+    end never reads must not hold the peer's data (and a socket) after the stream is gone, or a
+    peer could end and reopen streams past any limit on how many it may have open. ``until``
+    cuts the exchange short when it is set (the connection is no longer allowed)."""
 
     async def inbound() -> None:  # stream -> socket
         while True:
@@ -627,13 +710,25 @@ async def splice(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.S
 
     into = asyncio.ensure_future(inbound())
     out = asyncio.ensure_future(outbound())
+    ended = asyncio.ensure_future(stream.peer_end.wait())
+    cut = asyncio.ensure_future((until or asyncio.Event()).wait())
     try:
-        await asyncio.wait({into, out}, return_when=asyncio.FIRST_COMPLETED)
-        if out.done() and not into.done():
-            await asyncio.wait({into}, timeout=SPLICE_LINGER)  # the other side may still be talking
+        await asyncio.wait({into, out, ended, cut}, return_when=asyncio.FIRST_COMPLETED)
+        if out.done() and not into.done() and not cut.done():  # the other side may still be talking
+            await asyncio.wait({into, ended, cut}, timeout=SPLICE_LINGER, return_when=asyncio.FIRST_COMPLETED)
+        if ended.done() and not into.done() and not cut.done():
+            await asyncio.wait({into, cut}, timeout=END_LINGER, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        ended.cancel()
+        cut.cancel()
+        delivered = into.done()
         for task in (into, out):
             task.cancel()
             if task.done() and not task.cancelled():
                 task.exception()  # a reset connection or a closed channel just ends the exchange
-        writer.close()
+        # A far end that never reads would keep a closing transport (its buffer, its socket) for good.
+        if delivered:
+            writer.close()
+            asyncio.get_running_loop().call_later(END_LINGER, writer.transport.abort)
+        else:
+            writer.transport.abort()

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import itertools
 import os
+import resource
 import signal
 import socket
 import stat
@@ -21,14 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from aenv.channel import DATA, END, EOF, Channel, ChannelClosed, Stream
-from aenv.guest import files, processes, safeio
+from aenv.guest import files, metadata, processes, safeio
 from aenv.guest.egress import PROXY_ENV, EgressProxy
 from aenv.guest.processes import SIGNALS, ProcessError, ProcessTable
 from aenv.guest.sentry import HeapRelease
-from aenv.guest.sockets import checkpoint_blockers, relay_in_thread
+from aenv.guest.sockets import checkpoint_blockers, on_own_thread, relay_in_thread
 from aenv.guest.sudo import SudoServer
 from aenv.guest.users import UnknownUser, User, lookup
 from aenv.guest.watch import Watcher
+from aenv.guest.xattrs import XattrServer
 
 AGENT_VERSION = "0.6.4"  # the envd API level this agent implements
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -85,6 +87,8 @@ class Agent:
             await stream.end(error=(exc.code, exc.message))
         except UnknownUser as exc:
             await stream.end(error=("unauthenticated", str(exc)))
+        except RecursionError:  # a walk of a tree nested deeper than the stdlib's recursion allows
+            await stream.end(error=("out_of_range", f"{stream.method}: the directory tree is nested too deeply"))
         except ChannelClosed:
             pass
         except Exception as exc:  # the agent must outlive any one request
@@ -95,8 +99,9 @@ class Agent:
         if op == "freeze":
             await self.heap_release.halt()
             # Write the sentry's cached file data through to the host first: the checkpoint's
-            # upper (sealed into a layer on snapshot and fork) must hold what processes wrote.
-            await asyncio.get_running_loop().run_in_executor(None, os.sync)
+            # upper (sealed into a layer on snapshot and fork) must hold what processes wrote,
+            # and the metadata store, for an agent that boots on this file system again.
+            await asyncio.get_running_loop().run_in_executor(None, _save_then_sync)
             await self.channel.ctrl({"op": "frozen"}, force=True)
             self.channel.hold()
         elif op == "thaw":
@@ -113,6 +118,8 @@ class Agent:
                 await self.channel.release(replay=True)
             if "config" in msg:
                 self.configure(msg["config"])
+            metadata.forget_devices()
+            FILE_IO.submit(metadata.STORE.rebind)  # a restore numbered the inodes anew
             await self.channel.ctrl({"op": "thawed", "pid": os.getpid()})
             self.heap_release.schedule()
         elif op == "ping":
@@ -123,7 +130,11 @@ class Agent:
             self.env = {str(k): str(v) for k, v in config["env"].items()}
         self.default_user = config.get("user", self.default_user)
         if config.get("nproc"):
-            self.procs.nproc = int(config["nproc"])
+            # Raising a command's limit above the agent's own is refused (EPERM); an agent that was
+            # checkpointed with a lower one (by an older node) gives its commands what it has.
+            own = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+            wanted = int(config["nproc"])
+            self.procs.nproc = wanted if own == resource.RLIM_INFINITY else min(wanted, own)
         self.workdir = config.get("workdir", self.workdir)
         sandbox_id = self.env.get("E2B_SANDBOX_ID")
         if sandbox_id:
@@ -133,7 +144,13 @@ class Agent:
                 pass
 
     def user_of(self, params: dict[str, Any]) -> User:
-        return lookup(params.get("user") or self.default_user)
+        """The user a request names, else the sandbox's default; refused in envd's words."""
+        name = params.get("user")
+        try:
+            return lookup(name or self.default_user)
+        except UnknownUser:
+            refusal = f"invalid username: '{name}'" if name else f"invalid default user: '{self.default_user}'"
+            raise UnknownUser(refusal) from None
 
     def process_env(self, user: User, extra: dict[str, str] | None) -> dict[str, str]:
         env = {"PATH": DEFAULT_PATH, "HOME": user.home, "USER": user.name, "LOGNAME": user.name, "SHELL": user.shell}
@@ -157,25 +174,20 @@ class Agent:
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self.procs.reap)
         self.egress.start(asyncio.get_running_loop())
         self.sudo.start(asyncio.get_running_loop())
+        XattrServer().start()
+        await off_loop(metadata.STORE.load)  # what an agent before this one kept, on this file system
         await self.channel.ctrl({"op": "ready", "version": AGENT_VERSION, "pid": os.getpid()})
         await self.channel.closed.wait()
 
 
+def _save_then_sync() -> None:
+    metadata.STORE.save()
+    os.sync()
+
+
 def _write_sandbox_id(sandbox_id: str) -> None:
-    """Written beside and renamed over: whatever the sandbox left at the name (a FIFO would block
-    an open for writing) is replaced, never opened."""
     os.makedirs(os.path.dirname(SANDBOX_ID_FILE), exist_ok=True)
-    staging = f"{SANDBOX_ID_FILE}.{os.getpid()}"
-    try:
-        os.unlink(staging)
-    except FileNotFoundError:
-        pass
-    fd = safeio.open_regular(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        files.write_all(fd, sandbox_id.encode())
-    finally:
-        os.close(fd)
-    os.replace(staging, SANDBOX_ID_FILE)
+    safeio.replace_file(SANDBOX_ID_FILE, sandbox_id.encode(), 0o644)
 
 
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
@@ -415,6 +427,8 @@ def _read(fd: int, path: str, left: int) -> bytes:
 @handler("fs.write")
 async def fs_write(agent: Agent, stream: Stream) -> Any:
     path, user = _path(agent, stream.params)
+    wanted = _metadata(stream.params)
+    await off_loop(files.check_metadata_room, path, wanted)
     fd = await off_loop(files.open_for_write, path, user)
     written = 0
     try:
@@ -428,13 +442,27 @@ async def fs_write(agent: Agent, stream: Stream) -> Any:
             elif item.kind == END:  # the host gave up on the upload: leave no truncated file
                 _discard_partial(fd, path)
                 return None
+        kept = await off_loop(files.set_metadata, fd, path, wanted)
     except OSError as exc:  # a full disk above all: the space goes back, the reason to the host
         _discard_partial(fd, path)
         error = files.translate(exc, path)
         raise files.FileError(error.code, f"{error.message}; the partial file was removed") from exc
     finally:
         os.close(fd)
-    return {"path": path, "name": os.path.basename(path), "type": "file", "size": written}
+    answer = {"path": path, "name": os.path.basename(path), "type": "file", "size": written}
+    return {**answer, "metadata": kept} if kept else answer
+
+
+def _metadata(params: dict[str, Any]) -> dict[str, str]:
+    """The metadata an upload sets (the host checked it; so is it here, cheaply)."""
+    given = params.get("metadata") or {}
+    if not isinstance(given, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in given.items()):
+        raise files.FileError("invalid_argument", "invalid metadata: not a map of strings")
+    try:
+        metadata.validate(given)
+    except metadata.Invalid as exc:
+        raise files.FileError("invalid_argument", f"invalid metadata: {exc}") from exc
+    return given
 
 
 def _discard_partial(fd: int, path: str) -> None:
@@ -511,7 +539,7 @@ async def fs_watch(agent: Agent, stream: Stream) -> None:
 @handler("tunnel.open", streaming=True)
 async def tunnel_open(agent: Agent, stream: Stream) -> None:
     port = int(stream.params.get("port", 0))
-    conn = await asyncio.get_running_loop().run_in_executor(None, _connect_loopback, port)
+    conn = await on_own_thread(_connect_loopback, port, name="tunnel-connect")
     if conn is None:
         await stream.end(error=("unavailable", f"port {port} is not open"))
         return

@@ -7,19 +7,12 @@ import math
 import os
 import stat
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from aenv.guest import safeio
+from aenv.guest import metadata, safeio
 from aenv.guest.users import User, name_of_gid, name_of_uid
 
-# Go's os.FileMode bits, which E2B reports in EntryInfo.mode.
-GO_DIR = 1 << 31
-GO_SYMLINK = 1 << 27
-GO_PIPE = 1 << 25
-GO_SOCKET = 1 << 24
-GO_SETUID = 1 << 23
-GO_SETGID = 1 << 22
-GO_STICKY = 1 << 20
 # /proc and /sys files report size 0 and may hold anything, or never end: read whole up to this.
 UNSIZED_READ_LIMIT = 16 * 2**20
 
@@ -44,29 +37,23 @@ def resolve(path: str, user: User, workdir: str | None = None) -> str:
     return os.path.normpath(path)
 
 
-def _go_mode(st: os.stat_result) -> int:
-    mode = stat.S_IMODE(st.st_mode) & 0o777
-    if stat.S_ISDIR(st.st_mode):
-        mode |= GO_DIR
-    elif stat.S_ISLNK(st.st_mode):
-        mode |= GO_SYMLINK
-    elif stat.S_ISFIFO(st.st_mode):
-        mode |= GO_PIPE
-    elif stat.S_ISSOCK(st.st_mode):
-        mode |= GO_SOCKET
-    if st.st_mode & stat.S_ISUID:
-        mode |= GO_SETUID
-    if st.st_mode & stat.S_ISGID:
-        mode |= GO_SETGID
-    if st.st_mode & stat.S_ISVTX:
-        mode |= GO_STICKY
-    return mode
-
-
-def _permissions(st: os.stat_result) -> str:
-    """Go's FileMode.String(): 'd' for directories, 'L' for symlinks, then rwx triplets."""
-    kind = "d" if stat.S_ISDIR(st.st_mode) else "L" if stat.S_ISLNK(st.st_mode) else "-"
-    return kind + stat.filemode(st.st_mode)[1:]
+def _go_permissions(mode: int) -> str:
+    """Go's os.FileMode.String() of a stat mode, as envd reports it: a letter for each type or
+    special bit set, in Go's order ("dalTLDpSugct?"), then the nine rwx permission bits."""
+    kind = stat.S_IFMT(mode)
+    flags = (
+        (kind == stat.S_IFDIR, "d"),
+        (kind == stat.S_IFLNK, "L"),
+        (kind in (stat.S_IFBLK, stat.S_IFCHR), "D"),
+        (kind == stat.S_IFIFO, "p"),
+        (kind == stat.S_IFSOCK, "S"),
+        (bool(mode & stat.S_ISUID), "u"),
+        (bool(mode & stat.S_ISGID), "g"),
+        (kind == stat.S_IFCHR, "c"),
+        (bool(mode & stat.S_ISVTX), "t"),
+    )
+    letters = "".join(letter for is_set, letter in flags if is_set) or "-"
+    return letters + "".join(c if mode & (0o400 >> i) else "-" for i, c in enumerate("rwxrwxrwx"))
 
 
 def _rfc3339(ts: float) -> str:
@@ -78,32 +65,52 @@ def _rfc3339(ts: float) -> str:
     return text + (f".{micros:06d}" if micros else "") + "Z"
 
 
-def entry_info(path: str) -> dict[str, Any]:
+def _entry_type(mode: int) -> str | None:
+    if stat.S_ISREG(mode):
+        return "FILE_TYPE_FILE"
+    if stat.S_ISDIR(mode):
+        return "FILE_TYPE_DIRECTORY"
+    return None  # FIFOs, sockets, devices: envd's FILE_TYPE_UNSPECIFIED, left out of the message
+
+
+def real_path(path: str, real_parent: str | None = None) -> str:
+    """``path`` with its directory's symlinks resolved (a final symlink stays itself): the key of
+    the metadata store. ``real_parent``: the directory's real path, when known."""
+    parent, name = os.path.split(path)
+    return os.path.join(real_parent or os.path.realpath(parent), name) if name else path
+
+
+def entry_info(path: str, real_parent: str | None = None) -> dict[str, Any]:
+    """envd's EntryInfo of ``path``, not following a final symlink, with envd's rules: ``mode`` is
+    the permission bits only; a symlink is reported with the type and permission bits of what it
+    finally leads to and that target's absolute path (a broken or looping link: no type, mode 0,
+    the link's own path as target); ``permissions``, size, owner and time are the link's own; the
+    metadata is what the path leads to has. ``real_parent``: the real path of its directory."""
     st = os.lstat(path)
-    if stat.S_ISDIR(st.st_mode):
-        kind = "FILE_TYPE_DIRECTORY"
-    elif stat.S_ISLNK(st.st_mode):
-        kind = "FILE_TYPE_SYMLINK"
-    else:
-        kind = "FILE_TYPE_FILE"
-    info: dict[str, Any] = {
-        "name": os.path.basename(path) or "/",
-        "type": kind,
-        "path": path,
-        "size": st.st_size,
-        "mode": _go_mode(st),
-        "permissions": _permissions(st),
-        "owner": name_of_uid(st.st_uid),
-        "group": name_of_gid(st.st_gid),
-        "modifiedTime": _rfc3339(st.st_mtime),
-    }
-    if kind == "FILE_TYPE_SYMLINK":
-        info["symlinkTarget"] = os.readlink(path)
-        try:  # E2B reports a symlink to a directory with the directory's type
-            if stat.S_ISDIR(os.stat(path).st_mode):
-                info["type"] = "FILE_TYPE_DIRECTORY"
-        except OSError:
-            pass
+    target: os.stat_result | None = st
+    info: dict[str, Any] = {"name": os.path.basename(path) or "/", "path": path}
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            resolved = os.path.realpath(path, strict=True)
+            target = os.stat(resolved)
+        except OSError:  # broken, looping or unreadable on the way
+            resolved, target = path, None
+        info["symlinkTarget"] = resolved
+    kind = _entry_type(target.st_mode) if target is not None else None
+    if kind is not None:
+        info["type"] = kind
+    info.update(
+        size=st.st_size,
+        mode=stat.S_IMODE(target.st_mode) & 0o777 if target is not None else 0,
+        permissions=_go_permissions(st.st_mode),
+        owner=name_of_uid(st.st_uid),
+        group=name_of_gid(st.st_gid),
+        modifiedTime=_rfc3339(st.st_mtime),
+    )
+    if target is not None:
+        found = metadata.read(path, target, lambda: info.get("symlinkTarget") or real_path(path, real_parent))
+        if found:
+            info["metadata"] = found
     return info
 
 
@@ -162,24 +169,33 @@ def list_dir(path: str, depth: int) -> dict[str, Any]:
     except OSError as exc:
         raise translate(exc, path) from exc
     entries: list[dict[str, Any]] = []
-
-    def walk(directory: str, level: int) -> None:
+    # Each entry followed by what is below it, in name order, without recursion: a tree may be
+    # nested deeper than Python's recursion limit.
+    stack: list[tuple[str, str | None, int, Iterator[str]]] = []
+    _descend(stack, path, 1)
+    while stack:
+        directory, real_directory, level, names = stack[-1]
+        name = next(names, None)
+        if name is None:
+            stack.pop()
+            continue
+        full = os.path.join(directory, name)
         try:
-            names = sorted(os.listdir(directory))
+            entries.append(entry_info(full, real_directory))
         except OSError:
-            return
-        for name in names:
-            full = os.path.join(directory, name)
-            try:
-                info = entry_info(full)
-            except OSError:
-                continue
-            entries.append(info)
-            if level < depth and os.path.isdir(full) and not os.path.islink(full):
-                walk(full, level + 1)
-
-    walk(path, 1)
+            continue
+        if level < depth and os.path.isdir(full) and not os.path.islink(full):
+            _descend(stack, full, level + 1)
     return {"entries": entries}
+
+
+def _descend(stack: list[tuple[str, str | None, int, Iterator[str]]], directory: str, level: int) -> None:
+    try:
+        names = iter(sorted(os.listdir(directory)))
+    except OSError:
+        return
+    real = os.path.realpath(directory) if len(metadata.STORE) else None  # once per directory, not per entry
+    stack.append((directory, real, level, names))
 
 
 def _chown(path: str, user: User) -> None:
@@ -208,6 +224,7 @@ def make_dir(path: str, user: User) -> dict[str, Any]:
         make_parents(path, user)
         os.mkdir(path)
         _chown(path, user)
+        metadata.STORE.removed(real_path(path))  # what a directory removed behind the agent's back had
         return {"entry": entry_info(path)}
     except OSError as exc:
         raise translate(exc, path) from exc
@@ -220,29 +237,35 @@ def move(source: str, destination: str, user: User) -> dict[str, Any]:
         raise translate(exc, source) from exc
     try:
         make_parents(destination, user)
+        real_source = real_path(source)
         try:
             os.rename(source, destination)
+            metadata.STORE.moved(real_source, real_path(destination))  # a rename keeps the inode, and its xattrs
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
             import shutil  # on first use: see aenv/guest/__main__.py
 
             shutil.move(source, destination, copy_function=_copy_regular)
+            metadata.STORE.removed(real_source)
         return {"entry": entry_info(destination)}
     except OSError as exc:
         raise translate(exc, destination) from exc
 
 
 def _copy_regular(source: str, destination: str) -> None:
-    """A move's copy across file systems, of regular files only: a device would never end."""
+    """A move's copy across file systems, of regular files only: a device would never end. The
+    metadata comes along, whichever file system keeps it on either side."""
     import shutil
 
     src = safeio.open_regular(source, os.O_RDONLY)
     try:
+        carried = metadata.read(source, os.fstat(src), lambda: os.path.realpath(source)) or {}
         dst = safeio.open_regular(destination, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             with open(src, "rb", closefd=False) as reader, open(dst, "wb", closefd=False) as writer:
                 shutil.copyfileobj(reader, writer)
+            metadata.write(dst, os.path.realpath(destination), carried)
         finally:
             os.close(dst)
     finally:
@@ -252,12 +275,14 @@ def _copy_regular(source: str, destination: str) -> None:
 
 def remove(path: str) -> dict[str, Any]:
     try:
+        real = real_path(path)
         if os.path.isdir(path) and not os.path.islink(path):
             import shutil
 
             shutil.rmtree(path)
         else:
             os.unlink(path)
+        metadata.STORE.removed(real)
     except FileNotFoundError:
         pass  # like rm -rf, a missing path is fine
     except OSError as exc:
@@ -324,6 +349,32 @@ def open_for_write(path: str, user: User) -> int:
         return fd
     except OSError as exc:
         raise translate(exc, path) from exc
+
+
+def check_metadata_room(path: str, wanted: dict[str, str]) -> None:
+    """Refuse an upload whose metadata could not be kept before a byte of it is written."""
+    if wanted:
+        try:
+            metadata.STORE.room_for(path, metadata.as_attrs(wanted))
+        except metadata.Full as exc:
+            raise _no_metadata_room(exc) from exc
+
+
+def set_metadata(fd: int, path: str, wanted: dict[str, str]) -> dict[str, str] | None:
+    """Give the file just written at ``path`` (open as ``fd``) exactly ``wanted`` as its metadata
+    (none clears what an earlier upload set, as envd) and return what it has now."""
+    real = os.path.realpath(path)
+    try:
+        metadata.write(fd, real, wanted)
+        return metadata.read(path, os.fstat(fd), lambda: real)
+    except metadata.Full as exc:
+        raise _no_metadata_room(exc) from exc
+    except OSError as exc:
+        raise translate(exc, path) from exc
+
+
+def _no_metadata_room(exc: OSError) -> FileError:
+    return FileError("resource_exhausted", f"not enough space for file metadata: {exc.strerror}")
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -57,3 +57,21 @@ def read_small(path: str, limit: int = SMALL_FILE_LIMIT) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def replace_file(path: str, data: bytes, mode: int) -> None:
+    """Write ``data`` beside ``path`` and rename it over: whatever the sandbox left at the name (a
+    FIFO would block an open for writing, a link would lead elsewhere) is replaced, never opened."""
+    staging = f"{path}.{os.getpid()}"
+    try:
+        os.unlink(staging)
+    except FileNotFoundError:
+        pass
+    fd = open_regular(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    os.replace(staging, path)

@@ -87,21 +87,43 @@ async def _after_peer_end(stream: Stream, then: Callable[[], None]) -> None:
     then()
 
 
-async def relay_in_thread(conn: socket.socket, stream: Stream) -> None:
-    """:func:`relay` on a thread of its own (not the default executor, which a few long
-    connections would fill up); returns when the exchange is over and ``conn`` is closed."""
+async def on_own_thread(fn: Callable[..., T], *args: Any, name: str = "worker") -> T:
+    """``fn(*args)`` on a thread of its own, which ends with it: not the default executor, which a
+    few long calls would fill up and whose workers stay after them."""
     loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return await done
+
+
+async def relay_in_thread(conn: socket.socket, stream: Stream) -> None:
+    """:func:`relay` on a thread of its own; returns when the exchange is over and ``conn`` is closed."""
+    loop = asyncio.get_running_loop()
 
     def work() -> None:
         try:
             relay(loop, conn, stream)
         finally:
             conn.close()
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
-    threading.Thread(target=work, name="relay", daemon=True).start()
-    await done
+    await on_own_thread(work, name="relay")
 
 
 def _tcp_inodes() -> set[str]:

@@ -13,6 +13,9 @@ from aenv.runtime.base import Instance
 READY_TIMEOUT = 30.0
 FREEZE_TIMEOUT = 10.0
 CALL_TIMEOUT = 30.0
+# What taking one sandbox's frames in may use of the node's event loop: a sandbox whose root floods
+# frames that are dear to check (JSON) or many (credits) slows itself, not the node.
+CPU_SHARE = 0.2
 
 T = TypeVar("T")
 
@@ -26,7 +29,9 @@ class AgentLink:
     ) -> None:
         self.sandbox_id = sandbox_id
         # ``serve`` answers streams the agent opens (egress); the host's own streams are odd-numbered.
-        self.channel = Channel(on_ctrl=self._on_ctrl, on_open=serve, max_peer_streams=MAX_GUEST_STREAMS)
+        self.channel = Channel(
+            on_ctrl=self._on_ctrl, on_open=serve, max_peer_streams=MAX_GUEST_STREAMS, cpu_share=CPU_SHARE
+        )
         self.call_timeout = call_timeout
         self._waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._ping: asyncio.Future[None] | None = None

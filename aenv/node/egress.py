@@ -20,17 +20,19 @@ Policy, in order (E2B's fields: ``allow_internet_access``, ``network.allowOut``/
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from aenv.channel import OpenHandler, Stream, splice
+from aenv.channel import ChannelClosed, Stream, splice
 from aenv.errors import AenvError, InvalidRequest
 from aenv.guest.egress import valid_name
 from aenv.node.metrics import EGRESS
@@ -66,9 +68,11 @@ def never_reachable(addr: Address) -> bool:
 
 
 def plain(addr: Address) -> Address:
-    """IPv4-mapped IPv6 (::ffff:127.0.0.1) is judged as the IPv4 address it is."""
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped
+    """IPv6 that carries an IPv4 address to where it leads is judged as that address: IPv4-mapped
+    (::ffff:127.0.0.1) and 6to4 (2002:a00:1::, tunnelled to 10.0.0.1 where 6to4 is routed).
+    NAT64's 64:ff9b::/96 is reserved, hence never reachable."""
+    if isinstance(addr, ipaddress.IPv6Address):
+        return addr.ipv4_mapped or addr.sixtofour or addr
     return addr
 
 
@@ -222,13 +226,19 @@ def _literal(host: str) -> Address | None:
         return None
 
 
+# Lookups run on threads of their own: a lookup whose servers never answer holds its thread for the
+# resolver's whole timeout (well past RESOLVE_TIMEOUT), and a sandbox asking for such names must not
+# fill the event loop's default executor, which the node's mounts and file work run on.
+RESOLVERS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="egress-dns")
+LOOKUPS_PER_SANDBOX = 4  # of those threads, what one sandbox may hold at once
+DENIED_LOG_EVERY = 10.0  # seconds between two "egress denied" lines of one sandbox
+
+
 async def resolve(host: str, port: int) -> list[Address]:
     if (literal := _literal(host)) is not None:
         return [literal]
-    loop = asyncio.get_running_loop()
-    infos = await asyncio.wait_for(
-        loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP), RESOLVE_TIMEOUT
-    )
+    lookup = functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    infos = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(RESOLVERS, lookup), RESOLVE_TIMEOUT)
     seen: list[Address] = []
     for *_, sockaddr in infos:
         addr = ipaddress.ip_address(sockaddr[0])
@@ -293,8 +303,11 @@ async def _unless_abandoned(stream: Stream, work: Coroutine[Any, Any, T]) -> T:
     return attempt.result()
 
 
-async def serve_connect(stream: Stream, policy: EgressPolicy, *, resolver: Resolver = resolve) -> str:
-    """Carry out one ``egress.connect``; returns how it ended (for metrics and logs)."""
+async def serve_connect(
+    stream: Stream, policy: EgressPolicy, *, resolver: Resolver = resolve, held: Connections | None = None
+) -> str:
+    """Carry out one ``egress.connect``; returns how it ended (for metrics and logs). ``held``
+    records the connection while it is open, so that new rules can end it (:meth:`Guest.recheck`)."""
     dest = destination(stream.params)
     if dest is None:
         host, port = stream.params.get("host"), stream.params.get("port")
@@ -308,31 +321,81 @@ async def serve_connect(stream: Stream, policy: EgressPolicy, *, resolver: Resol
         return exc.outcome
     except Abandoned:
         return "abandoned"
+    revoked = asyncio.Event()
+    if held is not None:
+        held[revoked] = (host, addr)
     try:
         await stream.send({"ok": True, "address": str(addr)})
-        await splice(stream, reader, writer)
+        await splice(stream, reader, writer, until=revoked)
+    except ChannelClosed:  # the guest ended the stream right after our answer
+        return "abandoned"
     finally:
         writer.close()
+        if held is not None:
+            held.pop(revoked, None)
+    if revoked.is_set():
+        message = f"egress to {host}:{port} ended: this sandbox's network rules no longer allow {addr}"
+        await stream.end(error=("permission_denied", message))
+        return "revoked"
     await stream.end()
     return "connected"
 
 
-def guest_requests(sandbox_id: str, policy_of: Callable[[], EgressPolicy]) -> OpenHandler:
-    """The handler for streams a sandbox's agent opens; ``policy_of`` reads the current policy,
-    so a changed policy applies to the next connection."""
+# The connections a sandbox holds open: each one's "end it" event and where it goes.
+Connections = dict[asyncio.Event, tuple[str, Address]]
 
-    async def serve(stream: Stream) -> None:
+
+class Guest:
+    """The handler of the streams one sandbox's agent opens (its egress connections); ``policy_of``
+    reads the current policy, so a changed policy applies to the next connection, and
+    :meth:`recheck` applies it to those already open."""
+
+    def __init__(self, sandbox_id: str, policy_of: Callable[[], EgressPolicy]) -> None:
+        self.sandbox_id = sandbox_id
+        self.policy_of = policy_of
+        self.connections: Connections = {}
+        self._lookups = asyncio.Semaphore(LOOKUPS_PER_SANDBOX)
+        self._denied_logged_at = -DENIED_LOG_EVERY
+        self._denied_unlogged = 0
+
+    async def __call__(self, stream: Stream) -> None:
         if stream.method != "egress.connect":
             await stream.end(error=("unimplemented", f"the host serves no {stream.method!r}"))
             return
         try:
-            policy = policy_of()
+            policy = self.policy_of()
         except AenvError as exc:
             await stream.end(error=("unavailable", str(exc)))
             return
-        outcome = await serve_connect(stream, policy)
+        outcome = await serve_connect(stream, policy, resolver=self._resolve, held=self.connections)
         EGRESS.labels(outcome=outcome).inc()
         if outcome == "denied":
-            log.info("egress denied", extra={"sandbox_id": sandbox_id, "host": stream.params.get("host")})
+            self._log_denied(str(stream.params.get("host"))[:253])
 
-    return serve
+    def _log_denied(self, host: str) -> None:
+        """At most one line per DENIED_LOG_EVERY seconds and sandbox, with how many were left out:
+        the sandbox decides how often it is refused, and must not fill the node's log (the
+        aenv_egress_connections_total metric counts every one)."""
+        now = time.monotonic()
+        if now - self._denied_logged_at < DENIED_LOG_EVERY:
+            self._denied_unlogged += 1
+            return
+        more = f" (and {self._denied_unlogged} more since)" if self._denied_unlogged else ""
+        log.info("egress denied%s", more, extra={"sandbox_id": self.sandbox_id, "host": host})
+        self._denied_logged_at, self._denied_unlogged = now, 0
+
+    async def _resolve(self, host: str, port: int) -> list[Address]:
+        """:func:`resolve`, a few at a time: a sandbox whose lookups never end waits for its own."""
+        async with self._lookups:
+            return await resolve(host, port)
+
+    def recheck(self) -> int:
+        """End the open connections the current policy refuses (a denyOut added, an allowOut taken
+        away, internet access turned off); how many."""
+        policy = self.policy_of()
+        ended = 0
+        for revoked, (host, addr) in list(self.connections.items()):
+            if policy.check(host, addr) is not None:
+                revoked.set()
+                ended += 1
+        return ended

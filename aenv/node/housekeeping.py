@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aenv.channel import StreamError
 from aenv.errors import AenvError, SandboxNotFound, WrongState
@@ -238,12 +238,25 @@ async def _contain(sandbox_id: str, link: AgentLink, pids: int, limit: int) -> N
     except (AenvError, StreamError, TimeoutError) as exc:
         log.warning("sandbox %s is at %d of %d host tasks and could not be contained: %s", sandbox_id, pids, limit, exc)
         return
-    killed = answer.get("killed") or {}
-    if killed:
-        who = ", ".join(f"{n} processes of uid {uid}" for uid, n in killed.items())
+    who = _killed(answer)
+    if who:
         log.warning(
             "sandbox %s had %d of %d host tasks: killed %s (at its process limit)", sandbox_id, pids, limit, who
         )
+
+
+def _killed(answer: Any) -> str:
+    """Whom the agent says it killed, where it says so in numbers (uid -> count), a few at most:
+    the answer of an agent that sandbox root controls goes into the node's log."""
+    killed = answer.get("killed") if isinstance(answer, dict) else None
+    if not isinstance(killed, dict):
+        return ""
+    shown = [
+        f"{n} processes of uid {uid}"
+        for uid, n in killed.items()
+        if uid.isascii() and uid.isdecimal() and len(uid) <= 10 and type(n) is int and 0 < n < 2**31
+    ]
+    return ", ".join(shown[:8])
 
 
 async def _expire(node: Node, sandbox_id: str, *, pause: bool) -> None:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from aenv.channel import PROTOCOL_VIOLATION, OpenHandler, StreamError
+from aenv.channel import PROTOCOL_VIOLATION, StreamError
 from aenv.config import Settings
 from aenv.errors import (
     CHECKPOINT_REFUSAL,
@@ -382,7 +382,8 @@ class Node:
             link.watcher = asyncio.ensure_future(self._watch(sb, link))
 
     def _new_link(self, sb: LiveSandbox) -> AgentLink:
-        return AgentLink(sb.id, serve=self._guest_request(sb.id), call_timeout=self.settings.agent_timeout)
+        sb.egress = egress.Guest(sb.id, lambda: self.policy_of(sb.id))
+        return AgentLink(sb.id, serve=sb.egress, call_timeout=self.settings.agent_timeout)
 
     async def _watch(self, sb: LiveSandbox, link: AgentLink) -> None:
         """Notice a sandbox that died on its own (e.g. its memory limit was hit) or broke the channel
@@ -832,16 +833,16 @@ class Node:
         rec = self.get(sandbox_id).rec
         return EgressPolicy.of(rec.allow_internet_access, rec.network)
 
-    def _guest_request(self, sandbox_id: str) -> OpenHandler:
-        return egress.guest_requests(sandbox_id, lambda: self.policy_of(sandbox_id))
-
     async def set_network(self, sandbox_id: str, network: dict[str, Any], internet: bool | None = None) -> None:
-        """Replace a sandbox's egress rules; connections made from now on follow them."""
+        """Replace a sandbox's egress rules: connections made from now on follow them, and open
+        connections they no longer allow are ended."""
         sb = self.get(sandbox_id)
         internet = sb.rec.allow_internet_access if internet is None else internet
         EgressPolicy.of(internet, network)
         sb.rec.network, sb.rec.allow_internet_access = dict(network), internet
         await self.store.put_sandbox(sb.rec)
+        if sb.egress is not None:
+            sb.egress.recheck()
 
     # -- timeouts and kill -------------------------------------------------------------------------------
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:

@@ -12,6 +12,7 @@ from typing import Any
 
 from aenv.errors import AenvError
 from aenv.node.agentlink import AgentLink
+from aenv.node.egress import Guest
 from aenv.node.state import SandboxState
 from aenv.node.store import SandboxRecord
 from aenv.runtime.base import Instance
@@ -29,6 +30,7 @@ class LiveSandbox:
     rec: SandboxRecord
     instance: Instance | None = None
     link: AgentLink | None = None
+    egress: Guest | None = None  # what its agent's link serves: its egress connections
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ops: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # joinable operations by name
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)  # every operation in flight (a kill cancels them)

@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-MAX_NPROC = 65536  # the highest nproc a sandbox may ask for
-
 
 @dataclass(frozen=True, slots=True)
 class Limits:

@@ -15,9 +15,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from aenv.config import MAX_NPROC
 from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec
-from aenv.runtime.base import MAX_NPROC, Instance, Limits, RootfsSpec, Usage
+from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
 from aenv.storage.confined import lstat_at, open_dir_at, open_root, remove_at
 from aenv.storage.datadir import SANDBOX_DIR, sandbox_dir
 
@@ -172,10 +173,8 @@ class GVisorDriver:
                 "cwd": "/",
                 "capabilities": {k: CAPS for k in ("bounding", "effective", "permitted")},
                 "rlimits": [
-                    # The agent sets each process's limit to the sandbox's nproc, which a restore
-                    # may raise past the template's: its own hard limit is the highest the API
-                    # allows (without CAP_SYS_RESOURCE it could not raise one for a child).
-                    {"type": "RLIMIT_NPROC", "hard": MAX_NPROC, "soft": nproc},
+                    # The agent's own, kept through every restore; each command gets the sandbox's.
+                    {"type": "RLIMIT_NPROC", "hard": MAX_NPROC, "soft": MAX_NPROC},
                     {"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536},
                 ],
                 "noNewPrivileges": False,

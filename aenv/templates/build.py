@@ -288,7 +288,7 @@ async def _step(
             state.layers.append(hit)
         return True
     announce(False)
-    layer = await _run(node, state, argv, env, instr.line, log)
+    layer = await _run(node, state, argv, env, instr, log)
     cache[key] = layer or ""
     if layer:
         state.layers.append(layer)
@@ -319,13 +319,16 @@ async def _layer(
     return False
 
 
-async def _run(node: Node, state: State, argv: list[str], env: dict[str, str], line: int, log: LogFn) -> str | None:
+async def _run(
+    node: Node, state: State, argv: list[str], env: dict[str, str], instr: df.Instruction, log: LogFn
+) -> str | None:
     # Each step's upper may take its disk quota of the host's disk: none starts at the headroom.
-    ensure_space(node.files.root, headroom(node.settings), 0, f"line {line}: RUN")
-    async with build_instance(node, state.layers, f"build-step-{line}") as (link, _, upper):
-        code, output = await run_process(link, argv, env=env, cwd=state.workdir, user=state.user, on_log=log)
-        if code != 0:
-            raise BuildFailed(f"line {line}: RUN failed with exit code {code}", step=line, output=output[-4000:])
+    ensure_space(node.files.root, headroom(node.settings), 0, f"line {instr.line}: RUN")
+    async with build_instance(node, state.layers, f"build-step-{instr.line}") as (link, _, upper):
+        ran = await run_process(link, argv, env=env, cwd=state.workdir, user=state.user, on_log=log)
+        if ran.code != 0:  # as E2B's template builder words it
+            message = f"line {instr.line}: failed to run command '{instr.args}': {ran.failure}"
+            raise BuildFailed(message, step=instr.line, output=ran.output[-4000:])
     return await seal(node, upper)
 
 

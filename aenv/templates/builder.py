@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import re
 import time
 from collections import deque
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from aenv.channel import END, MSG, end_error
 from aenv.errors import AenvError
@@ -56,11 +57,14 @@ echo 'user ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/user && chmod 0440 /etc/sudo
 dpkg-divert --quiet --local --rename --divert /usr/bin/sudo.setuid --add /usr/bin/sudo
 ln -s {SUDO} /usr/bin/sudo
 mkdir -p /run/e2b /home/user && chown user:user /home/user
+ln -sf python3 /usr/bin/python  # E2B's base has both, as Debian's python-is-python3 makes it
 echo sandbox > /etc/hostname
 echo '127.0.0.1 localhost sandbox' > /etc/hosts
 echo '::1 localhost ip6-localhost' >> /etc/hosts
 apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 """
+# Names the setup `base` was committed with: a node whose setup steps changed recommits it.
+BASE_DESCRIPTION = f"Debian with aenv's setup {hashlib.sha256(BASE_SETUP.encode()).hexdigest()[:12]}"
 
 
 @dataclass
@@ -88,12 +92,12 @@ class StartCommand:
             return
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
-            code, output = await run_process(link, self.ready, env=self.env, cwd=self.cwd, user=self.user)
-            if code == 0:
+            ran = await run_process(link, self.ready, env=self.env, cwd=self.cwd, user=self.user)
+            if ran.code == 0:
                 log("ready check passed")
                 return
             if time.monotonic() > deadline:
-                raise BuildFailed(f"ready check did not pass in {self.ready_timeout_s:.0f}s", step=0, output=output)
+                raise BuildFailed(f"ready check did not pass in {self.ready_timeout_s:.0f}s", step=0, output=ran.output)
             await asyncio.sleep(0.5)
 
 
@@ -123,11 +127,19 @@ def host_debian_mirror() -> str:
     return candidates[0] if candidates else "http://deb.debian.org/debian"
 
 
-async def run_in(link: AgentLink, script: str, *, user: str = "root", on_log: LogFn | None = None) -> tuple[int, str]:
-    """Run a bash script through the agent, streaming its output; return (exit code, output)."""
+async def run_in(link: AgentLink, script: str, *, user: str = "root", on_log: LogFn | None = None) -> Ran:
+    """Run a bash script through the agent, streaming its output."""
     return await run_process(
         link, ["/bin/bash", "-c", script], env={"DEBIAN_FRONTEND": "noninteractive"}, user=user, on_log=on_log
     )
+
+
+class Ran(NamedTuple):
+    """How a command run through the agent went."""
+
+    code: int  # its exit code; -1 when it did not exit (a signal, or it never started)
+    output: str  # the tail of its output (all of it went to on_log)
+    failure: str  # why it failed in envd's words ("exit status 9", "command failed: <code>: <why>"); "" if it did not
 
 
 async def run_process(
@@ -138,25 +150,26 @@ async def run_process(
     cwd: str | None = None,
     user: str = "root",
     on_log: LogFn | None = None,
-) -> tuple[int, str]:
-    """Run ``argv`` through the agent, streaming its output; return (exit code, output)."""
+) -> Ran:
+    """Run ``argv`` through the agent, streaming its output."""
     process: dict[str, Any] = {"cmd": argv[0], "args": argv[1:], "envs": dict(env or {})}
     if cwd:
         process["cwd"] = cwd
     stream = await link.open("process.start", {"process": process, "user": user})
     output: deque[str] = deque()  # the tail a failure reports; all of it went to on_log
     kept = 0
-    code = -1
+    code, status = -1, ""
     while True:
         item = await stream.recv()
         if item.kind == END:
             error = end_error(item.msg)
-            if error is not None:
+            if error is not None:  # refused (an unknown user) or cut short: as E2B's builder words it
                 output.append(error.message)
+                status = f"command failed: {error}"
             break
-        text, exit_code = _process_event(item.msg if item.kind == MSG else None)
-        if exit_code is not None:
-            code = exit_code
+        text, ended = _process_event(item.msg if item.kind == MSG else None)
+        if ended is not None:
+            code, status = ended
         if text:
             output.append(text)
             kept += len(text)
@@ -165,11 +178,12 @@ async def run_process(
             if on_log:
                 for line in text.splitlines():
                     on_log(line)
-    return code, "".join(output)
+    return Ran(code, "".join(output), status if code != 0 else "")
 
 
-def _process_event(msg: Any) -> tuple[str, int | None]:
-    """(output text, exit code) of one process.start event, as far as the agent's message is one."""
+def _process_event(msg: Any) -> tuple[str, tuple[int, str] | None]:
+    """(output text, (exit code, status) if it ended) of one process.start event, as far as the
+    agent's message is one."""
     event = msg.get("event") if isinstance(msg, dict) else None
     if not isinstance(event, dict):
         return "", None
@@ -181,10 +195,13 @@ def _process_event(msg: Any) -> tuple[str, int | None]:
         except (TypeError, ValueError):
             text = ""
     end = event.get("end")
-    exit_code = end.get("exitCode", -1) if isinstance(end, dict) else None
-    if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):
-        exit_code = -1
-    return text, exit_code
+    if not isinstance(end, dict):
+        return text, None
+    code = end.get("exitCode", -1)
+    if isinstance(code, bool) or not isinstance(code, int):
+        code = -1
+    status = end.get("status")
+    return text, (code, status[:200] if isinstance(status, str) and status else f"exit status {code}")
 
 
 @asynccontextmanager
@@ -237,9 +254,9 @@ async def commit_template(
     async with build_instance(node, layers, f"build-{name}") as (link, instance, upper):
         for i, step in enumerate(steps, 1):
             log(f"step {i}/{len(steps)}")
-            code, output = await run_in(link, step, on_log=log)
-            if code != 0:
-                raise BuildFailed(f"step {i} failed with exit code {code}", step=i, output=output[-4000:])
+            ran = await run_in(link, step, on_log=log)
+            if ran.code != 0:
+                raise BuildFailed(f"step {i} failed: {ran.failure}", step=i, output=ran.output[-4000:])
         if start is not None:
             await start.launch(link, log)
         await link.freeze()
@@ -295,19 +312,27 @@ async def build_base(node: Node, *, on_log: LogFn | None = None) -> TemplateReco
         await node.files.remove(layer_id)
         raise
     log(f"root filesystem ready in {time.monotonic() - started:.0f}s")
-    return await commit_template(node, name="base", layers=[layer_id], steps=[BASE_SETUP], on_log=log)
+    return await _commit_base(node, layer_id, log)
+
+
+async def _commit_base(node: Node, debian_layer: str, log: LogFn | None) -> TemplateRecord:
+    return await commit_template(
+        node, name="base", layers=[debian_layer], steps=[BASE_SETUP], description=BASE_DESCRIPTION, on_log=log
+    )
 
 
 async def ensure_base(node: Node, *, on_log: LogFn | None = None) -> TemplateRecord:
-    """`base`, built on first use and rebuilt when the guest agent changed.
+    """`base`, built on first use and recommitted when the guest agent or the setup steps changed.
 
     The agent inside a template's image is the one that was running at commit time; a new agent
-    reaches sandboxes only through a new image. A rebuild reuses the Debian root filesystem."""
+    reaches sandboxes only through a new image. A recommit reruns the setup on the Debian root
+    filesystem (the first layer) in seconds: no new debootstrap."""
     try:
         current = node.find_template("base")
     except AenvError:
         return await build_base(node, on_log=on_log)
-    if current.guest == node.driver.guest_key():
+    if current.guest == node.driver.guest_key() and current.description == BASE_DESCRIPTION:
         return current
-    (on_log or (lambda line: None))("the guest agent changed: recommitting `base` on its existing root filesystem")
-    return await commit_template(node, name="base", layers=current.layers[:1], steps=[BASE_SETUP], on_log=on_log)
+    changed = "guest agent" if current.guest != node.driver.guest_key() else "setup of `base`"
+    (on_log or (lambda line: None))(f"the {changed} changed: recommitting `base` on its existing root filesystem")
+    return await _commit_base(node, current.layers[0], on_log)

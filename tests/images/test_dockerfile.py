@@ -125,7 +125,7 @@ def test_build_cache_and_start_command(registry: Registry, server: Server, e2b_e
         (ctx / "Dockerfile").write_text(f"FROM {registry.host}/tests/bbase:1\nRUN echo about to fail; exit 3\n")
         with pytest.raises(BuildError) as failed:
             client.build("broken", ctx)
-        assert failed.value.step == 2 and "exit code 3" in failed.value.message
+        assert failed.value.step == 2 and "exit status 3" in failed.value.message
         assert "about to fail" in failed.value.output
         assert "broken" not in [t["name"] for t in client.templates()]
 
@@ -167,7 +167,7 @@ def test_e2b_template_builder(registry: Registry, e2b_env: Server, tmp_path: Pat
     failing = Template().from_image(f"{registry.host}/tests/e2bbase:1").run_cmd("exit 9")
     with pytest.raises(Exception) as failed:  # the SDK raises its BuildException
         Template.build(failing, "e2bfail")
-    assert "exit code 9" in str(failed.value)
+    assert "failed to run command 'exit 9': exit status 9" in str(failed.value)
 
 
 @pytest.mark.sandbox

@@ -116,7 +116,7 @@ def test_setuid_and_devices_from_an_upper_are_inert_even_when_reachable(sandbox:
         reachable.rmdir()
 
 
-def test_every_mount_under_the_data_dir_is_nosuid_nodev(e2b_env: Server, api: httpx.Client) -> None:
+def test_every_mount_under_the_data_dir_is_nosuid_nodev(e2b_env: Server, api: httpx.Client, tmp_path: Path) -> None:
     """While sandboxes run, one is paused (its upper stays mounted), one was forked (sealed
     layers, remounted read-only) and a template build runs its RUN step."""
     source = Sandbox.create(timeout=300)
@@ -133,7 +133,8 @@ def test_every_mount_under_the_data_dir_is_nosuid_nodev(e2b_env: Server, api: ht
         assert any("ro" in opts for p, opts in seen.items() if "/fs/layers/" in p)  # a sealed layer
 
         during_build: list[dict[str, set[str]]] = []
-        ctx = Path(tempfile.mkdtemp(prefix="aenv-ctx-"))
+        ctx = tmp_path / "context"
+        ctx.mkdir()
         (ctx / "Dockerfile").write_text(f"FROM base\nRUN echo {uuid.uuid4().hex} > /opt/id && sleep 6\n")
         built: list[dict] = []
         with Client(e2b_env.url, API_KEY) as client:

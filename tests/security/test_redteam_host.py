@@ -680,7 +680,7 @@ def test_copies_stop_at_the_disk_headroom(registry: Registry, small_disk: Path) 
 # -- the guest bundle's mount point ----------------------------------------------------------------
 @pytest.mark.sandbox
 def test_an_image_s_own_aenv_is_hidden_not_followed(
-    registry: Registry,
+    registry: Registry,  # noqa: F811
     e2b_env: Server,
     api: httpx.Client,
     canary: Path,  # noqa: F811

@@ -7,8 +7,14 @@
  * with any glibc version an image brings.
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <fcntl.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #ifndef AT_NO_AUTOMOUNT
@@ -19,4 +25,198 @@ struct statx;
 
 int statx(int dirfd, const char *path, int flags, unsigned int mask, struct statx *buf) {
     return (int)syscall(SYS_statx, dirfd, path, flags & ~AT_NO_AUTOMOUNT, mask, buf);
+}
+
+/*
+ * User xattrs. runsc's gofers answer every xattr call on the sandbox's root file system with
+ * EOPNOTSUPP (tmpfs mounts keep them). For a user.* name the guest agent then keeps them in its
+ * store (aenv/guest/xattrs.py describes the protocol): the file goes to it as an O_PATH descriptor
+ * with the caller's ids, and the agent applies the kernel's rules. listxattr adds the agent's
+ * names to the file system's, when the agent keeps any. Without the agent (or in it: PID 1),
+ * the file system's answer stands. System calls only, through syscall(): any glibc.
+ */
+#define XATTR_SOCKET "aenv-xattr"
+#define XATTRS_KEPT "/dev/shm/.aenv-user-xattrs" /* there while the agent keeps any */
+
+struct xattr_call {
+    unsigned char op, pad[3];
+    uint32_t flags, size;
+    uint16_t name_len, pad2;
+};
+
+static int user_xattr(const char *name) {
+    return name && name[0] == 'u' && name[1] == 's' && name[2] == 'e' && name[3] == 'r' && name[4] == '.';
+}
+
+static size_t text_length(const char *s) {
+    size_t n = 0;
+    while (s[n]) n++;
+    return n;
+}
+
+static void close_keeping_errno(int fd) {
+    int saved = errno;
+    syscall(SYS_close, fd);
+    errno = saved;
+}
+
+/* The agent's result for the file open as `fd` (>= 0, or -1 with errno); -1 with `fallback` as
+ * errno when the agent cannot be asked. */
+static long ask_agent(unsigned char op, int fd, const char *name, const void *value, size_t value_len, int flags,
+                      void *out, size_t size, int fallback) {
+    size_t name_len = name ? text_length(name) : 0;
+    if (syscall(SYS_getpid) == 1 || name_len > 255 || value_len > 65536 || size > 0xffffffffu) {
+        errno = fallback;
+        return -1;
+    }
+    int sock = (int)syscall(SYS_socket, AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (sock < 0) {
+        errno = fallback;
+        return -1;
+    }
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    for (size_t i = 0; i < sizeof XATTR_SOCKET - 1; i++) addr.sun_path[1 + i] = XATTR_SOCKET[i];
+    socklen_t addr_len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + sizeof XATTR_SOCKET);
+    if (syscall(SYS_connect, sock, &addr, addr_len) < 0) {
+        close_keeping_errno(sock);
+        errno = fallback;
+        return -1;
+    }
+    struct xattr_call call = {.op = op, .flags = (uint32_t)flags, .size = (uint32_t)size, .name_len = (uint16_t)name_len};
+    struct iovec request[3] = {{&call, sizeof call}, {(void *)name, name_len}, {(void *)value, value_len}};
+    struct ucred me = {(pid_t)syscall(SYS_getpid), (uid_t)syscall(SYS_getuid), (gid_t)syscall(SYS_getgid)};
+    union {
+        char buf[CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(struct ucred))];
+        struct cmsghdr align;
+    } control = {0};
+    struct msghdr msg = {.msg_iov = request, .msg_iovlen = 3, .msg_control = control.buf, .msg_controllen = sizeof control.buf};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET, c->cmsg_type = SCM_RIGHTS, c->cmsg_len = CMSG_LEN(sizeof(int));
+    *(int *)CMSG_DATA(c) = fd;
+    c = CMSG_NXTHDR(&msg, c);
+    c->cmsg_level = SOL_SOCKET, c->cmsg_type = SCM_CREDENTIALS, c->cmsg_len = CMSG_LEN(sizeof me);
+    *(struct ucred *)CMSG_DATA(c) = me;
+    int64_t result = 0;
+    struct iovec answer[2] = {{&result, sizeof result}, {out, out ? size : 0}};
+    struct msghdr reply = {.msg_iov = answer, .msg_iovlen = 2};
+    long sent;
+    while ((sent = syscall(SYS_sendmsg, sock, &msg, MSG_NOSIGNAL)) < 0 && errno == EINTR) {
+    }
+    long got = -1;
+    if (sent >= 0)
+        while ((got = syscall(SYS_recvmsg, sock, &reply, 0)) < 0 && errno == EINTR) {
+        }
+    close_keeping_errno(sock);
+    if (got < (long)sizeof result) {
+        errno = fallback;
+        return -1;
+    }
+    if (result < 0) {
+        errno = (int)-result;
+        return -1;
+    }
+    return (long)result;
+}
+
+/* The same for a path: the caller opens it (its own permissions on the way), the agent gets it. */
+static long ask_by_path(unsigned char op, const char *path, int follow, const char *name, const void *value,
+                        size_t value_len, int flags, void *out, size_t size, int fallback) {
+    int fd = (int)syscall(SYS_openat, AT_FDCWD, path, O_PATH | O_CLOEXEC | (follow ? 0 : O_NOFOLLOW));
+    if (fd < 0) return -1;
+    long r = ask_agent(op, fd, name, value, value_len, flags, out, size, fallback);
+    close_keeping_errno(fd);
+    return r;
+}
+
+static int set_attr(long raw, const char *path, int fd, int follow, const char *name, const void *value, size_t len,
+                    int flags) {
+    if (raw >= 0 || errno != EOPNOTSUPP || !user_xattr(name)) return (int)raw;
+    if (path) return (int)ask_by_path('s', path, follow, name, value, len, flags, NULL, 0, EOPNOTSUPP);
+    return (int)ask_agent('s', fd, name, value, len, flags, NULL, 0, EOPNOTSUPP);
+}
+
+static ssize_t get_attr(long raw, const char *path, int fd, int follow, const char *name, void *value, size_t size) {
+    if (raw >= 0 || errno != EOPNOTSUPP || !user_xattr(name)) return (ssize_t)raw;
+    if (path) return (ssize_t)ask_by_path('g', path, follow, name, NULL, 0, 0, value, size, EOPNOTSUPP);
+    return (ssize_t)ask_agent('g', fd, name, NULL, 0, 0, value, size, EOPNOTSUPP);
+}
+
+static int remove_attr(long raw, const char *path, int fd, int follow, const char *name) {
+    if (raw >= 0 || errno != EOPNOTSUPP || !user_xattr(name)) return (int)raw;
+    if (path) return (int)ask_by_path('r', path, follow, name, NULL, 0, 0, NULL, 0, EOPNOTSUPP);
+    return (int)ask_agent('r', fd, name, NULL, 0, 0, NULL, 0, EOPNOTSUPP);
+}
+
+/* The file system's names (`raw` of them in `list`), then the agent's after them. */
+static ssize_t list_attrs(long raw, const char *path, int fd, int follow, char *list, size_t size) {
+    if (raw < 0 && errno != EOPNOTSUPP) return (ssize_t)raw;
+    int saved = errno;
+    if (syscall(SYS_faccessat, AT_FDCWD, XATTRS_KEPT, F_OK, 0) < 0) { /* the agent keeps none */
+        errno = saved;
+        return (ssize_t)raw;
+    }
+    size_t have = raw < 0 ? 0 : (size_t)raw;
+    size_t room = size ? size - have : 0;
+    char *rest = size ? list + have : NULL;
+    /* errno 0 as the fallback tells "no agent" apart from the agent's own errors */
+    long more = path ? ask_by_path('l', path, follow, NULL, NULL, 0, 0, rest, room, 0)
+                     : ask_agent('l', fd, NULL, NULL, 0, 0, rest, room, 0);
+    if (more < 0 && errno == 0) { /* no agent: the file system's answer */
+        errno = saved;
+        return (ssize_t)raw;
+    }
+    if (more < 0) return -1; /* ERANGE: the caller's buffer holds the file system's names only */
+    if (size && room == 0 && more > 0) {
+        errno = ERANGE;
+        return -1;
+    }
+    return (ssize_t)(have + (size_t)more);
+}
+
+int setxattr(const char *path, const char *name, const void *value, size_t size, int flags) {
+    return set_attr(syscall(SYS_setxattr, path, name, value, size, flags), path, -1, 1, name, value, size, flags);
+}
+
+int lsetxattr(const char *path, const char *name, const void *value, size_t size, int flags) {
+    return set_attr(syscall(SYS_lsetxattr, path, name, value, size, flags), path, -1, 0, name, value, size, flags);
+}
+
+int fsetxattr(int fd, const char *name, const void *value, size_t size, int flags) {
+    return set_attr(syscall(SYS_fsetxattr, fd, name, value, size, flags), NULL, fd, 1, name, value, size, flags);
+}
+
+ssize_t getxattr(const char *path, const char *name, void *value, size_t size) {
+    return get_attr(syscall(SYS_getxattr, path, name, value, size), path, -1, 1, name, value, size);
+}
+
+ssize_t lgetxattr(const char *path, const char *name, void *value, size_t size) {
+    return get_attr(syscall(SYS_lgetxattr, path, name, value, size), path, -1, 0, name, value, size);
+}
+
+ssize_t fgetxattr(int fd, const char *name, void *value, size_t size) {
+    return get_attr(syscall(SYS_fgetxattr, fd, name, value, size), NULL, fd, 1, name, value, size);
+}
+
+int removexattr(const char *path, const char *name) {
+    return remove_attr(syscall(SYS_removexattr, path, name), path, -1, 1, name);
+}
+
+int lremovexattr(const char *path, const char *name) {
+    return remove_attr(syscall(SYS_lremovexattr, path, name), path, -1, 0, name);
+}
+
+int fremovexattr(int fd, const char *name) {
+    return remove_attr(syscall(SYS_fremovexattr, fd, name), NULL, fd, 1, name);
+}
+
+ssize_t listxattr(const char *path, char *list, size_t size) {
+    return list_attrs(syscall(SYS_listxattr, path, list, size), path, -1, 1, list, size);
+}
+
+ssize_t llistxattr(const char *path, char *list, size_t size) {
+    return list_attrs(syscall(SYS_llistxattr, path, list, size), path, -1, 0, list, size);
+}
+
+ssize_t flistxattr(int fd, char *list, size_t size) {
+    return list_attrs(syscall(SYS_flistxattr, fd, list, size), NULL, fd, 1, list, size);
 }

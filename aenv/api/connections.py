@@ -1,0 +1,75 @@
+"""The node's HTTP/1.1 connections: uvicorn's httptools protocol, plus two things uvicorn has not.
+
+- A deadline on each request head. A client that sent half a head, or a byte now and then, kept
+  its connection and a file descriptor for as long as it liked, without an API key (enough of them
+  leave the node without descriptors). The deadline runs from a connection's start (a client
+  connects to send a request) and from the first byte of each later head; an idle kept-alive
+  connection between requests is bounded by uvicorn's keep-alive timeout instead, which clients'
+  pools rely on.
+- The connection a request came on, so that an answer can be dropped as a reset. E2B's edge speaks
+  HTTP/2 and drops the stream of a sandbox that went away with a stream reset; the SDKs take a
+  reset (a read error), not a body that merely stops, as "the connection was lost" and then ask
+  the sandbox's health. Over HTTP/1.1 the closest is a TCP reset of the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import socket
+import struct
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+HEAD_TIMEOUT = 30.0  # seconds a client has to send a request's head, from its connection or its first byte
+
+_TRANSPORT: contextvars.ContextVar[asyncio.BaseTransport | None] = contextvars.ContextVar(
+    "aenv_client_transport", default=None
+)
+
+
+class NodeHTTPProtocol(HttpToolsProtocol):
+    transport: asyncio.Transport
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        # A request's task copies the context it was created in, which is inside this call.
+        token = _TRANSPORT.set(self.transport)
+        try:
+            super().data_received(data)
+        finally:
+            _TRANSPORT.reset(token)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._head_timer is None:
+            self._await_head()
+
+    def on_headers_complete(self) -> None:
+        self._head_in()  # what follows (the body) is the route's to bound
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_in()
+        super().connection_lost(exc)
+
+    def _await_head(self) -> None:
+        self._head_in()
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self.transport.close)
+
+    def _head_in(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+
+def reset_on_close() -> None:
+    """Make the current request's connection end with a reset when the server closes it."""
+    transport = _TRANSPORT.get()
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
