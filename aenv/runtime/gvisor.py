@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from aenv.config import MAX_NPROC
 from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec
 from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
-from aenv.storage.confined import lstat_at, open_dir_at, open_root, remove_at
+from aenv.storage.confined import View, lstat_at, open_dir_at, open_root, remove_at
 from aenv.storage.datadir import SANDBOX_DIR, sandbox_dir
 
 log = logging.getLogger(__name__)
@@ -88,10 +89,14 @@ def limit_all_sandboxes() -> None:
         log.warning("cannot limit the host tasks of all sandboxes in %s: %s", parent, exc)
 
 
-def _guest_mount_point(upper: Path) -> None:
-    """Where the guest bundle is mounted, made a directory in the upper: whatever the layers
-    have there (an image's link to a host path) is hidden from the sandbox and never looked at
-    on the host, where the merged root file system would follow it."""
+def _guest_mount_point(upper: Path, layers: Sequence[Path]) -> None:
+    """Where the guest bundle is mounted, made a directory in the upper unless the layers already
+    have one there: whatever else they have (an image's link to a host path) is hidden from the
+    sandbox and never looked at on the host, where the merged root file system would follow it.
+    Left alone when it is a directory, so a committed upper holds no entry of its own for it (a
+    rebuild of unchanged steps reuses their layers)."""
+    if View(layers, top=upper).is_dir_here(guestbundle.GUEST_MOUNT):
+        return
     name = guestbundle.GUEST_MOUNT.lstrip("/")
     fd = open_root(upper)
     try:
@@ -220,7 +225,7 @@ class GVisorDriver:
         if not upper.is_dir():
             sandbox_dir(upper)
         work.mkdir(parents=True, exist_ok=True)
-        _guest_mount_point(upper)
+        _guest_mount_point(upper, rootfs.layers)
         # index=off: after a snapshot the old instance's upper becomes a lower of new overlays while
         # the old (inert) overlay may still be unmounting; that is safe, and only a warning then.
         lower = ":".join(str(p) for p in reversed(rootfs.layers))

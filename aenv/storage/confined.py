@@ -361,6 +361,11 @@ class View:
         st = self.stat(path)
         return st is not None and stat.S_ISDIR(st.st_mode)
 
+    def is_dir_here(self, path: str) -> bool:
+        """Whether ``path`` itself is a directory: a link there is not one, even to a directory."""
+        st = self.stat(path, follow=False)
+        return st is not None and stat.S_ISDIR(st.st_mode)
+
     def readlink(self, path: str) -> str:
         with self._walk() as walk:
             _, chain = self._resolve(walk, path, False)
