@@ -15,8 +15,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from e2b import Sandbox, SandboxNetworkOpts, SandboxState
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect as ws_connect
 
 from tests.compat.conftest import Deployment
+from tests.compat.servers import WEBSOCKET_SERVER
 from tests.conftest import Server
 
 pytestmark = pytest.mark.sandbox
@@ -171,6 +174,54 @@ def test_the_token_survives_pause_resume_and_fork(private: Sandbox, deployment: 
     finally:
         for kid in kids:
             api.delete(f"/sandboxes/{kid['sandboxID']}")
+
+
+def test_a_request_without_the_token_does_not_wake_a_paused_sandbox(deployment: Deployment, api: httpx.Client) -> None:
+    body = {"templateID": "base", "timeout": 120, "autoResume": {"enabled": True}}
+    created = api.post("/v2/sandboxes", json={**body, "network": {"allowPublicTraffic": False}}).json()
+    sid, token = created["sandboxID"], created["trafficAccessToken"]
+    try:
+        api.post(f"/sandboxes/{sid}/pause").raise_for_status()
+        for headers in (routed(sid), routed(sid, **{TOKEN: "0" * len(token)})):
+            assert httpx.get(f"{deployment.url}/", headers=headers).status_code == 403
+            ws = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13"}
+            ws["Sec-WebSocket-Key"] = "dGhlIHNhbXBsZSBub25jZQ=="
+            assert httpx.get(f"{deployment.url}/", headers={**headers, **ws}).status_code == 403
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+        # with its token the request wakes it (nothing listens: the port's answer, after the resume)
+        woken = httpx.get(f"{deployment.url}/", headers=routed(sid, **{TOKEN: token}), timeout=120)
+        assert woken.status_code == 502 and "port is not open" in woken.json()["message"]
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_websockets_carry_the_token_and_the_mask(deployment: Deployment) -> None:
+    network = SandboxNetworkOpts(allow_public_traffic=False, mask_request_host="masked.example:${PORT}")
+    sandbox = Sandbox.create(timeout=120, secure=True, network=network)
+    try:
+        token = sandbox.traffic_access_token or ""
+        sandbox.files.write("/home/user/ws.py", WEBSOCKET_SERVER)
+        sandbox.commands.run("python3 /home/user/ws.py 8765", background=True)
+        url = deployment.url.replace("http", "ws", 1) + "/ws"
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                ws = ws_connect(url, additional_headers=routed(sandbox.sandbox_id, 8765, **{TOKEN: token}))
+                break
+            except (InvalidStatus, OSError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        with ws:
+            ws.send("headers")
+            names = ws.recv()
+        assert "'x-forwarded-host'" in names and f"'{TOKEN}'" not in names
+        with pytest.raises(InvalidStatus) as refused:
+            ws_connect(url, additional_headers=routed(sandbox.sandbox_id, 8765))
+        assert refused.value.response.status_code == 403
+    finally:
+        sandbox.kill()
 
 
 def test_the_token_survives_a_node_restart(server: Server, deployment: Deployment) -> None:
