@@ -3,6 +3,7 @@
     AenvError
     ├── InvalidRequest (ValueError)          400 invalid_request
     ├── Unauthenticated (PermissionError)    401 unauthenticated
+    ├── Forbidden (PermissionError)          403 forbidden (a feature this node does not offer, as E2B words it)
     ├── PayloadTooLarge                      413 payload_too_large
     ├── RequestTimeout                       408 request_timeout (a body that does not arrive in time)
     ├── NotFound (LookupError)               404 not_found
@@ -60,6 +61,10 @@ class InvalidRequest(AenvError, ValueError):
 
 
 class Unauthenticated(AenvError, PermissionError):
+    pass
+
+
+class Forbidden(AenvError, PermissionError):
     pass
 
 
@@ -155,6 +160,7 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     AenvError: (500, "internal"),
     InvalidRequest: (400, "invalid_request"),
     Unauthenticated: (401, "unauthenticated"),
+    Forbidden: (403, "forbidden"),
     PayloadTooLarge: (413, "payload_too_large"),
     RequestTimeout: (408, "request_timeout"),
     NotFound: (404, "not_found"),

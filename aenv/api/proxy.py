@@ -8,6 +8,7 @@ WebSocket framing with the sans-I/O protocol objects of `websockets`.
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -24,6 +25,7 @@ from websockets.uri import parse_uri
 from aenv.channel import DATA, END, EOF, Item, Stream
 from aenv.errors import AenvError, AgentTimeout, RequestTimeout, error_body, snippet
 from aenv.node.orchestrator import Node
+from aenv.node.store import SandboxRecord
 
 HOP_BY_HOP = {
     b"connection",
@@ -36,7 +38,11 @@ HOP_BY_HOP = {
     b"upgrade",
     b"content-length",
 }
-ROUTING = {b"e2b-sandbox-id", b"e2b-sandbox-port"}
+TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
+# Headers for the proxy, never passed on to the port: routing, and the traffic token (a credential
+# of the proxy's, which E2B's proxy forwards; a port has no use for it).
+ROUTING = {b"e2b-sandbox-id", b"e2b-sandbox-port", TRAFFIC_TOKEN_HEADER.encode()}
+PORT_PLACEHOLDER = "${PORT}"
 
 
 def sandbox_gone(sandbox_id: str) -> JSONResponse:
@@ -53,6 +59,51 @@ def port_closed(sandbox_id: str, port: int) -> JSONResponse:
         status_code=502,
         media_type="application/json; charset=utf-8",
     )
+
+
+def _record(node: Node, sandbox_id: str) -> SandboxRecord | None:
+    try:
+        return node.get(sandbox_id).rec
+    except AenvError:
+        return None  # the tunnel's answer says so
+
+
+def traffic_refusal(node: Node, rec: SandboxRecord | None, headers: list[tuple[bytes, bytes]]) -> JSONResponse | None:
+    """E2B's 403 when a sandbox created without public traffic is asked without its traffic token
+    (its first ``e2b-traffic-access-token`` header, as Go's Header.Get), or with another. Decided on
+    the record, before anything resumes the sandbox: a caller without the token cannot wake it."""
+    if rec is None or rec.public_traffic:
+        return None
+    given = next((v for k, v in headers if k.lower() == TRAFFIC_TOKEN_HEADER.encode()), b"")
+    secured = "Sandbox is secured with traffic access token."
+    if not given:
+        message = f"{secured} Token header '{TRAFFIC_TOKEN_HEADER}' is missing"
+    elif not hmac.compare_digest(given, node.traffic_token(rec.id).encode()):
+        message = f"{secured} Provided token in header '{TRAFFIC_TOKEN_HEADER}' is invalid"
+    else:
+        return None
+    return JSONResponse(
+        {"sandboxId": rec.id, "message": message, "code": 403},
+        status_code=403,
+        media_type="application/json; charset=utf-8",
+    )
+
+
+def masked_host(rec: SandboxRecord | None, port: int) -> str | None:
+    """The Host the port sees when the sandbox was created with ``maskRequestHost`` (its
+    ``${PORT}`` made the port's number), as E2B's proxy rewrites it; None to pass the client's on."""
+    if rec is None or not rec.mask_request_host:
+        return None
+    return rec.mask_request_host.replace(PORT_PLACEHOLDER, str(port))
+
+
+def _host_headers(headers: list[tuple[bytes, bytes]], mask: str | None) -> list[tuple[bytes, bytes]]:
+    """The client's headers with the masked Host, and the client's Host as X-Forwarded-Host."""
+    if mask is None:
+        return headers
+    original = next((v for k, v in headers if k.lower() == b"host"), b"")
+    kept = [(k, v) for k, v in headers if k.lower() not in (b"host", b"x-forwarded-host")]
+    return [(b"host", mask.encode()), *kept, *([(b"x-forwarded-host", original)] if original else [])]
 
 
 async def open_tunnel(node: Node, sandbox_id: str, port: int) -> Stream | Response:
@@ -75,6 +126,10 @@ async def open_tunnel(node: Node, sandbox_id: str, port: int) -> Stream | Respon
 
 
 async def proxy_http(request: Request, node: Node, sandbox_id: str, port: int) -> Response:
+    rec = _record(node, sandbox_id)
+    refusal = traffic_refusal(node, rec, request.headers.raw)
+    if refusal is not None:
+        return refusal
     tunnel = await open_tunnel(node, sandbox_id, port)
     if isinstance(tunnel, Response):
         return tunnel
@@ -82,7 +137,8 @@ async def proxy_http(request: Request, node: Node, sandbox_id: str, port: int) -
     # h11 bounds what it buffers of an incomplete response head (16 KiB): a longer head is an error.
     conn = h11.Connection(our_role=h11.CLIENT)
     target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    headers = [(k, v) for k, v in request.headers.raw if k.lower() not in HOP_BY_HOP | ROUTING]
+    client_headers = [(k, v) for k, v in request.headers.raw if k.lower() not in HOP_BY_HOP | ROUTING]
+    headers = _host_headers(client_headers, masked_host(rec, port))
     # The body is streamed through as it arrives, framed as the client framed it.
     length = request.headers.get("content-length")
     if length is not None:
@@ -171,6 +227,11 @@ async def proxy_websocket(scope: Any, receive: Any, send: Any, node: Node, sandb
     """
     if (await receive())["type"] != "websocket.connect":
         return
+    rec = _record(node, sandbox_id)
+    refusal = traffic_refusal(node, rec, scope["headers"])
+    if refusal is not None:
+        await _refuse_websocket(scope, send, refusal)
+        return
     tunnel = await open_tunnel(node, sandbox_id, port)
     if isinstance(tunnel, Response):
         await _refuse_websocket(scope, send, tunnel)
@@ -182,10 +243,18 @@ async def proxy_websocket(scope: Any, receive: Any, send: Any, node: Node, sandb
     offered = [Subprotocol(p) for p in scope.get("subprotocols", [])] or None  # [] would send an empty header
     upstream = ClientProtocol(uri, subprotocols=offered, max_size=node.settings.port_ws_max_message_mb * 2**20)
     handshake = upstream.connect()
+    mask = masked_host(rec, port)
+    own = WS_OWN_HEADERS | ({"x-forwarded-host"} if mask is not None else set())
     for key, value in scope["headers"]:
         name = key.decode("latin-1").lower()
-        if name not in WS_OWN_HEADERS and key not in ROUTING:
+        if name not in own and key not in ROUTING:
             handshake.headers[name] = value.decode("latin-1")
+    if mask is not None:  # in place of the protocol object's own Host, 127.0.0.1:<port>
+        original = next((v for k, v in scope["headers"] if k == b"host"), b"")
+        del handshake.headers["Host"]
+        handshake.headers["Host"] = mask
+        if original:
+            handshake.headers["X-Forwarded-Host"] = original.decode("latin-1")
     upstream.send_request(handshake)
     bridge = _Bridge(send, upstream, tunnel, patience)
     try:

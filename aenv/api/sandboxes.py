@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from aenv.api.proxy import PORT_PLACEHOLDER
 from aenv.api.schemas import (
     ConnectBody,
     ForkBody,
@@ -32,7 +34,7 @@ from aenv.api.schemas import (
     snapshot_json,
     template_json,
 )
-from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, WrongState, error_body
+from aenv.errors import AenvError, Forbidden, InvalidRequest, SnapshotNotFound, WrongState, error_body, snippet
 from aenv.node.orchestrator import Node
 from aenv.storage.confined import View, remove_tree
 from aenv.templates import build, catalog, images, uploads
@@ -116,6 +118,8 @@ async def _create(request: Request) -> JSONResponse:
     if body.lifecycle is not None and body.lifecycle.auto_resume is not None:
         auto_resume = body.lifecycle.auto_resume
     limits = body.limits.model_dump(exclude_none=True) if body.limits else None
+    network = egress_rules(body.network)
+    public_traffic, mask_request_host = ingress_options(body.network, secure=body.secure)
     rec = await node.create(
         body.template_id,
         timeout=body.timeout,
@@ -125,8 +129,10 @@ async def _create(request: Request) -> JSONResponse:
         auto_resume=auto_resume,
         limits=limits,
         allow_internet_access=body.allow_internet_access,
-        network=egress_rules(body.network),
+        network=network,
         secure=body.secure,
+        public_traffic=public_traffic,
+        mask_request_host=mask_request_host,
     )
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
 
@@ -238,19 +244,20 @@ async def set_timeout(request: Request, sandbox_id: str) -> Response:
     return Response(status_code=204)
 
 
-def egress_rules(network: Any) -> dict[str, Any]:
+def egress_rules(network: Any, *, field: str = "network.egressProxy") -> dict[str, Any]:
     """The part of E2B's `network` object that aenv enforces (allowOut, denyOut).
 
-    Rules that would change traffic in ways aenv does not implement are refused, not ignored."""
+    Transform rules and an egress proxy are refused as E2B refuses them to a team without them
+    (docs/architecture.md, Egress, says why aenv has neither); ``field`` names the proxy's field
+    as E2B's message for that endpoint does."""
     if network is None:
         return {}
     if not isinstance(network, dict):
         raise InvalidRequest("network must be an object")
-    for unsupported in ("rules", "egressProxy"):
-        if network.get(unsupported):
-            raise InvalidRequest(f"network.{unsupported} is not supported by aenv")
-    if network.get("allowPublicTraffic") is False:  # E2B's traffic access token: aenv has none
-        raise InvalidRequest("network.allowPublicTraffic=false is not supported by aenv: sandbox ports are public")
+    if network.get("rules") is not None:
+        raise InvalidRequest("Network transform rules are not available for your team.")
+    if network.get("egressProxy") is not None:
+        raise Forbidden(f"Egress proxy ({field}) is not enabled for this team.")
     out = {}
     for key in ("allowOut", "denyOut"):
         value = network.get(key)
@@ -262,6 +269,39 @@ def egress_rules(network: Any) -> dict[str, Any]:
     return out
 
 
+MAX_MASK_REQUEST_HOST = 255
+# What may stand in the Host header a port receives: a name or an [IPv6] literal, and a port.
+MASK_REQUEST_HOST = re.compile(r"(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+
+
+def ingress_options(network: Any, *, secure: bool) -> tuple[bool, str]:
+    """(public traffic, mask request host) from E2B's `network` object, checked as E2B checks them."""
+    if not isinstance(network, dict):
+        return True, ""
+    public = network.get("allowPublicTraffic", True)
+    if public is None:
+        public = True
+    if not isinstance(public, bool):
+        raise InvalidRequest("network.allowPublicTraffic must be a boolean")
+    mask = network.get("maskRequestHost")
+    if mask is None:
+        mask = ""
+    if not isinstance(mask, str):
+        raise InvalidRequest("network.maskRequestHost must be a string")
+    if not mask.isascii():
+        raise InvalidRequest(f"mask request host '{snippet(mask)}' is not ASCII. Please use ASCII characters only.")
+    # ${PORT} becomes a port number on each request; what it makes must be a host, whatever the port
+    if mask and (
+        len(mask) > MAX_MASK_REQUEST_HOST or not MASK_REQUEST_HOST.fullmatch(mask.replace(PORT_PLACEHOLDER, "1"))
+    ):
+        raise InvalidRequest(f"mask request host is not valid: {snippet(mask)}")
+    if not public and not secure:
+        raise InvalidRequest(
+            "You cannot create a sandbox without public access unless you enable secure envd access via 'secure' flag."
+        )
+    return public, mask
+
+
 @router.put(
     "/sandboxes/{sandbox_id}/network",
     status_code=204,
@@ -270,7 +310,13 @@ def egress_rules(network: Any) -> dict[str, Any]:
 )
 async def update_network(request: Request, sandbox_id: str) -> Response:
     body: NetworkUpdate = await _body(request, NetworkUpdate)
-    await node_of(request).set_network(sandbox_id, egress_rules(body.model_dump(by_alias=True)))
+    update = body.model_dump(by_alias=True)
+    # E2B's update has no ingress fields and would ignore them; refused instead, so nobody believes
+    # a running sandbox's ports were made private (or its Host masked) when they were not.
+    if update.get("allowPublicTraffic") is False or update.get("maskRequestHost") is not None:
+        raise InvalidRequest("network.allowPublicTraffic and network.maskRequestHost are set when a sandbox is created")
+    rules = egress_rules(update, field="egressProxy")
+    await node_of(request).set_network(sandbox_id, rules)
     return Response(status_code=204)
 
 

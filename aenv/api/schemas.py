@@ -15,7 +15,7 @@ from aenv.config import MAX_NPROC
 from aenv.guest.agent import AGENT_VERSION
 from aenv.node.orchestrator import LiveSandbox, Node
 from aenv.node.state import PUBLIC_STATE
-from aenv.node.store import SnapshotRecord, TemplateRecord
+from aenv.node.store import SandboxRecord, SnapshotRecord, TemplateRecord
 from aenv.templates.catalog import TEMPLATE_NAME
 
 
@@ -121,6 +121,8 @@ def sandbox_json(node: Node, sb: LiveSandbox, domain: str | None) -> dict[str, A
     }
     if rec.secure:
         out["envdAccessToken"] = node.access_token(rec.id)
+    if not rec.public_traffic:
+        out["trafficAccessToken"] = node.traffic_token(rec.id)
     if rec.alias:
         out["alias"] = rec.alias
     return out
@@ -141,7 +143,7 @@ def sandbox_detail(node: Node, sb: LiveSandbox, domain: str | None) -> dict[str,
             "state": PUBLIC_STATE[rec.state],
             "metadata": rec.metadata,
             "allowInternetAccess": rec.allow_internet_access,
-            "network": rec.network,
+            "network": network_json(rec),
             "lifecycle": {"onTimeout": "pause" if rec.auto_pause else "kill", "autoResume": rec.auto_resume},
             "aenvState": rec.state.value,
         }
@@ -150,6 +152,16 @@ def sandbox_detail(node: Node, sb: LiveSandbox, domain: str | None) -> dict[str,
         out["parentID"] = rec.parent_id
     if rec.snapshot_id:
         out["snapshotID"] = rec.snapshot_id
+    return out
+
+
+def network_json(rec: SandboxRecord) -> dict[str, Any]:
+    """E2B's `SandboxNetworkConfig` of a sandbox: its egress rules and its ingress options when set."""
+    out = dict(rec.network)
+    if not rec.public_traffic:
+        out["allowPublicTraffic"] = False
+    if rec.mask_request_host:
+        out["maskRequestHost"] = rec.mask_request_host
     return out
 
 

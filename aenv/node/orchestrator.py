@@ -256,6 +256,12 @@ class Node:
         """Derived, never stored: HMAC of the sandbox id under the node's secret."""
         return hmac.new(self._secret, sandbox_id.encode(), hashlib.sha256).hexdigest()[:40]
 
+    def traffic_token(self, sandbox_id: str) -> str:
+        """E2B's traffic access token for the ports of a sandbox without public traffic. Derived
+        as the envd token is (so pause, resume and restarts keep it, and each fork child has its
+        own), under a prefix of its own: one token never opens what the other guards."""
+        return hmac.new(self._secret, b"traffic\0" + sandbox_id.encode(), hashlib.sha256).hexdigest()[:40]
+
     # -- the operation runner -------------------------------------------------------------------------
     async def _operate(self, sb: LiveSandbox, name: str, fn: Callable[[], Awaitable[T]], *, join: bool) -> T:
         if join:
@@ -525,6 +531,8 @@ class Node:
         allow_internet_access: bool | None = None,
         network: dict[str, Any] | None = None,
         secure: bool = True,
+        public_traffic: bool = True,
+        mask_request_host: str = "",
     ) -> SandboxRecord:
         timeout = self._check_timeout(timeout)
         if allow_internet_access is None:
@@ -567,6 +575,8 @@ class Node:
             allow_internet_access=allow_internet_access,
             network=dict(network or {}),
             secure=secure,
+            public_traffic=public_traffic,
+            mask_request_host=mask_request_host,
             guest=guest,
         )
         sb = LiveSandbox(rec)
@@ -809,6 +819,8 @@ class Node:
             allow_internet_access=src.allow_internet_access,
             network=dict(src.network),
             secure=src.secure,
+            public_traffic=src.public_traffic,
+            mask_request_host=src.mask_request_host,
             guest=src.guest,
             user=src.user,
             workdir=src.workdir,

@@ -49,6 +49,9 @@ class SandboxRecord:
     allow_internet_access: bool = False
     network: dict[str, Any] = field(default_factory=dict)  # E2B's allowOut / denyOut lists
     secure: bool = True
+    # E2B's ingress options: ports answer only requests with the traffic token; the Host a port sees
+    public_traffic: bool = True
+    mask_request_host: str = ""
     paused_at: float = 0.0
     guest: str = ""  # guest bundle of the agent inside (see RootfsSpec.guest)
     user: str = ""  # default user of commands and files ("" = `user`), from the template

@@ -107,10 +107,10 @@ def test_public_paths_answer_only_reads_without_a_key(anonymous: httpx.Client, s
 
 
 def test_private_traffic_is_refused_not_ignored(api: httpx.Client) -> None:
-    """aenv has no traffic access token: a sandbox asked for with private ports must not be made public."""
-    r = api.post("/v2/sandboxes", json={"templateID": "base", "network": {"allowPublicTraffic": False}})
-    assert_error(r, 400)
+    """Ports are made private at create (tests/compat/test_network_options.py): an update asking for
+    it must not be taken for done."""
     assert_error(api.put(f"/sandboxes/{NO_SANDBOX}/network", json={"allowPublicTraffic": False}), 400)
+    assert_error(api.put(f"/sandboxes/{NO_SANDBOX}/network", json={"maskRequestHost": "x"}), 400)
 
 
 def test_sandbox_ports_out_of_range_are_400(server: Server) -> None:
