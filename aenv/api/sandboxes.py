@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import tempfile
 import time
@@ -16,6 +15,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from aenv.api import listing
 from aenv.api.schemas import (
     ConnectBody,
     ForkBody,
@@ -32,8 +32,11 @@ from aenv.api.schemas import (
     snapshot_json,
     template_json,
 )
-from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, WrongState, error_body
+from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, TemplateNotFound, WrongState, error_body
 from aenv.node.orchestrator import Node
+from aenv.node.sandbox import LiveSandbox
+from aenv.node.state import PUBLIC_STATE
+from aenv.node.store import SnapshotRecord
 from aenv.storage.confined import View, remove_tree
 from aenv.templates import build, catalog, images, uploads
 from aenv.templates.catalog import TEMPLATE_NAME
@@ -182,29 +185,41 @@ async def list_v2(
     next_token: str | None = Query(None, alias="nextToken"),
     template: str | None = None,
     order: str = "desc",
+    started_after: str | None = Query(None, alias="startedAfter"),
 ) -> Response:
+    """E2B's list: newest first (or ``order=asc``), keyset pages, ``startedAfter`` inclusive."""
     node = node_of(request)
-    items = node.list(states=_states(state), metadata=parse_metadata_query(metadata))
-    if template:
-        items = [sb for sb in items if template in (sb.rec.template_id,)]
     if order not in ("asc", "desc"):
-        raise InvalidRequest("order must be 'asc' or 'desc'")
-    if order == "asc":
-        items.reverse()
-    start = 0
-    if next_token:
-        try:
-            start = int(base64.urlsafe_b64decode(next_token.encode()).decode())
-        except ValueError as exc:
-            raise InvalidRequest("nextToken is not valid") from exc
-        if start < 0:
-            raise InvalidRequest("nextToken is not valid")
-    page = items[start : start + limit]
+        raise InvalidRequest(f"Invalid order parameter: unknown order '{order[:32]}'")
+    pages = listing.SANDBOXES_OLDEST_FIRST if order == "asc" else listing.SANDBOXES_NEWEST_FIRST
+    states = _states(state)
+    items = node.list(states=states, metadata=parse_metadata_query(metadata))
+    if started_after is not None:
+        bound = listing.parse_time(started_after, "startedAfter")
+        items = [sb for sb in items if listing.micros(sb.rec.started_at) >= bound]
+    if template:
+        wanted = _template_name(node, template)
+        items = [sb for sb in items if sb.rec.template_id == wanted]
     headers = {}
-    if start + limit < len(items):
-        headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+    if states is None or "running" in states:
+        headers["X-Total-Running"] = str(sum(1 for sb in items if PUBLIC_STATE[sb.state] == "running"))
+    page, token = pages.page(items, _started, limit, next_token)
+    if token is not None:
+        headers["X-Next-Token"] = token
     body = [sandbox_detail(node, sb, domain_of(request)) for sb in page]
     return JSONResponse(body, headers=headers)
+
+
+def _started(sb: LiveSandbox) -> listing.Position:
+    return listing.Position(listing.micros(sb.rec.started_at), sb.id)
+
+
+def _template_name(node: Node, ref: str) -> str:
+    """What sandboxes of the template ``ref`` (an id, name or alias) record as their template."""
+    try:
+        return node.find_template(ref).name
+    except TemplateNotFound:
+        return ref
 
 
 @router.get("/sandboxes", summary="List sandboxes (legacy: running only)")
@@ -347,12 +362,28 @@ async def create_snapshot(request: Request, sandbox_id: str) -> JSONResponse:
 
 @router.get("/snapshots", summary="List snapshots")
 async def list_snapshots(
-    request: Request, sandbox_id: str | None = Query(None, alias="sandboxID")
-) -> list[dict[str, Any]]:
+    request: Request,
+    sandbox_id: str | None = Query(None, alias="sandboxID"),
+    name: str | None = None,
+    limit: int = Query(100, ge=1, le=100),
+    next_token: str | None = Query(None, alias="nextToken"),
+) -> Response:
+    """E2B's list: newest first, keyset pages; ``name`` matches a snapshot's name or id."""
     snaps = [s for s in node_of(request).snapshots.values() if not s.ephemeral]
-    if sandbox_id:
-        snaps = [s for s in snaps if s.sandbox_id == sandbox_id]
-    return [snapshot_json(s) for s in sorted(snaps, key=lambda s: s.created_at)]
+    if sandbox_id is not None:
+        source = listing.short_sandbox_id(sandbox_id)
+        snaps = [s for s in snaps if s.sandbox_id == source]
+    if name is not None:
+        if not name:
+            raise InvalidRequest("Invalid name: the name is empty")
+        snaps = [s for s in snaps if name in (s.id, s.name)]
+    page, token = listing.SNAPSHOTS.page(snaps, _created, limit, next_token)
+    headers = {"X-Next-Token": token} if token is not None else {}
+    return JSONResponse([snapshot_json(s) for s in page], headers=headers)
+
+
+def _created(snap: SnapshotRecord) -> listing.Position:
+    return listing.Position(listing.micros(snap.created_at), snap.id)
 
 
 @router.get("/snapshots/{snapshot_id}", summary="Get a snapshot")

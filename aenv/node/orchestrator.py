@@ -107,7 +107,7 @@ class Node:
         self.sandboxes: dict[str, LiveSandbox] = {}
         self.templates: dict[str, TemplateRecord] = {}
         self.snapshots: dict[str, SnapshotRecord] = {}
-        self._reaper: asyncio.Task[None] | None = None
+        self._housekeepers: list[asyncio.Task[None]] = []  # the reaper and the expiry loop
         self._background: set[asyncio.Task[Any]] = set()
         self._secret = b""
         self._stopped = False
@@ -138,7 +138,10 @@ class Node:
             self.settings.disk_mb,
             idle=lambda: not any(sb.lock.locked() for sb in self.sandboxes.values()),
         )
-        self._reaper = asyncio.create_task(housekeeping.reap_forever(self))
+        self._housekeepers = [
+            asyncio.create_task(housekeeping.reap_forever(self)),
+            asyncio.create_task(housekeeping.expire_forever(self)),
+        ]
 
     async def stop(self, *, pause_running: bool = True) -> None:
         """Stop the node. Running sandboxes are paused so a restart loses nothing; one that cannot
@@ -147,9 +150,9 @@ class Node:
         if self._stopped:
             return
         self._stopped = True
-        if self._reaper is not None:
-            self._reaper.cancel()
-            self._reaper = None
+        for task in self._housekeepers:
+            task.cancel()
+        self._housekeepers = []
         in_flight = [t for sb in self.sandboxes.values() for t in sb.tasks]
         if in_flight:
             await asyncio.wait(in_flight, timeout=STOP_OPS_GRACE)
