@@ -33,6 +33,7 @@ from aenv.api.schemas import (
     template_json,
 )
 from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, TemplateNotFound, WrongState, error_body
+from aenv.node import usage
 from aenv.node.orchestrator import Node
 from aenv.node.sandbox import LiveSandbox
 from aenv.node.state import PUBLIC_STATE
@@ -43,6 +44,8 @@ from aenv.templates.catalog import TEMPLATE_NAME
 
 router = APIRouter()
 MAX_DOCKERFILE = 1 << 20
+MAX_METRICS_SANDBOXES = 100  # E2B's bound on /sandboxes/metrics
+LATEST_METRICS_TIME = 10_413_791_999  # E2B's (its metrics store's latest date, 2299-12-31)
 
 
 def node_of(request: Request) -> Node:
@@ -227,6 +230,24 @@ async def list_v1(request: Request, metadata: str | None = None) -> list[dict[st
     node = node_of(request)
     items = node.list(states={"running"}, metadata=parse_metadata_query(metadata))
     return [sandbox_detail(node, sb, domain_of(request)) for sb in items]
+
+
+@router.get("/sandboxes/metrics", summary="Latest resource usage of several sandboxes")
+async def latest_metrics(request: Request, sandbox_ids: list[str] = Query(...)) -> dict[str, Any]:
+    """E2B's ``SandboxesWithMetrics``: the latest sample of each sandbox named (comma-separated, at
+    most 100); sandboxes unknown or not sampled yet are left out."""
+    ids = [listing.short_sandbox_id(i) for value in sandbox_ids for i in value.split(",")]
+    if len(set(ids)) > MAX_METRICS_SANDBOXES:
+        raise InvalidRequest(f"Too many sandboxes requested, maximum is {MAX_METRICS_SANDBOXES}")
+    node = node_of(request)
+    out = {}
+    for sandbox_id in dict.fromkeys(ids):
+        sb = node.sandboxes.get(sandbox_id)
+        history = node.usage_history.of(sandbox_id)
+        latest = history.latest() if history is not None else None
+        if sb is not None and latest is not None:
+            out[sandbox_id] = _metric(node, sb, latest.ts, latest)
+    return {"sandboxes": out}
 
 
 @router.get("/sandboxes/{sandbox_id}", summary="Get a sandbox")
@@ -416,37 +437,36 @@ async def fork(request: Request, sandbox_id: str) -> JSONResponse:
     return JSONResponse(out, status_code=201)
 
 
-@router.get("/sandboxes/{sandbox_id}/metrics", summary="Resource usage of a sandbox")
-async def metrics(request: Request, sandbox_id: str) -> list[dict[str, Any]]:
+@router.get("/sandboxes/{sandbox_id}/metrics", summary="Resource usage of a sandbox over time")
+async def metrics(
+    request: Request,
+    sandbox_id: str,
+    start: int | None = Query(None, ge=0, le=LATEST_METRICS_TIME),
+    end: int | None = Query(None, ge=0, le=LATEST_METRICS_TIME),
+) -> list[dict[str, Any]]:
+    """The samples in ``[start, end]`` (Unix seconds, either open), bucketed as E2B buckets them."""
+    if start is not None and end is not None and start > end:
+        raise InvalidRequest("Invalid time range for metrics")
     node = node_of(request)
     sb = node.get(sandbox_id)
-    if sb.link is None:
-        return []
-    m = await sb.link.call("sys.metrics")
+    history = node.usage_history.of(sb.id)
+    return [_metric(node, sb, bucket.start, bucket) for bucket in usage.in_range(history, start, end)]
+
+
+def _metric(node: Node, sb: LiveSandbox, at: float, sample: usage.Bucket | usage.Sample) -> dict[str, Any]:
+    """E2B's ``SandboxMetric``."""
     limits = node._limits(sb.rec)
-    usage = await node.usage(sandbox_id)
-    now = time.time()  # the host's clock: the agent's answer is only trusted for numbers, and checked
-    return [
-        {
-            "timestamp": rfc3339(now),
-            "timestampUnix": int(now),
-            "cpuCount": max(1, int(limits.cpu_count)),
-            "cpuUsedPct": float(min(_reported(m, "cpu_used_pct"), 100)),
-            "memUsed": int(usage.get("memory_bytes") or _reported(m, "mem_used")),
-            "memTotal": limits.memory_mb * 2**20,
-            "memCache": int(_reported(m, "mem_cache")),
-            "diskUsed": int(_reported(m, "disk_used")),
-            "diskTotal": limits.disk_mb * 2**20,
-        }
-    ]
-
-
-def _reported(answer: Any, key: str) -> float:
-    """A number a sandbox's agent reported, if it is one (finite, not negative), else 0."""
-    value = answer.get(key) if isinstance(answer, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 2**63:
-        return 0
-    return value
+    return {
+        "timestamp": rfc3339(at),
+        "timestampUnix": int(at),
+        "cpuCount": max(1, int(limits.cpu_count)),
+        "cpuUsedPct": round(sample.cpu_used_pct, 2),
+        "memUsed": sample.mem_used,
+        "memTotal": limits.memory_mb * 2**20,
+        "memCache": sample.mem_cache,
+        "diskUsed": sample.disk_used,
+        "diskTotal": limits.disk_mb * 2**20,
+    }
 
 
 @router.get("/templates", summary="List templates")

@@ -43,6 +43,7 @@ from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
 from aenv.node.state import PUBLIC_STATE, SETTLED, SandboxState, check_transition
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
+from aenv.node.usage import UsageHistory
 from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
 from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
@@ -107,7 +108,7 @@ class Node:
         self.sandboxes: dict[str, LiveSandbox] = {}
         self.templates: dict[str, TemplateRecord] = {}
         self.snapshots: dict[str, SnapshotRecord] = {}
-        self._housekeepers: list[asyncio.Task[None]] = []  # the reaper and the expiry loop
+        self._housekeepers: list[asyncio.Task[None]] = []  # the reaper, expiry and usage sampling
         self._background: set[asyncio.Task[Any]] = set()
         self._secret = b""
         self._stopped = False
@@ -116,6 +117,7 @@ class Node:
         self._pending_layers: set[str] = set()  # uppers of instances still being torn down
         self._teardown_of: dict[str, asyncio.Task[None]] = {}  # upper id -> its instance's teardown
         self.contained: dict[str, int] = {}  # instance id -> its host tasks when last contained
+        self.usage_history = UsageHistory(settings.metrics_interval, settings.metrics_history)
         self.started_at = time.time()
 
     # -- start and stop ---------------------------------------------------------------------------
@@ -141,6 +143,7 @@ class Node:
         self._housekeepers = [
             asyncio.create_task(housekeeping.reap_forever(self)),
             asyncio.create_task(housekeeping.expire_forever(self)),
+            asyncio.create_task(self.usage_history.sample_forever(self)),
         ]
 
     async def stop(self, *, pause_running: bool = True) -> None:
@@ -901,14 +904,6 @@ class Node:
         await self._set_state(sb, S.KILLED, persist=False)
         self.sandboxes.pop(sb.id, None)
         await self.store.delete_sandbox(sb.id)
-
-    # -- data-plane helpers -----------------------------------------------------------------------------
-    async def usage(self, sandbox_id: str) -> dict[str, Any]:
-        sb = self.get(sandbox_id)
-        if sb.instance is None:
-            return {}
-        u = await self.driver.usage(sb.instance)
-        return {"cpu_seconds": u.cpu_seconds, "memory_bytes": u.memory_bytes, "pids": u.pids}
 
 
 def _public(state: SandboxState) -> str:
