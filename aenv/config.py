@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     # Registries spoken to over plain HTTP (besides localhost / 127.0.0.1), "host:port" each.
     insecure_registries: list[str] = []
     reaper_interval: float = 1.0
+    # Usage samples of running sandboxes (E2B's sandbox metrics): seconds between two, and how many
+    # each sandbox keeps (36 bytes each: 360 at 5 s are the last half hour, 13 KiB).
+    metrics_interval: float = Field(5.0, gt=0)
+    metrics_history: int = Field(360, ge=1, le=100_000)
     # Control-plane request bodies (JSON) past this many KiB are refused with 413 as they arrive.
     # Template build contexts and template file uploads are streamed to disk up to max_upload_mb;
     # envd's /files uploads stream into the sandbox, bounded by its disk quota.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import re
 import tempfile
@@ -17,6 +16,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from aenv.api import listing
 from aenv.api.proxy import PORT_PLACEHOLDER
 from aenv.api.schemas import (
     ConnectBody,
@@ -34,14 +34,29 @@ from aenv.api.schemas import (
     snapshot_json,
     template_json,
 )
-from aenv.errors import AenvError, Forbidden, InvalidRequest, SnapshotNotFound, WrongState, error_body, snippet
+from aenv.errors import (
+    AenvError,
+    Forbidden,
+    InvalidRequest,
+    SnapshotNotFound,
+    TemplateNotFound,
+    WrongState,
+    error_body,
+    snippet,
+)
+from aenv.node import usage
 from aenv.node.orchestrator import Node
+from aenv.node.sandbox import LiveSandbox
+from aenv.node.state import PUBLIC_STATE
+from aenv.node.store import SnapshotRecord
 from aenv.storage.confined import View, remove_tree
 from aenv.templates import build, catalog, images, uploads
 from aenv.templates.catalog import TEMPLATE_NAME
 
 router = APIRouter()
 MAX_DOCKERFILE = 1 << 20
+MAX_METRICS_SANDBOXES = 100  # E2B's bound on /sandboxes/metrics
+LATEST_METRICS_TIME = 10_413_791_999  # E2B's (its metrics store's latest date, 2299-12-31)
 
 
 def node_of(request: Request) -> Node:
@@ -188,29 +203,41 @@ async def list_v2(
     next_token: str | None = Query(None, alias="nextToken"),
     template: str | None = None,
     order: str = "desc",
+    started_after: str | None = Query(None, alias="startedAfter"),
 ) -> Response:
+    """E2B's list: newest first (or ``order=asc``), keyset pages, ``startedAfter`` inclusive."""
     node = node_of(request)
-    items = node.list(states=_states(state), metadata=parse_metadata_query(metadata))
-    if template:
-        items = [sb for sb in items if template in (sb.rec.template_id,)]
     if order not in ("asc", "desc"):
-        raise InvalidRequest("order must be 'asc' or 'desc'")
-    if order == "asc":
-        items.reverse()
-    start = 0
-    if next_token:
-        try:
-            start = int(base64.urlsafe_b64decode(next_token.encode()).decode())
-        except ValueError as exc:
-            raise InvalidRequest("nextToken is not valid") from exc
-        if start < 0:
-            raise InvalidRequest("nextToken is not valid")
-    page = items[start : start + limit]
+        raise InvalidRequest(f"Invalid order parameter: unknown order '{order[:32]}'")
+    pages = listing.SANDBOXES_OLDEST_FIRST if order == "asc" else listing.SANDBOXES_NEWEST_FIRST
+    states = _states(state)
+    items = node.list(states=states, metadata=parse_metadata_query(metadata))
+    if started_after is not None:
+        bound = listing.parse_time(started_after, "startedAfter")
+        items = [sb for sb in items if listing.micros(sb.rec.started_at) >= bound]
+    if template:
+        wanted = _template_name(node, template)
+        items = [sb for sb in items if sb.rec.template_id == wanted]
     headers = {}
-    if start + limit < len(items):
-        headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+    if states is None or "running" in states:
+        headers["X-Total-Running"] = str(sum(1 for sb in items if PUBLIC_STATE[sb.state] == "running"))
+    page, token = pages.page(items, _started, limit, next_token)
+    if token is not None:
+        headers["X-Next-Token"] = token
     body = [sandbox_detail(node, sb, domain_of(request)) for sb in page]
     return JSONResponse(body, headers=headers)
+
+
+def _started(sb: LiveSandbox) -> listing.Position:
+    return listing.Position(listing.micros(sb.rec.started_at), sb.id)
+
+
+def _template_name(node: Node, ref: str) -> str:
+    """What sandboxes of the template ``ref`` (an id, name or alias) record as their template."""
+    try:
+        return node.find_template(ref).name
+    except TemplateNotFound:
+        return ref
 
 
 @router.get("/sandboxes", summary="List sandboxes (legacy: running only)")
@@ -218,6 +245,24 @@ async def list_v1(request: Request, metadata: str | None = None) -> list[dict[st
     node = node_of(request)
     items = node.list(states={"running"}, metadata=parse_metadata_query(metadata))
     return [sandbox_detail(node, sb, domain_of(request)) for sb in items]
+
+
+@router.get("/sandboxes/metrics", summary="Latest resource usage of several sandboxes")
+async def latest_metrics(request: Request, sandbox_ids: list[str] = Query(...)) -> dict[str, Any]:
+    """E2B's ``SandboxesWithMetrics``: the latest sample of each sandbox named (comma-separated, at
+    most 100); sandboxes unknown or not sampled yet are left out."""
+    ids = [listing.short_sandbox_id(i) for value in sandbox_ids for i in value.split(",")]
+    if len(set(ids)) > MAX_METRICS_SANDBOXES:
+        raise InvalidRequest(f"Too many sandboxes requested, maximum is {MAX_METRICS_SANDBOXES}")
+    node = node_of(request)
+    out = {}
+    for sandbox_id in dict.fromkeys(ids):
+        sb = node.sandboxes.get(sandbox_id)
+        history = node.usage_history.of(sandbox_id)
+        latest = history.latest() if history is not None else None
+        if sb is not None and latest is not None:
+            out[sandbox_id] = _metric(node, sb, latest.ts, latest)
+    return {"sandboxes": out}
 
 
 @router.get("/sandboxes/{sandbox_id}", summary="Get a sandbox")
@@ -393,12 +438,28 @@ async def create_snapshot(request: Request, sandbox_id: str) -> JSONResponse:
 
 @router.get("/snapshots", summary="List snapshots")
 async def list_snapshots(
-    request: Request, sandbox_id: str | None = Query(None, alias="sandboxID")
-) -> list[dict[str, Any]]:
+    request: Request,
+    sandbox_id: str | None = Query(None, alias="sandboxID"),
+    name: str | None = None,
+    limit: int = Query(100, ge=1, le=100),
+    next_token: str | None = Query(None, alias="nextToken"),
+) -> Response:
+    """E2B's list: newest first, keyset pages; ``name`` matches a snapshot's name or id."""
     snaps = [s for s in node_of(request).snapshots.values() if not s.ephemeral]
-    if sandbox_id:
-        snaps = [s for s in snaps if s.sandbox_id == sandbox_id]
-    return [snapshot_json(s) for s in sorted(snaps, key=lambda s: s.created_at)]
+    if sandbox_id is not None:
+        source = listing.short_sandbox_id(sandbox_id)
+        snaps = [s for s in snaps if s.sandbox_id == source]
+    if name is not None:
+        if not name:
+            raise InvalidRequest("Invalid name: the name is empty")
+        snaps = [s for s in snaps if name in (s.id, s.name)]
+    page, token = listing.SNAPSHOTS.page(snaps, _created, limit, next_token)
+    headers = {"X-Next-Token": token} if token is not None else {}
+    return JSONResponse([snapshot_json(s) for s in page], headers=headers)
+
+
+def _created(snap: SnapshotRecord) -> listing.Position:
+    return listing.Position(listing.micros(snap.created_at), snap.id)
 
 
 @router.get("/snapshots/{snapshot_id}", summary="Get a snapshot")
@@ -431,37 +492,36 @@ async def fork(request: Request, sandbox_id: str) -> JSONResponse:
     return JSONResponse(out, status_code=201)
 
 
-@router.get("/sandboxes/{sandbox_id}/metrics", summary="Resource usage of a sandbox")
-async def metrics(request: Request, sandbox_id: str) -> list[dict[str, Any]]:
+@router.get("/sandboxes/{sandbox_id}/metrics", summary="Resource usage of a sandbox over time")
+async def metrics(
+    request: Request,
+    sandbox_id: str,
+    start: int | None = Query(None, ge=0, le=LATEST_METRICS_TIME),
+    end: int | None = Query(None, ge=0, le=LATEST_METRICS_TIME),
+) -> list[dict[str, Any]]:
+    """The samples in ``[start, end]`` (Unix seconds, either open), bucketed as E2B buckets them."""
+    if start is not None and end is not None and start > end:
+        raise InvalidRequest("Invalid time range for metrics")
     node = node_of(request)
     sb = node.get(sandbox_id)
-    if sb.link is None:
-        return []
-    m = await sb.link.call("sys.metrics")
+    history = node.usage_history.of(sb.id)
+    return [_metric(node, sb, bucket.start, bucket) for bucket in usage.in_range(history, start, end)]
+
+
+def _metric(node: Node, sb: LiveSandbox, at: float, sample: usage.Bucket | usage.Sample) -> dict[str, Any]:
+    """E2B's ``SandboxMetric``."""
     limits = node._limits(sb.rec)
-    usage = await node.usage(sandbox_id)
-    now = time.time()  # the host's clock: the agent's answer is only trusted for numbers, and checked
-    return [
-        {
-            "timestamp": rfc3339(now),
-            "timestampUnix": int(now),
-            "cpuCount": max(1, int(limits.cpu_count)),
-            "cpuUsedPct": float(min(_reported(m, "cpu_used_pct"), 100)),
-            "memUsed": int(usage.get("memory_bytes") or _reported(m, "mem_used")),
-            "memTotal": limits.memory_mb * 2**20,
-            "memCache": int(_reported(m, "mem_cache")),
-            "diskUsed": int(_reported(m, "disk_used")),
-            "diskTotal": limits.disk_mb * 2**20,
-        }
-    ]
-
-
-def _reported(answer: Any, key: str) -> float:
-    """A number a sandbox's agent reported, if it is one (finite, not negative), else 0."""
-    value = answer.get(key) if isinstance(answer, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 2**63:
-        return 0
-    return value
+    return {
+        "timestamp": rfc3339(at),
+        "timestampUnix": int(at),
+        "cpuCount": max(1, int(limits.cpu_count)),
+        "cpuUsedPct": round(sample.cpu_used_pct, 2),
+        "memUsed": sample.mem_used,
+        "memTotal": limits.memory_mb * 2**20,
+        "memCache": sample.mem_cache,
+        "diskUsed": sample.disk_used,
+        "diskTotal": limits.disk_mb * 2**20,
+    }
 
 
 @router.get("/templates", summary="List templates")

@@ -192,11 +192,11 @@ async def evict_cache(node: Node, cache: list[tuple[str, str]], in_use: set[str]
 
 
 async def reap_forever(node: Node) -> None:
+    """Containment of runaways, file collection and commit retries (expiry has its own loop)."""
     last_gc = last_repo_gc = time.monotonic()
     while True:
         await asyncio.sleep(node.settings.reaper_interval)
         try:
-            await reap_once(node)
             await contain_runaways(node)
             if time.monotonic() - last_gc > 60:
                 last_gc = time.monotonic()
@@ -275,18 +275,49 @@ async def _expire(node: Node, sandbox_id: str, *, pause: bool) -> None:
 
 # States a timeout kill overtakes: the operation in flight would only bring the sandbox back running.
 KILLED_AT_TIMEOUT = frozenset({S.RUNNING, S.SNAPSHOTTING, S.FORKING})
+# The shortest timeout a sandbox can have (seconds): waking at least this often, the expiry loop
+# sees every new endAt before it comes and sleeps until it exactly.
+MIN_TIMEOUT = 1.0
+# How soon a sandbox past its endAt is looked at again while an operation in flight holds it.
+EXPIRY_RECHECK = 0.1
 
 
-async def reap_once(node: Node) -> None:
+async def expire_forever(node: Node) -> None:
+    """Pause or kill each sandbox at its endAt, within milliseconds: E2B's clients expect an
+    auto-paused sandbox to read paused a second or two after its timeout. This loop sleeps until
+    the next deadline and does nothing else, so no slow housekeeping pass delays an expiry."""
+    expiring: set[str] = set()
+    while True:
+        try:
+            wait = expire_due(node, expiring)
+        except Exception:
+            log.exception("expiry pass failed")
+            wait = MIN_TIMEOUT
+        await asyncio.sleep(wait)
+
+
+def expire_due(node: Node, expiring: set[str]) -> float:
+    """Start the expiry of every sandbox past its endAt that can be expired now; returns how long
+    to sleep before the next look."""
     now = time.time()
+    wait = min(node.settings.reaper_interval, MIN_TIMEOUT)
     for sb in list(node.sandboxes.values()):
-        if sb.rec.end_at > now or sb.killer is not None:
+        if sb.killer is not None or sb.state in (S.PAUSED, S.KILLING, S.KILLED) or sb.id in expiring:
+            continue  # paused sandboxes never expire
+        left = sb.rec.end_at - now
+        if left > 0:
+            wait = min(wait, left)
             continue
         if sb.rec.auto_pause and (sb.state != S.RUNNING or sb.lock.locked()):
-            continue  # paused once the operation in flight is over
+            wait = min(wait, EXPIRY_RECHECK)  # paused once the operation in flight is over
+            continue
         if not sb.rec.auto_pause and sb.state not in KILLED_AT_TIMEOUT:
+            wait = min(wait, EXPIRY_RECHECK)
             continue
         log.info("sandbox %s timed out: %s", sb.id, "pausing" if sb.rec.auto_pause else "killing")
+        expiring.add(sb.id)
         task = asyncio.ensure_future(_expire(node, sb.id, pause=sb.rec.auto_pause))
         node._background.add(task)
         task.add_done_callback(log_failure(sb.id, node._background))
+        task.add_done_callback(lambda _, sandbox_id=sb.id: expiring.discard(sandbox_id))
+    return max(wait, 0.0)

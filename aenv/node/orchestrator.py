@@ -43,6 +43,7 @@ from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
 from aenv.node.state import PUBLIC_STATE, SETTLED, SandboxState, check_transition
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
+from aenv.node.usage import UsageHistory
 from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
 from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
@@ -107,7 +108,7 @@ class Node:
         self.sandboxes: dict[str, LiveSandbox] = {}
         self.templates: dict[str, TemplateRecord] = {}
         self.snapshots: dict[str, SnapshotRecord] = {}
-        self._reaper: asyncio.Task[None] | None = None
+        self._housekeepers: list[asyncio.Task[None]] = []  # the reaper, expiry and usage sampling
         self._background: set[asyncio.Task[Any]] = set()
         self._secret = b""
         self._stopped = False
@@ -116,6 +117,7 @@ class Node:
         self._pending_layers: set[str] = set()  # uppers of instances still being torn down
         self._teardown_of: dict[str, asyncio.Task[None]] = {}  # upper id -> its instance's teardown
         self.contained: dict[str, int] = {}  # instance id -> its host tasks when last contained
+        self.usage_history = UsageHistory(settings.metrics_interval, settings.metrics_history)
         self.started_at = time.time()
 
     # -- start and stop ---------------------------------------------------------------------------
@@ -138,7 +140,11 @@ class Node:
             self.settings.disk_mb,
             idle=lambda: not any(sb.lock.locked() for sb in self.sandboxes.values()),
         )
-        self._reaper = asyncio.create_task(housekeeping.reap_forever(self))
+        self._housekeepers = [
+            asyncio.create_task(housekeeping.reap_forever(self)),
+            asyncio.create_task(housekeeping.expire_forever(self)),
+            asyncio.create_task(self.usage_history.sample_forever(self)),
+        ]
 
     async def stop(self, *, pause_running: bool = True) -> None:
         """Stop the node. Running sandboxes are paused so a restart loses nothing; one that cannot
@@ -147,9 +153,9 @@ class Node:
         if self._stopped:
             return
         self._stopped = True
-        if self._reaper is not None:
-            self._reaper.cancel()
-            self._reaper = None
+        for task in self._housekeepers:
+            task.cancel()
+        self._housekeepers = []
         in_flight = [t for sb in self.sandboxes.values() for t in sb.tasks]
         if in_flight:
             await asyncio.wait(in_flight, timeout=STOP_OPS_GRACE)
@@ -910,14 +916,6 @@ class Node:
         await self._set_state(sb, S.KILLED, persist=False)
         self.sandboxes.pop(sb.id, None)
         await self.store.delete_sandbox(sb.id)
-
-    # -- data-plane helpers -----------------------------------------------------------------------------
-    async def usage(self, sandbox_id: str) -> dict[str, Any]:
-        sb = self.get(sandbox_id)
-        if sb.instance is None:
-            return {}
-        u = await self.driver.usage(sb.instance)
-        return {"cpu_seconds": u.cpu_seconds, "memory_bytes": u.memory_bytes, "pids": u.pids}
 
 
 def _public(state: SandboxState) -> str:

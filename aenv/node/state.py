@@ -41,7 +41,7 @@ SETTLED = frozenset({SandboxState.RUNNING, SandboxState.PAUSED})
 PUBLIC_STATE = {
     SandboxState.CREATING: "running",
     SandboxState.RUNNING: "running",
-    SandboxState.PAUSING: "running",
+    SandboxState.PAUSING: "paused",  # as E2B: a sandbox being paused is paused to its clients
     SandboxState.PAUSED: "paused",
     SandboxState.RESUMING: "paused",
     SandboxState.SNAPSHOTTING: "running",

@@ -479,8 +479,16 @@ class AsyncClient:
         return result
 
     async def snapshots(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = await self._get("/snapshots")
-        return result
+        """Every snapshot, newest first (the API answers them in pages)."""
+        out: list[dict[str, Any]] = []
+        params: dict[str, Any] = {}
+        while True:
+            r = await self._http.get("/snapshots", params=params, headers=self._auth)
+            _raise_for(r)
+            out += r.json()
+            params["nextToken"] = r.headers.get("x-next-token")
+            if not params["nextToken"]:
+                return out
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         r = await self._http.delete(f"/snapshots/{snapshot_id}", headers=self._auth)

@@ -301,7 +301,7 @@ def test_calls_to_a_wedged_agent_fail_within_the_deadline(own: Server, monkeypat
         sbx.commands.run("echo never", timeout=60)
     with quick(limit):
         r = api.get(f"/sandboxes/{sbx.sandbox_id}/metrics", timeout=60)
-    assert r.status_code == 504 and r.json()["error_code"] == "agent_timeout", r.text
+    assert r.status_code == 200, r.text  # sampled on the host: the agent is never asked
     with quick(limit), pytest.raises(SandboxException, match="504"):
         sbx.files.read("/etc/passwd", request_timeout=60)
     with quick(limit), pytest.raises(SandboxException, match="504"):
