@@ -22,6 +22,7 @@ from aenv.api.schemas import (
     ImageTemplate,
     NetworkUpdate,
     NewSandbox,
+    PauseBody,
     RefreshBody,
     SnapshotBody,
     TemplatePatch,
@@ -123,6 +124,7 @@ async def _create(request: Request) -> JSONResponse:
         env_vars=body.env_vars,
         auto_pause=auto_pause,
         auto_resume=auto_resume,
+        auto_pause_memory=body.auto_pause_memory is not False,
         limits=limits,
         allow_internet_access=body.allow_internet_access,
         network=egress_rules(body.network),
@@ -288,9 +290,15 @@ async def refresh(request: Request, sandbox_id: str) -> Response:
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/pause", status_code=204, summary="Pause a sandbox")
+@router.post(
+    "/sandboxes/{sandbox_id}/pause",
+    status_code=204,
+    summary="Pause a sandbox (memory: false keeps only its file system; the resume reboots it)",
+    openapi_extra=json_body(PauseBody),
+)
 async def pause(request: Request, sandbox_id: str) -> Response:
-    await node_of(request).pause(sandbox_id)
+    body: PauseBody = await _body(request, PauseBody)
+    await node_of(request).pause(sandbox_id, keep_memory=body.memory)
     return Response(status_code=204)
 
 
