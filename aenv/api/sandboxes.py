@@ -305,7 +305,7 @@ async def pause(request: Request, sandbox_id: str) -> Response:
 async def _connect(request: Request, sandbox_id: str) -> JSONResponse:
     node = node_of(request)
     body: ConnectBody = await _body(request, ConnectBody)
-    rec, resumed = await node.resume(sandbox_id, timeout=body.timeout)
+    rec, resumed = await node.resume(sandbox_id, timeout=body.timeout, memory=body.memory)
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201 if resumed else 200)
 
 
@@ -337,7 +337,7 @@ async def resume(request: Request, sandbox_id: str) -> JSONResponse:
     sb = node.get(sandbox_id)
     if sb.state.value == "running":
         raise WrongState(f"sandbox {sandbox_id} is already running", sandbox_id=sandbox_id)
-    rec, _ = await node.resume(sandbox_id, timeout=body.timeout)
+    rec, _ = await node.resume(sandbox_id, timeout=body.timeout, memory=body.memory)
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
 
 

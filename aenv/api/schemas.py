@@ -94,6 +94,8 @@ class PauseBody(BaseModel):
 class ConnectBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     timeout: int | None = Field(None, gt=0)
+    # false: a paused sandbox boots fresh on its files, whatever its pause kept (E2B's reboot)
+    memory: bool = True
 
 
 class SnapshotBody(BaseModel):

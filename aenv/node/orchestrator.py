@@ -673,8 +673,12 @@ class Node:
         await sb.link.freeze(halt=True)
         return ""
 
-    async def resume(self, sandbox_id: str, *, timeout: int | None = None) -> tuple[SandboxRecord, bool]:
-        """Resume a paused sandbox; returns (record, True if it was resumed, False if it ran)."""
+    async def resume(
+        self, sandbox_id: str, *, timeout: int | None = None, memory: bool = True
+    ) -> tuple[SandboxRecord, bool]:
+        """Resume a paused sandbox; returns (record, True if it was resumed, False if it ran).
+        Without ``memory`` (E2B's connect ``memory: false``, the SDKs' ``on_resume="reboot"``)
+        one paused with its memory boots fresh on its files instead, as one paused without."""
         sb = self.get(sandbox_id)
         timeout_s = self._check_timeout(timeout)
 
@@ -686,7 +690,7 @@ class Node:
             await self._set_state(sb, S.RESUMING, persist=False)
             try:
                 await self.files.mount(sb.rec.upper, writable=True)
-                if sb.rec.filesystem_only:
+                if sb.rec.filesystem_only or not memory:
                     await self.settled([sb.rec.upper])  # the instance it paused
                     await self._boot_into(sb)
                 else:
