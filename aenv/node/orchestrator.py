@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from aenv.channel import PROTOCOL_VIOLATION, StreamError
+from aenv.channel import PROTOCOL_VIOLATION, StreamError, Unsendable
 from aenv.config import Settings
 from aenv.errors import (
     CHECKPOINT_REFUSAL,
@@ -413,7 +413,10 @@ class Node:
             if sb.rec.start:
                 log.warning("sandbox %s: its template's start command is malformed; not started", sb.id)
             return
-        failure = await link.start_detached(*start)
+        try:
+            failure = await link.start_detached(*start)
+        except Unsendable as exc:  # larger than the channel carries: as malformed
+            failure = exc.message
         if failure:
             log.warning("sandbox %s: the start command did not start again: %s", sb.id, failure[:200])
 
