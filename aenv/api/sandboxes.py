@@ -24,6 +24,7 @@ from aenv.api.schemas import (
     ImageTemplate,
     NetworkUpdate,
     NewSandbox,
+    PauseBody,
     RefreshBody,
     SnapshotBody,
     TemplatePatch,
@@ -142,6 +143,7 @@ async def _create(request: Request) -> JSONResponse:
         env_vars=body.env_vars,
         auto_pause=auto_pause,
         auto_resume=auto_resume,
+        auto_pause_memory=body.auto_pause_memory is not False,
         limits=limits,
         allow_internet_access=body.allow_internet_access,
         network=network,
@@ -379,16 +381,22 @@ async def refresh(request: Request, sandbox_id: str) -> Response:
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/pause", status_code=204, summary="Pause a sandbox")
+@router.post(
+    "/sandboxes/{sandbox_id}/pause",
+    status_code=204,
+    summary="Pause a sandbox (memory: false keeps only its file system; the resume reboots it)",
+    openapi_extra=json_body(PauseBody),
+)
 async def pause(request: Request, sandbox_id: str) -> Response:
-    await node_of(request).pause(sandbox_id)
+    body: PauseBody = await _body(request, PauseBody)
+    await node_of(request).pause(sandbox_id, keep_memory=body.memory)
     return Response(status_code=204)
 
 
 async def _connect(request: Request, sandbox_id: str) -> JSONResponse:
     node = node_of(request)
     body: ConnectBody = await _body(request, ConnectBody)
-    rec, resumed = await node.resume(sandbox_id, timeout=body.timeout)
+    rec, resumed = await node.resume(sandbox_id, timeout=body.timeout, memory=body.memory)
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201 if resumed else 200)
 
 
@@ -420,7 +428,7 @@ async def resume(request: Request, sandbox_id: str) -> JSONResponse:
     sb = node.get(sandbox_id)
     if sb.state.value == "running":
         raise WrongState(f"sandbox {sandbox_id} is already running", sandbox_id=sandbox_id)
-    rec, _ = await node.resume(sandbox_id, timeout=body.timeout)
+    rec, _ = await node.resume(sandbox_id, timeout=body.timeout, memory=body.memory)
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
 
 

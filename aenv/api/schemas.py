@@ -47,6 +47,8 @@ class NewSandbox(BaseModel):
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(None, alias="envVars")
     auto_pause: bool | None = Field(None, alias="autoPause")
+    # false: the timeout's auto-pause keeps only the file system (resuming it reboots the sandbox)
+    auto_pause_memory: bool | None = Field(None, alias="autoPauseMemory")
     auto_resume: AutoResume | bool | None = Field(None, alias="autoResume")
     lifecycle: Lifecycle | None = None
     secure: bool = True
@@ -79,12 +81,21 @@ class TemplatePatch(BaseModel):
 
 class Timeout(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    timeout: int = Field(..., gt=0)
+    timeout: int = Field(..., ge=0)  # 0: expire now (E2B's minimum)
+
+
+class PauseBody(BaseModel):
+    """E2B's SandboxPauseRequest: ``memory: false`` keeps only the file system."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    memory: bool = True
 
 
 class ConnectBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     timeout: int | None = Field(None, gt=0)
+    # false: a paused sandbox boots fresh on its files, whatever its pause kept (E2B's reboot)
+    memory: bool = True
 
 
 class SnapshotBody(BaseModel):
@@ -144,10 +155,16 @@ def sandbox_detail(node: Node, sb: LiveSandbox, domain: str | None) -> dict[str,
             "metadata": rec.metadata,
             "allowInternetAccess": rec.allow_internet_access,
             "network": network_json(rec),
-            "lifecycle": {"onTimeout": "pause" if rec.auto_pause else "kill", "autoResume": rec.auto_resume},
+            "lifecycle": {
+                "onTimeout": "pause" if rec.auto_pause else "kill",
+                "autoResume": rec.auto_resume,
+                "keepMemory": rec.auto_pause_memory,
+            },
             "aenvState": rec.state.value,
         }
     )
+    if rec.state.value == "paused":
+        out["pausedWithMemory"] = not rec.filesystem_only
     if rec.parent_id:
         out["parentID"] = rec.parent_id
     if rec.snapshot_id:

@@ -123,13 +123,21 @@ def create(
     env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE, repeatable"),
     meta: list[str] = typer.Option([], "--meta", "-m", help="KEY=VALUE metadata, repeatable"),
     auto_pause: bool = typer.Option(False, "--auto-pause", help="Pause instead of kill on timeout"),
+    keep_memory: bool = typer.Option(
+        True, "--keep-memory/--no-keep-memory", help="With --auto-pause: keep memory, or only the file system"
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the sandbox id"),
 ) -> None:
     """Create a sandbox and print its id."""
 
     async def go(c: AsyncClient) -> AsyncSandbox:
         work = c.create(
-            template, timeout=timeout, envs=_pairs(env, "--env"), metadata=_pairs(meta, "--meta"), auto_pause=auto_pause
+            template,
+            timeout=timeout,
+            envs=_pairs(env, "--env"),
+            metadata=_pairs(meta, "--meta"),
+            auto_pause=auto_pause,
+            keep_memory=keep_memory,
         )
         return await _with_status(f"creating from {template}", work)
 
@@ -277,12 +285,19 @@ def ls(sandbox_id: str, path: str = typer.Argument("/home/user"), depth: int = t
 
 
 @app.command()
-def pause(sandbox_ids: list[str]) -> None:
-    """Pause sandboxes: their memory and processes go to disk; no CPU or RAM is held."""
+def pause(
+    sandbox_ids: list[str],
+    keep_memory: bool = typer.Option(
+        True, "--keep-memory/--no-keep-memory", help="Keep memory and processes, or only the file system"
+    ),
+) -> None:
+    """Pause sandboxes: their memory and processes go to disk; no CPU or RAM is held. With
+    --no-keep-memory only the file system is kept and the resume boots the sandbox fresh."""
 
     async def go(c: AsyncClient) -> None:
         for sid in sandbox_ids:
-            await _with_status(f"pausing {sid}", AsyncSandbox(c, {"sandboxID": sid}).pause())
+            work = AsyncSandbox(c, {"sandboxID": sid}).pause(keep_memory=keep_memory)
+            await _with_status(f"pausing {sid}", work)
 
     _run(go)
 

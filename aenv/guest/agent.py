@@ -36,6 +36,10 @@ AGENT_VERSION = "0.6.4"  # the envd API level this agent implements
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 READ_CHUNK = 256 * 1024
 SANDBOX_ID_FILE = "/run/e2b/.E2B_SANDBOX_ID"
+# Linux's per-boot id. The driver mounts a small tmpfs here (gVisor's /proc has no such file): it
+# lives in the sandbox's memory, so a checkpoint keeps it and only a fresh boot writes a new one.
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+HALT_WAIT = 5.0  # how long a pause without memory waits for the killed processes to exit
 # File operations run here, never on the event loop (a slow disk or a huge tree delays only them),
 # in a pool of their own: the freeze's sync and the checkpoint check never queue behind them.
 FILE_IO = ThreadPoolExecutor(max_workers=4, thread_name_prefix="files")
@@ -98,6 +102,13 @@ class Agent:
         op = msg.get("op")
         if op == "freeze":
             await self.heap_release.halt()
+            if msg.get("halt"):
+                # A pause that keeps no memory: the instance is stopped, not saved, so every process
+                # ends before the sync and nothing writes the file system after it.
+                from aenv.guest import runaway
+
+                await asyncio.get_running_loop().run_in_executor(None, runaway.end_every_process, HALT_WAIT)
+                self.procs.reap()
             # Write the sentry's cached file data through to the host first: the checkpoint's
             # upper (sealed into a layer on snapshot and fork) must hold what processes wrote,
             # and the metadata store, for an agent that boots on this file system again.
@@ -175,6 +186,7 @@ class Agent:
         self.egress.start(asyncio.get_running_loop())
         self.sudo.start(asyncio.get_running_loop())
         XattrServer().start()
+        _write_boot_id()
         await off_loop(metadata.STORE.load)  # what an agent before this one kept, on this file system
         await self.channel.ctrl({"op": "ready", "version": AGENT_VERSION, "pid": os.getpid()})
         await self.channel.closed.wait()
@@ -183,6 +195,28 @@ class Agent:
 def _save_then_sync() -> None:
     metadata.STORE.save()
     os.sync()
+
+
+def _write_boot_id() -> None:
+    """A new random boot id, read-only as Linux's (the tmpfs is the sandbox's memory: root there
+    could change it, as it could its own kernel's, and it affects nothing outside)."""
+    try:
+        fd = os.open(BOOT_ID_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o444)
+    except OSError:
+        return  # an instance started without the mount (a driver that has none)
+    try:
+        os.write(fd, f"{_random_uuid()}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def _random_uuid() -> str:
+    """A version 4 UUID in Linux's form, without importing uuid into every sandbox's memory."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = raw[6] & 0x0F | 0x40
+    raw[8] = raw[8] & 0x3F | 0x80
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def _write_sandbox_id(sandbox_id: str) -> None:

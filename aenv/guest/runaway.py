@@ -1,4 +1,5 @@
-"""Stopping a fork bomb before the host stops the whole sandbox.
+"""Stopping a fork bomb before the host stops the whole sandbox, and every process before a pause
+that keeps no memory.
 
 RLIMIT_NPROC caps the tasks of each user inside the sandbox, but under runsc's ptrace platform
 what a process costs on the host is not bounded by it: every guest process has a stub process on
@@ -80,6 +81,37 @@ def _kill_every(sig: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def end_every_process(wait_s: float) -> None:
+    """Kill every process but the agent (PID 1, the caller) and wait, at most ``wait_s``, until each
+    has exited: a pause that keeps no memory syncs the file system after this, so nothing writes
+    to it any more. An exited child is a zombie until the agent reaps it; its files are closed."""
+    for sig, rounds in ((signal.SIGSTOP, STOP_ROUNDS), (signal.SIGKILL, KILL_ROUNDS)):
+        for _ in range(rounds):
+            if not _kill_every(sig):
+                break
+            time.sleep(ROUND_PAUSE)
+    deadline = time.monotonic() + wait_s
+    while _others_alive() and time.monotonic() < deadline:
+        _kill_every(signal.SIGKILL)
+        time.sleep(ROUND_PAUSE)
+
+
+def _others_alive() -> bool:
+    """Whether a process other than the agent has not exited yet."""
+    own = str(os.getpid())
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or name == own:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0]
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if state != b"Z":
+            return True
+    return False
 
 
 SYS_SETRESUID = {"x86_64": 117, "aarch64": 147}

@@ -6,7 +6,17 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from aenv.channel import MAX_GUEST_STREAMS, Channel, ChannelClosed, OpenHandler, Stream, StreamError, Unsendable
+from aenv.channel import (
+    END,
+    MAX_GUEST_STREAMS,
+    Channel,
+    ChannelClosed,
+    OpenHandler,
+    Stream,
+    StreamError,
+    Unsendable,
+    end_error,
+)
 from aenv.errors import AgentTimeout, AgentUnavailable, InvalidRequest
 from aenv.runtime.base import Instance
 
@@ -113,11 +123,12 @@ class AgentLink:
             raise InvalidRequest(f"the sandbox's settings: {exc.message}", sandbox_id=self.sandbox_id) from exc
         await self._await(fut, "thaw", READY_TIMEOUT)
 
-    async def freeze(self) -> None:
-        """Bring both pipe directions to a frame boundary before a checkpoint."""
+    async def freeze(self, *, halt: bool = False) -> None:
+        """Bring both pipe directions to a frame boundary before a checkpoint. With ``halt`` the
+        agent first ends every other process (the instance will be stopped, not saved)."""
         fut = self._expect("frozen")
         try:
-            await self.within(self.channel.ctrl({"op": "freeze"}), "freeze", FREEZE_TIMEOUT)
+            await self.within(self.channel.ctrl({"op": "freeze", "halt": halt}), "freeze", FREEZE_TIMEOUT)
         except ChannelClosed as exc:
             raise AgentUnavailable(f"cannot freeze the sandbox's agent: {exc}", sandbox_id=self.sandbox_id) from exc
         self.channel.hold()
@@ -154,6 +165,18 @@ class AgentLink:
         finally:
             if not stream.remote_ended:
                 stream.cancel()  # the agent may stop working on it
+
+    async def start_detached(self, argv: list[str], env: dict[str, str], cwd: str, user: str) -> str:
+        """Start a process that runs on by itself (a template's start command, tagged "start");
+        why it did not start, or "" once it runs."""
+        process = {"cmd": argv[0], "args": argv[1:], "envs": env, "cwd": cwd}
+        stream = await self.open("process.start", {"process": process, "user": user, "tag": "start"})
+        first = await self.within(stream.recv(), "process.start")
+        if first.kind == END:
+            error = end_error(first.msg)
+            return error.message if error else "it did not start"
+        stream.cancel()  # the process runs on; nobody follows its output
+        return ""
 
     async def ping(self) -> None:
         """Return once the agent shows it is alive; AgentTimeout if it does not within the deadline.

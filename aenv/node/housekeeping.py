@@ -34,9 +34,11 @@ CONTAIN_TIMEOUT = 30.0
 
 async def recover(node: Node) -> None:
     """Reconcile records with reality after a restart: nothing that was running survives a
-    node restart (its channel pipes died with the old process), paused sandboxes do."""
+    node restart (its channel pipes died with the old process), paused sandboxes do: with their
+    checkpoint image, or without one when paused without memory (they boot fresh)."""
     for rec in await node.store.sandboxes():
-        if rec.state in (S.PAUSED, S.RESUMING) and rec.image and node.files.image(rec.image).exists():
+        kept = rec.filesystem_only or (rec.image and node.files.image(rec.image).exists())
+        if rec.state in (S.PAUSED, S.RESUMING) and kept:
             sb = LiveSandbox(rec)
             if rec.state != S.PAUSED:  # a resume the stop interrupted: its image is still there
                 await node._set_state(sb, S.PAUSED, persist=False)
@@ -259,10 +261,10 @@ def _killed(answer: Any) -> str:
     return ", ".join(shown[:8])
 
 
-async def _expire(node: Node, sandbox_id: str, *, pause: bool) -> None:
+async def _expire(node: Node, sandbox_id: str, *, pause: bool, keep_memory: bool) -> None:
     if pause:
         try:
-            await node.pause(sandbox_id)
+            await node.pause(sandbox_id, keep_memory=keep_memory)
             return
         except (SandboxNotFound, WrongState):
             return  # killed or paused meanwhile: nothing left to expire
@@ -316,7 +318,9 @@ def expire_due(node: Node, expiring: set[str]) -> float:
             continue
         log.info("sandbox %s timed out: %s", sb.id, "pausing" if sb.rec.auto_pause else "killing")
         expiring.add(sb.id)
-        task = asyncio.ensure_future(_expire(node, sb.id, pause=sb.rec.auto_pause))
+        task = asyncio.ensure_future(
+            _expire(node, sb.id, pause=sb.rec.auto_pause, keep_memory=sb.rec.auto_pause_memory)
+        )
         node._background.add(task)
         task.add_done_callback(log_failure(sb.id, node._background))
         task.add_done_callback(lambda _, sandbox_id=sb.id: expiring.discard(sandbox_id))

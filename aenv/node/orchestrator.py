@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from aenv.channel import PROTOCOL_VIOLATION, StreamError
+from aenv.channel import PROTOCOL_VIOLATION, StreamError, Unsendable
 from aenv.config import Settings
 from aenv.errors import (
     CHECKPOINT_REFUSAL,
@@ -393,6 +393,45 @@ class Node:
         if link.watcher is None:
             link.watcher = asyncio.ensure_future(self._watch(sb, link))
 
+    async def _boot_into(self, sb: LiveSandbox) -> None:
+        """Boot a fresh instance of ``sb`` on its layers and upper (a resume after a pause that kept
+        no memory): a new agent from the current bundle, the sandbox's settings, and the template's
+        start command started again, as in every sandbox made from the template."""
+        instance_id, guest = new_id(), self.driver.guest_key()
+        instance = await self.driver.boot(
+            instance_id=instance_id,
+            rootfs=self._rootfs(sb.rec.layers, sb.rec.upper, guest),
+            limits=self._limits(sb.rec),
+        )
+        link = self._new_link(sb)
+        try:
+            await link.booted(instance)
+            await link.call("sys.configure", self._agent_config(sb.rec))
+            await self._start_again(sb, link)
+        except BaseException:
+            link.close("the sandbox could not boot")
+            await self.driver.kill(instance)
+            raise
+        sb.instance, sb.link = instance, link
+        sb.rec.instance_id, sb.rec.guest = instance_id, guest
+        link.watcher = asyncio.ensure_future(self._watch(sb, link))
+
+    async def _start_again(self, sb: LiveSandbox, link: AgentLink) -> None:
+        """The template's start command, in a sandbox that booted fresh. Its record may come from a
+        repository others write: one that is not a command is skipped, as is a command that fails
+        to start (the template's own failure; the sandbox runs anyway)."""
+        start = start_command(sb.rec.start)
+        if start is None:
+            if sb.rec.start:
+                log.warning("sandbox %s: its template's start command is malformed; not started", sb.id)
+            return
+        try:
+            failure = await link.start_detached(*start)
+        except Unsendable as exc:  # larger than the channel carries: as malformed
+            failure = exc.message
+        if failure:
+            log.warning("sandbox %s: the start command did not start again: %s", sb.id, failure[:200])
+
     def _new_link(self, sb: LiveSandbox) -> AgentLink:
         sb.egress = egress.Guest(sb.id, lambda: self.policy_of(sb.id))
         return AgentLink(sb.id, serve=sb.egress, call_timeout=self.settings.agent_timeout)
@@ -533,6 +572,7 @@ class Node:
         env_vars: dict[str, str] | None = None,
         auto_pause: bool = False,
         auto_resume: bool = False,
+        auto_pause_memory: bool = True,
         limits: dict[str, Any] | None = None,
         allow_internet_access: bool | None = None,
         network: dict[str, Any] | None = None,
@@ -541,6 +581,7 @@ class Node:
         mask_request_host: str = "",
     ) -> SandboxRecord:
         timeout = self._check_timeout(timeout)
+        _check_auto_pause(auto_pause, auto_resume, auto_pause_memory)
         if allow_internet_access is None:
             allow_internet_access = self.settings.internet_by_default
         EgressPolicy.of(allow_internet_access, network)  # bad rules are the caller's 400, before any work
@@ -558,7 +599,7 @@ class Node:
             template_id, snapshot_id = source.template_id, source.id
         layers, image, guest = list(source.layers), source.image, source.guest
         base_env, base_limits = dict(source.env_vars), dict(source.limits)
-        user, workdir = source.user, source.workdir
+        user, workdir, start = source.user, source.workdir, dict(source.start)
         base_env.update(env_vars or {})
         base_limits.update(limits or {})
         now = time.time()
@@ -570,6 +611,7 @@ class Node:
             end_at=now + timeout,
             auto_pause=auto_pause,
             auto_resume=auto_resume,
+            auto_pause_memory=auto_pause_memory,
             metadata=dict(metadata or {}),
             env_vars=base_env,
             limits=base_limits,
@@ -584,6 +626,7 @@ class Node:
             public_traffic=public_traffic,
             mask_request_host=mask_request_host,
             guest=guest,
+            start=start,
         )
         sb = LiveSandbox(rec)
         self.sandboxes[rec.id] = sb
@@ -612,28 +655,49 @@ class Node:
         return timeout
 
     # -- pause and resume --------------------------------------------------------------------------------
-    async def pause(self, sandbox_id: str) -> SandboxRecord:
+    async def pause(self, sandbox_id: str, *, keep_memory: bool = True) -> SandboxRecord:
+        """Pause a running sandbox. Without ``keep_memory`` only its file system is kept (E2B's
+        filesystem-only pause): its processes end and the resume boots it fresh."""
         sb = self.get(sandbox_id)
 
         async def run() -> SandboxRecord:
             if sb.state == S.PAUSED:
                 raise WrongState(f"sandbox {sb.id} is already paused", sandbox_id=sb.id)
             await self._set_state(sb, S.PAUSING, persist=False)
+            upper = sb.rec.upper
             try:
-                image = await self._checkpoint_stopped(sb)
+                image = await self._checkpoint_stopped(sb) if keep_memory else await self._halt(sb)
             except BaseException:
                 await self._after_failed_checkpoint(sb)
                 raise
             self._stop_instance(sb, f"sandbox {sb.id} was paused")
             sb.rec.image = image
+            sb.rec.filesystem_only = not keep_memory
             sb.rec.paused_at = time.time()
             await self._set_state(sb, S.PAUSED)
+            if not keep_memory:
+                # Not checkpointed, the instance runs (its agent idle) until torn down; answer once
+                # it is gone. A resume waits for it too, should this wait be cut short.
+                await self.settled([upper])
             return sb.rec
 
-        return await self._operate(sb, "pause", run, join=True)
+        # The two kinds do not join: a pause without memory asked during a full one finds it paused.
+        return await self._operate(sb, "pause" if keep_memory else "pause_filesystem", run, join=True)
 
-    async def resume(self, sandbox_id: str, *, timeout: int | None = None) -> tuple[SandboxRecord, bool]:
-        """Resume a paused sandbox; returns (record, True if it was resumed, False if it ran)."""
+    async def _halt(self, sb: LiveSandbox) -> str:
+        """Ready the instance to be stopped keeping only its file system: the agent ends every other
+        process, saves what it keeps on disk and syncs, then writes nothing. If the agent does not
+        answer, the sandbox keeps running. Returns "" (no checkpoint image)."""
+        assert sb.instance is not None and sb.link is not None
+        await sb.link.freeze(halt=True)
+        return ""
+
+    async def resume(
+        self, sandbox_id: str, *, timeout: int | None = None, memory: bool = True
+    ) -> tuple[SandboxRecord, bool]:
+        """Resume a paused sandbox; returns (record, True if it was resumed, False if it ran).
+        Without ``memory`` (E2B's connect ``memory: false``, the SDKs' ``on_resume="reboot"``)
+        one paused with its memory boots fresh on its files instead, as one paused without."""
         sb = self.get(sandbox_id)
         timeout_s = self._check_timeout(timeout)
 
@@ -645,13 +709,20 @@ class Node:
             await self._set_state(sb, S.RESUMING, persist=False)
             try:
                 await self.files.mount(sb.rec.upper, writable=True)
-                await self._restore_into(sb, image=sb.rec.image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=True)
+                if sb.rec.filesystem_only or not memory:
+                    await self.settled([sb.rec.upper])  # the instance it paused
+                    await self._boot_into(sb)
+                else:
+                    await self._restore_into(
+                        sb, image=sb.rec.image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=True
+                    )
             except BaseException:
                 if sb.killer is None:
                     await self._set_state(sb, S.PAUSED, persist=False)
                 raise
             self.files.remove_image(sb.rec.image)
             sb.rec.image = ""
+            sb.rec.filesystem_only = False
             sb.rec.end_at = time.time() + timeout_s
             await self._set_state(sb, S.RUNNING)
             return sb.rec, True
@@ -663,13 +734,18 @@ class Node:
         sb = self.get(sandbox_id)
         if sb.state == S.RUNNING and sb.link is not None:
             return sb
-        if sb.state in (S.PAUSED, S.RESUMING) and sb.rec.auto_resume:
+        # Traffic never brings back a sandbox paused without memory: its resume is a reboot, which
+        # loses whatever ran, so only an explicit resume (connect) does that, as in E2B.
+        if sb.state in (S.PAUSED, S.RESUMING) and sb.rec.auto_resume and not sb.rec.filesystem_only:
             await self.resume(sandbox_id)
             return self.get(sandbox_id)
         async with sb.lock:  # wait out a transition in progress
             pass
         if sb.state == S.RUNNING and sb.link is not None:
             return sb
+        if sb.state == S.PAUSED and sb.rec.filesystem_only:
+            message = f"sandbox {sandbox_id} is paused without its memory; resume it explicitly (connect)"
+            raise WrongState(message, sandbox_id=sandbox_id)
         raise WrongState(f"sandbox {sandbox_id} is {sb.state.value}", sandbox_id=sandbox_id)
 
     # -- snapshot and fork -------------------------------------------------------------------------------
@@ -739,6 +815,7 @@ class Node:
                 guest=sb.rec.guest,
                 user=sb.rec.user,
                 workdir=sb.rec.workdir,
+                start=dict(sb.rec.start),
             )
             self.snapshots[snap.id] = snap
             await self.store.put_snapshot(snap)
@@ -816,6 +893,7 @@ class Node:
             end_at=now + ttl,
             auto_pause=src.auto_pause,
             auto_resume=src.auto_resume,
+            auto_pause_memory=src.auto_pause_memory,
             metadata=dict(src.metadata),
             env_vars=dict(src.env_vars),
             limits=dict(src.limits),
@@ -830,6 +908,7 @@ class Node:
             guest=src.guest,
             user=src.user,
             workdir=src.workdir,
+            start=dict(src.start),
         )
         return LiveSandbox(rec)
 
@@ -864,8 +943,10 @@ class Node:
 
     # -- timeouts and kill -------------------------------------------------------------------------------
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
+        """The sandbox expires ``timeout`` seconds from now; 0 expires it now (E2B's minimum), so
+        the reaper pauses or kills it at its next round."""
         sb = self.get(sandbox_id)
-        timeout = self._check_timeout(timeout)
+        timeout = 0 if type(timeout) is int and timeout == 0 else self._check_timeout(timeout)
         sb.rec.end_at = time.time() + timeout
         await self.store.put_sandbox(sb.rec)
         return sb.rec
@@ -916,6 +997,32 @@ class Node:
         await self._set_state(sb, S.KILLED, persist=False)
         self.sandboxes.pop(sb.id, None)
         await self.store.delete_sandbox(sb.id)
+
+
+def _check_auto_pause(auto_pause: bool, auto_resume: bool, auto_pause_memory: bool) -> None:
+    """E2B's rules for a timeout's pause without memory: it needs a pause, and traffic cannot wake
+    it (resuming it reboots the sandbox, which only an explicit request may do)."""
+    if auto_pause_memory:
+        return
+    if not auto_pause:
+        raise InvalidRequest("autoPauseMemory=false only applies when autoPause is true")
+    if auto_resume:
+        raise InvalidRequest(
+            "autoPauseMemory=false (filesystem-only auto-pause) cannot be combined with autoResume: "
+            "such a sandbox must be resumed explicitly"
+        )
+
+
+def start_command(record: dict[str, Any]) -> tuple[list[str], dict[str, str], str, str] | None:
+    """(argv, env, cwd, user) of a recorded start command (StartCommand.record), if it is one."""
+    argv, env, cwd, user = (record.get(k) for k in ("argv", "env", "cwd", "user"))
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+        return None
+    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        return None
+    if not (isinstance(cwd, str) and isinstance(user, str)):
+        return None
+    return argv, env, cwd, user
 
 
 def _public(state: SandboxState) -> str:

@@ -36,12 +36,15 @@ class SandboxRecord:
     state: SandboxState = SandboxState.CREATING
     auto_pause: bool = False
     auto_resume: bool = False
+    auto_pause_memory: bool = True  # a timeout's auto-pause keeps memory (E2B's autoPauseMemory)
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)
     layers: list[str] = field(default_factory=list)  # layer ids, lowest first
     upper: str = ""  # upper id (its directory holds upper/ and work/)
     image: str = ""  # checkpoint image id while paused
+    # Paused without memory: only the layers and upper are kept; the resume boots fresh.
+    filesystem_only: bool = False
     instance_id: str = ""  # driver instance while running
     alias: str = ""
     parent_id: str = ""  # the sandbox this one was forked from
@@ -56,6 +59,7 @@ class SandboxRecord:
     guest: str = ""  # guest bundle of the agent inside (see RootfsSpec.guest)
     user: str = ""  # default user of commands and files ("" = `user`), from the template
     workdir: str = ""  # default working directory ("" = the default user's home)
+    start: dict[str, Any] = field(default_factory=dict)  # the template's start command (StartCommand.record)
 
     def to_json(self) -> str:
         body = asdict(self)
@@ -84,6 +88,8 @@ class TemplateRecord:
     user: str = ""  # default user and workdir of its sandboxes (the recipe's last USER / WORKDIR)
     workdir: str = ""
     build_id: str = ""  # the E2B build (a UUID) that made it
+    # Its start command (StartCommand.record), run again when a sandbox of it boots fresh.
+    start: dict[str, Any] = field(default_factory=dict)
     committed_at: float = 0.0  # when the snapshot repository got it; 0 = only on this node
     commit: dict[str, Any] = field(default_factory=dict)  # the commit's report (bytes, chunks, time)
 
@@ -111,6 +117,7 @@ class SnapshotRecord:
     guest: str = ""
     user: str = ""
     workdir: str = ""
+    start: dict[str, Any] = field(default_factory=dict)
     committed_at: float = 0.0
     commit: dict[str, Any] = field(default_factory=dict)
 

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "aenv"
+BOOT_ID_DIR = "/proc/sys/kernel/random"
 MOUNT_OPTIONS_MAX = 4000  # of the page the kernel accepts, with room to spare
 CAPS = [
     "CAP_CHOWN",
@@ -199,6 +200,15 @@ class GVisorDriver:
                     "type": "tmpfs",
                     "source": "shm",
                     "options": ["nosuid", "nodev", "mode=1777"],
+                },
+                {
+                    # gVisor's /proc has no kernel/random/boot_id; the agent writes one here at each
+                    # boot. A tmpfs is the sandbox's memory: checkpoints keep it, nothing on the host
+                    # backs it, and the host never reads it.
+                    "destination": BOOT_ID_DIR,
+                    "type": "tmpfs",
+                    "source": "boot-id",
+                    "options": ["nosuid", "noexec", "nodev", "mode=0555", "size=64k"],
                 },
                 {
                     "destination": guestbundle.GUEST_MOUNT,

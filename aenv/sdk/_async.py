@@ -299,8 +299,10 @@ class AsyncSandbox:
     async def info(self) -> SandboxInfo:
         return SandboxInfo.from_json(await self.client._get(f"/sandboxes/{self.sandbox_id}"))
 
-    async def pause(self) -> None:
-        await self.client._post(f"/sandboxes/{self.sandbox_id}/pause", {})
+    async def pause(self, *, keep_memory: bool = True) -> None:
+        """Pause; without ``keep_memory`` only the file system is kept: processes end, and the
+        resume boots the sandbox fresh (a new boot id, the template's start command again)."""
+        await self.client._post(f"/sandboxes/{self.sandbox_id}/pause", {"memory": keep_memory})
 
     async def resume(self, *, timeout: int | None = None) -> None:
         body = await self.client._post(
@@ -379,13 +381,18 @@ class AsyncClient:
         metadata: Mapping[str, str] | None = None,
         envs: Mapping[str, str] | None = None,
         auto_pause: bool = False,
+        keep_memory: bool = True,
         limits: Mapping[str, Any] | None = None,
     ) -> AsyncSandbox:
+        """A new sandbox; with ``auto_pause`` its timeout pauses it (keeping only its file system
+        unless ``keep_memory``) instead of killing it."""
         body: dict[str, Any] = {"templateID": template, "metadata": dict(metadata or {}), "envVars": dict(envs or {})}
         if timeout is not None:
             body["timeout"] = timeout
         if auto_pause:
             body["autoPause"] = True
+        if not keep_memory:
+            body["autoPauseMemory"] = False
         if limits:
             body["limits"] = dict(limits)
         return AsyncSandbox(self, await self._post("/v2/sandboxes", body))

@@ -79,14 +79,16 @@ class StartCommand:
     ready: list[str] | None = None  # run until it exits 0 before the checkpoint (E2B's readyCmd)
     ready_timeout_s: float = 120.0
 
+    def record(self) -> dict[str, Any]:
+        """What a template keeps of it: a sandbox that boots fresh (resumed after a pause that kept
+        no memory) starts it again (see aenv.node.orchestrator.start_process)."""
+        return {"argv": list(self.argv), "env": dict(self.env), "cwd": self.cwd, "user": self.user}
+
     async def launch(self, link: AgentLink, log: LogFn) -> None:
         log(f"start command: {' '.join(self.argv)}")
-        process = {"cmd": self.argv[0], "args": self.argv[1:], "envs": self.env, "cwd": self.cwd}
-        stream = await link.open("process.start", {"process": process, "user": self.user, "tag": "start"})
-        first = await stream.recv()
-        if first.kind == END:
-            error = end_error(first.msg)
-            raise BuildFailed(f"start command failed: {error.message if error else 'did not start'}", step=0, output="")
+        failure = await link.start_detached(self.argv, self.env, self.cwd, self.user)
+        if failure:
+            raise BuildFailed(f"start command failed: {failure}", step=0, output="")
         if self.ready is None:
             await asyncio.sleep(self.settle_s)
             return
@@ -278,6 +280,7 @@ async def commit_template(
         guest=node.driver.guest_key(),
         user=user,
         workdir=workdir,
+        start=start.record() if start is not None else {},
     )
     await retire_builds(node, name)
     node.templates[rec.id] = rec
