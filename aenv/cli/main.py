@@ -98,6 +98,13 @@ def server(
     repo: str = typer.Option(
         None, "--repo", help="Snapshot repository: a path, s3://bucket/prefix or none [default: <data-dir>/repo]"
     ),
+    cluster: str = typer.Option(None, "--cluster", help="Join a cluster: etcd://H1:P1,H2:P2,... (docs/cluster.md)"),
+    advertise: str = typer.Option(
+        None, "--advertise", help="URL gateways reach this node at [default: http://host:port]"
+    ),
+    node_id: str = typer.Option(
+        None, "--node-id", help="This node's id in the cluster [default: kept in the data dir]"
+    ),
 ) -> None:
     """Run a node: the API on one port, with the `base` template ready."""
     from aenv.api.server import serve
@@ -113,6 +120,9 @@ def server(
         overrides["data_dir"] = data_dir
     if repo is not None:
         overrides["repo"] = repo
+    for name, value in (("cluster", cluster), ("advertise", advertise), ("node_id", node_id)):
+        if value is not None:
+            overrides[name] = value
     asyncio.run(serve(Settings(**overrides)))
 
 

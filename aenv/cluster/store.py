@@ -243,13 +243,13 @@ class ClusterStore:
         t = client.transactions
         return await self._cas("delete a sandbox entry", key, [t.mod(key) == mod_revision], t.delete(key))
 
-    async def claim_sandbox(self, sandbox_id: str, node_id: str, *, epoch: int, state: str) -> CasResult:
+    async def claim_sandbox(self, sandbox_id: str, node_id: str, *, epoch: int) -> CasResult:
         """Move a sandbox to ``node_id`` if its entry is still at ``epoch``: one transaction; of two
         claimants of the same epoch exactly one wins, the other gets the winner's entry."""
         current = await self.get_sandbox(sandbox_id)
         if current is None or current.entry.epoch != epoch:
             return CasResult(False, current)
-        moved = replace(current.entry, node_id=node_id, epoch=epoch + 1, state=state)
+        moved = replace(current.entry, node_id=node_id, epoch=epoch + 1)
         return await self.replace_sandbox(moved, current.mod_revision)
 
     async def _cas(self, what: str, key: bytes, compare: list[Any], success: Any) -> CasResult:

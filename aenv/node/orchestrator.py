@@ -117,6 +117,9 @@ class Node:
         self._teardown_of: dict[str, asyncio.Task[None]] = {}  # upper id -> its instance's teardown
         self.contained: dict[str, int] = {}  # instance id -> its host tasks when last contained
         self.started_at = time.time()
+        # Called (synchronously; they must not block or raise) after every state change of a
+        # sandbox, KILLED included: the cluster agent keeps the directory from them.
+        self.state_listeners: list[Callable[[LiveSandbox], None]] = []
 
     # -- start and stop ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -337,6 +340,8 @@ class Node:
         sb.rec.state = target
         if persist:
             await self.store.put_sandbox(sb.rec)
+        for listener in self.state_listeners:
+            listener(sb)
 
     def _limits(self, rec: SandboxRecord) -> Limits:
         return self._limits_of(rec.limits)

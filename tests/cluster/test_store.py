@@ -89,14 +89,14 @@ async def test_claims_race_on_the_epoch_one_wins(etcd: EtcdCluster, store: Clust
     others = [only(m) for m in etcd.members]
     try:
         results = await asyncio.gather(
-            *(s.claim_sandbox("sb1", f"n{i + 1}", epoch=1, state="running") for i, s in enumerate(others * 2))
+            *(s.claim_sandbox("sb1", f"n{i + 1}", epoch=1) for i, s in enumerate(others * 2))
         )
         assert sum(r.ok for r in results) == 1
         final = await store.get_sandbox("sb1")
         assert final is not None and final.entry.epoch == 2 and final.entry.node_id != "n0"
         assert all(r.current is not None and r.current.entry == final.entry for r in results if not r.ok)
         # a claim at a stale epoch changes nothing
-        stale = await store.claim_sandbox("sb1", "n9", epoch=1, state="running")
+        stale = await store.claim_sandbox("sb1", "n9", epoch=1)
         assert not stale.ok and stale.current == final
     finally:
         for s in others:
