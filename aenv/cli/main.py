@@ -127,6 +127,30 @@ def server(
 
 
 @app.command()
+def gateway(
+    cluster: str = typer.Option(
+        None, "--cluster", help="The cluster's etcd: etcd://H1:P1,... [default: $AENV_CLUSTER]"
+    ),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on"),
+    port: int = typer.Option(8080, help="Port"),
+) -> None:
+    """Run a gateway: one URL in front of the cluster's nodes (docs/cluster.md)."""
+    from aenv.cluster.gateway import GatewaySettings, serve_gateway
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    cluster = cluster or os.environ.get("AENV_CLUSTER", "")
+    if not cluster:
+        err.print("[red]error:[/red] --cluster etcd://HOST:PORT[,...] (or AENV_CLUSTER) is needed")
+        raise typer.Exit(2)
+    api_key = os.environ.get("AENV_API_KEY", "")
+    if not api_key:  # the nodes' key: the gateway's own routes (the node list) need it too
+        err.print("[red]error:[/red] AENV_API_KEY (the cluster's API key, as the nodes have it) is needed")
+        raise typer.Exit(2)
+    settings = GatewaySettings(cluster=cluster, api_key=api_key)
+    asyncio.run(serve_gateway(settings, host=host, port=port))
+
+
+@app.command()
 def create(
     template: str = typer.Option("base", "--template", "-t"),
     timeout: int = typer.Option(None, help="Seconds until the sandbox is paused or killed [default: 300]"),

@@ -1,0 +1,335 @@
+"""The gateway: one URL in front of many nodes. Stateless; run any number.
+
+It mirrors the cluster directory in memory (``Mirror``) and forwards each request to a node,
+streaming both ways:
+
+- a request that names a sandbox (the path ``/sandboxes/{id}...`` or ``/v2/sandboxes/{id}...``,
+  E2B's ``E2b-Sandbox-Id``/``E2b-Sandbox-Port`` headers, or a ``<port>-<id>.<domain>`` host) goes to
+  the node that owns the sandbox; one whose node is gone (its lease expired) answers 404 naming
+  that node;
+- ``POST /sandboxes`` (a create) goes to the least loaded ready node; a node that refuses (429) or
+  cannot be reached is skipped for the next one;
+- anything else (templates, snapshots, the node-wide API) goes to the least loaded ready node.
+
+Its own routes: ``GET /health`` (open), ``GET /nodes`` and ``GET /nodes/{id}``. Control-plane
+requests need the cluster's API key at the gateway already (the nodes check it again); sandbox
+traffic carries its own credentials (envd access tokens), which the owning node checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import random
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+
+import httpx
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
+from aenv.cluster.entries import ID_PATTERN, NodeEntry
+from aenv.cluster.mirror import Mirror
+from aenv.cluster.store import ClusterStore
+from aenv.errors import (
+    AenvError,
+    ClusterUnavailable,
+    LimitExceeded,
+    NotFound,
+    PayloadTooLarge,
+    SandboxNotFound,
+    Unauthenticated,
+    UpstreamError,
+    error_body,
+)
+
+log = logging.getLogger("aenv.gateway")
+
+SANDBOX_PATH = re.compile(r"^(?:/v2)?/sandboxes/(?P<id>[^/]+)(?:/.*)?$")
+NODE_ID_HEADER = "x-aenv-node-id"
+# Not forwarded either way (RFC 9110 7.6.1), plus what the forwarding sets itself.
+HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+    }
+)
+MAX_CREATE_BODY = 1024 * 1024  # a create's JSON (the nodes refuse more than AENV_MAX_BODY_KB anyway)
+MAX_CANDIDATES = 3  # nodes a create tries before giving up
+STARTUP_WAIT = 10.0  # seconds the gateway waits for its first read of the directory
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    cluster: str
+    api_key: str | None = None
+    connect_timeout: float = 5.0  # to a node
+    # Nodes are the cluster's own services and keep their own deadlines (agent calls, operations,
+    # quiet streams pinged); a request's answer may stream for as long as its command runs.
+    read_timeout: float | None = None
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings, mirror: Mirror) -> None:
+        self.settings = settings
+        self.mirror = mirror
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.connect_timeout, read=settings.read_timeout, write=60.0, pool=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            follow_redirects=False,
+        )
+        # Creates this gateway placed since each node last reported its load (spreads a burst).
+        self.placed: dict[str, list[float]] = {}
+        # sandbox id -> node id from creates this gateway forwarded, until the directory has them
+        self.hints: dict[str, tuple[str, float]] = {}
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    # -- ASGI ---------------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":  # WebSockets: a later slice
+            await send({"type": "websocket.close", "code": 1011})
+            return
+        request = Request(scope, receive)
+        try:
+            response = await self.route(request)
+        except AenvError as exc:
+            response = JSONResponse(error_body(exc), status_code=exc.status)
+        await response(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.mirror.start(wait=STARTUP_WAIT)
+                except ClusterUnavailable as exc:
+                    log.warning("%s; serving once it can be read", exc.message)
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.mirror.stop()
+                await self.mirror.store.close()
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def route(self, request: Request) -> Response:
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        target = sandbox_target(headers)
+        if isinstance(target, str):
+            return JSONResponse({"code": 400, "message": target}, status_code=400)
+        if target is not None:
+            sandbox_id, port = target
+            extra = {"e2b-sandbox-id": sandbox_id, "e2b-sandbox-port": str(port)}  # a host route, as headers
+            return await self.forward(request, await self.owner(sandbox_id), extra)
+        path, method = request.url.path, request.method
+        if path == "/health" and method in ("GET", "HEAD"):
+            return self.health()
+        # The control plane needs the key here already: a lookup must not tell a stranger which
+        # sandboxes exist. What the nodes open without it stays open (a signed upload's token is
+        # the node's to check).
+        if (method, path) not in PUBLIC_ROUTES and not (method == "PUT" and SIGNED_UPLOAD.fullmatch(path)):
+            self.check_key(headers)
+        if path == "/nodes" or path.startswith("/nodes/"):
+            return self.nodes(path)
+        match = SANDBOX_PATH.match(path)
+        if match:
+            return await self.forward(request, await self.owner(match["id"]))
+        if (method, path) == ("POST", "/sandboxes"):
+            return await self.create(request)
+        return await self.forward(request, self.candidates()[0])
+
+    # -- own routes ---------------------------------------------------------------------------------------
+    def health(self) -> Response:
+        m = self.mirror
+        body = {
+            "status": "ok" if m.loaded.is_set() else "starting",
+            "nodes": len(m.nodes),
+            "sandboxes": len(m.sandboxes),
+            "directoryConnected": m.connected,
+            "directoryAge": round(time.monotonic() - m.synced_at, 3) if m.synced_at else None,
+        }
+        return JSONResponse(body, status_code=200 if m.loaded.is_set() else 503)
+
+    def nodes(self, path: str) -> Response:
+        if path in ("/nodes", "/nodes/"):
+            return JSONResponse([_node_json(n) for n in sorted(self.mirror.nodes.values(), key=lambda n: n.node_id)])
+        node_id = path[len("/nodes/") :]
+        node = self.mirror.nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"no node {node_id[:80]!r} in the cluster")
+        return JSONResponse(_node_json(node))
+
+    def check_key(self, headers: dict[str, str]) -> None:
+        key = self.settings.api_key
+        if key and not hmac.compare_digest(headers.get("x-api-key", "").encode(), key.encode()):
+            raise Unauthenticated("invalid or missing API key (X-API-Key header)")
+
+    # -- where a request goes -------------------------------------------------------------------------
+    async def owner(self, sandbox_id: str) -> NodeEntry:
+        """The node serving ``sandbox_id``: from the mirror; a miss costs one read of etcd."""
+        entry, node = self.mirror.owner(sandbox_id)
+        if entry is None:
+            hint = self.hints.get(sandbox_id)
+            if hint is not None and hint[0] in self.mirror.nodes:
+                return self.mirror.nodes[hint[0]]
+            if ID_PATTERN.fullmatch(sandbox_id):
+                read = await self.mirror.store.get_sandbox(sandbox_id)
+                entry = read.entry if read is not None else None
+                node = self.mirror.nodes.get(entry.node_id) if entry is not None else None
+        if entry is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id[:80]!r} not found", sandbox_id=sandbox_id[:80])
+        if node is None:
+            raise SandboxNotFound(
+                f"sandbox {sandbox_id} was on node {entry.node_id}, which left the cluster (lost)",
+                sandbox_id=sandbox_id,
+            )
+        return node
+
+    def candidates(self) -> list[NodeEntry]:
+        """Ready nodes with room, least loaded first (ties broken at random)."""
+        ready = [n for n in self.mirror.nodes.values() if not n.draining and n.room - self._recent(n) > 0]
+        if not ready:
+            if not self.mirror.loaded.is_set():
+                raise ClusterUnavailable("the gateway has not read the cluster directory yet")
+            raise LimitExceeded("no node in the cluster has room for another sandbox")
+        return sorted(ready, key=lambda n: (self._load(n), random.random()))
+
+    def _recent(self, node: NodeEntry) -> int:
+        times = [t for t in self.placed.get(node.node_id, []) if t > node.updated_at]
+        self.placed[node.node_id] = times
+        return len(times)
+
+    def _load(self, node: NodeEntry) -> float:
+        """E2B's measure, roughly: committed CPU per core, with creates in flight counted as running."""
+        busy = node.running + node.starting + self._recent(node)
+        per_cpu = (node.cpu_committed + self._recent(node)) / max(node.cpu_count, 1.0)
+        return per_cpu + busy / max(node.max_sandboxes, 1)
+
+    # -- forwarding --------------------------------------------------------------------------------------
+    async def create(self, request: Request) -> Response:
+        body = await _read_bounded(request, MAX_CREATE_BODY)
+        failures: list[str] = []
+        for node in self.candidates()[:MAX_CANDIDATES]:
+            self.placed.setdefault(node.node_id, []).append(time.time())
+            try:
+                upstream = await self._send(request, node, body=body)
+            except UpstreamError as exc:  # not sent (connection refused, node gone): next node
+                failures.append(f"{node.node_id}: {exc.message}")
+                continue
+            if upstream.status_code == 429:
+                failures.append(f"{node.node_id}: at its limit")
+                await upstream.aclose()
+                continue
+            try:
+                content = b"".join([chunk async for chunk in upstream.aiter_raw()])
+            finally:
+                await upstream.aclose()
+            self._remember_created(content, node)
+            response = Response(content, upstream.status_code)
+            response.raw_headers = _response_headers(upstream, node)  # the node's, as sent
+            return response
+        raise LimitExceeded("no node could take the sandbox: " + "; ".join(failures)[:1000])
+
+    def _remember_created(self, content: bytes, node: NodeEntry) -> None:
+        try:
+            sandbox_id = json.loads(content).get("sandboxID")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(sandbox_id, str):
+            now = time.monotonic()
+            # the node's directory write may land after the client's next request: bridge it
+            self.hints = {k: v for k, v in self.hints.items() if now - v[1] < 60}
+            self.hints[sandbox_id] = (node.node_id, now)
+
+    async def forward(self, request: Request, node: NodeEntry, extra: dict[str, str] | None = None) -> Response:
+        upstream = await self._send(request, node, extra=extra)
+        response = StreamingResponse(
+            upstream.aiter_raw(), upstream.status_code, background=BackgroundTask(upstream.aclose)
+        )
+        response.raw_headers = _response_headers(upstream, node)
+        return response
+
+    async def _send(
+        self, request: Request, node: NodeEntry, *, body: bytes | None = None, extra: dict[str, str] | None = None
+    ) -> httpx.Response:
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
+        headers += list((extra or {}).items())
+        url = node.address + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        content: bytes | AsyncIterator[bytes] = body if body is not None else _body(request)
+        outgoing = self.client.build_request(request.method, url, headers=headers, content=content)
+        try:
+            return await self.client.send(outgoing, stream=True)
+        except httpx.TransportError as exc:
+            raise UpstreamError(f"node {node.node_id} at {node.address} did not answer: {exc!r}"[:300]) from None
+
+
+async def _body(request: Request) -> AsyncIterator[bytes]:
+    async for chunk in request.stream():
+        if chunk:
+            yield chunk
+
+
+async def _read_bounded(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdecimal() and int(declared) > limit:
+        raise PayloadTooLarge(f"the request body is larger than {limit // 1024} KiB")
+    data = bytearray()
+    async with asyncio.timeout(60):
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise PayloadTooLarge(f"the request body is larger than {limit // 1024} KiB")
+    return bytes(data)
+
+
+def _response_headers(upstream: httpx.Response, node: NodeEntry) -> list[tuple[bytes, bytes]]:
+    """The node's headers, repeated ones kept (Set-Cookie), and which node answered."""
+    headers = [(k, v) for k, v in upstream.headers.raw if k.lower().decode("latin-1") not in HOP_HEADERS]
+    headers.append((NODE_ID_HEADER.encode(), node.node_id.encode()))
+    return headers
+
+
+def _node_json(node: NodeEntry) -> dict[str, object]:
+    body = asdict(node)
+    body["room"] = node.room
+    return body
+
+
+def build_gateway(settings: GatewaySettings) -> Gateway:
+    return Gateway(settings, Mirror(ClusterStore.from_url(settings.cluster)))
+
+
+async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keepalive: int = 610) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(
+        build_gateway(settings),
+        host=host,
+        port=port,
+        lifespan="on",
+        log_level="info",
+        access_log=False,
+        timeout_keep_alive=keepalive,  # longer than clients' pools keep a connection (see AENV_HTTP_KEEPALIVE)
+        timeout_graceful_shutdown=5,
+    )
+    log.info("aenv gateway on http://%s:%d for %s", host, port, settings.cluster)
+    await uvicorn.Server(config).serve()

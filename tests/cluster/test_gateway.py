@@ -1,0 +1,201 @@
+"""`aenv gateway`: two real nodes behind one gateway, driven by the real E2B SDK."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.cluster.etcd import EtcdCluster
+from tests.cluster.nodes import start_node
+from tests.conftest import API_KEY, DATA_DIR, Server, free_port
+
+pytestmark = pytest.mark.sandbox
+LEASE_TTL = 3
+
+
+@dataclass
+class Gateway:
+    url: str
+    proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_gateway(etcd_url: str) -> Gateway:
+    port = free_port()
+    log = DATA_DIR.parent / f"{DATA_DIR.name}-gateway-{port}.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aenv.cli.main", "gateway", "--cluster", etcd_url, "--port", str(port)],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "AENV_API_KEY": API_KEY},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return Gateway(url, proc)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"gateway did not become ready:\n{log.read_text()[-3000:]}")
+
+
+@dataclass
+class Cluster:
+    etcd: EtcdCluster
+    nodes: dict[str, Server]
+    gateway: Gateway
+
+    def api(self) -> httpx.Client:
+        return httpx.Client(base_url=self.gateway.url, headers={"X-API-Key": API_KEY}, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster(server: Server) -> Iterator[Cluster]:
+    etcd = EtcdCluster(3)
+    nodes: dict[str, Server] = {}
+    gateway = None
+    try:
+        etcd.start()
+        for name in ("node-a", "node-b"):
+            nodes[name] = start_node(etcd.url, name, lease_ttl=LEASE_TTL)
+        gateway = start_gateway(etcd.url)
+        wait_for_nodes(gateway, set(nodes))
+        yield Cluster(etcd, nodes, gateway)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for node in nodes.values():
+            node.stop()
+        etcd.stop()
+
+
+def wait_for_nodes(gateway: Gateway, names: set[str], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        listed = httpx.get(f"{gateway.url}/nodes", headers={"X-API-Key": API_KEY}).json()
+        if {n["node_id"] for n in listed} == names:
+            return
+        assert time.monotonic() < deadline, f"the gateway lists {listed}, not {names}"
+        time.sleep(0.2)
+
+
+@pytest.fixture()
+def e2b_gateway(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> Cluster:
+    monkeypatch.setenv("E2B_API_KEY", API_KEY)
+    monkeypatch.setenv("E2B_API_URL", cluster.gateway.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", cluster.gateway.url)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+    return cluster
+
+
+def test_the_e2b_sdk_works_through_the_gateway(e2b_gateway: Cluster) -> None:
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=120)
+    try:
+        result = sbx.commands.run("echo hello from $(hostname) && echo oops >&2")
+        assert result.exit_code == 0 and result.stdout.startswith("hello from") and result.stderr == "oops\n"
+        sbx.files.write("/home/user/data.bin", b"\x00\x01payload" * 10000)
+        assert sbx.files.read("/home/user/data.bin", format="bytes") == b"\x00\x01payload" * 10000
+        assert sbx.is_running()
+        with e2b_gateway.api() as api:
+            r = api.get(f"/sandboxes/{sbx.sandbox_id}")
+            assert r.status_code == 200 and r.headers["x-aenv-node-id"] in e2b_gateway.nodes
+    finally:
+        sbx.kill()
+    with e2b_gateway.api() as api:
+        r = api.get(f"/sandboxes/{sbx.sandbox_id}")
+        assert r.status_code == 404
+
+
+def test_creates_spread_over_the_nodes(cluster: Cluster) -> None:
+    placed: dict[str, str] = {}
+    with cluster.api() as api:
+        try:
+            for _ in range(4):
+                r = api.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+                assert r.status_code == 201, r.text
+                placed[r.json()["sandboxID"]] = r.headers["x-aenv-node-id"]
+            assert set(placed.values()) == set(cluster.nodes), placed
+            # each is served by the node it was placed on, right after its create
+            for sid, node in placed.items():
+                r = api.post(
+                    "/process.Process/Start",
+                    headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"},
+                    json={},
+                )
+                assert r.headers.get("x-aenv-node-id") == node
+        finally:
+            for sid in placed:
+                api.delete(f"/sandboxes/{sid}")
+
+
+def test_own_routes_need_the_key_and_list_the_nodes(cluster: Cluster) -> None:
+    assert httpx.get(f"{cluster.gateway.url}/nodes").status_code == 401
+    assert httpx.get(f"{cluster.gateway.url}/nodes", headers={"X-API-Key": "e2b_wrong"}).status_code == 401
+    with cluster.api() as api:
+        nodes = api.get("/nodes").json()
+        assert {n["node_id"]: n["address"] for n in nodes} == {k: v.url for k, v in cluster.nodes.items()}
+        assert api.get("/nodes/node-a").json()["node_id"] == "node-a"
+        missing = api.get("/nodes/nope")
+        assert missing.status_code == 404 and missing.json()["code"] == 404
+        # forwarded requests are the nodes' to authenticate
+        assert httpx.get(f"{cluster.gateway.url}/sandboxes/abc").status_code == 401
+        unknown = api.get("/sandboxes/doesnotexist123")
+        assert unknown.status_code == 404 and unknown.json()["error_code"] == "sandbox_not_found"
+        bad = api.post("/sandboxes", content=b"x" * (2 * 1024 * 1024))
+        assert bad.status_code == 413
+    health = httpx.get(f"{cluster.gateway.url}/health").json()
+    assert health["status"] == "ok" and health["nodes"] == 2
+
+
+def test_a_lost_node_s_sandboxes_answer_404_naming_it(cluster: Cluster) -> None:
+    node = start_node(cluster.etcd.url, "node-lost", lease_ttl=LEASE_TTL)
+    try:
+        with node.client() as direct:
+            sid = direct.post("/sandboxes", json={"templateID": "base", "timeout": 300}).json()["sandboxID"]
+        with cluster.api() as api:
+            deadline = time.monotonic() + 10
+            while api.get(f"/sandboxes/{sid}").status_code != 200:
+                assert time.monotonic() < deadline, "the gateway never found the sandbox"
+                time.sleep(0.2)
+            node.stop(signal.SIGKILL)
+            deadline = time.monotonic() + LEASE_TTL + 5
+            while (r := api.get(f"/sandboxes/{sid}")).status_code != 404:
+                assert time.monotonic() < deadline, "the gateway still routes to a dead node"
+                time.sleep(0.3)
+            assert "node-lost" in r.json()["message"] and r.json()["error_code"] == "sandbox_not_found"
+            envd = api.post(
+                "/filesystem.Filesystem/Stat",
+                headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"},
+                json={"path": "/"},
+            )
+            assert envd.status_code == 404 and "node-lost" in envd.json()["message"]
+            # creates keep working on the others
+            r = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+            assert r.status_code == 201 and r.headers["x-aenv-node-id"] in cluster.nodes
+            api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+    finally:
+        node.restart()  # a crashed node's mounts and instances go at its next start
+        node.stop()
