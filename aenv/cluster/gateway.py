@@ -70,6 +70,9 @@ HOP_HEADERS = frozenset(
 )
 MAX_CREATE_BODY = 1024 * 1024  # a create's JSON (the nodes refuse more than AENV_MAX_BODY_KB anyway)
 MAX_CANDIDATES = 3  # nodes a create tries before giving up
+# Sandboxes this gateway created, known from the create's answer until the node's entry arrives.
+MAX_HINTS = 100_000
+HINT_SECONDS = 60.0
 STARTUP_WAIT = 10.0  # seconds the gateway waits for its first read of the directory
 
 
@@ -155,7 +158,7 @@ class Gateway:
             return await self.forward(request, await self.owner(match["id"]))
         if (method, path) == ("POST", "/sandboxes"):
             return await self.create(request)
-        return await self.forward(request, self.candidates()[0])
+        return await self.forward(request, self.any_node())
 
     # -- own routes ---------------------------------------------------------------------------------------
     def health(self) -> Response:
@@ -187,9 +190,12 @@ class Gateway:
     async def owner(self, sandbox_id: str) -> NodeEntry:
         """The node serving ``sandbox_id``: from the mirror; a miss costs one read of etcd."""
         entry, node = self.mirror.owner(sandbox_id)
-        if entry is None:
-            hint = self.hints.get(sandbox_id)
-            if hint is not None and hint[0] in self.mirror.nodes:
+        if entry is not None:
+            self.hints.pop(sandbox_id, None)  # the directory has it now
+        else:
+            hint = self.hints.pop(sandbox_id, None)
+            if hint is not None and hint[0] in self.mirror.nodes and time.monotonic() - hint[1] < HINT_SECONDS:
+                self.hints[sandbox_id] = hint
                 return self.mirror.nodes[hint[0]]
             if ID_PATTERN.fullmatch(sandbox_id):
                 read = await self.mirror.store.get_sandbox(sandbox_id)
@@ -212,6 +218,13 @@ class Gateway:
                 raise ClusterUnavailable("the gateway has not read the cluster directory yet")
             raise LimitExceeded("no node in the cluster has room for another sandbox")
         return sorted(ready, key=lambda n: (self._load(n), random.random()))
+
+    def any_node(self) -> NodeEntry:
+        """The least loaded node, for what any node answers alike (templates, snapshots)."""
+        nodes = [n for n in self.mirror.nodes.values() if not n.draining]
+        if not nodes:
+            raise ClusterUnavailable("no node in the cluster is up")
+        return min(nodes, key=lambda n: (self._load(n), random.random()))
 
     def _recent(self, node: NodeEntry) -> int:
         times = [t for t in self.placed.get(node.node_id, []) if t > node.updated_at]
@@ -257,8 +270,10 @@ class Gateway:
         if isinstance(sandbox_id, str):
             now = time.monotonic()
             # the node's directory write may land after the client's next request: bridge it
-            self.hints = {k: v for k, v in self.hints.items() if now - v[1] < 60}
-            self.hints[sandbox_id] = (node.node_id, now)
+            if len(self.hints) >= MAX_HINTS:
+                self.hints = {k: v for k, v in self.hints.items() if now - v[1] < HINT_SECONDS}
+            if len(self.hints) < MAX_HINTS:
+                self.hints[sandbox_id] = (node.node_id, now)
 
     async def forward(self, request: Request, node: NodeEntry, extra: dict[str, str] | None = None) -> Response:
         upstream = await self._send(request, node, extra=extra)

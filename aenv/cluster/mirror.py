@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from aenv.cluster.entries import NODES_PREFIX, SANDBOXES_PREFIX, EntryError, NodeEntry, SandboxEntry, decode
+from aenv.cluster.entries import NODES_PREFIX, SANDBOXES_PREFIX, E, EntryError, NodeEntry, SandboxEntry, decode
 from aenv.cluster.store import Change, ClusterStore, Listing, WatchCompacted
 from aenv.errors import ClusterUnavailable
 
@@ -127,17 +127,12 @@ class Mirror:
             self._changed.notify_all()
 
 
-def _put_or_delete(
-    table: dict[str, NodeEntry] | dict[str, SandboxEntry],
-    cls: type[NodeEntry] | type[SandboxEntry],
-    name: str,
-    change: Change,
-) -> None:
+def _put_or_delete(table: dict[str, E], cls: type[E], name: str, change: Change) -> None:
     if change.kind == "delete":
         table.pop(name, None)
         return
     try:
-        table[name] = decode(cls, change.value)  # type: ignore[assignment]
+        table[name] = decode(cls, change.value)
     except EntryError as exc:
         log.warning("skipping cluster entry %s: %s", change.key[:200], exc)
         table.pop(name, None)

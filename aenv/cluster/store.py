@@ -26,6 +26,7 @@ from aenv.cluster.entries import (
     NODES_PREFIX,
     PREFIX,
     SANDBOXES_PREFIX,
+    E,
     EntryError,
     NodeEntry,
     SandboxEntry,
@@ -115,7 +116,7 @@ class Change:
     create_revision: int
 
 
-class _Client(aetcd.Client):
+class _Client(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type hints
     """aetcd's client, asking for a leader on every request (unary and watch)."""
 
     async def connect(self) -> None:
@@ -312,7 +313,7 @@ async def _translated(watch: Any) -> AsyncIterator[Any]:
         raise ClusterUnavailable(f"the cluster store watch ended: {_reason(exc)}") from None
 
 
-def _versioned(cls: type[NodeEntry] | type[SandboxEntry], kv: Any) -> Versioned:
+def _versioned(cls: type[E], kv: Any) -> Versioned:
     return Versioned(decode(cls, kv.value), int(kv.mod_revision), int(kv.create_revision))
 
 

@@ -199,3 +199,50 @@ def test_a_lost_node_s_sandboxes_answer_404_naming_it(cluster: Cluster) -> None:
     finally:
         node.restart()  # a crashed node's mounts and instances go at its next start
         node.stop()
+
+
+def test_a_port_and_id_host_routes_to_the_sandbox_s_node(cluster: Cluster) -> None:
+    with cluster.api() as api:
+        r = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+        sid, node = r.json()["sandboxID"], r.headers["x-aenv-node-id"]
+        try:
+            health = httpx.get(f"{cluster.gateway.url}/health", headers={"Host": f"49983-{sid}.cluster.test"})
+            assert health.status_code == 204 and health.headers["x-aenv-node-id"] == node
+            unknown = httpx.get(f"{cluster.gateway.url}/health", headers={"Host": "49983-nosuchsandbox1.cluster.test"})
+            assert unknown.status_code == 404
+            half = httpx.get(f"{cluster.gateway.url}/health", headers={"E2b-Sandbox-Id": sid})
+            assert half.status_code == 400
+        finally:
+            api.delete(f"/sandboxes/{sid}")
+
+
+def test_without_quorum_running_sandboxes_keep_working(e2b_gateway: Cluster) -> None:
+    # last in this module: it stops two etcd members (and starts them again)
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=120)
+    down = e2b_gateway.etcd.members[:2]
+    try:
+        for m in down:
+            m.stop(signal.SIGKILL)
+        assert sbx.commands.run("echo still here").stdout == "still here\n"
+        sbx.files.write("/tmp/q", "no quorum")
+        assert sbx.files.read("/tmp/q") == "no quorum"
+        with e2b_gateway.api() as api:
+            assert api.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 200
+            # a sandbox the directory never had: its lookup needs etcd, which cannot answer
+            start = time.monotonic()
+            r = api.get("/sandboxes/neverexisted12345")
+            assert r.status_code == 503 and r.json()["error_code"] == "cluster_unavailable"
+            assert time.monotonic() - start < 5
+    finally:
+        for m in down:
+            m.start()
+        e2b_gateway.etcd.wait_healthy(e2b_gateway.etcd.members)
+    assert sbx.commands.run("echo back").stdout == "back\n"
+    sbx.kill()
+    with e2b_gateway.api() as api:
+        deadline = time.monotonic() + 15
+        while api.get(f"/sandboxes/{sbx.sandbox_id}").status_code != 404:
+            assert time.monotonic() < deadline
+            time.sleep(0.3)

@@ -6,6 +6,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TypeVar
 
 import aetcd
@@ -184,7 +185,7 @@ async def test_mirror_resumes_after_its_member_is_killed(etcd: EtcdCluster, stor
         assert await mirror.wait_for(lambda m: "sb1" in m.sandboxes, 5)
         first.stop(signal.SIGKILL)
         for i in range(5):
-            await retrying(lambda i=i: writer.create_sandbox(sandbox(f"after{i}")))
+            await retrying(partial(writer.create_sandbox, sandbox(f"after{i}")))
         assert await mirror.wait_for(lambda m: all(f"after{i}" in m.sandboxes for i in range(5)), 15)
         assert mirror.reloads == 1  # resumed from its revision, not read again
         etcd.restart(first)
@@ -206,7 +207,7 @@ async def test_mirror_reads_everything_again_after_compaction(etcd: EtcdCluster,
         first.stop(signal.SIGKILL)  # the mirror loses its only member
         await retrying(lambda: writer.delete_sandbox("sb1", created.mod_revision))
         for i in range(3):
-            await retrying(lambda i=i: writer.create_sandbox(sandbox(f"new{i}")))
+            await retrying(partial(writer.create_sandbox, sandbox(f"new{i}")))
         status = await retrying(writer.read_all)
         await raw.compact(status.revision)
         etcd.restart(first)
