@@ -42,6 +42,7 @@ from aenv.node.sandbox import LiveSandbox
 from aenv.node.state import PUBLIC_STATE, SandboxState
 
 log = logging.getLogger("aenv.cluster.agent")
+WRITES_IN_FLIGHT = 16  # directory writes one sync has outstanding (a burst of creates lands at once)
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -69,6 +70,7 @@ class NodeAgent:
         self.started_at = time.time()
         self.written: dict[str, Versioned] = {}  # this node's entries as last written or read
         self.foreign: set[str] = set()  # sandboxes here whose entry another node owns
+        self.reached_at = time.monotonic()  # the last time a heartbeat got through to etcd
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._last_error = ""
@@ -82,6 +84,7 @@ class NodeAgent:
         self.written = {k: v for k, v in listing.sandboxes.items() if v.entry.node_id == self.node_id}
         await self.sync()
         self.node.state_listeners.append(self._changed)
+        self.node.admission_checks.append(self.admit)
         self._task = asyncio.create_task(self._run(), name="cluster-agent")
 
     async def stop(self) -> None:
@@ -89,6 +92,8 @@ class NodeAgent:
         removes the node's entry at once instead of after its TTL."""
         if self._changed in self.node.state_listeners:
             self.node.state_listeners.remove(self._changed)
+        if self.admit in self.node.admission_checks:
+            self.node.admission_checks.remove(self.admit)
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -106,6 +111,20 @@ class NodeAgent:
 
     def _changed(self, sb: LiveSandbox) -> None:
         self._wake.set()
+
+    def admit(self) -> None:
+        """Refuse new sandboxes while etcd does not answer: one no gateway could find, on a node
+        whose registration may be expiring, is worse than a clear 503 the client can retry."""
+        silent = time.monotonic() - self.reached_at
+        if silent > self.unreachable_after:
+            raise ClusterUnavailable(
+                f"node {self.node_id} has not reached the cluster store for {silent:.0f} s (no quorum?): "
+                "it takes no new sandboxes until it does"
+            )
+
+    @property
+    def unreachable_after(self) -> float:
+        return max(3 * self.interval, 2.0)
 
     async def _run(self) -> None:
         next_beat = time.monotonic() + self.interval
@@ -136,6 +155,7 @@ class NodeAgent:
     async def _register(self) -> None:
         self.lease_id = await self.store.grant_lease(self.lease_ttl)
         await self.store.put_node(self.entry(), self.lease_id)
+        self.reached_at = time.monotonic()
         log.info("registered node %s (%s) with the cluster", self.node_id, self.address)
 
     async def _heartbeat(self) -> None:
@@ -144,6 +164,7 @@ class NodeAgent:
             await self._register()
             return
         await self.store.put_node(self.entry(), self.lease_id)
+        self.reached_at = time.monotonic()
 
     def entry(self) -> NodeEntry:
         settings: Settings = self.node.settings
@@ -204,14 +225,15 @@ class NodeAgent:
     async def sync(self) -> None:
         """Bring this node's directory entries in line with its sandboxes (one CAS each change)."""
         desired = self.desired()
+        writes: list[Awaitable[None]] = []
         for sandbox_id, entry in desired.items():
             have = self.written.get(sandbox_id)
             if have is None:
-                await self._create(entry)
+                writes.append(self._create(entry))
             elif have.entry != _with_epoch(entry, have.entry.epoch):
-                await self._replace(_with_epoch(entry, have.entry.epoch), have)
-        for sandbox_id in [i for i in self.written if i not in desired]:
-            await self._delete(sandbox_id)
+                writes.append(self._replace(_with_epoch(entry, have.entry.epoch), have))
+        writes += [self._delete(i) for i in self.written if i not in desired]
+        await _bounded_gather(writes, WRITES_IN_FLIGHT)
         self.foreign &= set(self.node.sandboxes)
 
     async def _create(self, entry: SandboxEntry) -> None:
@@ -229,6 +251,7 @@ class NodeAgent:
     async def _delete(self, sandbox_id: str) -> None:
         have = self.written[sandbox_id]
         result = await self.store.delete_sandbox(sandbox_id, have.mod_revision)
+        self.reached_at = time.monotonic()
         if result.ok or result.current is None or result.current.entry.node_id != self.node_id:
             self.written.pop(sandbox_id, None)  # gone, or no longer ours to delete
         else:
@@ -237,6 +260,7 @@ class NodeAgent:
     def _settle(self, sandbox_id: str, ok: bool, current: Versioned | None) -> None:
         """Record a write's outcome. A failed CAS leaves what is there: ours (retry at the next
         tick with its revision), nothing (create it next tick), or another node's (stale here)."""
+        self.reached_at = time.monotonic()
         if current is None:
             self.written.pop(sandbox_id, None)
         elif current.entry.node_id == self.node_id:
@@ -253,6 +277,21 @@ class NodeAgent:
             self.foreign.add(sandbox_id)
         if not ok:
             self._wake.set()
+
+
+async def _bounded_gather(calls: list[Awaitable[None]], limit: int) -> None:
+    """Run ``calls`` at most ``limit`` at a time; the first failure is raised once all are done
+    (the others' outcomes are recorded: nothing is written twice)."""
+    gate = asyncio.Semaphore(limit)
+
+    async def one(call: Awaitable[None]) -> None:
+        async with gate:
+            await call
+
+    results = await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
 
 
 def _with_epoch(entry: SandboxEntry, epoch: int) -> SandboxEntry:

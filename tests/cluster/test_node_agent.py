@@ -153,3 +153,36 @@ async def test_an_entry_another_node_owns_is_not_overwritten(node_a: Server, etc
             assert mirror.sandboxes[sid].node_id == "node-elsewhere"
     finally:
         await store.close()
+
+
+async def test_without_quorum_a_node_refuses_new_sandboxes_until_it_returns(
+    node_a: Server, etcd: EtcdCluster, mirror: Mirror
+) -> None:
+    async with client(node_a) as api:
+        before = (await api.post("/sandboxes", json={"templateID": "base", "timeout": 120})).json()["sandboxID"]
+        await until(mirror, lambda m: before in m.sandboxes)
+        down = etcd.members[:2]
+        for m in down:
+            m.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (r := await api.post("/sandboxes", json={"templateID": "base", "timeout": 60})).status_code == 201:
+            await api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+            assert time.monotonic() < deadline, "the node kept taking sandboxes it cannot register"
+            await asyncio.sleep(0.5)
+        assert r.status_code == 503, r.text
+        assert r.json()["error_code"] == "cluster_unavailable" and "node-a" in r.json()["message"]
+        fork = await api.post(f"/sandboxes/{before}/fork", json={"count": 1})
+        assert fork.status_code == 503, fork.text
+        # what runs keeps running
+        assert (await api.get(f"/sandboxes/{before}")).json()["state"] == "running"
+        for m in down:
+            m.start()
+        etcd.wait_healthy(etcd.members)
+        deadline = time.monotonic() + 20
+        while (r := await api.post("/sandboxes", json={"templateID": "base", "timeout": 60})).status_code != 201:
+            assert r.status_code == 503 and time.monotonic() < deadline, r.text
+            await asyncio.sleep(0.5)
+        sid = r.json()["sandboxID"]
+        await until(mirror, lambda m: sid in m.sandboxes, 15, "the create after quorum returned")
+        for s in (sid, before):
+            assert (await api.delete(f"/sandboxes/{s}")).status_code == 204
