@@ -136,6 +136,7 @@ def gateway(
 ) -> None:
     """Run a gateway: one URL in front of the cluster's nodes (docs/cluster.md)."""
     from aenv.cluster.gateway import GatewaySettings, serve_gateway
+    from aenv.cluster.store import parse_cluster_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     cluster = cluster or os.environ.get("AENV_CLUSTER", "")
@@ -146,6 +147,11 @@ def gateway(
     if not api_key:  # the nodes' key: the gateway's own routes (the node list) need it too
         err.print("[red]error:[/red] AENV_API_KEY (the cluster's API key, as the nodes have it) is needed")
         raise typer.Exit(2)
+    try:
+        parse_cluster_url(cluster)
+    except AenvError as exc:
+        err.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(2) from None
     settings = GatewaySettings(cluster=cluster, api_key=api_key)
     asyncio.run(serve_gateway(settings, host=host, port=port))
 

@@ -29,9 +29,8 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
 import httpx
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
@@ -134,7 +133,7 @@ class Gateway:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def route(self, request: Request) -> Response:
+    async def route(self, request: Request) -> Response | Relay:
         headers = {k.lower(): v for k, v in request.headers.items()}
         target = sandbox_target(headers)
         if isinstance(target, str):
@@ -275,13 +274,8 @@ class Gateway:
             if len(self.hints) < MAX_HINTS:
                 self.hints[sandbox_id] = (node.node_id, now)
 
-    async def forward(self, request: Request, node: NodeEntry, extra: dict[str, str] | None = None) -> Response:
-        upstream = await self._send(request, node, extra=extra)
-        response = StreamingResponse(
-            upstream.aiter_raw(), upstream.status_code, background=BackgroundTask(upstream.aclose)
-        )
-        response.raw_headers = _response_headers(upstream, node)
-        return response
+    async def forward(self, request: Request, node: NodeEntry, extra: dict[str, str] | None = None) -> Relay:
+        return Relay(await self._send(request, node, extra=extra), node)
 
     async def _send(
         self, request: Request, node: NodeEntry, *, body: bytes | None = None, extra: dict[str, str] | None = None
@@ -289,12 +283,55 @@ class Gateway:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
         headers += list((extra or {}).items())
         url = node.address + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        content: bytes | AsyncIterator[bytes] = body if body is not None else _body(request)
+        content: bytes | AsyncIterator[bytes] | None = body
+        if body is None and ("content-length" in request.headers or "transfer-encoding" in request.headers):
+            content = _body(request)  # streamed as it arrives; httpx keeps the client's Content-Length
         outgoing = self.client.build_request(request.method, url, headers=headers, content=content)
         try:
             return await self.client.send(outgoing, stream=True)
         except httpx.TransportError as exc:
             raise UpstreamError(f"node {node.node_id} at {node.address} did not answer: {exc!r}"[:300]) from None
+
+
+class Relay:
+    """A node's response streamed to the client as it comes. The node's connection is closed
+    however the relay ends: the body done, the client gone (even while the node is quiet, as
+    during a long command), or the node failing mid-way (the client's response is cut short)."""
+
+    def __init__(self, upstream: httpx.Response, node: NodeEntry) -> None:
+        self.upstream = upstream
+        self.node = node
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            start = {"status": self.upstream.status_code, "headers": _response_headers(self.upstream, self.node)}
+            await send({"type": "http.response.start", **start})
+            relay = asyncio.ensure_future(self._relay(send))
+            gone = asyncio.ensure_future(_client_gone(receive))
+            try:
+                await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                relay.cancel()
+            if not relay.cancelled():
+                relay.result()
+        finally:
+            await self.upstream.aclose()
+
+    async def _relay(self, send: Send) -> None:
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.TransportError as exc:
+            log.warning("node %s broke off a response: %r", self.node.node_id, exc)
+            return  # no final body message: the server ends the connection, the client sees it cut
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _client_gone(receive: Receive) -> None:
+    """Returns once the client disconnects (the request's body has been read by then)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _body(request: Request) -> AsyncIterator[bytes]:

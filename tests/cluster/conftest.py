@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -10,8 +12,16 @@ from aenv.cluster.store import ClusterStore
 from tests.cluster.etcd import EtcdCluster
 
 
+def require_etcd() -> None:
+    if shutil.which("etcd") is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the cluster tests: etcd is missing (scripts/install installs etcd-server)")
+        pytest.skip("needs etcd (Debian: apt-get install etcd-server; scripts/install does it)")
+
+
 @pytest.fixture()
 def etcd() -> Iterator[EtcdCluster]:
+    require_etcd()
     cluster = EtcdCluster(3)
     try:
         cluster.start()

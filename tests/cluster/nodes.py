@@ -22,6 +22,7 @@ def start_node(etcd_url: str, name: str, *, lease_ttl: int = 3, extra_env: dict[
         "AENV_CLUSTER_LEASE_TTL": str(lease_ttl),
         "AENV_REPO": str(DATA_DIR / "repo"),
         "AENV_SPARE_UPPERS": "1",  # two cores shared by every node of the test
+        "AENV_REPO_GC_INTERVAL": "0",  # the repository is the session server's too
         **(extra_env or {}),
     }
     return start_server(node_data_dir(name), port=port, extra_env=env)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from tests.cluster.conftest import require_etcd
 from tests.cluster.etcd import EtcdCluster
 from tests.cluster.nodes import start_node
 from tests.conftest import API_KEY, DATA_DIR, Server, free_port
@@ -72,6 +73,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(server: Server) -> Iterator[Cluster]:
+    require_etcd()
     etcd = EtcdCluster(3)
     nodes: dict[str, Server] = {}
     gateway = None
