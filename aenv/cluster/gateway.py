@@ -19,6 +19,7 @@ traffic carries its own credentials (envd access tokens), which the owning node 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import logging
@@ -27,6 +28,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
+from datetime import datetime
 
 import httpx
 from starlette.requests import Request
@@ -40,6 +42,7 @@ from aenv.cluster.store import ClusterStore
 from aenv.errors import (
     AenvError,
     ClusterUnavailable,
+    InvalidRequest,
     LimitExceeded,
     NotFound,
     PayloadTooLarge,
@@ -47,6 +50,7 @@ from aenv.errors import (
     Unauthenticated,
     UpstreamError,
     error_body,
+    from_body,
 )
 
 log = logging.getLogger("aenv.gateway")
@@ -72,7 +76,10 @@ MAX_CANDIDATES = 3  # nodes a create tries before giving up
 # Sandboxes this gateway created, known from the create's answer until the node's entry arrives.
 MAX_HINTS = 100_000
 HINT_SECONDS = 60.0
-STARTUP_WAIT = 10.0  # seconds the gateway waits for its first read of the directory
+STARTUP_WAIT = 10.0
+QueryItems = list[tuple[str, str | int | float | bool | None]]
+MAX_LIST_PAGES = 100  # of 100 sandboxes, from one node for one list
+LIST_TIMEOUT = 30.0  # seconds the gateway waits for its first read of the directory
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +164,8 @@ class Gateway:
             return await self.forward(request, await self.owner(match["id"]))
         if (method, path) == ("POST", "/sandboxes"):
             return await self.create(request)
+        if method == "GET" and path in ("/sandboxes", "/v2/sandboxes"):
+            return await self.list_sandboxes(request, paginated=path == "/v2/sandboxes")
         return await self.forward(request, self.any_node())
 
     # -- own routes ---------------------------------------------------------------------------------------
@@ -235,6 +244,50 @@ class Gateway:
         busy = node.running + node.starting + self._recent(node)
         per_cpu = (node.cpu_committed + self._recent(node)) / max(node.cpu_count, 1.0)
         return per_cpu + busy / max(node.max_sandboxes, 1)
+
+    # -- lists ---------------------------------------------------------------------------------------------
+    async def list_sandboxes(self, request: Request, *, paginated: bool) -> Response:
+        """Every node's list, merged: v1 as one array; v2 ordered by start time (``order``) and
+        paged here with the node's contract (``limit`` <= 100, ``nextToken`` / ``X-Next-Token``).
+        A node that cannot answer fails the list (502 naming it): a partial list would tell a
+        cleanup script that live sandboxes are gone."""
+        query: QueryItems = [(k, v) for k, v in request.query_params.multi_items() if k not in ("limit", "nextToken")]
+        limit, start = _page_of(request) if paginated else (0, 0)
+        nodes = sorted(self.mirror.nodes.values(), key=lambda n: n.node_id)
+        lists = await asyncio.gather(*(self._node_list(request, n, query, paginated) for n in nodes))
+        items = [item for answer in lists for item in answer]
+        if not paginated:
+            return JSONResponse(items)
+        newest_first = request.query_params.get("order", "desc") != "asc"
+        items.sort(key=_started_at, reverse=newest_first)
+        headers = {}
+        if start + limit < len(items):
+            headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+        return JSONResponse(items[start : start + limit], headers=headers)
+
+    async def _node_list(
+        self, request: Request, node: NodeEntry, query: QueryItems, paginated: bool
+    ) -> list[dict[str, object]]:
+        path = "/v2/sandboxes" if paginated else "/sandboxes"
+        headers = {"x-api-key": request.headers.get("x-api-key", "")}
+        items: list[dict[str, object]] = []
+        token: str | None = None
+        for _ in range(MAX_LIST_PAGES):
+            params = query + ([("limit", "100")] if paginated else []) + ([("nextToken", token)] if token else [])
+            try:
+                r = await self.client.get(node.address + path, params=params, headers=headers, timeout=LIST_TIMEOUT)
+            except httpx.TransportError as exc:
+                raise UpstreamError(f"node {node.node_id} did not answer the list: {exc!r}"[:300]) from None
+            if r.status_code != 200:
+                raise _node_error(r, node)
+            page = r.json()
+            if not isinstance(page, list):
+                raise UpstreamError(f"node {node.node_id} answered the list with something else than a list")
+            items += page
+            token = r.headers.get("x-next-token") if paginated else None
+            if not token:
+                return items
+        raise UpstreamError(f"node {node.node_id} lists more than {MAX_LIST_PAGES * 100} sandboxes")
 
     # -- forwarding --------------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
@@ -326,6 +379,41 @@ class Relay:
             log.warning("node %s broke off a response: %r", self.node.node_id, exc)
             return  # no final body message: the server ends the connection, the client sees it cut
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _started_at(item: dict[str, object]) -> float:
+    try:
+        return datetime.fromisoformat(str(item.get("startedAt", ""))).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def _page_of(request: Request) -> tuple[int, int]:
+    """(limit, offset) of a v2 list, checked as a node checks them."""
+    raw_limit = request.query_params.get("limit", "100")
+    if not raw_limit.isdecimal() or not 1 <= int(raw_limit) <= 100:
+        raise InvalidRequest("limit must be an integer from 1 to 100")
+    token = request.query_params.get("nextToken")
+    start = 0
+    if token:
+        try:
+            start = int(base64.urlsafe_b64decode(token.encode()).decode())
+        except ValueError:
+            raise InvalidRequest("nextToken is not valid") from None
+        if start < 0:
+            raise InvalidRequest("nextToken is not valid")
+    return int(raw_limit), start
+
+
+def _node_error(response: httpx.Response, node: NodeEntry) -> AenvError:
+    """A node's refusal of a fan-out request, as the node said it (a client's mistake stays 4xx)."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.status_code < 500 and isinstance(body, dict):
+        return from_body(response.status_code, body)
+    return UpstreamError(f"node {node.node_id} answered the list with {response.status_code}")
 
 
 async def _client_gone(receive: Receive) -> None:

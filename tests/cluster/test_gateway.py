@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -216,6 +217,38 @@ def test_a_port_and_id_host_routes_to_the_sandbox_s_node(cluster: Cluster) -> No
             assert half.status_code == 400
         finally:
             api.delete(f"/sandboxes/{sid}")
+
+
+def test_lists_merge_every_node_with_the_node_s_filters_and_pages(e2b_gateway: Cluster) -> None:
+    from e2b import Sandbox, SandboxQuery, SandboxState
+
+    run = uuid.uuid4().hex[:8]
+    boxes = [Sandbox.create(timeout=120, metadata={"suite": run, "n": str(i)}) for i in range(4)]
+    try:
+        with e2b_gateway.api() as api:
+            placed = {api.get(f"/sandboxes/{b.sandbox_id}").headers["x-aenv-node-id"] for b in boxes}
+            assert placed == set(e2b_gateway.nodes)  # the list below has to merge both
+            assert boxes[0].pause() is True
+            pager = Sandbox.list(query=SandboxQuery(metadata={"suite": run}), limit=3)
+            found = pager.next_items()
+            assert len(found) == 3 and pager.has_next
+            found += pager.next_items()
+            assert not pager.has_next
+            assert sorted(s.sandbox_id for s in found) == sorted(b.sandbox_id for b in boxes)
+            started = [s.started_at for s in found]
+            assert started == sorted(started, reverse=True)
+            running = Sandbox.list(query=SandboxQuery(metadata={"suite": run}, state=[SandboxState.RUNNING]))
+            assert {s.sandbox_id for s in running.next_items()} == {b.sandbox_id for b in boxes[1:]}
+            legacy = api.get("/sandboxes", params={"metadata": f"suite={run}"})
+            assert legacy.status_code == 200
+            assert {s["sandboxID"] for s in legacy.json()} == {b.sandbox_id for b in boxes[1:]}
+            assert api.get("/v2/sandboxes", params={"limit": "0"}).status_code == 400
+            assert api.get("/v2/sandboxes", params={"nextToken": "!!"}).status_code == 400
+            bad = api.get("/v2/sandboxes", params={"state": "nonsense"})
+            assert bad.status_code == 400 and bad.json()["error_code"] == "invalid_request"
+    finally:
+        for box in boxes:
+            Sandbox.kill(box.sandbox_id)
 
 
 def test_without_quorum_running_sandboxes_keep_working(e2b_gateway: Cluster) -> None:
