@@ -112,6 +112,14 @@ class Settings(BaseSettings):
     # None = max_fork + 1 (a whole fork's worth); 0 = none.
     spare_uppers: int | None = Field(None, ge=0)
 
+    # Cluster membership (docs/cluster.md): the etcd members (etcd://H1:P1,H2:P2,...), the URL
+    # gateways reach this node at (default: http://host:port), and its id (default: made once
+    # and kept in <data-dir>/node-id). Without `cluster` the node stands alone.
+    cluster: str | None = None
+    advertise: str | None = None
+    node_id: str | None = None
+    cluster_lease_ttl: int = Field(10, ge=2, le=300)  # seconds a dead node stays registered
+
     debian_mirror: str | None = None  # None = the host's apt sources
     debian_suite: str = "bookworm"
     build_base: bool = True  # build the `base` template on start if it is missing

@@ -14,6 +14,7 @@
     │   └── WrongState                       409 wrong_state
     ├── LimitExceeded                        429 limit_exceeded  (Should-Retry: false)
     ├── UpstreamError                        502 upstream_error (a registry failed or is out of reach)
+    ├── ClusterUnavailable                   503 cluster_unavailable (etcd has no quorum or is out of reach)
     ├── SandboxError                         500 sandbox_error
     │   ├── RuntimeFailure                   500 runtime_failure (a driver binary failed)
     │   └── AgentUnavailable (ConnectionError)  500 agent_unavailable
@@ -108,6 +109,11 @@ class UpstreamError(AenvError):
     """A service the node talks to for the client (an image registry) failed or could not be reached."""
 
 
+class ClusterUnavailable(AenvError):
+    """The cluster store (etcd) did not answer within its deadline: no quorum, or out of reach.
+    What needs a directory write fails fast with this; running sandboxes keep being served."""
+
+
 class SandboxError(AenvError):
     pass
 
@@ -171,6 +177,7 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     WrongState: (409, "wrong_state"),
     LimitExceeded: (429, "limit_exceeded"),
     UpstreamError: (502, "upstream_error"),
+    ClusterUnavailable: (503, "cluster_unavailable"),
     SandboxError: (500, "sandbox_error"),
     RuntimeFailure: (500, "runtime_failure"),
     # Not 409: E2B's SDKs read 409 on pause as "already paused".

@@ -51,8 +51,13 @@ async def serve(
             except LookupError:
                 say("building the `base` template (first start only; takes about a minute)")
             await ensure_base(node, on_log=say)
+        app = build(node, api_key, start_node=False)
+        if settings.cluster:
+            from aenv.cluster.agent import leaving_with, start_agent
+
+            app = leaving_with(app, await start_agent(node, settings))
         config = uvicorn.Config(
-            build(node, api_key, start_node=False),
+            app,
             host=settings.host,
             port=settings.port,
             log_level="info",

@@ -98,6 +98,13 @@ def server(
     repo: str = typer.Option(
         None, "--repo", help="Snapshot repository: a path, s3://bucket/prefix or none [default: <data-dir>/repo]"
     ),
+    cluster: str = typer.Option(None, "--cluster", help="Join a cluster: etcd://H1:P1,H2:P2,... (docs/cluster.md)"),
+    advertise: str = typer.Option(
+        None, "--advertise", help="URL gateways reach this node at [default: http://host:port]"
+    ),
+    node_id: str = typer.Option(
+        None, "--node-id", help="This node's id in the cluster [default: kept in the data dir]"
+    ),
 ) -> None:
     """Run a node: the API on one port, with the `base` template ready."""
     from aenv.api.server import serve
@@ -113,7 +120,40 @@ def server(
         overrides["data_dir"] = data_dir
     if repo is not None:
         overrides["repo"] = repo
+    for name, value in (("cluster", cluster), ("advertise", advertise), ("node_id", node_id)):
+        if value is not None:
+            overrides[name] = value
     asyncio.run(serve(Settings(**overrides)))
+
+
+@app.command()
+def gateway(
+    cluster: str = typer.Option(
+        None, "--cluster", help="The cluster's etcd: etcd://H1:P1,... [default: $AENV_CLUSTER]"
+    ),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on"),
+    port: int = typer.Option(8080, help="Port"),
+) -> None:
+    """Run a gateway: one URL in front of the cluster's nodes (docs/cluster.md)."""
+    from aenv.cluster.gateway import GatewaySettings, serve_gateway
+    from aenv.cluster.store import parse_cluster_url
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    cluster = cluster or os.environ.get("AENV_CLUSTER", "")
+    if not cluster:
+        err.print("[red]error:[/red] --cluster etcd://HOST:PORT[,...] (or AENV_CLUSTER) is needed")
+        raise typer.Exit(2)
+    api_key = os.environ.get("AENV_API_KEY", "")
+    if not api_key:  # the nodes' key: the gateway's own routes (the node list) need it too
+        err.print("[red]error:[/red] AENV_API_KEY (the cluster's API key, as the nodes have it) is needed")
+        raise typer.Exit(2)
+    try:
+        parse_cluster_url(cluster)
+    except AenvError as exc:
+        err.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(2) from None
+    settings = GatewaySettings(cluster=cluster, api_key=api_key)
+    asyncio.run(serve_gateway(settings, host=host, port=port))
 
 
 @app.command()

@@ -119,6 +119,12 @@ class Node:
         self.contained: dict[str, int] = {}  # instance id -> its host tasks when last contained
         self.usage_history = UsageHistory(settings.metrics_interval, settings.metrics_history)
         self.started_at = time.time()
+        # Called (synchronously; they must not block or raise) after every state change of a
+        # sandbox, KILLED included: the cluster agent keeps the directory from them.
+        self.state_listeners: list[Callable[[LiveSandbox], None]] = []
+        # Called before a create or a fork starts (new sandboxes): each may refuse by raising
+        # (the cluster agent refuses while the node cannot write the directory).
+        self.admission_checks: list[Callable[[], None]] = []
 
     # -- start and stop ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -349,6 +355,8 @@ class Node:
         sb.rec.state = target
         if persist:
             await self.store.put_sandbox(sb.rec)
+        for listener in self.state_listeners:
+            listener(sb)
 
     def _limits(self, rec: SandboxRecord) -> Limits:
         return self._limits_of(rec.limits)
@@ -585,6 +593,7 @@ class Node:
         if allow_internet_access is None:
             allow_internet_access = self.settings.internet_by_default
         EgressPolicy.of(allow_internet_access, network)  # bad rules are the caller's 400, before any work
+        self._admit()
         live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
         if live >= self.settings.max_sandboxes:
             raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
@@ -644,6 +653,10 @@ class Node:
             return rec
 
         return await self._operate(sb, "create", run, join=False)
+
+    def _admit(self) -> None:
+        for check in self.admission_checks:
+            check()
 
     def _check_timeout(self, timeout: int | None) -> int:
         if timeout is None:
@@ -844,6 +857,7 @@ class Node:
         if count > self.settings.max_fork:
             raise InvalidRequest(f"count may be at most {self.settings.max_fork}")
         child_timeout = self._check_timeout(timeout) if timeout is not None else None
+        self._admit()
 
         async def run() -> list[ForkResult]:
             image, layers = await self._branch(sb, S.FORKING)

@@ -1,0 +1,378 @@
+"""The node agent: a node's membership in the cluster and its sandboxes' directory entries.
+
+It registers the node under a lease (its entry vanishes when the node stops renewing it), rewrites
+the entry with the node's load about once a second, and keeps one directory entry per sandbox the
+node holds. The node tells it of every state change (``Node.state_listeners``); the agent writes
+from its own task, so no sandbox operation ever waits on etcd. Each tick also compares what the
+directory should say with what was last written, so a write lost to an etcd outage, or a change
+made without a state change (a new timeout), is caught up on.
+
+An entry another node owns (the directory gave the sandbox away: a higher epoch) is never
+overwritten; the node's instance of it is stale (handled by a later slice: kill it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from aenv import __version__
+from aenv.cluster.entries import (
+    EntryError,
+    NodeEntry,
+    SandboxEntry,
+    Versioned,
+    bounded_metadata,
+    check_id,
+)
+from aenv.cluster.store import ClusterStore
+from aenv.config import Settings
+from aenv.errors import ClusterUnavailable, InvalidRequest
+from aenv.node.sandbox import LiveSandbox
+from aenv.node.state import PUBLIC_STATE, SandboxState
+
+log = logging.getLogger("aenv.cluster.agent")
+WRITES_IN_FLIGHT = 16  # directory writes one sync has outstanding (a burst of creates lands at once)
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        node: Any,  # aenv.node.orchestrator.Node (Any: the orchestrator imports nothing of the cluster)
+        store: ClusterStore,
+        *,
+        node_id: str,
+        address: str,
+        lease_ttl: int = 10,
+        interval: float = 1.0,
+    ) -> None:
+        self.node = node
+        self.store = store
+        self.node_id = check_id(node_id, "node id")
+        self.address = address
+        self.lease_ttl = lease_ttl
+        self.interval = interval
+        self.lease_id = 0
+        self.started_at = time.time()
+        self.written: dict[str, Versioned] = {}  # this node's entries as last written or read
+        self.foreign: set[str] = set()  # sandboxes here whose entry another node owns
+        self.reached_at = time.monotonic()  # the last time a heartbeat got through to etcd
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._last_error = ""
+
+    # -- start and stop -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Register (fails with ClusterUnavailable if etcd cannot be reached), adopt this node's
+        existing directory entries, then keep both up to date from a task of its own."""
+        await self._register()
+        listing = await self.store.read_all()
+        self.written = {k: v for k, v in listing.sandboxes.items() if v.entry.node_id == self.node_id}
+        await self.sync()
+        self.node.state_listeners.append(self._changed)
+        self.node.admission_checks.append(self.admit)
+        self._task = asyncio.create_task(self._run(), name="cluster-agent")
+
+    async def stop(self) -> None:
+        """Write the last states (the node paused its sandboxes), then leave: revoking the lease
+        removes the node's entry at once instead of after its TTL."""
+        if self._changed in self.node.state_listeners:
+            self.node.state_listeners.remove(self._changed)
+        if self.admit in self.node.admission_checks:
+            self.node.admission_checks.remove(self.admit)
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        try:
+            await self.sync()
+            if self.lease_id:
+                await self.store.revoke_lease(self.lease_id)
+        except ClusterUnavailable as exc:
+            log.warning("leaving the cluster: %s (the node's entry goes when its lease runs out)", exc.message)
+        await self.store.close()
+
+    def _changed(self, sb: LiveSandbox) -> None:
+        self._wake.set()
+
+    def admit(self) -> None:
+        """Refuse new sandboxes while etcd does not answer: one no gateway could find, on a node
+        whose registration may be expiring, is worse than a clear 503 the client can retry."""
+        silent = time.monotonic() - self.reached_at
+        if silent > self.unreachable_after:
+            raise ClusterUnavailable(
+                f"node {self.node_id} has not reached the cluster store for {silent:.0f} s (no quorum?): "
+                "it takes no new sandboxes until it does"
+            )
+
+    @property
+    def unreachable_after(self) -> float:
+        return max(3 * self.interval, 2.0)
+
+    async def _run(self) -> None:
+        next_beat = time.monotonic() + self.interval
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, next_beat - time.monotonic()))
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.interval
+                    await self._heartbeat()
+                await self.sync()
+                self._last_error = ""
+            except ClusterUnavailable as exc:
+                if exc.message != self._last_error:  # once per distinct failure, not every second
+                    log.warning("cluster store: %s", exc.message)
+                self._last_error = exc.message
+                await asyncio.sleep(self.interval / 2)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("cluster agent tick failed")
+                await asyncio.sleep(self.interval)
+
+    # -- the node's entry ------------------------------------------------------------------------------
+    async def _register(self) -> None:
+        self.lease_id = await self.store.grant_lease(self.lease_ttl)
+        await self.store.put_node(self.entry(), self.lease_id)
+        self.reached_at = time.monotonic()
+        log.info("registered node %s (%s) with the cluster", self.node_id, self.address)
+
+    async def _heartbeat(self) -> None:
+        if not await self.store.keep_alive(self.lease_id):
+            log.warning("node %s's lease expired; registering again", self.node_id)
+            await self._register()
+            return
+        await self.store.put_node(self.entry(), self.lease_id)
+        self.reached_at = time.monotonic()
+
+    def entry(self) -> NodeEntry:
+        settings: Settings = self.node.settings
+        running = paused = starting = 0
+        cpu = 0.0
+        memory = 0
+        for sb in list(self.node.sandboxes.values()):
+            if sb.state == SandboxState.PAUSED:
+                paused += 1
+                continue
+            if sb.state == SandboxState.RUNNING:
+                running += 1
+            else:
+                starting += 1
+            limits = self.node._limits(sb.rec)  # the boundary of issue 12 will give this a public name
+            cpu += limits.cpu_count
+            memory += limits.memory_mb
+        return NodeEntry(
+            node_id=self.node_id,
+            address=self.address,
+            driver=settings.driver,
+            version=__version__,
+            running=running,
+            paused=paused,
+            starting=starting,
+            max_sandboxes=settings.max_sandboxes,
+            cpu_count=float(os.cpu_count() or 1),
+            memory_mb=_host_memory_mb(),
+            cpu_committed=round(cpu, 3),
+            memory_committed_mb=memory,
+            load1=round(os.getloadavg()[0], 2),
+            started_at=self.started_at,
+            updated_at=round(time.time(), 3),
+        )
+
+    # -- the sandboxes' entries -------------------------------------------------------------------------
+    def desired(self) -> dict[str, SandboxEntry]:
+        """What the directory should say about each sandbox this node holds."""
+        out: dict[str, SandboxEntry] = {}
+        for sb in list(self.node.sandboxes.values()):
+            if sb.state == SandboxState.KILLED or sb.id in self.foreign:
+                continue
+            rec = sb.rec
+            metadata, omitted = bounded_metadata(rec.metadata)
+            out[sb.id] = SandboxEntry(
+                sandbox_id=sb.id,
+                node_id=self.node_id,
+                state=PUBLIC_STATE[sb.state],
+                template_id=rec.template_id,
+                alias=rec.alias[:200],
+                started_at=rec.started_at,
+                end_at=rec.end_at,
+                metadata=metadata,
+                metadata_omitted=omitted,
+            )
+        return out
+
+    async def sync(self) -> None:
+        """Bring this node's directory entries in line with its sandboxes (one CAS each change)."""
+        desired = self.desired()
+        writes: list[Awaitable[None]] = []
+        for sandbox_id, entry in desired.items():
+            have = self.written.get(sandbox_id)
+            if have is None:
+                writes.append(self._create(entry))
+            elif have.entry != _with_epoch(entry, have.entry.epoch):
+                writes.append(self._replace(_with_epoch(entry, have.entry.epoch), have))
+        writes += [self._delete(i) for i in self.written if i not in desired]
+        await _bounded_gather(writes, WRITES_IN_FLIGHT)
+        self.foreign &= set(self.node.sandboxes)
+
+    async def _create(self, entry: SandboxEntry) -> None:
+        try:
+            result = await self.store.create_sandbox(entry)
+        except EntryError as exc:
+            log.warning("sandbox %s has no directory entry: %s", entry.sandbox_id, exc)
+            return
+        self._settle(entry.sandbox_id, result.ok, result.current)
+
+    async def _replace(self, entry: SandboxEntry, have: Versioned) -> None:
+        result = await self.store.replace_sandbox(entry, have.mod_revision)
+        self._settle(entry.sandbox_id, result.ok, result.current)
+
+    async def _delete(self, sandbox_id: str) -> None:
+        have = self.written[sandbox_id]
+        result = await self.store.delete_sandbox(sandbox_id, have.mod_revision)
+        self.reached_at = time.monotonic()
+        if result.ok or result.current is None or result.current.entry.node_id != self.node_id:
+            self.written.pop(sandbox_id, None)  # gone, or no longer ours to delete
+        else:
+            self.written[sandbox_id] = result.current  # ours, changed meanwhile: next tick retries
+
+    def _settle(self, sandbox_id: str, ok: bool, current: Versioned | None) -> None:
+        """Record a write's outcome. A failed CAS leaves what is there: ours (retry at the next
+        tick with its revision), nothing (create it next tick), or another node's (stale here)."""
+        self.reached_at = time.monotonic()
+        if current is None:
+            self.written.pop(sandbox_id, None)
+        elif current.entry.node_id == self.node_id:
+            self.written[sandbox_id] = current
+        else:
+            self.written.pop(sandbox_id, None)
+            if sandbox_id not in self.foreign:
+                log.warning(
+                    "sandbox %s belongs to node %s in the directory (epoch %d); not claiming it",
+                    sandbox_id,
+                    current.entry.node_id,
+                    current.entry.epoch,
+                )
+            self.foreign.add(sandbox_id)
+        if not ok:
+            self._wake.set()
+
+
+async def _bounded_gather(calls: list[Awaitable[None]], limit: int) -> None:
+    """Run ``calls`` at most ``limit`` at a time; the first failure is raised once all are done
+    (the others' outcomes are recorded: nothing is written twice)."""
+    gate = asyncio.Semaphore(limit)
+
+    async def one(call: Awaitable[None]) -> None:
+        async with gate:
+            await call
+
+    results = await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
+def _with_epoch(entry: SandboxEntry, epoch: int) -> SandboxEntry:
+    return replace(entry, epoch=epoch)
+
+
+def _host_memory_mb() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20)
+    except (ValueError, OSError):
+        return 0
+
+
+# -- configuration -------------------------------------------------------------------------------------
+def node_id_of(settings: Settings) -> str:
+    """AENV_NODE_ID, else one made once from the host name and kept in the data dir (a restart
+    keeps its id, so it takes its directory entries back)."""
+    if settings.node_id:
+        return check_id(settings.node_id, "node id")
+    path: Path = settings.data_dir / "node-id"
+    try:
+        return check_id(path.read_text().strip(), "node id")
+    except FileNotFoundError:
+        pass
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40].strip("-._") or "node"
+    node_id = f"{host}-{secrets.token_hex(3)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(node_id + "\n")
+    return node_id
+
+
+def advertise_of(settings: Settings) -> str:
+    """The URL gateways reach this node at: AENV_ADVERTISE, else the listening address (refused
+    when that is a wildcard, which names no host)."""
+    if settings.advertise:
+        parts = urlsplit(settings.advertise)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+            raise InvalidRequest(f"--advertise must be http(s)://HOST:PORT, not {settings.advertise[:200]!r}")
+        return settings.advertise.rstrip("/")
+    if settings.host in ("0.0.0.0", "::", ""):
+        raise InvalidRequest("--advertise http://ADDRESS:PORT is needed when listening on every address")
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return f"http://{host}:{settings.port}"
+
+
+async def start_agent(node: Any, settings: Settings) -> NodeAgent:
+    """Join the cluster named by ``settings.cluster`` (raises ClusterUnavailable if out of reach)."""
+    assert settings.cluster
+    store = ClusterStore.from_url(settings.cluster)
+    agent = NodeAgent(
+        node,
+        store,
+        node_id=node_id_of(settings),
+        address=advertise_of(settings),
+        lease_ttl=settings.cluster_lease_ttl,
+    )
+    try:
+        await agent.start()
+    except BaseException:
+        await store.close()
+        raise
+    return agent
+
+
+def leaving_with(app: ASGIApp, agent: NodeAgent) -> ASGIApp:
+    """``app``, with the agent stopped once the app's own shutdown is done (the node has paused
+    its sandboxes then; uvicorn re-raises a stopping signal right after, so it cannot wait)."""
+
+    async def wrapped(
+        scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
+    ) -> None:
+        if scope["type"] != "lifespan":
+            await app(scope, receive, send)
+            return
+
+        async def on_send(message: Message) -> None:
+            if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                await agent.stop()
+            await send(message)
+
+        await app(scope, receive, on_send)
+
+    return wrapped

@@ -1,0 +1,166 @@
+"""What the cluster store holds: one entry per node (under the node's lease) and one per sandbox.
+
+Keys:
+    /aenv/nodes/<node-id>          NodeEntry, JSON, under the node's lease: gone when the node dies
+    /aenv/sandboxes/<sandbox-id>   SandboxEntry, JSON; changed only by compare-and-swap transactions
+
+Values are bounded (a node's entry, a sandbox's entry and its metadata) and decoded strictly: what
+comes out of etcd was written by a node, but a bad or oversized value costs its one entry, never
+the mirror.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, TypeVar
+
+PREFIX = "/aenv/"
+NODES_PREFIX = PREFIX + "nodes/"
+SANDBOXES_PREFIX = PREFIX + "sandboxes/"
+
+MAX_NODE_ENTRY = 16 * 1024
+MAX_SANDBOX_ENTRY = 16 * 1024
+# A sandbox's metadata (E2B's free-form labels) is kept in its entry for lists only while it fits
+# in this many bytes of JSON; larger metadata is left out (and said so) rather than refused.
+MAX_ENTRY_METADATA = 8 * 1024
+# Node ids and sandbox ids become key segments: a safe, short alphabet.
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+class EntryError(ValueError):
+    """A value that is not a valid entry (malformed, oversized or with a bad id)."""
+
+
+def check_id(value: str, what: str) -> str:
+    if not ID_PATTERN.fullmatch(value):
+        raise EntryError(f"invalid {what} {value[:80]!r}: 1-63 characters of A-Z a-z 0-9 . _ -")
+    return value
+
+
+def node_key(node_id: str) -> bytes:
+    return (NODES_PREFIX + check_id(node_id, "node id")).encode()
+
+
+def sandbox_key(sandbox_id: str) -> bytes:
+    return (SANDBOXES_PREFIX + check_id(sandbox_id, "sandbox id")).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEntry:
+    """A node's registration and load, rewritten about once a second while it lives."""
+
+    node_id: str
+    address: str  # the URL gateways forward to
+    driver: str
+    version: str
+    running: int = 0
+    paused: int = 0
+    starting: int = 0  # sandboxes in an operation (creating, pausing, resuming, forking, ...)
+    max_sandboxes: int = 0
+    cpu_count: float = 0.0  # the host's cores
+    memory_mb: int = 0  # the host's memory
+    cpu_committed: float = 0.0  # the running sandboxes' CPU limits added up
+    memory_committed_mb: int = 0  # the running sandboxes' memory limits added up
+    load1: float = 0.0
+    draining: bool = False
+    started_at: float = 0.0
+    updated_at: float = 0.0
+
+    @property
+    def room(self) -> int:
+        """Sandboxes this node may still start (placement skips nodes with none)."""
+        return self.max_sandboxes - self.running - self.starting
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxEntry:
+    """Where a sandbox lives. ``epoch`` counts ownership changes: every change of ``node`` is one
+    transaction that compares it, so two writers never both win."""
+
+    sandbox_id: str
+    node_id: str
+    state: str  # the public state: running or paused
+    epoch: int = 1
+    template_id: str = ""
+    alias: str = ""
+    started_at: float = 0.0
+    end_at: float = 0.0
+    metadata: dict[str, str] = field(default_factory=dict)
+    metadata_omitted: bool = False  # the sandbox has metadata too large for its entry
+
+
+@dataclass(frozen=True, slots=True)
+class Versioned:
+    """An entry as read: its value plus etcd's revisions of its key (the CAS token)."""
+
+    entry: Any
+    mod_revision: int
+    create_revision: int
+
+
+E = TypeVar("E", NodeEntry, SandboxEntry)
+
+
+def encode(entry: NodeEntry | SandboxEntry) -> bytes:
+    data = json.dumps(asdict(entry), separators=(",", ":"), allow_nan=False).encode()
+    limit = MAX_NODE_ENTRY if isinstance(entry, NodeEntry) else MAX_SANDBOX_ENTRY
+    if len(data) > limit:
+        raise EntryError(f"{type(entry).__name__} of {len(data)} bytes is over the {limit}-byte bound")
+    return data
+
+
+def decode(cls: type[E], data: bytes) -> E:
+    limit = MAX_NODE_ENTRY if cls is NodeEntry else MAX_SANDBOX_ENTRY
+    if len(data) > limit:
+        raise EntryError(f"{cls.__name__} of {len(data)} bytes is over the {limit}-byte bound")
+    try:
+        raw = json.loads(data)
+    except ValueError as exc:
+        raise EntryError(f"{cls.__name__} is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise EntryError(f"{cls.__name__} is not an object")
+    known = {f.name: f.type for f in fields(cls)}
+    values = {k: v for k, v in raw.items() if k in known}  # newer writers may add fields
+    try:
+        entry = cls(**values)
+    except TypeError as exc:
+        raise EntryError(f"{cls.__name__}: {exc}") from None
+    _check_types(entry)
+    return entry
+
+
+def _check_types(entry: NodeEntry | SandboxEntry) -> None:
+    for f in fields(entry):
+        value = getattr(entry, f.name)
+        expected = _PY_TYPES[str(f.type)]
+        if isinstance(value, bool) and expected is not bool:
+            raise EntryError(f"{type(entry).__name__}.{f.name} is not {f.type}")
+        if expected is float and isinstance(value, int):
+            continue
+        if not isinstance(value, expected):
+            raise EntryError(f"{type(entry).__name__}.{f.name} is not {f.type}")
+    if isinstance(entry, SandboxEntry):
+        check_id(entry.sandbox_id, "sandbox id")
+        check_id(entry.node_id, "node id")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in entry.metadata.items()):
+            raise EntryError("SandboxEntry.metadata is not a map of strings")
+    else:
+        check_id(entry.node_id, "node id")
+
+
+_PY_TYPES: dict[str, type] = {
+    "str": str,
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "dict[str, str]": dict,
+}
+
+
+def bounded_metadata(metadata: dict[str, str]) -> tuple[dict[str, str], bool]:
+    """The metadata an entry keeps, and whether any was left out for size."""
+    if len(json.dumps(metadata, separators=(",", ":"))) <= MAX_ENTRY_METADATA:
+        return dict(metadata), False
+    return {}, True

@@ -1,0 +1,322 @@
+"""The cluster store: etcd v3 through `aetcd` (gRPC), with a deadline on every call.
+
+Every failure to reach a quorum becomes ``ClusterUnavailable`` (503) within the call's deadline:
+requests carry etcd's "require leader" metadata, so a member cut off from the others refuses at
+once instead of waiting for an election that cannot happen. Sandbox entries change only through
+transactions that compare the key's revision (read, then write if nobody wrote in between); the
+loser of a race gets the winner's entry back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, replace
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+import aetcd
+import aetcd.exceptions
+import aetcd.rtypes
+
+from aenv.cluster.entries import (
+    NODES_PREFIX,
+    PREFIX,
+    SANDBOXES_PREFIX,
+    E,
+    EntryError,
+    NodeEntry,
+    SandboxEntry,
+    Versioned,
+    decode,
+    encode,
+    node_key,
+    sandbox_key,
+)
+from aenv.errors import ClusterUnavailable, InvalidRequest
+
+log = logging.getLogger("aenv.cluster")
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT = 2.0  # seconds any one call may take
+MAX_ENDPOINTS = 16
+# etcd refuses a request on a member that has no leader when this metadata is set (instead of
+# holding it until an election that, without quorum, never comes).
+REQUIRE_LEADER = (("hasleader", "true"),)
+# Keepalive pings find a dead member behind a connection that never closes (etcd's default
+# enforcement allows one every 5 s).
+CHANNEL_OPTIONS = {
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.keepalive_permit_without_calls": 1,
+    "grpc.max_receive_message_length": 64 * 2**20,
+}
+
+
+class WatchCompacted(ClusterUnavailable):
+    """A watch cannot resume where it stopped: etcd compacted that history. Read everything again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    host: str
+    port: int
+
+
+def parse_cluster_url(url: str) -> list[Endpoint]:
+    """``etcd://H1:P1,H2:P2,...`` (the port defaults to 2379) -> the member list."""
+    parts = urlsplit(url)
+    if parts.scheme != "etcd" or not parts.netloc or parts.path not in ("", "/") or parts.query:
+        raise InvalidRequest(f"cluster URL must be etcd://HOST[:PORT][,HOST[:PORT]...], not {url[:200]!r}")
+    endpoints = [_endpoint(item) for item in parts.netloc.split(",") if item]
+    if not endpoints or len(endpoints) > MAX_ENDPOINTS:
+        raise InvalidRequest(f"cluster URL must name 1 to {MAX_ENDPOINTS} etcd members")
+    return endpoints
+
+
+def _endpoint(item: str) -> Endpoint:
+    split = urlsplit("//" + item)
+    try:
+        port = split.port or 2379
+    except ValueError:
+        raise InvalidRequest(f"invalid etcd member {item[:100]!r}") from None
+    if not split.hostname:
+        raise InvalidRequest(f"invalid etcd member {item[:100]!r}")
+    return Endpoint(split.hostname, port)
+
+
+@dataclass(frozen=True, slots=True)
+class CasResult:
+    """A compare-and-swap's outcome: whether it was applied, and the key's entry afterwards (the
+    one written, or the one that was there and made it fail; None when there is none)."""
+
+    ok: bool
+    current: Versioned | None
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """Everything under /aenv/ at one revision."""
+
+    revision: int
+    nodes: dict[str, Versioned]
+    sandboxes: dict[str, Versioned]
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    kind: Literal["put", "delete"]
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+
+
+class _Client(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type hints
+    """aetcd's client, asking for a leader on every request (unary and watch)."""
+
+    async def connect(self) -> None:
+        await super().connect()
+        self.metadata = REQUIRE_LEADER
+        if self._watcher is not None:
+            self._watcher._metadata = REQUIRE_LEADER  # aetcd hands its watcher the metadata at connect
+
+
+class ClusterStore:
+    """One connection to the etcd cluster. Safe to share between tasks of one event loop."""
+
+    def __init__(self, endpoints: list[Endpoint], *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if not endpoints:
+            raise InvalidRequest("no etcd member given")
+        self.endpoints = endpoints
+        self.timeout = timeout
+        self._client: _Client | None = None
+        self._connecting = asyncio.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> ClusterStore:
+        return cls(parse_cluster_url(url), timeout=timeout)
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                await asyncio.wait_for(client.close(), self.timeout)
+            except (TimeoutError, aetcd.exceptions.ClientError) as exc:
+                log.warning("closing the cluster store connection: %s", exc)
+
+    # -- calls ----------------------------------------------------------------------------------------
+    async def _connected(self) -> _Client:
+        async with self._connecting:
+            if self._client is None:
+                target = await self._target()
+                # gRPC tries the members in order and moves on when one is down (pick_first).
+                # aetcd joins host and port into the gRPC target: split ours at its last port.
+                host, port = target.rsplit(":", 1)
+                self._client = _Client(host=host, port=int(port), timeout=self.timeout, options=CHANNEL_OPTIONS)
+            return self._client
+
+    async def _target(self) -> str:
+        """A gRPC target naming every member: ``ipv4:A:P,B:P`` (or ``ipv6:[A]:P,...``)."""
+        loop = asyncio.get_running_loop()
+        addresses: list[tuple[str, int]] = []
+        for ep in self.endpoints:
+            try:
+                ip = ipaddress.ip_address(ep.host)
+                addresses.append((str(ip), ep.port))
+                continue
+            except ValueError:
+                pass
+            try:
+                infos = await asyncio.wait_for(
+                    loop.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM), self.timeout
+                )
+            except (OSError, TimeoutError) as exc:
+                log.warning("cannot resolve etcd member %s: %s", ep.host, exc)
+                continue
+            addresses.extend((str(info[4][0]), ep.port) for info in infos)
+        v4 = [f"{a}:{p}" for a, p in addresses if ":" not in a]
+        v6 = [f"[{a}]:{p}" for a, p in addresses if ":" in a]
+        if v4:
+            return "ipv4:" + ",".join(dict.fromkeys(v4))
+        if v6:
+            return "ipv6:" + ",".join(dict.fromkeys(v6))
+        raise ClusterUnavailable("no etcd member address could be resolved")
+
+    async def _call(self, what: str, call: Awaitable[T]) -> T:
+        try:
+            return await asyncio.wait_for(call, self.timeout + 0.5)
+        except aetcd.exceptions.RevisionCompactedError as exc:
+            raise WatchCompacted(f"cluster store: {what}: {exc}") from None
+        except (aetcd.exceptions.ClientError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"the cluster store did not answer ({what}): {_reason(exc)}") from None
+
+    # -- nodes ---------------------------------------------------------------------------------------
+    async def grant_lease(self, ttl: int) -> int:
+        client = await self._connected()
+        lease = await self._call("grant a lease", client.lease(ttl))
+        return int(lease.id)
+
+    async def keep_alive(self, lease_id: int) -> bool:
+        """Renew a lease once; False when it has already expired."""
+        client = await self._connected()
+        reply = await self._call("renew a lease", client.refresh_lease(lease_id))
+        return reply is not None and int(reply.TTL) > 0
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        client = await self._connected()
+        await self._call("revoke a lease", client.revoke_lease(lease_id))
+
+    async def put_node(self, entry: NodeEntry, lease_id: int) -> None:
+        client = await self._connected()
+        await self._call("register a node", client.put(node_key(entry.node_id), encode(entry), lease=lease_id))
+
+    async def nodes(self) -> list[NodeEntry]:
+        return [v.entry for v in (await self.read_all()).nodes.values()]
+
+    # -- sandboxes --------------------------------------------------------------------------------------
+    async def get_sandbox(self, sandbox_id: str) -> Versioned | None:
+        client = await self._connected()
+        got = await self._call("read a sandbox", client.get(sandbox_key(sandbox_id)))
+        return None if got is None else _versioned(SandboxEntry, got)
+
+    async def create_sandbox(self, entry: SandboxEntry) -> CasResult:
+        """Write a sandbox's first entry; fails (with the entry there) if the id is taken."""
+        client = await self._connected()
+        key = sandbox_key(entry.sandbox_id)
+        t = client.transactions
+        return await self._cas("create a sandbox entry", key, [t.create(key) == 0], t.put(key, encode(entry)))
+
+    async def replace_sandbox(self, entry: SandboxEntry, mod_revision: int) -> CasResult:
+        """Rewrite an entry if nobody changed it since it was read at ``mod_revision``."""
+        client = await self._connected()
+        key = sandbox_key(entry.sandbox_id)
+        t = client.transactions
+        return await self._cas("update a sandbox entry", key, [t.mod(key) == mod_revision], t.put(key, encode(entry)))
+
+    async def delete_sandbox(self, sandbox_id: str, mod_revision: int) -> CasResult:
+        client = await self._connected()
+        key = sandbox_key(sandbox_id)
+        t = client.transactions
+        return await self._cas("delete a sandbox entry", key, [t.mod(key) == mod_revision], t.delete(key))
+
+    async def claim_sandbox(self, sandbox_id: str, node_id: str, *, epoch: int) -> CasResult:
+        """Move a sandbox to ``node_id`` if its entry is still at ``epoch``: one transaction; of two
+        claimants of the same epoch exactly one wins, the other gets the winner's entry."""
+        current = await self.get_sandbox(sandbox_id)
+        if current is None or current.entry.epoch != epoch:
+            return CasResult(False, current)
+        moved = replace(current.entry, node_id=node_id, epoch=epoch + 1)
+        return await self.replace_sandbox(moved, current.mod_revision)
+
+    async def _cas(self, what: str, key: bytes, compare: list[Any], success: Any) -> CasResult:
+        client = await self._connected()
+        t = client.transactions
+        ok, responses = await self._call(
+            what, client.transaction(compare=compare, success=[success, t.get(key)], failure=[t.get(key)])
+        )
+        found = responses[-1] if responses else []
+        if not found:
+            return CasResult(ok, None)
+        _, kv = found[0]
+        return CasResult(ok, _versioned(SandboxEntry, kv))
+
+    # -- everything, and changes -------------------------------------------------------------------------
+    async def read_all(self) -> Listing:
+        """One consistent read of every node and sandbox entry (entries that do not decode are
+        logged and left out)."""
+        client = await self._connected()
+        got = await self._call("read the directory", client.get_prefix(PREFIX.encode()))
+        nodes: dict[str, Versioned] = {}
+        sandboxes: dict[str, Versioned] = {}
+        for kv in got:
+            key = kv.key.decode(errors="replace")
+            try:
+                if key.startswith(NODES_PREFIX):
+                    nodes[key[len(NODES_PREFIX) :]] = _versioned(NodeEntry, kv)
+                elif key.startswith(SANDBOXES_PREFIX):
+                    sandboxes[key[len(SANDBOXES_PREFIX) :]] = _versioned(SandboxEntry, kv)
+            except EntryError as exc:
+                log.warning("skipping cluster entry %s: %s", key[:200], exc)
+        return Listing(int(got.header.revision), nodes, sandboxes)
+
+    async def watch(self, start_revision: int) -> AsyncIterator[Change]:
+        """Every change under /aenv/ from ``start_revision`` on, until the stream fails
+        (``ClusterUnavailable``) or that history is compacted (``WatchCompacted``)."""
+        client = await self._connected()
+        watch = await self._call(
+            "watch the directory", client.watch_prefix(PREFIX.encode(), start_revision=start_revision)
+        )
+        try:
+            async for event in _translated(watch):
+                kind: Literal["put", "delete"] = "put" if event.kind == aetcd.rtypes.EventKind.PUT else "delete"
+                kv = event.kv
+                yield Change(kind, kv.key.decode(errors="replace"), kv.value, kv.mod_revision, kv.create_revision)
+        finally:
+            try:
+                await asyncio.wait_for(watch.cancel(), self.timeout)
+            except (TimeoutError, aetcd.exceptions.ClientError):
+                pass
+
+
+async def _translated(watch: Any) -> AsyncIterator[Any]:
+    try:
+        async for event in watch:
+            yield event
+    except aetcd.exceptions.RevisionCompactedError as exc:
+        raise WatchCompacted(f"cluster store watch: {exc}") from None
+    except aetcd.exceptions.ClientError as exc:
+        raise ClusterUnavailable(f"the cluster store watch ended: {_reason(exc)}") from None
+
+
+def _versioned(cls: type[E], kv: Any) -> Versioned:
+    return Versioned(decode(cls, kv.value), int(kv.mod_revision), int(kv.create_revision))
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text[:300]

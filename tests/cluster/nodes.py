@@ -1,0 +1,28 @@
+"""Node processes in cluster mode for tests: each with its own data dir, all sharing one snapshot
+repository (the session server's, where `base` is built once), registered in one etcd cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import DATA_DIR, Server, free_port, start_server
+
+
+def node_data_dir(name: str) -> Path:
+    # Next to the session's data dir: kept between local runs (the fetched `base` layers stay).
+    return DATA_DIR.parent / f"{DATA_DIR.name}-{name}"
+
+
+def start_node(etcd_url: str, name: str, *, lease_ttl: int = 3, extra_env: dict[str, str] | None = None) -> Server:
+    port = free_port()
+    env = {
+        "AENV_CLUSTER": etcd_url,
+        "AENV_NODE_ID": name,
+        "AENV_ADVERTISE": f"http://127.0.0.1:{port}",
+        "AENV_CLUSTER_LEASE_TTL": str(lease_ttl),
+        "AENV_REPO": str(DATA_DIR / "repo"),
+        "AENV_SPARE_UPPERS": "1",  # two cores shared by every node of the test
+        "AENV_REPO_GC_INTERVAL": "0",  # the repository is the session server's too
+        **(extra_env or {}),
+    }
+    return start_server(node_data_dir(name), port=port, extra_env=env)

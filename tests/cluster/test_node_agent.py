@@ -1,0 +1,188 @@
+"""`aenv server --cluster`: real nodes register in a real etcd cluster and keep their sandboxes'
+directory entries (create, pause, resume, timeout, kill, expiry, stop, crash and restart)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import httpx
+import pytest
+
+from aenv.cluster.entries import SandboxEntry
+from aenv.cluster.mirror import Mirror
+from aenv.cluster.store import ClusterStore
+from tests.cluster.etcd import EtcdCluster
+from tests.cluster.nodes import start_node
+from tests.conftest import API_KEY, Server
+
+pytestmark = pytest.mark.sandbox
+LEASE_TTL = 3
+
+
+@pytest.fixture()
+def node_a(server: Server, etcd: EtcdCluster) -> Iterator[Server]:
+    # `server` first: `base` is in its repository, which the cluster's nodes share
+    node = start_node(etcd.url, "node-a", lease_ttl=LEASE_TTL)
+    yield node
+    node.stop()
+
+
+@pytest.fixture()
+async def mirror(etcd: EtcdCluster) -> AsyncIterator[Mirror]:
+    m = Mirror(ClusterStore.from_url(etcd.url))
+    await m.start(wait=10)
+    yield m
+    await m.stop()
+    await m.store.close()
+
+
+def client(node: Server) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=node.url, headers={"X-API-Key": API_KEY}, timeout=120)
+
+
+async def until(mirror: Mirror, predicate: Callable[[Mirror], bool], timeout: float = 5, what: str = "") -> None:
+    assert await mirror.wait_for(predicate, timeout), f"the directory did not show {what or 'the change'}: " + repr(
+        (mirror.nodes, mirror.sandboxes)
+    )
+
+
+def entry(mirror: Mirror, sandbox_id: str) -> SandboxEntry | None:
+    return mirror.sandboxes.get(sandbox_id)
+
+
+async def test_a_node_registers_with_its_capacity(node_a: Server, mirror: Mirror) -> None:
+    await until(mirror, lambda m: "node-a" in m.nodes, what="node-a")
+    n = mirror.nodes["node-a"]
+    assert n.address == node_a.url and n.driver == "gvisor" and n.max_sandboxes > 0
+    assert n.cpu_count >= 1 and n.memory_mb > 0 and n.running == 0
+    # refreshed about once a second
+    first = n.updated_at
+    await until(mirror, lambda m: m.nodes["node-a"].updated_at > first, 3, "a refresh")
+
+
+async def test_directory_follows_the_sandbox_lifecycle(node_a: Server, mirror: Mirror) -> None:
+    async with client(node_a) as api:
+        r = await api.post("/sandboxes", json={"templateID": "base", "timeout": 120, "metadata": {"run": "7"}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        await until(mirror, lambda m: sid in m.sandboxes, what="the create")
+        e = entry(mirror, sid)
+        assert e is not None and (e.node_id, e.state, e.epoch, e.template_id) == ("node-a", "running", 1, "base")
+        assert e.metadata == {"run": "7"}
+        await until(mirror, lambda m: m.nodes["node-a"].running == 1, 3, "the node's load")
+
+        assert (await api.post(f"/sandboxes/{sid}/pause")).status_code == 204
+        await until(mirror, lambda m: m.sandboxes[sid].state == "paused", what="the pause")
+        assert (await api.post(f"/sandboxes/{sid}/resume", json={"timeout": 120})).status_code == 201
+        await until(mirror, lambda m: m.sandboxes[sid].state == "running", what="the resume")
+        before = mirror.sandboxes[sid].end_at
+        assert (await api.post(f"/sandboxes/{sid}/timeout", json={"timeout": 600})).status_code == 204
+        await until(mirror, lambda m: m.sandboxes[sid].end_at > before + 300, 3, "the new timeout")
+
+        assert (await api.delete(f"/sandboxes/{sid}")).status_code == 204
+        await until(mirror, lambda m: sid not in m.sandboxes, what="the kill")
+        assert mirror.sandboxes.get(sid) is None
+
+        # expiry (the node's reaper) removes the entry too
+        r = await api.post("/sandboxes", json={"templateID": "base", "timeout": 2})
+        sid = r.json()["sandboxID"]
+        await until(mirror, lambda m: sid in m.sandboxes, what="the second create")
+        await until(mirror, lambda m: sid not in m.sandboxes, 10, "the expiry")
+
+
+async def test_a_node_that_dies_leaves_within_its_ttl_and_takes_its_entries_back(
+    server: Server, etcd: EtcdCluster, mirror: Mirror
+) -> None:
+    node = start_node(etcd.url, "node-crash", lease_ttl=LEASE_TTL)
+    try:
+        async with client(node) as api:
+            running = (await api.post("/sandboxes", json={"templateID": "base", "timeout": 300})).json()["sandboxID"]
+            paused = (await api.post("/sandboxes", json={"templateID": "base", "timeout": 300})).json()["sandboxID"]
+            assert (await api.post(f"/sandboxes/{paused}/pause")).status_code == 204
+        await until(mirror, lambda m: paused in m.sandboxes and m.sandboxes[paused].state == "paused")
+        await until(mirror, lambda m: running in m.sandboxes)
+        node.stop(signal.SIGKILL)
+        killed_at = time.monotonic()
+        await until(mirror, lambda m: "node-crash" not in m.nodes, LEASE_TTL + 3, "the node's loss")
+        assert time.monotonic() - killed_at < LEASE_TTL + 3
+        # its entries stay (the gateway reports them lost, naming the node)
+        assert {running, paused} <= set(mirror.sandboxes)
+
+        # the same id comes back: what it no longer runs leaves the directory, the paused one stays
+        node.restart()
+        await until(mirror, lambda m: "node-crash" in m.nodes, 10, "the node's return")
+        await until(mirror, lambda m: running not in m.sandboxes, 5, "the lost sandbox's removal")
+        assert mirror.sandboxes[paused].state == "paused" and mirror.sandboxes[paused].node_id == "node-crash"
+
+        # a graceful stop leaves at once (lease revoked) and leaves paused sandboxes paused
+        async with client(node) as api:
+            assert (await api.post(f"/sandboxes/{paused}/resume", json={"timeout": 300})).status_code == 201
+        await until(mirror, lambda m: m.sandboxes[paused].state == "running")
+        stopped_at = time.monotonic()
+        node.stop(signal.SIGTERM)
+        await until(mirror, lambda m: "node-crash" not in m.nodes, 1, "the node's leave")
+        assert time.monotonic() - stopped_at < LEASE_TTL + 60  # stop itself pauses the sandbox first
+        assert mirror.sandboxes[paused].state == "paused"
+        node.restart()
+        async with client(node) as api:
+            assert (await api.delete(f"/sandboxes/{paused}")).status_code == 204
+        await until(mirror, lambda m: paused not in m.sandboxes)
+    finally:
+        node.stop()
+
+
+async def test_an_entry_another_node_owns_is_not_overwritten(node_a: Server, etcd: EtcdCluster, mirror: Mirror) -> None:
+    store = ClusterStore.from_url(etcd.url)
+    try:
+        async with client(node_a) as api:
+            sid = (await api.post("/sandboxes", json={"templateID": "base", "timeout": 120})).json()["sandboxID"]
+            await until(mirror, lambda m: sid in m.sandboxes)
+            # the directory gives the sandbox to another node (as a resume elsewhere will)
+            claimed = await store.claim_sandbox(sid, "node-elsewhere", epoch=1)
+            assert claimed.ok
+            # node-a's next changes do not take it back
+            assert (await api.post(f"/sandboxes/{sid}/pause")).status_code == 204
+            await asyncio.sleep(2)
+            e = mirror.sandboxes[sid]
+            assert (e.node_id, e.epoch, e.state) == ("node-elsewhere", 2, "running")
+            assert (await api.delete(f"/sandboxes/{sid}")).status_code == 204
+            await asyncio.sleep(2)
+            assert mirror.sandboxes[sid].node_id == "node-elsewhere"
+    finally:
+        await store.close()
+
+
+async def test_without_quorum_a_node_refuses_new_sandboxes_until_it_returns(
+    node_a: Server, etcd: EtcdCluster, mirror: Mirror
+) -> None:
+    async with client(node_a) as api:
+        before = (await api.post("/sandboxes", json={"templateID": "base", "timeout": 120})).json()["sandboxID"]
+        await until(mirror, lambda m: before in m.sandboxes)
+        down = etcd.members[:2]
+        for m in down:
+            m.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (r := await api.post("/sandboxes", json={"templateID": "base", "timeout": 60})).status_code == 201:
+            await api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+            assert time.monotonic() < deadline, "the node kept taking sandboxes it cannot register"
+            await asyncio.sleep(0.5)
+        assert r.status_code == 503, r.text
+        assert r.json()["error_code"] == "cluster_unavailable" and "node-a" in r.json()["message"]
+        fork = await api.post(f"/sandboxes/{before}/fork", json={"count": 1})
+        assert fork.status_code == 503, fork.text
+        # what runs keeps running
+        assert (await api.get(f"/sandboxes/{before}")).json()["state"] == "running"
+        for m in down:
+            m.start()
+        etcd.wait_healthy(etcd.members)
+        deadline = time.monotonic() + 20
+        while (r := await api.post("/sandboxes", json={"templateID": "base", "timeout": 60})).status_code != 201:
+            assert r.status_code == 503 and time.monotonic() < deadline, r.text
+            await asyncio.sleep(0.5)
+        sid = r.json()["sandboxID"]
+        await until(mirror, lambda m: sid in m.sandboxes, 15, "the create after quorum returned")
+        for s in (sid, before):
+            assert (await api.delete(f"/sandboxes/{s}")).status_code == 204
