@@ -34,9 +34,8 @@ from aenv.storage.confined import (
     OPAQUE_XATTR,
     XATTR_PREFIXES,
     PathRefused,
+    dir_at,
     entry_parts,
-    lstat_at,
-    open_dir_at,
     open_root,
     parent_at,
     remove_at,
@@ -208,14 +207,8 @@ def _entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int, parent: int
         else:
             log.info("layer entry %s: device node %d:%d skipped", member.name, member.devmajor, member.devminor)
         return
-    existing = lstat_at(parent, name)
     if member.isdir():
-        if existing is not None and not stat.S_ISDIR(existing.st_mode):
-            remove_at(parent, name)
-            existing = None
-        if existing is None:
-            os.mkdir(name, 0o700, dir_fd=parent)
-        fd = open_dir_at(parent, name)
+        fd = dir_at(parent, name)
         try:
             _attributes(fd, member)
         finally:

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from aenv.config import MAX_NPROC
 from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec
 from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
-from aenv.storage.confined import View, lstat_at, open_dir_at, open_root, remove_at
+from aenv.storage.confined import View, dir_at, open_root
 from aenv.storage.datadir import SANDBOX_DIR, sandbox_dir
 
 log = logging.getLogger(__name__)
@@ -98,18 +97,11 @@ def _guest_mount_point(upper: Path, layers: Sequence[Path]) -> None:
     rebuild of unchanged steps reuses their layers)."""
     if View(layers, top=upper).is_dir_here(guestbundle.GUEST_MOUNT):
         return
-    name = guestbundle.GUEST_MOUNT.lstrip("/")
     fd = open_root(upper)
     try:
-        found = lstat_at(fd, name)
-        if found is not None and not stat.S_ISDIR(found.st_mode):
-            remove_at(fd, name)
-            found = None
-        if found is None:
-            os.mkdir(name, 0o700, dir_fd=fd)
-            point = open_dir_at(fd, name)
-            os.fchmod(point, SANDBOX_DIR)  # the node's umask is not its users'
-            os.close(point)
+        point = dir_at(fd, guestbundle.GUEST_MOUNT.lstrip("/"))
+        os.fchmod(point, SANDBOX_DIR)  # the node's umask is not its users'
+        os.close(point)
     finally:
         os.close(fd)
 

@@ -64,6 +64,18 @@ def open_root(path: Path) -> int:
     return os.open(path, DIR_FLAGS)
 
 
+def dir_at(dir_fd: int, name: str) -> int:
+    """An fd of the directory ``name`` in ``dir_fd``, made (0700) if missing; whatever else is
+    there (a link, a file) is removed first, never followed."""
+    existing = lstat_at(dir_fd, name)
+    if existing is not None and not stat.S_ISDIR(existing.st_mode):
+        remove_at(dir_fd, name)
+        existing = None
+    if existing is None:
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    return open_dir_at(dir_fd, name)
+
+
 def remove_at(dir_fd: int, name: str, *, ignore_errors: bool = False) -> None:
     """Remove ``name`` (a whole tree if it is a directory) without following any link."""
     st = lstat_at(dir_fd, name)

@@ -36,9 +36,9 @@ from aenv.storage import space
 from aenv.storage.confined import (
     NEW_FILE_FLAGS,
     PathRefused,
+    dir_at,
     entry_parts,
     lstat_at,
-    open_dir_at,
     open_root,
     parent_at,
     remove_at,
@@ -224,14 +224,8 @@ def _context_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int, bud
     try:
         budget.spend(parent, member.size if member.isreg() else 0)  # every entry takes an inode
         name = parts[-1]
-        existing = lstat_at(parent, name)
         if member.isdir():
-            if existing is not None and not stat.S_ISDIR(existing.st_mode):
-                remove_at(parent, name)
-                existing = None
-            if existing is None:
-                os.mkdir(name, 0o700, dir_fd=parent)
-            fd = open_dir_at(parent, name)
+            fd = dir_at(parent, name)
             try:
                 os.fchmod(fd, member.mode & 0o7777)
             finally:
