@@ -298,6 +298,18 @@ def test_template_numbers_are_numbers(api: httpx.Client, body: dict[str, object]
 
 
 # -- slow clients: a request's head and a control-plane body have a deadline -------------------------
+def _whole(answers: bytes) -> bool:
+    """Whether the last answer in ``answers`` has all of its body (its head and body may come in
+    separate segments)."""
+    head, sep, body = answers[answers.rindex(b"HTTP/1.1 ") :].partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    length = next(
+        (line.split(b":", 1)[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")), b"0"
+    )
+    return len(body) >= int(length)
+
+
 def answer_within(server: Server, parts: list[bytes], gap: float, limit: float) -> tuple[bytes, float]:
     """Send ``parts`` ``gap`` seconds apart (then nothing); what the server answers (b"" if it
     closes) and when, or (b"<open>", limit) if the connection is still open after ``limit`` s."""
@@ -321,7 +333,7 @@ def answer_within(server: Server, parts: list[bytes], gap: float, limit: float) 
         try:
             while chunk := conn.recv(65536):
                 answers += chunk
-                if answers.count(b"HTTP/1.1 ") > before:  # an answer: enough
+                if answers.count(b"HTTP/1.1 ") > before and _whole(answers):  # an answer: enough
                     break
         except TimeoutError:
             return answers + b"<open>", time.monotonic() - started
