@@ -419,6 +419,34 @@ def list_(state: list[str] = typer.Option([], "--state"), meta: list[str] = type
     _emit(rows, ["sandboxID", "template", "state", "endAt", "metadata"])
 
 
+NODE_COLUMNS = ["node_id", "address", "running", "paused", "starting", "room", "cpu_committed", "load1", "draining"]
+
+
+@app.command()
+def nodes(
+    node_id: str = typer.Argument(None, help="one node's detail"),
+    as_json: bool = typer.Option(False, "--json", help="JSON even on a terminal"),
+) -> None:
+    """The nodes of a cluster, as its gateway sees them (AENV_URL names a gateway)."""
+
+    async def go(c: AsyncClient) -> list[dict[str, Any]] | dict[str, Any]:
+        try:
+            return await (c.node(node_id) if node_id else c.nodes())
+        except AenvError as exc:
+            if exc.status == 404 and not node_id:
+                raise AenvError(f"{c._http.base_url} is not a gateway: it has no nodes", status=404) from None
+            raise
+
+    found = _run(go)
+    if as_json or not out.is_terminal:
+        print(json.dumps(found))
+    elif isinstance(found, dict):
+        for key, value in found.items():
+            out.print(f"[bold]{key}[/bold]: {value}")
+    else:
+        _emit(found, NODE_COLUMNS, title=f"{len(found)} nodes")
+
+
 @app.command()
 def build(
     context: Path = typer.Argument(Path("."), help="build context (a directory)"),

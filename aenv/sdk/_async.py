@@ -475,6 +475,18 @@ class AsyncClient:
                     raise BuildError(item["error"])
         raise AenvError("the build stream ended without a result")
 
+    async def nodes(self) -> list[dict[str, Any]]:
+        """A cluster's nodes with their load (a gateway's ``GET /nodes``; a lone node has none)."""
+        result: list[dict[str, Any]] = await self._get("/nodes")
+        return result
+
+    async def node(self, node_id: str) -> dict[str, Any]:
+        """One node of a cluster (a gateway's ``GET /nodes/{id}``)."""
+        from urllib.parse import quote
+
+        result: dict[str, Any] = await self._get(f"/nodes/{quote(node_id, safe='')}")
+        return result
+
     async def repository(self) -> dict[str, Any]:
         """Where the node commits templates and snapshots, and what is not committed yet."""
         result: dict[str, Any] = await self._get("/repository")

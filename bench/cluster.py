@@ -1,0 +1,334 @@
+"""Cluster benchmarks: `python -m bench.cluster [--nodes 2] [--gateways 2] [--burst 50] [--clients 10]
+[--entries 30000] [--rounds 20]` (root, runsc, etcd).
+
+Starts a real cluster on loopback with `scripts/cluster`'s code (aenv/cluster/local.py) and measures,
+each against a baseline taken in the same run:
+- exec round trip (`true`) through a gateway against the same sandbox straight at its node;
+- create (then kill) through a gateway against straight at one node;
+- a burst of creates from concurrent clients through the gateways against one node alone;
+- a gateway's directory mirror holding N entries the bench writes straight to etcd: load time of
+  a fresh gateway process, its memory against an empty directory's, lookup p99 in the mirror;
+- seconds from a node's `kill -9` until every gateway has dropped it (its lease's TTL).
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from aenv.cluster import local
+from aenv.cluster.entries import SandboxEntry
+from aenv.cluster.mirror import Mirror
+from aenv.cluster.store import ClusterStore
+from aenv.sdk import AsyncClient
+from bench.__main__ import pct, summary
+
+console = Console()
+GHOST_NODE = "bench-ghost"  # the node the bench's directory entries name: no such node runs
+
+
+def say(line: str) -> None:
+    console.print(line)
+
+
+async def exec_rounds(client: AsyncClient, sandbox_id: str, rounds: int) -> list[float]:
+    sbx = await client.connect(sandbox_id)
+    for _ in range(3):
+        await sbx.exec("true")  # warm-up: connections, the agent's first process
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        await sbx.exec("true")
+        out.append(time.perf_counter() - start)
+    return out
+
+
+async def create_rounds(client: AsyncClient, rounds: int) -> list[float]:
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        sbx = await client.create(timeout=300)
+        out.append(time.perf_counter() - start)
+        await sbx.kill()
+    return out
+
+
+async def burst(urls: list[str], key: str, total: int, clients: int) -> tuple[float, int]:
+    """(creates per second, failures): ``total`` creates from ``clients`` concurrent clients, each
+    on one of ``urls`` in turn; every sandbox is killed afterwards (not timed)."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(total):
+        queue.put_nowait(i)
+    made: list[Any] = []
+    failures = 0
+
+    async def worker(n: int) -> None:
+        nonlocal failures
+        async with AsyncClient(urls[n % len(urls)], key) as client:
+            while not queue.empty():
+                queue.get_nowait()
+                try:
+                    made.append((urls[n % len(urls)], (await client.create(timeout=300)).sandbox_id))
+                except Exception as exc:  # noqa: BLE001 - a failed create is counted, not fatal
+                    failures += 1
+                    console.print(f"  create failed: {exc}")
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(n) for n in range(clients)))
+    elapsed = time.perf_counter() - start
+    async with httpx.AsyncClient(headers={"X-API-Key": key}, timeout=120) as http:
+        sem = asyncio.Semaphore(8)
+
+        async def kill(url: str, sid: str) -> None:
+            async with sem:
+                await http.delete(f"{url}/sandboxes/{sid}")
+
+        await asyncio.gather(*(kill(u, s) for u, s in made))
+    return len(made) / elapsed, failures
+
+
+async def write_entries(store: ClusterStore, count: int) -> list[str]:
+    ids = [f"bench{i:07d}" for i in range(count)]
+    sem = asyncio.Semaphore(64)
+    now = time.time()
+
+    async def put(sid: str) -> None:
+        async with sem:
+            entry = SandboxEntry(sid, GHOST_NODE, "running", template_id="base", started_at=now, end_at=now + 3600)
+            await store.create_sandbox(entry)
+
+    await asyncio.gather(*(put(s) for s in ids))
+    return ids
+
+
+async def delete_entries(store: ClusterStore, ids: list[str]) -> None:
+    sem = asyncio.Semaphore(64)
+
+    async def drop(sid: str) -> None:
+        async with sem:
+            found = await store.get_sandbox(sid)
+            if found is not None:
+                await store.delete_sandbox(sid, found.mod_revision)
+
+    await asyncio.gather(*(drop(s) for s in ids))
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def fresh_gateway(layout: local.Layout, key: str, port: int, want: int) -> tuple[float, float]:
+    """(seconds until a new gateway process serves a directory of ``want`` sandboxes, its RSS MiB)."""
+    log = layout.logs / f"bench-gateway-{port}.log"
+    argv = [sys.executable, "-m", "aenv.cli.main", "gateway", "--cluster", layout.etcd_url(), "--port", str(port)]
+    start = time.perf_counter()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "AENV_API_KEY": key})
+    try:
+        while True:
+            health = local.get_json(f"http://{local.HOST}:{port}/health") or {}
+            if health.get("status") == "ok" and health.get("sandboxes", 0) >= want:
+                return time.perf_counter() - start, rss_mib(proc.pid)
+            if proc.poll() is not None or time.perf_counter() - start > 300:
+                raise RuntimeError(f"the bench gateway did not load:\n{local.tail(log)}")
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+async def mirror_bench(layout: local.Layout, key: str, entries: int) -> dict[str, Any]:
+    store = ClusterStore.from_url(layout.etcd_url())
+    port = layout.gateway_port(99)  # past the cluster's own gateways
+    try:
+        empty_s, empty_rss = fresh_gateway(layout, key, port, 0)
+        say(f"[bold]directory[/bold]: writing {entries} entries straight to etcd")
+        start = time.perf_counter()
+        ids = await write_entries(store, entries)
+        write_s = time.perf_counter() - start
+        load_s, rss = fresh_gateway(layout, key, port, entries)
+        mirror = Mirror(ClusterStore.from_url(layout.etcd_url()))
+        start = time.perf_counter()
+        await mirror.start(wait=120)
+        mirror_load = time.perf_counter() - start
+        probes = [random.choice(ids) for _ in range(100_000)]
+        lookups = []
+        for sid in probes:
+            t = time.perf_counter_ns()
+            entry, _ = mirror.owner(sid)
+            lookups.append(time.perf_counter_ns() - t)
+            assert entry is not None
+        await mirror.stop()
+        await delete_entries(store, ids)
+    finally:
+        await store.close()
+    return {
+        "entries": entries,
+        "write_s": write_s,
+        "fresh_gateway_load_s": load_s,
+        "fresh_gateway_load_empty_s": empty_s,
+        "gateway_rss_mib": rss,
+        "gateway_rss_empty_mib": empty_rss,
+        "gateway_kib_per_entry": (rss - empty_rss) * 1024 / entries,
+        "in_process_mirror_load_s": mirror_load,
+        "lookup_p50_us": pct([x / 1000 for x in lookups], 0.5),
+        "lookup_p99_us": pct([x / 1000 for x in lookups], 0.99),
+    }
+
+
+def failover(state: dict[str, Any], key: str) -> dict[str, Any]:
+    """Kill -9 the last node; seconds until no gateway lists it (creates then go elsewhere)."""
+    victim = state["nodes"][-1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    start = time.perf_counter()
+    per_gateway: dict[str, float] = {}
+    while len(per_gateway) < len(state["gateways"]) and time.perf_counter() - start < 120:
+        for url in state["gateways"]:
+            if url in per_gateway:
+                continue
+            listed = httpx.get(f"{url}/nodes", headers={"X-API-Key": key}, timeout=5).json()
+            if victim["nodeID"] not in {n["node_id"] for n in listed}:
+                per_gateway[url] = time.perf_counter() - start
+        time.sleep(0.05)
+    return {"node": victim["nodeID"], "all_gateways_s": max(per_gateway.values()), "per_gateway_s": per_gateway}
+
+
+async def bench(state: dict[str, Any], layout: local.Layout, args: argparse.Namespace) -> dict[str, Any]:
+    key, gw, node = state["apiKey"], state["gateways"][0], state["nodes"][0]["url"]
+    results: dict[str, Any] = {}
+    async with AsyncClient(node, key) as direct, AsyncClient(gw, key) as via:
+        say(f"[bold]exec round trip[/bold] (`true`) x{args.rounds}, through {gw} and straight at {node}")
+        sbx = await direct.create(timeout=600)
+        ours, base = [], []
+        for _ in range(4):  # alternating blocks: both see the same moments of a shared machine
+            ours += await exec_rounds(via, sbx.sandbox_id, args.rounds // 4)
+            base += await exec_rounds(direct, sbx.sandbox_id, args.rounds // 4)
+        await sbx.kill()
+        results["exec_true"] = {**summary(ours), "p99_ms": pct(ours, 0.99) * 1000, **_against(ours, base)}
+        say(f"[bold]create[/bold] x{args.creates} through a gateway and straight at a node")
+        c_via, c_direct = [], []
+        for _ in range(2):
+            c_via += await create_rounds(via, args.creates // 2)
+            c_direct += await create_rounds(direct, args.creates // 2)
+        results["create"] = {**summary(c_via), "p99_ms": pct(c_via, 0.99) * 1000, **_against(c_via, c_direct)}
+    say(f"[bold]burst[/bold]: {args.burst} creates from {args.clients} clients, gateways vs one node")
+    rate_gw, fail_gw = await burst(state["gateways"], key, args.burst, args.clients)
+    rate_node, fail_node = await burst([node], key, args.burst, args.clients)
+    results["burst"] = {
+        "creates": args.burst,
+        "clients": args.clients,
+        "gateways_per_s": rate_gw,
+        "one_node_per_s": rate_node,
+        "ratio": rate_gw / rate_node,
+        "failures": fail_gw + fail_node,
+    }
+    results["directory"] = await mirror_bench(layout, key, args.entries)
+    say("[bold]failover[/bold]: kill -9 of a node")
+    results["failover"] = {**failover(state, key), "lease_ttl_s": int(os.environ.get("AENV_CLUSTER_LEASE_TTL", 10))}
+    return results
+
+
+def _against(ours: list[float], base: list[float]) -> dict[str, float]:
+    return {
+        "baseline_p50_ms": pct(base, 0.5) * 1000,
+        "baseline_p99_ms": pct(base, 0.99) * 1000,
+        "ratio_p50": pct(ours, 0.5) / pct(base, 0.5),
+        "delta_p50_ms": (pct(ours, 0.5) - pct(base, 0.5)) * 1000,
+    }
+
+
+def render(r: dict[str, Any]) -> None:
+    table = Table(title="aenv cluster on this machine", header_style="bold")
+    for col in ("measure", "gateway", "baseline", "ratio / delta"):
+        table.add_column(col)
+    for name, label in (("exec_true", "exec `true` (node direct)"), ("create", "create (node direct)")):
+        m = r[name]
+        table.add_row(
+            f"{label} p50 / p99 ms",
+            f"{m['p50_ms']:.1f} / {m['p99_ms']:.1f}",
+            f"{m['baseline_p50_ms']:.1f} / {m['baseline_p99_ms']:.1f}",
+            f"{m['ratio_p50']:.2f}x, +{m['delta_p50_ms']:.1f} ms",
+        )
+    b = r["burst"]
+    table.add_row(
+        f"burst creates/s ({b['creates']} from {b['clients']} clients; one node)",
+        f"{b['gateways_per_s']:.2f}",
+        f"{b['one_node_per_s']:.2f}",
+        f"{b['ratio']:.2f}x",
+    )
+    d = r["directory"]
+    table.add_row(
+        f"fresh gateway load, {d['entries']} entries (empty) s",
+        f"{d['fresh_gateway_load_s']:.2f}",
+        f"{d['fresh_gateway_load_empty_s']:.2f}",
+        "",
+    )
+    table.add_row(
+        "gateway RSS MiB (empty directory)",
+        f"{d['gateway_rss_mib']:.1f}",
+        f"{d['gateway_rss_empty_mib']:.1f}",
+        f"{d['gateway_kib_per_entry']:.2f} KiB/entry",
+    )
+    table.add_row("mirror lookup p50 / p99 us", f"{d['lookup_p50_us']:.2f} / {d['lookup_p99_us']:.2f}", "", "")
+    f = r["failover"]
+    table.add_row(
+        "kill -9 to every gateway routing around s (lease TTL)", f"{f['all_gateways_s']:.2f}", str(f["lease_ttl_s"]), ""
+    )
+    console.print(table)
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    layout = local.Layout(args.dir, args.base_port)
+    state = await asyncio.to_thread(local.up, layout, args.nodes, args.gateways, say)
+    try:
+        results = await bench(state, layout, args)
+    finally:
+        await asyncio.to_thread(local.down, layout, say)
+    results["cluster"] = {"nodes": args.nodes, "gateways": args.gateways, "etcd": local.ETCD_MEMBERS}
+    results["machine"] = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--gateways", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=200, help="exec round trips each way")
+    parser.add_argument("--creates", type=int, default=20, help="sequential creates each way")
+    parser.add_argument("--burst", type=int, default=50, help="creates in the burst")
+    parser.add_argument("--clients", type=int, default=10, help="concurrent clients of the burst")
+    parser.add_argument("--entries", type=int, default=30000, help="directory entries the mirror holds")
+    parser.add_argument("--dir", type=Path, default=Path("/var/tmp/aenv-bench-cluster"))
+    parser.add_argument("--base-port", type=int, default=18080)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/cluster.json"))
+    args = parser.parse_args()
+    if shutil.which("etcd") is None:
+        sys.exit("etcd is not installed (./scripts/cluster up installs etcd-server)")
+    results = asyncio.run(amain(args))
+    render(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    console.print(f"JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""deploy/: compose, Kubernetes and systemd files, checked statically.
+
+Neither Docker nor Kubernetes runs here, so nothing is deployed: the files are parsed and
+validated against the Kubernetes OpenAPI schemas (kubernetes-validate, offline), the compose
+specification's JSON schema (as vendored by check-jsonschema), `systemd-analyze verify`, and
+every `aenv` command line in them is parsed by the real CLI, every AENV_* name looked up in
+aenv/config.py. Each check is also shown to refuse a broken file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import typer.main
+import yaml
+
+from aenv.cli.main import app
+from aenv.config import Settings
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+K8S_VERSION = "1.30"
+SETTINGS = {f"AENV_{name.upper()}" for name in Settings.model_fields}
+CLI: Any = typer.main.get_command(app)
+# Newer typer carries its own copy of click: its exceptions are that copy's.
+CLICK: Any = sys.modules[type(CLI).__mro__[1].__module__.rsplit(".", 1)[0]]
+UsageProblem: type[Exception] = CLICK.ClickException
+
+
+def k8s_docs() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        out += [(path.name, doc) for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    return out
+
+
+def k8s_objects() -> list[tuple[str, dict[str, Any]]]:
+    return [(name, d) for name, d in k8s_docs() if not d["apiVersion"].startswith("kustomize.config.k8s.io/")]
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())  # type: ignore[no-any-return]
+
+
+def compose_schema() -> dict[str, Any]:
+    text = files("check_jsonschema").joinpath("builtin_schemas/vendor/compose-spec.json").read_text()
+    return json.loads(text)  # type: ignore[no-any-return]
+
+
+def pod_containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    template = obj.get("spec", {}).get("template", {}).get("spec", {})
+    return [*template.get("initContainers", []), *template.get("containers", [])]
+
+
+def aenv_commands() -> list[tuple[str, list[str]]]:
+    """(where, argv) of every aenv invocation in deploy/."""
+    found: list[tuple[str, list[str]]] = []
+    for name, service in compose()["services"].items():
+        if str(service.get("image", "")).startswith("aenv:"):
+            found.append((f"compose {name}", [str(a) for a in service["command"]]))
+    for file, obj in k8s_objects():
+        for c in pod_containers(obj):
+            if c["image"].startswith("aenv:"):
+                found.append((f"{file} {c['name']}", [*c.get("command", []), *c.get("args", [])]))
+    for unit in sorted((DEPLOY / "systemd").glob("*.service")):
+        instance = "8080" if "gateway" in unit.name else "main"
+        for line in unit.read_text().splitlines():
+            if line.startswith("ExecStart="):
+                found.append((unit.name, shlex.split(line.removeprefix("ExecStart=").replace("%i", instance))))
+    return found
+
+
+def parse_cli(argv: list[str]) -> Any:
+    """What `aenv` itself would make of ``argv`` (unknown options, bad values: click errors)."""
+    assert Path(argv[0]).name == "aenv", argv
+    sub = CLI.commands[argv[1]]
+    return sub.make_context(argv[1], list(argv[2:]))
+
+
+# -- Kubernetes ------------------------------------------------------------------------------------
+
+
+def test_k8s_objects_match_the_openapi_schemas() -> None:
+    objects = k8s_objects()
+    kinds = sorted(d["kind"] for _, d in objects)
+    assert kinds == sorted(
+        ["Namespace", "Secret", "Secret", "ConfigMap", "Service", "StatefulSet", "DaemonSet", "Deployment", "Service"]
+        + ["Ingress"]
+    )
+    for file, obj in objects:
+        assert obj["metadata"]["name"], file
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"]["namespace"] == "aenv", (file, obj["kind"])
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)  # raises on any schema error
+
+
+def test_k8s_schema_check_refuses_broken_objects() -> None:
+    daemonset = next(d for _, d in k8s_objects() if d["kind"] == "DaemonSet")
+    no_selector = json.loads(json.dumps(daemonset))
+    del no_selector["spec"]["selector"]
+    typo = json.loads(json.dumps(daemonset))
+    typo["spec"]["template"]["spec"]["containers"][0]["securityContxt"] = {"privileged": True}
+    for broken in (no_selector, typo):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+
+
+def test_k8s_objects_fit_together() -> None:
+    """What the schemas cannot see: selectors match templates, services select pods, the
+    kustomization lists files that exist, $(VAR) in args are defined, env comes from objects
+    that exist, hostPaths the node needs."""
+    objects = k8s_objects()
+    names = {(d["kind"], d["metadata"]["name"]) for _, d in objects}
+    pod_labels = []
+    for _, obj in objects:
+        if obj["kind"] in ("Deployment", "StatefulSet", "DaemonSet"):
+            labels = obj["spec"]["template"]["metadata"]["labels"]
+            assert obj["spec"]["selector"]["matchLabels"].items() <= labels.items()
+            pod_labels.append(labels)
+            for c in pod_containers(obj):
+                defined = {e["name"] for e in c.get("env", [])}
+                for ref in re.findall(r"\$\((\w+)\)", " ".join([*c.get("command", []), *c.get("args", [])])):
+                    assert ref in defined, f"{c['name']} uses $({ref}) but does not define it"
+                for source in c.get("envFrom", []):
+                    kind, ref = (
+                        ("ConfigMap", source["configMapRef"])
+                        if "configMapRef" in source
+                        else ("Secret", source["secretRef"])
+                    )
+                    assert (kind, ref["name"]) in names
+    for _, svc in (o for o in objects if o[1]["kind"] == "Service"):
+        assert any(svc["spec"]["selector"].items() <= labels.items() for labels in pod_labels), svc["metadata"]["name"]
+    kustomization = next(d for _, d in k8s_docs() if d["kind"] == "Kustomization")
+    assert all((DEPLOY / "k8s" / f).is_file() for f in kustomization["resources"])
+    node = next(d for _, d in objects if d["kind"] == "DaemonSet")
+    container = node["spec"]["template"]["spec"]["containers"][0]
+    assert container["securityContext"]["privileged"] is True
+    host_paths = {v["hostPath"]["path"] for v in node["spec"]["template"]["spec"]["volumes"] if "hostPath" in v}
+    assert {"/var/lib/aenv", "/usr/bin/runsc"} <= host_paths
+    etcd = next(d for _, d in objects if d["kind"] == "StatefulSet")
+    headless = next(
+        d for _, d in objects if d["kind"] == "Service" and d["metadata"]["name"] == etcd["spec"]["serviceName"]
+    )
+    assert headless["spec"]["clusterIP"] == "None" and etcd["spec"]["replicas"] == 3
+
+
+# -- compose ----------------------------------------------------------------------------------------
+
+
+def test_compose_matches_the_compose_spec() -> None:
+    doc = compose()
+    jsonschema.validate(doc, compose_schema())
+    services = doc["services"]
+    assert sum(1 for s in services if s.startswith("etcd")) == 3
+    assert sum(1 for s in services if s.startswith("gateway")) == 2
+    for name, service in services.items():
+        deps = service.get("depends_on", [])
+        assert set(deps) <= set(services), name
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source.startswith(("/", "$")) or source in doc["volumes"], (name, volume)
+    nodes = [s for s in services.values() if s.get("command", [None, None])[1:2] == ["server"]]
+    assert len(nodes) == 2 and all(n["privileged"] for n in nodes)
+    assert all(n["environment"]["AENV_REPO"].startswith("s3://") for n in nodes)
+    assert all(any(v.endswith(":/usr/local/bin/runsc:ro") for v in n["volumes"]) for n in nodes)
+
+
+def test_compose_schema_check_refuses_broken_files() -> None:
+    doc = compose()
+    doc["services"]["node0"]["privilidged"] = True
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc, compose_schema())
+
+
+# -- systemd ----------------------------------------------------------------------------------------
+
+
+def test_systemd_units_verify(tmp_path: Path) -> None:
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    aenv = shutil.which("aenv")
+    assert aenv is not None
+    for unit in (DEPLOY / "systemd").glob("*.service"):  # verify wants ExecStart's binary to exist
+        (tmp_path / unit.name).write_text(unit.read_text().replace("/usr/local/bin/aenv", str(Path(aenv).resolve())))
+    names = ["aenv-node@main.service", "aenv-gateway@8080.service"]
+    r = subprocess.run(["systemd-analyze", "verify", *names], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
+    (tmp_path / "aenv-node@.service").write_text(
+        (tmp_path / "aenv-node@.service").read_text().replace("KillMode=mixed", "KillMode=gentle")
+    )
+    bad = subprocess.run(["systemd-analyze", "verify", names[0]], cwd=tmp_path, capture_output=True, text=True)
+    assert "kill mode" in bad.stderr  # the check sees a bad directive
+
+
+# -- what aenv accepts ------------------------------------------------------------------------------
+
+
+def test_every_aenv_command_line_parses() -> None:
+    commands = aenv_commands()
+    where = {w.split()[0] for w, _ in commands}
+    assert {"compose", "node.yaml", "gateway.yaml", "aenv-node@.service", "aenv-gateway@.service"} <= where
+    for place, argv in commands:
+        try:
+            ctx = parse_cli(argv)
+        except UsageProblem as exc:
+            pytest.fail(f"{place}: aenv refuses {shlex.join(argv)}: {exc}")
+        if argv[1] == "gateway":
+            assert ctx.params["host"] == "0.0.0.0" and ctx.params["port"] == 8080
+    with pytest.raises(UsageProblem):
+        parse_cli(["aenv", "gateway", "--listen", "0.0.0.0"])
+    with pytest.raises(UsageProblem):
+        parse_cli(["aenv", "server", "--port", "$(PORT)"])
+
+
+def test_every_aenv_setting_named_exists() -> None:
+    texts = {p.relative_to(DEPLOY): p.read_text() for p in DEPLOY.rglob("*") if p.is_file()}
+    named = {(str(path), name) for path, text in texts.items() for name in re.findall(r"\bAENV_[A-Z0-9_]+", text)}
+    assert named, "the deploy files name no setting"
+    unknown = sorted((path, name) for path, name in named if name not in SETTINGS)
+    assert unknown == [], f"not settings of aenv/config.py: {unknown}"
+    # and what the cluster needs is set everywhere it runs
+    for name in ("AENV_CLUSTER", "AENV_API_KEY"):
+        assert name in compose()["x-gateway"]["environment"]
+        assert name in texts[Path("systemd/aenv.env")]
+    configmap = next(d for _, d in k8s_objects() if d["kind"] == "ConfigMap")
+    assert configmap["data"]["AENV_CLUSTER"].startswith("etcd://")
