@@ -14,6 +14,7 @@ overwritten; the node's instance of it is stale (handled by a later slice: kill 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -28,16 +29,21 @@ from urllib.parse import urlsplit
 
 from aenv import __version__
 from aenv.cluster.entries import (
+    ClusterConfig,
+    CreateClaim,
     EntryError,
     NodeEntry,
     SandboxEntry,
     Versioned,
+    api_key_digest,
     bounded_metadata,
     check_id,
+    key_matches,
 )
 from aenv.cluster.store import ClusterStore
 from aenv.config import Settings
-from aenv.errors import ClusterUnavailable, InvalidRequest
+from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest
+from aenv.node.create_ids import KEEP_SECONDS
 from aenv.node.sandbox import LiveSandbox
 from aenv.node.state import PUBLIC_STATE, SandboxState
 
@@ -74,6 +80,7 @@ class NodeAgent:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._last_error = ""
+        self.claims: dict[str, tuple[int, float]] = {}  # create id -> (its key's create revision, when)
 
     # -- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -85,6 +92,7 @@ class NodeAgent:
         await self.sync()
         self.node.state_listeners.append(self._changed)
         self.node.admission_checks.append(self.admit)
+        self.node.create_ids.claims = self
         self._task = asyncio.create_task(self._run(), name="cluster-agent")
 
     async def stop(self) -> None:
@@ -94,6 +102,8 @@ class NodeAgent:
             self.node.state_listeners.remove(self._changed)
         if self.admit in self.node.admission_checks:
             self.node.admission_checks.remove(self.admit)
+        if self.node.create_ids.claims is self:
+            self.node.create_ids.claims = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -138,6 +148,7 @@ class NodeAgent:
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.interval
                     await self._heartbeat()
+                    await self._release_old_claims()
                 await self.sync()
                 self._last_error = ""
             except ClusterUnavailable as exc:
@@ -199,6 +210,43 @@ class NodeAgent:
             started_at=self.started_at,
             updated_at=round(time.time(), 3),
         )
+
+    # -- create ids (aenv.node.create_ids.Claims) -------------------------------------------------------
+    async def claim(self, create_id: str) -> None:
+        result = await self.store.claim_create(
+            create_id, CreateClaim(self.node_id, round(time.time(), 3)), self.lease_id
+        )
+        held = result.current
+        if held is None:  # gone already (our lease expired in between): nobody holds it, try again
+            raise ClusterUnavailable(f"create id {create_id} could not be taken; try again")
+        if not result.ok and held.entry.node_id != self.node_id:
+            raise CreateElsewhere(f"create id {create_id} is node {held.entry.node_id}'s")
+        # ours: just taken, or taken before a restart of this node (that create died with it)
+        self.claims[create_id] = (held.create_revision, time.monotonic())
+
+    async def confirm(self, create_id: str) -> None:
+        held = await self.store.get_create(create_id)
+        mine = self.claims.get(create_id)
+        if held is not None and mine is not None and held.create_revision == mine[0]:
+            return
+        if held is None:  # our lease ran out while cut off, and nobody took the id since: take it again
+            self.claims.pop(create_id, None)
+            await self.claim(create_id)
+            return
+        raise CreateElsewhere(f"create id {create_id} went to node {held.entry.node_id} while this node was cut off")
+
+    async def release(self, create_id: str) -> None:
+        mine = self.claims.pop(create_id, None)
+        if mine is not None:
+            with contextlib.suppress(ClusterUnavailable):  # it goes with the lease otherwise
+                await self.store.release_create(create_id, mine[0])
+
+    async def _release_old_claims(self) -> None:
+        """Claims live while a retry may come (KEEP_SECONDS); then they go (few per second)."""
+        now = time.monotonic()
+        old = [c for c, (_, at) in self.claims.items() if now - at > KEEP_SECONDS][:WRITES_IN_FLIGHT]
+        for create_id in old:
+            await self.release(create_id)
 
     # -- the sandboxes' entries -------------------------------------------------------------------------
     def desired(self) -> dict[str, SandboxEntry]:
@@ -338,7 +386,26 @@ def advertise_of(settings: Settings) -> str:
     return f"http://{host}:{settings.port}"
 
 
-async def start_agent(node: Any, settings: Settings) -> NodeAgent:
+async def join_cluster(store: ClusterStore, node: Any, api_key: str) -> ClusterConfig:
+    """Take the cluster's one token secret, or give it this node's when it is the first to join
+    (so a node's sandboxes keep their tokens when it becomes a cluster's first node). A node
+    started with another API key than the cluster's is refused: half the requests would be 401."""
+    proposed = ClusterConfig(node.token_secret, api_key_digest(node.token_secret, api_key), round(time.time(), 3))
+    config = await store.ensure_config(proposed)
+    if not key_matches(config, api_key):
+        raise InvalidRequest("this node's API key (AENV_API_KEY) is not the one the cluster was started with")
+    if config.secret != node.token_secret:
+        held = len(node.sandboxes)
+        if held:
+            log.warning(
+                "this node's %d sandboxes get new envd and traffic tokens: the cluster has its own secret",
+                held,
+            )
+        await node.use_token_secret(config.secret)
+    return config
+
+
+async def start_agent(node: Any, settings: Settings, api_key: str) -> NodeAgent:
     """Join the cluster named by ``settings.cluster`` (raises ClusterUnavailable if out of reach)."""
     assert settings.cluster
     store = ClusterStore.from_url(settings.cluster)
@@ -350,6 +417,7 @@ async def start_agent(node: Any, settings: Settings) -> NodeAgent:
         lease_ttl=settings.cluster_lease_ttl,
     )
     try:
+        await join_cluster(store, node, api_key)
         await agent.start()
     except BaseException:
         await store.close()
