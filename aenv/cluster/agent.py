@@ -65,6 +65,7 @@ class NodeAgent:
         address: str,
         lease_ttl: int = 10,
         interval: float = 1.0,
+        reconcile_interval: float = 10.0,
     ) -> None:
         self.node = node
         self.store = store
@@ -72,6 +73,7 @@ class NodeAgent:
         self.address = address
         self.lease_ttl = lease_ttl
         self.interval = interval
+        self.reconcile_interval = reconcile_interval
         self.lease_id = 0
         self.started_at = time.time()
         self.written: dict[str, Versioned] = {}  # this node's entries as last written or read
@@ -81,6 +83,8 @@ class NodeAgent:
         self._task: asyncio.Task[None] | None = None
         self._last_error = ""
         self.claims: dict[str, tuple[int, float]] = {}  # create id -> (its key's create revision, when)
+        self.killing: set[str] = set()  # stale copies being killed
+        self._kills: set[asyncio.Task[None]] = set()
 
     # -- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -138,6 +142,7 @@ class NodeAgent:
 
     async def _run(self) -> None:
         next_beat = time.monotonic() + self.interval
+        next_reconcile = time.monotonic() + self.reconcile_interval
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), max(0.0, next_beat - time.monotonic()))
@@ -147,8 +152,12 @@ class NodeAgent:
             try:
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.interval
-                    await self._heartbeat()
+                    if await self._heartbeat():
+                        next_reconcile = 0.0  # back after its lease ran out: what did it miss?
                     await self._release_old_claims()
+                if time.monotonic() >= next_reconcile:
+                    await self.reconcile()
+                    next_reconcile = time.monotonic() + self.reconcile_interval
                 await self.sync()
                 self._last_error = ""
             except ClusterUnavailable as exc:
@@ -169,13 +178,15 @@ class NodeAgent:
         self.reached_at = time.monotonic()
         log.info("registered node %s (%s) with the cluster", self.node_id, self.address)
 
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self) -> bool:
+        """Renew the lease and rewrite the node's entry; True when the lease had run out."""
         if not await self.store.keep_alive(self.lease_id):
             log.warning("node %s's lease expired; registering again", self.node_id)
             await self._register()
-            return
+            return True
         await self.store.put_node(self.entry(), self.lease_id)
         self.reached_at = time.monotonic()
+        return False
 
     def entry(self) -> NodeEntry:
         settings: Settings = self.node.settings
@@ -210,6 +221,46 @@ class NodeAgent:
             started_at=self.started_at,
             updated_at=round(time.time(), 3),
         )
+
+    # -- stale copies ----------------------------------------------------------------------------------
+    async def reconcile(self) -> None:
+        """Read the entries of every sandbox this node holds; one the directory gave to another
+        node (a resume or move elsewhere while this node was cut off) is a stale copy: killed."""
+        held = [sb.id for sb in list(self.node.sandboxes.values()) if sb.state != SandboxState.KILLED]
+        entries = await self.store.get_sandboxes(held)
+        self.reached_at = time.monotonic()
+        for sandbox_id, current in entries.items():
+            if current.entry.node_id != self.node_id:
+                self._owned_elsewhere(sandbox_id, current)
+
+    def _owned_elsewhere(self, sandbox_id: str, current: Versioned) -> None:
+        ours = self.written.pop(sandbox_id, None)
+        self.foreign.add(sandbox_id)  # never written again: the entry is the other node's
+        if ours is not None and current.entry.epoch <= ours.entry.epoch:
+            log.warning(
+                "sandbox %s: node %s wrote an entry at epoch %d", sandbox_id, current.entry.node_id, ours.entry.epoch
+            )
+            return
+        if sandbox_id in self.killing or sandbox_id not in self.node.sandboxes:
+            return
+        log.warning(
+            "sandbox %s belongs to node %s in the directory (epoch %d): killing the stale copy here",
+            sandbox_id,
+            current.entry.node_id,
+            current.entry.epoch,
+        )
+        self.killing.add(sandbox_id)
+        task = asyncio.ensure_future(self._kill_stale(sandbox_id))
+        self._kills.add(task)
+        task.add_done_callback(self._kills.discard)
+
+    async def _kill_stale(self, sandbox_id: str) -> None:
+        try:
+            await self.node.kill(sandbox_id)
+        except Exception as exc:  # gone already, or its kill failed (logged by the node)
+            log.warning("killing the stale copy of sandbox %s: %r", sandbox_id, exc)
+        finally:
+            self.killing.discard(sandbox_id)
 
     # -- create ids (aenv.node.create_ids.Claims) -------------------------------------------------------
     async def claim(self, create_id: str) -> None:
@@ -314,15 +365,7 @@ class NodeAgent:
         elif current.entry.node_id == self.node_id:
             self.written[sandbox_id] = current
         else:
-            self.written.pop(sandbox_id, None)
-            if sandbox_id not in self.foreign:
-                log.warning(
-                    "sandbox %s belongs to node %s in the directory (epoch %d); not claiming it",
-                    sandbox_id,
-                    current.entry.node_id,
-                    current.entry.epoch,
-                )
-            self.foreign.add(sandbox_id)
+            self._owned_elsewhere(sandbox_id, current)
         if not ok:
             self._wake.set()
 
@@ -415,6 +458,7 @@ async def start_agent(node: Any, settings: Settings, api_key: str) -> NodeAgent:
         node_id=node_id_of(settings),
         address=advertise_of(settings),
         lease_ttl=settings.cluster_lease_ttl,
+        reconcile_interval=settings.cluster_reconcile_interval,
     )
     try:
         await join_cluster(store, node, api_key)
