@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hmac
 import json
 import logging
@@ -30,7 +31,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
@@ -40,8 +41,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
-from aenv.api import envd
+from aenv.api import connections, envd
 from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
+from aenv.api.listing import short_sandbox_id
+from aenv.api.proxy import sandbox_gone
 from aenv.cluster.entries import ID_PATTERN, ClusterConfig, NodeEntry, key_matches
 from aenv.cluster.metrics import GatewayMetrics
 from aenv.cluster.mirror import Mirror
@@ -67,6 +70,8 @@ log = logging.getLogger("aenv.gateway")
 
 SANDBOX_PATH = re.compile(r"^(?:/v2)?/sandboxes/(?P<id>[^/]+)(?:/.*)?$")
 SANDBOX_INFO = re.compile(r"^/sandboxes/[^/]+$")
+# A template's or snapshot's own requests (E2B deletes a snapshot as a template).
+ARTIFACT_PATH = re.compile(r"^/(?:v\d+/)?(?:templates|snapshots)/(?P<id>[^/]+)")
 # Keys of the ASGI scope the gateway fills as it routes: the node a request is for (its id goes on
 # every answer, errors included) and the route's kind (a metrics label).
 NODE_SCOPE = "aenv.node_id"
@@ -96,6 +101,7 @@ CREATE_RETRY_PAUSE = 0.5
 # Sandboxes this gateway created, known from the create's answer until the node's entry arrives.
 MAX_HINTS = 100_000
 HINT_SECONDS = 60.0
+SNAPSHOT_HINT_SECONDS = 600.0  # a snapshot's commit to the repository may take minutes
 STARTUP_WAIT = 10.0
 QueryItems = list[tuple[str, str | int | float | bool | None]]
 MAX_LIST_PAGES = 100  # of 100 sandboxes, from one node for one list
@@ -127,6 +133,9 @@ class Gateway:
         self.placed: dict[str, list[float]] = {}
         # sandbox id -> node id from creates this gateway forwarded, until the directory has them
         self.hints: dict[str, tuple[str, float]] = {}
+        # snapshot id -> node id for snapshots made through this gateway (creates from one go there)
+        self.made_on: dict[str, tuple[str, float]] = {}
+        self.building: dict[str, tuple[str, float]] = {}  # template id -> the node building it
         self.config: ClusterConfig | None = None  # read once a node has joined (it writes it)
         self._tokens: dict[str, str] = {}  # sandbox id -> envd access token (for signed URLs)
         self.metrics = GatewayMetrics(mirror)
@@ -194,7 +203,11 @@ class Gateway:
             sandbox_id, port = target
             scope[ROUTE_SCOPE] = "envd" if port == envd.ENVD_PORT else "port"
             extra = {"e2b-sandbox-id": sandbox_id, "e2b-sandbox-port": str(port)}  # a host route, as headers
-            return await self.forward(request, await self.owner(sandbox_id, scope), extra)
+            try:
+                node = await self.owner(sandbox_id, scope)
+            except SandboxNotFound as exc:
+                return traffic_gone(scope, sandbox_id, exc)
+            return await self.forward(request, node, extra)
         scope[ROUTE_SCOPE] = "own"
         if method in ("GET", "HEAD") and path == "/health":
             return self.health()
@@ -215,7 +228,9 @@ class Gateway:
             if method == "GET" and SANDBOX_INFO.match(path):
                 return await self.sandbox_info(request, node)
             if method == "POST" and path.endswith("/fork"):
-                return await self.fork(request, node)
+                return await self.noting(request, node, self._note_fork)
+            if method == "POST" and path.endswith("/snapshots"):
+                return await self.noting(request, node, self._note_snapshot)
             return await self.forward(request, node)
         if method == "POST" and path in ("/sandboxes", "/v2/sandboxes"):
             scope[ROUTE_SCOPE] = "create"
@@ -224,7 +239,9 @@ class Gateway:
             scope[ROUTE_SCOPE] = "list"
             return await self.list_sandboxes(request, paginated=path == "/v2/sandboxes")
         scope[ROUTE_SCOPE] = "other"
-        return await self.forward(request, self.any_node())
+        if method == "POST" and path == "/v3/templates":
+            return await self.noting(request, self.any_node(), self._note_template)
+        return await self.forward(request, await self.artifact_node(request))
 
     async def websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A WebSocket to a sandbox's port, relayed to the node that owns the sandbox (which
@@ -232,18 +249,41 @@ class Gateway:
         if (await receive())["type"] != "websocket.connect":
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        sandbox_id = ""
         try:
             target = sandbox_target(headers)
             if isinstance(target, str):
                 raise InvalidRequest(target)
             if target is None:
                 raise NotFound("only a sandbox's port takes WebSockets (E2b-Sandbox-Id and E2b-Sandbox-Port headers)")
-            node = await self.owner(target[0], scope)
+            sandbox_id, port = target
+            node = await self.owner(sandbox_id, scope)
+        except SandboxNotFound as exc:
+            await refuse_websocket(scope, send, traffic_gone(scope, sandbox_id, exc))
+            return
         except AenvError as exc:
             await refuse_websocket(scope, send, error_response(scope, exc))
             return
-        routing = {"e2b-sandbox-id": target[0], "e2b-sandbox-port": str(target[1])}
+        routing = {"e2b-sandbox-id": sandbox_id, "e2b-sandbox-port": str(port)}
         await relay_websocket(scope, receive, send, node, routing, self.settings.ws_max_message_mb * 2**20)
+
+    async def artifact_node(self, request: Request) -> NodeEntry:
+        """Where a node-wide request goes: the least loaded node, except where one node knows
+        more than the others for now. A snapshot is on the node that made it at once and in the
+        repository later: a list of one sandbox's snapshots goes to its node, a snapshot this
+        gateway saw made to that node. A template build (its uploads, its status) stays on the
+        node that started it."""
+        path = request.url.path
+        source = request.query_params.get("sandboxID")
+        if path == "/snapshots" and source:
+            with contextlib.suppress(SandboxNotFound, InvalidRequest):  # killed since: any node
+                return await self.owner(short_sandbox_id(source), {})
+        named = ARTIFACT_PATH.match(path)
+        if named is not None:
+            made = self.made_on.get(named["id"]) or self.building.get(named["id"])
+            if made is not None and made[0] in self.mirror.nodes:
+                return self.mirror.nodes[made[0]]
+        return self.any_node()
 
     async def cluster_config(self) -> ClusterConfig | None:
         """The cluster's secret and key digest (None until a node has joined and written them).
@@ -416,13 +456,14 @@ class Gateway:
         timeout = httpx.Timeout(self.settings.connect_timeout, read=self.settings.create_timeout, write=60.0, pool=10.0)
         failures: list[str] = []
         unanswered = False  # an attempt may have started a create: keep trying until the deadline
-        queue = self.candidates()[:MAX_CANDIDATES]
+        queue = self._create_candidates(body)
+        not_found: Response | None = None
         while time.monotonic() < deadline:
             if not queue:
                 if not unanswered:
                     break
                 await asyncio.sleep(CREATE_RETRY_PAUSE)
-                queue = self.candidates()[:MAX_CANDIDATES]
+                queue = self._create_candidates(body)
                 continue
             node = queue.pop(0)
             self.placed.setdefault(node.node_id, []).append(time.time())
@@ -441,6 +482,10 @@ class Gateway:
             if upstream.status_code == 429:
                 failures.append(f"{node.node_id}: at its limit")
                 continue
+            if upstream.status_code == 404 and _error_code(content) == "template_not_found":
+                # a snapshot not yet in the repository is only on the node that made it: maybe the next
+                not_found = not_found or _buffered(upstream, node, content)
+                continue
             if upstream.status_code == 409 and _error_code(content) == "create_elsewhere":
                 holder = await self._create_holder(create_id)
                 failures.append(f"{node.node_id}: the create is node {holder}'s")
@@ -451,9 +496,23 @@ class Gateway:
             self._remember_created(content, node)
             return _buffered(upstream, node, content)
         summary = "; ".join(failures[-6:])[:1000]
+        if not_found is not None and not unanswered:
+            return not_found
         if unanswered:
             raise UpstreamError(f"no node confirmed the create in time: {summary}")
         raise LimitExceeded("no node could take the sandbox: " + summary)
+
+    def _create_candidates(self, body: bytes) -> list[NodeEntry]:
+        """The least loaded nodes with room; first the one that made the snapshot named, if any."""
+        ranked = self.candidates()
+        try:
+            source = json.loads(body).get("templateID")
+        except (ValueError, AttributeError):
+            source = None
+        made = self.made_on.get(source) if isinstance(source, str) else None
+        if made is not None and time.monotonic() - made[1] < SNAPSHOT_HINT_SECONDS:
+            ranked.sort(key=lambda n: n.node_id != made[0])  # stable: the rest keep their order
+        return ranked[:MAX_CANDIDATES]
 
     async def _create_holder(self, create_id: str) -> str:
         held = await self.mirror.store.get_create(create_id)
@@ -468,29 +527,37 @@ class Gateway:
     def _remember(self, sandbox_id: object, node: NodeEntry) -> None:
         """The node's directory write may land after the client's next request: bridge it."""
         if isinstance(sandbox_id, str):
-            now = time.monotonic()
-            if len(self.hints) >= MAX_HINTS:
-                self.hints = {k: v for k, v in self.hints.items() if now - v[1] < HINT_SECONDS}
-            if len(self.hints) < MAX_HINTS:
-                self.hints[sandbox_id] = (node.node_id, now)
+            _note(self.hints, sandbox_id, node.node_id, HINT_SECONDS)
 
-    async def fork(self, request: Request, node: NodeEntry) -> Response:
-        """A fork goes to the source's node (its children live there), which the gateway then
-        knows the children are on before the directory says so."""
+    async def noting(self, request: Request, node: NodeEntry, note: Callable[[object, NodeEntry], None]) -> Response:
+        """Forward, and let ``note`` learn from the node's (small) answer what it made there."""
         upstream = await self._send(request, node)
         try:
             content = await _read_upstream(upstream, MAX_FORK_BODY, node)
         finally:
             await upstream.aclose()
-        try:
-            results = json.loads(content) if upstream.status_code == 201 else []
-        except ValueError:
-            results = []
-        for result in results if isinstance(results, list) else []:
+        if 200 <= upstream.status_code < 300:
+            with contextlib.suppress(ValueError):
+                note(json.loads(content), node)
+        return _buffered(upstream, node, content)
+
+    def _note_fork(self, answer: object, node: NodeEntry) -> None:
+        """A fork's children live on the source's node: known there before the directory says so."""
+        for result in answer if isinstance(answer, list) else []:
             child = result.get("sandbox") if isinstance(result, dict) else None
             if isinstance(child, dict):
                 self._remember(child.get("sandboxID"), node)
-        return _buffered(upstream, node, content)
+
+    def _note_template(self, answer: object, node: NodeEntry) -> None:
+        template_id = answer.get("templateID") if isinstance(answer, dict) else None
+        if isinstance(template_id, str):
+            _note(self.building, template_id, node.node_id, SNAPSHOT_HINT_SECONDS)
+
+    def _note_snapshot(self, answer: object, node: NodeEntry) -> None:
+        """A snapshot is on its node at once, in the repository later: creates from it go there."""
+        snapshot_id = answer.get("snapshotID") if isinstance(answer, dict) else None
+        if isinstance(snapshot_id, str):
+            _note(self.made_on, snapshot_id, node.node_id, SNAPSHOT_HINT_SECONDS)
 
     async def forward(self, request: Request, node: NodeEntry, extra: dict[str, str] | None = None) -> Relay:
         request.scope[NODE_SCOPE] = node.node_id
@@ -524,10 +591,11 @@ class Gateway:
         timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
         extra = extra or {}
-        headers = [
-            (k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS and k.lower() not in extra
-        ]
-        headers += list(extra.items())
+        # As received (bytes: a value that is not ASCII passes as it came, for the node to judge).
+        # Sandbox traffic keeps the client's Host: the sandbox's port sees it (or its mask).
+        dropped = (HOP_HEADERS - ({"host"} if "e2b-sandbox-id" in extra else set())) | set(extra)
+        headers = [(k, v) for k, v in request.scope["headers"] if k.decode("latin-1").lower() not in dropped]
+        headers += [(k.encode(), v.encode()) for k, v in extra.items()]
         url = node.address + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         content: bytes | AsyncIterator[bytes] | None = body
         if body is None and ("content-length" in request.headers or "transfer-encoding" in request.headers):
@@ -572,8 +640,21 @@ class Relay:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.TransportError as exc:
             log.warning("node %s broke off a response: %r", self.node.node_id, exc)
-            return  # no final body message: the server ends the connection, the client sees it cut
+            # No final body message: the server ends the connection, with a reset as the node's
+            # (the SDKs read a reset, not a cut body, as a connection lost with the sandbox).
+            connections.reset_on_close()
+            return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _note(table: dict[str, tuple[str, float]], key: str, node_id: str, keep: float) -> None:
+    """Note ``key`` -> ``node_id`` in a table bounded in size (MAX_HINTS) and age (``keep``)."""
+    now = time.monotonic()
+    if len(table) >= MAX_HINTS:
+        for old in [k for k, (_, at) in table.items() if now - at >= keep]:
+            del table[old]
+    if len(table) < MAX_HINTS:
+        table[key] = (node_id, now)
 
 
 def _error_code(content: bytes) -> str:
@@ -644,6 +725,20 @@ async def _read_bounded(request: Request, limit: int) -> bytes:
     return bytes(data)
 
 
+def traffic_gone(scope: Scope, sandbox_id: str, exc: SandboxNotFound) -> JSONResponse:
+    """Sandbox traffic for a sandbox the cluster does not have: the node's answer (E2B's edge's:
+    502, which the SDKs read as "not running"), naming the node when it was on one that left."""
+    response = sandbox_gone(sandbox_id[:80])
+    node_id = scope.get(NODE_SCOPE)
+    if node_id:
+        response = JSONResponse(
+            {"sandboxId": sandbox_id, "message": f"The sandbox was not found: {exc.message}", "code": 502},
+            status_code=502,
+            headers={NODE_ID_HEADER: node_id},
+        )
+    return response
+
+
 def error_response(scope: Scope, exc: AenvError) -> JSONResponse:
     """An error as JSON, naming the node the request was for when the gateway got that far."""
     headers = {"Should-Retry": "false"} if exc.status in (429, 502, 503, 504) else {}
@@ -697,6 +792,7 @@ async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keep
     config = uvicorn.Config(
         build_gateway(settings),
         ws_max_size=settings.ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
+        http=connections.NodeHTTPProtocol,  # a deadline on request heads; resets as the nodes do
         host=host,
         port=port,
         lifespan="on",

@@ -120,7 +120,9 @@ def test_a_lost_node_s_sandboxes_answer_404_naming_it(cluster: Cluster) -> None:
                 headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"},
                 json={"path": "/"},
             )
-            assert envd.status_code == 404 and "node-lost" in envd.json()["message"]
+            # sandbox traffic gets the node's answer for a sandbox it does not have (502), naming the node
+            assert envd.status_code == 502 and "node-lost" in envd.json()["message"]
+            assert envd.headers["x-aenv-node-id"] == "node-lost"
             # creates keep working on the others
             r = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})
             assert r.status_code == 201 and r.headers["x-aenv-node-id"] in cluster.nodes
@@ -138,7 +140,17 @@ def test_a_port_and_id_host_routes_to_the_sandbox_s_node(cluster: Cluster) -> No
             health = httpx.get(f"{cluster.gateway.url}/health", headers={"Host": f"49983-{sid}.cluster.test"})
             assert health.status_code == 204 and health.headers["x-aenv-node-id"] == node
             unknown = httpx.get(f"{cluster.gateway.url}/health", headers={"Host": "49983-nosuchsandbox1.cluster.test"})
-            assert unknown.status_code == 404
+            direct = httpx.get(
+                f"{cluster.nodes[node].url}/health", headers={"Host": "49983-nosuchsandbox1.cluster.test"}
+            )
+            assert (
+                (unknown.status_code, unknown.json())
+                == (direct.status_code, direct.json())
+                == (
+                    502,
+                    {"sandboxId": "nosuchsandbox1", "message": "The sandbox was not found", "code": 502},
+                )
+            )
             half = httpx.get(f"{cluster.gateway.url}/health", headers={"E2b-Sandbox-Id": sid})
             assert half.status_code == 400
         finally:
@@ -345,7 +357,7 @@ def test_websockets_reach_a_port_through_the_gateway(e2b_gateway: Cluster) -> No
         assert refused.value.response.headers["x-aenv-node-id"] in e2b_gateway.nodes
         with pytest.raises(InvalidStatus) as refused:
             ws_connect(url, additional_headers={**routed, "E2b-Sandbox-Id": "nosuchsandbox123"})
-        assert refused.value.response.status_code == 404
+        assert refused.value.response.status_code == 502  # as a node answers
         with pytest.raises(InvalidStatus) as refused:
             ws_connect(url)
         assert refused.value.response.status_code == 404

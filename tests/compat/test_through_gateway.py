@@ -1,10 +1,11 @@
 """The compat suite's core through a gateway: the official Python SDK, unchanged, against two
-nodes behind `aenv gateway` (commands, files, pause and resume, lists over both nodes, secure
-sandboxes and their signed URLs, WebSockets to a port, the SDK's errors).
+nodes behind `aenv gateway`.
 
-The same test functions as against one node, collected here a second time with ``deployment``
-pointing at the gateway. A subset, to keep CI short; every test of the suite passes through a
-gateway when run with ``AENV_COMPAT_URL=<gateway URL>`` (docs/cluster.md says what differs).
+Every test of test_python_sync.py (commands, PTY, background processes, files, watch, lists over
+both nodes, timeouts, pause and connect, port HTTP and WebSockets, secure sandboxes and signed
+URLs, auto-resume, snapshots, the SDK's errors), collected here a second time with
+``deployment`` pointing at the gateway (about 40 s). The other compat files pass through a
+gateway too but for what docs/cluster.md lists; run them so with ``AENV_COMPAT_URL=<gateway>``.
 """
 
 from __future__ import annotations
