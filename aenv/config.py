@@ -119,6 +119,9 @@ class Settings(BaseSettings):
     advertise: str | None = None
     node_id: str | None = None
     cluster_lease_ttl: int = Field(10, ge=2, le=300)  # seconds a dead node stays registered
+    # Seconds between two checks that the directory still gives this node its sandboxes (one read
+    # of their entries, 64 to a transaction): a copy the directory gave to another node is killed.
+    cluster_reconcile_interval: float = Field(10.0, gt=0)
 
     debian_mirror: str | None = None  # None = the host's apt sources
     debian_suite: str = "bookworm"

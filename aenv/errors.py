@@ -11,7 +11,8 @@
     │   ├── TemplateNotFound                 404 template_not_found
     │   └── SnapshotNotFound                 404 snapshot_not_found
     ├── Conflict                             409 conflict
-    │   └── WrongState                       409 wrong_state
+    │   ├── WrongState                       409 wrong_state
+    │   └── CreateElsewhere                  409 create_elsewhere (another node holds this create id)
     ├── LimitExceeded                        429 limit_exceeded  (Should-Retry: false)
     ├── UpstreamError                        502 upstream_error (a registry failed or is out of reach)
     ├── ClusterUnavailable                   503 cluster_unavailable (etcd has no quorum or is out of reach)
@@ -101,6 +102,10 @@ class WrongState(Conflict):
     pass
 
 
+class CreateElsewhere(Conflict):
+    """A create id another node of the cluster has taken: the create is (or was) made there."""
+
+
 class LimitExceeded(AenvError):
     pass
 
@@ -175,6 +180,7 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     SnapshotNotFound: (404, "snapshot_not_found"),
     Conflict: (409, "conflict"),
     WrongState: (409, "wrong_state"),
+    CreateElsewhere: (409, "create_elsewhere"),
     LimitExceeded: (429, "limit_exceeded"),
     UpstreamError: (502, "upstream_error"),
     ClusterUnavailable: (503, "cluster_unavailable"),

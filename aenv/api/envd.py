@@ -13,7 +13,7 @@ import hmac
 import logging
 import posixpath
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 from urllib.parse import quote
 
@@ -344,10 +344,17 @@ def signed_for(request: Request, node: Node) -> str | None:
     Signed URLs from ``download_url()``/``upload_url()`` carry no sandbox id when the SDK's
     sandbox URL is a single proxy (E2B_SANDBOX_URL): the signature itself names the sandbox, which
     then answers as envd would (an expired signature is its 401, not the API's)."""
+    return signer_among(request, ((sb.rec.id, node.access_token(sb.rec.id)) for sb in node.list() if sb.rec.secure))
+
+
+def signer_among(request: Request, candidates: Iterable[tuple[str, str]]) -> str | None:
+    """Which of these (sandbox id, access token) pairs signed this /files URL, if any."""
+    if not request.query_params.get("signature"):
+        return None
     operation = "write" if request.method == "POST" else "read"
-    for sb in node.list():
-        if sb.rec.secure and _signed_by(request, node.access_token(sb.rec.id), operation):
-            return sb.rec.id
+    for sandbox_id, token in candidates:
+        if _signed_by(request, token, operation):
+            return sandbox_id
     return None
 
 

@@ -46,6 +46,7 @@ from aenv.errors import (
     snippet,
 )
 from aenv.node import usage
+from aenv.node.create_ids import CREATE_ID_HEADER
 from aenv.node.orchestrator import Node
 from aenv.node.sandbox import LiveSandbox
 from aenv.node.state import PUBLIC_STATE
@@ -136,22 +137,29 @@ async def _create(request: Request) -> JSONResponse:
     limits = body.limits.model_dump(exclude_none=True) if body.limits else None
     network = egress_rules(body.network)
     public_traffic, mask_request_host = ingress_options(body.network, secure=body.secure)
-    rec = await node.create(
-        body.template_id,
-        timeout=body.timeout,
-        metadata=body.metadata,
-        env_vars=body.env_vars,
-        auto_pause=auto_pause,
-        auto_resume=auto_resume,
-        auto_pause_memory=body.auto_pause_memory is not False,
-        limits=limits,
-        allow_internet_access=body.allow_internet_access,
-        network=network,
-        secure=body.secure,
-        public_traffic=public_traffic,
-        mask_request_host=mask_request_host,
-    )
-    return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
+
+    async def create() -> str:
+        rec = await node.create(
+            body.template_id,
+            timeout=body.timeout,
+            metadata=body.metadata,
+            env_vars=body.env_vars,
+            auto_pause=auto_pause,
+            auto_resume=auto_resume,
+            auto_pause_memory=body.auto_pause_memory is not False,
+            limits=limits,
+            allow_internet_access=body.allow_internet_access,
+            network=network,
+            secure=body.secure,
+            public_traffic=public_traffic,
+            mask_request_host=mask_request_host,
+        )
+        return rec.id
+
+    # A create sent again with its id (a gateway whose connection broke) gets the first one's sandbox.
+    create_id = request.headers.get(CREATE_ID_HEADER)
+    sandbox_id = await node.create_ids.once(create_id, create) if create_id is not None else await create()
+    return JSONResponse(sandbox_json(node, node.get(sandbox_id), domain_of(request)), status_code=201)
 
 
 router.add_api_route(

@@ -55,7 +55,7 @@ async def serve(
         if settings.cluster:
             from aenv.cluster.agent import leaving_with, start_agent
 
-            app = leaving_with(app, await start_agent(node, settings))
+            app = leaving_with(app, await start_agent(node, settings, api_key))
         config = uvicorn.Config(
             app,
             host=settings.host,

@@ -133,12 +133,19 @@ def gateway(
     ),
     host: str = typer.Option("127.0.0.1", help="Address to listen on"),
     port: int = typer.Option(8080, help="Port"),
+    ws_max_message_mb: int = typer.Option(
+        16, "--ws-max-message-mb", min=1, help="Largest WebSocket message relayed either way (larger: close 1009)"
+    ),
+    create_timeout: float = typer.Option(
+        120.0, "--create-timeout", min=0.1, help="Seconds a node has to answer a create before it is tried again"
+    ),
 ) -> None:
     """Run a gateway: one URL in front of the cluster's nodes (docs/cluster.md)."""
     from aenv.cluster.gateway import GatewaySettings, serve_gateway
     from aenv.cluster.store import parse_cluster_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded request otherwise
     cluster = cluster or os.environ.get("AENV_CLUSTER", "")
     if not cluster:
         err.print("[red]error:[/red] --cluster etcd://HOST:PORT[,...] (or AENV_CLUSTER) is needed")
@@ -152,7 +159,9 @@ def gateway(
     except AenvError as exc:
         err.print(f"[red]error:[/red] {exc.message}")
         raise typer.Exit(2) from None
-    settings = GatewaySettings(cluster=cluster, api_key=api_key)
+    settings = GatewaySettings(
+        cluster=cluster, api_key=api_key, ws_max_message_mb=ws_max_message_mb, create_timeout=create_timeout
+    )
     asyncio.run(serve_gateway(settings, host=host, port=port))
 
 

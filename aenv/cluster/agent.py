@@ -14,6 +14,7 @@ overwritten; the node's instance of it is stale (handled by a later slice: kill 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -28,16 +29,21 @@ from urllib.parse import urlsplit
 
 from aenv import __version__
 from aenv.cluster.entries import (
+    ClusterConfig,
+    CreateClaim,
     EntryError,
     NodeEntry,
     SandboxEntry,
     Versioned,
+    api_key_digest,
     bounded_metadata,
     check_id,
+    key_matches,
 )
 from aenv.cluster.store import ClusterStore
 from aenv.config import Settings
-from aenv.errors import ClusterUnavailable, InvalidRequest
+from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest
+from aenv.node.create_ids import KEEP_SECONDS
 from aenv.node.sandbox import LiveSandbox
 from aenv.node.state import PUBLIC_STATE, SandboxState
 
@@ -59,6 +65,7 @@ class NodeAgent:
         address: str,
         lease_ttl: int = 10,
         interval: float = 1.0,
+        reconcile_interval: float = 10.0,
     ) -> None:
         self.node = node
         self.store = store
@@ -66,6 +73,7 @@ class NodeAgent:
         self.address = address
         self.lease_ttl = lease_ttl
         self.interval = interval
+        self.reconcile_interval = reconcile_interval
         self.lease_id = 0
         self.started_at = time.time()
         self.written: dict[str, Versioned] = {}  # this node's entries as last written or read
@@ -74,6 +82,9 @@ class NodeAgent:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._last_error = ""
+        self.claims: dict[str, tuple[int, float]] = {}  # create id -> (its key's create revision, when)
+        self.killing: set[str] = set()  # stale copies being killed
+        self._kills: set[asyncio.Task[None]] = set()
 
     # -- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -85,6 +96,7 @@ class NodeAgent:
         await self.sync()
         self.node.state_listeners.append(self._changed)
         self.node.admission_checks.append(self.admit)
+        self.node.create_ids.claims = self
         self._task = asyncio.create_task(self._run(), name="cluster-agent")
 
     async def stop(self) -> None:
@@ -94,6 +106,8 @@ class NodeAgent:
             self.node.state_listeners.remove(self._changed)
         if self.admit in self.node.admission_checks:
             self.node.admission_checks.remove(self.admit)
+        if self.node.create_ids.claims is self:
+            self.node.create_ids.claims = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -128,6 +142,7 @@ class NodeAgent:
 
     async def _run(self) -> None:
         next_beat = time.monotonic() + self.interval
+        next_reconcile = time.monotonic() + self.reconcile_interval
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), max(0.0, next_beat - time.monotonic()))
@@ -137,7 +152,12 @@ class NodeAgent:
             try:
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.interval
-                    await self._heartbeat()
+                    if await self._heartbeat():
+                        next_reconcile = 0.0  # back after its lease ran out: what did it miss?
+                    await self._release_old_claims()
+                if time.monotonic() >= next_reconcile:
+                    await self.reconcile()
+                    next_reconcile = time.monotonic() + self.reconcile_interval
                 await self.sync()
                 self._last_error = ""
             except ClusterUnavailable as exc:
@@ -158,13 +178,15 @@ class NodeAgent:
         self.reached_at = time.monotonic()
         log.info("registered node %s (%s) with the cluster", self.node_id, self.address)
 
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self) -> bool:
+        """Renew the lease and rewrite the node's entry; True when the lease had run out."""
         if not await self.store.keep_alive(self.lease_id):
             log.warning("node %s's lease expired; registering again", self.node_id)
             await self._register()
-            return
+            return True
         await self.store.put_node(self.entry(), self.lease_id)
         self.reached_at = time.monotonic()
+        return False
 
     def entry(self) -> NodeEntry:
         settings: Settings = self.node.settings
@@ -199,6 +221,83 @@ class NodeAgent:
             started_at=self.started_at,
             updated_at=round(time.time(), 3),
         )
+
+    # -- stale copies ----------------------------------------------------------------------------------
+    async def reconcile(self) -> None:
+        """Read the entries of every sandbox this node holds; one the directory gave to another
+        node (a resume or move elsewhere while this node was cut off) is a stale copy: killed."""
+        held = [sb.id for sb in list(self.node.sandboxes.values()) if sb.state != SandboxState.KILLED]
+        entries = await self.store.get_sandboxes(held)
+        self.reached_at = time.monotonic()
+        for sandbox_id, current in entries.items():
+            if current.entry.node_id != self.node_id:
+                self._owned_elsewhere(sandbox_id, current)
+
+    def _owned_elsewhere(self, sandbox_id: str, current: Versioned) -> None:
+        ours = self.written.pop(sandbox_id, None)
+        self.foreign.add(sandbox_id)  # never written again: the entry is the other node's
+        if ours is not None and current.entry.epoch <= ours.entry.epoch:
+            log.warning(
+                "sandbox %s: node %s wrote an entry at epoch %d", sandbox_id, current.entry.node_id, ours.entry.epoch
+            )
+            return
+        if sandbox_id in self.killing or sandbox_id not in self.node.sandboxes:
+            return
+        log.warning(
+            "sandbox %s belongs to node %s in the directory (epoch %d): killing the stale copy here",
+            sandbox_id,
+            current.entry.node_id,
+            current.entry.epoch,
+        )
+        self.killing.add(sandbox_id)
+        task = asyncio.ensure_future(self._kill_stale(sandbox_id))
+        self._kills.add(task)
+        task.add_done_callback(self._kills.discard)
+
+    async def _kill_stale(self, sandbox_id: str) -> None:
+        try:
+            await self.node.kill(sandbox_id)
+        except Exception as exc:  # gone already, or its kill failed (logged by the node)
+            log.warning("killing the stale copy of sandbox %s: %r", sandbox_id, exc)
+        finally:
+            self.killing.discard(sandbox_id)
+
+    # -- create ids (aenv.node.create_ids.Claims) -------------------------------------------------------
+    async def claim(self, create_id: str) -> None:
+        result = await self.store.claim_create(
+            create_id, CreateClaim(self.node_id, round(time.time(), 3)), self.lease_id
+        )
+        held = result.current
+        if held is None:  # gone already (our lease expired in between): nobody holds it, try again
+            raise ClusterUnavailable(f"create id {create_id} could not be taken; try again")
+        if not result.ok and held.entry.node_id != self.node_id:
+            raise CreateElsewhere(f"create id {create_id} is node {held.entry.node_id}'s")
+        # ours: just taken, or taken before a restart of this node (that create died with it)
+        self.claims[create_id] = (held.create_revision, time.monotonic())
+
+    async def confirm(self, create_id: str) -> None:
+        held = await self.store.get_create(create_id)
+        mine = self.claims.get(create_id)
+        if held is not None and mine is not None and held.create_revision == mine[0]:
+            return
+        if held is None:  # our lease ran out while cut off, and nobody took the id since: take it again
+            self.claims.pop(create_id, None)
+            await self.claim(create_id)
+            return
+        raise CreateElsewhere(f"create id {create_id} went to node {held.entry.node_id} while this node was cut off")
+
+    async def release(self, create_id: str) -> None:
+        mine = self.claims.pop(create_id, None)
+        if mine is not None:
+            with contextlib.suppress(ClusterUnavailable):  # it goes with the lease otherwise
+                await self.store.release_create(create_id, mine[0])
+
+    async def _release_old_claims(self) -> None:
+        """Claims live while a retry may come (KEEP_SECONDS); then they go (few per second)."""
+        now = time.monotonic()
+        old = [c for c, (_, at) in self.claims.items() if now - at > KEEP_SECONDS][:WRITES_IN_FLIGHT]
+        for create_id in old:
+            await self.release(create_id)
 
     # -- the sandboxes' entries -------------------------------------------------------------------------
     def desired(self) -> dict[str, SandboxEntry]:
@@ -266,15 +365,7 @@ class NodeAgent:
         elif current.entry.node_id == self.node_id:
             self.written[sandbox_id] = current
         else:
-            self.written.pop(sandbox_id, None)
-            if sandbox_id not in self.foreign:
-                log.warning(
-                    "sandbox %s belongs to node %s in the directory (epoch %d); not claiming it",
-                    sandbox_id,
-                    current.entry.node_id,
-                    current.entry.epoch,
-                )
-            self.foreign.add(sandbox_id)
+            self._owned_elsewhere(sandbox_id, current)
         if not ok:
             self._wake.set()
 
@@ -338,7 +429,26 @@ def advertise_of(settings: Settings) -> str:
     return f"http://{host}:{settings.port}"
 
 
-async def start_agent(node: Any, settings: Settings) -> NodeAgent:
+async def join_cluster(store: ClusterStore, node: Any, api_key: str) -> ClusterConfig:
+    """Take the cluster's one token secret, or give it this node's when it is the first to join
+    (so a node's sandboxes keep their tokens when it becomes a cluster's first node). A node
+    started with another API key than the cluster's is refused: half the requests would be 401."""
+    proposed = ClusterConfig(node.token_secret, api_key_digest(node.token_secret, api_key), round(time.time(), 3))
+    config = await store.ensure_config(proposed)
+    if not key_matches(config, api_key):
+        raise InvalidRequest("this node's API key (AENV_API_KEY) is not the one the cluster was started with")
+    if config.secret != node.token_secret:
+        held = len(node.sandboxes)
+        if held:
+            log.warning(
+                "this node's %d sandboxes get new envd and traffic tokens: the cluster has its own secret",
+                held,
+            )
+        await node.use_token_secret(config.secret)
+    return config
+
+
+async def start_agent(node: Any, settings: Settings, api_key: str) -> NodeAgent:
     """Join the cluster named by ``settings.cluster`` (raises ClusterUnavailable if out of reach)."""
     assert settings.cluster
     store = ClusterStore.from_url(settings.cluster)
@@ -348,8 +458,10 @@ async def start_agent(node: Any, settings: Settings) -> NodeAgent:
         node_id=node_id_of(settings),
         address=advertise_of(settings),
         lease_ttl=settings.cluster_lease_ttl,
+        reconcile_interval=settings.cluster_reconcile_interval,
     )
     try:
+        await join_cluster(store, node, api_key)
         await agent.start()
     except BaseException:
         await store.close()

@@ -1,8 +1,11 @@
 """What the cluster store holds: one entry per node (under the node's lease) and one per sandbox.
 
 Keys:
+    /aenv/cluster                  ClusterConfig: the cluster's one token secret and its API key's digest,
+                                   created once (compare-and-swap) by the first node to join
     /aenv/nodes/<node-id>          NodeEntry, JSON, under the node's lease: gone when the node dies
     /aenv/sandboxes/<sandbox-id>   SandboxEntry, JSON; changed only by compare-and-swap transactions
+    /aenv/creates/<create-id>      CreateClaim, under the creating node's lease: a create id taken
 
 Values are bounded (a node's entry, a sandbox's entry and its metadata) and decoded strictly: what
 comes out of etcd was written by a node, but a bad or oversized value costs its one entry, never
@@ -11,6 +14,8 @@ the mirror.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields
@@ -19,6 +24,8 @@ from typing import Any, TypeVar
 PREFIX = "/aenv/"
 NODES_PREFIX = PREFIX + "nodes/"
 SANDBOXES_PREFIX = PREFIX + "sandboxes/"
+CREATES_PREFIX = PREFIX + "creates/"
+CONFIG_KEY = (PREFIX + "cluster").encode()
 
 MAX_NODE_ENTRY = 16 * 1024
 MAX_SANDBOX_ENTRY = 16 * 1024
@@ -45,6 +52,39 @@ def node_key(node_id: str) -> bytes:
 
 def sandbox_key(sandbox_id: str) -> bytes:
     return (SANDBOXES_PREFIX + check_id(sandbox_id, "sandbox id")).encode()
+
+
+def create_key(create_id: str) -> bytes:
+    return (CREATES_PREFIX + check_id(create_id, "create id")).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """What every node and gateway of one cluster shares. ``secret`` keys every sandbox's envd
+    access token, traffic token and signed URLs (so they are the same on whichever node serves the
+    sandbox); ``api_key_digest`` (HMAC of the API key under the secret) lets a node or gateway
+    started with another key refuse to join instead of answering 401 to half the requests."""
+
+    secret: str
+    api_key_digest: str
+    created_at: float = 0.0
+
+
+def api_key_digest(secret: str, api_key: str) -> str:
+    return hmac.new(secret.encode(), b"api-key\0" + api_key.encode(), hashlib.sha256).hexdigest()
+
+
+def key_matches(config: ClusterConfig, api_key: str) -> bool:
+    """Whether ``api_key`` is the one the cluster was started with."""
+    return hmac.compare_digest(config.api_key_digest, api_key_digest(config.secret, api_key))
+
+
+@dataclass(frozen=True, slots=True)
+class CreateClaim:
+    """A create id taken by a node: a create retried elsewhere is refused while the claim lives."""
+
+    node_id: str
+    at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,19 +140,20 @@ class Versioned:
     create_revision: int
 
 
-E = TypeVar("E", NodeEntry, SandboxEntry)
+E = TypeVar("E", NodeEntry, SandboxEntry, ClusterConfig, CreateClaim)
+Entry = NodeEntry | SandboxEntry | ClusterConfig | CreateClaim
 
 
-def encode(entry: NodeEntry | SandboxEntry) -> bytes:
+def encode(entry: Entry) -> bytes:
     data = json.dumps(asdict(entry), separators=(",", ":"), allow_nan=False).encode()
-    limit = MAX_NODE_ENTRY if isinstance(entry, NodeEntry) else MAX_SANDBOX_ENTRY
+    limit = MAX_SANDBOX_ENTRY if isinstance(entry, SandboxEntry) else MAX_NODE_ENTRY
     if len(data) > limit:
         raise EntryError(f"{type(entry).__name__} of {len(data)} bytes is over the {limit}-byte bound")
     return data
 
 
 def decode(cls: type[E], data: bytes) -> E:
-    limit = MAX_NODE_ENTRY if cls is NodeEntry else MAX_SANDBOX_ENTRY
+    limit = MAX_SANDBOX_ENTRY if cls is SandboxEntry else MAX_NODE_ENTRY
     if len(data) > limit:
         raise EntryError(f"{cls.__name__} of {len(data)} bytes is over the {limit}-byte bound")
     try:
@@ -131,7 +172,7 @@ def decode(cls: type[E], data: bytes) -> E:
     return entry
 
 
-def _check_types(entry: NodeEntry | SandboxEntry) -> None:
+def _check_types(entry: Entry) -> None:
     for f in fields(entry):
         value = getattr(entry, f.name)
         expected = _PY_TYPES[str(f.type)]
@@ -146,6 +187,11 @@ def _check_types(entry: NodeEntry | SandboxEntry) -> None:
         check_id(entry.node_id, "node id")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in entry.metadata.items()):
             raise EntryError("SandboxEntry.metadata is not a map of strings")
+    elif isinstance(entry, ClusterConfig):
+        if not all(
+            len(v) == 64 and all(c in "0123456789abcdef" for c in v) for v in (entry.secret, entry.api_key_digest)
+        ):
+            raise EntryError("ClusterConfig holds something else than 64 hex digits")
     else:
         check_id(entry.node_id, "node id")
 

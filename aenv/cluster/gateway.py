@@ -11,34 +11,45 @@ streaming both ways:
   cannot be reached is skipped for the next one;
 - anything else (templates, snapshots, the node-wide API) goes to the least loaded ready node.
 
-Its own routes: ``GET /health`` (open), ``GET /nodes`` and ``GET /nodes/{id}``. Control-plane
-requests need the cluster's API key at the gateway already (the nodes check it again); sandbox
-traffic carries its own credentials (envd access tokens), which the owning node checks.
+Its own routes: ``GET /health`` and ``GET /metrics`` (open), ``GET /nodes`` and ``GET /nodes/{id}``.
+Control-plane requests need the cluster's API key at the gateway already (the nodes check it
+again); sandbox traffic carries its own credentials (envd access tokens), which the owning node
+checks. A signed ``/files`` URL names no sandbox: the gateway finds the sandbox whose token signed
+it with the cluster's secret (every node derives tokens from it), as a node does among its own.
+Every answer about one sandbox carries ``x-aenv-node-id``, errors included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hmac
 import json
 import logging
 import random
 import re
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
 import httpx
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from aenv.api import connections, envd
 from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
-from aenv.cluster.entries import ID_PATTERN, NodeEntry
+from aenv.api.listing import short_sandbox_id
+from aenv.api.proxy import sandbox_gone
+from aenv.cluster.entries import ID_PATTERN, ClusterConfig, NodeEntry, key_matches
+from aenv.cluster.metrics import GatewayMetrics
 from aenv.cluster.mirror import Mirror
 from aenv.cluster.store import ClusterStore
+from aenv.cluster.websocket import NODE_ID_HEADER, refuse_websocket, relay_websocket
 from aenv.errors import (
     AenvError,
     ClusterUnavailable,
@@ -52,11 +63,21 @@ from aenv.errors import (
     error_body,
     from_body,
 )
+from aenv.node import tokens
+from aenv.node.create_ids import CREATE_ID_HEADER
 
 log = logging.getLogger("aenv.gateway")
 
 SANDBOX_PATH = re.compile(r"^(?:/v2)?/sandboxes/(?P<id>[^/]+)(?:/.*)?$")
-NODE_ID_HEADER = "x-aenv-node-id"
+SANDBOX_INFO = re.compile(r"^/sandboxes/[^/]+$")
+# A template's or snapshot's own requests (E2B deletes a snapshot as a template).
+ARTIFACT_PATH = re.compile(r"^/(?:v\d+/)?(?:templates|snapshots)/(?P<id>[^/]+)")
+# Keys of the ASGI scope the gateway fills as it routes: the node a request is for (its id goes on
+# every answer, errors included) and the route's kind (a metrics label).
+NODE_SCOPE = "aenv.node_id"
+ROUTE_SCOPE = "aenv.route"
+MAX_INFO_BODY = 1024 * 1024  # a sandbox's info, which the gateway adds "nodeID" to
+MAX_FORK_BODY = 16 * 1024 * 1024  # a fork's answer: every child's info
 # Not forwarded either way (RFC 9110 7.6.1), plus what the forwarding sets itself.
 HOP_HEADERS = frozenset(
     {
@@ -73,9 +94,14 @@ HOP_HEADERS = frozenset(
 )
 MAX_CREATE_BODY = 1024 * 1024  # a create's JSON (the nodes refuse more than AENV_MAX_BODY_KB anyway)
 MAX_CANDIDATES = 3  # nodes a create tries before giving up
+# After an attempt that got no answer, how long a create keeps trying (longer than a node's lease:
+# a dead node's claim on the create id goes with it) and how often.
+CREATE_RETRY_SECONDS = 30.0
+CREATE_RETRY_PAUSE = 0.5
 # Sandboxes this gateway created, known from the create's answer until the node's entry arrives.
 MAX_HINTS = 100_000
 HINT_SECONDS = 60.0
+SNAPSHOT_HINT_SECONDS = 600.0  # a snapshot's commit to the repository may take minutes
 STARTUP_WAIT = 10.0
 QueryItems = list[tuple[str, str | int | float | bool | None]]
 MAX_LIST_PAGES = 100  # of 100 sandboxes, from one node for one list
@@ -87,6 +113,8 @@ class GatewaySettings:
     cluster: str
     api_key: str | None = None
     connect_timeout: float = 5.0  # to a node
+    create_timeout: float = 120.0  # a create's answer; past it the create is tried again (same create id)
+    ws_max_message_mb: int = 16  # the largest WebSocket message relayed either way (larger: 1009)
     # Nodes are the cluster's own services and keep their own deadlines (agent calls, operations,
     # quiet streams pinged); a request's answer may stream for as long as its command runs.
     read_timeout: float | None = None
@@ -105,6 +133,12 @@ class Gateway:
         self.placed: dict[str, list[float]] = {}
         # sandbox id -> node id from creates this gateway forwarded, until the directory has them
         self.hints: dict[str, tuple[str, float]] = {}
+        # snapshot id -> node id for snapshots made through this gateway (creates from one go there)
+        self.made_on: dict[str, tuple[str, float]] = {}
+        self.building: dict[str, tuple[str, float]] = {}  # template id -> the node building it
+        self.config: ClusterConfig | None = None  # read once a node has joined (it writes it)
+        self._tokens: dict[str, str] = {}  # sandbox id -> envd access token (for signed URLs)
+        self.metrics = GatewayMetrics(mirror)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -114,15 +148,26 @@ class Gateway:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        if scope["type"] != "http":  # WebSockets: a later slice
-            await send({"type": "websocket.close", "code": 1011})
+        started = time.monotonic()
+
+        async def counted(message: Message) -> None:
+            if message["type"] in ("http.response.start", "websocket.accept", "websocket.http.response.start"):
+                status = message.get("status", 101)
+                self.metrics.observe(scope.get(ROUTE_SCOPE, "other"), status, time.monotonic() - started)
+            await send(message)
+
+        if scope["type"] == "websocket":
+            scope[ROUTE_SCOPE] = "websocket"
+            await self.websocket(scope, receive, counted)
+            return
+        if scope["type"] != "http":
             return
         request = Request(scope, receive)
         try:
             response = await self.route(request)
         except AenvError as exc:
-            response = JSONResponse(error_body(exc), status_code=exc.status)
-        await response(scope, receive, send)
+            response = error_response(scope, exc)
+        await response(scope, receive, counted)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -130,7 +175,11 @@ class Gateway:
             if message["type"] == "lifespan.startup":
                 try:
                     await self.mirror.start(wait=STARTUP_WAIT)
+                    await self.cluster_config()
                 except ClusterUnavailable as exc:
+                    if self.config is None and self.mirror.loaded.is_set():  # read, and not ours
+                        await send({"type": "lifespan.startup.failed", "message": exc.message})
+                        return
                     log.warning("%s; serving once it can be read", exc.message)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
@@ -142,31 +191,131 @@ class Gateway:
 
     async def route(self, request: Request) -> Response | Relay:
         headers = {k.lower(): v for k, v in request.headers.items()}
+        scope = request.scope
+        path, method = request.url.path, request.method
         target = sandbox_target(headers)
+        if target is None and path == "/files":
+            signer = await self.signer(request)
+            target = (signer, envd.ENVD_PORT) if signer else None
         if isinstance(target, str):
             return JSONResponse({"code": 400, "message": target}, status_code=400)
         if target is not None:
             sandbox_id, port = target
+            scope[ROUTE_SCOPE] = "envd" if port == envd.ENVD_PORT else "port"
             extra = {"e2b-sandbox-id": sandbox_id, "e2b-sandbox-port": str(port)}  # a host route, as headers
-            return await self.forward(request, await self.owner(sandbox_id), extra)
-        path, method = request.url.path, request.method
-        if path == "/health" and method in ("GET", "HEAD"):
+            try:
+                node = await self.owner(sandbox_id, scope)
+            except SandboxNotFound as exc:
+                return traffic_gone(scope, sandbox_id, exc)
+            return await self.forward(request, node, extra)
+        scope[ROUTE_SCOPE] = "own"
+        if method in ("GET", "HEAD") and path == "/health":
             return self.health()
+        if method in ("GET", "HEAD") and path == "/metrics":
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
         # The control plane needs the key here already: a lookup must not tell a stranger which
         # sandboxes exist. What the nodes open without it stays open (a signed upload's token is
         # the node's to check).
         if (method, path) not in PUBLIC_ROUTES and not (method == "PUT" and SIGNED_UPLOAD.fullmatch(path)):
             self.check_key(headers)
         if path == "/nodes" or path.startswith("/nodes/"):
+            scope[ROUTE_SCOPE] = "nodes"
             return self.nodes(path)
         match = SANDBOX_PATH.match(path)
         if match:
-            return await self.forward(request, await self.owner(match["id"]))
-        if (method, path) == ("POST", "/sandboxes"):
+            scope[ROUTE_SCOPE] = "sandbox"
+            node = await self.owner(match["id"], scope)
+            if method == "GET" and SANDBOX_INFO.match(path):
+                return await self.sandbox_info(request, node)
+            if method == "POST" and path.endswith("/fork"):
+                return await self.noting(request, node, self._note_fork)
+            if method == "POST" and path.endswith("/snapshots"):
+                return await self.noting(request, node, self._note_snapshot)
+            return await self.forward(request, node)
+        if method == "POST" and path in ("/sandboxes", "/v2/sandboxes"):
+            scope[ROUTE_SCOPE] = "create"
             return await self.create(request)
         if method == "GET" and path in ("/sandboxes", "/v2/sandboxes"):
+            scope[ROUTE_SCOPE] = "list"
             return await self.list_sandboxes(request, paginated=path == "/v2/sandboxes")
-        return await self.forward(request, self.any_node())
+        scope[ROUTE_SCOPE] = "other"
+        if method == "POST" and path == "/v3/templates":
+            return await self.noting(request, self.any_node(), self._note_template)
+        return await self.forward(request, await self.artifact_node(request))
+
+    async def websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket to a sandbox's port, relayed to the node that owns the sandbox (which
+        relays it to the port). The node's proxy is the only thing that upgrades."""
+        if (await receive())["type"] != "websocket.connect":
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        sandbox_id = ""
+        try:
+            target = sandbox_target(headers)
+            if isinstance(target, str):
+                raise InvalidRequest(target)
+            if target is None:
+                raise NotFound("only a sandbox's port takes WebSockets (E2b-Sandbox-Id and E2b-Sandbox-Port headers)")
+            sandbox_id, port = target
+            node = await self.owner(sandbox_id, scope)
+        except SandboxNotFound as exc:
+            await refuse_websocket(scope, send, traffic_gone(scope, sandbox_id, exc))
+            return
+        except AenvError as exc:
+            await refuse_websocket(scope, send, error_response(scope, exc))
+            return
+        routing = {"e2b-sandbox-id": sandbox_id, "e2b-sandbox-port": str(port)}
+        await relay_websocket(scope, receive, send, node, routing, self.settings.ws_max_message_mb * 2**20)
+
+    async def artifact_node(self, request: Request) -> NodeEntry:
+        """Where a node-wide request goes: the least loaded node, except where one node knows
+        more than the others for now. A snapshot is on the node that made it at once and in the
+        repository later: a list of one sandbox's snapshots goes to its node, a snapshot this
+        gateway saw made to that node. A template build (its uploads, its status) stays on the
+        node that started it."""
+        path = request.url.path
+        source = request.query_params.get("sandboxID")
+        if path == "/snapshots" and source:
+            with contextlib.suppress(SandboxNotFound, InvalidRequest):  # killed since: any node
+                return await self.owner(short_sandbox_id(source), {})
+        named = ARTIFACT_PATH.match(path)
+        if named is not None:
+            made = self.made_on.get(named["id"]) or self.building.get(named["id"])
+            if made is not None and made[0] in self.mirror.nodes:
+                return self.mirror.nodes[made[0]]
+        return self.any_node()
+
+    async def cluster_config(self) -> ClusterConfig | None:
+        """The cluster's secret and key digest (None until a node has joined and written them).
+        A gateway started with another API key than the cluster's serves nothing."""
+        if self.config is None:
+            config = await self.mirror.store.get_config()
+            if config is not None and self.settings.api_key and not key_matches(config, self.settings.api_key):
+                raise ClusterUnavailable("this gateway's AENV_API_KEY is not the one the cluster was started with")
+            self.config = config
+        return self.config
+
+    async def signer(self, request: Request) -> str | None:
+        """The sandbox whose access token signed this /files URL, among every sandbox the gateway
+        knows (one hash each; tokens are cached, so the cost is one more hash per sandbox)."""
+        if not request.query_params.get("signature"):
+            return None
+        config = await self.cluster_config()
+        if config is None:
+            return None
+        secret = config.secret.encode()
+        known = list(self.mirror.sandboxes) + [h for h in self.hints if h not in self.mirror.sandboxes]
+        if len(self._tokens) > 2 * len(known) + 1024:  # sandboxes come and go: drop the gone ones' tokens
+            self._tokens = {}
+
+        def pairs() -> Iterator[tuple[str, str]]:
+            for sandbox_id in known:
+                token = self._tokens.get(sandbox_id)
+                if token is None:
+                    token = self._tokens[sandbox_id] = tokens.access_token(secret, sandbox_id)
+                yield sandbox_id, token
+
+        return envd.signer_among(request, pairs())
 
     # -- own routes ---------------------------------------------------------------------------------------
     def health(self) -> Response:
@@ -195,8 +344,9 @@ class Gateway:
             raise Unauthenticated("invalid or missing API key (X-API-Key header)")
 
     # -- where a request goes -------------------------------------------------------------------------
-    async def owner(self, sandbox_id: str) -> NodeEntry:
-        """The node serving ``sandbox_id``: from the mirror; a miss costs one read of etcd."""
+    async def owner(self, sandbox_id: str, scope: Scope) -> NodeEntry:
+        """The node serving ``sandbox_id``: from the mirror; a miss costs one read of etcd. Its id
+        is noted in ``scope`` (for the answer's header) even when the node is gone."""
         entry, node = self.mirror.owner(sandbox_id)
         if entry is not None:
             self.hints.pop(sandbox_id, None)  # the directory has it now
@@ -204,6 +354,7 @@ class Gateway:
             hint = self.hints.pop(sandbox_id, None)
             if hint is not None and hint[0] in self.mirror.nodes and time.monotonic() - hint[1] < HINT_SECONDS:
                 self.hints[sandbox_id] = hint
+                scope[NODE_SCOPE] = hint[0]
                 return self.mirror.nodes[hint[0]]
             if ID_PATTERN.fullmatch(sandbox_id):
                 read = await self.mirror.store.get_sandbox(sandbox_id)
@@ -211,6 +362,7 @@ class Gateway:
                 node = self.mirror.nodes.get(entry.node_id) if entry is not None else None
         if entry is None:
             raise SandboxNotFound(f"sandbox {sandbox_id[:80]!r} not found", sandbox_id=sandbox_id[:80])
+        scope[NODE_SCOPE] = entry.node_id
         if node is None:
             raise SandboxNotFound(
                 f"sandbox {sandbox_id} was on node {entry.node_id}, which left the cluster (lost)",
@@ -291,55 +443,166 @@ class Gateway:
 
     # -- forwarding --------------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
+        """Place a create, and try again on a node that does not answer (refused, cut off
+        mid-way, dead, or slower than ``create_timeout``). Every attempt carries the same create
+        id, which a node honours once: a node that already holds it answers with its sandbox, one
+        told that another node holds it refuses (409 create_elsewhere) and the attempt goes to
+        that node. So a create is neither lost nor made twice."""
         body = await _read_bounded(request, MAX_CREATE_BODY)
+        create_id = request.headers.get(CREATE_ID_HEADER) or uuid.uuid4().hex
+        if not ID_PATTERN.fullmatch(create_id):
+            raise InvalidRequest(f"{CREATE_ID_HEADER} must be 1-63 characters of A-Z a-z 0-9 . _ -")
+        deadline = time.monotonic() + self.settings.create_timeout + CREATE_RETRY_SECONDS
+        timeout = httpx.Timeout(self.settings.connect_timeout, read=self.settings.create_timeout, write=60.0, pool=10.0)
         failures: list[str] = []
-        for node in self.candidates()[:MAX_CANDIDATES]:
+        unanswered = False  # an attempt may have started a create: keep trying until the deadline
+        queue = self._create_candidates(body)
+        not_found: Response | None = None
+        while time.monotonic() < deadline:
+            if not queue:
+                if not unanswered:
+                    break
+                await asyncio.sleep(CREATE_RETRY_PAUSE)
+                queue = self._create_candidates(body)
+                continue
+            node = queue.pop(0)
             self.placed.setdefault(node.node_id, []).append(time.time())
             try:
-                upstream = await self._send(request, node, body=body)
-            except UpstreamError as exc:  # not sent (connection refused, node gone): next node
+                upstream = await self._send(
+                    request, node, body=body, extra={CREATE_ID_HEADER: create_id}, timeout=timeout
+                )
+                try:
+                    content = await _read_upstream(upstream, MAX_INFO_BODY, node)
+                finally:
+                    await upstream.aclose()
+            except UpstreamError as exc:
                 failures.append(f"{node.node_id}: {exc.message}")
+                unanswered = True
                 continue
             if upstream.status_code == 429:
                 failures.append(f"{node.node_id}: at its limit")
-                await upstream.aclose()
                 continue
-            try:
-                content = b"".join([chunk async for chunk in upstream.aiter_raw()])
-            finally:
-                await upstream.aclose()
+            if upstream.status_code == 404 and _error_code(content) == "template_not_found":
+                # a snapshot not yet in the repository is only on the node that made it: maybe the next
+                not_found = not_found or _buffered(upstream, node, content)
+                continue
+            if upstream.status_code == 409 and _error_code(content) == "create_elsewhere":
+                holder = await self._create_holder(create_id)
+                failures.append(f"{node.node_id}: the create is node {holder}'s")
+                unanswered = True
+                if holder in self.mirror.nodes and holder != node.node_id:
+                    queue.insert(0, self.mirror.nodes[holder])
+                continue
             self._remember_created(content, node)
-            response = Response(content, upstream.status_code)
-            response.raw_headers = _response_headers(upstream, node)  # the node's, as sent
-            return response
-        raise LimitExceeded("no node could take the sandbox: " + "; ".join(failures)[:1000])
+            return _buffered(upstream, node, content)
+        summary = "; ".join(failures[-6:])[:1000]
+        if not_found is not None and not unanswered:
+            return not_found
+        if unanswered:
+            raise UpstreamError(f"no node confirmed the create in time: {summary}")
+        raise LimitExceeded("no node could take the sandbox: " + summary)
+
+    def _create_candidates(self, body: bytes) -> list[NodeEntry]:
+        """The least loaded nodes with room; first the one that made the snapshot named, if any."""
+        ranked = self.candidates()
+        try:
+            source = json.loads(body).get("templateID")
+        except (ValueError, AttributeError):
+            source = None
+        made = self.made_on.get(source) if isinstance(source, str) else None
+        if made is not None and time.monotonic() - made[1] < SNAPSHOT_HINT_SECONDS:
+            ranked.sort(key=lambda n: n.node_id != made[0])  # stable: the rest keep their order
+        return ranked[:MAX_CANDIDATES]
+
+    async def _create_holder(self, create_id: str) -> str:
+        held = await self.mirror.store.get_create(create_id)
+        return held.entry.node_id if held is not None else ""
 
     def _remember_created(self, content: bytes, node: NodeEntry) -> None:
         try:
-            sandbox_id = json.loads(content).get("sandboxID")
+            self._remember(json.loads(content).get("sandboxID"), node)
         except (ValueError, AttributeError):
-            return
+            pass
+
+    def _remember(self, sandbox_id: object, node: NodeEntry) -> None:
+        """The node's directory write may land after the client's next request: bridge it."""
         if isinstance(sandbox_id, str):
-            now = time.monotonic()
-            # the node's directory write may land after the client's next request: bridge it
-            if len(self.hints) >= MAX_HINTS:
-                self.hints = {k: v for k, v in self.hints.items() if now - v[1] < HINT_SECONDS}
-            if len(self.hints) < MAX_HINTS:
-                self.hints[sandbox_id] = (node.node_id, now)
+            _note(self.hints, sandbox_id, node.node_id, HINT_SECONDS)
+
+    async def noting(self, request: Request, node: NodeEntry, note: Callable[[object, NodeEntry], None]) -> Response:
+        """Forward, and let ``note`` learn from the node's (small) answer what it made there."""
+        upstream = await self._send(request, node)
+        try:
+            content = await _read_upstream(upstream, MAX_FORK_BODY, node)
+        finally:
+            await upstream.aclose()
+        if 200 <= upstream.status_code < 300:
+            with contextlib.suppress(ValueError):
+                note(json.loads(content), node)
+        return _buffered(upstream, node, content)
+
+    def _note_fork(self, answer: object, node: NodeEntry) -> None:
+        """A fork's children live on the source's node: known there before the directory says so."""
+        for result in answer if isinstance(answer, list) else []:
+            child = result.get("sandbox") if isinstance(result, dict) else None
+            if isinstance(child, dict):
+                self._remember(child.get("sandboxID"), node)
+
+    def _note_template(self, answer: object, node: NodeEntry) -> None:
+        template_id = answer.get("templateID") if isinstance(answer, dict) else None
+        if isinstance(template_id, str):
+            _note(self.building, template_id, node.node_id, SNAPSHOT_HINT_SECONDS)
+
+    def _note_snapshot(self, answer: object, node: NodeEntry) -> None:
+        """A snapshot is on its node at once, in the repository later: creates from it go there."""
+        snapshot_id = answer.get("snapshotID") if isinstance(answer, dict) else None
+        if isinstance(snapshot_id, str):
+            _note(self.made_on, snapshot_id, node.node_id, SNAPSHOT_HINT_SECONDS)
 
     async def forward(self, request: Request, node: NodeEntry, extra: dict[str, str] | None = None) -> Relay:
+        request.scope[NODE_SCOPE] = node.node_id
         return Relay(await self._send(request, node, extra=extra), node)
 
+    async def sandbox_info(self, request: Request, node: NodeEntry) -> Response:
+        """``GET /sandboxes/{id}``: the node's answer, plus ``"nodeID"``."""
+        upstream = await self._send(request, node)
+        try:
+            content = await _read_upstream(upstream, MAX_INFO_BODY, node)
+        finally:
+            await upstream.aclose()
+        info = None
+        if upstream.status_code == 200 and "content-encoding" not in upstream.headers:
+            try:
+                info = json.loads(content)
+            except ValueError:
+                pass
+        if not isinstance(info, dict):
+            return _buffered(upstream, node, content)
+        info["nodeID"] = node.node_id
+        return _buffered(upstream, node, json.dumps(info).encode())
+
     async def _send(
-        self, request: Request, node: NodeEntry, *, body: bytes | None = None, extra: dict[str, str] | None = None
+        self,
+        request: Request,
+        node: NodeEntry,
+        *,
+        body: bytes | None = None,
+        extra: dict[str, str] | None = None,
+        timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
-        headers += list((extra or {}).items())
+        extra = extra or {}
+        # As received (bytes: a value that is not ASCII passes as it came, for the node to judge).
+        # Sandbox traffic keeps the client's Host: the sandbox's port sees it (or its mask).
+        dropped = (HOP_HEADERS - ({"host"} if "e2b-sandbox-id" in extra else set())) | set(extra)
+        headers = [(k, v) for k, v in request.scope["headers"] if k.decode("latin-1").lower() not in dropped]
+        headers += [(k.encode(), v.encode()) for k, v in extra.items()]
         url = node.address + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         content: bytes | AsyncIterator[bytes] | None = body
         if body is None and ("content-length" in request.headers or "transfer-encoding" in request.headers):
             content = _body(request)  # streamed as it arrives; httpx keeps the client's Content-Length
-        outgoing = self.client.build_request(request.method, url, headers=headers, content=content)
+        outgoing = self.client.build_request(
+            request.method, url, headers=headers, content=content, timeout=timeout or self.client.timeout
+        )
         try:
             return await self.client.send(outgoing, stream=True)
         except httpx.TransportError as exc:
@@ -377,8 +640,29 @@ class Relay:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.TransportError as exc:
             log.warning("node %s broke off a response: %r", self.node.node_id, exc)
-            return  # no final body message: the server ends the connection, the client sees it cut
+            # No final body message: the server ends the connection, with a reset as the node's
+            # (the SDKs read a reset, not a cut body, as a connection lost with the sandbox).
+            connections.reset_on_close()
+            return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _note(table: dict[str, tuple[str, float]], key: str, node_id: str, keep: float) -> None:
+    """Note ``key`` -> ``node_id`` in a table bounded in size (MAX_HINTS) and age (``keep``)."""
+    now = time.monotonic()
+    if len(table) >= MAX_HINTS:
+        for old in [k for k, (_, at) in table.items() if now - at >= keep]:
+            del table[old]
+    if len(table) < MAX_HINTS:
+        table[key] = (node_id, now)
+
+
+def _error_code(content: bytes) -> str:
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return ""
+    return str(body.get("error_code", "")) if isinstance(body, dict) else ""
 
 
 def _started_at(item: dict[str, object]) -> float:
@@ -441,6 +725,50 @@ async def _read_bounded(request: Request, limit: int) -> bytes:
     return bytes(data)
 
 
+def traffic_gone(scope: Scope, sandbox_id: str, exc: SandboxNotFound) -> JSONResponse:
+    """Sandbox traffic for a sandbox the cluster does not have: the node's answer (E2B's edge's:
+    502, which the SDKs read as "not running"), naming the node when it was on one that left."""
+    response = sandbox_gone(sandbox_id[:80])
+    node_id = scope.get(NODE_SCOPE)
+    if node_id:
+        response = JSONResponse(
+            {"sandboxId": sandbox_id, "message": f"The sandbox was not found: {exc.message}", "code": 502},
+            status_code=502,
+            headers={NODE_ID_HEADER: node_id},
+        )
+    return response
+
+
+def error_response(scope: Scope, exc: AenvError) -> JSONResponse:
+    """An error as JSON, naming the node the request was for when the gateway got that far."""
+    headers = {"Should-Retry": "false"} if exc.status in (429, 502, 503, 504) else {}
+    node_id = scope.get(NODE_SCOPE)
+    if node_id:
+        headers[NODE_ID_HEADER] = node_id
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
+
+
+async def _read_upstream(upstream: httpx.Response, limit: int, node: NodeEntry) -> bytes:
+    """A node's whole (small) answer; one that breaks off or runs past ``limit`` is a 502."""
+    data = bytearray()
+    try:
+        async for chunk in upstream.aiter_raw():
+            data += chunk
+            if len(data) > limit:
+                raise UpstreamError(f"node {node.node_id} answered with more than {limit // 1024} KiB")
+    except httpx.TransportError as exc:
+        raise UpstreamError(f"node {node.node_id} broke off its answer: {exc!r}"[:300]) from None
+    return bytes(data)
+
+
+def _buffered(upstream: httpx.Response, node: NodeEntry, content: bytes) -> Response:
+    """A node's answer, read whole (and maybe changed), with its headers."""
+    response = Response(content, upstream.status_code)
+    headers = [(k, v) for k, v in _response_headers(upstream, node) if k.lower() != b"content-length"]
+    response.raw_headers = [*headers, (b"content-length", str(len(content)).encode())]
+    return response
+
+
 def _response_headers(upstream: httpx.Response, node: NodeEntry) -> list[tuple[bytes, bytes]]:
     """The node's headers, repeated ones kept (Set-Cookie), and which node answered."""
     headers = [(k, v) for k, v in upstream.headers.raw if k.lower().decode("latin-1") not in HOP_HEADERS]
@@ -463,6 +791,8 @@ async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keep
 
     config = uvicorn.Config(
         build_gateway(settings),
+        ws_max_size=settings.ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
+        http=connections.NodeHTTPProtocol,  # a deadline on request heads; resets as the nodes do
         host=host,
         port=port,
         lifespan="on",

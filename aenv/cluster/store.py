@@ -23,14 +23,18 @@ import aetcd.exceptions
 import aetcd.rtypes
 
 from aenv.cluster.entries import (
+    CONFIG_KEY,
     NODES_PREFIX,
     PREFIX,
     SANDBOXES_PREFIX,
+    ClusterConfig,
+    CreateClaim,
     E,
     EntryError,
     NodeEntry,
     SandboxEntry,
     Versioned,
+    create_key,
     decode,
     encode,
     node_key,
@@ -43,6 +47,7 @@ log = logging.getLogger("aenv.cluster")
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 2.0  # seconds any one call may take
+GETS_PER_TRANSACTION = 64  # etcd refuses transactions of more than 128 operations by default
 MAX_ENDPOINTS = 16
 # etcd refuses a request on a member that has no leader when this metadata is set (instead of
 # holding it until an election that, without quorum, never comes).
@@ -253,7 +258,76 @@ class ClusterStore:
         moved = replace(current.entry, node_id=node_id, epoch=epoch + 1)
         return await self.replace_sandbox(moved, current.mod_revision)
 
-    async def _cas(self, what: str, key: bytes, compare: list[Any], success: Any) -> CasResult:
+    async def get_sandboxes(self, sandbox_ids: list[str]) -> dict[str, Versioned]:
+        """The entries of these sandboxes (those that have one), read in transactions of 64."""
+        client = await self._connected()
+        t = client.transactions
+        found: dict[str, Versioned] = {}
+        for i in range(0, len(sandbox_ids), GETS_PER_TRANSACTION):
+            chunk = sandbox_ids[i : i + GETS_PER_TRANSACTION]
+            _, responses = await self._call(
+                "read sandbox entries",
+                client.transaction(compare=[], success=[t.get(sandbox_key(s)) for s in chunk], failure=[]),
+            )
+            for sandbox_id, response in zip(chunk, responses, strict=True):
+                for _, kv in response:
+                    try:
+                        found[sandbox_id] = _versioned(SandboxEntry, kv)
+                    except EntryError as exc:
+                        log.warning("skipping the entry of sandbox %s: %s", sandbox_id, exc)
+        return found
+
+    # -- the cluster's configuration and create ids ------------------------------------------------------
+    async def ensure_config(self, proposed: ClusterConfig) -> ClusterConfig:
+        """The cluster's configuration: ``proposed`` if there was none (the first node to join
+        writes it), else the one there. One transaction: of two first nodes exactly one wins."""
+        client = await self._connected()
+        t = client.transactions
+        result = await self._cas(
+            "write the cluster configuration",
+            CONFIG_KEY,
+            [t.create(CONFIG_KEY) == 0],
+            t.put(CONFIG_KEY, encode(proposed)),
+            ClusterConfig,
+        )
+        assert result.current is not None  # just written, or there before
+        return result.current.entry  # type: ignore[no-any-return]
+
+    async def get_config(self) -> ClusterConfig | None:
+        client = await self._connected()
+        got = await self._call("read the cluster configuration", client.get(CONFIG_KEY))
+        return None if got is None else decode(ClusterConfig, got.value)
+
+    async def claim_create(self, create_id: str, claim: CreateClaim, lease_id: int) -> CasResult:
+        """Take a create id for a node (under its lease) if nobody holds it; the loser gets the
+        holder's claim back."""
+        client = await self._connected()
+        key = create_key(create_id)
+        t = client.transactions
+        return await self._cas(
+            "claim a create id", key, [t.create(key) == 0], t.put(key, encode(claim), lease=lease_id), CreateClaim
+        )
+
+    async def get_create(self, create_id: str) -> Versioned | None:
+        client = await self._connected()
+        got = await self._call("read a create id", client.get(create_key(create_id)))
+        return None if got is None else _versioned(CreateClaim, got)
+
+    async def release_create(self, create_id: str, create_revision: int) -> None:
+        """Drop a create id's claim if it is still the one made at ``create_revision``."""
+        client = await self._connected()
+        key = create_key(create_id)
+        t = client.transactions
+        await self._cas("release a create id", key, [t.create(key) == create_revision], t.delete(key), CreateClaim)
+
+    async def _cas(
+        self,
+        what: str,
+        key: bytes,
+        compare: list[Any],
+        success: Any,
+        cls: type[E] = SandboxEntry,  # type: ignore[assignment]
+    ) -> CasResult:
         client = await self._connected()
         t = client.transactions
         ok, responses = await self._call(
@@ -263,7 +337,7 @@ class ClusterStore:
         if not found:
             return CasResult(ok, None)
         _, kv = found[0]
-        return CasResult(ok, _versioned(SandboxEntry, kv))
+        return CasResult(ok, _versioned(cls, kv))
 
     # -- everything, and changes -------------------------------------------------------------------------
     async def read_all(self) -> Listing:

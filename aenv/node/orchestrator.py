@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import hashlib
-import hmac
 import logging
 import os
 import secrets
@@ -36,9 +34,10 @@ from aenv.errors import (
     TemplateNotFound,
     WrongState,
 )
-from aenv.node import egress, housekeeping, metrics
+from aenv.node import egress, housekeeping, metrics, tokens
 from aenv.node.agentlink import AgentLink
 from aenv.node.artifacts import ArtifactCache
+from aenv.node.create_ids import CreateIds
 from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
 from aenv.node.state import PUBLIC_STATE, SETTLED, SandboxState, check_transition
@@ -125,6 +124,7 @@ class Node:
         # Called before a create or a fork starts (new sandboxes): each may refuse by raising
         # (the cluster agent refuses while the node cannot write the directory).
         self.admission_checks: list[Callable[[], None]] = []
+        self.create_ids = CreateIds(kill=self.kill)
 
     # -- start and stop ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -265,14 +265,20 @@ class Node:
         return sorted(out, key=lambda s: s.rec.started_at, reverse=True)
 
     def access_token(self, sandbox_id: str) -> str:
-        """Derived, never stored: HMAC of the sandbox id under the node's secret."""
-        return hmac.new(self._secret, sandbox_id.encode(), hashlib.sha256).hexdigest()[:40]
+        return tokens.access_token(self._secret, sandbox_id)
 
     def traffic_token(self, sandbox_id: str) -> str:
-        """E2B's traffic access token for the ports of a sandbox without public traffic. Derived
-        as the envd token is (so pause, resume and restarts keep it, and each fork child has its
-        own), under a prefix of its own: one token never opens what the other guards."""
-        return hmac.new(self._secret, b"traffic\0" + sandbox_id.encode(), hashlib.sha256).hexdigest()[:40]
+        return tokens.traffic_token(self._secret, sandbox_id)
+
+    @property
+    def token_secret(self) -> str:
+        """The secret every sandbox's tokens derive from (64 hex digits)."""
+        return self._secret.decode()
+
+    async def use_token_secret(self, secret: str) -> None:
+        """Derive tokens from ``secret`` from now on (the cluster's), kept for later starts too."""
+        await self.store.set_meta("token_secret", secret)
+        self._secret = secret.encode()
 
     # -- the operation runner -------------------------------------------------------------------------
     async def _operate(self, sb: LiveSandbox, name: str, fn: Callable[[], Awaitable[T]], *, join: bool) -> T:

@@ -1,106 +1,32 @@
-"""`aenv gateway`: two real nodes behind one gateway, driven by the real E2B SDK."""
+"""`aenv gateway`: two real nodes behind two gateways, driven by the real E2B SDK."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
-import subprocess
-import sys
+import socket
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.cluster.conftest import require_etcd
-from tests.cluster.etcd import EtcdCluster
+from aenv.cluster.store import ClusterStore
+from aenv.node.create_ids import CREATE_ID_HEADER
+from tests.cluster.cluster import LEASE_TTL, Cluster, running_cluster, start_gateway, wait_for_nodes
 from tests.cluster.nodes import start_node
-from tests.conftest import API_KEY, DATA_DIR, Server, free_port
+from tests.conftest import API_KEY, Server
 
 pytestmark = pytest.mark.sandbox
-LEASE_TTL = 3
-
-
-@dataclass
-class Gateway:
-    url: str
-    proc: subprocess.Popen[bytes]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_gateway(etcd_url: str) -> Gateway:
-    port = free_port()
-    log = DATA_DIR.parent / f"{DATA_DIR.name}-gateway-{port}.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aenv.cli.main", "gateway", "--cluster", etcd_url, "--port", str(port)],
-        stdout=open(log, "ab"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "AENV_API_KEY": API_KEY},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"gateway exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return Gateway(url, proc)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"gateway did not become ready:\n{log.read_text()[-3000:]}")
-
-
-@dataclass
-class Cluster:
-    etcd: EtcdCluster
-    nodes: dict[str, Server]
-    gateway: Gateway
-
-    def api(self) -> httpx.Client:
-        return httpx.Client(base_url=self.gateway.url, headers={"X-API-Key": API_KEY}, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def cluster(server: Server) -> Iterator[Cluster]:
-    require_etcd()
-    etcd = EtcdCluster(3)
-    nodes: dict[str, Server] = {}
-    gateway = None
-    try:
-        etcd.start()
-        for name in ("node-a", "node-b"):
-            nodes[name] = start_node(etcd.url, name, lease_ttl=LEASE_TTL)
-        gateway = start_gateway(etcd.url)
-        wait_for_nodes(gateway, set(nodes))
-        yield Cluster(etcd, nodes, gateway)
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        for node in nodes.values():
-            node.stop()
-        etcd.stop()
-
-
-def wait_for_nodes(gateway: Gateway, names: set[str], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        listed = httpx.get(f"{gateway.url}/nodes", headers={"X-API-Key": API_KEY}).json()
-        if {n["node_id"] for n in listed} == names:
-            return
-        assert time.monotonic() < deadline, f"the gateway lists {listed}, not {names}"
-        time.sleep(0.2)
+    with running_cluster() as c:
+        yield c
 
 
 @pytest.fixture()
@@ -194,7 +120,9 @@ def test_a_lost_node_s_sandboxes_answer_404_naming_it(cluster: Cluster) -> None:
                 headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"},
                 json={"path": "/"},
             )
-            assert envd.status_code == 404 and "node-lost" in envd.json()["message"]
+            # sandbox traffic gets the node's answer for a sandbox it does not have (502), naming the node
+            assert envd.status_code == 502 and "node-lost" in envd.json()["message"]
+            assert envd.headers["x-aenv-node-id"] == "node-lost"
             # creates keep working on the others
             r = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})
             assert r.status_code == 201 and r.headers["x-aenv-node-id"] in cluster.nodes
@@ -212,7 +140,17 @@ def test_a_port_and_id_host_routes_to_the_sandbox_s_node(cluster: Cluster) -> No
             health = httpx.get(f"{cluster.gateway.url}/health", headers={"Host": f"49983-{sid}.cluster.test"})
             assert health.status_code == 204 and health.headers["x-aenv-node-id"] == node
             unknown = httpx.get(f"{cluster.gateway.url}/health", headers={"Host": "49983-nosuchsandbox1.cluster.test"})
-            assert unknown.status_code == 404
+            direct = httpx.get(
+                f"{cluster.nodes[node].url}/health", headers={"Host": "49983-nosuchsandbox1.cluster.test"}
+            )
+            assert (
+                (unknown.status_code, unknown.json())
+                == (direct.status_code, direct.json())
+                == (
+                    502,
+                    {"sandboxId": "nosuchsandbox1", "message": "The sandbox was not found", "code": 502},
+                )
+            )
             half = httpx.get(f"{cluster.gateway.url}/health", headers={"E2b-Sandbox-Id": sid})
             assert half.status_code == 400
         finally:
@@ -249,6 +187,289 @@ def test_lists_merge_every_node_with_the_node_s_filters_and_pages(e2b_gateway: C
     finally:
         for box in boxes:
             Sandbox.kill(box.sandbox_id)
+
+
+def create_on(api: httpx.Client, node: str, **body: object) -> str:
+    """A sandbox on ``node`` (creates through the gateway until one lands there; others killed)."""
+    for _ in range(8):
+        r = api.post("/sandboxes", json={"templateID": "base", "timeout": 120, **body})
+        assert r.status_code == 201, r.text
+        if r.headers["x-aenv-node-id"] == node:
+            return str(r.json()["sandboxID"])
+        api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+    raise AssertionError(f"no create landed on {node}")
+
+
+def test_one_secret_signed_urls_and_tokens_work_through_any_gateway(e2b_gateway: Cluster) -> None:
+    import hashlib
+    import hmac
+
+    from e2b import Sandbox
+
+    from tests.cluster.cluster import cluster_config
+
+    sbx = Sandbox.create(secure=True, timeout=120)
+    second = e2b_gateway.gateways[1].url
+    try:
+        sbx.files.write("/home/user/signed.txt", "signed through the other gateway")
+        url = sbx.download_url("/home/user/signed.txt", use_signature_expiration=120)
+        assert url.startswith(e2b_gateway.gateway.url)
+        other = second + url[len(e2b_gateway.gateway.url) :]
+        r = httpx.get(other)
+        assert r.status_code == 200, r.text
+        assert r.text == "signed through the other gateway" and r.headers["x-aenv-node-id"] in e2b_gateway.nodes
+        upload = sbx.upload_url("/home/user/up.txt", use_signature_expiration=120)
+        r = httpx.post(second + upload[len(e2b_gateway.gateway.url) :], files={"file": ("up.txt", b"uploaded")})
+        assert r.status_code == 200, r.text
+        assert sbx.files.read("/home/user/up.txt") == "uploaded"
+        # a signature no token of the cluster made, or none, is the API's 401 (no lookup for strangers)
+        assert httpx.get(other.replace("signature=v1_", "signature=v1_x")).status_code == 401
+        assert httpx.get(f"{second}/files?path=/etc/passwd").status_code == 401
+        # every node derives a sandbox's tokens from the cluster's one secret, whichever it is on
+        secret = cluster_config(e2b_gateway).secret.encode()
+        with e2b_gateway.api(1) as api:
+            for node in e2b_gateway.nodes:
+                sid = create_on(api, node)
+                info = api.get(f"/sandboxes/{sid}").json()  # E2B's info carries the token of a secure one
+                token = hmac.new(secret, sid.encode(), hashlib.sha256).hexdigest()[:40]
+                assert info["envdAccessToken"] == token and info["nodeID"] == node
+                routed = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"}
+                ok = httpx.post(
+                    f"{second}/filesystem.Filesystem/Stat",
+                    headers={**routed, "X-Access-Token": token},
+                    json={"path": "/"},
+                )
+                assert ok.status_code == 200 and ok.headers["x-aenv-node-id"] == node
+                bad = httpx.post(
+                    f"{second}/filesystem.Filesystem/Stat",
+                    headers={**routed, "X-Access-Token": "x" * 40},
+                    json={"path": "/"},
+                )
+                assert bad.status_code == 401 and bad.headers["x-aenv-node-id"] == node
+                api.delete(f"/sandboxes/{sid}")
+    finally:
+        sbx.kill()
+
+
+def test_a_node_or_gateway_with_another_api_key_does_not_join(cluster: Cluster) -> None:
+    from tests.cluster.cluster import start_gateway
+
+    with pytest.raises(RuntimeError, match="exited"):
+        start_gateway(cluster.etcd.url, api_key="e2b_" + "2" * 40)
+    wrong = {"AENV_API_KEY": "e2b_" + "1" * 40, "AENV_BUILD_BASE": "false"}
+    with pytest.raises(RuntimeError, match="not the one the cluster was started with"):
+        start_node(cluster.etcd.url, "node-wrongkey", extra_env=wrong)
+
+
+def test_sandbox_answers_name_their_node_errors_included(cluster: Cluster) -> None:
+    with cluster.api() as api:
+        r = api.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+        sid, node = r.json()["sandboxID"], r.headers["x-aenv-node-id"]
+        try:
+            info = api.get(f"/sandboxes/{sid}")
+            assert info.json()["nodeID"] == node and info.headers["x-aenv-node-id"] == node
+            assert int(info.headers["content-length"]) == len(info.content)
+            for method, path, body in (
+                ("POST", f"/sandboxes/{sid}/timeout", {"timeout": "nonsense"}),  # the node's 400
+                ("GET", f"/sandboxes/{sid}/logs", None),
+                ("POST", f"/sandboxes/{sid}/resume", {}),  # 409: it runs
+            ):
+                r = api.request(method, path, json=body)
+                assert r.headers.get("x-aenv-node-id") == node, (path, r.status_code, r.text)
+            routed = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"}
+            with api.stream(
+                "POST",
+                "/process.Process/Start",
+                headers={**routed, "Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"},
+                content=b"\x00" + len(b'{"process":{"cmd":"true"}}').to_bytes(4, "big") + b'{"process":{"cmd":"true"}}',
+            ) as stream:
+                assert stream.headers["x-aenv-node-id"] == node
+            closed = httpx.get(f"{cluster.gateway.url}/", headers={**routed, "E2b-Sandbox-Port": "9"})
+            assert closed.status_code == 502 and closed.headers["x-aenv-node-id"] == node
+        finally:
+            api.delete(f"/sandboxes/{sid}")
+        assert api.get(f"/sandboxes/{sid}").status_code == 404
+        metrics = httpx.get(f"{cluster.gateway.url}/metrics")
+        assert metrics.status_code == 200
+        text = metrics.text
+        assert 'aenv_cluster_nodes{state="ready"} 2.0' in text
+        assert 'aenv_gateway_requests_total{route="create",status="2xx"}' in text
+        assert 'aenv_gateway_request_seconds_count{route="sandbox"}' in text
+        assert 'aenv_cluster_sandboxes{state="running"}' in text and "aenv_gateway_directory_connected 1.0" in text
+
+
+def test_websockets_reach_a_port_through_the_gateway(e2b_gateway: Cluster) -> None:
+    from e2b import Sandbox
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+    from websockets.sync.client import connect as ws_connect
+
+    from tests.compat.servers import WEBSOCKET_SERVER
+
+    # the same echo server, noting each connection's end where the test can read it
+    server = WEBSOCKET_SERVER.replace(
+        "    finally:\n        conn.close()", "    finally:\n        conn.close(); open('/tmp/ended', 'a').write('x')"
+    )
+    assert server != WEBSOCKET_SERVER
+    sbx = Sandbox.create(timeout=120)
+    try:
+        sbx.files.write("/home/user/ws.py", server)
+        sbx.commands.run("python3 /home/user/ws.py 8765", background=True)
+        routed = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8765"}
+        url = e2b_gateway.gateways[1].url.replace("http", "ws", 1) + "/echo?q=1"
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                ws = ws_connect(url, additional_headers=routed, subprotocols=["chat"], max_size=None)
+                break
+            except InvalidStatus as exc:
+                assert exc.response.status_code == 502 and time.monotonic() < deadline
+                time.sleep(0.3)
+        with ws:
+            assert ws.subprotocol == "chat" and ws.response.headers["x-aenv-node-id"] in e2b_gateway.nodes
+            ws.send("hello")
+            assert ws.recv(10) == "hello"
+            ws.send(b"\x00\x01" * 1000)
+            assert ws.recv(10) == b"\x00\x01" * 1000
+            ws.send("close")  # the port closes with its own code: passed on
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(10)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4001
+        # a message past the gateway's bound closes with 1009
+        with ws_connect(url, additional_headers=routed, max_size=None) as ws:
+            ws.send(b"x" * (16 * 2**20 + 1))
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(30)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+        # a client that vanishes (no close frame) closes the node's side, and the port's
+        ended = len(sbx.files.read("/tmp/ended"))
+        with ws_connect(url, additional_headers=routed, close_timeout=0.1) as ws:
+            ws.send("ping")
+            assert ws.recv(10) == "ping"
+            ws.socket.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + 15
+        while len(sbx.files.read("/tmp/ended")) == ended:
+            assert time.monotonic() < deadline, "the port's connection outlived the client's"
+            time.sleep(0.3)
+        # refusals: a closed port (the node's 502), a sandbox the cluster does not know, no sandbox
+        with pytest.raises(InvalidStatus) as refused:
+            ws_connect(url, additional_headers={**routed, "E2b-Sandbox-Port": "9"})
+        assert refused.value.response.status_code == 502
+        assert refused.value.response.headers["x-aenv-node-id"] in e2b_gateway.nodes
+        with pytest.raises(InvalidStatus) as refused:
+            ws_connect(url, additional_headers={**routed, "E2b-Sandbox-Id": "nosuchsandbox123"})
+        assert refused.value.response.status_code == 502  # as a node answers
+        with pytest.raises(InvalidStatus) as refused:
+            ws_connect(url)
+        assert refused.value.response.status_code == 404
+    finally:
+        sbx.kill()
+
+
+def wait_for_claim(cluster: Cluster, create_id: str, timeout: float = 30) -> str:
+    """The node that took a create id, as soon as etcd has it."""
+
+    async def poll() -> str:
+        store = ClusterStore.from_url(cluster.etcd.url)
+        try:
+            deadline = time.monotonic() + timeout
+            while (held := await store.get_create(create_id)) is None:
+                assert time.monotonic() < deadline, "no node took the create id"
+                await asyncio.sleep(0.02)
+            return str(held.entry.node_id)
+        finally:
+            await store.close()
+
+    return asyncio.run(poll())
+
+
+def sandboxes_of_run(cluster: Cluster, run: str) -> dict[str, list[str]]:
+    """Each live node's sandboxes with metadata run=<run>, asked of the node itself."""
+    found = {}
+    for name, node in cluster.nodes.items():
+        if node.proc.poll() is None:
+            with node.client() as direct:
+                listed = direct.get("/sandboxes", params={"metadata": f"run={run}"}).json()
+            found[name] = [s["sandboxID"] for s in listed]
+    return found
+
+
+def create_in_background(pool: ThreadPoolExecutor, gateway: str, run: str, create_id: str) -> Future[httpx.Response]:
+    body = {"templateID": "base", "timeout": 120, "metadata": {"run": run}}
+    headers = {"X-API-Key": API_KEY, CREATE_ID_HEADER: create_id}
+    return pool.submit(httpx.post, f"{gateway}/sandboxes", json=body, headers=headers, timeout=120)
+
+
+def test_a_create_whose_node_dies_mid_request_is_made_once_elsewhere(cluster: Cluster) -> None:
+    run, create_id = uuid.uuid4().hex[:8], f"test-{uuid.uuid4().hex}"
+    with ThreadPoolExecutor(1) as pool:
+        answer = create_in_background(pool, cluster.gateway.url, run, create_id)
+        holder = wait_for_claim(cluster, create_id)
+        cluster.nodes[holder].stop(signal.SIGKILL)
+        try:
+            r = answer.result()
+            assert r.status_code == 201, r.text
+            other = r.headers["x-aenv-node-id"]
+            assert other != holder
+            assert sandboxes_of_run(cluster, run) == {other: [r.json()["sandboxID"]]}
+            # the client's retry with the same id gets the same sandbox, not a second one
+            again = create_in_background(pool, cluster.gateway.url, run, create_id).result()
+            assert again.status_code == 201 and again.json()["sandboxID"] == r.json()["sandboxID"]
+        finally:
+            cluster.nodes[holder].restart()  # a crashed node's instances go at its next start
+            wait_for_nodes(cluster.gateway, set(cluster.nodes))
+    assert sandboxes_of_run(cluster, run) == {holder: [], other: [r.json()["sandboxID"]]}
+    with cluster.api() as api:
+        api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+        bad = api.post("/sandboxes", json={"templateID": "base"}, headers={CREATE_ID_HEADER: "../x"})
+        assert bad.status_code == 400
+
+
+@pytest.mark.parametrize("pause", [1.5, LEASE_TTL + 3.0], ids=["slow", "cut-off-past-its-lease"])
+def test_a_create_whose_node_answers_slowly_is_made_once(cluster: Cluster, pause: float) -> None:
+    # a gateway that gives up on a node's create after 0.3 s and tries again elsewhere
+    impatient = start_gateway(cluster.etcd.url, args=("--create-timeout", "0.3"))
+    run, create_id = uuid.uuid4().hex[:8], f"test-{uuid.uuid4().hex}"
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = create_in_background(pool, impatient.url, run, create_id)
+            holder = wait_for_claim(cluster, create_id)
+            os.kill(cluster.nodes[holder].proc.pid, signal.SIGSTOP)
+            try:
+                time.sleep(pause)
+            finally:
+                os.kill(cluster.nodes[holder].proc.pid, signal.SIGCONT)
+            r = answer.result()
+        assert r.status_code == 201, r.text
+        sid, node = r.json()["sandboxID"], r.headers["x-aenv-node-id"]
+        if pause < LEASE_TTL:  # the other node refused the create id while its holder lived
+            assert node == holder
+        # exactly one sandbox: a node cut off past its lease kills the copy it made meanwhile
+        deadline = time.monotonic() + 20
+        while (found := sandboxes_of_run(cluster, run)) != {n: [sid] if n == node else [] for n in cluster.nodes}:
+            assert time.monotonic() < deadline, found
+            time.sleep(0.5)
+        with cluster.api() as api:
+            api.delete(f"/sandboxes/{sid}")
+    finally:
+        impatient.stop()
+        wait_for_nodes(cluster.gateway, set(cluster.nodes), timeout=20)
+
+
+def test_fork_children_live_on_the_source_s_node(cluster: Cluster) -> None:
+    with cluster.api() as api:
+        r = api.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+        sid, node = r.json()["sandboxID"], r.headers["x-aenv-node-id"]
+        children: list[str] = []
+        try:
+            fork = api.post(f"/sandboxes/{sid}/fork", json={"count": 2})
+            assert fork.status_code == 201 and fork.headers["x-aenv-node-id"] == node, fork.text
+            children = [c["sandbox"]["sandboxID"] for c in fork.json()]
+            for child in children:  # right after the fork: the gateway knows them from its answer
+                info = api.get(f"/sandboxes/{child}")
+                assert info.status_code == 200 and info.json()["nodeID"] == node
+        finally:
+            for s in [sid, *children]:
+                api.delete(f"/sandboxes/{s}")
 
 
 def test_without_quorum_running_sandboxes_keep_working(e2b_gateway: Cluster) -> None:

@@ -20,12 +20,15 @@ from tests.conftest import API_KEY, Server
 
 pytestmark = pytest.mark.sandbox
 LEASE_TTL = 3
+RECONCILE = 1.0  # seconds between node-a's checks of its sandboxes' entries
 
 
 @pytest.fixture()
 def node_a(server: Server, etcd: EtcdCluster) -> Iterator[Server]:
     # `server` first: `base` is in its repository, which the cluster's nodes share
-    node = start_node(etcd.url, "node-a", lease_ttl=LEASE_TTL)
+    node = start_node(
+        etcd.url, "node-a", lease_ttl=LEASE_TTL, extra_env={"AENV_CLUSTER_RECONCILE_INTERVAL": str(RECONCILE)}
+    )
     yield node
     node.stop()
 
@@ -134,23 +137,34 @@ async def test_a_node_that_dies_leaves_within_its_ttl_and_takes_its_entries_back
         node.stop()
 
 
-async def test_an_entry_another_node_owns_is_not_overwritten(node_a: Server, etcd: EtcdCluster, mirror: Mirror) -> None:
+@pytest.mark.parametrize("state", ["running", "paused"])
+async def test_a_copy_the_directory_gave_to_another_node_is_killed(
+    node_a: Server, etcd: EtcdCluster, mirror: Mirror, state: str
+) -> None:
     store = ClusterStore.from_url(etcd.url)
     try:
         async with client(node_a) as api:
             sid = (await api.post("/sandboxes", json={"templateID": "base", "timeout": 120})).json()["sandboxID"]
-            await until(mirror, lambda m: sid in m.sandboxes)
-            # the directory gives the sandbox to another node (as a resume elsewhere will)
-            claimed = await store.claim_sandbox(sid, "node-elsewhere", epoch=1)
-            assert claimed.ok
-            # node-a's next changes do not take it back
-            assert (await api.post(f"/sandboxes/{sid}/pause")).status_code == 204
-            await asyncio.sleep(2)
+            if state == "paused":
+                assert (await api.post(f"/sandboxes/{sid}/pause")).status_code == 204
+            await until(mirror, lambda m: sid in m.sandboxes and m.sandboxes[sid].state == state)
+            # the directory gives the sandbox to another node (as a resume elsewhere will), with no
+            # change on node-a that would make it write: its reconcile finds out, and kills its copy
+            for _ in range(10):  # node-a may rewrite the entry in between (a CAS then fails): again
+                if (await store.claim_sandbox(sid, "node-elsewhere", epoch=1)).ok:
+                    break
+                await asyncio.sleep(0.2)
+            now = await store.get_sandbox(sid)
+            assert now is not None and now.entry.node_id == "node-elsewhere"
+            deadline = time.monotonic() + RECONCILE + 5
+            while (await api.get(f"/sandboxes/{sid}")).status_code != 404:
+                assert time.monotonic() < deadline, "node-a kept a copy the directory gave to another node"
+                await asyncio.sleep(0.3)
+            # and the other node's entry stays as it is
+            await asyncio.sleep(1.5)
             e = mirror.sandboxes[sid]
-            assert (e.node_id, e.epoch, e.state) == ("node-elsewhere", 2, "running")
-            assert (await api.delete(f"/sandboxes/{sid}")).status_code == 204
-            await asyncio.sleep(2)
-            assert mirror.sandboxes[sid].node_id == "node-elsewhere"
+            assert (e.node_id, e.epoch, e.state) == ("node-elsewhere", 2, state)
+            await store.delete_sandbox(sid, now.mod_revision)
     finally:
         await store.close()
 

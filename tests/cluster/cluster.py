@@ -1,0 +1,124 @@
+"""A real cluster for tests: 3 etcd members, nodes in cluster mode, gateways (real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+
+from aenv.cluster.entries import ClusterConfig
+from aenv.cluster.store import ClusterStore
+from tests.cluster.conftest import require_etcd
+from tests.cluster.etcd import EtcdCluster
+from tests.cluster.nodes import start_node
+from tests.conftest import API_KEY, DATA_DIR, Server, free_port
+
+LEASE_TTL = 3
+
+
+@dataclass
+class Gateway:
+    url: str
+    proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_gateway(etcd_url: str, *, api_key: str = API_KEY, args: tuple[str, ...] = ()) -> Gateway:
+    port = free_port()
+    log = DATA_DIR.parent / f"{DATA_DIR.name}-gateway-{port}.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aenv.cli.main", "gateway", "--cluster", etcd_url, "--port", str(port), *args],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "AENV_API_KEY": api_key},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return Gateway(url, proc)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"gateway did not become ready:\n{log.read_text()[-3000:]}")
+
+
+@dataclass
+class Cluster:
+    etcd: EtcdCluster
+    nodes: dict[str, Server]
+    gateways: list[Gateway]
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.gateways[0]
+
+    def api(self, gateway: int = 0) -> httpx.Client:
+        return httpx.Client(base_url=self.gateways[gateway].url, headers={"X-API-Key": API_KEY}, timeout=120)
+
+
+@contextmanager
+def running_cluster(node_names: tuple[str, ...] = ("node-a", "node-b"), gateways: int = 2) -> Iterator[Cluster]:
+    """etcd x3, the nodes (sharing the session server's repository: request `server` first), and
+    the gateways; everything stopped after."""
+    require_etcd()
+    etcd = EtcdCluster(3)
+    nodes: dict[str, Server] = {}
+    started: list[Gateway] = []
+    try:
+        etcd.start()
+        for name in node_names:
+            nodes[name] = start_node(etcd.url, name, lease_ttl=LEASE_TTL)
+        started += [start_gateway(etcd.url) for _ in range(gateways)]
+        for gateway in started:
+            wait_for_nodes(gateway, set(nodes))
+        yield Cluster(etcd, nodes, started)
+    finally:
+        for gateway in started:
+            gateway.stop()
+        for node in nodes.values():
+            node.stop()
+        etcd.stop()
+
+
+def wait_for_nodes(gateway: Gateway, names: set[str], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        listed = httpx.get(f"{gateway.url}/nodes", headers={"X-API-Key": API_KEY}).json()
+        if {n["node_id"] for n in listed} == names:
+            return
+        assert time.monotonic() < deadline, f"the gateway lists {listed}, not {names}"
+        time.sleep(0.2)
+
+
+def cluster_config(cluster: Cluster) -> ClusterConfig:
+    async def read() -> ClusterConfig:
+        store = ClusterStore.from_url(cluster.etcd.url)
+        try:
+            config = await store.get_config()
+        finally:
+            await store.close()
+        assert config is not None
+        return config
+
+    return asyncio.run(read())

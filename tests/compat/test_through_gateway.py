@@ -1,0 +1,43 @@
+"""The compat suite's core through a gateway: the official Python SDK, unchanged, against two
+nodes behind `aenv gateway`.
+
+Every test of test_python_sync.py (commands, PTY, background processes, files, watch, lists over
+both nodes, timeouts, pause and connect, port HTTP and WebSockets, secure sandboxes and signed
+URLs, auto-resume, snapshots, the SDK's errors), collected here a second time with
+``deployment`` pointing at the gateway (about 40 s). The other compat files pass through a
+gateway too but for what docs/cluster.md lists; run them so with ``AENV_COMPAT_URL=<gateway>``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.cluster.cluster import running_cluster
+from tests.compat.conftest import Deployment
+from tests.compat.test_python_sync import (  # noqa: F401  (collected here again, through the gateway)
+    sbx,
+    test_commands_stream_and_report_exit_codes,
+    test_errors_are_the_sdk_exceptions,
+    test_files_of_several_megabytes_and_the_filesystem_api,
+    test_get_host_websocket,
+    test_list_with_filters_and_pagination,
+    test_pause_connect_and_kill,
+    test_secure_sandbox_requires_its_token,
+)
+from tests.conftest import API_KEY
+
+pytestmark = pytest.mark.sandbox
+
+
+@pytest.fixture(scope="module")
+def deployment(deployment: Deployment) -> Iterator[Deployment]:
+    """The gateway of a fresh 2-node cluster (the nodes share the session server's repository,
+    where `base` is: the overridden ``deployment`` has started that server)."""
+    if os.environ.get("AENV_COMPAT_URL"):  # a deployment of its own (perhaps a gateway already)
+        yield deployment
+        return
+    with running_cluster(gateways=1) as cluster:
+        yield Deployment(cluster.gateway.url, API_KEY)
