@@ -100,6 +100,10 @@ class ArtifactCache:
             return files.image(artifact_id).is_dir()
         return (self.node.driver.guest_path(artifact_id) / ".complete").exists()
 
+    def is_cached(self, rec: Entry) -> bool:
+        """Every artifact of ``rec`` is here: a restore from it fetches nothing."""
+        return all(self._is_local(item.kind, item.id) for item in self.items_of(rec))
+
     # -- commits -------------------------------------------------------------------------------------
     def commit_later(self, rec: Entry) -> None:
         """Commit ``rec`` in the background (joined if already under way)."""

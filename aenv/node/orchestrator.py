@@ -40,9 +40,10 @@ from aenv.node.artifacts import ArtifactCache
 from aenv.node.create_ids import CreateIds
 from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
+from aenv.node.service import CachedArtifacts, Capacity
 from aenv.node.state import PUBLIC_STATE, SETTLED, SandboxState, check_transition
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
-from aenv.node.usage import UsageHistory
+from aenv.node.usage import History, UsageHistory
 from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
 from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
@@ -264,6 +265,29 @@ class Node:
             out.append(sb)
         return sorted(out, key=lambda s: s.rec.started_at, reverse=True)
 
+    def usage_of(self, sandbox_id: str) -> History | None:
+        """The sandbox's sampled resource usage (None before its first sample)."""
+        return self.usage_history.of(sandbox_id)
+
+    def capacity(self) -> Capacity:
+        running = paused = starting = memory = 0
+        cpu = 0.0
+        for sb in list(self.sandboxes.values()):
+            if sb.state == S.PAUSED:
+                paused += 1
+                continue
+            if sb.state == S.RUNNING:
+                running += 1
+            else:
+                starting += 1
+            limits = self.limits_of(sb.rec)
+            cpu += limits.cpu_count
+            memory += limits.memory_mb
+        return Capacity(running, paused, starting, self.settings.max_sandboxes, round(cpu, 3), memory)
+
+    def observe_metrics(self) -> None:
+        metrics.observe_node(self)
+
     def access_token(self, sandbox_id: str) -> str:
         return tokens.access_token(self._secret, sandbox_id)
 
@@ -354,7 +378,7 @@ class Node:
         operation that could not put it back) is killed rather than left there for good."""
         if self.sandboxes.get(sb.id) is sb and sb.killer is None and sb.state not in SETTLED:
             log.error("sandbox %s was left %s by %s; killing it", sb.id, sb.state.value, name)
-            self._spawn(self.kill(sb.id))
+            self.spawn(self.kill(sb.id))
 
     async def _set_state(self, sb: LiveSandbox, target: SandboxState, *, persist: bool = True) -> None:
         check_transition(sb.id, sb.state, target)
@@ -364,10 +388,10 @@ class Node:
         for listener in self.state_listeners:
             listener(sb)
 
-    def _limits(self, rec: SandboxRecord) -> Limits:
-        return self._limits_of(rec.limits)
+    def limits_of(self, rec: SandboxRecord) -> Limits:
+        return self._limits_from(rec.limits)
 
-    def _limits_of(self, overrides: dict[str, Any]) -> Limits:
+    def _limits_from(self, overrides: dict[str, Any]) -> Limits:
         s = self.settings
         base = {"cpu_count": s.cpu_count, "memory_mb": s.memory_mb, "nproc": s.nproc, "disk_mb": s.disk_mb}
         base.update({k: v for k, v in overrides.items() if k in base and v is not None})
@@ -381,10 +405,10 @@ class Node:
             "env": env,
             "user": rec.user or DEFAULT_USER,
             "workdir": rec.workdir or None,
-            "nproc": self._limits(rec).nproc,
+            "nproc": self.limits_of(rec).nproc,
         }
 
-    def _rootfs(self, layers: list[str], upper: str, guest: str = "") -> RootfsSpec:
+    def rootfs(self, layers: list[str], upper: str, guest: str = "") -> RootfsSpec:
         return RootfsSpec(tuple(self.files.layer(x) for x in layers), self.files.upper(upper), guest)
 
     async def _restore_into(self, sb: LiveSandbox, *, image: str, layers: list[str], upper: str, fresh: bool) -> None:
@@ -392,8 +416,8 @@ class Node:
         instance_id = new_id()
         instance = await self.driver.restore(
             instance_id=instance_id,
-            rootfs=self._rootfs(layers, upper, sb.rec.guest),
-            limits=self._limits(sb.rec),
+            rootfs=self.rootfs(layers, upper, sb.rec.guest),
+            limits=self.limits_of(sb.rec),
             image_dir=self.files.image(image),
         )
         link = sb.link if (sb.link is not None and not fresh) else self._new_link(sb)
@@ -414,8 +438,8 @@ class Node:
         instance_id, guest = new_id(), self.driver.guest_key()
         instance = await self.driver.boot(
             instance_id=instance_id,
-            rootfs=self._rootfs(sb.rec.layers, sb.rec.upper, guest),
-            limits=self._limits(sb.rec),
+            rootfs=self.rootfs(sb.rec.layers, sb.rec.upper, guest),
+            limits=self.limits_of(sb.rec),
         )
         link = self._new_link(sb)
         try:
@@ -493,7 +517,7 @@ class Node:
             self._teardown_later(sb.instance, then, lowers=list(sb.rec.layers))
             sb.instance = None
         elif then is not None:
-            self._spawn(then())
+            self.spawn(then())
         if sb.link is not None:
             if keep_streams:
                 sb.link.channel.detach()
@@ -502,7 +526,7 @@ class Node:
                 sb.link = None
         sb.rec.instance_id = ""
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    def spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(log_failure("background", self._background))
@@ -618,7 +642,7 @@ class Node:
         base_env.update(env_vars or {})
         base_limits.update(limits or {})
         now = time.time()
-        upper = await self.files.new_upper(self._limits_of(base_limits).disk_mb)
+        upper = await self.files.new_upper(self._limits_from(base_limits).disk_mb)
         rec = SandboxRecord(
             id=new_sandbox_id(),
             template_id=template_id,
@@ -791,7 +815,7 @@ class Node:
         self._stop_instance(sb, "", keep_streams=True, then=settle)
         layers = [*sb.rec.layers, *([] if empty else [sealed])]
         sb.rec.layers = layers
-        sb.rec.upper = await self.files.new_upper(self._limits(sb.rec).disk_mb)
+        sb.rec.upper = await self.files.new_upper(self.limits_of(sb.rec).disk_mb)
         return image, layers
 
     async def _restart_source(self, sb: LiveSandbox, image: str) -> None:
@@ -856,6 +880,54 @@ class Node:
         self.files.remove_image(snap.image)
         await housekeeping.gc_files(self, min_age=60)
 
+    # -- the catalogue: templates, and what the repository holds -----------------------------------------
+    async def add_template(self, rec: TemplateRecord) -> None:
+        """A template just built: recorded, and committed to the repository in the background."""
+        self.templates[rec.id] = rec
+        await self.store.put_template(rec)
+        self.artifacts.commit_later(rec)
+
+    async def save_template(self, rec: TemplateRecord) -> None:
+        """A template's record changed (its name or aliases)."""
+        await self.store.put_template(rec)
+        await self.artifacts.record_changed(rec)
+
+    async def drop_template(self, rec: TemplateRecord) -> None:
+        """Forget a template; its layers go with the next collection no record names them in."""
+        self.templates.pop(rec.id, None)
+        await self.store.delete_template(rec.id)
+        await self.artifacts.forget(rec)
+
+    async def collect_garbage(self, *, min_age: float = 0.0) -> None:
+        await housekeeping.gc_files(self, min_age=min_age)
+
+    def cached_artifacts(self) -> CachedArtifacts:
+        return CachedArtifacts(
+            templates=frozenset(t.id for t in self.templates.values() if self.artifacts.is_cached(t)),
+            snapshots=frozenset(s.id for s in self.snapshots.values() if self.artifacts.is_cached(s)),
+        )
+
+    async def repository_status(self) -> dict[str, Any]:
+        """The snapshot repository, and what of this node's is not committed to it yet."""
+        snapshots = [s for s in self.snapshots.values() if not s.ephemeral]
+        records: list[TemplateRecord | SnapshotRecord] = [*self.templates.values(), *snapshots]
+        pending = [r.id for r in records if not r.committed_at]
+        repo = self.artifacts.repo
+        return {
+            "url": repo.url if repo is not None else None,
+            "templates": len(self.templates),
+            "snapshots": len(snapshots),
+            "committed": len(records) - len(pending),
+            "pending": pending,
+            "cacheBytes": await housekeeping.cache_bytes(self),
+            "cacheBudgetBytes": self.settings.layer_cache_mb * 2**20,
+        }
+
+    async def gc_repository(self) -> dict[str, Any]:
+        if self.artifacts.repo is None:
+            raise InvalidRequest("this node has no snapshot repository (AENV_REPO=none)")
+        return await self.artifacts.gc_repository()
+
     async def fork(self, sandbox_id: str, *, count: int = 1, timeout: int | None = None) -> list[ForkResult]:
         sb = self.get(sandbox_id)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -905,7 +977,7 @@ class Node:
 
     async def _child_of(self, sb: LiveSandbox, layers: list[str], now: float, ttl: int) -> LiveSandbox:
         src = sb.rec
-        upper = await self.files.new_upper(self._limits(src).disk_mb)
+        upper = await self.files.new_upper(self.limits_of(src).disk_mb)
         rec = SandboxRecord(
             id=new_sandbox_id(),
             template_id=src.template_id,
