@@ -16,7 +16,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from aenv.channel import PROTOCOL_VIOLATION, StreamError, Unsendable
@@ -30,13 +30,13 @@ from aenv.errors import (
     LimitExceeded,
     OperationTimeout,
     SandboxNotFound,
-    SnapshotNotFound,
     TemplateNotFound,
     WrongState,
 )
 from aenv.node import egress, housekeeping, metrics, tokens
 from aenv.node.agentlink import AgentLink
 from aenv.node.artifacts import ArtifactCache
+from aenv.node.catalogue import Catalogue
 from aenv.node.create_ids import CreateIds
 from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
@@ -106,8 +106,7 @@ class Node:
         self.artifacts = ArtifactCache(self, make_repository(settings))
         self.uploads = UploadCache(self.files.root / "build-files", settings)
         self.sandboxes: dict[str, LiveSandbox] = {}
-        self.templates: dict[str, TemplateRecord] = {}
-        self.snapshots: dict[str, SnapshotRecord] = {}
+        self.catalogue = Catalogue(self.store)
         self._housekeepers: list[asyncio.Task[None]] = []  # the reaper, expiry and usage sampling
         self._background: set[asyncio.Task[Any]] = set()
         self._secret = b""
@@ -136,8 +135,7 @@ class Node:
             secret = secrets.token_hex(32)
             await self.store.set_meta("token_secret", secret)
         self._secret = secret.encode()
-        self.templates = {t.id: t for t in await self.store.templates()}
-        self.snapshots = {s.id: s for s in await self.store.snapshots()}
+        await self.catalogue.load()
         self.artifacts.sweep_partial_fetches()
         await self.artifacts.sync_catalogue()
         await housekeeping.recover(self)
@@ -231,27 +229,19 @@ class Node:
             raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id=sandbox_id)
         return sb
 
+    @property
+    def templates(self) -> Mapping[str, TemplateRecord]:
+        return self.catalogue.templates_view
+
+    @property
+    def snapshots(self) -> Mapping[str, SnapshotRecord]:
+        return self.catalogue.snapshots_view
+
     def find_template(self, ref: str) -> TemplateRecord:
-        for t in self.templates.values():
-            if ref in (t.id, t.name) or ref in t.aliases:
-                return t
-        raise TemplateNotFound(f"template '{ref}' not found")
+        return self.catalogue.find_template(ref)
 
     def find_snapshot(self, ref: str) -> SnapshotRecord:
-        for s in self.snapshots.values():
-            if ref in (s.id, s.name) and not s.ephemeral:
-                return s
-        raise SnapshotNotFound(f"snapshot '{ref}' not found")
-
-    def _source(self, ref: str) -> TemplateRecord | SnapshotRecord | None:
-        """The template, else the snapshot, that ``ref`` names."""
-        try:
-            return self.find_template(ref)
-        except TemplateNotFound:
-            try:
-                return self.find_snapshot(ref)
-            except SnapshotNotFound:
-                return None
+        return self.catalogue.find_snapshot(ref)
 
     def list(self, *, states: set[str] | None = None, metadata: dict[str, str] | None = None) -> list[LiveSandbox]:
         out = []
@@ -627,9 +617,9 @@ class Node:
         live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
         if live >= self.settings.max_sandboxes:
             raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
-        source = self._source(template)
+        source = self.catalogue.source(template)
         if source is None and await self.artifacts.refresh_catalogue():
-            source = self._source(template)  # committed to the repository by another node
+            source = self.catalogue.source(template)  # committed to the repository by another node
         if source is None:
             raise TemplateNotFound(f"no template or snapshot named '{template}'")
         if isinstance(source, TemplateRecord):
@@ -839,7 +829,7 @@ class Node:
         """Snapshot a running sandbox; it is committed to the repository in the background, or
         before this returns with ``durable``."""
         sb = self.get(sandbox_id)
-        if name is not None and any(s.name == name for s in self.snapshots.values()):
+        if name is not None and self.catalogue.snapshot_named(name):
             raise InvalidRequest(f"a snapshot named '{name}' already exists")
 
         async def run() -> SnapshotRecord:
@@ -860,8 +850,7 @@ class Node:
                 workdir=sb.rec.workdir,
                 start=dict(sb.rec.start),
             )
-            self.snapshots[snap.id] = snap
-            await self.store.put_snapshot(snap)
+            await self.catalogue.put_snapshot(snap)
             self.artifacts.commit_later(snap)
             await self._restart_source(sb, image)
             await self._set_state(sb, S.RUNNING)
@@ -874,8 +863,7 @@ class Node:
 
     async def delete_snapshot(self, ref: str) -> None:
         snap = self.find_snapshot(ref)
-        self.snapshots.pop(snap.id, None)
-        await self.store.delete_snapshot(snap.id)
+        await self.catalogue.remove_snapshot(snap)
         await self.artifacts.forget(snap)
         self.files.remove_image(snap.image)
         await housekeeping.gc_files(self, min_age=60)
@@ -883,19 +871,17 @@ class Node:
     # -- the catalogue: templates, and what the repository holds -----------------------------------------
     async def add_template(self, rec: TemplateRecord) -> None:
         """A template just built: recorded, and committed to the repository in the background."""
-        self.templates[rec.id] = rec
-        await self.store.put_template(rec)
+        await self.catalogue.put_template(rec)
         self.artifacts.commit_later(rec)
 
     async def save_template(self, rec: TemplateRecord) -> None:
         """A template's record changed (its name or aliases)."""
-        await self.store.put_template(rec)
+        await self.catalogue.put_template(rec)
         await self.artifacts.record_changed(rec)
 
     async def drop_template(self, rec: TemplateRecord) -> None:
         """Forget a template; its layers go with the next collection no record names them in."""
-        self.templates.pop(rec.id, None)
-        await self.store.delete_template(rec.id)
+        await self.catalogue.remove_template(rec)
         await self.artifacts.forget(rec)
 
     async def collect_garbage(self, *, min_age: float = 0.0) -> None:
