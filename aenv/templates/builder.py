@@ -79,7 +79,7 @@ class StartCommand:
 
     def record(self) -> dict[str, Any]:
         """What a template keeps of it: a sandbox that boots fresh (resumed after a pause that kept
-        no memory) starts it again (see aenv.node.orchestrator.start_process)."""
+        no memory) starts it again (see aenv.node.instances.start_command)."""
         return {"argv": list(self.argv), "env": dict(self.env), "cwd": self.cwd, "user": self.user}
 
     async def launch(self, link: AgentLink, log: LogFn) -> None:
