@@ -26,8 +26,7 @@ from aenv import __version__
 from aenv.api import e2b_templates, envd, proxy, repository
 from aenv.api.sandboxes import add_body_schemas, router
 from aenv.errors import AenvError, PayloadTooLarge, RequestTimeout, error_body
-from aenv.node import metrics
-from aenv.node.orchestrator import Node
+from aenv.node.service import NodeService
 
 log = logging.getLogger("aenv.api")
 HOST_ROUTE = re.compile(r"^(\d+)-([a-z0-9]+)$")
@@ -61,7 +60,7 @@ def sandbox_target(headers: dict[str, str]) -> tuple[str, int] | None | str:
     return sid, int(port)
 
 
-def create_app(node: Node, *, start_node: bool = True) -> FastAPI:
+def create_app(node: NodeService, *, start_node: bool = True) -> FastAPI:
     """The control plane. The node stops with the app (pausing running sandboxes): this must
     happen inside the server's shutdown, before uvicorn re-raises the signal that stopped it."""
 
@@ -125,7 +124,7 @@ def create_app(node: Node, *, start_node: bool = True) -> FastAPI:
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
-        metrics.observe_node(node)
+        node.observe_metrics()
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     app.state.api_key = None
@@ -135,7 +134,7 @@ def create_app(node: Node, *, start_node: bool = True) -> FastAPI:
 class SandboxRouter:
     """Pure ASGI front: sandbox traffic goes to envd or the port proxy; the rest needs the API key."""
 
-    def __init__(self, app: ASGIApp, node: Node, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, node: NodeService, api_key: str | None) -> None:
         self.app = app
         self.node = node
         self.api_key = api_key
@@ -239,7 +238,7 @@ def _error_response(exc: AenvError) -> JSONResponse:
     return JSONResponse(error_body(exc), status_code=exc.status)
 
 
-def _open_without_key(scope: Scope, node: Node) -> bool:
+def _open_without_key(scope: Scope, node: NodeService) -> bool:
     """A public route, or E2B's template file upload with the valid token of its URL. WebSockets
     never: the control plane has no WebSocket route, so a key is needed to get anywhere."""
     if scope["type"] != "http":
@@ -261,6 +260,6 @@ async def _reply(scope: Scope, receive: Receive, send: Send, response: Response)
     await response(scope, receive, send)
 
 
-def build(node: Node, api_key: str | None, *, start_node: bool = True) -> ASGIApp:
+def build(node: NodeService, api_key: str | None, *, start_node: bool = True) -> ASGIApp:
     """The whole node application: router in front of the FastAPI control plane."""
     return SandboxRouter(create_app(node, start_node=start_node), node, api_key)

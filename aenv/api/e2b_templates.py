@@ -17,6 +17,7 @@ import re
 import shlex
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from aenv.api.sandboxes import _body, declared_length, json_body, node_of
+from aenv.api.sandboxes import _body, build_host_of, declared_length, json_body
 from aenv.api.schemas import rfc3339
 from aenv.errors import AenvError, InvalidRequest, NotFound, Unauthenticated
-from aenv.node.orchestrator import Node
+from aenv.node.service import BuildHost, NodeService
 from aenv.storage.confined import remove_tree
 from aenv.storage.space import ensure_space, headroom
 from aenv.templates import build, catalog, uploads
@@ -82,17 +83,20 @@ class Build:
         self.logs.append({"timestamp": stamp, "level": level, "message": message})
 
 
-def builds_of(node: Node) -> dict[str, Build]:
-    if not hasattr(node, "e2b_builds"):
-        node.e2b_builds = {}  # type: ignore[attr-defined]
-    return node.e2b_builds  # type: ignore[attr-defined,no-any-return]
+_BUILDS: weakref.WeakKeyDictionary[NodeService, dict[str, Build]] = weakref.WeakKeyDictionary()
 
 
-def upload_token(node: Node, template_id: str, files_hash: str) -> str:
-    return hmac.new(node._secret, f"upload:{template_id}:{files_hash}".encode(), hashlib.sha256).hexdigest()
+def builds_of(node: NodeService) -> dict[str, Build]:
+    """The node's E2B builds by id, for as long as the node lives."""
+    return _BUILDS.setdefault(node, {})
 
 
-def upload_authorized(node: Node, template_id: str, files_hash: str, token: str) -> bool:
+def upload_token(node: NodeService, template_id: str, files_hash: str) -> str:
+    secret = node.token_secret.encode()
+    return hmac.new(secret, f"upload:{template_id}:{files_hash}".encode(), hashlib.sha256).hexdigest()
+
+
+def upload_authorized(node: NodeService, template_id: str, files_hash: str, token: str) -> bool:
     """Whether ``token`` is the one the files link handed out for this upload."""
     expected = upload_token(node, template_id, files_hash)
     return hmac.compare_digest(token.encode("utf-8", "surrogateescape"), expected.encode())
@@ -117,7 +121,7 @@ async def new_template(request: Request) -> JSONResponse:
     name, tag = _split_name(body.name)
     tags = sorted({*body.tags, *([tag] if tag else [])})
     entry = Build(template_id=name, build_id=str(uuid.uuid4()), name=name, tags=tags)
-    builds_of(node_of(request))[entry.build_id] = entry
+    builds_of(build_host_of(request))[entry.build_id] = entry
     out = {"templateID": name, "buildID": entry.build_id, "public": False, "names": [name], "tags": tags}
     out["aliases"] = [name]
     return JSONResponse(out, status_code=202)
@@ -125,7 +129,7 @@ async def new_template(request: Request) -> JSONResponse:
 
 @router.get("/templates/{template_id}/files/{files_hash}", status_code=201, summary="Where to upload COPY files")
 async def files_link(request: Request, template_id: str, files_hash: str) -> JSONResponse:
-    node = node_of(request)
+    node = build_host_of(request)
     present = node.uploads.has(files_hash)
     url = str(request.url_for("upload_files", template_id=template_id, files_hash=files_hash))
     url += f"?token={upload_token(node, template_id, files_hash)}"
@@ -134,7 +138,7 @@ async def files_link(request: Request, template_id: str, files_hash: str) -> JSO
 
 @router.put("/templates/{template_id}/files/{files_hash}/upload", name="upload_files", include_in_schema=False)
 async def upload_files(request: Request, template_id: str, files_hash: str, token: str = "") -> Response:
-    node = node_of(request)
+    node = build_host_of(request)
     if not upload_authorized(node, template_id, files_hash, token):
         raise Unauthenticated("this upload URL is not valid")
     await node.uploads.receive(files_hash, request.stream(), declared_length(request))
@@ -148,7 +152,7 @@ async def upload_files(request: Request, template_id: str, files_hash: str, toke
     openapi_extra=json_body(BuildStart),
 )
 async def start_build(request: Request, template_id: str, build_id: str) -> Response:
-    node = node_of(request)
+    node = build_host_of(request)
     entry = builds_of(node).get(build_id)
     if entry is None or entry.template_id != template_id:
         raise NotFound(f"build {build_id} of template {template_id} not found")
@@ -177,11 +181,11 @@ async def start_build(request: Request, template_id: str, build_id: str) -> Resp
         instr.line = number  # errors name the step
     start = (body.start_cmd, body.ready_cmd) if body.start_cmd else None
     entry.status = "building"
-    node._spawn(_run(node, entry, instructions, context, start, login))
+    node.spawn(_run(node, entry, instructions, context, start, login))
     return Response(status_code=202)
 
 
-async def _instructions(node: Node, step: Step, context: Path, user: str) -> list[df.Instruction]:
+async def _instructions(node: BuildHost, step: Step, context: Path, user: str) -> list[df.Instruction]:
     """aenv's instructions for one E2B step (``user`` is the one in force before it)."""
     kind, args = step.type.upper(), step.args
     if kind == "RUN" and args:
@@ -258,7 +262,7 @@ def _ecr_login(config: dict[str, Any]) -> tuple[str, str]:
 
 
 async def _run(
-    node: Node,
+    node: BuildHost,
     entry: Build,
     instructions: list[df.Instruction],
     context: Path,
@@ -287,7 +291,7 @@ async def _run(
 
 @router.get("/templates/{template_id}/builds/{build_id}/status", summary="E2B template build status and logs")
 async def build_status(request: Request, template_id: str, build_id: str, logsOffset: int = 0) -> dict[str, Any]:  # noqa: N803
-    entry = builds_of(node_of(request)).get(build_id)
+    entry = builds_of(build_host_of(request)).get(build_id)
     if entry is None or entry.template_id != template_id:
         raise NotFound(f"build {build_id} of template {template_id} not found")
     window = entry.logs[max(0, logsOffset) : max(0, logsOffset) + 100]
@@ -305,7 +309,7 @@ async def build_status(request: Request, template_id: str, build_id: str, logsOf
 
 @router.get("/templates/aliases/{alias}", summary="Whether a template name exists (E2B Template.exists)")
 async def alias_exists(request: Request, alias: str) -> dict[str, Any]:
-    template = node_of(request).find_template(alias)
+    template = build_host_of(request).find_template(alias)
     return {"templateID": template.id, "public": False}
 
 
@@ -329,7 +333,7 @@ class TagsRemove(BaseModel):
 )
 async def assign_tags(request: Request) -> JSONResponse:
     body: TagsAssign = await _body(request, TagsAssign)
-    template = await catalog.assign_tags(node_of(request), body.target, body.tags)
+    template = await catalog.assign_tags(build_host_of(request), body.target, body.tags)
     return JSONResponse({"buildID": catalog.build_id_of(template), "tags": body.tags}, status_code=201)
 
 
@@ -341,7 +345,7 @@ async def assign_tags(request: Request) -> JSONResponse:
 )
 async def remove_tags(request: Request) -> Response:
     body: TagsRemove = await _body(request, TagsRemove)
-    await catalog.remove_tags(node_of(request), body.name, body.tags)
+    await catalog.remove_tags(build_host_of(request), body.name, body.tags)
     return Response(status_code=204)
 
 
@@ -353,5 +357,5 @@ async def list_tags(request: Request, template_id: str) -> list[dict[str, Any]]:
             "buildID": catalog.build_id_of(item["template"]),
             "createdAt": rfc3339(item["template"].created_at),
         }
-        for item in catalog.tags_of(node_of(request), template_id)
+        for item in catalog.tags_of(build_host_of(request), template_id)
     ]

@@ -35,8 +35,7 @@ from aenv.errors import (
     error_body,
 )
 from aenv.guest import metadata
-from aenv.node.agentlink import AgentLink
-from aenv.node.orchestrator import LiveSandbox, Node
+from aenv.node.service import AgentLink, LiveSandbox, NodeService
 
 KEEPALIVE_DEFAULT = 90.0
 ENVD_PORT = 49983
@@ -338,7 +337,7 @@ def files_refusal(request: Request, token: str, operation: str) -> str | None:
     return None
 
 
-def signed_for(request: Request, node: Node) -> str | None:
+def signed_for(request: Request, node: NodeService) -> str | None:
     """The secure sandbox whose token signed this /files URL.
 
     Signed URLs from ``download_url()``/``upload_url()`` carry no sandbox id when the SDK's
@@ -548,7 +547,7 @@ def _refusal(request: Request, token: str) -> str | None:
     return None if given is not None and hmac.compare_digest(given.encode(), token.encode()) else UNAUTHORIZED
 
 
-async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
+async def handle(request: Request, node: NodeService, sandbox_id: str) -> Response:
     """Serve one envd request for ``sandbox_id``.
 
     The access token is checked on the record, before anything resumes the sandbox or reaches its
@@ -575,7 +574,7 @@ async def handle(request: Request, node: Node, sandbox_id: str) -> Response:
         sb = await node.ensure_running(sandbox_id)
     except AenvError:
         return sandbox_gone(sandbox_id)
-    request.state.disk_mb = node._limits(sb.rec).disk_mb  # what a full disk's answer names
+    request.state.disk_mb = node.limits_of(sb.rec).disk_mb  # what a full disk's answer names
     try:
         return await endpoint(request, sb, _user(request))
     except RequestTimeout as exc:  # the client's body stopped coming (see aenv.api.app)

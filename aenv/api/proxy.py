@@ -24,8 +24,7 @@ from websockets.uri import parse_uri
 
 from aenv.channel import DATA, END, EOF, Item, Stream
 from aenv.errors import AenvError, AgentTimeout, RequestTimeout, error_body, snippet
-from aenv.node.orchestrator import Node
-from aenv.node.store import SandboxRecord
+from aenv.node.service import NodeService, SandboxRecord
 
 HOP_BY_HOP = {
     b"connection",
@@ -61,14 +60,16 @@ def port_closed(sandbox_id: str, port: int) -> JSONResponse:
     )
 
 
-def _record(node: Node, sandbox_id: str) -> SandboxRecord | None:
+def _record(node: NodeService, sandbox_id: str) -> SandboxRecord | None:
     try:
         return node.get(sandbox_id).rec
     except AenvError:
         return None  # the tunnel's answer says so
 
 
-def traffic_refusal(node: Node, rec: SandboxRecord | None, headers: list[tuple[bytes, bytes]]) -> JSONResponse | None:
+def traffic_refusal(
+    node: NodeService, rec: SandboxRecord | None, headers: list[tuple[bytes, bytes]]
+) -> JSONResponse | None:
     """E2B's 403 when a sandbox created without public traffic is asked without its traffic token
     (its first ``e2b-traffic-access-token`` header, as Go's Header.Get), or with another. Decided on
     the record, before anything resumes the sandbox: a caller without the token cannot wake it."""
@@ -106,7 +107,7 @@ def _host_headers(headers: list[tuple[bytes, bytes]], mask: str | None) -> list[
     return [(b"host", mask.encode()), *kept, *([(b"x-forwarded-host", original)] if original else [])]
 
 
-async def open_tunnel(node: Node, sandbox_id: str, port: int) -> Stream | Response:
+async def open_tunnel(node: NodeService, sandbox_id: str, port: int) -> Stream | Response:
     """A tunnel stream to the port, or the 502 answer E2B's SDKs understand."""
     try:
         sb = await node.ensure_running(sandbox_id)
@@ -125,7 +126,7 @@ async def open_tunnel(node: Node, sandbox_id: str, port: int) -> Stream | Respon
     return stream
 
 
-async def proxy_http(request: Request, node: Node, sandbox_id: str, port: int) -> Response:
+async def proxy_http(request: Request, node: NodeService, sandbox_id: str, port: int) -> Response:
     rec = _record(node, sandbox_id)
     refusal = traffic_refusal(node, rec, request.headers.raw)
     if refusal is not None:
@@ -217,7 +218,7 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def proxy_websocket(scope: Any, receive: Any, send: Any, node: Node, sandbox_id: str, port: int) -> None:
+async def proxy_websocket(scope: Any, receive: Any, send: Any, node: NodeService, sandbox_id: str, port: int) -> None:
     """Bridge a client WebSocket to a WebSocket server on a sandbox port.
 
     Both ends are terminated here: the upstream handshake is made first over the tunnel (with

@@ -7,32 +7,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from aenv.api.sandboxes import node_of
-from aenv.errors import InvalidRequest
-from aenv.node import housekeeping
 
 router = APIRouter()
 
 
 @router.get("/repository", summary="The snapshot repository and what is not committed yet")
 async def status(request: Request) -> dict[str, Any]:
-    node = node_of(request)
-    cache = node.artifacts
-    records = [*node.templates.values(), *(s for s in node.snapshots.values() if not s.ephemeral)]
-    pending = [r.id for r in records if not r.committed_at]
-    return {
-        "url": cache.repo.url if cache.repo is not None else None,
-        "templates": len(node.templates),
-        "snapshots": sum(1 for s in node.snapshots.values() if not s.ephemeral),
-        "committed": len(records) - len(pending),
-        "pending": pending,
-        "cacheBytes": await housekeeping.cache_bytes(node),
-        "cacheBudgetBytes": node.settings.layer_cache_mb * 2**20,
-    }
+    return await node_of(request).repository_status()
 
 
 @router.post("/repository/gc", summary="Delete chunks and artifacts no template or snapshot needs")
 async def collect(request: Request) -> dict[str, Any]:
-    node = node_of(request)
-    if node.artifacts.repo is None:
-        raise InvalidRequest("this node has no snapshot repository (AENV_REPO=none)")
-    return await node.artifacts.gc_repository()
+    return await node_of(request).gc_repository()

@@ -45,12 +45,17 @@ from aenv.errors import (
     error_body,
     snippet,
 )
-from aenv.node import usage
-from aenv.node.create_ids import CREATE_ID_HEADER
-from aenv.node.orchestrator import Node
-from aenv.node.sandbox import LiveSandbox
-from aenv.node.state import PUBLIC_STATE
-from aenv.node.store import SnapshotRecord
+from aenv.node.service import (
+    CREATE_ID_HEADER,
+    PUBLIC_STATE,
+    Bucket,
+    BuildHost,
+    LiveSandbox,
+    NodeService,
+    Sample,
+    SnapshotRecord,
+    in_range,
+)
 from aenv.storage.confined import View, remove_tree
 from aenv.templates import build, catalog, images, uploads
 from aenv.templates.catalog import TEMPLATE_NAME
@@ -61,8 +66,14 @@ MAX_METRICS_SANDBOXES = 100  # E2B's bound on /sandboxes/metrics
 LATEST_METRICS_TIME = 10_413_791_999  # E2B's (its metrics store's latest date, 2299-12-31)
 
 
-def node_of(request: Request) -> Node:
-    node: Node = request.app.state.node
+def node_of(request: Request) -> NodeService:
+    node: NodeService = request.app.state.node
+    return node
+
+
+def build_host_of(request: Request) -> BuildHost:
+    """The node, for the routes that build or edit templates on it."""
+    node: BuildHost = request.app.state.node
     return node
 
 
@@ -242,7 +253,7 @@ def _started(sb: LiveSandbox) -> listing.Position:
     return listing.Position(listing.micros(sb.rec.started_at), sb.id)
 
 
-def _template_name(node: Node, ref: str) -> str:
+def _template_name(node: NodeService, ref: str) -> str:
     """What sandboxes of the template ``ref`` (an id, name or alias) record as their template."""
     try:
         return node.find_template(ref).name
@@ -268,7 +279,7 @@ async def latest_metrics(request: Request, sandbox_ids: list[str] = Query(...)) 
     out = {}
     for sandbox_id in dict.fromkeys(ids):
         sb = node.sandboxes.get(sandbox_id)
-        history = node.usage_history.of(sandbox_id)
+        history = node.usage_of(sandbox_id)
         latest = history.latest() if history is not None else None
         if sb is not None and latest is not None:
             out[sandbox_id] = _metric(node, sb, latest.ts, latest)
@@ -520,13 +531,13 @@ async def metrics(
         raise InvalidRequest("Invalid time range for metrics")
     node = node_of(request)
     sb = node.get(sandbox_id)
-    history = node.usage_history.of(sb.id)
-    return [_metric(node, sb, bucket.start, bucket) for bucket in usage.in_range(history, start, end)]
+    history = node.usage_of(sb.id)
+    return [_metric(node, sb, bucket.start, bucket) for bucket in in_range(history, start, end)]
 
 
-def _metric(node: Node, sb: LiveSandbox, at: float, sample: usage.Bucket | usage.Sample) -> dict[str, Any]:
+def _metric(node: NodeService, sb: LiveSandbox, at: float, sample: Bucket | Sample) -> dict[str, Any]:
     """E2B's ``SandboxMetric``."""
-    limits = node._limits(sb.rec)
+    limits = node.limits_of(sb.rec)
     return {
         "timestamp": rfc3339(at),
         "timestampUnix": int(at),
@@ -554,7 +565,7 @@ async def list_templates(request: Request) -> list[dict[str, Any]]:
 )
 async def template_from_image(request: Request) -> JSONResponse:
     body: ImageTemplate = await _body(request, ImageTemplate)
-    node = node_of(request)
+    node = build_host_of(request)
     # A shielded task: the pull and commit finish even if the client gives up waiting.
     login = (body.username, body.password or "") if body.username else None
     task = asyncio.ensure_future(images.template_from_image(node, body.name, body.image, login=login))
@@ -575,7 +586,7 @@ async def build_template(
 ) -> StreamingResponse:
     """The body is the build context as a tar (gzip or not). Each response line is
     ``{"log": ...}``, then ``{"template": ...}`` or ``{"error": {code, message, step?, output?}}``."""
-    node = node_of(request)
+    node = build_host_of(request)
     args = dict(arg.split("=", 1) for arg in build_arg if "=" in arg)
     limits = node.uploads.limits
     workdir = Path(tempfile.mkdtemp(prefix="aenv-build-", dir=node.files.tmp))
@@ -616,7 +627,7 @@ async def build_template(
             lines.put_nowait(None)
             remove_tree(workdir, ignore_errors=True)
 
-    node._spawn(run())  # a build finishes even if its client goes away
+    node.spawn(run())  # a build finishes even if its client goes away
 
     async def stream() -> AsyncIterator[bytes]:
         while (line := await lines.get()) is not None:
@@ -628,7 +639,7 @@ async def build_template(
 @router.delete("/templates/{template_id:path}", status_code=204, summary="Delete a template or a snapshot")
 async def delete_template(request: Request, template_id: str, force: bool = False) -> Response:
     """E2B's SDKs delete snapshots here too (``Sandbox.delete_snapshot``)."""
-    node = node_of(request)
+    node = build_host_of(request)
     try:
         await node.delete_snapshot(template_id)
     except SnapshotNotFound:
@@ -643,7 +654,7 @@ async def delete_template(request: Request, template_id: str, force: bool = Fals
 )
 async def patch_template(request: Request, template_id: str) -> dict[str, Any]:
     body: TemplatePatch = await _body(request, TemplatePatch)
-    node = node_of(request)
+    node = build_host_of(request)
     return template_json(await catalog.set_aliases(node, template_id, body.aliases), node)
 
 

@@ -13,9 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from aenv.config import MAX_NPROC
 from aenv.guest.agent import AGENT_VERSION
-from aenv.node.orchestrator import LiveSandbox, Node
-from aenv.node.state import PUBLIC_STATE
-from aenv.node.store import SandboxRecord, SnapshotRecord, TemplateRecord
+from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxRecord, SnapshotRecord, TemplateRecord
 from aenv.templates.catalog import TEMPLATE_NAME
 
 
@@ -120,7 +118,7 @@ def rfc3339(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat().replace("+00:00", "Z")
 
 
-def sandbox_json(node: Node, sb: LiveSandbox, domain: str | None) -> dict[str, Any]:
+def sandbox_json(node: NodeService, sb: LiveSandbox, domain: str | None) -> dict[str, Any]:
     """E2B's `Sandbox` (create/connect response)."""
     rec = sb.rec
     out: dict[str, Any] = {
@@ -139,10 +137,10 @@ def sandbox_json(node: Node, sb: LiveSandbox, domain: str | None) -> dict[str, A
     return out
 
 
-def sandbox_detail(node: Node, sb: LiveSandbox, domain: str | None) -> dict[str, Any]:
+def sandbox_detail(node: NodeService, sb: LiveSandbox, domain: str | None) -> dict[str, Any]:
     """E2B's `SandboxDetail` / `ListedSandbox`, plus aenv's own fields."""
     rec = sb.rec
-    limits = node._limits(rec)
+    limits = node.limits_of(rec)
     out = sandbox_json(node, sb, domain)
     out.update(
         {
@@ -211,7 +209,7 @@ def repository_json(rec: SnapshotRecord | TemplateRecord) -> dict[str, Any]:
     }
 
 
-def template_json(t: TemplateRecord, node: Node) -> dict[str, Any]:
+def template_json(t: TemplateRecord, node: NodeService) -> dict[str, Any]:
     return {
         "templateID": t.id,
         "name": t.name,

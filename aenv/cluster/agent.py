@@ -44,8 +44,7 @@ from aenv.cluster.store import ClusterStore
 from aenv.config import Settings
 from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest
 from aenv.node.create_ids import KEEP_SECONDS
-from aenv.node.sandbox import LiveSandbox
-from aenv.node.state import PUBLIC_STATE, SandboxState
+from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxState
 
 log = logging.getLogger("aenv.cluster.agent")
 WRITES_IN_FLIGHT = 16  # directory writes one sync has outstanding (a burst of creates lands at once)
@@ -58,7 +57,7 @@ ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message],
 class NodeAgent:
     def __init__(
         self,
-        node: Any,  # aenv.node.orchestrator.Node (Any: the orchestrator imports nothing of the cluster)
+        node: NodeService,
         store: ClusterStore,
         *,
         node_id: str,
@@ -190,33 +189,20 @@ class NodeAgent:
 
     def entry(self) -> NodeEntry:
         settings: Settings = self.node.settings
-        running = paused = starting = 0
-        cpu = 0.0
-        memory = 0
-        for sb in list(self.node.sandboxes.values()):
-            if sb.state == SandboxState.PAUSED:
-                paused += 1
-                continue
-            if sb.state == SandboxState.RUNNING:
-                running += 1
-            else:
-                starting += 1
-            limits = self.node._limits(sb.rec)  # the boundary of issue 12 will give this a public name
-            cpu += limits.cpu_count
-            memory += limits.memory_mb
+        load = self.node.capacity()
         return NodeEntry(
             node_id=self.node_id,
             address=self.address,
             driver=settings.driver,
             version=__version__,
-            running=running,
-            paused=paused,
-            starting=starting,
-            max_sandboxes=settings.max_sandboxes,
+            running=load.running,
+            paused=load.paused,
+            starting=load.starting,
+            max_sandboxes=load.max_sandboxes,
             cpu_count=float(os.cpu_count() or 1),
             memory_mb=_host_memory_mb(),
-            cpu_committed=round(cpu, 3),
-            memory_committed_mb=memory,
+            cpu_committed=load.cpu_committed,
+            memory_committed_mb=load.memory_committed_mb,
             load1=round(os.getloadavg()[0], 2),
             started_at=self.started_at,
             updated_at=round(time.time(), 3),

@@ -23,7 +23,7 @@ from aenv.storage.layers import new_id
 from aenv.storage.space import ensure_space, headroom
 
 if TYPE_CHECKING:
-    from aenv.node.orchestrator import Node
+    from aenv.node.service import BuildHost
 
 LogFn = Callable[[str], None]
 
@@ -56,7 +56,7 @@ class Pulled:
 
 
 async def pull(
-    node: Node, reference: str, *, login: tuple[str, str] | None = None, on_log: LogFn | None = None
+    node: BuildHost, reference: str, *, login: tuple[str, str] | None = None, on_log: LogFn | None = None
 ) -> Pulled:
     """Bring an image's layers into the layer store: from a registry (``login`` = (user, password)
     for it, else the Docker config's), or from a layout or archive on this node (``oci:``,
@@ -129,6 +129,6 @@ async def pull(
             local.close()
 
 
-def release(node: Node, pulled: Pulled) -> None:
+def release(node: BuildHost, pulled: Pulled) -> None:
     """The template (or the failure) is recorded: the layers are ordinary layers again."""
     node.artifacts.unpin(pulled.layers)

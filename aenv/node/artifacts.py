@@ -100,6 +100,10 @@ class ArtifactCache:
             return files.image(artifact_id).is_dir()
         return (self.node.driver.guest_path(artifact_id) / ".complete").exists()
 
+    def is_cached(self, rec: Entry) -> bool:
+        """Every artifact of ``rec`` is here: a restore from it fetches nothing."""
+        return all(self._is_local(item.kind, item.id) for item in self.items_of(rec))
+
     # -- commits -------------------------------------------------------------------------------------
     def commit_later(self, rec: Entry) -> None:
         """Commit ``rec`` in the background (joined if already under way)."""
@@ -170,7 +174,8 @@ class ArtifactCache:
         )
 
     def _known(self, rec: Entry) -> bool:
-        table: dict[str, Any] = self.node.templates if isinstance(rec, TemplateRecord) else self.node.snapshots
+        catalogue = self.node.catalogue
+        table: dict[str, Any] = catalogue.templates if isinstance(rec, TemplateRecord) else catalogue.snapshots
         return table.get(rec.id) is rec
 
     async def _save(self, rec: Entry) -> None:
@@ -181,11 +186,9 @@ class ArtifactCache:
 
     async def _drop(self, rec: Entry) -> None:
         if isinstance(rec, TemplateRecord):
-            self.node.templates.pop(rec.id, None)
-            await self.node.store.delete_template(rec.id)
+            await self.node.catalogue.remove_template(rec)
         else:
-            self.node.snapshots.pop(rec.id, None)
-            await self.node.store.delete_snapshot(rec.id)
+            await self.node.catalogue.remove_snapshot(rec)
 
     async def record_changed(self, rec: Entry) -> None:
         """A committed record changed (aliases): rewrite its entry; an uncommitted one is committed."""
@@ -291,14 +294,12 @@ class ArtifactCache:
             if any(t.name == tmpl.name for t in self.node.templates.values()):
                 log.info("repository template %s is named %r like one here: not imported", tmpl.id, tmpl.name)
                 continue
-            self.node.templates[tmpl.id] = tmpl
-            await self.node.store.put_template(tmpl)
+            await self.node.catalogue.put_template(tmpl)
             added += 1
         for snap in (s for s in (_record_of(SnapshotRecord, e) for e in entries["snapshot"]) if s is not None):
             if snap.id in self.node.snapshots:
                 continue
-            self.node.snapshots[snap.id] = snap
-            await self.node.store.put_snapshot(snap)
+            await self.node.catalogue.put_snapshot(snap)
             added += 1
         if added:
             log.info("learned %d templates and snapshots from the repository %s", added, self.repo_url)

@@ -207,7 +207,7 @@ async def reap_forever(node: Node) -> None:
             interval = node.settings.repo_gc_interval
             if interval and time.monotonic() - last_repo_gc > interval:
                 last_repo_gc = time.monotonic()
-                node._spawn(node.artifacts.gc_repository())
+                node.spawn(node.artifacts.gc_repository())
         except Exception:
             log.exception("reaper pass failed")
 

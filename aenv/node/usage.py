@@ -119,7 +119,7 @@ class UsageHistory:
         previous, history.baseline = history.baseline, (instance.id, now, usage.cpu_seconds)
         if previous is None or previous[0] != instance.id or now <= previous[1]:
             return False  # a new instance (created, resumed, restored): its CPU time starts anew
-        cpus = max(node._limits(sb.rec).cpu_count, 0.01)
+        cpus = max(node.limits_of(sb.rec).cpu_count, 0.01)
         busy = (usage.cpu_seconds - previous[2]) / (now - previous[1]) / cpus * 100
         history.add(
             Sample(

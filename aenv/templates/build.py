@@ -27,8 +27,7 @@ from typing import Any
 from aenv.errors import TemplateNotFound
 from aenv.images.pull import Pulled, pull, release
 from aenv.node.housekeeping import BUILD_CACHE
-from aenv.node.orchestrator import Node
-from aenv.node.store import TemplateRecord
+from aenv.node.service import BuildHost, TemplateRecord
 from aenv.storage.confined import WILDCARDS, PathRefused, View, remove_tree
 from aenv.storage.space import SpaceWatch, ensure_space, headroom
 from aenv.templates import dockerfile as df
@@ -63,12 +62,12 @@ class State:
         return self.key
 
 
-async def load_cache(node: Node) -> dict[str, str]:
+async def load_cache(node: BuildHost) -> dict[str, str]:
     return dict(json.loads(await node.store.get_meta(CACHE_KEY) or "{}"))
 
 
 async def build(
-    node: Node,
+    node: BuildHost,
     *,
     name: str,
     dockerfile: str | list[df.Instruction],
@@ -164,7 +163,7 @@ def _arg(instr: df.Instruction, build_args: dict[str, str], env: dict[str, str])
 
 
 async def _from(
-    node: Node,
+    node: BuildHost,
     instr: df.Instruction,
     args: dict[str, str],
     cache: dict[str, str],
@@ -199,7 +198,7 @@ async def _from(
 
 
 async def _step(
-    node: Node,
+    node: BuildHost,
     state: State,
     instr: df.Instruction,
     context: Path,
@@ -296,7 +295,7 @@ async def _step(
 
 
 async def _layer(
-    node: Node, state: State, key: str, cache: dict[str, str], announce: Callable[[bool], None], write: Any
+    node: BuildHost, state: State, key: str, cache: dict[str, str], announce: Callable[[bool], None], write: Any
 ) -> bool:
     hit = cache.get(key)
     if hit and (node.files.layers / hit).exists():
@@ -320,7 +319,7 @@ async def _layer(
 
 
 async def _run(
-    node: Node, state: State, argv: list[str], env: dict[str, str], instr: df.Instruction, log: LogFn
+    node: BuildHost, state: State, argv: list[str], env: dict[str, str], instr: df.Instruction, log: LogFn
 ) -> str | None:
     # Each step's upper may take its disk quota of the host's disk: none starts at the headroom.
     ensure_space(node.files.root, headroom(node.settings), 0, f"line {instr.line}: RUN")
@@ -397,7 +396,7 @@ def _content_digest(context: View, files: list[Source]) -> str:
     return h.hexdigest()
 
 
-def _owner(node: Node, layers: list[str], chown: str | None, line: int) -> tuple[int, int]:
+def _owner(node: BuildHost, layers: list[str], chown: str | None, line: int) -> tuple[int, int]:
     if not chown:
         return 0, 0
     user, _, group = chown.partition(":")

@@ -21,9 +21,7 @@ from typing import Any, NamedTuple
 
 from aenv.channel import END, MSG, end_error
 from aenv.errors import AenvError
-from aenv.node.agentlink import AgentLink
-from aenv.node.orchestrator import Node
-from aenv.node.store import TemplateRecord
+from aenv.node.service import AgentLink, BuildHost, TemplateRecord
 from aenv.runtime import hostexec
 from aenv.runtime.base import Instance, Limits
 from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
@@ -81,7 +79,7 @@ class StartCommand:
 
     def record(self) -> dict[str, Any]:
         """What a template keeps of it: a sandbox that boots fresh (resumed after a pause that kept
-        no memory) starts it again (see aenv.node.orchestrator.start_process)."""
+        no memory) starts it again (see aenv.node.instances.start_command)."""
         return {"argv": list(self.argv), "env": dict(self.env), "cwd": self.cwd, "user": self.user}
 
     async def launch(self, link: AgentLink, log: LogFn) -> None:
@@ -207,13 +205,15 @@ def _process_event(msg: Any) -> tuple[str, tuple[int, str] | None]:
 
 
 @asynccontextmanager
-async def build_instance(node: Node, layers: list[str], label: str) -> AsyncIterator[tuple[AgentLink, Instance, str]]:
+async def build_instance(
+    node: BuildHost, layers: list[str], label: str
+) -> AsyncIterator[tuple[AgentLink, Instance, str]]:
     """A build sandbox booted fresh on ``layers`` with a new upper: (link, instance, upper id).
 
     It is killed on the way out; on an error its upper is removed too."""
     async with node.artifacts.using_layers(layers):  # a template's layers may be in the repository only
         upper = await node.files.new_upper(BUILD_LIMITS.disk_mb)
-        rootfs = node._rootfs(layers, upper)
+        rootfs = node.rootfs(layers, upper)
         instance = await node.driver.boot(instance_id=new_id(), rootfs=rootfs, limits=BUILD_LIMITS)
         link = AgentLink(label)
         try:
@@ -228,7 +228,7 @@ async def build_instance(node: Node, layers: list[str], label: str) -> AsyncIter
         link.close(f"{label} finished")
 
 
-async def seal(node: Node, upper: str) -> str | None:
+async def seal(node: BuildHost, upper: str) -> str | None:
     """A build upper whose instance is gone becomes a read-only layer; None if nothing was written."""
     if node.files.is_empty(upper):
         await node.files.remove(upper)
@@ -238,7 +238,7 @@ async def seal(node: Node, upper: str) -> str | None:
 
 
 async def commit_template(
-    node: Node,
+    node: BuildHost,
     *,
     name: str,
     layers: list[str],
@@ -283,14 +283,12 @@ async def commit_template(
         start=start.record() if start is not None else {},
     )
     await retire_builds(node, name)
-    node.templates[rec.id] = rec
-    await node.store.put_template(rec)
-    node.artifacts.commit_later(rec)
+    await node.add_template(rec)
     log(f"template '{name}' committed ({len(rec.layers)} layers)")
     return rec
 
 
-async def build_base(node: Node, *, on_log: LogFn | None = None) -> TemplateRecord:
+async def build_base(node: BuildHost, *, on_log: LogFn | None = None) -> TemplateRecord:
     """debootstrap a Debian root filesystem and commit it as the `base` template."""
     log = on_log or (lambda line: None)
     settings = node.settings
@@ -318,13 +316,13 @@ async def build_base(node: Node, *, on_log: LogFn | None = None) -> TemplateReco
     return await _commit_base(node, layer_id, log)
 
 
-async def _commit_base(node: Node, debian_layer: str, log: LogFn | None) -> TemplateRecord:
+async def _commit_base(node: BuildHost, debian_layer: str, log: LogFn | None) -> TemplateRecord:
     return await commit_template(
         node, name="base", layers=[debian_layer], steps=[BASE_SETUP], description=BASE_DESCRIPTION, on_log=log
     )
 
 
-async def ensure_base(node: Node, *, on_log: LogFn | None = None) -> TemplateRecord:
+async def ensure_base(node: BuildHost, *, on_log: LogFn | None = None) -> TemplateRecord:
     """`base`, built on first use and recommitted when the guest agent or the setup steps changed.
 
     The agent inside a template's image is the one that was running at commit time; a new agent

@@ -15,19 +15,17 @@ import uuid
 from typing import Any
 
 from aenv.errors import Conflict, InvalidRequest, NotFound
-from aenv.node import housekeeping
-from aenv.node.orchestrator import Node
-from aenv.node.store import TemplateRecord
+from aenv.node.service import BuildHost, TemplateRecord
 
 TEMPLATE_NAME = r"[a-z0-9][a-z0-9._-]{0,62}"
 ALIAS = re.compile(rf"{TEMPLATE_NAME}(?::[\w][\w.-]{{0,127}})?")  # a name, or name:tag
 
 
-def users_of(node: Node, template: TemplateRecord) -> list[str]:
+def users_of(node: BuildHost, template: TemplateRecord) -> list[str]:
     return [sb.id for sb in node.sandboxes.values() if sb.rec.template_id in (template.id, template.name)]
 
 
-async def delete_template(node: Node, ref: str, *, force: bool = False) -> None:
+async def delete_template(node: BuildHost, ref: str, *, force: bool = False) -> None:
     template = node.find_template(ref)
     users = users_of(node, template)
     if users and not force:
@@ -35,13 +33,11 @@ async def delete_template(node: Node, ref: str, *, force: bool = False) -> None:
             f"template '{template.name}' is used by {len(users)} sandbox(es) ({', '.join(users[:3])}); "
             "kill them first or delete with force=true"
         )
-    node.templates.pop(template.id, None)
-    await node.store.delete_template(template.id)
-    await node.artifacts.forget(template)
-    await housekeeping.gc_files(node, min_age=60)
+    await node.drop_template(template)
+    await node.collect_garbage(min_age=60)
 
 
-async def set_aliases(node: Node, ref: str, aliases: list[str]) -> TemplateRecord:
+async def set_aliases(node: BuildHost, ref: str, aliases: list[str]) -> TemplateRecord:
     template = node.find_template(ref)
     for alias in aliases:
         if not ALIAS.fullmatch(alias):
@@ -50,8 +46,7 @@ async def set_aliases(node: Node, ref: str, aliases: list[str]) -> TemplateRecor
             if other.id != template.id and alias in (other.name, other.id, *other.aliases):
                 raise Conflict(f"alias {alias!r} already names template '{other.name}'")
     template.aliases = sorted(set(aliases) - {template.name})
-    await node.store.put_template(template)
-    await node.artifacts.record_changed(template)
+    await node.save_template(template)
     return template
 
 
@@ -67,12 +62,7 @@ def family(template: TemplateRecord) -> str:
     return next((a.partition(":")[0] for a in template.aliases if ":" in a), template.name)
 
 
-async def _save(node: Node, template: TemplateRecord) -> None:
-    await node.store.put_template(template)
-    await node.artifacts.record_changed(template)
-
-
-async def _untag(node: Node, alias: str, keep: TemplateRecord | None = None) -> None:
+async def _untag(node: BuildHost, alias: str, keep: TemplateRecord | None = None) -> None:
     """Take ``alias`` off whichever other build has it; a retained older build left with no tag
     is deleted (its sandboxes keep running on their own layers)."""
     for other in list(node.templates.values()):
@@ -82,10 +72,10 @@ async def _untag(node: Node, alias: str, keep: TemplateRecord | None = None) -> 
         if other.name == other.id and not other.aliases:
             await delete_template(node, other.id, force=True)
         else:
-            await _save(node, other)
+            await node.save_template(other)
 
 
-async def assign_tags(node: Node, target: str, tags: list[str]) -> TemplateRecord:
+async def assign_tags(node: BuildHost, target: str, tags: list[str]) -> TemplateRecord:
     """Point ``family:tag`` at the build ``target`` names (moved off any other build)."""
     template = node.find_template(target)
     base = target.partition(":")[0] if ":" in target else family(template)
@@ -96,11 +86,11 @@ async def assign_tags(node: Node, target: str, tags: list[str]) -> TemplateRecor
     for alias in aliases:
         await _untag(node, alias, keep=template)
     template.aliases = sorted({*template.aliases, *aliases} - {template.name})
-    await _save(node, template)
+    await node.save_template(template)
     return template
 
 
-async def remove_tags(node: Node, name: str, tags: list[str]) -> None:
+async def remove_tags(node: BuildHost, name: str, tags: list[str]) -> None:
     aliases = [f"{name}:{tag}" for tag in tags]
     holders = [t for t in node.templates.values() if set(aliases) & set(t.aliases)]
     if not holders:
@@ -109,7 +99,7 @@ async def remove_tags(node: Node, name: str, tags: list[str]) -> None:
         await _untag(node, alias)
 
 
-def tags_of(node: Node, ref: str) -> list[dict[str, Any]]:
+def tags_of(node: BuildHost, ref: str) -> list[dict[str, Any]]:
     base = family(node.find_template(ref))
     out = []
     for t in node.templates.values():
@@ -120,13 +110,11 @@ def tags_of(node: Node, ref: str) -> list[dict[str, Any]]:
     return sorted(out, key=lambda item: item["tag"])
 
 
-async def retire_builds(node: Node, name: str) -> None:
+async def retire_builds(node: BuildHost, name: str) -> None:
     """A new build takes ``name``: the build that had it goes, unless tags still point at it."""
     for old in [t for t in node.templates.values() if t.name == name]:
         if any(a.startswith(f"{name}:") for a in old.aliases):
             old.name = old.id
-            await _save(node, old)
+            await node.save_template(old)
         else:
-            node.templates.pop(old.id, None)
-            await node.store.delete_template(old.id)
-            await node.artifacts.forget(old)
+            await node.drop_template(old)

@@ -13,8 +13,7 @@ import stat
 from pathlib import Path
 
 from aenv.images.pull import Pulled, pull, release
-from aenv.node.orchestrator import Node
-from aenv.node.store import TemplateRecord
+from aenv.node.service import BuildHost, TemplateRecord
 from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
 from aenv.storage.confined import View, remove_tree
 from aenv.templates.builder import LogFn, commit_template
@@ -23,13 +22,13 @@ USER_UID = 1000
 USER = (USER_UID, USER_UID)
 
 
-def layers_view(node: Node, layers: list[str], top: Path | None = None) -> View:
+def layers_view(node: BuildHost, layers: list[str], top: Path | None = None) -> View:
     """What a sandbox on ``layers`` sees, read by the host without following anything out of
     them; ``top`` is a new layer that writes go to."""
     return View([node.files.layer(layer_id) for layer_id in layers], top)
 
 
-def conventions_layer(node: Node, layers: list[str]) -> str:
+def conventions_layer(node: BuildHost, layers: list[str]) -> str:
     """Write the sandbox conventions for an image made of ``layers``; return the new layer id.
 
     Paths resolve as in the sandbox: an image whose /etc or /home is a link gets the files where
@@ -71,7 +70,7 @@ def _write_conventions(view: View) -> None:
 
 
 async def template_from_image(
-    node: Node, name: str, reference: str, *, login: tuple[str, str] | None = None, on_log: LogFn | None = None
+    node: BuildHost, name: str, reference: str, *, login: tuple[str, str] | None = None, on_log: LogFn | None = None
 ) -> TemplateRecord:
     """Pull ``reference`` and commit it as template ``name`` (its env and user conventions kept)."""
     log = on_log or (lambda line: None)

@@ -46,7 +46,7 @@ async def test_eviction_is_lru_and_spares_layers_in_use(node: Node) -> None:
     fake_layer(node, "orphan-upper", 1, age_s=1000)  # neither cached nor named: plain garbage
     await node.store.set_meta("build-cache", json.dumps({"k1": "step-layer", "k2": "oci-middle"}))
     template = TemplateRecord(id="t1", name="t", layers=["oci-inuse"], image="", created_at=time.time())
-    node.templates[template.id] = template
+    node.catalogue.templates[template.id] = template
 
     await housekeeping.gc_files(node, min_age=60)
 

@@ -15,7 +15,7 @@ import pytest
 
 import aenv
 from aenv.errors import RuntimeFailure, WrongState
-from aenv.node import orchestrator
+from aenv.node import records
 from aenv.node.orchestrator import Node
 from aenv.node.state import TRANSITIONS, check_transition
 from aenv.node.state import SandboxState as S
@@ -94,7 +94,7 @@ def test_only_set_state_writes_a_state() -> None:
         for path in sorted(root.rglob("*.py"))
         for function, line in state_writes(path.read_text())
     ]
-    assert [(path, function) for path, function, _ in writes] == [("aenv/node/orchestrator.py", "_set_state")], writes
+    assert [(path, function) for path, function, _ in writes] == [("aenv/node/records.py", "_set_state")], writes
 
 
 def test_the_table() -> None:
@@ -128,7 +128,7 @@ def record_transitions(monkeypatch: pytest.MonkeyPatch) -> Transitions:
         check_transition(sandbox_id, current, target)
         seen[sandbox_id].append((current, target))
 
-    monkeypatch.setattr(orchestrator, "check_transition", checked)
+    monkeypatch.setattr(records, "check_transition", checked)
     return seen
 
 

@@ -61,7 +61,7 @@ async def fake_template(node: Node, name: str, mib: int = 2) -> TemplateRecord:
     rec = TemplateRecord(
         id=f"t-{name}", name=name, layers=[layer.name], image=image.name, created_at=time.time(), guest="test-guest"
     )
-    node.templates[rec.id] = rec
+    node.catalogue.templates[rec.id] = rec
     await node.store.put_template(rec)
     return rec
 
@@ -171,7 +171,7 @@ async def test_a_running_node_learns_what_another_committed(tmp_path: Path) -> N
     try:
         rec = await fake_template(a, "later")
         await a.artifacts.wait_committed(rec)
-        assert b._source("later") is None
+        assert b.catalogue.source("later") is None
         assert await b.artifacts.refresh_catalogue() == 1
         assert b.find_template("later").id == rec.id
         assert await b.artifacts.refresh_catalogue() == 0  # rate-limited: no listing storm on typos
@@ -220,7 +220,7 @@ async def test_guest_bundles_no_record_names_are_removed(node: Node) -> None:
     assert node.driver.guest_keys() == {current, rec.guest, "young-unused"}  # an upgrade's old agent goes
     assert not any(p.name.startswith(".evict-") for p in node.driver.guest_path("x").parent.iterdir())
 
-    del node.templates[rec.id]
+    del node.catalogue.templates[rec.id]
     await node.store.delete_template(rec.id)
     await housekeeping.gc_files(node)
     assert node.driver.guest_keys() == {current}  # never the bundle fresh boots use

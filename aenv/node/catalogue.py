@@ -1,0 +1,71 @@
+"""The node's catalogue: its template and snapshot records, by id, and how a name finds one.
+
+It owns the two tables (the node and its artifact cache change them through it; everyone else sees
+read-only views) and keeps the store in step with every change it makes. What a record's files are
+and where they come from is the artifact cache's business (aenv/node/artifacts.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from aenv.errors import SnapshotNotFound, TemplateNotFound
+from aenv.node.store import SnapshotRecord, Store, TemplateRecord
+
+
+class Catalogue:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.templates: dict[str, TemplateRecord] = {}
+        self.snapshots: dict[str, SnapshotRecord] = {}
+        self.templates_view: Mapping[str, TemplateRecord] = MappingProxyType(self.templates)
+        self.snapshots_view: Mapping[str, SnapshotRecord] = MappingProxyType(self.snapshots)
+
+    async def load(self) -> None:
+        """The records the store holds (at the node's start)."""
+        self.templates.clear()
+        self.templates.update((t.id, t) for t in await self.store.templates())
+        self.snapshots.clear()
+        self.snapshots.update((s.id, s) for s in await self.store.snapshots())
+
+    def find_template(self, ref: str) -> TemplateRecord:
+        for t in self.templates.values():
+            if ref in (t.id, t.name) or ref in t.aliases:
+                return t
+        raise TemplateNotFound(f"template '{ref}' not found")
+
+    def find_snapshot(self, ref: str) -> SnapshotRecord:
+        for s in self.snapshots.values():
+            if ref in (s.id, s.name) and not s.ephemeral:
+                return s
+        raise SnapshotNotFound(f"snapshot '{ref}' not found")
+
+    def source(self, ref: str) -> TemplateRecord | SnapshotRecord | None:
+        """The template, else the snapshot, that ``ref`` names."""
+        try:
+            return self.find_template(ref)
+        except TemplateNotFound:
+            try:
+                return self.find_snapshot(ref)
+            except SnapshotNotFound:
+                return None
+
+    def snapshot_named(self, name: str) -> bool:
+        return any(s.name == name for s in self.snapshots.values())
+
+    async def put_template(self, rec: TemplateRecord) -> None:
+        self.templates[rec.id] = rec
+        await self.store.put_template(rec)
+
+    async def remove_template(self, rec: TemplateRecord) -> None:
+        self.templates.pop(rec.id, None)
+        await self.store.delete_template(rec.id)
+
+    async def put_snapshot(self, rec: SnapshotRecord) -> None:
+        self.snapshots[rec.id] = rec
+        await self.store.put_snapshot(rec)
+
+    async def remove_snapshot(self, rec: SnapshotRecord) -> None:
+        self.snapshots.pop(rec.id, None)
+        await self.store.delete_snapshot(rec.id)

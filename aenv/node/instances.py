@@ -1,0 +1,260 @@
+"""A sandbox's instance: starting it (restore from a checkpoint image, or a fresh boot), wiring its
+agent, noticing when it dies on its own, checkpointing it, and tearing it down in the background.
+
+The ``Instances`` part of ``Node`` (aenv/node/orchestrator.py); the operations that use it are in
+aenv/node/lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aenv.channel import PROTOCOL_VIOLATION, StreamError, Unsendable
+from aenv.errors import CHECKPOINT_REFUSAL, AenvError, CheckpointRefused
+from aenv.node import egress
+from aenv.node.agentlink import AgentLink
+from aenv.node.sandbox import LiveSandbox, log_failure
+from aenv.node.store import SandboxRecord
+from aenv.runtime.base import Instance, RootfsSpec
+from aenv.storage.layers import new_id
+
+log = logging.getLogger("aenv.node")
+DEFAULT_USER = "user"
+
+
+class Instances:
+    async def settle(self, timeout: float = 60) -> None:
+        """Wait for background teardowns of old instances to finish."""
+        if self._teardowns:
+            await asyncio.wait(list(self._teardowns), timeout=timeout)
+
+    async def settled(self, layers: list[str]) -> None:
+        """Wait until no instance being torn down still writes one of ``layers`` (a snapshot's
+        newest layer is its source's old upper, sealed read-only once that instance is gone)."""
+        tasks = [t for x in layers if (t := self._teardown_of.get(x)) is not None]
+        if tasks:
+            await asyncio.wait(tasks)
+
+    def _agent_config(self, rec: SandboxRecord) -> dict[str, Any]:
+        env = dict(rec.env_vars)
+        env.update({"E2B_SANDBOX": "true", "E2B_SANDBOX_ID": rec.id, "E2B_TEMPLATE_ID": rec.template_id})
+        env.update({"AENV_SANDBOX_ID": rec.id})
+        return {
+            "env": env,
+            "user": rec.user or DEFAULT_USER,
+            "workdir": rec.workdir or None,
+            "nproc": self.limits_of(rec).nproc,
+        }
+
+    def rootfs(self, layers: list[str], upper: str, guest: str = "") -> RootfsSpec:
+        return RootfsSpec(tuple(self.files.layer(x) for x in layers), self.files.upper(upper), guest)
+
+    async def _restore_into(self, sb: LiveSandbox, *, image: str, layers: list[str], upper: str, fresh: bool) -> None:
+        """Start an instance of ``sb`` from a checkpoint image and wire up its agent."""
+        instance_id = new_id()
+        instance = await self.driver.restore(
+            instance_id=instance_id,
+            rootfs=self.rootfs(layers, upper, sb.rec.guest),
+            limits=self.limits_of(sb.rec),
+            image_dir=self.files.image(image),
+        )
+        link = sb.link if (sb.link is not None and not fresh) else self._new_link(sb)
+        try:
+            await link.restored(instance, fresh=fresh, config=self._agent_config(sb.rec))
+        except BaseException:
+            await self.driver.kill(instance)
+            raise
+        sb.instance, sb.link = instance, link
+        sb.rec.instance_id = instance_id
+        if link.watcher is None:
+            link.watcher = asyncio.ensure_future(self._watch(sb, link))
+
+    async def _boot_into(self, sb: LiveSandbox) -> None:
+        """Boot a fresh instance of ``sb`` on its layers and upper (a resume after a pause that kept
+        no memory): a new agent from the current bundle, the sandbox's settings, and the template's
+        start command started again, as in every sandbox made from the template."""
+        instance_id, guest = new_id(), self.driver.guest_key()
+        instance = await self.driver.boot(
+            instance_id=instance_id,
+            rootfs=self.rootfs(sb.rec.layers, sb.rec.upper, guest),
+            limits=self.limits_of(sb.rec),
+        )
+        link = self._new_link(sb)
+        try:
+            await link.booted(instance)
+            await link.call("sys.configure", self._agent_config(sb.rec))
+            await self._start_again(sb, link)
+        except BaseException:
+            link.close("the sandbox could not boot")
+            await self.driver.kill(instance)
+            raise
+        sb.instance, sb.link = instance, link
+        sb.rec.instance_id, sb.rec.guest = instance_id, guest
+        link.watcher = asyncio.ensure_future(self._watch(sb, link))
+
+    async def _start_again(self, sb: LiveSandbox, link: AgentLink) -> None:
+        """The template's start command, in a sandbox that booted fresh. Its record may come from a
+        repository others write: one that is not a command is skipped, as is a command that fails
+        to start (the template's own failure; the sandbox runs anyway)."""
+        start = start_command(sb.rec.start)
+        if start is None:
+            if sb.rec.start:
+                log.warning("sandbox %s: its template's start command is malformed; not started", sb.id)
+            return
+        try:
+            failure = await link.start_detached(*start)
+        except Unsendable as exc:  # larger than the channel carries: as malformed
+            failure = exc.message
+        if failure:
+            log.warning("sandbox %s: the start command did not start again: %s", sb.id, failure[:200])
+
+    def _new_link(self, sb: LiveSandbox) -> AgentLink:
+        sb.egress = egress.Guest(sb.id, lambda: self.policy_of(sb.id))
+        return AgentLink(sb.id, serve=sb.egress, call_timeout=self.settings.agent_timeout)
+
+    async def _watch(self, sb: LiveSandbox, link: AgentLink) -> None:
+        """Notice a sandbox that died on its own (e.g. its memory limit was hit) or broke the channel
+        protocol (root in it can write to the agent's pipe) and remove it."""
+        while True:
+            await link.channel.closed.wait()
+            if sb.link is not link:
+                return  # closed on purpose: paused or killed
+            await asyncio.sleep(0.05)
+            if sb.lock.locked():
+                # an operation is swapping the pipe (snapshot, fork); look again when it is done
+                async with sb.lock:
+                    pass
+                if sb.link is not link or not link.channel.closed.is_set():
+                    continue
+            if link.channel.close_reason.startswith(PROTOCOL_VIOLATION):
+                reason = link.channel.close_reason
+            elif sb.instance and (await self.driver.usage(sb.instance)).oom:
+                reason = "out of memory"
+            else:
+                reason = "exited"
+            log.warning("sandbox %s stopped on its own (%s); removing it", sb.id, reason)
+            try:
+                await self.kill(sb.id)
+            except AenvError:
+                pass
+            return
+
+    def _stop_instance(
+        self,
+        sb: LiveSandbox,
+        reason: str,
+        *,
+        keep_streams: bool = False,
+        then: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Detach from the instance now; tear it down in the background.
+
+        `runsc delete` of a stopped sandbox takes over a second (it polls for the gofer to exit),
+        and nothing a client waits for depends on it: after a checkpoint the instance is inert."""
+        if sb.instance is not None:
+            self._teardown_later(sb.instance, then, lowers=list(sb.rec.layers))
+            sb.instance = None
+        elif then is not None:
+            self.spawn(then())
+        if sb.link is not None:
+            if keep_streams:
+                sb.link.channel.detach()
+            else:
+                sb.link.close(reason)
+                sb.link = None
+        sb.rec.instance_id = ""
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(log_failure("background", self._background))
+
+    def _teardown_later(
+        self, instance: Instance, then: Callable[[], Awaitable[None]] | None, *, lowers: list[str]
+    ) -> None:
+        layer = instance.rootfs.upper.name
+        self._pending_layers.add(layer)
+        self.artifacts.pin(lowers)  # its overlay is mounted until the teardown: not evictable
+
+        async def teardown() -> None:
+            try:
+                await self.driver.kill(instance)
+                if then is not None:
+                    await then()
+            finally:
+                self.artifacts.unpin(lowers)
+                self._pending_layers.discard(layer)
+                self._teardowns.discard(task)
+                if self._teardown_of.get(layer) is task:
+                    del self._teardown_of[layer]
+
+        task = asyncio.ensure_future(teardown())
+        self._teardowns.add(task)
+        self._teardown_of[layer] = task
+        self._background.add(task)
+        task.add_done_callback(log_failure(instance.id, self._background))
+
+    async def _checkpoint_stopped(self, sb: LiveSandbox) -> str:
+        """Freeze the agent, checkpoint and stop the instance; return the image id.
+
+        On failure the sandbox is left running and answering, never frozen."""
+        assert sb.instance is not None and sb.link is not None
+        if not self.driver.saves_epoll_tcp:
+            await self._refuse_unsaveable(sb)
+        await sb.link.freeze()
+        image = new_id()
+        try:
+            await self.driver.checkpoint(sb.instance, image_dir=self.files.image(image), leave_running=False)
+        except BaseException:
+            self.files.remove_image(image)
+            try:
+                await sb.link.unfreeze()
+            except AenvError:
+                log.error("sandbox %s died in a failed checkpoint", sb.id)
+                self._stop_instance(sb, "the sandbox died during a failed checkpoint")
+            raise  # the checkpoint's own error: it says what went wrong
+        return image
+
+    async def _refuse_unsaveable(self, sb: LiveSandbox) -> None:
+        """Refuse up front what the runtime could not save: a failed save would kill the instance."""
+        assert sb.link is not None
+        try:
+            answer = await sb.link.call("sys.checkpointable")
+        except StreamError:
+            return  # an agent from before this check (images pin theirs): nothing to ask
+        blockers = answer.get("blockers") if isinstance(answer, dict) else None
+        if blockers:
+            shown = blockers[:3] if isinstance(blockers, list) else [blockers]
+            who = ", ".join(_blocker(b) for b in shown)
+            message = f"{CHECKPOINT_REFUSAL}: {who}; the sandbox keeps running"
+            raise CheckpointRefused(message, sandbox_id=sb.id)
+
+    async def _halt(self, sb: LiveSandbox) -> str:
+        """Ready the instance to be stopped keeping only its file system: the agent ends every other
+        process, saves what it keeps on disk and syncs, then writes nothing. If the agent does not
+        answer, the sandbox keeps running. Returns "" (no checkpoint image)."""
+        assert sb.instance is not None and sb.link is not None
+        await sb.link.freeze(halt=True)
+        return ""
+
+
+def _blocker(entry: Any) -> str:
+    """One process the agent says blocks a checkpoint, as the agent described it (bounded)."""
+    if isinstance(entry, dict):
+        return f"pid {str(entry.get('pid'))[:20]} ({str(entry.get('cmd'))[:200]})"
+    return str(entry)[:200]
+
+
+def start_command(record: dict[str, Any]) -> tuple[list[str], dict[str, str], str, str] | None:
+    """(argv, env, cwd, user) of a recorded start command (StartCommand.record), if it is one."""
+    argv, env, cwd, user = (record.get(k) for k in ("argv", "env", "cwd", "user"))
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+        return None
+    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        return None
+    if not (isinstance(cwd, str) and isinstance(user, str)):
+        return None
+    return argv, env, cwd, user

@@ -1,0 +1,564 @@
+"""Every lifecycle operation on a sandbox: create, pause, resume, snapshot, fork, network, timeout and
+kill, and the runner they go through.
+
+Each operation on a sandbox runs as its own task under the sandbox's lock, so it completes even
+if the client that asked for it goes away, and concurrent requests for the same idempotent
+transition (pause, resume) join the task already running instead of starting a second one. Every
+operation has a deadline. A kill does not queue behind them: it cancels whatever is in flight on
+the sandbox (those callers get 404, the sandbox was killed) and removes it within seconds.
+
+The ``Lifecycle`` part of ``Node`` (aenv/node/orchestrator.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from aenv.errors import (
+    AenvError,
+    InvalidRequest,
+    LimitExceeded,
+    OperationTimeout,
+    SandboxNotFound,
+    TemplateNotFound,
+    WrongState,
+)
+from aenv.node import housekeeping, metrics
+from aenv.node.egress import EgressPolicy
+from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
+from aenv.node.state import SETTLED, SandboxState
+from aenv.node.store import SandboxRecord, SnapshotRecord, TemplateRecord
+from aenv.storage.layers import new_id
+
+log = logging.getLogger("aenv.node")
+S = SandboxState
+T = TypeVar("T")
+KILL_GRACE = 10.0  # how long a kill waits for the operations it cancelled to unwind
+
+
+class Lifecycle:
+    async def _operate(self, sb: LiveSandbox, name: str, fn: Callable[[], Awaitable[T]], *, join: bool) -> T:
+        if join:
+            running = sb.ops.get(name)
+            if running is not None and not running.done():
+                return await self._outcome(sb, name, running)
+        if sb.killer is not None:
+            raise self._killed(sb, name)
+
+        async def locked() -> T:
+            async with sb.lock:
+                if sb.killer is not None:  # killed while this one waited for the lock
+                    raise self._killed(sb, name)
+                started = time.monotonic()
+                try:
+                    result = await self._within_deadline(sb, name, fn)
+                except BaseException:
+                    metrics.OPERATIONS.labels(op=name, outcome="error").inc()
+                    raise
+                finally:
+                    self._check_settled(sb, name)
+                metrics.OPERATIONS.labels(op=name, outcome="ok").inc()
+                metrics.OPERATION_SECONDS.labels(op=name).observe(time.monotonic() - started)
+                return result
+
+        task: asyncio.Task[T] = asyncio.ensure_future(locked())
+        self._background.add(task)
+        sb.tasks.add(task)
+        if join:
+            sb.ops[name] = task
+
+        def done(t: asyncio.Task[T]) -> None:
+            self._background.discard(t)
+            sb.tasks.discard(t)
+            if sb.ops.get(name) is t:
+                sb.ops.pop(name, None)
+            if not t.cancelled():
+                t.exception()  # retrieved: a client that left must not cause a warning
+
+        task.add_done_callback(done)
+        return await self._outcome(sb, name, task)
+
+    async def _outcome(self, sb: LiveSandbox, name: str, task: asyncio.Task[T]) -> T:
+        """The operation's result; if a kill stopped it, a clear error for its caller."""
+        try:
+            return await asyncio.shield(task)
+        except BaseException as exc:
+            caller = asyncio.current_task()
+            if sb.killer is None or (caller is not None and caller.cancelling()):
+                raise
+            raise self._killed(sb, name) from exc
+
+    def _killed(self, sb: LiveSandbox, name: str) -> SandboxNotFound:
+        return SandboxNotFound(f"sandbox {sb.id} was killed (during {name})", sandbox_id=sb.id)
+
+    async def _within_deadline(self, sb: LiveSandbox, name: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """``fn``, cancelled past the operation deadline: its cleanup puts the sandbox back."""
+        limit = self.settings.operation_timeout
+        deadline = asyncio.timeout(limit)
+        try:
+            async with deadline:
+                return await fn()
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise
+            raise OperationTimeout(
+                f"{name} of sandbox {sb.id} did not finish within {limit:g}s", sandbox_id=sb.id
+            ) from exc
+
+    def _check_settled(self, sb: LiveSandbox, name: str) -> None:
+        """After an operation a sandbox is running, paused or gone; one left in between (an
+        operation that could not put it back) is killed rather than left there for good."""
+        if self.sandboxes.get(sb.id) is sb and sb.killer is None and sb.state not in SETTLED:
+            log.error("sandbox %s was left %s by %s; killing it", sb.id, sb.state.value, name)
+            self.spawn(self.kill(sb.id))
+
+    async def _after_failed_checkpoint(self, sb: LiveSandbox) -> None:
+        """Back to running if the instance survived (the usual case); otherwise it is gone."""
+        if sb.killer is not None:
+            return  # the kill that stopped the checkpoint removes the sandbox
+        if sb.instance is not None:
+            await self._set_state(sb, S.RUNNING, persist=False)
+        else:
+            await self._discard(sb)
+
+    async def create(
+        self,
+        template: str = "base",
+        *,
+        timeout: int | None = None,
+        metadata: dict[str, str] | None = None,
+        env_vars: dict[str, str] | None = None,
+        auto_pause: bool = False,
+        auto_resume: bool = False,
+        auto_pause_memory: bool = True,
+        limits: dict[str, Any] | None = None,
+        allow_internet_access: bool | None = None,
+        network: dict[str, Any] | None = None,
+        secure: bool = True,
+        public_traffic: bool = True,
+        mask_request_host: str = "",
+    ) -> SandboxRecord:
+        timeout = self._check_timeout(timeout)
+        _check_auto_pause(auto_pause, auto_resume, auto_pause_memory)
+        if allow_internet_access is None:
+            allow_internet_access = self.settings.internet_by_default
+        EgressPolicy.of(allow_internet_access, network)  # bad rules are the caller's 400, before any work
+        self._admit()
+        live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
+        if live >= self.settings.max_sandboxes:
+            raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
+        source = self.catalogue.source(template)
+        if source is None and await self.artifacts.refresh_catalogue():
+            source = self.catalogue.source(template)  # committed to the repository by another node
+        if source is None:
+            raise TemplateNotFound(f"no template or snapshot named '{template}'")
+        if isinstance(source, TemplateRecord):
+            template_id, snapshot_id = source.name, ""
+        else:
+            template_id, snapshot_id = source.template_id, source.id
+        layers, image, guest = list(source.layers), source.image, source.guest
+        base_env, base_limits = dict(source.env_vars), dict(source.limits)
+        user, workdir, start = source.user, source.workdir, dict(source.start)
+        base_env.update(env_vars or {})
+        base_limits.update(limits or {})
+        now = time.time()
+        upper = await self.files.new_upper(self._limits_from(base_limits).disk_mb)
+        rec = SandboxRecord(
+            id=new_sandbox_id(),
+            template_id=template_id,
+            started_at=now,
+            end_at=now + timeout,
+            auto_pause=auto_pause,
+            auto_resume=auto_resume,
+            auto_pause_memory=auto_pause_memory,
+            metadata=dict(metadata or {}),
+            env_vars=base_env,
+            limits=base_limits,
+            layers=layers,
+            upper=upper,
+            snapshot_id=snapshot_id,
+            user=user,
+            workdir=workdir,
+            allow_internet_access=allow_internet_access,
+            network=dict(network or {}),
+            secure=secure,
+            public_traffic=public_traffic,
+            mask_request_host=mask_request_host,
+            guest=guest,
+            start=start,
+        )
+        sb = LiveSandbox(rec)
+        self.sandboxes[rec.id] = sb
+
+        async def run() -> SandboxRecord:
+            try:
+                async with self.artifacts.using(source):  # fetched from the repository if not here
+                    await self._restore_into(sb, image=image, layers=layers, upper=rec.upper, fresh=True)
+            except BaseException:
+                await self._discard(sb)
+                raise
+            rec.started_at = time.time()
+            rec.end_at = rec.started_at + timeout
+            await self._set_state(sb, S.RUNNING)
+            return rec
+
+        return await self._operate(sb, "create", run, join=False)
+
+    def _admit(self) -> None:
+        for check in self.admission_checks:
+            check()
+
+    def _check_timeout(self, timeout: int | None) -> int:
+        if timeout is None:
+            return self.settings.default_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0:
+            raise InvalidRequest("timeout must be a positive number of seconds")
+        if timeout > self.settings.max_timeout:
+            raise InvalidRequest(f"timeout may be at most {self.settings.max_timeout} seconds")
+        return timeout
+
+    async def pause(self, sandbox_id: str, *, keep_memory: bool = True) -> SandboxRecord:
+        """Pause a running sandbox. Without ``keep_memory`` only its file system is kept (E2B's
+        filesystem-only pause): its processes end and the resume boots it fresh."""
+        sb = self.get(sandbox_id)
+
+        async def run() -> SandboxRecord:
+            if sb.state == S.PAUSED:
+                raise WrongState(f"sandbox {sb.id} is already paused", sandbox_id=sb.id)
+            await self._set_state(sb, S.PAUSING, persist=False)
+            upper = sb.rec.upper
+            try:
+                image = await self._checkpoint_stopped(sb) if keep_memory else await self._halt(sb)
+            except BaseException:
+                await self._after_failed_checkpoint(sb)
+                raise
+            self._stop_instance(sb, f"sandbox {sb.id} was paused")
+            sb.rec.image = image
+            sb.rec.filesystem_only = not keep_memory
+            sb.rec.paused_at = time.time()
+            await self._set_state(sb, S.PAUSED)
+            if not keep_memory:
+                # Not checkpointed, the instance runs (its agent idle) until torn down; answer once
+                # it is gone. A resume waits for it too, should this wait be cut short.
+                await self.settled([upper])
+            return sb.rec
+
+        # The two kinds do not join: a pause without memory asked during a full one finds it paused.
+        return await self._operate(sb, "pause" if keep_memory else "pause_filesystem", run, join=True)
+
+    async def resume(
+        self, sandbox_id: str, *, timeout: int | None = None, memory: bool = True
+    ) -> tuple[SandboxRecord, bool]:
+        """Resume a paused sandbox; returns (record, True if it was resumed, False if it ran).
+        Without ``memory`` (E2B's connect ``memory: false``, the SDKs' ``on_resume="reboot"``)
+        one paused with its memory boots fresh on its files instead, as one paused without."""
+        sb = self.get(sandbox_id)
+        timeout_s = self._check_timeout(timeout)
+
+        async def run() -> tuple[SandboxRecord, bool]:
+            if sb.state == S.RUNNING:
+                sb.rec.end_at = max(sb.rec.end_at, time.time() + timeout_s)
+                await self.store.put_sandbox(sb.rec)
+                return sb.rec, False
+            await self._set_state(sb, S.RESUMING, persist=False)
+            try:
+                await self.files.mount(sb.rec.upper, writable=True)
+                if sb.rec.filesystem_only or not memory:
+                    await self.settled([sb.rec.upper])  # the instance it paused
+                    await self._boot_into(sb)
+                else:
+                    await self._restore_into(
+                        sb, image=sb.rec.image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=True
+                    )
+            except BaseException:
+                if sb.killer is None:
+                    await self._set_state(sb, S.PAUSED, persist=False)
+                raise
+            self.files.remove_image(sb.rec.image)
+            sb.rec.image = ""
+            sb.rec.filesystem_only = False
+            sb.rec.end_at = time.time() + timeout_s
+            await self._set_state(sb, S.RUNNING)
+            return sb.rec, True
+
+        return await self._operate(sb, "resume", run, join=True)
+
+    async def ensure_running(self, sandbox_id: str) -> LiveSandbox:
+        """For data-plane traffic: a paused sandbox with auto-resume comes back on use."""
+        sb = self.get(sandbox_id)
+        if sb.state == S.RUNNING and sb.link is not None:
+            return sb
+        # Traffic never brings back a sandbox paused without memory: its resume is a reboot, which
+        # loses whatever ran, so only an explicit resume (connect) does that, as in E2B.
+        if sb.state in (S.PAUSED, S.RESUMING) and sb.rec.auto_resume and not sb.rec.filesystem_only:
+            await self.resume(sandbox_id)
+            return self.get(sandbox_id)
+        async with sb.lock:  # wait out a transition in progress
+            pass
+        if sb.state == S.RUNNING and sb.link is not None:
+            return sb
+        if sb.state == S.PAUSED and sb.rec.filesystem_only:
+            message = f"sandbox {sandbox_id} is paused without its memory; resume it explicitly (connect)"
+            raise WrongState(message, sandbox_id=sandbox_id)
+        raise WrongState(f"sandbox {sandbox_id} is {sb.state.value}", sandbox_id=sandbox_id)
+
+    async def _branch(self, sb: LiveSandbox, during: SandboxState) -> tuple[str, list[str]]:
+        """Checkpoint a running sandbox and seal its upper; returns (image, layers).
+
+        The caller restores the source from that image onto a fresh upper. If the checkpoint
+        fails the sandbox is left running."""
+        await self._set_state(sb, during, persist=False)
+        try:
+            image = await self._checkpoint_stopped(sb)
+        except BaseException:
+            await self._after_failed_checkpoint(sb)
+            raise
+        sealed = sb.rec.upper
+        empty = self.files.is_empty(sealed)
+
+        async def settle() -> None:  # once the old instance is gone, nothing writes the old upper
+            if empty:
+                await self.files.remove(sealed)
+            else:
+                await self.files.make_read_only(sealed)
+
+        self._stop_instance(sb, "", keep_streams=True, then=settle)
+        layers = [*sb.rec.layers, *([] if empty else [sealed])]
+        sb.rec.layers = layers
+        sb.rec.upper = await self.files.new_upper(self.limits_of(sb.rec).disk_mb)
+        return image, layers
+
+    async def _restart_source(self, sb: LiveSandbox, image: str) -> None:
+        try:
+            await self._restore_into(sb, image=image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=False)
+        except BaseException:
+            if sb.link is not None:
+                sb.link.close("sandbox could not be restarted")
+                sb.link = None
+            if sb.killer is not None:
+                raise  # killed meanwhile: nothing to keep
+            # The source could not come back; keep it as a paused sandbox rather than lose it.
+            log.exception("sandbox %s could not be restarted after a checkpoint; keeping it paused", sb.id)
+            copy = new_id()
+            await asyncio.to_thread(shutil.copytree, self.files.image(image), self.files.image(copy))
+            sb.rec.image = copy
+            await self._set_state(sb, S.PAUSED)
+            raise
+
+    async def snapshot(self, sandbox_id: str, *, name: str | None = None, durable: bool = False) -> SnapshotRecord:
+        """Snapshot a running sandbox; it is committed to the repository in the background, or
+        before this returns with ``durable``."""
+        sb = self.get(sandbox_id)
+        if name is not None and self.catalogue.snapshot_named(name):
+            raise InvalidRequest(f"a snapshot named '{name}' already exists")
+
+        async def run() -> SnapshotRecord:
+            image, layers = await self._branch(sb, S.SNAPSHOTTING)
+            snap = SnapshotRecord(
+                id=f"snap_{new_id(16)}",
+                name=name or "",
+                sandbox_id=sb.id,
+                template_id=sb.rec.template_id,
+                layers=layers,
+                image=image,
+                created_at=time.time(),
+                metadata=dict(sb.rec.metadata),
+                env_vars=dict(sb.rec.env_vars),
+                limits=dict(sb.rec.limits),
+                guest=sb.rec.guest,
+                user=sb.rec.user,
+                workdir=sb.rec.workdir,
+                start=dict(sb.rec.start),
+            )
+            await self.catalogue.put_snapshot(snap)
+            self.artifacts.commit_later(snap)
+            await self._restart_source(sb, image)
+            await self._set_state(sb, S.RUNNING)
+            return snap
+
+        snap = await self._operate(sb, "snapshot", run, join=False)
+        if durable:
+            await self.artifacts.wait_committed(snap)
+        return snap
+
+    async def delete_snapshot(self, ref: str) -> None:
+        snap = self.find_snapshot(ref)
+        await self.catalogue.remove_snapshot(snap)
+        await self.artifacts.forget(snap)
+        self.files.remove_image(snap.image)
+        await housekeeping.gc_files(self, min_age=60)
+
+    async def fork(self, sandbox_id: str, *, count: int = 1, timeout: int | None = None) -> list[ForkResult]:
+        sb = self.get(sandbox_id)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidRequest("count must be a positive integer")
+        if count > self.settings.max_fork:
+            raise InvalidRequest(f"count may be at most {self.settings.max_fork}")
+        child_timeout = self._check_timeout(timeout) if timeout is not None else None
+        self._admit()
+
+        async def run() -> list[ForkResult]:
+            image, layers = await self._branch(sb, S.FORKING)
+            now = time.time()
+            ttl = child_timeout if child_timeout is not None else max(1, int(sb.rec.end_at - now))
+            children: list[LiveSandbox] = []
+            try:
+                for _ in range(count):
+                    children.append(await self._child_of(sb, layers, now, ttl))
+                for child in children:
+                    self.sandboxes[child.id] = child
+                outcomes = await asyncio.gather(
+                    self._restart_source(sb, image),
+                    *(self._start_child(child, image) for child in children),
+                    return_exceptions=True,
+                )
+            except BaseException:  # cancelled (killed, or past the deadline): no child is handed out
+                for child in children:
+                    await self._discard(child)
+                raise
+            finally:
+                self.files.remove_image(image)  # a restored instance no longer needs its image
+            if isinstance(outcomes[0], BaseException):
+                for child in children:
+                    await self._discard(child)
+                raise outcomes[0]
+            await self._set_state(sb, S.RUNNING)
+            results = []
+            for child, outcome in zip(children, outcomes[1:], strict=True):
+                if isinstance(outcome, BaseException):
+                    await self._discard(child)
+                    err = outcome if isinstance(outcome, AenvError) else self._killed(child, "fork")
+                    results.append(ForkResult(error=err))
+                else:
+                    results.append(ForkResult(sandbox=child.rec))
+            return results
+
+        return await self._operate(sb, "fork", run, join=False)
+
+    async def _child_of(self, sb: LiveSandbox, layers: list[str], now: float, ttl: int) -> LiveSandbox:
+        src = sb.rec
+        upper = await self.files.new_upper(self.limits_of(src).disk_mb)
+        rec = SandboxRecord(
+            id=new_sandbox_id(),
+            template_id=src.template_id,
+            started_at=now,
+            end_at=now + ttl,
+            auto_pause=src.auto_pause,
+            auto_resume=src.auto_resume,
+            auto_pause_memory=src.auto_pause_memory,
+            metadata=dict(src.metadata),
+            env_vars=dict(src.env_vars),
+            limits=dict(src.limits),
+            layers=list(layers),
+            upper=upper,
+            parent_id=src.id,
+            allow_internet_access=src.allow_internet_access,
+            network=dict(src.network),
+            secure=src.secure,
+            public_traffic=src.public_traffic,
+            mask_request_host=src.mask_request_host,
+            guest=src.guest,
+            user=src.user,
+            workdir=src.workdir,
+            start=dict(src.start),
+        )
+        return LiveSandbox(rec)
+
+    def _start_child(self, child: LiveSandbox, image: str) -> asyncio.Task[None]:
+        """A fork child's restore, as an operation of the child: killing the child cancels it."""
+
+        async def start() -> None:
+            async with child.lock:
+                await self._restore_into(child, image=image, layers=child.rec.layers, upper=child.rec.upper, fresh=True)
+                await self._set_state(child, S.RUNNING)
+
+        task = asyncio.ensure_future(start())
+        child.tasks.add(task)
+        task.add_done_callback(child.tasks.discard)
+        return task
+
+    async def set_network(self, sandbox_id: str, network: dict[str, Any], internet: bool | None = None) -> None:
+        """Replace a sandbox's egress rules: connections made from now on follow them, and open
+        connections they no longer allow are ended."""
+        sb = self.get(sandbox_id)
+        internet = sb.rec.allow_internet_access if internet is None else internet
+        EgressPolicy.of(internet, network)
+        sb.rec.network, sb.rec.allow_internet_access = dict(network), internet
+        await self.store.put_sandbox(sb.rec)
+        if sb.egress is not None:
+            sb.egress.recheck()
+
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
+        """The sandbox expires ``timeout`` seconds from now; 0 expires it now (E2B's minimum), so
+        the reaper pauses or kills it at its next round."""
+        sb = self.get(sandbox_id)
+        timeout = 0 if type(timeout) is int and timeout == 0 else self._check_timeout(timeout)
+        sb.rec.end_at = time.time() + timeout
+        await self.store.put_sandbox(sb.rec)
+        return sb.rec
+
+    async def kill(self, sandbox_id: str) -> None:
+        """Stop and remove a sandbox within seconds, whatever it or its agent is doing: operations
+        in flight on it are cancelled (their callers get 404) and concurrent kills join this one."""
+        sb = self.get(sandbox_id)
+        if sb.killer is None:
+            sb.killer = asyncio.ensure_future(self._kill(sb))
+            self._background.add(sb.killer)
+            sb.killer.add_done_callback(log_failure(sb.id, self._background))
+        await asyncio.shield(sb.killer)
+
+    async def _kill(self, sb: LiveSandbox) -> None:
+        started = time.monotonic()
+        if sb.link is not None:
+            sb.link.close(f"sandbox {sb.id} was killed")  # every wait on the agent ends now
+        in_flight = [t for t in sb.tasks if not t.done()]
+        for task in in_flight:
+            task.cancel()
+        if in_flight:
+            _, stuck = await asyncio.wait(in_flight, timeout=KILL_GRACE)
+            if stuck:
+                log.error(
+                    "sandbox %s: %d operations did not stop within %gs of its kill", sb.id, len(stuck), KILL_GRACE
+                )
+        if sb.state != S.KILLED:
+            await self._set_state(sb, S.KILLING, persist=False)
+            await self._forget(sb)
+        metrics.OPERATIONS.labels(op="kill", outcome="ok").inc()
+        metrics.OPERATION_SECONDS.labels(op="kill").observe(time.monotonic() - started)
+
+    async def _discard(self, sb: LiveSandbox) -> None:
+        """Remove a sandbox an operation cannot keep (it died, or is a failed fork's child)."""
+        if sb.killer is None and sb.state != S.KILLED:
+            await self._set_state(sb, S.KILLING, persist=False)
+            await self._forget(sb)
+
+    async def _forget(self, sb: LiveSandbox) -> None:
+        upper, image = sb.rec.upper, sb.rec.image
+
+        async def release() -> None:
+            await self.files.remove(upper)
+            self.files.remove_image(image)
+
+        self._stop_instance(sb, f"sandbox {sb.id} was killed", then=release)
+        await self._set_state(sb, S.KILLED, persist=False)
+        self.sandboxes.pop(sb.id, None)
+        await self.store.delete_sandbox(sb.id)
+
+
+def _check_auto_pause(auto_pause: bool, auto_resume: bool, auto_pause_memory: bool) -> None:
+    """E2B's rules for a timeout's pause without memory: it needs a pause, and traffic cannot wake
+    it (resuming it reboots the sandbox, which only an explicit request may do)."""
+    if auto_pause_memory:
+        return
+    if not auto_pause:
+        raise InvalidRequest("autoPauseMemory=false only applies when autoPause is true")
+    if auto_resume:
+        raise InvalidRequest(
+            "autoPauseMemory=false (filesystem-only auto-pause) cannot be combined with autoResume: "
+            "such a sandbox must be resumed explicitly"
+        )

@@ -1,0 +1,211 @@
+"""The one boundary of a node: what the API routes, the cluster's node agent and template builds
+may ask of it. ``Node`` (aenv/node/orchestrator.py) implements both protocols; nothing outside
+aenv/node reaches past them (tests/test_boundary.py checks it).
+
+``NodeService`` is the narrow one: sandbox lifecycle (create, pause, resume, snapshot, fork, kill,
+timeout, network), lookups and read-only views of sandboxes, templates and snapshots, tokens,
+usage, capacity, cached artifacts, and the hooks the cluster agent sets. The routes' types come from
+here too, so an API module imports nothing else of aenv.node.
+
+``BuildHost`` adds what building a template needs on the node itself (it boots instances on the
+node's runtime and writes layers into its store): node-local code (aenv/templates, aenv/images),
+never the cluster.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aenv.config import Settings
+from aenv.node.agentlink import AgentLink
+from aenv.node.artifacts import ArtifactCache
+from aenv.node.create_ids import CREATE_ID_HEADER, CreateIds
+from aenv.node.sandbox import ForkResult, LiveSandbox
+from aenv.node.state import PUBLIC_STATE, SandboxState
+from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
+from aenv.node.usage import Bucket, History, Sample, in_range
+from aenv.runtime.base import Driver, Limits, RootfsSpec
+from aenv.storage.layers import LayerStore
+from aenv.templates.uploads import UploadCache
+
+__all__ = [
+    "CREATE_ID_HEADER",
+    "PUBLIC_STATE",
+    "AgentLink",
+    "BuildHost",
+    "Bucket",
+    "CachedArtifacts",
+    "Capacity",
+    "ForkResult",
+    "History",
+    "Limits",
+    "LiveSandbox",
+    "NodeService",
+    "Sample",
+    "SandboxRecord",
+    "SandboxState",
+    "SnapshotRecord",
+    "TemplateRecord",
+    "in_range",
+]
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """A node's load: what placement compares (docs/cluster.md)."""
+
+    running: int
+    paused: int
+    starting: int  # sandboxes in an operation (creating, pausing, resuming, forking, ...)
+    max_sandboxes: int
+    cpu_committed: float  # the CPU limits of every sandbox not paused, added up
+    memory_committed_mb: int  # their memory limits, added up
+
+
+@dataclass(frozen=True)
+class CachedArtifacts:
+    """Templates and snapshots (ids) whose layers and image are all on this node's disk."""
+
+    templates: frozenset[str]
+    snapshots: frozenset[str]
+
+
+class NodeService(Protocol):
+    # -- what the node is ----------------------------------------------------------------------------
+    @property
+    def settings(self) -> Settings: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self, *, pause_running: bool = True) -> None: ...
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    async def create(
+        self,
+        template: str = "base",
+        *,
+        timeout: int | None = None,
+        metadata: dict[str, str] | None = None,
+        env_vars: dict[str, str] | None = None,
+        auto_pause: bool = False,
+        auto_resume: bool = False,
+        auto_pause_memory: bool = True,
+        limits: dict[str, Any] | None = None,
+        allow_internet_access: bool | None = None,
+        network: dict[str, Any] | None = None,
+        secure: bool = True,
+        public_traffic: bool = True,
+        mask_request_host: str = "",
+    ) -> SandboxRecord: ...
+
+    async def pause(self, sandbox_id: str, *, keep_memory: bool = True) -> SandboxRecord: ...
+
+    async def resume(
+        self, sandbox_id: str, *, timeout: int | None = None, memory: bool = True
+    ) -> tuple[SandboxRecord, bool]: ...
+
+    async def ensure_running(self, sandbox_id: str) -> LiveSandbox: ...
+
+    async def snapshot(self, sandbox_id: str, *, name: str | None = None, durable: bool = False) -> SnapshotRecord: ...
+
+    async def fork(
+        self, sandbox_id: str, *, count: int = 1, timeout: int | None = None
+    ) -> builtins.list[ForkResult]: ...
+
+    async def kill(self, sandbox_id: str) -> None: ...
+
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord: ...
+
+    async def set_network(self, sandbox_id: str, network: dict[str, Any], internet: bool | None = None) -> None: ...
+
+    # -- sandboxes -----------------------------------------------------------------------------------
+    @property
+    def sandboxes(self) -> Mapping[str, LiveSandbox]: ...
+
+    def get(self, sandbox_id: str) -> LiveSandbox: ...
+
+    def list(
+        self, *, states: set[str] | None = None, metadata: dict[str, str] | None = None
+    ) -> builtins.list[LiveSandbox]: ...
+
+    def limits_of(self, rec: SandboxRecord) -> Limits: ...
+
+    def usage_of(self, sandbox_id: str) -> History | None: ...
+
+    def capacity(self) -> Capacity: ...
+
+    def observe_metrics(self) -> None: ...
+
+    # -- credentials ---------------------------------------------------------------------------------
+    def access_token(self, sandbox_id: str) -> str: ...
+
+    def traffic_token(self, sandbox_id: str) -> str: ...
+
+    @property
+    def token_secret(self) -> str: ...
+
+    async def use_token_secret(self, secret: str) -> None: ...
+
+    # -- templates and snapshots ---------------------------------------------------------------------
+    @property
+    def templates(self) -> Mapping[str, TemplateRecord]: ...
+
+    @property
+    def snapshots(self) -> Mapping[str, SnapshotRecord]: ...
+
+    def find_template(self, ref: str) -> TemplateRecord: ...
+
+    def find_snapshot(self, ref: str) -> SnapshotRecord: ...
+
+    async def delete_snapshot(self, ref: str) -> None: ...
+
+    def cached_artifacts(self) -> CachedArtifacts: ...
+
+    async def repository_status(self) -> dict[str, Any]: ...
+
+    async def gc_repository(self) -> dict[str, Any]: ...
+
+    # -- the cluster agent's hooks -------------------------------------------------------------------
+    @property
+    def state_listeners(self) -> builtins.list[Callable[[LiveSandbox], None]]: ...
+
+    @property
+    def admission_checks(self) -> builtins.list[Callable[[], None]]: ...
+
+    @property
+    def create_ids(self) -> CreateIds: ...
+
+
+class BuildHost(NodeService, Protocol):
+    """A node as a template build uses it: its runtime, layer store, records and artifact cache."""
+
+    @property
+    def files(self) -> LayerStore: ...
+
+    @property
+    def driver(self) -> Driver: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def artifacts(self) -> ArtifactCache: ...
+
+    @property
+    def uploads(self) -> UploadCache: ...
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        """Run ``coro`` as the node's background work: a stopping node cancels and awaits it."""
+
+    def rootfs(self, layers: builtins.list[str], upper: str, guest: str = "") -> RootfsSpec: ...
+
+    async def add_template(self, rec: TemplateRecord) -> None: ...
+
+    async def save_template(self, rec: TemplateRecord) -> None: ...
+
+    async def drop_template(self, rec: TemplateRecord) -> None: ...
+
+    async def collect_garbage(self, *, min_age: float = 0.0) -> None: ...
