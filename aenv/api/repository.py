@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 
 from aenv.api.sandboxes import node_of
 from aenv.errors import InvalidRequest
-from aenv.node import housekeeping
+from aenv.node import housekeeping, metrics
 
 router = APIRouter()
 
@@ -17,13 +17,13 @@ router = APIRouter()
 async def status(request: Request) -> dict[str, Any]:
     node = node_of(request)
     cache = node.artifacts
-    records = [*node.templates.values(), *(s for s in node.snapshots.values() if not s.ephemeral)]
-    pending = [r.id for r in records if not r.committed_at]
+    pending = metrics.pending_commits(node)
+    durable = sum(1 for s in node.snapshots.values() if not s.ephemeral)
     return {
         "url": cache.repo.url if cache.repo is not None else None,
         "templates": len(node.templates),
-        "snapshots": sum(1 for s in node.snapshots.values() if not s.ephemeral),
-        "committed": len(records) - len(pending),
+        "snapshots": durable,
+        "committed": len(node.templates) + durable - len(pending),
         "pending": pending,
         "cacheBytes": await housekeeping.cache_bytes(node),
         "cacheBudgetBytes": node.settings.layer_cache_mb * 2**20,
