@@ -111,12 +111,11 @@ def artifacts(node: Node) -> list[dict[str, Any]]:
 def _artifact(node: Node, rec: TemplateRecord | SnapshotRecord, here: str) -> dict[str, Any]:
     local = all(item.path.exists() for item in node.artifacts.items_of(rec))
     logical = rec.commit.get("logical_bytes") if rec.committed_at else None
-    snapshot = isinstance(rec, SnapshotRecord)
     return {
-        "kind": "snapshot" if snapshot else "template",
+        "kind": "snapshot" if isinstance(rec, SnapshotRecord) else "template",
         "id": rec.id,
         "name": rec.name,
-        "source": rec.sandbox_id if snapshot else "",
+        "source": rec.sandbox_id if isinstance(rec, SnapshotRecord) else "",
         "createdAt": rfc3339(rec.created_at),
         "committed": bool(rec.committed_at),
         "sizeBytes": logical if isinstance(logical, int) else None,

@@ -11,6 +11,7 @@ from aenv.errors import AenvError, lookup
 
 if TYPE_CHECKING:
     from aenv.node.orchestrator import Node
+    from aenv.node.store import SnapshotRecord, TemplateRecord
 
 SANDBOXES = Gauge("aenv_sandboxes", "Sandboxes on this node by state", ["state"])
 TEMPLATES = Gauge("aenv_templates", "Templates on this node")
@@ -87,5 +88,8 @@ def observe_node(node: Node) -> None:
 
 def pending_commits(node: Node) -> list[str]:
     """Ids of the templates and durable snapshots the repository does not have yet."""
-    records = [*node.templates.values(), *(s for s in node.snapshots.values() if not s.ephemeral)]
+    records: list[TemplateRecord | SnapshotRecord] = [
+        *node.templates.values(),
+        *(s for s in node.snapshots.values() if not s.ephemeral),
+    ]
     return [r.id for r in records if not r.committed_at]
