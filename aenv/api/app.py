@@ -25,6 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from aenv import __version__
 from aenv.api import e2b_templates, envd, proxy, repository
 from aenv.api.sandboxes import add_body_schemas, router
+from aenv.dashboard import pages as dashboard_pages
+from aenv.dashboard import routes as dashboard_routes
 from aenv.errors import AenvError, PayloadTooLarge, RequestTimeout, error_body
 from aenv.node.service import NodeService
 
@@ -83,6 +85,7 @@ def create_app(node: NodeService, *, start_node: bool = True) -> FastAPI:
     app.include_router(e2b_templates.router)  # first: /templates/tags before /templates/{id:path}
     app.include_router(router)
     app.include_router(repository.router)
+    app.include_router(dashboard_routes.router)
     generate_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -244,7 +247,7 @@ def _open_without_key(scope: Scope, node: NodeService) -> bool:
     if scope["type"] != "http":
         return False
     method, path = scope["method"], scope["path"]
-    if (method, path) in PUBLIC_ROUTES:
+    if (method, path) in PUBLIC_ROUTES or dashboard_pages.is_page(method, path):
         return True
     upload = SIGNED_UPLOAD.fullmatch(path)
     if method != "PUT" or upload is None:

@@ -35,7 +35,7 @@ from aenv.errors import (
     error_body,
 )
 from aenv.guest import metadata
-from aenv.node.service import AgentLink, LiveSandbox, NodeService
+from aenv.node.service import AgentLink, CommandRecord, LiveSandbox, NodeService
 
 KEEPALIVE_DEFAULT = 90.0
 ENVD_PORT = 49983
@@ -98,7 +98,7 @@ def _connect_error(exc: BaseException) -> ConnectError:
 
 # -- process.Process -------------------------------------------------------------------------------
 async def _stream_events(
-    request: Request, link: AgentLink, stream: Stream, *, first: Any = None
+    request: Request, link: AgentLink, stream: Stream, *, first: Any = None, record: CommandRecord | None = None
 ) -> AsyncIterator[bytes]:
     """Forward a guest stream of JSON messages as Connect envelopes, with keepalives.
 
@@ -123,10 +123,14 @@ async def _stream_events(
                     ping.add_done_callback(lambda t: t.cancelled() or t.exception())  # read above, or dropped
                 continue
             if item.kind == MSG:
+                if record is not None:
+                    record.message(item.data)
                 yield connect.envelope(item.data)
             elif item.kind == END:
                 finished = True
                 error = end_error(item.msg)
+                if error is not None and record is not None:
+                    record.failed(error.message)
                 if error is not None and link.channel.closed.is_set():
                     raise StreamDropped(error.message)
                 yield connect.end_stream(_connect_error(error) if error else None)
@@ -158,14 +162,21 @@ async def _open_first(link: AgentLink, method: str, params: dict[str, Any]) -> t
     return stream, item.msg
 
 
-async def _server_stream(request: Request, sb: LiveSandbox, method: str, params: dict[str, Any]) -> Response:
+async def _server_stream(
+    request: Request, sb: LiveSandbox, method: str, params: dict[str, Any], record: CommandRecord | None = None
+) -> Response:
     try:
         link = _link(sb)
         stream, first = await _open_first(link, method, params)
     except Exception as exc:
-        body = connect.end_stream(_connect_error(exc))
-        return Response(body, media_type=connect.STREAM_CONTENT_TYPE)
-    return DroppableStream(_stream_events(request, link, stream, first=first), media_type=connect.STREAM_CONTENT_TYPE)
+        error = _connect_error(exc)
+        if record is not None:
+            record.failed(error.message)
+        return Response(connect.end_stream(error), media_type=connect.STREAM_CONTENT_TYPE)
+    if record is not None:
+        record.started(first)
+    events = _stream_events(request, link, stream, first=first, record=record)
+    return DroppableStream(events, media_type=connect.STREAM_CONTENT_TYPE)
 
 
 # The messages of envd's services as aenv reads them (proto3 JSON; see connect.checked).
@@ -197,7 +208,8 @@ async def process_start(request: Request, sb: LiveSandbox, user: str | None) -> 
         params["tag"] = msg["tag"]
     if "stdin" in msg:
         params["stdin"] = msg["stdin"]
-    return await _server_stream(request, sb, "process.start", params)
+    record = sb.commands.start(proc, user=user or sb.rec.user or None, tag=msg.get("tag"))
+    return await _server_stream(request, sb, "process.start", params, record)
 
 
 async def process_connect(request: Request, sb: LiveSandbox, user: str | None) -> Response:

@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from aenv.sdk import AenvError, AsyncClient, AsyncSandbox, BuildError
 
@@ -57,9 +58,12 @@ def _run(fn: Callable[[AsyncClient], Coroutine[Any, Any, T]]) -> T:
         raise typer.Exit(1) from None
 
 
-def _emit(rows: list[dict[str, Any]], columns: list[str], title: str | None = None) -> None:
-    """A table for people, JSON for programs."""
-    if not out.is_terminal:
+JSON_OPTION = typer.Option(False, "--json", help="JSON even on a terminal")
+
+
+def _emit(rows: list[dict[str, Any]], columns: list[str], title: str | None = None, *, as_json: bool = False) -> None:
+    """A table for people, JSON for programs (and with ``--json``)."""
+    if as_json or not out.is_terminal:
         print(json.dumps(rows, indent=None))
         return
     table = Table(title=title, show_edge=False, header_style="bold")
@@ -314,7 +318,9 @@ def download(sandbox_id: str, remote: str, local: Path) -> None:
 
 
 @app.command()
-def ls(sandbox_id: str, path: str = typer.Argument("/home/user"), depth: int = typer.Option(1)) -> None:
+def ls(
+    sandbox_id: str, path: str = typer.Argument("/home/user"), depth: int = typer.Option(1), as_json: bool = JSON_OPTION
+) -> None:
     """List a directory inside a sandbox."""
 
     async def go(c: AsyncClient) -> list[dict[str, Any]]:
@@ -330,7 +336,7 @@ def ls(sandbox_id: str, path: str = typer.Argument("/home/user"), depth: int = t
         }
         for e in entries
     ]
-    _emit(rows, ["mode", "size", "type", "name"])
+    _emit(rows, ["mode", "size", "type", "name"], as_json=as_json)
 
 
 @app.command()
@@ -409,7 +415,11 @@ def rm(sandbox_ids: list[str]) -> None:
 
 
 @app.command("list")
-def list_(state: list[str] = typer.Option([], "--state"), meta: list[str] = typer.Option([], "--meta", "-m")) -> None:
+def list_(
+    state: list[str] = typer.Option([], "--state"),
+    meta: list[str] = typer.Option([], "--meta", "-m"),
+    as_json: bool = JSON_OPTION,
+) -> None:
     """List sandboxes."""
 
     async def go(c: AsyncClient) -> list[Any]:
@@ -425,7 +435,7 @@ def list_(state: list[str] = typer.Option([], "--state"), meta: list[str] = type
         }
         for s in _run(go)
     ]
-    _emit(rows, ["sandboxID", "template", "state", "endAt", "metadata"])
+    _emit(rows, ["sandboxID", "template", "state", "endAt", "metadata"], as_json=as_json)
 
 
 NODE_COLUMNS = ["node_id", "address", "running", "paused", "starting", "room", "cpu_committed", "load1", "draining"]
@@ -434,7 +444,7 @@ NODE_COLUMNS = ["node_id", "address", "running", "paused", "starting", "room", "
 @app.command()
 def nodes(
     node_id: str = typer.Argument(None, help="one node's detail"),
-    as_json: bool = typer.Option(False, "--json", help="JSON even on a terminal"),
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """The nodes of a cluster, as its gateway sees them (AENV_URL names a gateway)."""
 
@@ -460,7 +470,9 @@ def nodes(
 def build(
     context: Path = typer.Argument(Path("."), help="build context (a directory)"),
     name: str = typer.Option(..., "--name", "-n", help="template name"),
-    file: str = typer.Option("Dockerfile", "--file", "-f", help="Dockerfile, relative to the context"),
+    file: Path = typer.Option(
+        None, "--file", "-f", help="Dockerfile: relative to the current directory, or absolute [CONTEXT/Dockerfile]"
+    ),
     build_arg: list[str] = typer.Option([], "--build-arg", help="KEY=VALUE for an ARG"),
     image: str | None = typer.Option(None, "--image", help="no Dockerfile: make the template from this image"),
     registry_user: str | None = typer.Option(
@@ -474,8 +486,9 @@ def build(
             row = _run(lambda c: c.template_from_image(name, image, username=registry_user, password=password))
         _emit([row], ["name", "templateID", "layers", "description"])
         return
-    if not (context / file).is_file():
-        err.print(f"[red]error:[/red] no {file} in {context}")
+    recipe = (file if file is not None else context / "Dockerfile").absolute()
+    if not recipe.is_file():
+        err.print(f"[red]error:[/red] no Dockerfile at {recipe} (name another with -f PATH)")
         raise typer.Exit(2)
     args = dict(a.split("=", 1) for a in build_arg if "=" in a)
     with err.status(f"building '{name}'") as status:
@@ -489,7 +502,7 @@ def build(
 
         async def go(c: AsyncClient) -> dict[str, Any] | BuildError:
             try:
-                return await c.build(name, context, dockerfile=file, build_args=args, on_log=show)
+                return await c.build(name, context, dockerfile=str(recipe), build_args=args, on_log=show)
             except BuildError as exc:
                 return exc
 
@@ -503,16 +516,19 @@ def build(
 
 
 @app.command()
-def templates() -> None:
+def templates(as_json: bool = JSON_OPTION) -> None:
     """List templates."""
     rows = _run(lambda c: c.templates())
-    _emit(rows, ["name", "templateID", "layers", "sandboxes", "committed", "createdAt"])
+    _emit(rows, ["name", "templateID", "layers", "sandboxes", "committed", "createdAt"], as_json=as_json)
 
 
 @app.command()
-def snapshots() -> None:
+def snapshots(as_json: bool = JSON_OPTION) -> None:
     """List snapshots."""
     rows = _run(lambda c: c.snapshots())
+    if as_json or not out.is_terminal:
+        print(json.dumps(rows))
+        return
     _emit(
         [{**r, "names": ",".join(r.get("names", []))} for r in rows],
         ["snapshotID", "names", "sandboxID", "committed", "createdAt"],
@@ -524,10 +540,10 @@ app.add_typer(repo_app, name="repo")
 
 
 @repo_app.command("status")
-def repo_status() -> None:
+def repo_status(as_json: bool = JSON_OPTION) -> None:
     """Where the node commits, and what it has not committed yet."""
     info = _run(lambda c: c.repository())
-    if not out.is_terminal:
+    if as_json or not out.is_terminal:
         print(json.dumps(info))
         return
     for key in ("url", "templates", "snapshots", "committed", "pending", "cacheBytes", "cacheBudgetBytes"):
@@ -548,6 +564,64 @@ def repo_gc() -> None:
             f"deleted {report.get('deleted_chunks', 0)} chunks and {report.get('deleted_artifacts', 0)} artifacts, "
             f"{freed:.1f} MiB freed ({report.get('live_chunks', 0)} chunks in use)"
         )
+
+
+@app.command()
+def logs(sandbox_id: str, as_json: bool = JSON_OPTION) -> None:
+    """A sandbox's recent commands (with their exit codes) and its agent's log, as the node kept them."""
+    found = _run(lambda c: c.logs(sandbox_id))
+    if as_json or not out.is_terminal:
+        print(json.dumps(found))
+        return
+    rows = [
+        {
+            "started": time.strftime("%H:%M:%S", time.localtime(c["startedAt"])),
+            "exit": "" if c["exitCode"] is None else c["exitCode"],
+            "ended": c["error"] or c["status"] or ("running" if c["endedAt"] is None else ""),
+            "command": c["cmd"],
+        }
+        for c in reversed(found["commands"])
+    ]
+    table = Table(title=f"{len(rows)} recent commands", show_edge=False, header_style="bold")
+    for column in ("started", "exit", "ended", "command"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(Text(str(row[c])) for c in ("started", "exit", "ended", "command")))
+    out.print(table)
+    if found["logs"]:
+        out.rule("agent log")
+        out.print(Text("\n".join(line["line"] for line in found["logs"])))
+
+
+@app.command()
+def top(
+    once: bool = typer.Option(False, "--once", help="print one frame (rates over --interval) and exit"),
+    interval: float = typer.Option(2.0, "--interval", min=0.2, help="seconds between readings"),
+) -> None:
+    """Live view of a node, or of a cluster through its gateway (AENV_URL): nodes, rates,
+    latency percentiles, failures by reason."""
+    from rich.live import Live
+
+    from aenv.cli import top as view
+
+    async def go(c: AsyncClient) -> None:
+        url = str(c._http.base_url)
+        then = view.Reading.of(await c.overview())
+        if once:
+            await asyncio.sleep(interval)
+            out.print(view.frame(url, view.Reading.of(await c.overview()), then))
+            return
+        with Live(view.frame(url, then, None), console=out, auto_refresh=False) as live:
+            while True:
+                await asyncio.sleep(interval)
+                now = view.Reading.of(await c.overview())
+                live.update(view.frame(url, now, then), refresh=True)
+                then = now
+
+    try:
+        _run(go)
+    except KeyboardInterrupt:
+        pass
 
 
 def main() -> None:

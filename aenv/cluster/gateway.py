@@ -50,6 +50,7 @@ from aenv.cluster.metrics import GatewayMetrics
 from aenv.cluster.mirror import Mirror
 from aenv.cluster.store import ClusterStore
 from aenv.cluster.websocket import NODE_ID_HEADER, refuse_websocket, relay_websocket
+from aenv.dashboard import cluster as dashboard
 from aenv.errors import (
     AenvError,
     ClusterUnavailable,
@@ -213,6 +214,8 @@ class Gateway:
             return self.health()
         if method in ("GET", "HEAD") and path == "/metrics":
             return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        if dashboard.is_dashboard(path):  # its pages are open, its data needs the key (it checks)
+            return await dashboard.route(self, request)
         # The control plane needs the key here already: a lookup must not tell a stranger which
         # sandboxes exist. What the nodes open without it stays open (a signed upload's token is
         # the node's to check).

@@ -32,6 +32,8 @@ from typing import Any
 
 import httpx
 
+from aenv.errors import AenvError
+
 DEFAULT_DIR = Path("/var/tmp/aenv-cluster")
 DEFAULT_BASE_PORT = 8080
 ETCD_MEMBERS = 3
@@ -45,7 +47,7 @@ GATEWAY_START_TIMEOUT = 60.0
 STOP_TIMEOUT = 150.0  # a stopping node pauses its running sandboxes (up to 60 s each, 4 at a time)
 
 
-class ClusterError(Exception):
+class ClusterError(AenvError):
     """A clear, one-paragraph reason the command could not do what was asked."""
 
 

@@ -57,8 +57,8 @@ class Lifecycle:
                 started = time.monotonic()
                 try:
                     result = await self._within_deadline(sb, name, fn)
-                except BaseException:
-                    metrics.OPERATIONS.labels(op=name, outcome="error").inc()
+                except BaseException as exc:
+                    metrics.operation_failed(name, exc)
                     raise
                 finally:
                     self._check_settled(sb, name)

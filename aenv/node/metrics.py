@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from aenv.errors import AenvError, lookup
+
 if TYPE_CHECKING:
     from aenv.node.orchestrator import Node
+    from aenv.node.store import SnapshotRecord, TemplateRecord
 
 SANDBOXES = Gauge("aenv_sandboxes", "Sandboxes on this node by state", ["state"])
 TEMPLATES = Gauge("aenv_templates", "Templates on this node")
@@ -32,6 +36,30 @@ OPERATION_SECONDS = Histogram(
     ["op"],
     buckets=(0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30),
 )
+OPERATION_FAILURES = Counter(
+    "aenv_operation_failures_total",
+    "Lifecycle operations that failed, by reason (the error code of the API's answer)",
+    ["op", "reason"],
+)
+LAYER_CACHE_BUDGET = Gauge("aenv_layer_cache_budget_bytes", "The layer cache's budget (AENV_LAYER_CACHE_MB)")
+REPO_PENDING = Gauge(
+    "aenv_repo_pending", "Templates and durable snapshots not committed to the repository yet (the commit backlog)"
+)
+MAX_SANDBOXES = Gauge("aenv_max_sandboxes", "Sandboxes this node may run at once (AENV_MAX_SANDBOXES)")
+
+
+def operation_failed(op: str, exc: BaseException) -> None:
+    """Count a failed operation, with why: an aenv error's code, else what kind of failure it was."""
+    if isinstance(exc, AenvError):
+        reason = lookup(type(exc))[1]
+    elif isinstance(exc, asyncio.CancelledError):
+        reason = "cancelled"
+    elif isinstance(exc, TimeoutError):
+        reason = "timeout"
+    else:
+        reason = "internal"
+    OPERATIONS.labels(op=op, outcome="error").inc()
+    OPERATION_FAILURES.labels(op=op, reason=reason).inc()
 
 
 def observe_node(node: Node) -> None:
@@ -44,6 +72,9 @@ def observe_node(node: Node) -> None:
     for state, n in counts.items():
         SANDBOXES.labels(state=state).set(n)
     TEMPLATES.set(len(node.templates))
+    LAYER_CACHE_BUDGET.set(node.settings.layer_cache_mb * 2**20)
+    MAX_SANDBOXES.set(node.settings.max_sandboxes)
+    REPO_PENDING.set(len(pending_commits(node)))
     streams: dict[str, int] = {}
     for sb in node.sandboxes.values():
         for stream in sb.link.channel.streams() if sb.link is not None else []:
@@ -53,3 +84,12 @@ def observe_node(node: Node) -> None:
     CHANNEL_STREAMS.clear()
     for method, n in streams.items():
         CHANNEL_STREAMS.labels(method=method).set(n)
+
+
+def pending_commits(node: Node) -> list[str]:
+    """Ids of the templates and durable snapshots the repository does not have yet."""
+    records: list[TemplateRecord | SnapshotRecord] = [
+        *node.templates.values(),
+        *(s for s in node.snapshots.values() if not s.ephemeral),
+    ]
+    return [r.id for r in records if not r.committed_at]

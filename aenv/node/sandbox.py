@@ -12,6 +12,7 @@ from typing import Any
 
 from aenv.errors import AenvError
 from aenv.node.agentlink import AgentLink
+from aenv.node.commands import CommandHistory
 from aenv.node.egress import Guest
 from aenv.node.state import SandboxState
 from aenv.node.store import SandboxRecord
@@ -35,6 +36,7 @@ class LiveSandbox:
     ops: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # joinable operations by name
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)  # every operation in flight (a kill cancels them)
     killer: asyncio.Task[None] | None = None  # the kill in progress: nothing else starts any more
+    commands: CommandHistory = field(default_factory=CommandHistory)  # its recent commands (envd's Start)
 
     @property
     def id(self) -> str:

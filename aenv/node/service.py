@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from aenv.config import Settings
 from aenv.node.agentlink import AgentLink
 from aenv.node.artifacts import ArtifactCache
+from aenv.node.commands import CommandRecord
 from aenv.node.create_ids import CREATE_ID_HEADER, CreateIds
 from aenv.node.sandbox import ForkResult, LiveSandbox
 from aenv.node.state import PUBLIC_STATE, SandboxState
@@ -39,6 +40,7 @@ __all__ = [
     "Bucket",
     "CachedArtifacts",
     "Capacity",
+    "CommandRecord",
     "ForkResult",
     "History",
     "Limits",

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
 import os
+import secrets
 import struct
 import tarfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -450,10 +453,15 @@ class AsyncClient:
         build_args: Mapping[str, str] | None = None,
         on_log: Callable[[str], None] | None = None,
     ) -> dict[str, Any]:
-        """Build template ``name`` from ``context``/``dockerfile``; build logs go to ``on_log``."""
+        """Build template ``name`` from ``context``/``dockerfile``; build logs go to ``on_log``.
+        An absolute ``dockerfile`` may be anywhere (as ``docker build -f``): one outside the
+        context is sent along with it under a name of its own."""
+        dockerfile, outside = _recipe_in(Path(context), dockerfile)
         packed = io.BytesIO()
         with tarfile.open(fileobj=packed, mode="w:gz") as tar:
             tar.add(str(context), arcname=".")
+            if outside is not None:
+                tar.add(str(outside), arcname=dockerfile)
         params: list[tuple[str, str]] = [("name", name), ("dockerfile", dockerfile)]
         params += [("buildArg", f"{k}={v}") for k, v in (build_args or {}).items()]
         async with self._http.stream(
@@ -487,6 +495,19 @@ class AsyncClient:
         result: dict[str, Any] = await self._get(f"/nodes/{quote(node_id, safe='')}")
         return result
 
+    async def logs(self, sandbox_id: str) -> dict[str, Any]:
+        """A sandbox's recent commands (newest first, with their exit codes) and its agent's log."""
+        from urllib.parse import quote
+
+        result: dict[str, Any] = await self._get(f"/sandboxes/{quote(sandbox_id, safe='')}/logs")
+        return result
+
+    async def overview(self) -> dict[str, Any]:
+        """What the dashboard shows of a node or a cluster: ``nodes`` (state, load, capacity,
+        cache use) and ``stats`` (lifecycle counters and latency histograms since start)."""
+        nodes, stats = await asyncio.gather(self._get("/dashboard/api/nodes"), self._get("/dashboard/api/stats"))
+        return {"nodes": nodes, "stats": stats}
+
     async def repository(self) -> dict[str, Any]:
         """Where the node commits templates and snapshots, and what is not committed yet."""
         result: dict[str, Any] = await self._get("/repository")
@@ -512,3 +533,14 @@ class AsyncClient:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         r = await self._http.delete(f"/snapshots/{snapshot_id}", headers=self._auth)
         _raise_for(r)
+
+
+def _recipe_in(context: Path, dockerfile: str) -> tuple[str, Path | None]:
+    """The Dockerfile's name in the build context, and the file to add to the context when it is
+    outside it (an absolute path elsewhere)."""
+    if not os.path.isabs(dockerfile):
+        return dockerfile, None
+    recipe, root = Path(dockerfile).resolve(), context.resolve()
+    if recipe.is_relative_to(root):
+        return recipe.relative_to(root).as_posix(), None
+    return f".aenv-dockerfile-{secrets.token_hex(6)}", recipe

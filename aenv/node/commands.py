@@ -1,0 +1,108 @@
+"""The recent commands of a sandbox, as the node saw them started through envd: what an operator
+looks at (the dashboard, ``aenv logs``). Bounded: a few commands per sandbox, short texts; the
+history lives with the sandbox in the node's memory (gone with it, or with a restart of the node).
+
+The exit code is the one the sandbox's agent reported on the command's stream: the sandbox's own
+word, shown as such; a command whose client stopped following it has none.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+MAX_COMMANDS = 50  # per sandbox, the newest kept
+MAX_TEXT = 512  # characters of a command line, a directory, a user or a tag kept
+MAX_EVENT = 4096  # bytes of a stream message read for its end event (output messages are larger)
+
+
+@dataclass
+class CommandRecord:
+    cmd: str
+    cwd: str | None
+    user: str | None
+    tag: str | None
+    started_at: float
+    pid: int | None = None
+    ended_at: float | None = None
+    exit_code: int | None = None
+    status: str | None = None  # the agent's words for how it ended ("exit status 1", "signal: killed")
+    error: str | None = None  # the start failed, or the stream ended with an error
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cmd": self.cmd,
+            "cwd": self.cwd,
+            "user": self.user,
+            "tag": self.tag,
+            "pid": self.pid,
+            "startedAt": self.started_at,
+            "endedAt": self.ended_at,
+            "exitCode": self.exit_code,
+            "status": self.status,
+            "error": self.error,
+        }
+
+    def started(self, first: Any) -> None:
+        """The stream's first message: ``{"event": {"start": {"pid": N}}}``."""
+        start = _event(first).get("start")
+        self.pid = _integer(start.get("pid")) if isinstance(start, dict) else None
+
+    def message(self, data: bytes) -> None:
+        """A later message of the stream; its end event gives the exit code."""
+        if len(data) > MAX_EVENT or b'"end"' not in data:
+            return
+        try:
+            end = _event(json.loads(data)).get("end")
+        except ValueError:
+            return
+        if not isinstance(end, dict):
+            return
+        self.exit_code = _integer(end.get("exitCode"))
+        status = end.get("status")
+        self.status = _clip(status) if isinstance(status, str) else None
+        self.ended_at = time.time()
+
+    def failed(self, message: str) -> None:
+        self.error = _clip(message)
+        self.ended_at = self.ended_at or time.time()
+
+
+class CommandHistory:
+    """One sandbox's recent commands (the newest ``MAX_COMMANDS``)."""
+
+    def __init__(self) -> None:
+        self._records: deque[CommandRecord] = deque(maxlen=MAX_COMMANDS)
+
+    def start(self, process: dict[str, Any], *, user: str | None, tag: str | None) -> CommandRecord:
+        args = process.get("args") or []
+        cwd = process.get("cwd")
+        record = CommandRecord(
+            cmd=_clip(" ".join([str(process.get("cmd", "")), *(str(a) for a in args)])),
+            cwd=_clip(cwd) if isinstance(cwd, str) else None,
+            user=_clip(user) if user else None,
+            tag=_clip(tag) if tag else None,
+            started_at=time.time(),
+        )
+        self._records.append(record)
+        return record
+
+    def recent(self) -> list[dict[str, Any]]:
+        """Newest first."""
+        return [r.to_json() for r in reversed(self._records)]
+
+
+def _event(message: Any) -> dict[str, Any]:
+    event = message.get("event") if isinstance(message, dict) else None
+    return event if isinstance(event, dict) else {}
+
+
+def _integer(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 1] + "…"
