@@ -70,14 +70,15 @@ log = logging.getLogger("aenv.gateway")
 
 SANDBOX_PATH = re.compile(r"^(?:/v2)?/sandboxes/(?P<id>[^/]+)(?:/.*)?$")
 SANDBOX_INFO = re.compile(r"^/sandboxes/[^/]+$")
+SANDBOX_ANSWER = re.compile(r"^(?:/v2)?/sandboxes/[^/]+/(?:connect|resume)$")  # answered with the sandbox
 # A template's or snapshot's own requests (E2B deletes a snapshot as a template).
 ARTIFACT_PATH = re.compile(r"^/(?:v\d+/)?(?:templates|snapshots)/(?P<id>[^/]+)")
 # Keys of the ASGI scope the gateway fills as it routes: the node a request is for (its id goes on
 # every answer, errors included) and the route's kind (a metrics label).
 NODE_SCOPE = "aenv.node_id"
 ROUTE_SCOPE = "aenv.route"
-MAX_INFO_BODY = 1024 * 1024  # a sandbox's info, which the gateway adds "nodeID" to
-MAX_FORK_BODY = 16 * 1024 * 1024  # a fork's answer: every child's info
+MAX_INFO_BODY = 1024 * 1024  # a create's answer (the sandbox)
+MAX_FORK_BODY = 16 * 1024 * 1024  # an answer the gateway reads whole (a fork's: every child's info)
 # Not forwarded either way (RFC 9110 7.6.1), plus what the forwarding sets itself.
 HOP_HEADERS = frozenset(
     {
@@ -108,6 +109,19 @@ MAX_LIST_PAGES = 100  # of 100 sandboxes, from one node for one list
 LIST_TIMEOUT = 30.0  # seconds the gateway waits for its first read of the directory
 
 
+DOMAIN_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+DOMAIN = re.compile(rf"(?:{DOMAIN_LABEL}\.)*{DOMAIN_LABEL}")
+
+
+def check_domain(domain: str) -> str:
+    """A domain for domain mode: DNS labels (lower case), up to 200 characters (a sandbox's host
+    puts ``<port>-<id>.`` before it)."""
+    domain = domain.strip().lower().rstrip(".")
+    if len(domain) > 200 or not DOMAIN.fullmatch(domain):
+        raise InvalidRequest(f"--domain {domain[:80]!r} is not a DNS name (labels of a-z 0-9 -, dot-separated)")
+    return domain
+
+
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
     cluster: str
@@ -118,6 +132,11 @@ class GatewaySettings:
     # Nodes are the cluster's own services and keep their own deadlines (agent calls, operations,
     # quiet streams pinged); a request's answer may stream for as long as its command runs.
     read_timeout: float | None = None
+    # Domain mode: clients reach the control plane at api.<domain> and a sandbox's port at
+    # <port>-<id>.<domain>; sandboxes' answers name this domain (the SDKs build those hosts from it).
+    domain: str | None = None
+    tls_cert: str | None = None  # PEM files: the gateway serves HTTPS itself (else HTTP, e.g. behind a proxy)
+    tls_key: str | None = None
 
 
 class Gateway:
@@ -226,11 +245,13 @@ class Gateway:
             scope[ROUTE_SCOPE] = "sandbox"
             node = await self.owner(match["id"], scope)
             if method == "GET" and SANDBOX_INFO.match(path):
-                return await self.sandbox_info(request, node)
+                return await self.answered(request, node, _note_node)
             if method == "POST" and path.endswith("/fork"):
-                return await self.noting(request, node, self._note_fork)
+                return await self.answered(request, node, self._note_fork)
             if method == "POST" and path.endswith("/snapshots"):
-                return await self.noting(request, node, self._note_snapshot)
+                return await self.answered(request, node, self._note_snapshot)
+            if self.settings.domain and method == "POST" and SANDBOX_ANSWER.match(path):
+                return await self.answered(request, node)  # its "domain" is the gateway's
             return await self.forward(request, node)
         if method == "POST" and path in ("/sandboxes", "/v2/sandboxes"):
             scope[ROUTE_SCOPE] = "create"
@@ -240,7 +261,7 @@ class Gateway:
             return await self.list_sandboxes(request, paginated=path == "/v2/sandboxes")
         scope[ROUTE_SCOPE] = "other"
         if method == "POST" and path == "/v3/templates":
-            return await self.noting(request, self.any_node(), self._note_template)
+            return await self.answered(request, self.any_node(), self._note_template)
         return await self.forward(request, await self.artifact_node(request))
 
     async def websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -408,6 +429,7 @@ class Gateway:
         nodes = sorted(self.mirror.nodes.values(), key=lambda n: n.node_id)
         lists = await asyncio.gather(*(self._node_list(request, n, query, paginated) for n in nodes))
         items = [item for answer in lists for item in answer]
+        self._stamp_domain(items)
         if not paginated:
             return JSONResponse(items)
         newest_first = request.query_params.get("order", "desc") != "asc"
@@ -494,6 +516,10 @@ class Gateway:
                     queue.insert(0, self.mirror.nodes[holder])
                 continue
             self._remember_created(content, node)
+            answer = _json_answer(upstream, content) if self.settings.domain else None
+            if answer is not None:
+                self._stamp_domain(answer)
+                content = json.dumps(answer).encode()
             return _buffered(upstream, node, content)
         summary = "; ".join(failures[-6:])[:1000]
         if not_found is not None and not unanswered:
@@ -529,17 +555,36 @@ class Gateway:
         if isinstance(sandbox_id, str):
             _note(self.hints, sandbox_id, node.node_id, HINT_SECONDS)
 
-    async def noting(self, request: Request, node: NodeEntry, note: Callable[[object, NodeEntry], None]) -> Response:
-        """Forward, and let ``note`` learn from the node's (small) answer what it made there."""
+    async def answered(
+        self, request: Request, node: NodeEntry, note: Callable[[object, NodeEntry], None] | None = None
+    ) -> Response:
+        """Forward, read the node's (small) answer whole, and let ``note`` learn from it what was
+        made there (or add to it); in domain mode its sandboxes name the gateway's domain."""
         upstream = await self._send(request, node)
         try:
             content = await _read_upstream(upstream, MAX_FORK_BODY, node)
         finally:
             await upstream.aclose()
-        if 200 <= upstream.status_code < 300:
-            with contextlib.suppress(ValueError):
-                note(json.loads(content), node)
-        return _buffered(upstream, node, content)
+        answer = _json_answer(upstream, content)
+        if answer is None:
+            return _buffered(upstream, node, content)
+        if note is not None:
+            note(answer, node)
+        self._stamp_domain(answer)
+        return _buffered(upstream, node, json.dumps(answer).encode())
+
+    def _stamp_domain(self, answer: object) -> None:
+        """In domain mode, the sandboxes in an answer (a sandbox, a list of them, fork results)
+        name the gateway's domain: the SDKs build ``<port>-<id>.<domain>`` from it, and a node's own
+        (``AENV_DOMAIN``) is not where clients of this gateway reach it."""
+        domain = self.settings.domain
+        if not domain:
+            return
+        for item in answer if isinstance(answer, list) else [answer]:
+            if isinstance(item, dict) and isinstance(item.get("sandbox"), dict):
+                item = item["sandbox"]  # a fork's result
+            if isinstance(item, dict) and "sandboxID" in item:
+                item["domain"] = domain
 
     def _note_fork(self, answer: object, node: NodeEntry) -> None:
         """A fork's children live on the source's node: known there before the directory says so."""
@@ -562,24 +607,6 @@ class Gateway:
     async def forward(self, request: Request, node: NodeEntry, extra: dict[str, str] | None = None) -> Relay:
         request.scope[NODE_SCOPE] = node.node_id
         return Relay(await self._send(request, node, extra=extra), node)
-
-    async def sandbox_info(self, request: Request, node: NodeEntry) -> Response:
-        """``GET /sandboxes/{id}``: the node's answer, plus ``"nodeID"``."""
-        upstream = await self._send(request, node)
-        try:
-            content = await _read_upstream(upstream, MAX_INFO_BODY, node)
-        finally:
-            await upstream.aclose()
-        info = None
-        if upstream.status_code == 200 and "content-encoding" not in upstream.headers:
-            try:
-                info = json.loads(content)
-            except ValueError:
-                pass
-        if not isinstance(info, dict):
-            return _buffered(upstream, node, content)
-        info["nodeID"] = node.node_id
-        return _buffered(upstream, node, json.dumps(info).encode())
 
     async def _send(
         self,
@@ -645,6 +672,23 @@ class Relay:
             connections.reset_on_close()
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _note_node(answer: object, node: NodeEntry) -> None:
+    """``GET /sandboxes/{id}`` says which node serves the sandbox."""
+    if isinstance(answer, dict):
+        answer["nodeID"] = node.node_id
+
+
+def _json_answer(upstream: httpx.Response, content: bytes) -> object | None:
+    """A node's successful JSON answer, parsed; None for anything else (passed on as it came)."""
+    if not 200 <= upstream.status_code < 300 or "content-encoding" in upstream.headers:
+        return None
+    try:
+        answer: object = json.loads(content)
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict | list) else None
 
 
 def _note(table: dict[str, tuple[str, float]], key: str, node_id: str, keep: float) -> None:
@@ -791,6 +835,8 @@ async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keep
 
     config = uvicorn.Config(
         build_gateway(settings),
+        ssl_certfile=settings.tls_cert,
+        ssl_keyfile=settings.tls_key,
         ws_max_size=settings.ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
         http=connections.NodeHTTPProtocol,  # a deadline on request heads; resets as the nodes do
         host=host,
@@ -801,5 +847,8 @@ async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keep
         timeout_keep_alive=keepalive,  # longer than clients' pools keep a connection (see AENV_HTTP_KEEPALIVE)
         timeout_graceful_shutdown=5,
     )
-    log.info("aenv gateway on http://%s:%d for %s", host, port, settings.cluster)
+    scheme = "https" if settings.tls_cert else "http"
+    log.info("aenv gateway on %s://%s:%d for %s", scheme, host, port, settings.cluster)
+    if settings.domain:
+        log.info("domain mode: api.%s is the control plane, <port>-<id>.%s a sandbox", settings.domain, settings.domain)
     await uvicorn.Server(config).serve()
