@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 
 from aenv import __version__
 from aenv.cluster.entries import (
+    MAX_CACHED_NAME,
+    MAX_CACHED_NAMES,
     ClusterConfig,
     CreateClaim,
     EntryError,
@@ -49,6 +51,7 @@ from aenv.node.state import PUBLIC_STATE, SandboxState
 
 log = logging.getLogger("aenv.cluster.agent")
 WRITES_IN_FLIGHT = 16  # directory writes one sync has outstanding (a burst of creates lands at once)
+HELD_REFRESH = 5.0  # seconds between looks at which templates and snapshots are on the node's disk
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -85,6 +88,8 @@ class NodeAgent:
         self.claims: dict[str, tuple[int, float]] = {}  # create id -> (its key's create revision, when)
         self.killing: set[str] = set()  # stale copies being killed
         self._kills: set[asyncio.Task[None]] = set()
+        self._held: list[str] = []  # templates and snapshots on this node's disk (see NodeEntry.cached)
+        self._held_at = -HELD_REFRESH
 
     # -- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -191,17 +196,20 @@ class NodeAgent:
     def entry(self) -> NodeEntry:
         settings: Settings = self.node.settings
         running = paused = starting = 0
-        cpu = 0.0
+        cpu = used = 0.0
         memory = 0
         for sb in list(self.node.sandboxes.values()):
             if sb.state == SandboxState.PAUSED:
                 paused += 1
                 continue
+            limits = self.node._limits(sb.rec)  # the boundary of issue 12 will give this a public name
             if sb.state == SandboxState.RUNNING:
                 running += 1
+                history = self.node.usage_history.of(sb.id)
+                sample = history.latest() if history is not None else None
+                used += sample.cpu_used_pct / 100 * limits.cpu_count if sample is not None else 0.0
             else:
                 starting += 1
-            limits = self.node._limits(sb.rec)  # the boundary of issue 12 will give this a public name
             cpu += limits.cpu_count
             memory += limits.memory_mb
         return NodeEntry(
@@ -217,10 +225,19 @@ class NodeAgent:
             memory_mb=_host_memory_mb(),
             cpu_committed=round(cpu, 3),
             memory_committed_mb=memory,
+            cpu_used=round(used, 3),
             load1=round(os.getloadavg()[0], 2),
             started_at=self.started_at,
             updated_at=round(time.time(), 3),
+            cached=self.held(),
         )
+
+    def held(self) -> list[str]:
+        """What this node holds on its disk, looked at every HELD_REFRESH seconds (it costs stats)."""
+        if time.monotonic() - self._held_at >= HELD_REFRESH:
+            self._held = self.node.artifacts.held(MAX_CACHED_NAMES, MAX_CACHED_NAME)
+            self._held_at = time.monotonic()
+        return self._held
 
     # -- stale copies ----------------------------------------------------------------------------------
     async def reconcile(self) -> None:

@@ -48,6 +48,7 @@ from aenv.api.proxy import sandbox_gone
 from aenv.cluster.entries import ID_PATTERN, ClusterConfig, NodeEntry, key_matches
 from aenv.cluster.metrics import GatewayMetrics
 from aenv.cluster.mirror import Mirror
+from aenv.cluster.placement import Placement
 from aenv.cluster.store import ClusterStore
 from aenv.cluster.websocket import NODE_ID_HEADER, refuse_websocket, relay_websocket
 from aenv.errors import (
@@ -148,8 +149,7 @@ class Gateway:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             follow_redirects=False,
         )
-        # Creates this gateway placed since each node last reported its load (spreads a burst).
-        self.placed: dict[str, list[float]] = {}
+        self.placement = Placement()  # creates this gateway sent that the nodes' entries may not show yet
         # sandbox id -> node id from creates this gateway forwarded, until the directory has them
         self.hints: dict[str, tuple[str, float]] = {}
         # snapshot id -> node id for snapshots made through this gateway (creates from one go there)
@@ -391,32 +391,21 @@ class Gateway:
             )
         return node
 
-    def candidates(self) -> list[NodeEntry]:
-        """Ready nodes with room, least loaded first (ties broken at random)."""
-        ready = [n for n in self.mirror.nodes.values() if not n.draining and n.room - self._recent(n) > 0]
-        if not ready:
+    def candidates(self, source: str | None = None) -> list[NodeEntry]:
+        """Ready nodes with room, best first for a create from ``source`` (see placement.py)."""
+        ranked = self.placement.rank(list(self.mirror.nodes.values()), source)
+        if not ranked:
             if not self.mirror.loaded.is_set():
                 raise ClusterUnavailable("the gateway has not read the cluster directory yet")
             raise LimitExceeded("no node in the cluster has room for another sandbox")
-        return sorted(ready, key=lambda n: (self._load(n), random.random()))
+        return ranked
 
     def any_node(self) -> NodeEntry:
         """The least loaded node, for what any node answers alike (templates, snapshots)."""
         nodes = [n for n in self.mirror.nodes.values() if not n.draining]
         if not nodes:
             raise ClusterUnavailable("no node in the cluster is up")
-        return min(nodes, key=lambda n: (self._load(n), random.random()))
-
-    def _recent(self, node: NodeEntry) -> int:
-        times = [t for t in self.placed.get(node.node_id, []) if t > node.updated_at]
-        self.placed[node.node_id] = times
-        return len(times)
-
-    def _load(self, node: NodeEntry) -> float:
-        """E2B's measure, roughly: committed CPU per core, with creates in flight counted as running."""
-        busy = node.running + node.starting + self._recent(node)
-        per_cpu = (node.cpu_committed + self._recent(node)) / max(node.cpu_count, 1.0)
-        return per_cpu + busy / max(node.max_sandboxes, 1)
+        return min(nodes, key=lambda n: (self.placement.score(n), random.random()))
 
     # -- lists ---------------------------------------------------------------------------------------------
     async def list_sandboxes(self, request: Request, *, paginated: bool) -> Response:
@@ -488,7 +477,8 @@ class Gateway:
                 queue = self._create_candidates(body)
                 continue
             node = queue.pop(0)
-            self.placed.setdefault(node.node_id, []).append(time.time())
+            self.placement.sent(node.node_id)
+            made = False
             try:
                 upstream = await self._send(
                     request, node, body=body, extra={CREATE_ID_HEADER: create_id}, timeout=timeout
@@ -497,10 +487,13 @@ class Gateway:
                     content = await _read_upstream(upstream, MAX_INFO_BODY, node)
                 finally:
                     await upstream.aclose()
+                made = 200 <= upstream.status_code < 300
             except UpstreamError as exc:
                 failures.append(f"{node.node_id}: {exc.message}")
                 unanswered = True
                 continue
+            finally:
+                self.placement.done(node.node_id, made=made, entry=self.mirror.nodes.get(node.node_id))
             if upstream.status_code == 429:
                 failures.append(f"{node.node_id}: at its limit")
                 continue
@@ -529,15 +522,18 @@ class Gateway:
         raise LimitExceeded("no node could take the sandbox: " + summary)
 
     def _create_candidates(self, body: bytes) -> list[NodeEntry]:
-        """The least loaded nodes with room; first the one that made the snapshot named, if any."""
-        ranked = self.candidates()
+        """The best nodes for the create (placement.py); first the one this gateway saw make the
+        snapshot named, if any (its entry may not list it yet, nor the repository hold it)."""
         try:
             source = json.loads(body).get("templateID")
         except (ValueError, AttributeError):
             source = None
-        made = self.made_on.get(source) if isinstance(source, str) else None
-        if made is not None and time.monotonic() - made[1] < SNAPSHOT_HINT_SECONDS:
-            ranked.sort(key=lambda n: n.node_id != made[0])  # stable: the rest keep their order
+        source = source if isinstance(source, str) else None
+        ranked = self.candidates(source)
+        made = self.made_on.get(source) if source is not None else None
+        maker = self.mirror.nodes.get(made[0]) if made is not None else None
+        if maker is not None and made is not None and time.monotonic() - made[1] < SNAPSHOT_HINT_SECONDS:
+            ranked = [maker, *(n for n in ranked if n.node_id != maker.node_id)]  # a full one answers 429
         return ranked[:MAX_CANDIDATES]
 
     async def _create_holder(self, create_id: str) -> str:
