@@ -46,7 +46,7 @@ from aenv.errors import (
     snippet,
 )
 from aenv.node import usage
-from aenv.node.create_ids import CREATE_ID_HEADER
+from aenv.node.create_ids import create_id_of
 from aenv.node.orchestrator import Node
 from aenv.node.sandbox import LiveSandbox
 from aenv.node.state import PUBLIC_STATE
@@ -156,8 +156,9 @@ async def _create(request: Request) -> JSONResponse:
         )
         return rec.id
 
-    # A create sent again with its id (a gateway whose connection broke) gets the first one's sandbox.
-    create_id = request.headers.get(CREATE_ID_HEADER)
+    # A create sent again with its id (a gateway whose connection broke, an SDK's retry with its
+    # Idempotency-Key) gets the first one's sandbox.
+    create_id = create_id_of(request.headers)
     sandbox_id = await node.create_ids.once(create_id, create) if create_id is not None else await create()
     return JSONResponse(sandbox_json(node, node.get(sandbox_id), domain_of(request)), status_code=201)
 

@@ -65,7 +65,7 @@ from aenv.errors import (
     from_body,
 )
 from aenv.node import tokens
-from aenv.node.create_ids import CREATE_ID_HEADER
+from aenv.node.create_ids import CREATE_ID_HEADER, create_id_of
 
 log = logging.getLogger("aenv.gateway")
 
@@ -460,7 +460,7 @@ class Gateway:
         told that another node holds it refuses (409 create_elsewhere) and the attempt goes to
         that node. So a create is neither lost nor made twice."""
         body = await _read_bounded(request, MAX_CREATE_BODY)
-        create_id = request.headers.get(CREATE_ID_HEADER) or uuid.uuid4().hex
+        create_id = create_id_of(request.headers) or uuid.uuid4().hex
         if not ID_PATTERN.fullmatch(create_id):
             raise InvalidRequest(f"{CREATE_ID_HEADER} must be 1-63 characters of A-Z a-z 0-9 . _ -")
         deadline = time.monotonic() + self.settings.create_timeout + CREATE_RETRY_SECONDS
