@@ -54,9 +54,10 @@ async def serve(
             await ensure_base(node, on_log=say)
         app = build(node, api_key, start_node=False)
         if settings.cluster:
-            from aenv.cluster.agent import leaving_with, start_agent
+            from aenv.cluster.agent import leaving_with, refusing_without_quorum, start_agent
 
-            app = leaving_with(app, await start_agent(node, settings, api_key))
+            agent = await start_agent(node, settings, api_key)
+            app = leaving_with(refusing_without_quorum(app, agent), agent)
         config = uvicorn.Config(
             app,
             host=settings.host,
