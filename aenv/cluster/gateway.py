@@ -22,7 +22,6 @@ Every answer about one sandbox carries ``x-aenv-node-id``, errors included.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hmac
 import json
@@ -33,7 +32,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass
-from datetime import datetime
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -41,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
-from aenv.api import connections, envd
+from aenv.api import connections, envd, listing
 from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
 from aenv.api.listing import short_sandbox_id
 from aenv.api.proxy import sandbox_gone
@@ -105,8 +103,6 @@ MAX_HINTS = 100_000
 HINT_SECONDS = 60.0
 SNAPSHOT_HINT_SECONDS = 600.0  # a snapshot's commit to the repository may take minutes
 STARTUP_WAIT = 10.0
-QueryItems = list[tuple[str, str | int | float | bool | None]]
-MAX_LIST_PAGES = 100  # of 100 sandboxes, from one node for one list
 LIST_TIMEOUT = 30.0  # seconds the gateway waits for its first read of the directory
 
 
@@ -409,48 +405,57 @@ class Gateway:
 
     # -- lists ---------------------------------------------------------------------------------------------
     async def list_sandboxes(self, request: Request, *, paginated: bool) -> Response:
-        """Every node's list, merged: v1 as one array; v2 ordered by start time (``order``) and
-        paged here with the node's contract (``limit`` <= 100, ``nextToken`` / ``X-Next-Token``).
-        A node that cannot answer fails the list (502 naming it): a partial list would tell a
-        cleanup script that live sandboxes are gone."""
-        query: QueryItems = [(k, v) for k, v in request.query_params.multi_items() if k not in ("limit", "nextToken")]
-        limit, start = _page_of(request) if paginated else (0, 0)
+        """Every node's list, merged. v1: the nodes' running sandboxes as one array. v2: one node's
+        contract over the cluster. Each node is asked for its first ``limit`` items after the
+        client's ``nextToken`` (a position, start time and id, which every node reads alike),
+        with the client's filters and order; the merge serves ``limit`` of them in that order and
+        names the last one's position as the next token. So sandboxes created or removed between
+        two pages shift nothing (none served twice or skipped), and a page costs each node one
+        request of at most ``limit`` items. ``X-Total-Running`` is the nodes' sum. A node that
+        cannot answer fails the list (502 naming it): a partial list would tell a cleanup script
+        that live sandboxes are gone."""
         nodes = sorted(self.mirror.nodes.values(), key=lambda n: n.node_id)
-        lists = await asyncio.gather(*(self._node_list(request, n, query, paginated) for n in nodes))
-        items = [item for answer in lists for item in answer]
+        path = "/v2/sandboxes" if paginated else "/sandboxes"
+        order = (
+            listing.SANDBOXES_OLDEST_FIRST
+            if request.query_params.get("order") == "asc"
+            else listing.SANDBOXES_NEWEST_FIRST
+        )
+        limit = _limit_of(request) if paginated else 0
+        token = request.query_params.get("nextToken")
+        if paginated and token:
+            order.cursor(token)  # a bad token is the client's 400, whatever the nodes
+        pages = await asyncio.gather(*(self._node_page(request, n, path) for n in nodes))
+        items = [item for page in pages for item in page.items]
         self._stamp_domain(items)
         if not paginated:
             return JSONResponse(items)
-        newest_first = request.query_params.get("order", "desc") != "asc"
-        items.sort(key=_started_at, reverse=newest_first)
-        headers = {}
-        if start + limit < len(items):
-            headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
-        return JSONResponse(items[start : start + limit], headers=headers)
+        served, next_token = order.page(items, _position, limit, None)
+        if next_token is None and served and any(page.more for page in pages):
+            next_token = order.token(_position(served[-1]))  # a node has more after its full page
+        headers = {"X-Next-Token": next_token} if next_token else {}
+        running = [page.running for page in pages if page.running is not None]
+        if running:
+            headers["X-Total-Running"] = str(sum(running))
+        return JSONResponse(served, headers=headers)
 
-    async def _node_list(
-        self, request: Request, node: NodeEntry, query: QueryItems, paginated: bool
-    ) -> list[dict[str, object]]:
-        path = "/v2/sandboxes" if paginated else "/sandboxes"
+    async def _node_page(self, request: Request, node: NodeEntry, path: str) -> NodePage:
         headers = {"x-api-key": request.headers.get("x-api-key", "")}
-        items: list[dict[str, object]] = []
-        token: str | None = None
-        for _ in range(MAX_LIST_PAGES):
-            params = query + ([("limit", "100")] if paginated else []) + ([("nextToken", token)] if token else [])
-            try:
-                r = await self.client.get(node.address + path, params=params, headers=headers, timeout=LIST_TIMEOUT)
-            except httpx.TransportError as exc:
-                raise UpstreamError(f"node {node.node_id} did not answer the list: {exc!r}"[:300]) from None
-            if r.status_code != 200:
-                raise _node_error(r, node)
-            page = r.json()
-            if not isinstance(page, list):
-                raise UpstreamError(f"node {node.node_id} answered the list with something else than a list")
-            items += page
-            token = r.headers.get("x-next-token") if paginated else None
-            if not token:
-                return items
-        raise UpstreamError(f"node {node.node_id} lists more than {MAX_LIST_PAGES * 100} sandboxes")
+        params = request.query_params.multi_items()
+        try:
+            r = await self.client.get(node.address + path, params=params, headers=headers, timeout=LIST_TIMEOUT)
+        except httpx.TransportError as exc:
+            raise UpstreamError(f"node {node.node_id} did not answer the list: {exc!r}"[:300]) from None
+        if r.status_code != 200:
+            raise _node_error(r, node)
+        try:
+            items = r.json()
+        except ValueError:
+            items = None
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            raise UpstreamError(f"node {node.node_id} answered the list with something else than a list")
+        running = r.headers.get("x-total-running", "")
+        return NodePage(items, bool(r.headers.get("x-next-token")), int(running) if running.isdecimal() else None)
 
     # -- forwarding --------------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
@@ -632,6 +637,15 @@ class Gateway:
             raise UpstreamError(f"node {node.node_id} at {node.address} did not answer: {exc!r}"[:300]) from None
 
 
+@dataclass(frozen=True, slots=True)
+class NodePage:
+    """One node's answer to a list: its items, whether it has more, its X-Total-Running."""
+
+    items: list[dict[str, object]]
+    more: bool
+    running: int | None
+
+
 class Relay:
     """A node's response streamed to the client as it comes. The node's connection is closed
     however the relay ends: the body done, the client gone (even while the node is quiet, as
@@ -705,28 +719,20 @@ def _error_code(content: bytes) -> str:
     return str(body.get("error_code", "")) if isinstance(body, dict) else ""
 
 
-def _started_at(item: dict[str, object]) -> float:
+def _position(item: dict[str, object]) -> listing.Position:
+    """Where a node's listed sandbox stands in a list's order (its start time and id)."""
     try:
-        return datetime.fromisoformat(str(item.get("startedAt", ""))).timestamp()
-    except ValueError:
-        return 0.0
+        return listing.Position(listing.parse_time(str(item.get("startedAt")), "startedAt"), str(item.get("sandboxID")))
+    except InvalidRequest:
+        raise UpstreamError("a node listed a sandbox without a valid startedAt") from None
 
 
-def _page_of(request: Request) -> tuple[int, int]:
-    """(limit, offset) of a v2 list, checked as a node checks them."""
+def _limit_of(request: Request) -> int:
+    """A v2 list's page size, checked as a node checks it."""
     raw_limit = request.query_params.get("limit", "100")
     if not raw_limit.isdecimal() or not 1 <= int(raw_limit) <= 100:
         raise InvalidRequest("limit must be an integer from 1 to 100")
-    token = request.query_params.get("nextToken")
-    start = 0
-    if token:
-        try:
-            start = int(base64.urlsafe_b64decode(token.encode()).decode())
-        except ValueError:
-            raise InvalidRequest("nextToken is not valid") from None
-        if start < 0:
-            raise InvalidRequest("nextToken is not valid")
-    return int(raw_limit), start
+    return int(raw_limit)
 
 
 def _node_error(response: httpx.Response, node: NodeEntry) -> AenvError:
