@@ -28,6 +28,9 @@ class Settings(BaseSettings):
     data_dir: Path = DEFAULT_DATA_DIR
     api_key: str | None = None
     domain: str | None = None  # returned to SDKs for get_host(); None = derive from the request
+    # Serve HTTPS with this PEM certificate and key (both or neither), e.g. a wildcard for `domain`.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     driver: Literal["gvisor"] = "gvisor"
     runsc: str = "runsc"

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -68,8 +69,10 @@ def start_server(
     extra_env: dict[str, str] | None = None,
     timeout: float = BASE_BUILD_TIMEOUT,
     wait_for: str | None = "base",
+    verify: ssl.SSLContext | bool = True,
 ) -> Server:
-    """Start `aenv server` on ``data_dir``; ready once it answers and has template ``wait_for``."""
+    """Start `aenv server` on ``data_dir``; ready once it answers and has template ``wait_for``
+    (at AENV_HOST over HTTPS when ``extra_env`` gives it a certificate, trusted by ``verify``)."""
     port = port or free_port()
     env = dict(os.environ)
     env.update({"AENV_API_KEY": API_KEY, "AENV_REAPER_INTERVAL": "0.5"})
@@ -82,13 +85,13 @@ def start_server(
         stderr=subprocess.STDOUT,
         env=env,
     )
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if 'AENV_TLS_CERT' in env else 'http'}://{env.get('AENV_HOST', '127.0.0.1')}:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"aenv server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
         try:
-            r = httpx.get(f"{url}/health", timeout=2)
+            r = httpx.get(f"{url}/health", timeout=2, verify=verify)
             if r.status_code == 200 and (wait_for is None or wait_for in r.json()["templates"]):
                 return Server(url, port, data_dir, proc, log, env, extra_env, wait_for)
         except httpx.HTTPError:

@@ -17,9 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import socket
+import ssl
 import struct
+from pathlib import Path
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from aenv.errors import InvalidRequest
 
 HEAD_TIMEOUT = 30.0  # seconds a client has to send a request's head, from its connection or its first byte
 
@@ -73,3 +77,16 @@ def reset_on_close() -> None:
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def check_tls(cert: Path | None, key: Path | None) -> None:
+    """A certificate and its key that serve HTTPS, or neither; checked before serving (uvicorn
+    would fail on them only after the node or gateway had started)."""
+    if cert is None and key is None:
+        return
+    if cert is None or key is None:
+        raise InvalidRequest("a TLS certificate needs its key, and a key its certificate (both or neither)")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequest(f"cannot serve TLS with {cert} and {key}: {exc}") from None

@@ -46,7 +46,6 @@ from aenv.errors import (
     snippet,
 )
 from aenv.node.service import (
-    CREATE_ID_HEADER,
     PUBLIC_STATE,
     Bucket,
     BuildHost,
@@ -54,6 +53,7 @@ from aenv.node.service import (
     NodeService,
     Sample,
     SnapshotRecord,
+    create_id_of,
     in_range,
 )
 from aenv.storage.confined import View, remove_tree
@@ -167,8 +167,9 @@ async def _create(request: Request) -> JSONResponse:
         )
         return rec.id
 
-    # A create sent again with its id (a gateway whose connection broke) gets the first one's sandbox.
-    create_id = request.headers.get(CREATE_ID_HEADER)
+    # A create sent again with its id (a gateway whose connection broke, an SDK's retry with its
+    # Idempotency-Key) gets the first one's sandbox.
+    create_id = create_id_of(request.headers)
     sandbox_id = await node.create_ids.once(create_id, create) if create_id is not None else await create()
     return JSONResponse(sandbox_json(node, node.get(sandbox_id), domain_of(request)), status_code=201)
 

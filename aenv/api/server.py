@@ -41,6 +41,7 @@ async def serve(
 
     say = on_log or (lambda line: log.info("%s", line))
     os.umask(datadir.PRIVATE_UMASK)  # the node's files, its tools' (runsc's images) and logs: owner-only
+    connections.check_tls(settings.tls_cert, settings.tls_key)
     api_key = resolve_api_key(settings)
     node = Node(settings)
     await node.start()
@@ -53,13 +54,16 @@ async def serve(
             await ensure_base(node, on_log=say)
         app = build(node, api_key, start_node=False)
         if settings.cluster:
-            from aenv.cluster.agent import leaving_with, start_agent
+            from aenv.cluster.agent import leaving_with, refusing_without_quorum, start_agent
 
-            app = leaving_with(app, await start_agent(node, settings, api_key))
+            agent = await start_agent(node, settings, api_key)
+            app = leaving_with(refusing_without_quorum(app, agent), agent)
         config = uvicorn.Config(
             app,
             host=settings.host,
             port=settings.port,
+            ssl_certfile=settings.tls_cert,
+            ssl_keyfile=settings.tls_key,
             log_level="info",
             access_log=False,
             timeout_graceful_shutdown=5,
@@ -69,9 +73,10 @@ async def serve(
         )
         logging.getLogger("uvicorn.error").addFilter(envd.DroppedStreamsAreNotErrors())
         server = uvicorn.Server(config)
-        say(f"aenv listening on http://{settings.host}:{settings.port} (API key in {settings.data_dir / 'api-key'})")
+        url = f"{'https' if settings.tls_cert else 'http'}://{settings.host}:{settings.port}"
+        say(f"aenv listening on {url} (API key in {settings.data_dir / 'api-key'})")
         if ready_file is not None:
-            ready_file.write_text(f"http://{settings.host}:{settings.port}\n")
+            ready_file.write_text(f"{url}\n")
     except BaseException:
         await node.stop()
         raise

@@ -143,9 +143,15 @@ def gateway(
     create_timeout: float = typer.Option(
         120.0, "--create-timeout", min=0.1, help="Seconds a node has to answer a create before it is tried again"
     ),
+    domain: str = typer.Option(
+        None, "--domain", help="Domain mode: api.DOMAIN is the control plane, <port>-<id>.DOMAIN a sandbox's port"
+    ),
+    tls_cert: Path = typer.Option(None, "--tls-cert", help="Serve HTTPS with this PEM certificate (chain)"),
+    tls_key: Path = typer.Option(None, "--tls-key", help="The certificate's PEM private key"),
 ) -> None:
     """Run a gateway: one URL in front of the cluster's nodes (docs/cluster.md)."""
-    from aenv.cluster.gateway import GatewaySettings, serve_gateway
+    from aenv.api.connections import check_tls
+    from aenv.cluster.gateway import GatewaySettings, check_domain, serve_gateway
     from aenv.cluster.store import parse_cluster_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -160,11 +166,19 @@ def gateway(
         raise typer.Exit(2)
     try:
         parse_cluster_url(cluster)
+        domain = check_domain(domain) if domain else None
+        check_tls(tls_cert, tls_key)
     except AenvError as exc:
         err.print(f"[red]error:[/red] {exc.message}")
         raise typer.Exit(2) from None
     settings = GatewaySettings(
-        cluster=cluster, api_key=api_key, ws_max_message_mb=ws_max_message_mb, create_timeout=create_timeout
+        cluster=cluster,
+        api_key=api_key,
+        ws_max_message_mb=ws_max_message_mb,
+        create_timeout=create_timeout,
+        domain=domain,
+        tls_cert=str(tls_cert) if tls_cert else None,
+        tls_key=str(tls_key) if tls_key else None,
     )
     asyncio.run(serve_gateway(settings, host=host, port=port))
 

@@ -27,8 +27,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from starlette.responses import JSONResponse
+
 from aenv import __version__
+from aenv.api.app import sandbox_target
 from aenv.cluster.entries import (
+    MAX_CACHED_NAME,
+    MAX_CACHED_NAMES,
     ClusterConfig,
     CreateClaim,
     EntryError,
@@ -42,12 +47,15 @@ from aenv.cluster.entries import (
 )
 from aenv.cluster.store import ClusterStore
 from aenv.config import Settings
-from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest
+from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest, error_body
 from aenv.node.create_ids import KEEP_SECONDS
 from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxState
 
 log = logging.getLogger("aenv.cluster.agent")
+# A request that would pause or resume a sandbox (E2B's routes; a connect resumes a paused one).
+OWNERSHIP_PATH = re.compile(r"(?:/v2)?/sandboxes/(?P<id>[^/]+)/(?P<op>pause|resume|connect)")
 WRITES_IN_FLIGHT = 16  # directory writes one sync has outstanding (a burst of creates lands at once)
+HELD_REFRESH = 5.0  # seconds between looks at which templates and snapshots are on the node's disk
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -84,6 +92,8 @@ class NodeAgent:
         self.claims: dict[str, tuple[int, float]] = {}  # create id -> (its key's create revision, when)
         self.killing: set[str] = set()  # stale copies being killed
         self._kills: set[asyncio.Task[None]] = set()
+        self._held: list[str] = []  # templates and snapshots on this node's disk (see NodeEntry.cached)
+        self._held_at = -HELD_REFRESH
 
     # -- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -128,12 +138,45 @@ class NodeAgent:
     def admit(self) -> None:
         """Refuse new sandboxes while etcd does not answer: one no gateway could find, on a node
         whose registration may be expiring, is worse than a clear 503 the client can retry."""
-        silent = time.monotonic() - self.reached_at
-        if silent > self.unreachable_after:
+        silent = self.silent()
+        if silent is not None:
             raise ClusterUnavailable(
                 f"node {self.node_id} has not reached the cluster store for {silent:.0f} s (no quorum?): "
                 "it takes no new sandboxes until it does"
             )
+
+    def silent(self) -> float | None:
+        """Seconds since etcd last answered, once that is longer than a few heartbeats; else None."""
+        silent = time.monotonic() - self.reached_at
+        return silent if silent > self.unreachable_after else None
+
+    def refusal(self, method: str, path: str, headers: dict[str, str]) -> str | None:
+        """Why a request must wait for etcd, or None. Without etcd a node does not pause or resume
+        a sandbox (through its API, a connect, or traffic waking one with auto-resume): what
+        the directory says of it, and who holds it, would change where no gateway can see. A
+        refused pause leaves it running; a refused resume leaves it paused. Kills, snapshots,
+        timeouts and the node's own stop go on (their entries are written once etcd answers)."""
+        silent = self.silent()
+        if silent is None:
+            return None
+        op = OWNERSHIP_PATH.fullmatch(path) if method == "POST" else None
+        target = sandbox_target(headers) if op is None else None
+        sandbox_id = op["id"] if op is not None else target[0] if isinstance(target, tuple) else None
+        sb = self.node.sandboxes.get(sandbox_id.split("-")[0]) if sandbox_id else None
+        if sb is None or sb.state == SandboxState.KILLED:
+            return None  # the node's own answer (not found)
+        if op is not None and op["op"] == "pause":
+            if sb.state != SandboxState.RUNNING:
+                return None
+            doing = f"pause sandbox {sb.id} (it keeps running)"
+        elif sb.state == SandboxState.RUNNING:
+            return None  # a connect or resume of a running sandbox only extends its timeout
+        else:
+            doing = f"resume sandbox {sb.id} (it stays {PUBLIC_STATE[sb.state]})"
+        return (
+            f"node {self.node_id} has not reached the cluster store for {silent:.0f} s (no quorum?): "
+            f"it cannot {doing} until it does; try again then"
+        )
 
     @property
     def unreachable_after(self) -> float:
@@ -203,10 +246,19 @@ class NodeAgent:
             memory_mb=_host_memory_mb(),
             cpu_committed=load.cpu_committed,
             memory_committed_mb=load.memory_committed_mb,
+            cpu_used=load.cpu_used,
             load1=round(os.getloadavg()[0], 2),
             started_at=self.started_at,
             updated_at=round(time.time(), 3),
+            cached=self.held(),
         )
+
+    def held(self) -> list[str]:
+        """What this node holds on its disk, looked at every HELD_REFRESH seconds (it costs stats)."""
+        if time.monotonic() - self._held_at >= HELD_REFRESH:
+            self._held = self.node.artifacts.held(MAX_CACHED_NAMES, MAX_CACHED_NAME)
+            self._held_at = time.monotonic()
+        return self._held
 
     # -- stale copies ----------------------------------------------------------------------------------
     async def reconcile(self) -> None:
@@ -453,6 +505,30 @@ async def start_agent(node: Any, settings: Settings, api_key: str) -> NodeAgent:
         await store.close()
         raise
     return agent
+
+
+def refusing_without_quorum(app: ASGIApp, agent: NodeAgent) -> ASGIApp:
+    """``app``, with the pauses and resumes ``NodeAgent.refusal`` names answered 503
+    ``cluster_unavailable`` (a WebSocket: closed with 1013, try again later) while etcd is silent.
+    Only a request that arrives then is looked at: otherwise this costs one clock read."""
+
+    async def wrapped(
+        scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
+    ) -> None:
+        if scope["type"] in ("http", "websocket") and agent.silent() is not None:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            reason = agent.refusal(scope.get("method", "GET"), scope["path"], headers)
+            if reason is not None:
+                log.warning("%s", reason)
+                if scope["type"] == "websocket":
+                    await receive()  # websocket.connect
+                    await send({"type": "websocket.close", "code": 1013, "reason": "cluster unavailable"})
+                    return
+                await JSONResponse(error_body(ClusterUnavailable(reason)), status_code=503)(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    return wrapped
 
 
 def leaving_with(app: ASGIApp, agent: NodeAgent) -> ASGIApp:

@@ -32,6 +32,10 @@ MAX_SANDBOX_ENTRY = 16 * 1024
 # A sandbox's metadata (E2B's free-form labels) is kept in its entry for lists only while it fits
 # in this many bytes of JSON; larger metadata is left out (and said so) rather than refused.
 MAX_ENTRY_METADATA = 8 * 1024
+# The templates and snapshots a node's entry lists as held on its disk (placement prefers such a
+# node): the newest ones, by every name a create may use, each name at most this long.
+MAX_CACHED_NAMES = 128
+MAX_CACHED_NAME = 64
 # Node ids and sandbox ids become key segments: a safe, short alphabet.
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
@@ -103,10 +107,14 @@ class NodeEntry:
     memory_mb: int = 0  # the host's memory
     cpu_committed: float = 0.0  # the running sandboxes' CPU limits added up
     memory_committed_mb: int = 0  # the running sandboxes' memory limits added up
+    cpu_used: float = 0.0  # cores the running sandboxes used, by their last usage samples
     load1: float = 0.0
     draining: bool = False
     started_at: float = 0.0
     updated_at: float = 0.0
+    # Names (ids, names, aliases) of templates and snapshots whose layers and image are on this
+    # node's disk: a create from one starts here without a fetch. Bounded (MAX_CACHED_NAMES).
+    cached: list[str] = field(default_factory=list)
 
     @property
     def room(self) -> int:
@@ -187,6 +195,12 @@ def _check_types(entry: Entry) -> None:
         check_id(entry.node_id, "node id")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in entry.metadata.items()):
             raise EntryError("SandboxEntry.metadata is not a map of strings")
+    elif isinstance(entry, NodeEntry):
+        check_id(entry.node_id, "node id")
+        if len(entry.cached) > MAX_CACHED_NAMES or not all(
+            isinstance(name, str) and len(name) <= MAX_CACHED_NAME for name in entry.cached
+        ):
+            raise EntryError(f"NodeEntry.cached is not a list of at most {MAX_CACHED_NAMES} short names")
     elif isinstance(entry, ClusterConfig):
         if not all(
             len(v) == 64 and all(c in "0123456789abcdef" for c in v) for v in (entry.secret, entry.api_key_digest)
@@ -202,6 +216,7 @@ _PY_TYPES: dict[str, type] = {
     "float": float,
     "bool": bool,
     "dict[str, str]": dict,
+    "list[str]": list,
 }
 
 

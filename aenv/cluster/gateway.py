@@ -22,7 +22,6 @@ Every answer about one sandbox carries ``x-aenv-node-id``, errors included.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hmac
 import json
@@ -33,7 +32,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass
-from datetime import datetime
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -41,13 +39,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
-from aenv.api import connections, envd
+from aenv.api import connections, envd, listing
 from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
 from aenv.api.listing import short_sandbox_id
 from aenv.api.proxy import sandbox_gone
 from aenv.cluster.entries import ID_PATTERN, ClusterConfig, NodeEntry, key_matches
 from aenv.cluster.metrics import GatewayMetrics
 from aenv.cluster.mirror import Mirror
+from aenv.cluster.placement import Placement
 from aenv.cluster.store import ClusterStore
 from aenv.cluster.websocket import NODE_ID_HEADER, refuse_websocket, relay_websocket
 from aenv.dashboard import cluster as dashboard
@@ -65,20 +64,21 @@ from aenv.errors import (
     from_body,
 )
 from aenv.node import tokens
-from aenv.node.create_ids import CREATE_ID_HEADER
+from aenv.node.create_ids import CREATE_ID_HEADER, create_id_of
 
 log = logging.getLogger("aenv.gateway")
 
 SANDBOX_PATH = re.compile(r"^(?:/v2)?/sandboxes/(?P<id>[^/]+)(?:/.*)?$")
 SANDBOX_INFO = re.compile(r"^/sandboxes/[^/]+$")
+SANDBOX_ANSWER = re.compile(r"^(?:/v2)?/sandboxes/[^/]+/(?:connect|resume)$")  # answered with the sandbox
 # A template's or snapshot's own requests (E2B deletes a snapshot as a template).
 ARTIFACT_PATH = re.compile(r"^/(?:v\d+/)?(?:templates|snapshots)/(?P<id>[^/]+)")
 # Keys of the ASGI scope the gateway fills as it routes: the node a request is for (its id goes on
 # every answer, errors included) and the route's kind (a metrics label).
 NODE_SCOPE = "aenv.node_id"
 ROUTE_SCOPE = "aenv.route"
-MAX_INFO_BODY = 1024 * 1024  # a sandbox's info, which the gateway adds "nodeID" to
-MAX_FORK_BODY = 16 * 1024 * 1024  # a fork's answer: every child's info
+MAX_INFO_BODY = 1024 * 1024  # a create's answer (the sandbox)
+MAX_FORK_BODY = 16 * 1024 * 1024  # an answer the gateway reads whole (a fork's: every child's info)
 # Not forwarded either way (RFC 9110 7.6.1), plus what the forwarding sets itself.
 HOP_HEADERS = frozenset(
     {
@@ -104,9 +104,20 @@ MAX_HINTS = 100_000
 HINT_SECONDS = 60.0
 SNAPSHOT_HINT_SECONDS = 600.0  # a snapshot's commit to the repository may take minutes
 STARTUP_WAIT = 10.0
-QueryItems = list[tuple[str, str | int | float | bool | None]]
-MAX_LIST_PAGES = 100  # of 100 sandboxes, from one node for one list
 LIST_TIMEOUT = 30.0  # seconds the gateway waits for its first read of the directory
+
+
+DOMAIN_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+DOMAIN = re.compile(rf"(?:{DOMAIN_LABEL}\.)*{DOMAIN_LABEL}")
+
+
+def check_domain(domain: str) -> str:
+    """A domain for domain mode: DNS labels (lower case), up to 200 characters (a sandbox's host
+    puts ``<port>-<id>.`` before it)."""
+    domain = domain.strip().lower().rstrip(".")
+    if len(domain) > 200 or not DOMAIN.fullmatch(domain):
+        raise InvalidRequest(f"--domain {domain[:80]!r} is not a DNS name (labels of a-z 0-9 -, dot-separated)")
+    return domain
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +130,11 @@ class GatewaySettings:
     # Nodes are the cluster's own services and keep their own deadlines (agent calls, operations,
     # quiet streams pinged); a request's answer may stream for as long as its command runs.
     read_timeout: float | None = None
+    # Domain mode: clients reach the control plane at api.<domain> and a sandbox's port at
+    # <port>-<id>.<domain>; sandboxes' answers name this domain (the SDKs build those hosts from it).
+    domain: str | None = None
+    tls_cert: str | None = None  # PEM files: the gateway serves HTTPS itself (else HTTP, e.g. behind a proxy)
+    tls_key: str | None = None
 
 
 class Gateway:
@@ -130,8 +146,7 @@ class Gateway:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             follow_redirects=False,
         )
-        # Creates this gateway placed since each node last reported its load (spreads a burst).
-        self.placed: dict[str, list[float]] = {}
+        self.placement = Placement()  # creates this gateway sent that the nodes' entries may not show yet
         # sandbox id -> node id from creates this gateway forwarded, until the directory has them
         self.hints: dict[str, tuple[str, float]] = {}
         # snapshot id -> node id for snapshots made through this gateway (creates from one go there)
@@ -229,11 +244,13 @@ class Gateway:
             scope[ROUTE_SCOPE] = "sandbox"
             node = await self.owner(match["id"], scope)
             if method == "GET" and SANDBOX_INFO.match(path):
-                return await self.sandbox_info(request, node)
+                return await self.answered(request, node, _note_node)
             if method == "POST" and path.endswith("/fork"):
-                return await self.noting(request, node, self._note_fork)
+                return await self.answered(request, node, self._note_fork)
             if method == "POST" and path.endswith("/snapshots"):
-                return await self.noting(request, node, self._note_snapshot)
+                return await self.answered(request, node, self._note_snapshot)
+            if self.settings.domain and method == "POST" and SANDBOX_ANSWER.match(path):
+                return await self.answered(request, node)  # its "domain" is the gateway's
             return await self.forward(request, node)
         if method == "POST" and path in ("/sandboxes", "/v2/sandboxes"):
             scope[ROUTE_SCOPE] = "create"
@@ -243,7 +260,7 @@ class Gateway:
             return await self.list_sandboxes(request, paginated=path == "/v2/sandboxes")
         scope[ROUTE_SCOPE] = "other"
         if method == "POST" and path == "/v3/templates":
-            return await self.noting(request, self.any_node(), self._note_template)
+            return await self.answered(request, self.any_node(), self._note_template)
         return await self.forward(request, await self.artifact_node(request))
 
     async def websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -373,76 +390,75 @@ class Gateway:
             )
         return node
 
-    def candidates(self) -> list[NodeEntry]:
-        """Ready nodes with room, least loaded first (ties broken at random)."""
-        ready = [n for n in self.mirror.nodes.values() if not n.draining and n.room - self._recent(n) > 0]
-        if not ready:
+    def candidates(self, source: str | None = None) -> list[NodeEntry]:
+        """Ready nodes with room, best first for a create from ``source`` (see placement.py)."""
+        ranked = self.placement.rank(list(self.mirror.nodes.values()), source)
+        if not ranked:
             if not self.mirror.loaded.is_set():
                 raise ClusterUnavailable("the gateway has not read the cluster directory yet")
             raise LimitExceeded("no node in the cluster has room for another sandbox")
-        return sorted(ready, key=lambda n: (self._load(n), random.random()))
+        return ranked
 
     def any_node(self) -> NodeEntry:
         """The least loaded node, for what any node answers alike (templates, snapshots)."""
         nodes = [n for n in self.mirror.nodes.values() if not n.draining]
         if not nodes:
             raise ClusterUnavailable("no node in the cluster is up")
-        return min(nodes, key=lambda n: (self._load(n), random.random()))
-
-    def _recent(self, node: NodeEntry) -> int:
-        times = [t for t in self.placed.get(node.node_id, []) if t > node.updated_at]
-        self.placed[node.node_id] = times
-        return len(times)
-
-    def _load(self, node: NodeEntry) -> float:
-        """E2B's measure, roughly: committed CPU per core, with creates in flight counted as running."""
-        busy = node.running + node.starting + self._recent(node)
-        per_cpu = (node.cpu_committed + self._recent(node)) / max(node.cpu_count, 1.0)
-        return per_cpu + busy / max(node.max_sandboxes, 1)
+        return min(nodes, key=lambda n: (self.placement.score(n), random.random()))
 
     # -- lists ---------------------------------------------------------------------------------------------
     async def list_sandboxes(self, request: Request, *, paginated: bool) -> Response:
-        """Every node's list, merged: v1 as one array; v2 ordered by start time (``order``) and
-        paged here with the node's contract (``limit`` <= 100, ``nextToken`` / ``X-Next-Token``).
-        A node that cannot answer fails the list (502 naming it): a partial list would tell a
-        cleanup script that live sandboxes are gone."""
-        query: QueryItems = [(k, v) for k, v in request.query_params.multi_items() if k not in ("limit", "nextToken")]
-        limit, start = _page_of(request) if paginated else (0, 0)
+        """Every node's list, merged. v1: the nodes' running sandboxes as one array. v2: one node's
+        contract over the cluster. Each node is asked for its first ``limit`` items after the
+        client's ``nextToken`` (a position, start time and id, which every node reads alike),
+        with the client's filters and order; the merge serves ``limit`` of them in that order and
+        names the last one's position as the next token. So sandboxes created or removed between
+        two pages shift nothing (none served twice or skipped), and a page costs each node one
+        request of at most ``limit`` items. ``X-Total-Running`` is the nodes' sum. A node that
+        cannot answer fails the list (502 naming it): a partial list would tell a cleanup script
+        that live sandboxes are gone."""
         nodes = sorted(self.mirror.nodes.values(), key=lambda n: n.node_id)
-        lists = await asyncio.gather(*(self._node_list(request, n, query, paginated) for n in nodes))
-        items = [item for answer in lists for item in answer]
+        path = "/v2/sandboxes" if paginated else "/sandboxes"
+        order = (
+            listing.SANDBOXES_OLDEST_FIRST
+            if request.query_params.get("order") == "asc"
+            else listing.SANDBOXES_NEWEST_FIRST
+        )
+        limit = _limit_of(request) if paginated else 0
+        token = request.query_params.get("nextToken")
+        if paginated and token:
+            order.cursor(token)  # a bad token is the client's 400, whatever the nodes
+        pages = await asyncio.gather(*(self._node_page(request, n, path) for n in nodes))
+        items = [item for page in pages for item in page.items]
+        self._stamp_domain(items)
         if not paginated:
             return JSONResponse(items)
-        newest_first = request.query_params.get("order", "desc") != "asc"
-        items.sort(key=_started_at, reverse=newest_first)
-        headers = {}
-        if start + limit < len(items):
-            headers["X-Next-Token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
-        return JSONResponse(items[start : start + limit], headers=headers)
+        served, next_token = order.page(items, _position, limit, None)
+        if next_token is None and served and any(page.more for page in pages):
+            next_token = order.token(_position(served[-1]))  # a node has more after its full page
+        headers = {"X-Next-Token": next_token} if next_token else {}
+        running = [page.running for page in pages if page.running is not None]
+        if running:
+            headers["X-Total-Running"] = str(sum(running))
+        return JSONResponse(served, headers=headers)
 
-    async def _node_list(
-        self, request: Request, node: NodeEntry, query: QueryItems, paginated: bool
-    ) -> list[dict[str, object]]:
-        path = "/v2/sandboxes" if paginated else "/sandboxes"
+    async def _node_page(self, request: Request, node: NodeEntry, path: str) -> NodePage:
         headers = {"x-api-key": request.headers.get("x-api-key", "")}
-        items: list[dict[str, object]] = []
-        token: str | None = None
-        for _ in range(MAX_LIST_PAGES):
-            params = query + ([("limit", "100")] if paginated else []) + ([("nextToken", token)] if token else [])
-            try:
-                r = await self.client.get(node.address + path, params=params, headers=headers, timeout=LIST_TIMEOUT)
-            except httpx.TransportError as exc:
-                raise UpstreamError(f"node {node.node_id} did not answer the list: {exc!r}"[:300]) from None
-            if r.status_code != 200:
-                raise _node_error(r, node)
-            page = r.json()
-            if not isinstance(page, list):
-                raise UpstreamError(f"node {node.node_id} answered the list with something else than a list")
-            items += page
-            token = r.headers.get("x-next-token") if paginated else None
-            if not token:
-                return items
-        raise UpstreamError(f"node {node.node_id} lists more than {MAX_LIST_PAGES * 100} sandboxes")
+        params = request.query_params.multi_items()
+        try:
+            r = await self.client.get(node.address + path, params=params, headers=headers, timeout=LIST_TIMEOUT)
+        except httpx.TransportError as exc:
+            raise UpstreamError(f"node {node.node_id} did not answer the list: {exc!r}"[:300]) from None
+        if r.status_code != 200:
+            raise _node_error(r, node)
+        try:
+            items = r.json()
+        except ValueError:
+            items = None
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            raise UpstreamError(f"node {node.node_id} answered the list with something else than a list")
+        running = r.headers.get("x-total-running", "")
+        return NodePage(items, bool(r.headers.get("x-next-token")), int(running) if running.isdecimal() else None)
 
     # -- forwarding --------------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
@@ -452,7 +468,7 @@ class Gateway:
         told that another node holds it refuses (409 create_elsewhere) and the attempt goes to
         that node. So a create is neither lost nor made twice."""
         body = await _read_bounded(request, MAX_CREATE_BODY)
-        create_id = request.headers.get(CREATE_ID_HEADER) or uuid.uuid4().hex
+        create_id = create_id_of(request.headers) or uuid.uuid4().hex
         if not ID_PATTERN.fullmatch(create_id):
             raise InvalidRequest(f"{CREATE_ID_HEADER} must be 1-63 characters of A-Z a-z 0-9 . _ -")
         deadline = time.monotonic() + self.settings.create_timeout + CREATE_RETRY_SECONDS
@@ -469,7 +485,8 @@ class Gateway:
                 queue = self._create_candidates(body)
                 continue
             node = queue.pop(0)
-            self.placed.setdefault(node.node_id, []).append(time.time())
+            self.placement.sent(node.node_id)
+            made = False
             try:
                 upstream = await self._send(
                     request, node, body=body, extra={CREATE_ID_HEADER: create_id}, timeout=timeout
@@ -478,10 +495,13 @@ class Gateway:
                     content = await _read_upstream(upstream, MAX_INFO_BODY, node)
                 finally:
                     await upstream.aclose()
+                made = 200 <= upstream.status_code < 300
             except UpstreamError as exc:
                 failures.append(f"{node.node_id}: {exc.message}")
                 unanswered = True
                 continue
+            finally:
+                self.placement.done(node.node_id, made=made, entry=self.mirror.nodes.get(node.node_id))
             if upstream.status_code == 429:
                 failures.append(f"{node.node_id}: at its limit")
                 continue
@@ -497,6 +517,10 @@ class Gateway:
                     queue.insert(0, self.mirror.nodes[holder])
                 continue
             self._remember_created(content, node)
+            answer = _json_answer(upstream, content) if self.settings.domain else None
+            if answer is not None:
+                self._stamp_domain(answer)
+                content = json.dumps(answer).encode()
             return _buffered(upstream, node, content)
         summary = "; ".join(failures[-6:])[:1000]
         if not_found is not None and not unanswered:
@@ -506,15 +530,18 @@ class Gateway:
         raise LimitExceeded("no node could take the sandbox: " + summary)
 
     def _create_candidates(self, body: bytes) -> list[NodeEntry]:
-        """The least loaded nodes with room; first the one that made the snapshot named, if any."""
-        ranked = self.candidates()
+        """The best nodes for the create (placement.py); first the one this gateway saw make the
+        snapshot named, if any (its entry may not list it yet, nor the repository hold it)."""
         try:
             source = json.loads(body).get("templateID")
         except (ValueError, AttributeError):
             source = None
-        made = self.made_on.get(source) if isinstance(source, str) else None
-        if made is not None and time.monotonic() - made[1] < SNAPSHOT_HINT_SECONDS:
-            ranked.sort(key=lambda n: n.node_id != made[0])  # stable: the rest keep their order
+        source = source if isinstance(source, str) else None
+        ranked = self.candidates(source)
+        made = self.made_on.get(source) if source is not None else None
+        maker = self.mirror.nodes.get(made[0]) if made is not None else None
+        if maker is not None and made is not None and time.monotonic() - made[1] < SNAPSHOT_HINT_SECONDS:
+            ranked = [maker, *(n for n in ranked if n.node_id != maker.node_id)]  # a full one answers 429
         return ranked[:MAX_CANDIDATES]
 
     async def _create_holder(self, create_id: str) -> str:
@@ -532,17 +559,36 @@ class Gateway:
         if isinstance(sandbox_id, str):
             _note(self.hints, sandbox_id, node.node_id, HINT_SECONDS)
 
-    async def noting(self, request: Request, node: NodeEntry, note: Callable[[object, NodeEntry], None]) -> Response:
-        """Forward, and let ``note`` learn from the node's (small) answer what it made there."""
+    async def answered(
+        self, request: Request, node: NodeEntry, note: Callable[[object, NodeEntry], None] | None = None
+    ) -> Response:
+        """Forward, read the node's (small) answer whole, and let ``note`` learn from it what was
+        made there (or add to it); in domain mode its sandboxes name the gateway's domain."""
         upstream = await self._send(request, node)
         try:
             content = await _read_upstream(upstream, MAX_FORK_BODY, node)
         finally:
             await upstream.aclose()
-        if 200 <= upstream.status_code < 300:
-            with contextlib.suppress(ValueError):
-                note(json.loads(content), node)
-        return _buffered(upstream, node, content)
+        answer = _json_answer(upstream, content)
+        if answer is None:
+            return _buffered(upstream, node, content)
+        if note is not None:
+            note(answer, node)
+        self._stamp_domain(answer)
+        return _buffered(upstream, node, json.dumps(answer).encode())
+
+    def _stamp_domain(self, answer: object) -> None:
+        """In domain mode, the sandboxes in an answer (a sandbox, a list of them, fork results)
+        name the gateway's domain: the SDKs build ``<port>-<id>.<domain>`` from it, and a node's own
+        (``AENV_DOMAIN``) is not where clients of this gateway reach it."""
+        domain = self.settings.domain
+        if not domain:
+            return
+        for item in answer if isinstance(answer, list) else [answer]:
+            if isinstance(item, dict) and isinstance(item.get("sandbox"), dict):
+                item = item["sandbox"]  # a fork's result
+            if isinstance(item, dict) and "sandboxID" in item:
+                item["domain"] = domain
 
     def _note_fork(self, answer: object, node: NodeEntry) -> None:
         """A fork's children live on the source's node: known there before the directory says so."""
@@ -565,24 +611,6 @@ class Gateway:
     async def forward(self, request: Request, node: NodeEntry, extra: dict[str, str] | None = None) -> Relay:
         request.scope[NODE_SCOPE] = node.node_id
         return Relay(await self._send(request, node, extra=extra), node)
-
-    async def sandbox_info(self, request: Request, node: NodeEntry) -> Response:
-        """``GET /sandboxes/{id}``: the node's answer, plus ``"nodeID"``."""
-        upstream = await self._send(request, node)
-        try:
-            content = await _read_upstream(upstream, MAX_INFO_BODY, node)
-        finally:
-            await upstream.aclose()
-        info = None
-        if upstream.status_code == 200 and "content-encoding" not in upstream.headers:
-            try:
-                info = json.loads(content)
-            except ValueError:
-                pass
-        if not isinstance(info, dict):
-            return _buffered(upstream, node, content)
-        info["nodeID"] = node.node_id
-        return _buffered(upstream, node, json.dumps(info).encode())
 
     async def _send(
         self,
@@ -610,6 +638,15 @@ class Gateway:
             return await self.client.send(outgoing, stream=True)
         except httpx.TransportError as exc:
             raise UpstreamError(f"node {node.node_id} at {node.address} did not answer: {exc!r}"[:300]) from None
+
+
+@dataclass(frozen=True, slots=True)
+class NodePage:
+    """One node's answer to a list: its items, whether it has more, its X-Total-Running."""
+
+    items: list[dict[str, object]]
+    more: bool
+    running: int | None
 
 
 class Relay:
@@ -650,6 +687,23 @@ class Relay:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+def _note_node(answer: object, node: NodeEntry) -> None:
+    """``GET /sandboxes/{id}`` says which node serves the sandbox."""
+    if isinstance(answer, dict):
+        answer["nodeID"] = node.node_id
+
+
+def _json_answer(upstream: httpx.Response, content: bytes) -> object | None:
+    """A node's successful JSON answer, parsed; None for anything else (passed on as it came)."""
+    if not 200 <= upstream.status_code < 300 or "content-encoding" in upstream.headers:
+        return None
+    try:
+        answer: object = json.loads(content)
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict | list) else None
+
+
 def _note(table: dict[str, tuple[str, float]], key: str, node_id: str, keep: float) -> None:
     """Note ``key`` -> ``node_id`` in a table bounded in size (MAX_HINTS) and age (``keep``)."""
     now = time.monotonic()
@@ -668,28 +722,20 @@ def _error_code(content: bytes) -> str:
     return str(body.get("error_code", "")) if isinstance(body, dict) else ""
 
 
-def _started_at(item: dict[str, object]) -> float:
+def _position(item: dict[str, object]) -> listing.Position:
+    """Where a node's listed sandbox stands in a list's order (its start time and id)."""
     try:
-        return datetime.fromisoformat(str(item.get("startedAt", ""))).timestamp()
-    except ValueError:
-        return 0.0
+        return listing.Position(listing.parse_time(str(item.get("startedAt")), "startedAt"), str(item.get("sandboxID")))
+    except InvalidRequest:
+        raise UpstreamError("a node listed a sandbox without a valid startedAt") from None
 
 
-def _page_of(request: Request) -> tuple[int, int]:
-    """(limit, offset) of a v2 list, checked as a node checks them."""
+def _limit_of(request: Request) -> int:
+    """A v2 list's page size, checked as a node checks it."""
     raw_limit = request.query_params.get("limit", "100")
     if not raw_limit.isdecimal() or not 1 <= int(raw_limit) <= 100:
         raise InvalidRequest("limit must be an integer from 1 to 100")
-    token = request.query_params.get("nextToken")
-    start = 0
-    if token:
-        try:
-            start = int(base64.urlsafe_b64decode(token.encode()).decode())
-        except ValueError:
-            raise InvalidRequest("nextToken is not valid") from None
-        if start < 0:
-            raise InvalidRequest("nextToken is not valid")
-    return int(raw_limit), start
+    return int(raw_limit)
 
 
 def _node_error(response: httpx.Response, node: NodeEntry) -> AenvError:
@@ -794,6 +840,8 @@ async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keep
 
     config = uvicorn.Config(
         build_gateway(settings),
+        ssl_certfile=settings.tls_cert,
+        ssl_keyfile=settings.tls_key,
         ws_max_size=settings.ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
         http=connections.NodeHTTPProtocol,  # a deadline on request heads; resets as the nodes do
         host=host,
@@ -804,5 +852,8 @@ async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keep
         timeout_keep_alive=keepalive,  # longer than clients' pools keep a connection (see AENV_HTTP_KEEPALIVE)
         timeout_graceful_shutdown=5,
     )
-    log.info("aenv gateway on http://%s:%d for %s", host, port, settings.cluster)
+    scheme = "https" if settings.tls_cert else "http"
+    log.info("aenv gateway on %s://%s:%d for %s", scheme, host, port, settings.cluster)
+    if settings.domain:
+        log.info("domain mode: api.%s is the control plane, <port>-<id>.%s a sandbox", settings.domain, settings.domain)
     await uvicorn.Server(config).serve()

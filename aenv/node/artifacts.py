@@ -84,6 +84,25 @@ class ArtifactCache:
         items.append(LocalArtifact("guest", key, self.node.driver.guest_path(key), "tar"))
         return items
 
+    def held(self, limit: int, longest: int) -> list[str]:
+        """The names (id, name, aliases) by which a create may name the newest templates and
+        snapshots whose every layer, image and guest is on this node's disk: at most ``limit``
+        names of at most ``longest`` characters, after looking at no more than 4 x ``limit``
+        records (each costs a few stats)."""
+        records: list[Entry] = [*self.node.templates.values(), *self.node.snapshots.values()]
+        records.sort(key=lambda r: r.created_at, reverse=True)
+        names: list[str] = []
+        for rec in records[: 4 * limit]:
+            if isinstance(rec, SnapshotRecord) and rec.ephemeral:
+                continue  # a fork's, gone once its children are up
+            if not all(self._is_present(item.kind, item.id) for item in self.items_of(rec)):
+                continue
+            aliases = rec.aliases if isinstance(rec, TemplateRecord) else []
+            for name in dict.fromkeys([rec.id, rec.name, *aliases]):
+                if name and len(name) <= longest and len(names) < limit:
+                    names.append(name)
+        return names
+
     def _is_present(self, kind: str, artifact_id: str) -> bool:
         """On this node's disk (an image layer maybe not mounted yet, as at start)."""
         if kind == "layer":

@@ -1,26 +1,31 @@
 """Create ids: a create sent again with the same id gets the first one's sandbox, never a second.
 
 A gateway names each client's create with an id (``x-aenv-create-id``; a client may choose its
-own) and may send it again, to this node or another, when the first attempt's connection broke
-or took too long. The node answers every attempt with one sandbox: a second attempt joins the
-first while it runs and gets its result after. A failed create forgets its id (trying again is a
-new create). In a cluster a ``Claims`` (the node agent) takes the id in etcd first, so another
-node refuses it (409 ``create_elsewhere``), and checks the id is still this node's before the
-create answers (a node cut off from etcd longer than its lease may have lost it to another).
+own, or send E2B's ``Idempotency-Key``, which becomes the id) and may send it again, to this node
+or another, when the first attempt's connection broke or took too long. The node answers every
+attempt with one sandbox: a second attempt joins the first while it runs and gets its result
+after. A failed create forgets its id (trying again is a new create). In a cluster a ``Claims``
+(the node agent) takes the id in etcd first, so another node refuses it (409 ``create_elsewhere``),
+and checks the id is still this node's before the create answers (a node cut off from etcd longer
+than its lease may have lost it to another).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 from aenv.cluster.entries import ID_PATTERN  # in a cluster the id is an etcd key's last segment
 from aenv.errors import InvalidRequest, LimitExceeded
 
 CREATE_ID_HEADER = "x-aenv-create-id"
+# E2B's: the SDKs send it with a create (``idempotency_key=``; retries reuse it): 1-255 characters.
+IDEMPOTENCY_HEADER = "idempotency-key"
+MAX_IDEMPOTENCY_KEY = 255
 KEEP_SECONDS = 600.0  # how long a create id is remembered after its create
 MAX_KEPT = 10_000
 
@@ -82,6 +87,22 @@ class CreateIds:
         for create_id, (task, at) in list(self._creates.items()):
             if task.done() and now - at > KEEP_SECONDS:
                 del self._creates[create_id]
+
+
+def create_id_of(headers: Mapping[str, str]) -> str | None:
+    """The create id a request names: ``x-aenv-create-id``, else E2B's ``Idempotency-Key`` (a key
+    that is not a create id as it is, longer or with other characters, is named by its digest)."""
+    own = headers.get(CREATE_ID_HEADER)
+    if own is not None:
+        return own
+    key = headers.get(IDEMPOTENCY_HEADER)
+    if key is None:
+        return None
+    if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY or not key.isascii() or not key.isprintable():
+        raise InvalidRequest(f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY} printable ASCII characters")
+    if ID_PATTERN.fullmatch(key):
+        return key
+    return "idempotency-" + hashlib.sha256(key.encode()).hexdigest()[:48]
 
 
 def _check(create_id: str) -> None:

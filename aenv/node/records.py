@@ -68,19 +68,24 @@ class Records:
 
     def capacity(self) -> Capacity:
         running = paused = starting = memory = 0
-        cpu = 0.0
+        cpu = used = 0.0
         for sb in list(self.sandboxes.values()):
             if sb.state == S.PAUSED:
                 paused += 1
                 continue
+            limits = self.limits_of(sb.rec)
             if sb.state == S.RUNNING:
                 running += 1
+                history = self.usage_history.of(sb.id)
+                sample = history.latest() if history is not None else None
+                used += sample.cpu_used_pct / 100 * limits.cpu_count if sample is not None else 0.0
             else:
                 starting += 1
-            limits = self.limits_of(sb.rec)
             cpu += limits.cpu_count
             memory += limits.memory_mb
-        return Capacity(running, paused, starting, self.settings.max_sandboxes, round(cpu, 3), memory)
+        return Capacity(
+            running, paused, starting, self.settings.max_sandboxes, round(cpu, 3), memory, cpu_used=round(used, 3)
+        )
 
     def access_token(self, sandbox_id: str) -> str:
         return tokens.access_token(self._secret, sandbox_id)

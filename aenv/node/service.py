@@ -23,7 +23,7 @@ from aenv.config import Settings
 from aenv.node.agentlink import AgentLink
 from aenv.node.artifacts import ArtifactCache
 from aenv.node.commands import CommandRecord
-from aenv.node.create_ids import CREATE_ID_HEADER, CreateIds
+from aenv.node.create_ids import CREATE_ID_HEADER, CreateIds, create_id_of
 from aenv.node.sandbox import ForkResult, LiveSandbox
 from aenv.node.state import PUBLIC_STATE, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
@@ -51,6 +51,7 @@ __all__ = [
     "SandboxState",
     "SnapshotRecord",
     "TemplateRecord",
+    "create_id_of",
     "in_range",
 ]
 
@@ -65,6 +66,7 @@ class Capacity:
     max_sandboxes: int
     cpu_committed: float  # the CPU limits of every sandbox not paused, added up
     memory_committed_mb: int  # their memory limits, added up
+    cpu_used: float = 0.0  # cores the running ones used at their last usage sample
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ LEASE_TTL = 3
 class Gateway:
     url: str
     proc: subprocess.Popen[bytes]
+    verify: ssl.SSLContext | bool = True  # trust for a gateway serving HTTPS with a test certificate
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -39,23 +41,32 @@ class Gateway:
                 self.proc.wait()
 
 
-def start_gateway(etcd_url: str, *, api_key: str = API_KEY, args: tuple[str, ...] = ()) -> Gateway:
-    port = free_port()
+def start_gateway(
+    etcd_url: str,
+    *,
+    api_key: str = API_KEY,
+    args: tuple[str, ...] = (),
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    verify: ssl.SSLContext | bool = True,
+) -> Gateway:
+    port = port or free_port()
     log = DATA_DIR.parent / f"{DATA_DIR.name}-gateway-{port}.log"
+    command = ["gateway", "--cluster", etcd_url, "--host", host, "--port", str(port), *args]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aenv.cli.main", "gateway", "--cluster", etcd_url, "--port", str(port), *args],
+        [sys.executable, "-m", "aenv.cli.main", *command],
         stdout=open(log, "ab"),
         stderr=subprocess.STDOUT,
         env={**os.environ, "AENV_API_KEY": api_key},
     )
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if '--tls-cert' in args else 'http'}://{host}:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"gateway exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return Gateway(url, proc)
+            if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
+                return Gateway(url, proc, verify)
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
@@ -104,7 +115,7 @@ def running_cluster(node_names: tuple[str, ...] = ("node-a", "node-b"), gateways
 def wait_for_nodes(gateway: Gateway, names: set[str], timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        listed = httpx.get(f"{gateway.url}/nodes", headers={"X-API-Key": API_KEY}).json()
+        listed = httpx.get(f"{gateway.url}/nodes", headers={"X-API-Key": API_KEY}, verify=gateway.verify).json()
         if {n["node_id"] for n in listed} == names:
             return
         assert time.monotonic() < deadline, f"the gateway lists {listed}, not {names}"
