@@ -60,7 +60,7 @@ def start_gateway(
         env={**os.environ, "AENV_API_KEY": api_key},
     )
     url = f"{'https' if '--tls-cert' in args else 'http'}://{host}:{port}"
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 90  # a loaded CI machine starts Python slowly
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"gateway exited with {proc.returncode}:\n{log.read_text()[-3000:]}")

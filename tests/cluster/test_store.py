@@ -66,7 +66,8 @@ async def test_lease_expiry_removes_a_node_within_its_ttl(store: ClusterStore) -
     start = time.monotonic()
     while {n.node_id for n in await store.nodes()} != {"kept"}:
         assert await store.keep_alive(kept)
-        assert time.monotonic() - start < 2 + 1.5, "an unrenewed lease outlived its TTL"
+        # etcd's leader checks expiries twice a second; a loaded machine adds a few seconds
+        assert time.monotonic() - start < 2 + 4, "an unrenewed lease outlived its TTL"
         await asyncio.sleep(0.2)
     # the renewed one outlives its TTL, and a lease that has expired says so
     await asyncio.sleep(0.5)
