@@ -21,6 +21,8 @@ import ssl
 import struct
 from pathlib import Path
 
+from starlette.responses import Response
+from starlette.types import Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from aenv.errors import InvalidRequest
@@ -90,3 +92,14 @@ def check_tls(cert: Path | None, key: Path | None) -> None:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as exc:
         raise InvalidRequest(f"cannot serve TLS with {cert} and {key}: {exc}") from None
+
+
+async def refuse_websocket(scope: Scope, send: Send, response: Response) -> None:
+    """Answer a refused upgrade with an HTTP response where the server can send one."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await send(
+            {"type": "websocket.http.response.start", "status": response.status_code, "headers": response.raw_headers}
+        )
+        await send({"type": "websocket.http.response.body", "body": response.body})
+    else:
+        await send({"type": "websocket.close", "code": 1011})

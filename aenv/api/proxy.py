@@ -22,6 +22,7 @@ from websockets.protocol import State
 from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
+from aenv.api.connections import refuse_websocket
 from aenv.channel import DATA, END, EOF, Item, Stream
 from aenv.errors import AenvError, AgentTimeout, RequestTimeout, error_body, snippet
 from aenv.node.service import NodeService, SandboxRecord
@@ -231,11 +232,11 @@ async def proxy_websocket(scope: Any, receive: Any, send: Any, node: NodeService
     rec = _record(node, sandbox_id)
     refusal = traffic_refusal(node, rec, scope["headers"])
     if refusal is not None:
-        await _refuse_websocket(scope, send, refusal)
+        await refuse_websocket(scope, send, refusal)
         return
     tunnel = await open_tunnel(node, sandbox_id, port)
     if isinstance(tunnel, Response):
-        await _refuse_websocket(scope, send, tunnel)
+        await refuse_websocket(scope, send, tunnel)
         return
     patience = node.settings.port_response_timeout
     path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
@@ -267,7 +268,7 @@ async def proxy_websocket(scope: Any, receive: Any, send: Any, node: NodeService
         await bridge.release()
         if isinstance(exc, TimeoutError):
             message = f"port {port} did not answer the WebSocket handshake within {patience:g}s"
-            await _refuse_websocket(scope, send, JSONResponse({"code": 504, "message": message}, status_code=504))
+            await refuse_websocket(scope, send, JSONResponse({"code": 504, "message": message}, status_code=504))
             return
         if isinstance(exc, ClientDisconnect):
             return
@@ -280,7 +281,7 @@ async def proxy_websocket(scope: Any, receive: Any, send: Any, node: NodeService
         elif answer is not None:  # it agreed, but to something the client did not ask for
             message = f"bad WebSocket handshake from port {port}: {snippet(str(upstream.handshake_exc))}"
             refusal = JSONResponse({"code": 502, "message": message}, status_code=502)
-        await _refuse_websocket(scope, send, refusal)
+        await refuse_websocket(scope, send, refusal)
         return
     await send({"type": "websocket.accept", "subprotocol": answer.headers.get("Sec-WebSocket-Protocol")})
     await bridge.run(receive)
@@ -296,17 +297,6 @@ WS_OWN_HEADERS = {
     "sec-websocket-protocol",
     "sec-websocket-accept",
 }
-
-
-async def _refuse_websocket(scope: Any, send: Any, response: Response) -> None:
-    """Answer a refused upgrade with an HTTP response where the server can send one."""
-    if "websocket.http.response" in scope.get("extensions", {}):
-        await send(
-            {"type": "websocket.http.response.start", "status": response.status_code, "headers": response.raw_headers}
-        )
-        await send({"type": "websocket.http.response.body", "body": response.body})
-    else:
-        await send({"type": "websocket.close", "code": 1011})
 
 
 async def _feed(upstream: ClientProtocol, tunnel: Stream) -> Item:

@@ -20,6 +20,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.frames import EXTERNAL_CLOSE_CODES
 from websockets.typing import Subprotocol
 
+from aenv.api.connections import refuse_websocket
 from aenv.cluster.entries import NodeEntry
 
 log = logging.getLogger("aenv.gateway")
@@ -157,14 +158,3 @@ class _Bridge:
             code = 1011
         with contextlib.suppress(Exception):
             await self.send({"type": "websocket.close", "code": code, "reason": reason})
-
-
-async def refuse_websocket(scope: Scope, send: Send, response: Response) -> None:
-    """Answer a refused upgrade with an HTTP response where the server can send one."""
-    if "websocket.http.response" in scope.get("extensions", {}):
-        await send(
-            {"type": "websocket.http.response.start", "status": response.status_code, "headers": response.raw_headers}
-        )
-        await send({"type": "websocket.http.response.body", "body": response.body})
-    else:
-        await send({"type": "websocket.close", "code": 1011})
