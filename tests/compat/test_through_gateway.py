@@ -3,8 +3,9 @@ nodes behind `aenv gateway`.
 
 Every test of test_python_sync.py (commands, PTY, background processes, files, watch, lists over
 both nodes, timeouts, pause and connect, port HTTP and WebSockets, secure sandboxes and signed
-URLs, auto-resume, snapshots, the SDK's errors), collected here a second time with
-``deployment`` pointing at the gateway (about 40 s). The other compat files pass through a
+URLs, auto-resume, snapshots, the SDK's errors), and the npm SDK's smoke test (create, commands,
+files, list, pause and connect, kill), collected here a second time with ``deployment`` pointing
+at the gateway (about 60 s). The other compat files pass through a
 gateway too but for what docs/cluster.md lists; run them so with ``AENV_COMPAT_URL=<gateway>``.
 """
 
@@ -17,6 +18,7 @@ import pytest
 
 from tests.cluster.cluster import running_cluster
 from tests.compat.conftest import Deployment
+from tests.compat.test_js_sdk import test_npm_sdk_smoke  # noqa: F401  (the npm SDK, through the gateway)
 from tests.compat.test_python_sync import (  # noqa: F401  (collected here again, through the gateway)
     sbx,
     test_commands_stream_and_report_exit_codes,
