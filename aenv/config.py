@@ -121,6 +121,11 @@ class Settings(BaseSettings):
     cluster: str | None = None
     advertise: str | None = None
     node_id: str | None = None
+    # PEM files for an etcds:// cluster: the members' CA (else the system's roots), and this node's
+    # certificate and key when etcd checks clients' certificates.
+    cluster_ca: str | None = None
+    cluster_cert: str | None = None
+    cluster_key: str | None = None
     cluster_lease_ttl: int = Field(10, ge=2, le=300)  # seconds a dead node stays registered
     # Seconds between two checks that the directory still gives this node its sandboxes (one read
     # of their entries, 64 to a transaction): a copy the directory gave to another node is killed.

@@ -102,7 +102,7 @@ def server(
     repo: str = typer.Option(
         None, "--repo", help="Snapshot repository: a path, s3://bucket/prefix or none [default: <data-dir>/repo]"
     ),
-    cluster: str = typer.Option(None, "--cluster", help="Join a cluster: etcd://H1:P1,H2:P2,... (docs/cluster.md)"),
+    cluster: str = typer.Option(None, "--cluster", help="Join a cluster: etcd[s]://H1:P1,H2:P2,... (docs/cluster.md)"),
     advertise: str = typer.Option(
         None, "--advertise", help="URL gateways reach this node at [default: http://host:port]"
     ),
@@ -133,7 +133,7 @@ def server(
 @app.command()
 def gateway(
     cluster: str = typer.Option(
-        None, "--cluster", help="The cluster's etcd: etcd://H1:P1,... [default: $AENV_CLUSTER]"
+        None, "--cluster", help="The cluster's etcd: etcd[s]://H1:P1,... [default: $AENV_CLUSTER]"
     ),
     host: str = typer.Option("127.0.0.1", help="Address to listen on"),
     port: int = typer.Option(8080, help="Port"),
@@ -152,7 +152,7 @@ def gateway(
     """Run a gateway: one URL in front of the cluster's nodes (docs/cluster.md)."""
     from aenv.api.connections import check_tls
     from aenv.cluster.gateway import GatewaySettings, check_domain, serve_gateway
-    from aenv.cluster.store import parse_cluster_url
+    from aenv.cluster.store import ClusterStore, EtcdTls
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded request otherwise
@@ -164,8 +164,9 @@ def gateway(
     if not api_key:  # the nodes' key: the gateway's own routes (the node list) need it too
         err.print("[red]error:[/red] AENV_API_KEY (the cluster's API key, as the nodes have it) is needed")
         raise typer.Exit(2)
+    cluster_tls = EtcdTls.from_env(os.environ)
     try:
-        parse_cluster_url(cluster)
+        ClusterStore.from_url(cluster, tls=cluster_tls)  # the URL and the TLS files checked (no connection yet)
         domain = check_domain(domain) if domain else None
         check_tls(tls_cert, tls_key)
     except AenvError as exc:
@@ -179,6 +180,7 @@ def gateway(
         domain=domain,
         tls_cert=str(tls_cert) if tls_cert else None,
         tls_key=str(tls_key) if tls_key else None,
+        cluster_tls=cluster_tls,
     )
     asyncio.run(serve_gateway(settings, host=host, port=port))
 

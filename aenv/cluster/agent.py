@@ -45,7 +45,7 @@ from aenv.cluster.entries import (
     check_id,
     key_matches,
 )
-from aenv.cluster.store import ClusterStore
+from aenv.cluster.store import ClusterStore, EtcdTls
 from aenv.config import Settings
 from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest, error_body
 from aenv.node.create_ids import KEEP_SECONDS
@@ -489,7 +489,8 @@ async def join_cluster(store: ClusterStore, node: Any, api_key: str) -> ClusterC
 async def start_agent(node: Any, settings: Settings, api_key: str) -> NodeAgent:
     """Join the cluster named by ``settings.cluster`` (raises ClusterUnavailable if out of reach)."""
     assert settings.cluster
-    store = ClusterStore.from_url(settings.cluster)
+    tls = EtcdTls(settings.cluster_ca, settings.cluster_cert, settings.cluster_key)
+    store = ClusterStore.from_url(settings.cluster, tls=tls)
     agent = NodeAgent(
         node,
         store,

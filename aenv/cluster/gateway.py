@@ -47,7 +47,7 @@ from aenv.cluster.entries import ID_PATTERN, ClusterConfig, NodeEntry, key_match
 from aenv.cluster.metrics import GatewayMetrics
 from aenv.cluster.mirror import Mirror
 from aenv.cluster.placement import Placement
-from aenv.cluster.store import ClusterStore
+from aenv.cluster.store import ClusterStore, EtcdTls
 from aenv.cluster.websocket import NODE_ID_HEADER, refuse_websocket, relay_websocket
 from aenv.dashboard import cluster as dashboard
 from aenv.errors import (
@@ -135,6 +135,7 @@ class GatewaySettings:
     domain: str | None = None
     tls_cert: str | None = None  # PEM files: the gateway serves HTTPS itself (else HTTP, e.g. behind a proxy)
     tls_key: str | None = None
+    cluster_tls: EtcdTls | None = None  # the files for an etcds:// cluster (AENV_CLUSTER_CA, _CERT, _KEY)
 
 
 class Gateway:
@@ -832,7 +833,7 @@ def _node_json(node: NodeEntry) -> dict[str, object]:
 
 
 def build_gateway(settings: GatewaySettings) -> Gateway:
-    return Gateway(settings, Mirror(ClusterStore.from_url(settings.cluster)))
+    return Gateway(settings, Mirror(ClusterStore.from_url(settings.cluster, tls=settings.cluster_tls)))
 
 
 async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keepalive: int = 610) -> None:

@@ -13,14 +13,17 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import aetcd
 import aetcd.exceptions
+import aetcd.rpc
 import aetcd.rtypes
+import aetcd.watcher
+import grpc
 
 from aenv.cluster.entries import (
     CONFIG_KEY,
@@ -49,6 +52,7 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = 2.0  # seconds any one call may take
 GETS_PER_TRANSACTION = 64  # etcd refuses transactions of more than 128 operations by default
 MAX_ENDPOINTS = 16
+MAX_PEM = 256 * 1024  # a CA bundle, a certificate chain or a key
 # etcd refuses a request on a member that has no leader when this metadata is set (instead of
 # holding it until an election that, without quorum, never comes).
 REQUIRE_LEADER = (("hasleader", "true"),)
@@ -72,11 +76,47 @@ class Endpoint:
     port: int
 
 
+@dataclass(frozen=True, slots=True)
+class EtcdTls:
+    """TLS to etcd (``etcds://``): PEM files of the CA that signed the members' certificates (the
+    system's roots without one) and, for etcd's --client-cert-auth, this process's certificate and
+    key."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> EtcdTls:
+        """AENV_CLUSTER_CA, AENV_CLUSTER_CERT, AENV_CLUSTER_KEY."""
+        return cls(*(environ.get(f"AENV_CLUSTER_{name}") or None for name in ("CA", "CERT", "KEY")))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The channel's credentials, the files read now (a missing one is a clear error at start)."""
+        if (self.cert is None) != (self.key is None):
+            raise InvalidRequest("a client certificate for etcd needs its key, and the key its certificate")
+        ca, cert, key = (_read_pem(path) for path in (self.ca, self.cert, self.key))
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def _read_pem(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PEM + 1)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read {path[:200]}: {exc.strerror}") from None
+    if len(data) > MAX_PEM or b"-----BEGIN " not in data:
+        raise InvalidRequest(f"{path[:200]} is not a PEM file of at most {MAX_PEM // 1024} KiB")
+    return data
+
+
 def parse_cluster_url(url: str) -> list[Endpoint]:
-    """``etcd://H1:P1,H2:P2,...`` (the port defaults to 2379) -> the member list."""
+    """``etcd://H1:P1,H2:P2,...`` (``etcds://`` for TLS; the port defaults to 2379) -> the member list."""
     parts = urlsplit(url)
-    if parts.scheme != "etcd" or not parts.netloc or parts.path not in ("", "/") or parts.query:
-        raise InvalidRequest(f"cluster URL must be etcd://HOST[:PORT][,HOST[:PORT]...], not {url[:200]!r}")
+    if parts.scheme not in ("etcd", "etcds") or not parts.netloc or parts.path not in ("", "/") or parts.query:
+        raise InvalidRequest(f"cluster URL must be etcd[s]://HOST[:PORT][,HOST[:PORT]...], not {url[:200]!r}")
     endpoints = [_endpoint(item) for item in parts.netloc.split(",") if item]
     if not endpoints or len(endpoints) > MAX_ENDPOINTS:
         raise InvalidRequest(f"cluster URL must name 1 to {MAX_ENDPOINTS} etcd members")
@@ -122,29 +162,58 @@ class Change:
 
 
 class _Client(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type hints
-    """aetcd's client, asking for a leader on every request (unary and watch)."""
+    """aetcd's client, asking for a leader on every request (unary and watch), over TLS when
+    given credentials (aetcd itself only opens plaintext channels)."""
+
+    def __init__(self, *, credentials: grpc.ChannelCredentials | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.credentials = credentials
 
     async def connect(self) -> None:
-        await super().connect()
+        if self.credentials is None or self._connected.is_set():
+            await super().connect()
+        else:
+            self._open_tls_channel()
         self.metadata = REQUIRE_LEADER
         if self._watcher is not None:
             self._watcher._metadata = REQUIRE_LEADER  # aetcd hands its watcher the metadata at connect
+
+    def _open_tls_channel(self) -> None:
+        """What aetcd's connect sets up (no etcd user login: TLS clients authenticate by their
+        certificate), on a secure channel."""
+        target = f"{self._host}:{self._port}"
+        self.channel = aetcd.rpc.secure_channel(target, self.credentials, options=self._options.items())
+        self.kvstub = aetcd.rpc.KVStub(self.channel)
+        self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+        self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+        self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout)
+        self._connected.set()
 
 
 class ClusterStore:
     """One connection to the etcd cluster. Safe to share between tasks of one event loop."""
 
-    def __init__(self, endpoints: list[Endpoint], *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self, endpoints: list[Endpoint], *, timeout: float = DEFAULT_TIMEOUT, tls: EtcdTls | None = None
+    ) -> None:
         if not endpoints:
             raise InvalidRequest("no etcd member given")
         self.endpoints = endpoints
         self.timeout = timeout
+        self.credentials = tls.credentials() if tls is not None else None
         self._client: _Client | None = None
         self._connecting = asyncio.Lock()
 
     @classmethod
-    def from_url(cls, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> ClusterStore:
-        return cls(parse_cluster_url(url), timeout=timeout)
+    def from_url(cls, url: str, *, timeout: float = DEFAULT_TIMEOUT, tls: EtcdTls | None = None) -> ClusterStore:
+        """A store for ``url``; ``etcds://`` speaks TLS (with ``tls``'s files, else the system's
+        roots). Files given for an ``etcd://`` URL are refused rather than silently unused."""
+        endpoints = parse_cluster_url(url)
+        secure = urlsplit(url).scheme == "etcds"
+        if not secure and tls is not None and tls != EtcdTls():
+            raise InvalidRequest("etcd TLS files (AENV_CLUSTER_CA, _CERT, _KEY) need an etcds:// cluster URL")
+        return cls(endpoints, timeout=timeout, tls=(tls or EtcdTls()) if secure else None)
 
     async def close(self) -> None:
         client, self._client = self._client, None
@@ -162,7 +231,12 @@ class ClusterStore:
                 # gRPC tries the members in order and moves on when one is down (pick_first).
                 # aetcd joins host and port into the gRPC target: split ours at its last port.
                 host, port = target.rsplit(":", 1)
-                self._client = _Client(host=host, port=int(port), timeout=self.timeout, options=CHANNEL_OPTIONS)
+                options = CHANNEL_OPTIONS
+                if self.credentials is not None:  # certificates name a member, not the gRPC target's list
+                    options = {**options, "grpc.ssl_target_name_override": self.endpoints[0].host}
+                self._client = _Client(
+                    host=host, port=int(port), timeout=self.timeout, options=options, credentials=self.credentials
+                )
             return self._client
 
     async def _target(self) -> str:

@@ -37,8 +37,9 @@ class Certificates:
     key: Path
 
 
-def make_certificates(directory: Path, domain: str) -> Certificates:
-    """A CA and a certificate for ``domain`` and ``*.domain`` signed by it (valid for a day)."""
+def make_certificates(directory: Path, domain: str, *, client: bool = False) -> Certificates:
+    """A CA and a certificate for ``domain`` and ``*.domain`` signed by it (valid for a day); with
+    ``client``, good for a client's authentication too (etcd's --client-cert-auth)."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"aenv test CA for {domain}")])
@@ -61,7 +62,7 @@ def make_certificates(directory: Path, domain: str) -> Certificates:
         .add_extension(x509.SubjectAlternativeName([x509.DNSName(domain), x509.DNSName(f"*.{domain}")]), False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_key_usage(signs=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(_usages(client)), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
@@ -72,6 +73,10 @@ def make_certificates(directory: Path, domain: str) -> Certificates:
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return paths
+
+
+def _usages(client: bool) -> list[x509.ObjectIdentifier]:
+    return [ExtendedKeyUsageOID.SERVER_AUTH, *([ExtendedKeyUsageOID.CLIENT_AUTH] if client else [])]
 
 
 def _valid(builder: x509.CertificateBuilder, now: datetime.datetime) -> x509.CertificateBuilder:

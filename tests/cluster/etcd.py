@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.cluster.domain import Certificates
 from tests.conftest import free_port
 
 START_TIMEOUT = 30.0
@@ -27,10 +29,11 @@ class Member:
     log: Path
     argv: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
+    tls: Certificates | None = None  # clients speak TLS and show a certificate of the same CA
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"https://localhost:{self.client_port}" if self.tls else f"http://127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -51,9 +54,16 @@ class Member:
                 self.proc.wait()
         self.proc = None
 
+    def _trust(self) -> ssl.SSLContext | bool:
+        if self.tls is None:
+            return True
+        context = ssl.create_default_context(cafile=self.tls.ca)
+        context.load_cert_chain(self.tls.cert, self.tls.key)
+        return context
+
     def healthy(self) -> bool:
         try:
-            r = httpx.get(f"{self.client_url}/health", timeout=1)
+            r = httpx.get(f"{self.client_url}/health", timeout=1, verify=self._trust())
             return r.status_code == 200 and r.json().get("health") == "true"
         except (httpx.HTTPError, ValueError):
             return False
@@ -63,20 +73,24 @@ class EtcdCluster:
     """``size`` etcd members on free loopback ports, data in a temp dir (tmpfs when there is one:
     fsyncs on a shared disk make elections slow)."""
 
-    def __init__(self, size: int = 3) -> None:
+    def __init__(self, size: int = 3, *, tls: Certificates | None = None) -> None:
+        """With ``tls`` (a certificate for localhost, good for clients too), the members serve
+        clients over TLS only and ask for a client certificate of the same CA."""
         root = "/dev/shm" if Path("/dev/shm").is_dir() else None
         self.dir = Path(tempfile.mkdtemp(prefix="aenv-etcd-", dir=root))
         token = uuid.uuid4().hex
         self.members = [
-            Member(f"m{i}", free_port(), free_port(), self.dir / f"m{i}", self.dir / f"m{i}.log") for i in range(size)
+            Member(f"m{i}", free_port(), free_port(), self.dir / f"m{i}", self.dir / f"m{i}.log", tls=tls)
+            for i in range(size)
         ]
+        self.tls = tls
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for m in self.members:
             m.argv = [
                 "etcd",
                 f"--name={m.name}",
                 f"--data-dir={m.data_dir}",
-                f"--listen-client-urls={m.client_url}",
+                f"--listen-client-urls={m.client_url.replace('localhost', '127.0.0.1')}",
                 f"--advertise-client-urls={m.client_url}",
                 f"--listen-peer-urls={m.peer_url}",
                 f"--initial-advertise-peer-urls={m.peer_url}",
@@ -86,9 +100,18 @@ class EtcdCluster:
                 "--logger=zap",
                 "--log-level=warn",
             ]
+            if tls is not None:
+                m.argv += [
+                    f"--cert-file={tls.cert}",
+                    f"--key-file={tls.key}",
+                    f"--trusted-ca-file={tls.ca}",
+                    "--client-cert-auth",
+                ]
 
     @property
     def url(self) -> str:
+        if self.tls is not None:  # by the name the certificate holds
+            return "etcds://" + ",".join(f"localhost:{m.client_port}" for m in self.members)
         return "etcd://" + ",".join(f"127.0.0.1:{m.client_port}" for m in self.members)
 
     def start(self) -> None:

@@ -1,0 +1,106 @@
+"""etcd over TLS (``etcds://``): a 3-member etcd that serves clients over TLS only and asks for a
+client certificate; a store, a node and a gateway join with the CA and a certificate
+(AENV_CLUSTER_CA, AENV_CLUSTER_CERT, AENV_CLUSTER_KEY); a client without the CA, without a
+certificate, or speaking plaintext is refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from aenv.cluster.entries import SandboxEntry
+from aenv.cluster.store import ClusterStore, EtcdTls
+from aenv.errors import ClusterUnavailable, InvalidRequest
+from tests.cluster.cluster import start_gateway, wait_for_nodes
+from tests.cluster.conftest import require_etcd
+from tests.cluster.domain import Certificates, make_certificates
+from tests.cluster.etcd import EtcdCluster
+from tests.cluster.nodes import start_node
+from tests.conftest import API_KEY, Server
+
+
+@pytest.fixture()
+def certificates(tmp_path: Path) -> Certificates:
+    return make_certificates(tmp_path, "localhost", client=True)
+
+
+@pytest.fixture()
+def tls_etcd(certificates: Certificates) -> Iterator[EtcdCluster]:
+    require_etcd()
+    cluster = EtcdCluster(3, tls=certificates)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def files(c: Certificates) -> EtcdTls:
+    return EtcdTls(str(c.ca), str(c.cert), str(c.key))
+
+
+def env_of(c: Certificates) -> dict[str, str]:
+    return {"AENV_CLUSTER_CA": str(c.ca), "AENV_CLUSTER_CERT": str(c.cert), "AENV_CLUSTER_KEY": str(c.key)}
+
+
+async def test_a_store_speaks_tls_with_the_ca_and_is_refused_without(
+    tls_etcd: EtcdCluster, certificates: Certificates
+) -> None:
+    store = ClusterStore.from_url(tls_etcd.url, tls=files(certificates), timeout=3)
+    try:
+        entry = SandboxEntry(sandbox_id="tls1", node_id="n1", state="running")
+        assert (await store.create_sandbox(entry)).ok
+        got = await store.get_sandbox("tls1")
+        assert got is not None and got.entry == entry
+    finally:
+        await store.close()
+    plaintext = tls_etcd.url.replace("etcds://", "etcd://")
+    refused = [
+        ClusterStore.from_url(tls_etcd.url, tls=EtcdTls(), timeout=1),  # the system's roots: not our CA
+        ClusterStore.from_url(tls_etcd.url, tls=EtcdTls(ca=str(certificates.ca)), timeout=1),  # no certificate
+        ClusterStore.from_url(plaintext, timeout=1),  # plaintext to a TLS port
+    ]
+    for other in refused:
+        try:
+            with pytest.raises(ClusterUnavailable):
+                await other.get_sandbox("tls1")
+        finally:
+            await other.close()
+
+
+def test_tls_files_are_checked_before_any_connection(certificates: Certificates, tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match="etcds://"):  # files for a plaintext URL: not silently unused
+        ClusterStore.from_url("etcd://127.0.0.1:2379", tls=files(certificates))
+    with pytest.raises(InvalidRequest, match="cannot read"):
+        ClusterStore.from_url("etcds://127.0.0.1:2379", tls=EtcdTls(ca=str(tmp_path / "missing.pem")))
+    with pytest.raises(InvalidRequest, match="its key"):
+        ClusterStore.from_url("etcds://127.0.0.1:2379", tls=EtcdTls(cert=str(certificates.cert)))
+    (tmp_path / "junk.pem").write_bytes(b"not a certificate")
+    with pytest.raises(InvalidRequest, match="PEM"):
+        ClusterStore.from_url("etcds://127.0.0.1:2379", tls=EtcdTls(ca=str(tmp_path / "junk.pem")))
+
+
+@pytest.mark.sandbox
+def test_a_node_and_a_gateway_join_over_tls(
+    server: Server, tls_etcd: EtcdCluster, certificates: Certificates, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = start_node(tls_etcd.url, "node-tls", extra_env=env_of(certificates))
+    try:
+        for key, value in env_of(certificates).items():  # the gateway's environment is this one's
+            monkeypatch.setenv(key, value)
+        gateway = start_gateway(tls_etcd.url)
+        try:
+            wait_for_nodes(gateway, {"node-tls"})
+            with httpx.Client(base_url=gateway.url, headers={"X-API-Key": API_KEY}, timeout=120) as api:
+                r = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+                assert r.status_code == 201, r.text
+                sandbox_id = r.json()["sandboxID"]
+                assert api.get(f"/sandboxes/{sandbox_id}").json()["nodeID"] == "node-tls"
+                assert api.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+        finally:
+            gateway.stop()
+    finally:
+        node.stop()
