@@ -207,7 +207,7 @@ def parse_metadata_query(raw: str | None) -> dict[str, str]:
     return out
 
 
-def _states(values: list[str]) -> set[str] | None:
+def parse_states(values: list[str]) -> set[str] | None:
     states = {s.strip() for v in values for s in v.split(",") if s.strip()}
     allowed = {"running", "paused", "creating", "pausing", "resuming", "snapshotting", "forking", "killing"}
     bad = states - allowed
@@ -232,7 +232,7 @@ async def list_v2(
     if order not in ("asc", "desc"):
         raise InvalidRequest(f"Invalid order parameter: unknown order '{order[:32]}'")
     pages = listing.SANDBOXES_OLDEST_FIRST if order == "asc" else listing.SANDBOXES_NEWEST_FIRST
-    states = _states(state)
+    states = parse_states(state)
     items = node.list(states=states, metadata=parse_metadata_query(metadata))
     if started_after is not None:
         bound = listing.parse_time(started_after, "startedAfter")

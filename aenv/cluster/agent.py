@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse
 
 from aenv import __version__
 from aenv.api.app import sandbox_target
+from aenv.api.schemas import sandbox_detail
 from aenv.cluster.entries import (
     MAX_CACHED_NAME,
     MAX_CACHED_NAMES,
@@ -43,11 +44,12 @@ from aenv.cluster.entries import (
     api_key_digest,
     bounded_metadata,
     check_id,
+    encode,
     key_matches,
 )
 from aenv.cluster.store import ClusterStore, EtcdTls
 from aenv.config import Settings
-from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest, error_body
+from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest, TemplateNotFound, error_body
 from aenv.node.create_ids import KEEP_SECONDS
 from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxState
 
@@ -56,6 +58,7 @@ log = logging.getLogger("aenv.cluster.agent")
 OWNERSHIP_PATH = re.compile(r"(?:/v2)?/sandboxes/(?P<id>[^/]+)/(?P<op>pause|resume|connect)")
 WRITES_IN_FLIGHT = 16  # directory writes one sync has outstanding (a burst of creates lands at once)
 HELD_REFRESH = 5.0  # seconds between looks at which templates and snapshots are on the node's disk
+MAX_TEMPLATE_NAMES = 8  # a sandbox entry's names of its template (id, name, aliases)
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -346,7 +349,7 @@ class NodeAgent:
                 continue
             rec = sb.rec
             metadata, omitted = bounded_metadata(rec.metadata)
-            out[sb.id] = SandboxEntry(
+            entry = SandboxEntry(
                 sandbox_id=sb.id,
                 node_id=self.node_id,
                 state=PUBLIC_STATE[sb.state],
@@ -356,8 +359,30 @@ class NodeAgent:
                 end_at=rec.end_at,
                 metadata=metadata,
                 metadata_omitted=omitted,
+                listed=self._listed(sb),
+                template_names=self._template_names(rec.template_id),
             )
+            out[sb.id] = entry if _fits(entry) else replace(entry, listed={})  # routing needs the entry
         return out
+
+    def _listed(self, sb: LiveSandbox) -> dict[str, object]:
+        """The node's list item for ``sb`` without what the entry keeps apart or must not hold:
+        metadata, tokens (the gateway derives them from the cluster secret; it is told which the
+        sandbox has), the domain."""
+        item = sandbox_detail(self.node, sb, None)
+        item["secure"] = item.pop("envdAccessToken", None) is not None
+        item["private"] = item.pop("trafficAccessToken", None) is not None
+        for key in ("metadata", "domain", "sandboxID"):
+            item.pop(key, None)
+        return item
+
+    def _template_names(self, template: str) -> list[str]:
+        try:
+            found = self.node.find_template(template)
+        except TemplateNotFound:  # the list's filter compares the name the sandbox records
+            return [template] if len(template) <= MAX_CACHED_NAME else []
+        names = [found.id, found.name, *found.aliases]
+        return [n for n in dict.fromkeys(names) if len(n) <= MAX_CACHED_NAME][:MAX_TEMPLATE_NAMES]
 
     async def sync(self) -> None:
         """Bring this node's directory entries in line with its sandboxes (one CAS each change)."""
@@ -421,6 +446,14 @@ async def _bounded_gather(calls: list[Awaitable[None]], limit: int) -> None:
     for result in results:
         if isinstance(result, BaseException):
             raise result
+
+
+def _fits(entry: SandboxEntry) -> bool:
+    try:
+        encode(entry)
+    except EntryError:
+        return False
+    return True
 
 
 def _with_epoch(entry: SandboxEntry, epoch: int) -> SandboxEntry:

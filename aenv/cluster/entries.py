@@ -137,6 +137,17 @@ class SandboxEntry:
     end_at: float = 0.0
     metadata: dict[str, str] = field(default_factory=dict)
     metadata_omitted: bool = False  # the sandbox has metadata too large for its entry
+    # What the node's list shows for the sandbox (E2B's ListedSandbox: state, limits, lifecycle,
+    # network, aenvState, ...) but its metadata (above), tokens and domain (the gateway's to add):
+    # gateways answer lists from it. Empty when it did not fit, or from a node of an older version.
+    listed: dict[str, object] = field(default_factory=dict)
+    # The sandbox's template by every name a list's ``template`` filter may use (id, name, aliases).
+    template_names: list[str] = field(default_factory=list)
+
+    @property
+    def listable(self) -> bool:
+        """Whether a list can be answered from this entry alone."""
+        return bool(self.listed) and not self.metadata_omitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +206,8 @@ def _check_types(entry: Entry) -> None:
         check_id(entry.node_id, "node id")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in entry.metadata.items()):
             raise EntryError("SandboxEntry.metadata is not a map of strings")
+        if not all(isinstance(name, str) for name in entry.template_names):
+            raise EntryError("SandboxEntry.template_names is not a list of strings")
     elif isinstance(entry, NodeEntry):
         check_id(entry.node_id, "node id")
         if len(entry.cached) > MAX_CACHED_NAMES or not all(
@@ -216,6 +229,7 @@ _PY_TYPES: dict[str, type] = {
     "float": float,
     "bool": bool,
     "dict[str, str]": dict,
+    "dict[str, object]": dict,
     "list[str]": list,
 }
 

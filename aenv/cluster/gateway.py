@@ -43,7 +43,9 @@ from aenv.api import connections, envd, listing
 from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
 from aenv.api.listing import short_sandbox_id
 from aenv.api.proxy import sandbox_gone
-from aenv.cluster.entries import ID_PATTERN, ClusterConfig, NodeEntry, key_matches
+from aenv.cluster import lists
+from aenv.cluster.entries import ID_PATTERN, ClusterConfig, NodeEntry, SandboxEntry, key_matches
+from aenv.cluster.lists import ListQuery
 from aenv.cluster.metrics import GatewayMetrics
 from aenv.cluster.mirror import Mirror
 from aenv.cluster.placement import Placement
@@ -104,6 +106,9 @@ MAX_HINTS = 100_000
 HINT_SECONDS = 60.0
 SNAPSHOT_HINT_SECONDS = 600.0  # a snapshot's commit to the repository may take minutes
 STARTUP_WAIT = 10.0
+SETTLE_SECONDS = 5.0  # how long a list waits for a change made through this gateway, at most
+LIST_SETTLE = 2.0  # seconds one list waits for the directory to show such changes
+PRESENT, GONE = "present", "gone"
 LIST_TIMEOUT = 30.0  # seconds the gateway waits for its first read of the directory
 
 
@@ -150,6 +155,8 @@ class Gateway:
         self.placement = Placement()  # creates this gateway sent that the nodes' entries may not show yet
         # sandbox id -> node id from creates this gateway forwarded, until the directory has them
         self.hints: dict[str, tuple[str, float]] = {}
+        # sandbox id -> what the directory should show after a change forwarded here (lists wait for it)
+        self.expected: dict[str, tuple[str, float]] = {}
         # snapshot id -> node id for snapshots made through this gateway (creates from one go there)
         self.made_on: dict[str, tuple[str, float]] = {}
         self.building: dict[str, tuple[str, float]] = {}  # template id -> the node building it
@@ -251,8 +258,12 @@ class Gateway:
             if method == "POST" and path.endswith("/snapshots"):
                 return await self.answered(request, node, self._note_snapshot)
             if self.settings.domain and method == "POST" and SANDBOX_ANSWER.match(path):
-                return await self.answered(request, node)  # its "domain" is the gateway's
-            return await self.forward(request, node)
+                answer = await self.answered(request, node)  # its "domain" is the gateway's
+                self._note_change(method, path, match["id"], answer.status_code)
+                return answer
+            relay = await self.forward(request, node)
+            self._note_change(method, path, match["id"], relay.upstream.status_code)
+            return relay
         if method == "POST" and path in ("/sandboxes", "/v2/sandboxes"):
             scope[ROUTE_SCOPE] = "create"
             return await self.create(request)
@@ -409,6 +420,61 @@ class Gateway:
 
     # -- lists ---------------------------------------------------------------------------------------------
     async def list_sandboxes(self, request: Request, *, paginated: bool) -> Response:
+        """A list, from the mirror while it follows etcd and every live node's entries carry their
+        list items (see aenv/cluster/lists.py): no node is asked, so a slow or stopped one delays
+        nothing. Otherwise (the watch down, a node of an older version, metadata too large for an
+        entry) every node is asked. Changes made through this gateway show in the next list: it
+        waits (briefly) for the directory to have them."""
+        query = ListQuery.of(request, paginated=paginated, limit=_limit_of(request) if paginated else 0)
+        if query.token:
+            query.order.cursor(query.token)  # a bad token is the client's 400, whatever the nodes
+        config = await self.cluster_config() if self.mirror.connected else None
+        if config is None:
+            return await self._list_from_nodes(request, paginated=paginated)
+        await self._settle()
+        entries = self._listable_entries()
+        if entries is None:
+            return await self._list_from_nodes(request, paginated=paginated)
+        items, headers = lists.answer(query, entries, config.secret.encode(), self.settings.domain)
+        return JSONResponse(items, headers=headers)
+
+    def _listable_entries(self) -> list[SandboxEntry] | None:
+        """The live nodes' sandboxes' entries, if each can be listed from its entry alone."""
+        live = [e for e in self.mirror.sandboxes.values() if e.node_id in self.mirror.nodes]
+        return live if all(e.listable for e in live) else None
+
+    def _expect(self, sandbox_id: str, outcome: str) -> None:
+        """Lists wait for the directory to show ``outcome`` of a change this gateway forwarded
+        (PRESENT, GONE or the sandbox's aenvState)."""
+        _note(self.expected, sandbox_id, outcome, SETTLE_SECONDS)
+
+    def _shown(self, sandbox_id: str, outcome: str) -> bool:
+        entry = self.mirror.sandboxes.get(sandbox_id)
+        if outcome == GONE:
+            return entry is None
+        return entry is not None and (outcome == PRESENT or entry.listed.get("aenvState") == outcome)
+
+    async def _settle(self) -> None:
+        now = time.monotonic()
+        for sandbox_id, (outcome, at) in list(self.expected.items()):
+            if now - at > SETTLE_SECONDS or self._shown(sandbox_id, outcome):
+                del self.expected[sandbox_id]
+        if self.expected:
+            pending = list(self.expected.items())
+            await self.mirror.wait_for(lambda _: all(self._shown(i, o) for i, (o, _) in pending), LIST_SETTLE)
+
+    def _note_change(self, method: str, path: str, sandbox_id: str, status: int) -> None:
+        if not 200 <= status < 300:
+            return
+        sandbox_id = short_sandbox_id(sandbox_id)  # answered 2xx: a valid id, perhaps with its client id
+        if method == "DELETE" and SANDBOX_INFO.match(path):
+            self._expect(sandbox_id, GONE)
+        elif method == "POST" and path.endswith("/pause"):
+            self._expect(sandbox_id, "paused")
+        elif method == "POST" and path.endswith(("/resume", "/connect")):
+            self._expect(sandbox_id, "running")
+
+    async def _list_from_nodes(self, request: Request, *, paginated: bool) -> Response:
         """Every node's list, merged. v1: the nodes' running sandboxes as one array. v2: one node's
         contract over the cluster. Each node is asked for its first ``limit`` items after the
         client's ``nextToken`` (a position, start time and id, which every node reads alike),
@@ -426,9 +492,6 @@ class Gateway:
             else listing.SANDBOXES_NEWEST_FIRST
         )
         limit = _limit_of(request) if paginated else 0
-        token = request.query_params.get("nextToken")
-        if paginated and token:
-            order.cursor(token)  # a bad token is the client's 400, whatever the nodes
         pages = await asyncio.gather(*(self._node_page(request, n, path) for n in nodes))
         items = [item for page in pages for item in page.items]
         self._stamp_domain(items)
@@ -559,6 +622,7 @@ class Gateway:
         """The node's directory write may land after the client's next request: bridge it."""
         if isinstance(sandbox_id, str):
             _note(self.hints, sandbox_id, node.node_id, HINT_SECONDS)
+            self._expect(sandbox_id, PRESENT)
 
     async def answered(
         self, request: Request, node: NodeEntry, note: Callable[[object, NodeEntry], None] | None = None

@@ -5,8 +5,11 @@ orders, filters, `X-Total-Running`; a token any node would take."""
 from __future__ import annotations
 
 import base64
+import os
+import signal
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -77,3 +80,64 @@ def test_pages_stay_put_while_sandboxes_come_and_go(cluster: Cluster, order: str
         finally:
             for sid in made:
                 api.delete(f"/sandboxes/{sid}")
+
+
+def test_lists_come_from_the_directory_as_the_nodes_list_them(cluster: Cluster) -> None:
+    """The gateway answers from its mirror: items equal to the nodes' own list items, and a list
+    with one node stopped (SIGSTOP, within its lease) answers at once, that node's sandboxes in it."""
+    run = uuid.uuid4().hex[:8]
+    made: list[str] = []
+    with cluster.api() as api:
+        try:
+            for _ in range(4):
+                r = api.post("/sandboxes", json={"templateID": "base", "timeout": 120, "metadata": {"suite": run}})
+                assert r.status_code == 201, r.text
+                made.append(r.json()["sandboxID"])
+            assert api.post(f"/sandboxes/{made[0]}/pause").status_code == 204
+            from_nodes = []
+            for node in cluster.nodes.values():
+                with node.client() as direct:
+                    from_nodes += direct.get("/v2/sandboxes", params={"metadata": f"suite={run}"}).json()
+            assert {item["nodeID"] for item in map(info_of(api), made)} == set(cluster.nodes)
+            listed = page(api, run, 100)
+            by_id = {item["sandboxID"]: item for item in from_nodes}
+            assert {item["sandboxID"]: item for item in listed.json()} == by_id  # field for field
+            assert listed.headers["x-total-running"] == "3"
+            assert ids(page(api, run, 10, state="paused")) == [made[0]]
+            assert ids(page(api, run, 10, template="base")) == ids(listed)
+            stopped = next(iter(cluster.nodes.values()))
+            os.kill(stopped.proc.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                again = page(api, run, 100)
+                v1 = api.get("/sandboxes", params={"metadata": f"suite={run}"})
+                elapsed = time.monotonic() - started
+            finally:
+                os.kill(stopped.proc.pid, signal.SIGCONT)
+            assert elapsed < 2, elapsed
+            assert again.json() == listed.json()
+            assert sorted(i["sandboxID"] for i in v1.json()) == sorted(made[1:])  # v1: the running ones
+        finally:
+            for sid in made:
+                api.delete(f"/sandboxes/{sid}")
+
+
+def info_of(api: httpx.Client) -> Callable[[str], dict[str, str]]:
+    return lambda sid: api.get(f"/sandboxes/{sid}").json()
+
+
+def test_a_sandbox_whose_metadata_outgrows_its_entry_is_still_listed(cluster: Cluster) -> None:
+    """Metadata too large for a directory entry: the list asks the nodes, and is the same list."""
+    run = uuid.uuid4().hex[:8]
+    metadata = {"suite": run, "big": "x" * 9000}
+    with cluster.api() as api:
+        r = api.post("/sandboxes", json={"templateID": "base", "timeout": 120, "metadata": metadata})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        try:
+            listed = page(api, run, 10)
+            assert ids(listed) == [sid] and listed.json()[0]["metadata"] == metadata
+            assert listed.headers["x-total-running"] == "1"
+            assert ids(page(api, run, 10, state="paused")) == []
+        finally:
+            api.delete(f"/sandboxes/{sid}")
