@@ -117,6 +117,14 @@ def test_lists_come_from_the_directory_as_the_nodes_list_them(cluster: Cluster) 
             assert elapsed < 2, elapsed
             assert again.json() == listed.json()
             assert sorted(i["sandboxID"] for i in v1.json()) == sorted(made[1:])  # v1: the running ones
+            # changes made through the gateway show in its next list (it waits for the directory)
+            assert api.delete(f"/sandboxes/{made[1]}").status_code == 204
+            assert api.post(f"/sandboxes/{made[2]}/pause").status_code == 204
+            assert api.post(f"/sandboxes/{made[0]}/connect", json={"timeout": 120}).status_code in (200, 201)
+            after = page(api, run, 100)
+            assert sorted(ids(after)) == sorted([made[0], made[2], made[3]])
+            assert {i["sandboxID"]: i["state"] for i in after.json()}[made[2]] == "paused"
+            assert after.headers["x-total-running"] == "2"
         finally:
             for sid in made:
                 api.delete(f"/sandboxes/{sid}")
