@@ -5,6 +5,9 @@ certificate, or speaking plaintext is refused."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,3 +107,25 @@ def test_a_node_and_a_gateway_join_over_tls(
             gateway.stop()
     finally:
         node.stop()
+
+
+@pytest.mark.parametrize(
+    ("url", "env", "says"),
+    [
+        ("etcd://127.0.0.1:1", {"AENV_CLUSTER_CA": "{ca}"}, "need an etcds:// cluster URL"),
+        ("etcds://127.0.0.1:1", {"AENV_CLUSTER_CA": "{missing}"}, "cannot read"),
+        ("etcds://127.0.0.1:1", {"AENV_CLUSTER_KEY": "{key}"}, "needs its key"),
+    ],
+)
+def test_the_gateway_refuses_bad_etcd_tls_settings_at_start(
+    url: str, env: dict[str, str], says: str, certificates: Certificates, tmp_path: Path
+) -> None:
+    names = {"ca": certificates.ca, "key": certificates.key, "missing": tmp_path / "nope.pem"}
+    done = subprocess.run(
+        [sys.executable, "-m", "aenv.cli.main", "gateway", "--cluster", url],
+        env={**os.environ, "AENV_API_KEY": API_KEY, **{k: v.format(**names) for k, v in env.items()}},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and says in " ".join(done.stderr.split()), done.stderr[-2000:]
