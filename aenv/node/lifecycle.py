@@ -241,7 +241,9 @@ class Lifecycle:
             sb.rec.image = image
             sb.rec.filesystem_only = not keep_memory
             sb.rec.paused_at = time.time()
+            sb.rec.durable_at = 0.0
             await self._set_state(sb, S.PAUSED)
+            self.artifacts.commit_pause_later(sb)  # not waited for: the pause is done locally
             if not keep_memory:
                 # Not checkpointed, the instance runs (its agent idle) until torn down; answer once
                 # it is gone. A resume waits for it too, should this wait be cut short.
@@ -267,7 +269,9 @@ class Lifecycle:
                 return sb.rec, False
             await self._set_state(sb, S.RESUMING, persist=False)
             try:
+                await self.artifacts.release_pause(sb)
                 await self.files.mount(sb.rec.upper, writable=True)
+                await self.files.remount(sb.rec.upper, writable=True)  # read-only while it was committed
                 if sb.rec.filesystem_only or not memory:
                     await self.settled([sb.rec.upper])  # the instance it paused
                     await self._boot_into(sb)
@@ -278,10 +282,14 @@ class Lifecycle:
             except BaseException:
                 if sb.killer is None:
                     await self._set_state(sb, S.PAUSED, persist=False)
+                    self.artifacts.commit_pause_later(sb)  # if the resume abandoned it
                 raise
             self.files.remove_image(sb.rec.image)
             sb.rec.image = ""
             sb.rec.filesystem_only = False
+            if sb.rec.durable_at:
+                sb.rec.durable_at = 0.0
+                self.spawn(self.artifacts.forget_pause(sb.id))  # it runs here now
             sb.rec.end_at = time.time() + timeout_s
             await self._set_state(sb, S.RUNNING)
             return sb.rec, True
@@ -545,6 +553,8 @@ class Lifecycle:
             self.files.remove_image(image)
 
         self._stop_instance(sb, f"sandbox {sb.id} was killed", then=release)
+        if sb.rec.durable_at:
+            self.spawn(self.artifacts.forget_pause(sb.id))
         await self._set_state(sb, S.KILLED, persist=False)
         self.sandboxes.pop(sb.id, None)
         await self.store.delete_sandbox(sb.id)

@@ -34,7 +34,7 @@ from aenv.node.records import Records
 from aenv.node.sandbox import LiveSandbox
 from aenv.node.service import CachedArtifacts
 from aenv.node.state import SandboxState
-from aenv.node.store import SnapshotRecord, Store, TemplateRecord
+from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.node.usage import UsageHistory
 from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
@@ -251,6 +251,9 @@ class Node(Lifecycle, Instances, Records):
             "cacheBytes": await housekeeping.cache_bytes(self),
             "cacheBudgetBytes": self.settings.layer_cache_mb * 2**20,
         }
+
+    def durable_reason(self, rec: SandboxRecord) -> str:
+        return self.artifacts.durable_reason(rec)
 
     async def gc_repository(self) -> dict[str, Any]:
         if self.artifacts.repo is None:

@@ -170,6 +170,10 @@ class NodeService(Protocol):
 
     async def repository_status(self) -> dict[str, Any]: ...
 
+    def durable_reason(self, rec: SandboxRecord) -> str:
+        """Why a paused sandbox stays on this node ("" if its pause is, or is being made, durable)."""
+        ...
+
     async def gc_repository(self) -> dict[str, Any]: ...
 
     # -- the cluster agent's hooks -------------------------------------------------------------------
