@@ -47,7 +47,7 @@ from aenv.cluster.entries import (
 )
 from aenv.cluster.store import ClusterStore
 from aenv.config import Settings
-from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest, error_body
+from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest, WrongState, error_body
 from aenv.node.create_ids import KEEP_SECONDS
 from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxState
 
@@ -94,6 +94,7 @@ class NodeAgent:
         self._kills: set[asyncio.Task[None]] = set()
         self._held: list[str] = []  # templates and snapshots on this node's disk (see NodeEntry.cached)
         self._held_at = -HELD_REFRESH
+        self._adoptions: dict[str, asyncio.Future[None]] = {}  # durably paused sandboxes being taken over
 
     # -- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -106,6 +107,7 @@ class NodeAgent:
         self.node.state_listeners.append(self._changed)
         self.node.admission_checks.append(self.admit)
         self.node.create_ids.claims = self
+        self.node.adopter = self.adopt
         self._task = asyncio.create_task(self._run(), name="cluster-agent")
 
     async def stop(self) -> None:
@@ -117,6 +119,8 @@ class NodeAgent:
             self.node.admission_checks.remove(self.admit)
         if self.node.create_ids.claims is self:
             self.node.create_ids.claims = None
+        if self.node.adopter == self.adopt:
+            self.node.adopter = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -294,11 +298,44 @@ class NodeAgent:
 
     async def _kill_stale(self, sandbox_id: str) -> None:
         try:
-            await self.node.kill(sandbox_id)
+            await self.node.let_go(sandbox_id)
         except Exception as exc:  # gone already, or its kill failed (logged by the node)
             log.warning("killing the stale copy of sandbox %s: %r", sandbox_id, exc)
         finally:
             self.killing.discard(sandbox_id)
+
+    # -- durably paused sandboxes of lost nodes ----------------------------------------------------------
+    async def adopt(self, sandbox_id: str) -> None:
+        """A resume here names a sandbox this node does not hold: if the directory says it is
+        durably paused on a node that is gone, take it over (concurrent resumes join)."""
+        running = self._adoptions.get(sandbox_id)
+        if running is None:
+            running = asyncio.ensure_future(self._adopt(sandbox_id))
+            self._adoptions[sandbox_id] = running
+            running.add_done_callback(lambda _: self._adoptions.pop(sandbox_id, None))
+        await asyncio.shield(running)
+
+    async def _adopt(self, sandbox_id: str) -> None:
+        try:
+            current = await self.store.get_sandbox(sandbox_id)
+        except EntryError:
+            return  # not a sandbox id: the node's own answer (not found)
+        entry = current.entry if current is not None else None
+        if entry is None or entry.node_id == self.node_id or not (entry.durable and entry.state == "paused"):
+            return
+        if any(n.node_id == entry.node_id for n in await self.store.nodes()):
+            return  # its node is up: the sandbox is that node's to resume
+        # Fetch first, claim after: the directory moves the sandbox only once this node can serve it.
+        await self.node.adopt_paused(sandbox_id)
+        result = await self.store.claim_sandbox(sandbox_id, self.node_id, epoch=entry.epoch, from_lost=entry.node_id)
+        if result.ok and result.current is not None:
+            self.written[sandbox_id] = result.current
+            self.foreign.discard(sandbox_id)
+            log.info("took over sandbox %s, durably paused on lost node %s", sandbox_id, entry.node_id)
+            return
+        await self.node.let_go(sandbox_id)
+        winner = result.current.entry.node_id if result.current is not None else "none"
+        raise WrongState(f"sandbox {sandbox_id} was taken over by node {winner} meanwhile", sandbox_id=sandbox_id)
 
     # -- create ids (aenv.node.create_ids.Claims) -------------------------------------------------------
     async def claim(self, create_id: str) -> None:
@@ -356,6 +393,7 @@ class NodeAgent:
                 end_at=rec.end_at,
                 metadata=metadata,
                 metadata_omitted=omitted,
+                durable=sb.state == SandboxState.PAUSED and bool(rec.durable_at),
             )
         return out
 

@@ -137,6 +137,8 @@ class SandboxEntry:
     end_at: float = 0.0
     metadata: dict[str, str] = field(default_factory=dict)
     metadata_omitted: bool = False  # the sandbox has metadata too large for its entry
+    # Paused, and the pause is in the snapshot repository: if its node is lost, another takes it.
+    durable: bool = False
 
 
 @dataclass(frozen=True, slots=True)

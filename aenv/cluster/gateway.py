@@ -242,7 +242,7 @@ class Gateway:
         match = SANDBOX_PATH.match(path)
         if match:
             scope[ROUTE_SCOPE] = "sandbox"
-            node = await self.owner(match["id"], scope)
+            node = await self.owner(match["id"], scope, resume=method == "POST" and bool(SANDBOX_ANSWER.match(path)))
             if method == "GET" and SANDBOX_INFO.match(path):
                 return await self.answered(request, node, _note_node)
             if method == "POST" and path.endswith("/fork"):
@@ -364,9 +364,11 @@ class Gateway:
             raise Unauthenticated("invalid or missing API key (X-API-Key header)")
 
     # -- where a request goes -------------------------------------------------------------------------
-    async def owner(self, sandbox_id: str, scope: Scope) -> NodeEntry:
+    async def owner(self, sandbox_id: str, scope: Scope, *, resume: bool = False) -> NodeEntry:
         """The node serving ``sandbox_id``: from the mirror; a miss costs one read of etcd. Its id
-        is noted in ``scope`` (for the answer's header) even when the node is gone."""
+        is noted in ``scope`` (for the answer's header) even when the node is gone. For a
+        ``resume``, a sandbox durably paused on a node that is gone goes to the best node with
+        room, which takes it over from the repository."""
         entry, node = self.mirror.owner(sandbox_id)
         if entry is not None:
             self.hints.pop(sandbox_id, None)  # the directory has it now
@@ -383,6 +385,9 @@ class Gateway:
         if entry is None:
             raise SandboxNotFound(f"sandbox {sandbox_id[:80]!r} not found", sandbox_id=sandbox_id[:80])
         scope[NODE_SCOPE] = entry.node_id
+        if node is None and resume and entry.durable and entry.state == "paused":
+            node = self.candidates()[0]
+            scope[NODE_SCOPE] = node.node_id
         if node is None:
             raise SandboxNotFound(
                 f"sandbox {sandbox_id} was on node {entry.node_id}, which left the cluster (lost)",

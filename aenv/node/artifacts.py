@@ -40,11 +40,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aenv.repo")
 Entry = TemplateRecord | SnapshotRecord
-R = TypeVar("R", TemplateRecord, SnapshotRecord)
+R = TypeVar("R", TemplateRecord, SnapshotRecord, SandboxRecord)
 FETCHING = ".fetch-"  # prefix of artifacts still being fetched (never booted from; removed at start)
 
 
-def kind_of(rec: Entry) -> EntryKind:
+def kind_of(rec: Entry | SandboxRecord) -> EntryKind:
+    if isinstance(rec, SandboxRecord):
+        return "sandbox"
     return "template" if isinstance(rec, TemplateRecord) else "snapshot"
 
 
@@ -480,11 +482,7 @@ class ArtifactCache:
         return None
 
     async def ensure_local(self, rec: Entry, only: set[str] | None = None) -> None:
-        items = [i for i in self.items_of(rec) if only is None or i.id in only]
-        for item in items:  # an image layer that is here but not mounted (yet) only needs mounting
-            if item.kind == "layer" and item.encoding == "sparse" and not self._is_local("layer", item.id):
-                await self.node.files.mount(item.id, writable=False)
-        missing = [i for i in items if not self._is_local(i.kind, i.id)]
+        missing = await self._missing([i for i in self.items_of(rec) if only is None or i.id in only])
         if not missing:
             return
         kind = kind_of(rec)
@@ -494,6 +492,36 @@ class ArtifactCache:
         entry = await asyncio.to_thread(self.repo.get_entry, kind, rec.id)
         if entry is None:
             raise ArtifactDamaged(f"{what} is not in the repository {self.repo.url} and its files are not here")
+        await self._fetch_all(missing, entry, what)
+
+    async def fetch_pause(self, sandbox_id: str) -> SandboxRecord:
+        """The record of a sandbox durably paused by another node, with every artifact it needs
+        here (fetched from the repository); the caller gives it an upper of its own."""
+        what = f"paused sandbox {sandbox_id}"
+        if self.repo is None:
+            raise ArtifactDamaged(f"{what}: this node has no snapshot repository (AENV_REPO=none)")
+        entry = await asyncio.to_thread(self.repo.get_entry, "sandbox", sandbox_id)
+        rec = _record_of(SandboxRecord, entry) if entry is not None else None
+        if entry is None or rec is None or rec.id != sandbox_id:
+            raise ArtifactDamaged(f"{what}: its paused state is not in the repository {self.repo.url} (or unreadable)")
+        held = [*rec.layers, rec.image]
+        self.pin(held)
+        try:
+            missing = await self._missing(self.items_of(rec))
+            if missing:
+                await self._fetch_all(missing, entry, what)
+        finally:
+            self.unpin(held)
+        return rec
+
+    async def _missing(self, items: list[LocalArtifact]) -> list[LocalArtifact]:
+        for item in items:  # an image layer that is here but not mounted (yet) only needs mounting
+            if item.kind == "layer" and item.encoding == "sparse" and not self._is_local("layer", item.id):
+                await self.node.files.mount(item.id, writable=False)
+        return [i for i in items if not self._is_local(i.kind, i.id)]
+
+    async def _fetch_all(self, missing: list[LocalArtifact], entry: dict[str, Any], what: str) -> None:
+        assert self.repo is not None
         refs = {(r.kind, r.id): r for r in self.repo.artifact_refs(entry)}
         fetches = []
         for item in missing:
@@ -595,7 +623,10 @@ def _record_of(cls: type[R], entry: dict[str, Any]) -> R | None:
     rec: R
     try:
         rec = cls.from_json(json.dumps(entry["record"]))
-        rec.committed_at, rec.commit = float(entry["committed_at"]), dict(entry.get("commit") or {})
+        if isinstance(rec, SandboxRecord):
+            rec.durable_at = float(entry["committed_at"])
+        else:
+            rec.committed_at, rec.commit = float(entry["committed_at"]), dict(entry.get("commit") or {})
     except (KeyError, TypeError, ValueError) as exc:
         log.error("repository entry %r is malformed (%s): not imported", entry.get("id"), exc)
         return None

@@ -259,6 +259,8 @@ class Lifecycle:
         """Resume a paused sandbox; returns (record, True if it was resumed, False if it ran).
         Without ``memory`` (E2B's connect ``memory: false``, the SDKs' ``on_resume="reboot"``)
         one paused with its memory boots fresh on its files instead, as one paused without."""
+        if sandbox_id not in self.sandboxes and self.adopter is not None:
+            await self.adopter(sandbox_id)  # durably paused on a node that is gone: taken over here
         sb = self.get(sandbox_id)
         timeout_s = self._check_timeout(timeout)
 
@@ -295,6 +297,26 @@ class Lifecycle:
             return sb.rec, True
 
         return await self._operate(sb, "resume", run, join=True)
+
+    async def adopt_paused(self, sandbox_id: str) -> None:
+        """Hold a sandbox another node paused durably: its record and artifacts from the repository
+        (its upper there is a layer here, under an empty upper of its own); paused, so the resume
+        that asked for it restores it with its id, metadata, env, timeout and network rules."""
+        if sandbox_id in self.sandboxes:
+            return
+        rec = await self.artifacts.fetch_pause(sandbox_id)
+        if sandbox_id in self.sandboxes:
+            return  # another adoption here finished first
+        rec.upper = await self.files.new_upper(self.limits_of(rec).disk_mb)
+        rec.state, rec.instance_id = S.PAUSED, ""
+        self.sandboxes[rec.id] = LiveSandbox(rec)
+        await self.store.put_sandbox(rec)
+
+    async def let_go(self, sandbox_id: str) -> None:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is not None:
+            sb.rec.durable_at = 0.0  # its repository entry is the other node's now: kept
+            await self.kill(sandbox_id)
 
     async def ensure_running(self, sandbox_id: str) -> LiveSandbox:
         """For data-plane traffic: a paused sandbox with auto-resume comes back on use."""

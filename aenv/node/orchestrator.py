@@ -19,7 +19,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aenv.config import Settings
@@ -107,6 +107,9 @@ class Node(Lifecycle, Instances, Records):
         # (the cluster agent refuses while the node cannot write the directory).
         self.admission_checks: list[Callable[[], None]] = []
         self.create_ids = CreateIds(kill=self.kill)
+        # Called when a resume names a sandbox this node does not hold: the cluster agent takes
+        # over one durably paused on a node that is gone (adopt_paused), or does nothing.
+        self.adopter: Callable[[str], Awaitable[None]] | None = None
 
     # -- start and stop ---------------------------------------------------------------------------
     async def start(self) -> None:

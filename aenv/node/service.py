@@ -186,6 +186,17 @@ class NodeService(Protocol):
     @property
     def create_ids(self) -> CreateIds: ...
 
+    adopter: Callable[[str], Awaitable[None]] | None
+
+    async def adopt_paused(self, sandbox_id: str) -> None:
+        """Hold a sandbox durably paused by another node, from the repository (paused here)."""
+        ...
+
+    async def let_go(self, sandbox_id: str) -> None:
+        """Kill this node's copy of a sandbox the directory gave to another node (a stale copy,
+        or one ``adopt_paused`` took while another node won): its repository entry stays."""
+        ...
+
 
 class BuildHost(NodeService, Protocol):
     """A node as a template build uses it: its runtime, layer store, records and artifact cache."""
