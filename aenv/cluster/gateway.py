@@ -76,6 +76,7 @@ ARTIFACT_PATH = re.compile(r"^/(?:v\d+/)?(?:templates|snapshots)/(?P<id>[^/]+)")
 # Keys of the ASGI scope the gateway fills as it routes: the node a request is for (its id goes on
 # every answer, errors included) and the route's kind (a metrics label).
 NODE_SCOPE = "aenv.node_id"
+TAKEOVER_SCOPE = "aenv.takeover"  # a resume sent to another node than the sandbox's lost one
 ROUTE_SCOPE = "aenv.route"
 MAX_INFO_BODY = 1024 * 1024  # a create's answer (the sandbox)
 MAX_FORK_BODY = 16 * 1024 * 1024  # an answer the gateway reads whole (a fork's: every child's info)
@@ -242,7 +243,10 @@ class Gateway:
         match = SANDBOX_PATH.match(path)
         if match:
             scope[ROUTE_SCOPE] = "sandbox"
-            node = await self.owner(match["id"], scope, resume=method == "POST" and bool(SANDBOX_ANSWER.match(path)))
+            resume = method == "POST" and bool(SANDBOX_ANSWER.match(path))
+            node = await self.owner(match["id"], scope, resume=resume)
+            if scope.get(TAKEOVER_SCOPE):
+                return await self.take_over(request, node, match["id"])
             if method == "GET" and SANDBOX_INFO.match(path):
                 return await self.answered(request, node, _note_node)
             if method == "POST" and path.endswith("/fork"):
@@ -387,7 +391,7 @@ class Gateway:
         scope[NODE_SCOPE] = entry.node_id
         if node is None and resume and entry.durable and entry.state == "paused":
             node = self.candidates()[0]
-            scope[NODE_SCOPE] = node.node_id
+            scope[NODE_SCOPE], scope[TAKEOVER_SCOPE] = node.node_id, True
         if node is None:
             raise SandboxNotFound(
                 f"sandbox {sandbox_id} was on node {entry.node_id}, which left the cluster (lost)",
@@ -564,12 +568,36 @@ class Gateway:
         if isinstance(sandbox_id, str):
             _note(self.hints, sandbox_id, node.node_id, HINT_SECONDS)
 
+    async def take_over(self, request: Request, node: NodeEntry, sandbox_id: str) -> Response | Relay:
+        """A resume of a sandbox durably paused on a lost node, sent to ``node`` to take it over.
+        If another node took it first (a resume through another gateway), ``node`` answers 409
+        (it lost the claim) or 404 (it saw the move) and the resume goes to the winner, so both
+        callers get the one instance."""
+        body = await _read_bounded(request, MAX_CREATE_BODY)
+        upstream = await self._send(request, node, body=body)
+        if upstream.status_code in (404, 409):
+            read = await self.mirror.store.get_sandbox(sandbox_id)
+            winner = self.mirror.nodes.get(read.entry.node_id) if read is not None else None
+            if winner is not None and winner.node_id != node.node_id:
+                await upstream.aclose()
+                node, upstream = winner, await self._send(request, winner, body=body)
+        request.scope[NODE_SCOPE] = node.node_id
+        if self.settings.domain:
+            return await self.answered(request, node, upstream=upstream)
+        return Relay(upstream, node)
+
     async def answered(
-        self, request: Request, node: NodeEntry, note: Callable[[object, NodeEntry], None] | None = None
+        self,
+        request: Request,
+        node: NodeEntry,
+        note: Callable[[object, NodeEntry], None] | None = None,
+        *,
+        upstream: httpx.Response | None = None,
     ) -> Response:
-        """Forward, read the node's (small) answer whole, and let ``note`` learn from it what was
-        made there (or add to it); in domain mode its sandboxes name the gateway's domain."""
-        upstream = await self._send(request, node)
+        """Forward (unless sent already: ``upstream``), read the node's (small) answer whole, and
+        let ``note`` learn from it what was made there (or add to it); in domain mode its
+        sandboxes name the gateway's domain."""
+        upstream = upstream or await self._send(request, node)
         try:
             content = await _read_upstream(upstream, MAX_FORK_BODY, node)
         finally:

@@ -8,6 +8,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -191,3 +192,48 @@ def test_a_resume_on_a_node_that_does_not_hold_it_is_not_found(cluster: Cluster)
             assert r.status_code == 201 and r.headers["x-aenv-node-id"] == holder, r.text
         finally:
             api.delete(f"/sandboxes/{sandbox_id}")
+
+
+def test_two_connects_through_two_gateways_give_one_instance(cluster: Cluster) -> None:
+    lost = start_node(cluster.etcd.url, "node-race", lease_ttl=LEASE_TTL)
+    sandbox_id = ""
+    try:
+        for gateway in cluster.gateways:
+            wait_for_nodes(gateway, {*cluster.nodes, "node-race"})
+        with lost.client() as direct:
+            r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 600})
+            assert r.status_code == 201, r.text
+            sandbox_id = r.json()["sandboxID"]
+            assert direct.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+        wait_for(lambda: (e := directory_entry(cluster, sandbox_id)) is not None and e.durable)
+        lost.stop(signal.SIGKILL)
+        for gateway in cluster.gateways:
+            wait_for_nodes(gateway, set(cluster.nodes), timeout=LEASE_TTL + 15)
+
+        def connect(index: int) -> tuple[int, str, str]:
+            with cluster.api(index) as api:
+                r = api.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 120})
+                return r.status_code, r.json().get("sandboxID", r.text), r.headers.get("x-aenv-node-id", "")
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(connect, [0, 1]))
+        assert sorted(a[0] for a in answers) in ([200, 201], [201, 201]), answers
+        assert {a[1] for a in answers} == {sandbox_id} and len({a[2] for a in answers}) == 1, answers
+        holders = []
+        for name, node in cluster.nodes.items():
+            with node.client() as direct:
+                if direct.get(f"/sandboxes/{sandbox_id}").status_code == 200:
+                    holders.append(name)
+        assert holders == [answers[0][2]]
+        entry = directory_entry(cluster, sandbox_id)
+        assert entry is not None and entry.node_id == holders[0] and entry.epoch == 2 and entry.state == "running"
+    finally:
+        if sandbox_id:
+            with cluster.api() as api:
+                api.delete(f"/sandboxes/{sandbox_id}")
+        lost.stop(signal.SIGKILL)
+        back = start_node(cluster.etcd.url, "node-race", lease_ttl=LEASE_TTL)  # to remove what it left
+        with back.client() as direct:
+            if sandbox_id:
+                direct.delete(f"/sandboxes/{sandbox_id}")
+        back.stop()
