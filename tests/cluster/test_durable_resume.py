@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -194,12 +195,15 @@ def test_a_resume_on_a_node_that_does_not_hold_it_is_not_found(cluster: Cluster)
             api.delete(f"/sandboxes/{sandbox_id}")
 
 
-def test_two_connects_through_two_gateways_give_one_instance(cluster: Cluster) -> None:
-    lost = start_node(cluster.etcd.url, "node-race", lease_ttl=LEASE_TTL)
+@contextmanager
+def lost_durable_sandbox(cluster: Cluster, name: str) -> Iterator[str]:
+    """A sandbox paused durably on node ``name``, which is then killed (-9) and known lost by
+    every gateway; killed after, and what the node left removed by restarting it."""
+    lost = start_node(cluster.etcd.url, name, lease_ttl=LEASE_TTL)
     sandbox_id = ""
     try:
         for gateway in cluster.gateways:
-            wait_for_nodes(gateway, {*cluster.nodes, "node-race"})
+            wait_for_nodes(gateway, {*cluster.nodes, name})
         with lost.client() as direct:
             r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 600})
             assert r.status_code == 201, r.text
@@ -209,6 +213,30 @@ def test_two_connects_through_two_gateways_give_one_instance(cluster: Cluster) -
         lost.stop(signal.SIGKILL)
         for gateway in cluster.gateways:
             wait_for_nodes(gateway, set(cluster.nodes), timeout=LEASE_TTL + 15)
+        yield sandbox_id
+    finally:
+        if sandbox_id:
+            with cluster.api() as api:
+                api.delete(f"/sandboxes/{sandbox_id}")
+        lost.stop(signal.SIGKILL)
+        back = start_node(cluster.etcd.url, name, lease_ttl=LEASE_TTL)
+        with back.client() as direct:
+            if sandbox_id:
+                direct.delete(f"/sandboxes/{sandbox_id}")
+        back.stop()
+
+
+def holders(cluster: Cluster, sandbox_id: str) -> list[str]:
+    found = []
+    for name, node in cluster.nodes.items():
+        with node.client() as direct:
+            if direct.get(f"/sandboxes/{sandbox_id}").status_code == 200:
+                found.append(name)
+    return found
+
+
+def test_two_connects_through_two_gateways_give_one_instance(cluster: Cluster) -> None:
+    with lost_durable_sandbox(cluster, "node-race") as sandbox_id:
 
         def connect(index: int) -> tuple[int, str, str]:
             with cluster.api(index) as api:
@@ -219,21 +247,27 @@ def test_two_connects_through_two_gateways_give_one_instance(cluster: Cluster) -
             answers = list(pool.map(connect, [0, 1]))
         assert sorted(a[0] for a in answers) in ([200, 201], [201, 201]), answers
         assert {a[1] for a in answers} == {sandbox_id} and len({a[2] for a in answers}) == 1, answers
-        holders = []
-        for name, node in cluster.nodes.items():
-            with node.client() as direct:
-                if direct.get(f"/sandboxes/{sandbox_id}").status_code == 200:
-                    holders.append(name)
-        assert holders == [answers[0][2]]
+        assert holders(cluster, sandbox_id) == [answers[0][2]]
         entry = directory_entry(cluster, sandbox_id)
-        assert entry is not None and entry.node_id == holders[0] and entry.epoch == 2 and entry.state == "running"
-    finally:
-        if sandbox_id:
-            with cluster.api() as api:
-                api.delete(f"/sandboxes/{sandbox_id}")
-        lost.stop(signal.SIGKILL)
-        back = start_node(cluster.etcd.url, "node-race", lease_ttl=LEASE_TTL)  # to remove what it left
-        with back.client() as direct:
-            if sandbox_id:
-                direct.delete(f"/sandboxes/{sandbox_id}")
-        back.stop()
+        assert entry is not None and entry.node_id == answers[0][2] and entry.epoch == 2 and entry.state == "running"
+
+
+def test_two_nodes_taking_over_one_sandbox_at_once_one_wins(cluster: Cluster) -> None:
+    """Both nodes asked at once (directly): both fetch it, one claim wins; the loser lets its
+    copy go (409, or 404 if it saw the move first) and the sandbox runs once, on the winner."""
+    with lost_durable_sandbox(cluster, "node-race2") as sandbox_id:
+
+        def connect(node: Server) -> int:
+            with node.client() as direct:
+                return direct.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 120}).status_code
+
+        with ThreadPoolExecutor(2) as pool:
+            codes = dict(zip(cluster.nodes, pool.map(connect, cluster.nodes.values()), strict=True))
+        assert sorted(codes.values()) in ([201, 404], [201, 409]), codes
+        winner = next(name for name, code in codes.items() if code == 201)
+        assert holders(cluster, sandbox_id) == [winner]
+        entry = directory_entry(cluster, sandbox_id)
+        assert entry is not None and entry.node_id == winner and entry.epoch == 2
+        with cluster.api(1) as api:
+            r = api.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 120})
+            assert r.status_code == 200 and r.headers["x-aenv-node-id"] == winner, r.text
