@@ -276,6 +276,8 @@ class NodeAgent:
                 self._owned_elsewhere(sandbox_id, current)
 
     def _owned_elsewhere(self, sandbox_id: str, current: Versioned) -> None:
+        if sandbox_id in self._adoptions:
+            return  # its entry is the lost node's until the claim: not a stale copy
         ours = self.written.pop(sandbox_id, None)
         self.foreign.add(sandbox_id)  # never written again: the entry is the other node's
         if ours is not None and current.entry.epoch <= ours.entry.epoch:
@@ -379,8 +381,8 @@ class NodeAgent:
         """What the directory should say about each sandbox this node holds."""
         out: dict[str, SandboxEntry] = {}
         for sb in list(self.node.sandboxes.values()):
-            if sb.state == SandboxState.KILLED or sb.id in self.foreign:
-                continue
+            if sb.state == SandboxState.KILLED or sb.id in self.foreign or sb.id in self._adoptions:
+                continue  # (one being taken over is written by its claim)
             rec = sb.rec
             metadata, omitted = bounded_metadata(rec.metadata)
             out[sb.id] = SandboxEntry(
