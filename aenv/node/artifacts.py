@@ -318,14 +318,14 @@ class ArtifactCache:
         async with self._slots:
             if not self._same_pause(sb, image):
                 return  # resumed or killed while waiting for its turn
-            await files.remount(upper, writable=False)
             layer = new_id()
             body = json.loads(sb.rec.to_json())
             body.update(layers=[*sb.rec.layers, layer], upper="", instance_id="")
             items = [*self.items_of(sb.rec), LocalArtifact("layer", layer, files.layers / f"{upper}.img", "sparse")]
-            self._uploading.add(sb.id)
             self.pin(sb.rec.layers)
             try:
+                await files.remount(upper, writable=False)
+                self._uploading.add(sb.id)
                 report = await asyncio.to_thread(self.repo.commit, "sandbox", sb.id, body, items)
             except Exception as exc:
                 metrics.REPO_COMMITS.labels(outcome="error").inc()
