@@ -170,3 +170,31 @@ def test_a_pause_without_memory_says_it_stays_on_the_node(e2b_env: Server, api: 
         assert repo.get_entry("sandbox", sbx.sandbox_id) is None
     finally:
         sbx.kill()
+
+
+def test_a_resume_at_any_point_of_the_commit_keeps_everything(e2b_env: Server, api: httpx.Client) -> None:
+    """A pause whose upper takes a moment to upload, resumed at once and at later moments (the
+    commit waiting for the instance's teardown, uploading, done): a waiting commit is abandoned,
+    an upload is waited for, and the sandbox's files and processes are as they were each time;
+    the repository does not keep the state of a running sandbox."""
+    repo = Repository(PosixBackend(e2b_env.data_dir / "repo"))
+    sbx = Sandbox.create(timeout=300)
+    try:
+        sbx.commands.run(COUNTER, background=True)
+        digest = sbx.commands.run(
+            "head -c 96M /dev/urandom > /home/user/big && sha256sum /home/user/big", timeout=120
+        ).stdout.split()[0]
+        for i, delay in enumerate((0.0, 1.0, 2.0, 2.5, 3.0)):
+            before = count(sbx)
+            assert api.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
+            time.sleep(delay)
+            sbx.connect()
+            assert count(sbx) >= before
+            assert sbx.commands.run("sha256sum /home/user/big", timeout=120).stdout.split()[0] == digest
+            sbx.files.write(f"/home/user/after-{i}", str(delay))
+        wait_for(lambda: repo.get_entry("sandbox", sbx.sandbox_id) is None, 60)
+        time.sleep(2)
+        assert repo.get_entry("sandbox", sbx.sandbox_id) is None
+        assert sbx.files.read("/home/user/after-0") == "0.0"
+    finally:
+        sbx.kill()
