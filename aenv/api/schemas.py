@@ -163,6 +163,10 @@ def sandbox_detail(node: NodeService, sb: LiveSandbox, domain: str | None) -> di
     )
     if rec.state.value == "paused":
         out["pausedWithMemory"] = not rec.filesystem_only
+        out["durable"] = bool(rec.durable_at)
+        reason = node.durable_reason(rec)
+        if reason:
+            out["durableReason"] = reason
     if rec.parent_id:
         out["parentID"] = rec.parent_id
     if rec.snapshot_id:

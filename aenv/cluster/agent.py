@@ -49,7 +49,7 @@ from aenv.cluster.entries import (
 )
 from aenv.cluster.store import ClusterStore, EtcdTls
 from aenv.config import Settings
-from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest, TemplateNotFound, error_body
+from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest, TemplateNotFound, WrongState, error_body
 from aenv.node.create_ids import KEEP_SECONDS
 from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxState
 
@@ -97,6 +97,7 @@ class NodeAgent:
         self._kills: set[asyncio.Task[None]] = set()
         self._held: list[str] = []  # templates and snapshots on this node's disk (see NodeEntry.cached)
         self._held_at = -HELD_REFRESH
+        self._adoptions: dict[str, asyncio.Future[None]] = {}  # durably paused sandboxes being taken over
 
     # -- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -109,6 +110,7 @@ class NodeAgent:
         self.node.state_listeners.append(self._changed)
         self.node.admission_checks.append(self.admit)
         self.node.create_ids.claims = self
+        self.node.adopter = self.adopt
         self._task = asyncio.create_task(self._run(), name="cluster-agent")
 
     async def stop(self) -> None:
@@ -120,6 +122,8 @@ class NodeAgent:
             self.node.admission_checks.remove(self.admit)
         if self.node.create_ids.claims is self:
             self.node.create_ids.claims = None
+        if self.node.adopter == self.adopt:
+            self.node.adopter = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -275,6 +279,8 @@ class NodeAgent:
                 self._owned_elsewhere(sandbox_id, current)
 
     def _owned_elsewhere(self, sandbox_id: str, current: Versioned) -> None:
+        if sandbox_id in self._adoptions:
+            return  # its entry is the lost node's until the claim: not a stale copy
         ours = self.written.pop(sandbox_id, None)
         self.foreign.add(sandbox_id)  # never written again: the entry is the other node's
         if ours is not None and current.entry.epoch <= ours.entry.epoch:
@@ -297,11 +303,44 @@ class NodeAgent:
 
     async def _kill_stale(self, sandbox_id: str) -> None:
         try:
-            await self.node.kill(sandbox_id)
+            await self.node.let_go(sandbox_id)
         except Exception as exc:  # gone already, or its kill failed (logged by the node)
             log.warning("killing the stale copy of sandbox %s: %r", sandbox_id, exc)
         finally:
             self.killing.discard(sandbox_id)
+
+    # -- durably paused sandboxes of lost nodes ----------------------------------------------------------
+    async def adopt(self, sandbox_id: str) -> None:
+        """A resume here names a sandbox this node does not hold: if the directory says it is
+        durably paused on a node that is gone, take it over (concurrent resumes join)."""
+        running = self._adoptions.get(sandbox_id)
+        if running is None:
+            running = asyncio.ensure_future(self._adopt(sandbox_id))
+            self._adoptions[sandbox_id] = running
+            running.add_done_callback(lambda _: self._adoptions.pop(sandbox_id, None))
+        await asyncio.shield(running)
+
+    async def _adopt(self, sandbox_id: str) -> None:
+        try:
+            current = await self.store.get_sandbox(sandbox_id)
+        except EntryError:
+            return  # not a sandbox id: the node's own answer (not found)
+        entry = current.entry if current is not None else None
+        if entry is None or entry.node_id == self.node_id or not (entry.durable and entry.state == "paused"):
+            return
+        if any(n.node_id == entry.node_id for n in await self.store.nodes()):
+            return  # its node is up: the sandbox is that node's to resume
+        # Fetch first, claim after: the directory moves the sandbox only once this node can serve it.
+        await self.node.adopt_paused(sandbox_id)
+        result = await self.store.claim_sandbox(sandbox_id, self.node_id, epoch=entry.epoch, from_lost=entry.node_id)
+        if result.ok and result.current is not None:
+            self.written[sandbox_id] = result.current
+            self.foreign.discard(sandbox_id)
+            log.info("took over sandbox %s, durably paused on lost node %s", sandbox_id, entry.node_id)
+            return
+        await self.node.let_go(sandbox_id)
+        winner = result.current.entry.node_id if result.current is not None else "none"
+        raise WrongState(f"sandbox {sandbox_id} was taken over by node {winner} meanwhile", sandbox_id=sandbox_id)
 
     # -- create ids (aenv.node.create_ids.Claims) -------------------------------------------------------
     async def claim(self, create_id: str) -> None:
@@ -345,8 +384,8 @@ class NodeAgent:
         """What the directory should say about each sandbox this node holds."""
         out: dict[str, SandboxEntry] = {}
         for sb in list(self.node.sandboxes.values()):
-            if sb.state == SandboxState.KILLED or sb.id in self.foreign:
-                continue
+            if sb.state == SandboxState.KILLED or sb.id in self.foreign or sb.id in self._adoptions:
+                continue  # (one being taken over is written by its claim)
             rec = sb.rec
             metadata, omitted = bounded_metadata(rec.metadata)
             entry = SandboxEntry(
@@ -361,6 +400,7 @@ class NodeAgent:
                 metadata_omitted=omitted,
                 listed=self._listed(sb),
                 template_names=self._template_names(rec.template_id),
+                durable=sb.state == SandboxState.PAUSED and bool(rec.durable_at),
             )
             out[sb.id] = entry if _fits(entry) else replace(entry, listed={})  # routing needs the entry
         return out

@@ -144,6 +144,9 @@ class SandboxEntry:
     # The sandbox's template by every name a list's ``template`` filter may use (id, name, aliases).
     template_names: list[str] = field(default_factory=list)
 
+    # Paused, and the pause is in the snapshot repository: if its node is lost, another takes it.
+    durable: bool = False
+
     @property
     def listable(self) -> bool:
         """Whether a list can be answered from this entry alone."""

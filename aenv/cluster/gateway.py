@@ -78,6 +78,7 @@ ARTIFACT_PATH = re.compile(r"^/(?:v\d+/)?(?:templates|snapshots)/(?P<id>[^/]+)")
 # Keys of the ASGI scope the gateway fills as it routes: the node a request is for (its id goes on
 # every answer, errors included) and the route's kind (a metrics label).
 NODE_SCOPE = "aenv.node_id"
+TAKEOVER_SCOPE = "aenv.takeover"  # a resume sent to another node than the sandbox's lost one
 ROUTE_SCOPE = "aenv.route"
 MAX_INFO_BODY = 1024 * 1024  # a create's answer (the sandbox)
 MAX_FORK_BODY = 16 * 1024 * 1024  # an answer the gateway reads whole (a fork's: every child's info)
@@ -250,7 +251,10 @@ class Gateway:
         match = SANDBOX_PATH.match(path)
         if match:
             scope[ROUTE_SCOPE] = "sandbox"
-            node = await self.owner(match["id"], scope)
+            resume = method == "POST" and bool(SANDBOX_ANSWER.match(path))
+            node = await self.owner(match["id"], scope, resume=resume)
+            if scope.get(TAKEOVER_SCOPE):
+                return await self.take_over(request, node, match["id"])
             if method == "GET" and SANDBOX_INFO.match(path):
                 return await self.answered(request, node, _note_node)
             if method == "POST" and path.endswith("/fork"):
@@ -376,9 +380,11 @@ class Gateway:
             raise Unauthenticated("invalid or missing API key (X-API-Key header)")
 
     # -- where a request goes -------------------------------------------------------------------------
-    async def owner(self, sandbox_id: str, scope: Scope) -> NodeEntry:
+    async def owner(self, sandbox_id: str, scope: Scope, *, resume: bool = False) -> NodeEntry:
         """The node serving ``sandbox_id``: from the mirror; a miss costs one read of etcd. Its id
-        is noted in ``scope`` (for the answer's header) even when the node is gone."""
+        is noted in ``scope`` (for the answer's header) even when the node is gone. For a
+        ``resume``, a sandbox durably paused on a node that is gone goes to the best node with
+        room, which takes it over from the repository."""
         entry, node = self.mirror.owner(sandbox_id)
         if entry is not None:
             self.hints.pop(sandbox_id, None)  # the directory has it now
@@ -395,6 +401,9 @@ class Gateway:
         if entry is None:
             raise SandboxNotFound(f"sandbox {sandbox_id[:80]!r} not found", sandbox_id=sandbox_id[:80])
         scope[NODE_SCOPE] = entry.node_id
+        if node is None and resume and entry.durable and entry.state == "paused":
+            node = self.candidates()[0]
+            scope[NODE_SCOPE], scope[TAKEOVER_SCOPE] = node.node_id, True
         if node is None:
             raise SandboxNotFound(
                 f"sandbox {sandbox_id} was on node {entry.node_id}, which left the cluster (lost)",
@@ -624,12 +633,36 @@ class Gateway:
             _note(self.hints, sandbox_id, node.node_id, HINT_SECONDS)
             self._expect(sandbox_id, PRESENT)
 
+    async def take_over(self, request: Request, node: NodeEntry, sandbox_id: str) -> Response | Relay:
+        """A resume of a sandbox durably paused on a lost node, sent to ``node`` to take it over.
+        If another node took it first (a resume through another gateway), ``node`` answers 409
+        (it lost the claim) or 404 (it saw the move) and the resume goes to the winner, so both
+        callers get the one instance."""
+        body = await _read_bounded(request, MAX_CREATE_BODY)
+        upstream = await self._send(request, node, body=body)
+        if upstream.status_code in (404, 409):
+            read = await self.mirror.store.get_sandbox(sandbox_id)
+            winner = self.mirror.nodes.get(read.entry.node_id) if read is not None else None
+            if winner is not None and winner.node_id != node.node_id:
+                await upstream.aclose()
+                node, upstream = winner, await self._send(request, winner, body=body)
+        request.scope[NODE_SCOPE] = node.node_id
+        if self.settings.domain:
+            return await self.answered(request, node, upstream=upstream)
+        return Relay(upstream, node)
+
     async def answered(
-        self, request: Request, node: NodeEntry, note: Callable[[object, NodeEntry], None] | None = None
+        self,
+        request: Request,
+        node: NodeEntry,
+        note: Callable[[object, NodeEntry], None] | None = None,
+        *,
+        upstream: httpx.Response | None = None,
     ) -> Response:
-        """Forward, read the node's (small) answer whole, and let ``note`` learn from it what was
-        made there (or add to it); in domain mode its sandboxes name the gateway's domain."""
-        upstream = await self._send(request, node)
+        """Forward (unless sent already: ``upstream``), read the node's (small) answer whole, and
+        let ``note`` learn from it what was made there (or add to it); in domain mode its
+        sandboxes name the gateway's domain."""
+        upstream = upstream or await self._send(request, node)
         try:
             content = await _read_upstream(upstream, MAX_FORK_BODY, node)
         finally:

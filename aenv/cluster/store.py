@@ -323,14 +323,23 @@ class ClusterStore:
         t = client.transactions
         return await self._cas("delete a sandbox entry", key, [t.mod(key) == mod_revision], t.delete(key))
 
-    async def claim_sandbox(self, sandbox_id: str, node_id: str, *, epoch: int) -> CasResult:
-        """Move a sandbox to ``node_id`` if its entry is still at ``epoch``: one transaction; of two
-        claimants of the same epoch exactly one wins, the other gets the winner's entry."""
+    async def claim_sandbox(
+        self, sandbox_id: str, node_id: str, *, epoch: int, from_lost: str | None = None
+    ) -> CasResult:
+        """Move a sandbox to ``node_id`` if its entry is still at ``epoch`` (and, with ``from_lost``,
+        that node has no entry: its lease is gone): one transaction; of two claimants of the same
+        epoch exactly one wins, the other gets the winner's entry."""
         current = await self.get_sandbox(sandbox_id)
         if current is None or current.entry.epoch != epoch:
             return CasResult(False, current)
         moved = replace(current.entry, node_id=node_id, epoch=epoch + 1)
-        return await self.replace_sandbox(moved, current.mod_revision)
+        client = await self._connected()
+        key = sandbox_key(sandbox_id)
+        t = client.transactions
+        compare = [t.mod(key) == current.mod_revision]
+        if from_lost is not None:
+            compare.append(t.version(node_key(from_lost)) == 0)
+        return await self._cas("claim a sandbox", key, compare, t.put(key, encode(moved)))
 
     async def get_sandboxes(self, sandbox_ids: list[str]) -> dict[str, Versioned]:
         """The entries of these sandboxes (those that have one), read in transactions of 64."""

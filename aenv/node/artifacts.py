@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aenv.errors import AenvError, ArtifactDamaged
 from aenv.node import metrics
-from aenv.node.store import SnapshotRecord, TemplateRecord, well_typed
+from aenv.node.state import SandboxState
+from aenv.node.store import SandboxRecord, SnapshotRecord, TemplateRecord, well_typed
 from aenv.repo.repository import ArtifactRef, EntryKind, LocalArtifact, Repository, is_valid_id
 from aenv.storage.confined import remove_tree
 from aenv.storage.layers import new_id
@@ -35,14 +36,17 @@ from aenv.storage.space import headroom
 
 if TYPE_CHECKING:
     from aenv.node.orchestrator import Node
+    from aenv.node.sandbox import LiveSandbox
 
 log = logging.getLogger("aenv.repo")
 Entry = TemplateRecord | SnapshotRecord
-R = TypeVar("R", TemplateRecord, SnapshotRecord)
+R = TypeVar("R", TemplateRecord, SnapshotRecord, SandboxRecord)
 FETCHING = ".fetch-"  # prefix of artifacts still being fetched (never booted from; removed at start)
 
 
-def kind_of(rec: Entry) -> EntryKind:
+def kind_of(rec: Entry | SandboxRecord) -> EntryKind:
+    if isinstance(rec, SandboxRecord):
+        return "sandbox"
     return "template" if isinstance(rec, TemplateRecord) else "snapshot"
 
 
@@ -56,21 +60,24 @@ class ArtifactCache:
         self._slots = asyncio.Semaphore(1)  # commits compete with sandboxes for CPU: one at a time
         self._refreshed = 0.0
         self._dirty: set[str] = set()  # records changed while their commit was under way
+        self._pauses: dict[str, asyncio.Task[None]] = {}  # durable pauses under way, by sandbox id
+        self._uploading: set[str] = set()  # those of them past the point where a resume cancels them
 
     async def close(self) -> None:
         """Stop: commits under way are abandoned (nothing of them is visible) and redone at start."""
-        for task in list(self._commits.values()):
+        tasks = [*self._commits.values(), *self._pauses.values()]
+        for task in tasks:
             task.cancel()
-        if self._commits:
-            await asyncio.wait(list(self._commits.values()), timeout=10)
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
         if self.repo is not None:
             self.repo.close()
 
     # -- what a record is made of -------------------------------------------------------------------
-    def guest_key(self, rec: Entry) -> str:
+    def guest_key(self, rec: Entry | SandboxRecord) -> str:
         return rec.guest or self.node.driver.guest_key()
 
-    def items_of(self, rec: Entry) -> list[LocalArtifact]:
+    def items_of(self, rec: Entry | SandboxRecord) -> list[LocalArtifact]:
         files = self.node.files
         items = []
         for layer_id in rec.layers:
@@ -250,6 +257,106 @@ class ArtifactCache:
                 continue
             if all(self._is_present(i.kind, i.id) for i in self.items_of(rec)):
                 self.commit_later(rec)
+        for sb in list(self.node.sandboxes.values()):
+            if sb.state == SandboxState.PAUSED and not sb.rec.durable_at:
+                self.commit_pause_later(sb)
+
+    # -- durable pauses --------------------------------------------------------------------------------
+    def durable_reason(self, rec: SandboxRecord) -> str:
+        """Why a paused sandbox is not durable ("" when it is, or will be once its commit is done)."""
+        if self.repo is None:
+            return "this node has no snapshot repository (AENV_REPO=none): the pause stays on this node"
+        if rec.filesystem_only:
+            return "a pause without memory stays on this node"
+        return ""
+
+    def commit_pause_later(self, sb: LiveSandbox) -> None:
+        """Commit a sandbox just paused with its memory in the background: its layers (most are
+        in the repository already), its checkpoint image and its upper, sealed as a layer of its
+        own under a new id (the upper stays this sandbox's and changes again after a resume)."""
+        if self.durable_reason(sb.rec) or sb.id in self._pauses:
+            return
+        task = asyncio.ensure_future(self._commit_pause(sb, sb.rec.image))
+        self._pauses[sb.id] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._pauses.get(sb.id) is t:
+                del self._pauses[sb.id]
+            self._uploading.discard(sb.id)
+
+        task.add_done_callback(done)
+
+    async def wait_pause_committed(self, sandbox_id: str) -> None:
+        """Until the durable pause under way (if any) is done (tests and benchmarks)."""
+        task = self._pauses.get(sandbox_id)
+        if task is not None:
+            await asyncio.wait([task])
+
+    async def release_pause(self, sb: LiveSandbox) -> None:
+        """A resume takes the sandbox back: a commit still waiting is abandoned, one uploading is
+        waited for (it reads the upper and image the resume is about to change)."""
+        task = self._pauses.get(sb.id)
+        if task is None:
+            return
+        if sb.id not in self._uploading:
+            task.cancel()
+        await asyncio.wait([task])
+
+    def _same_pause(self, sb: LiveSandbox, image: str) -> bool:
+        return (
+            self.node.sandboxes.get(sb.id) is sb
+            and sb.killer is None
+            and sb.state == SandboxState.PAUSED
+            and sb.rec.image == image
+        )
+
+    async def _commit_pause(self, sb: LiveSandbox, image: str) -> None:
+        assert self.repo is not None
+        files = self.node.files
+        upper = sb.rec.upper
+        await self.node.settled([upper])  # the instance it paused
+        async with self._slots:
+            if not self._same_pause(sb, image):
+                return  # resumed or killed while waiting for its turn
+            layer = new_id()
+            body = json.loads(sb.rec.to_json())
+            body.update(layers=[*sb.rec.layers, layer], upper="", instance_id="")
+            items = [*self.items_of(sb.rec), LocalArtifact("layer", layer, files.layers / f"{upper}.img", "sparse")]
+            self.pin(sb.rec.layers)
+            try:
+                await files.remount(upper, writable=False)
+                self._uploading.add(sb.id)
+                report = await asyncio.to_thread(self.repo.commit, "sandbox", sb.id, body, items)
+            except Exception as exc:
+                metrics.REPO_COMMITS.labels(outcome="error").inc()
+                log.error("committing the pause of sandbox %s to %s failed: %s", sb.id, self.repo.url, exc)
+                return
+            finally:
+                self.unpin(sb.rec.layers)
+        metrics.REPO_COMMITS.labels(outcome="ok").inc()
+        metrics.REPO_BYTES.labels(what="logical").inc(report.logical_bytes)
+        metrics.REPO_BYTES.labels(what="uploaded").inc(report.new_bytes)
+        if self.node.sandboxes.get(sb.id) is not sb or sb.killer is not None:
+            await self.forget_pause(sb.id)  # killed meanwhile
+            return
+        sb.rec.durable_at = time.time()
+        await self.node.store.put_sandbox(sb.rec)
+        log.info(
+            "paused sandbox %s is durable: %.1f MiB uploaded in %d new chunks (%.2fs)",
+            sb.id,
+            report.new_bytes / 2**20,
+            report.new_chunks,
+            report.seconds,
+        )
+
+    async def forget_pause(self, sandbox_id: str) -> None:
+        """The sandbox runs again or is gone: its paused state leaves the repository."""
+        if self.repo is None:
+            return
+        try:
+            await asyncio.to_thread(self.repo.delete_entry, "sandbox", sandbox_id)
+        except Exception as exc:  # noqa: BLE001 - a stale entry only holds garbage until the next collection
+            log.error("deleting the paused state of sandbox %s from the repository failed: %s", sandbox_id, exc)
 
     # -- start: learn the repository's catalogue ------------------------------------------------------
     async def sync_catalogue(self) -> None:
@@ -375,11 +482,7 @@ class ArtifactCache:
         return None
 
     async def ensure_local(self, rec: Entry, only: set[str] | None = None) -> None:
-        items = [i for i in self.items_of(rec) if only is None or i.id in only]
-        for item in items:  # an image layer that is here but not mounted (yet) only needs mounting
-            if item.kind == "layer" and item.encoding == "sparse" and not self._is_local("layer", item.id):
-                await self.node.files.mount(item.id, writable=False)
-        missing = [i for i in items if not self._is_local(i.kind, i.id)]
+        missing = await self._missing([i for i in self.items_of(rec) if only is None or i.id in only])
         if not missing:
             return
         kind = kind_of(rec)
@@ -389,6 +492,36 @@ class ArtifactCache:
         entry = await asyncio.to_thread(self.repo.get_entry, kind, rec.id)
         if entry is None:
             raise ArtifactDamaged(f"{what} is not in the repository {self.repo.url} and its files are not here")
+        await self._fetch_all(missing, entry, what)
+
+    async def fetch_pause(self, sandbox_id: str) -> SandboxRecord:
+        """The record of a sandbox durably paused by another node, with every artifact it needs
+        here (fetched from the repository); the caller gives it an upper of its own."""
+        what = f"paused sandbox {sandbox_id}"
+        if self.repo is None:
+            raise ArtifactDamaged(f"{what}: this node has no snapshot repository (AENV_REPO=none)")
+        entry = await asyncio.to_thread(self.repo.get_entry, "sandbox", sandbox_id)
+        rec = _record_of(SandboxRecord, entry) if entry is not None else None
+        if entry is None or rec is None or rec.id != sandbox_id:
+            raise ArtifactDamaged(f"{what}: its paused state is not in the repository {self.repo.url} (or unreadable)")
+        held = [*rec.layers, rec.image]
+        self.pin(held)
+        try:
+            missing = await self._missing(self.items_of(rec))
+            if missing:
+                await self._fetch_all(missing, entry, what)
+        finally:
+            self.unpin(held)
+        return rec
+
+    async def _missing(self, items: list[LocalArtifact]) -> list[LocalArtifact]:
+        for item in items:  # an image layer that is here but not mounted (yet) only needs mounting
+            if item.kind == "layer" and item.encoding == "sparse" and not self._is_local("layer", item.id):
+                await self.node.files.mount(item.id, writable=False)
+        return [i for i in items if not self._is_local(i.kind, i.id)]
+
+    async def _fetch_all(self, missing: list[LocalArtifact], entry: dict[str, Any], what: str) -> None:
+        assert self.repo is not None
         refs = {(r.kind, r.id): r for r in self.repo.artifact_refs(entry)}
         fetches = []
         for item in missing:
@@ -490,7 +623,10 @@ def _record_of(cls: type[R], entry: dict[str, Any]) -> R | None:
     rec: R
     try:
         rec = cls.from_json(json.dumps(entry["record"]))
-        rec.committed_at, rec.commit = float(entry["committed_at"]), dict(entry.get("commit") or {})
+        if isinstance(rec, SandboxRecord):
+            rec.durable_at = float(entry["committed_at"])
+        else:
+            rec.committed_at, rec.commit = float(entry["committed_at"]), dict(entry.get("commit") or {})
     except (KeyError, TypeError, ValueError) as exc:
         log.error("repository entry %r is malformed (%s): not imported", entry.get("id"), exc)
         return None

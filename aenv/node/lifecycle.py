@@ -241,7 +241,9 @@ class Lifecycle:
             sb.rec.image = image
             sb.rec.filesystem_only = not keep_memory
             sb.rec.paused_at = time.time()
+            sb.rec.durable_at = 0.0
             await self._set_state(sb, S.PAUSED)
+            self.artifacts.commit_pause_later(sb)  # not waited for: the pause is done locally
             if not keep_memory:
                 # Not checkpointed, the instance runs (its agent idle) until torn down; answer once
                 # it is gone. A resume waits for it too, should this wait be cut short.
@@ -257,6 +259,8 @@ class Lifecycle:
         """Resume a paused sandbox; returns (record, True if it was resumed, False if it ran).
         Without ``memory`` (E2B's connect ``memory: false``, the SDKs' ``on_resume="reboot"``)
         one paused with its memory boots fresh on its files instead, as one paused without."""
+        if sandbox_id not in self.sandboxes and self.adopter is not None:
+            await self.adopter(sandbox_id)  # durably paused on a node that is gone: taken over here
         sb = self.get(sandbox_id)
         timeout_s = self._check_timeout(timeout)
 
@@ -267,7 +271,9 @@ class Lifecycle:
                 return sb.rec, False
             await self._set_state(sb, S.RESUMING, persist=False)
             try:
+                await self.artifacts.release_pause(sb)
                 await self.files.mount(sb.rec.upper, writable=True)
+                await self.files.remount(sb.rec.upper, writable=True)  # read-only while it was committed
                 if sb.rec.filesystem_only or not memory:
                     await self.settled([sb.rec.upper])  # the instance it paused
                     await self._boot_into(sb)
@@ -278,15 +284,39 @@ class Lifecycle:
             except BaseException:
                 if sb.killer is None:
                     await self._set_state(sb, S.PAUSED, persist=False)
+                    self.artifacts.commit_pause_later(sb)  # if the resume abandoned it
                 raise
             self.files.remove_image(sb.rec.image)
             sb.rec.image = ""
             sb.rec.filesystem_only = False
+            if sb.rec.durable_at:
+                sb.rec.durable_at = 0.0
+                self.spawn(self.artifacts.forget_pause(sb.id))  # it runs here now
             sb.rec.end_at = time.time() + timeout_s
             await self._set_state(sb, S.RUNNING)
             return sb.rec, True
 
         return await self._operate(sb, "resume", run, join=True)
+
+    async def adopt_paused(self, sandbox_id: str) -> None:
+        """Hold a sandbox another node paused durably: its record and artifacts from the repository
+        (its upper there is a layer here, under an empty upper of its own); paused, so the resume
+        that asked for it restores it with its id, metadata, env, timeout and network rules."""
+        if sandbox_id in self.sandboxes:
+            return
+        rec = await self.artifacts.fetch_pause(sandbox_id)
+        if sandbox_id in self.sandboxes:
+            return  # another adoption here finished first
+        rec.upper = await self.files.new_upper(self.limits_of(rec).disk_mb)
+        rec.state, rec.instance_id = S.PAUSED, ""
+        self.sandboxes[rec.id] = LiveSandbox(rec)
+        await self.store.put_sandbox(rec)
+
+    async def let_go(self, sandbox_id: str) -> None:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is not None:
+            sb.rec.durable_at = 0.0  # its repository entry is the other node's now: kept
+            await self.kill(sandbox_id)
 
     async def ensure_running(self, sandbox_id: str) -> LiveSandbox:
         """For data-plane traffic: a paused sandbox with auto-resume comes back on use."""
@@ -545,6 +575,8 @@ class Lifecycle:
             self.files.remove_image(image)
 
         self._stop_instance(sb, f"sandbox {sb.id} was killed", then=release)
+        if sb.rec.durable_at:
+            self.spawn(self.artifacts.forget_pause(sb.id))
         await self._set_state(sb, S.KILLED, persist=False)
         self.sandboxes.pop(sb.id, None)
         await self.store.delete_sandbox(sb.id)

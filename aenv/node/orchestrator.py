@@ -19,7 +19,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aenv.config import Settings
@@ -34,7 +34,7 @@ from aenv.node.records import Records
 from aenv.node.sandbox import LiveSandbox
 from aenv.node.service import CachedArtifacts
 from aenv.node.state import SandboxState
-from aenv.node.store import SnapshotRecord, Store, TemplateRecord
+from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.node.usage import UsageHistory
 from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
@@ -107,6 +107,9 @@ class Node(Lifecycle, Instances, Records):
         # (the cluster agent refuses while the node cannot write the directory).
         self.admission_checks: list[Callable[[], None]] = []
         self.create_ids = CreateIds(kill=self.kill)
+        # Called when a resume names a sandbox this node does not hold: the cluster agent takes
+        # over one durably paused on a node that is gone (adopt_paused), or does nothing.
+        self.adopter: Callable[[str], Awaitable[None]] | None = None
 
     # -- start and stop ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -251,6 +254,9 @@ class Node(Lifecycle, Instances, Records):
             "cacheBytes": await housekeeping.cache_bytes(self),
             "cacheBudgetBytes": self.settings.layer_cache_mb * 2**20,
         }
+
+    def durable_reason(self, rec: SandboxRecord) -> str:
+        return self.artifacts.durable_reason(rec)
 
     async def gc_repository(self) -> dict[str, Any]:
         if self.artifacts.repo is None:

@@ -170,6 +170,10 @@ class NodeService(Protocol):
 
     async def repository_status(self) -> dict[str, Any]: ...
 
+    def durable_reason(self, rec: SandboxRecord) -> str:
+        """Why a paused sandbox stays on this node ("" if its pause is, or is being made, durable)."""
+        ...
+
     async def gc_repository(self) -> dict[str, Any]: ...
 
     # -- the cluster agent's hooks -------------------------------------------------------------------
@@ -181,6 +185,17 @@ class NodeService(Protocol):
 
     @property
     def create_ids(self) -> CreateIds: ...
+
+    adopter: Callable[[str], Awaitable[None]] | None
+
+    async def adopt_paused(self, sandbox_id: str) -> None:
+        """Hold a sandbox durably paused by another node, from the repository (paused here)."""
+        ...
+
+    async def let_go(self, sandbox_id: str) -> None:
+        """Kill this node's copy of a sandbox the directory gave to another node (a stale copy,
+        or one ``adopt_paused`` took while another node won): its repository entry stays."""
+        ...
 
 
 class BuildHost(NodeService, Protocol):

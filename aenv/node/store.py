@@ -56,6 +56,7 @@ class SandboxRecord:
     public_traffic: bool = True
     mask_request_host: str = ""
     paused_at: float = 0.0
+    durable_at: float = 0.0  # when the repository got this pause (its entry); 0 = only on this node
     guest: str = ""  # guest bundle of the agent inside (see RootfsSpec.guest)
     user: str = ""  # default user of commands and files ("" = `user`), from the template
     workdir: str = ""  # default working directory ("" = the default user's home)

@@ -55,8 +55,14 @@ log = logging.getLogger("aenv.repo")
 ARTIFACT_FORMAT = "aenv-artifact/1"
 ENTRY_FORMAT = "aenv-entry/1"
 ArtifactKind = Literal["layer", "image", "guest"]
-EntryKind = Literal["template", "snapshot"]
-ENTRY_KINDS: tuple[EntryKind, ...] = ("template", "snapshot")
+# A "sandbox" entry is a durably paused sandbox (its record, checkpoint image and sealed upper).
+EntryKind = Literal["template", "snapshot", "sandbox"]
+ENTRY_KINDS: tuple[EntryKind, ...] = ("template", "snapshot", "sandbox")
+ENTRY_DIRS: dict[str, str] = {
+    "template": "entries/templates/",
+    "snapshot": "entries/snapshots/",
+    "sandbox": "entries/sandboxes/",
+}
 Encoding = Literal["tar", "sparse"]
 LOCK_REFRESH_S = 30.0
 LOCK_STALE_S = 600.0  # a lock not refreshed for this long belongs to a process that died
@@ -115,7 +121,7 @@ def artifact_key(kind: str, artifact_id: str) -> str:
 
 
 def entry_key(kind: str, entry_id: str) -> str:
-    return f"entries/{kind}s/{entry_id}.json"
+    return f"{ENTRY_DIRS[kind]}{entry_id}.json"
 
 
 def is_valid_id(value: object) -> bool:
@@ -231,7 +237,7 @@ class Repository:
     def commit(
         self, kind: EntryKind, entry_id: str, record: dict[str, Any], items: list[LocalArtifact]
     ) -> CommitReport:
-        """Commit a template or snapshot: its artifacts not yet in the repository, then its entry."""
+        """Commit a template, snapshot or paused sandbox: its artifacts not yet in the repository, then its entry."""
         started = time.monotonic()
         report = CommitReport()
         with self.lock("commit") as lock_key:
@@ -305,7 +311,7 @@ class Repository:
     def entries(self, kind: EntryKind, damaged: set[str] | None = None) -> list[dict[str, Any]]:
         """Every readable entry of ``kind``; the ids of unreadable ones go into ``damaged``."""
         out = []
-        for info in self.backend.list(f"entries/{kind}s/"):
+        for info in self.backend.list(ENTRY_DIRS[kind]):
             entry_id = info.key.rsplit("/", 1)[-1].removesuffix(".json")
             if not is_valid_id(entry_id):  # whoever else writes the repository: not one of ours
                 log.error("skipping %s: not an entry's name", info.key[:200])
@@ -402,7 +408,7 @@ class Repository:
                 return report
             live_artifacts: set[str] = set()
             for kind in ENTRY_KINDS:
-                for info in self.backend.list(f"entries/{kind}s/"):
+                for info in self.backend.list(ENTRY_DIRS[kind]):
                     entry_id = info.key.rsplit("/", 1)[-1].removesuffix(".json")
                     entry = self.get_entry(kind, entry_id)  # damaged: raise, collect nothing
                     if entry is None:

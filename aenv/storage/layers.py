@@ -240,6 +240,14 @@ class LayerStore:
             opts = ",".join(("remount", "ro", *hostexec.UNTRUSTED_FLAGS))
             await hostexec.run(["mount", "-o", opts, str(mnt)], timeout=60, check=False)
 
+    async def remount(self, layer_id: str, *, writable: bool) -> None:
+        """Remount a paused sandbox's upper read-only while it is committed (flushed, and nothing
+        writes it meanwhile), and writable again for its resume."""
+        mnt = self.layers / layer_id
+        if self._img(layer_id).exists() and os.path.ismount(mnt):
+            opts = ",".join(("remount", "rw" if writable else "ro", *hostexec.UNTRUSTED_FLAGS))
+            await hostexec.run(["mount", "-o", opts, str(mnt)], timeout=60)
+
     async def remove(self, layer_id: str) -> None:
         if not layer_id:
             return

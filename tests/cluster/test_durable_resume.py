@@ -1,0 +1,273 @@
+"""Resume anywhere: a sandbox paused durably on a node that is then lost (kill -9) is resumed by
+another node through a gateway, with its memory (a process's counter goes on), its files, its
+id, metadata and env; the directory moves it with an epoch compare-and-swap."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from e2b import Sandbox
+
+from aenv.cluster.entries import SandboxEntry
+from aenv.cluster.store import ClusterStore
+from aenv.repo.backends import PosixBackend
+from aenv.repo.repository import Repository
+from tests.cluster.cluster import LEASE_TTL, Cluster, running_cluster, wait_for_nodes
+from tests.cluster.nodes import start_node
+from tests.conftest import API_KEY, DATA_DIR, Server
+
+pytestmark = pytest.mark.sandbox
+
+# A counter held in a Python process's memory, written out for the test to read.
+COUNTER = (
+    "python3 -c 'import time\n"
+    "i = 0\n"
+    "while True:\n"
+    "    i += 1\n"
+    '    open("/home/user/count", "w").write(str(i))\n'
+    "    time.sleep(0.2)'"
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(server: Server) -> Iterator[Cluster]:
+    with running_cluster() as c:
+        yield c
+
+
+def count(sbx: Sandbox) -> int:
+    for _ in range(50):
+        out = sbx.commands.run("cat /home/user/count").stdout.strip()
+        if out:
+            return int(out)
+        time.sleep(0.1)
+    raise AssertionError("the counter wrote nothing")
+
+
+def wait_for(check: Callable[[], Any], seconds: float = 60) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.3)
+    raise AssertionError(f"not within {seconds}s")
+
+
+def directory_entry(cluster: Cluster, sandbox_id: str) -> SandboxEntry | None:
+    async def read() -> SandboxEntry | None:
+        store = ClusterStore.from_url(cluster.etcd.url)
+        try:
+            got = await store.get_sandbox(sandbox_id)
+        finally:
+            await store.close()
+        return got.entry if got is not None else None
+
+    return asyncio.run(read())
+
+
+def use_gateway(cluster: Cluster, index: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("E2B_API_KEY", API_KEY)
+    monkeypatch.setenv("E2B_API_URL", cluster.gateways[index].url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", cluster.gateways[index].url)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+
+
+def test_a_durable_pause_outlives_its_node(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    lost = start_node(cluster.etcd.url, "node-gone", lease_ttl=LEASE_TTL)
+    repo = Repository(PosixBackend(DATA_DIR / "repo"))
+    sandbox_id = ""
+    try:
+        for gateway in cluster.gateways:
+            wait_for_nodes(gateway, {*cluster.nodes, "node-gone"})
+        with lost.client() as direct:
+            body = {"templateID": "base", "timeout": 600, "metadata": {"run": "r1"}, "envVars": {"MARK": "kept"}}
+            r = direct.post("/sandboxes", json=body)
+            assert r.status_code == 201, r.text
+            sandbox_id = r.json()["sandboxID"]
+        use_gateway(cluster, 0, monkeypatch)
+        sbx = Sandbox.connect(sandbox_id)
+        sbx.commands.run(COUNTER, background=True)
+        sbx.files.write("/home/user/state.txt", "written on node-gone")
+        time.sleep(1.5)
+        before = count(sbx)
+        with cluster.api(0) as api:
+            r = api.post(f"/sandboxes/{sandbox_id}/pause")
+            assert r.status_code == 204, r.text
+            assert r.headers["x-aenv-node-id"] == "node-gone"
+            wait_for(lambda: api.get(f"/sandboxes/{sandbox_id}").json().get("durable"))
+        entry = wait_for(lambda: (e := directory_entry(cluster, sandbox_id)) is not None and e.durable and e)
+        assert entry.node_id == "node-gone" and entry.state == "paused"
+
+        lost.stop(signal.SIGKILL)
+        wait_for_nodes(cluster.gateways[1], set(cluster.nodes), timeout=LEASE_TTL + 15)
+
+        use_gateway(cluster, 1, monkeypatch)
+        resumed = Sandbox.connect(sandbox_id)
+        at_resume = count(resumed)
+        assert at_resume >= before  # the same process, its memory kept: not a fresh counter
+        wait_for(lambda: count(resumed) > at_resume, 10)
+        assert resumed.files.read("/home/user/state.txt") == "written on node-gone"
+        assert resumed.commands.run("echo $MARK").stdout.strip() == "kept"
+        with cluster.api(1) as api:
+            r = api.get(f"/sandboxes/{sandbox_id}")
+            assert r.status_code == 200, r.text
+            assert r.headers["x-aenv-node-id"] in cluster.nodes
+            assert r.json()["state"] == "running" and r.json()["metadata"] == {"run": "r1"}
+        moved = directory_entry(cluster, sandbox_id)
+        assert moved is not None and moved.node_id in cluster.nodes
+        assert moved.epoch == entry.epoch + 1 and moved.state == "running" and not moved.durable
+        wait_for(lambda: repo.get_entry("sandbox", sandbox_id) is None, 20)  # it runs again
+
+        # The lost node comes back: its copy is stale (the directory gave the sandbox away) and
+        # goes; the sandbox runs on where it was resumed.
+        lost = start_node(cluster.etcd.url, "node-gone", lease_ttl=LEASE_TTL)
+        with lost.client() as direct:
+            wait_for(lambda: direct.get(f"/sandboxes/{sandbox_id}").status_code == 404, 30)
+        assert directory_entry(cluster, sandbox_id) == moved
+        going = count(resumed)
+        wait_for(lambda: count(resumed) > going, 10)
+    finally:
+        if sandbox_id:
+            with cluster.api(1) as api:
+                api.delete(f"/sandboxes/{sandbox_id}")
+        lost.stop()
+
+
+def test_a_pause_that_is_not_durable_is_not_taken_over(cluster: Cluster) -> None:
+    """A resume through a gateway of a sandbox whose lost node kept its pause local (paused
+    without memory) gets a 404 naming the node; no other node invents it."""
+    node = start_node(cluster.etcd.url, "node-local", lease_ttl=LEASE_TTL)
+    sandbox_id = ""
+    try:
+        wait_for_nodes(cluster.gateway, {*cluster.nodes, "node-local"})
+        with node.client() as direct:
+            r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 300})
+            assert r.status_code == 201, r.text
+            sandbox_id = r.json()["sandboxID"]
+            assert direct.post(f"/sandboxes/{sandbox_id}/pause", json={"memory": False}).status_code == 204
+            assert direct.get(f"/sandboxes/{sandbox_id}").json()["durable"] is False
+        wait_for(lambda: (e := directory_entry(cluster, sandbox_id)) is not None and e.state == "paused")
+        node.stop(signal.SIGKILL)
+        wait_for_nodes(cluster.gateway, set(cluster.nodes), timeout=LEASE_TTL + 15)
+        with cluster.api() as api:
+            r = api.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+            assert r.status_code == 404 and "node-local" in r.json()["message"], r.text
+        for other in cluster.nodes.values():
+            with other.client() as direct:
+                assert direct.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60}).status_code == 404
+        entry = directory_entry(cluster, sandbox_id)
+        assert entry is not None and entry.node_id == "node-local" and entry.epoch == 1
+    finally:
+        node.stop(signal.SIGKILL)
+        back = start_node(cluster.etcd.url, "node-local", lease_ttl=LEASE_TTL)  # to remove what it left
+        with back.client() as direct:
+            if sandbox_id:
+                direct.delete(f"/sandboxes/{sandbox_id}")
+        back.stop()
+
+
+def test_a_resume_on_a_node_that_does_not_hold_it_is_not_found(cluster: Cluster) -> None:
+    """A node asked directly to resume a sandbox another live node holds does not take it."""
+    with cluster.api() as api:
+        r = api.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+        assert r.status_code == 201, r.text
+        sandbox_id, holder = r.json()["sandboxID"], r.headers["x-aenv-node-id"]
+        try:
+            assert api.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+            wait_for(lambda: (e := directory_entry(cluster, sandbox_id)) is not None and e.durable)
+            other = next(n for name, n in cluster.nodes.items() if name != holder)
+            with other.client() as direct:
+                r = direct.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+                assert r.status_code == 404, r.text
+            entry = directory_entry(cluster, sandbox_id)
+            assert entry is not None and entry.node_id == holder and entry.epoch == 1
+            r = api.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+            assert r.status_code == 201 and r.headers["x-aenv-node-id"] == holder, r.text
+        finally:
+            api.delete(f"/sandboxes/{sandbox_id}")
+
+
+@contextmanager
+def lost_durable_sandbox(cluster: Cluster, name: str) -> Iterator[str]:
+    """A sandbox paused durably on node ``name``, which is then killed (-9) and known lost by
+    every gateway; killed after, and what the node left removed by restarting it."""
+    lost = start_node(cluster.etcd.url, name, lease_ttl=LEASE_TTL)
+    sandbox_id = ""
+    try:
+        for gateway in cluster.gateways:
+            wait_for_nodes(gateway, {*cluster.nodes, name})
+        with lost.client() as direct:
+            r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 600})
+            assert r.status_code == 201, r.text
+            sandbox_id = r.json()["sandboxID"]
+            assert direct.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+        wait_for(lambda: (e := directory_entry(cluster, sandbox_id)) is not None and e.durable)
+        lost.stop(signal.SIGKILL)
+        for gateway in cluster.gateways:
+            wait_for_nodes(gateway, set(cluster.nodes), timeout=LEASE_TTL + 15)
+        yield sandbox_id
+    finally:
+        if sandbox_id:
+            with cluster.api() as api:
+                api.delete(f"/sandboxes/{sandbox_id}")
+        lost.stop(signal.SIGKILL)
+        back = start_node(cluster.etcd.url, name, lease_ttl=LEASE_TTL)
+        with back.client() as direct:
+            if sandbox_id:
+                direct.delete(f"/sandboxes/{sandbox_id}")
+        back.stop()
+
+
+def holders(cluster: Cluster, sandbox_id: str) -> list[str]:
+    found = []
+    for name, node in cluster.nodes.items():
+        with node.client() as direct:
+            if direct.get(f"/sandboxes/{sandbox_id}").status_code == 200:
+                found.append(name)
+    return found
+
+
+def test_two_connects_through_two_gateways_give_one_instance(cluster: Cluster) -> None:
+    with lost_durable_sandbox(cluster, "node-race") as sandbox_id:
+
+        def connect(index: int) -> tuple[int, str, str]:
+            with cluster.api(index) as api:
+                r = api.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 120})
+                return r.status_code, r.json().get("sandboxID", r.text), r.headers.get("x-aenv-node-id", "")
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(connect, [0, 1]))
+        assert sorted(a[0] for a in answers) in ([200, 201], [201, 201]), answers
+        assert {a[1] for a in answers} == {sandbox_id} and len({a[2] for a in answers}) == 1, answers
+        assert holders(cluster, sandbox_id) == [answers[0][2]]
+        entry = directory_entry(cluster, sandbox_id)
+        assert entry is not None and entry.node_id == answers[0][2] and entry.epoch == 2 and entry.state == "running"
+
+
+def test_two_nodes_taking_over_one_sandbox_at_once_one_wins(cluster: Cluster) -> None:
+    """Both nodes asked at once (directly): both fetch it, one claim wins; the loser lets its
+    copy go (409, or 404 if it saw the move first) and the sandbox runs once, on the winner."""
+    with lost_durable_sandbox(cluster, "node-race2") as sandbox_id:
+
+        def connect(node: Server) -> int:
+            with node.client() as direct:
+                return direct.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 120}).status_code
+
+        with ThreadPoolExecutor(2) as pool:
+            codes = dict(zip(cluster.nodes, pool.map(connect, cluster.nodes.values()), strict=True))
+        assert sorted(codes.values()) in ([201, 404], [201, 409]), codes
+        winner = next(name for name, code in codes.items() if code == 201)
+        assert holders(cluster, sandbox_id) == [winner]
+        entry = directory_entry(cluster, sandbox_id)
+        assert entry is not None and entry.node_id == winner and entry.epoch == 2
+        with cluster.api(1) as api:
+            r = api.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 120})
+            assert r.status_code == 200 and r.headers["x-aenv-node-id"] == winner, r.text
