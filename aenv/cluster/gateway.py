@@ -203,16 +203,20 @@ class Gateway:
                     await self.cluster_config()
                 except ClusterUnavailable as exc:
                     if self.config is None and self.mirror.loaded.is_set():  # read, and not ours
+                        await self._close()  # an open watch and channel would hold the exit up
                         await send({"type": "lifespan.startup.failed", "message": exc.message})
                         return
                     log.warning("%s; serving once it can be read", exc.message)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                await self.mirror.stop()
-                await self.mirror.store.close()
-                await self.aclose()
+                await self._close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    async def _close(self) -> None:
+        await self.mirror.stop()
+        await self.mirror.store.close()
+        await self.aclose()
 
     async def route(self, request: Request) -> Response | Relay:
         headers = {k.lower(): v for k, v in request.headers.items()}
