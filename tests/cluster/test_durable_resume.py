@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
 
 import pytest
 from e2b import Sandbox
@@ -22,6 +21,7 @@ from aenv.repo.repository import Repository
 from tests.cluster.cluster import LEASE_TTL, Cluster, running_cluster, wait_for_nodes
 from tests.cluster.nodes import start_node
 from tests.conftest import API_KEY, DATA_DIR, Server
+from tests.durable import count, wait_for
 
 pytestmark = pytest.mark.sandbox
 
@@ -40,25 +40,6 @@ COUNTER = (
 def cluster(server: Server) -> Iterator[Cluster]:
     with running_cluster() as c:
         yield c
-
-
-def count(sbx: Sandbox) -> int:
-    for _ in range(50):
-        out = sbx.commands.run("cat /home/user/count").stdout.strip()
-        if out:
-            return int(out)
-        time.sleep(0.1)
-    raise AssertionError("the counter wrote nothing")
-
-
-def wait_for(check: Callable[[], Any], seconds: float = 60) -> Any:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.3)
-    raise AssertionError(f"not within {seconds}s")
 
 
 def directory_entry(cluster: Cluster, sandbox_id: str) -> SandboxEntry | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,30 +18,12 @@ from e2b import Sandbox
 from aenv.repo.backends import PosixBackend
 from aenv.repo.repository import ArtifactRef, Repository
 from tests.conftest import Server, start_server
+from tests.durable import count, wait_for
 from tests.images.oci import busybox_layer, write_layout
 
 pytestmark = pytest.mark.sandbox
 
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /home/user/count; sleep 0.2; done"
-
-
-def count(sbx: Sandbox) -> int:
-    for _ in range(50):
-        out = sbx.commands.run("cat /home/user/count").stdout.strip()
-        if out:
-            return int(out)
-        time.sleep(0.1)
-    raise AssertionError("the counter wrote nothing")
-
-
-def wait_for(check: Callable[[], Any], seconds: float = 60) -> Any:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.3)
-    raise AssertionError(f"not within {seconds}s")
 
 
 def durable_detail(api: httpx.Client, sandbox_id: str) -> dict[str, Any] | None:
