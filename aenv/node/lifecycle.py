@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from aenv.errors import (
     AenvError,
+    ArtifactDamaged,
     InvalidRequest,
     LimitExceeded,
     OperationTimeout,
@@ -307,8 +308,10 @@ class Lifecycle:
         rec = await self.artifacts.fetch_pause(sandbox_id)
         if sandbox_id in self.sandboxes:
             return  # another adoption here finished first
+        if rec.state != S.PAUSED:  # a repository entry is committed only once its pause is done
+            raise ArtifactDamaged(f"sandbox {sandbox_id}: its repository entry is not a paused sandbox")
         rec.upper = await self.files.new_upper(self.limits_of(rec).disk_mb)
-        rec.state, rec.instance_id = S.PAUSED, ""
+        rec.instance_id = ""
         self.sandboxes[rec.id] = LiveSandbox(rec)
         await self.store.put_sandbox(rec)
 
