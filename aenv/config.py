@@ -93,6 +93,10 @@ class Settings(BaseSettings):
     # (the E2B Python SDK: 300 s; undici: at most 600 s): a pool that reuses a connection the server
     # is closing at that moment fails the request (RemoteProtocolError).
     http_keepalive: int = Field(610, ge=1)
+    # Slow clients (a slowloris holds a connection and a file descriptor): seconds a request's head
+    # may take, and seconds a body may go without a byte (control-plane bodies: to arrive whole).
+    http_head_timeout: float = Field(30.0, gt=0)
+    http_body_timeout: float = Field(60.0, gt=0)
 
     # The snapshot repository templates and snapshots are committed to: "" = <data-dir>/repo,
     # a path or file:// URL (e.g. a shared mount), s3://bucket/prefix, or "none" (node-local only).

@@ -23,6 +23,7 @@ import pytest
 
 API_KEY = "e2b_" + "0" * 40
 DATA_DIR = Path(os.environ.get("AENV_TEST_DATA_DIR", "/var/tmp/aenv-test"))
+SLOW_CLIENT_DEADLINES = {"AENV_HTTP_HEAD_TIMEOUT": "8", "AENV_HTTP_BODY_TIMEOUT": "10"}
 BASE_BUILD_TIMEOUT = 900
 
 
@@ -75,7 +76,8 @@ def start_server(
     (at AENV_HOST over HTTPS when ``extra_env`` gives it a certificate, trusted by ``verify``)."""
     port = port or free_port()
     env = dict(os.environ)
-    env.update({"AENV_API_KEY": API_KEY, "AENV_REAPER_INTERVAL": "0.5"})
+    # Shorter slow-client deadlines than the defaults (30 s, 60 s): the tests that wait them out stay quick.
+    env.update({"AENV_API_KEY": API_KEY, "AENV_REAPER_INTERVAL": "0.5"} | SLOW_CLIENT_DEADLINES)
     env.update(extra_env or {})
     log = data_dir.parent / f"{data_dir.name}-server-{port}.log"
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -39,8 +39,6 @@ PUBLIC_ROUTES = frozenset(
     for method in ("GET", "HEAD")
 )
 # E2B's SDK uploads template files without its API key: a PUT there needs the URL's own token instead.
-BODY_TIMEOUT = 60.0  # seconds a control-plane body (at most AENV_MAX_BODY_KB) has to arrive, and a
-# sandbox's (an envd upload, a request to a port; any size) may go without a byte
 SIGNED_UPLOAD = re.compile(r"/templates/(?P<template>[^/]+)/files/(?P<files_hash>[^/]+)/upload")
 
 
@@ -165,7 +163,7 @@ class SandboxRouter:
             if not (port == envd.ENVD_PORT and scope["path"] in envd.CLIENT_STREAMS):
                 # A body that stops is let go (an upload to envd or a port), as proxies do (nginx's
                 # client_body_timeout): else any client of a public port holds connections for good.
-                receive = _bounded(receive, None, BODY_TIMEOUT, idle=True)
+                receive = _bounded(receive, None, self.node.settings.http_body_timeout, idle=True)
             request = StarletteRequest(scope, receive)
             if port == envd.ENVD_PORT:
                 response = await envd.handle(request, self.node, sandbox_id)
@@ -189,7 +187,7 @@ class SandboxRouter:
             if declared.isdecimal() and int(declared) > limit:
                 await _reply(scope, receive, send, _error_response(_too_large(limit)))
                 return
-            receive = _bounded(receive, limit, BODY_TIMEOUT)
+            receive = _bounded(receive, limit, self.node.settings.http_body_timeout)
         await self.app(scope, receive, send)
 
 

@@ -27,7 +27,6 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from aenv.errors import InvalidRequest
 
-HEAD_TIMEOUT = 30.0  # seconds a client has to send a request's head, from its connection or its first byte
 
 _TRANSPORT: contextvars.ContextVar[asyncio.BaseTransport | None] = contextvars.ContextVar(
     "aenv_client_transport", default=None
@@ -36,6 +35,7 @@ _TRANSPORT: contextvars.ContextVar[asyncio.BaseTransport | None] = contextvars.C
 
 class NodeHTTPProtocol(HttpToolsProtocol):
     transport: asyncio.Transport
+    head_timeout = 30.0  # seconds a client has to send a request's head, from its connection or its first byte
     _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -65,12 +65,17 @@ class NodeHTTPProtocol(HttpToolsProtocol):
 
     def _await_head(self) -> None:
         self._head_in()
-        self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self.transport.close)
+        self._head_timer = self.loop.call_later(self.head_timeout, self.transport.close)
 
     def _head_in(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+
+def protocol_with(head_timeout: float) -> type[NodeHTTPProtocol]:
+    """The protocol class given to uvicorn, with this server's deadline on heads (AENV_HTTP_HEAD_TIMEOUT)."""
+    return type("NodeHTTPProtocol", (NodeHTTPProtocol,), {"head_timeout": head_timeout})
 
 
 def reset_on_close() -> None:

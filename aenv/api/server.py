@@ -68,7 +68,7 @@ async def serve(
             access_log=False,
             timeout_graceful_shutdown=5,
             timeout_keep_alive=settings.http_keepalive,
-            http=connections.NodeHTTPProtocol,
+            http=connections.protocol_with(settings.http_head_timeout),
             ws_max_size=settings.port_ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
         )
         logging.getLogger("uvicorn.error").addFilter(envd.DroppedStreamsAreNotErrors())

@@ -340,21 +340,28 @@ def answer_within(server: Server, parts: list[bytes], gap: float, limit: float) 
         return answers, time.monotonic() - started
 
 
+def slow_client_deadlines(server: Server) -> tuple[float, float]:
+    """The server's deadlines on a request's head and on a body's next byte (seconds)."""
+    env = server.env or {}
+    return float(env.get("AENV_HTTP_HEAD_TIMEOUT", 30)), float(env.get("AENV_HTTP_BODY_TIMEOUT", 60))
+
+
 @pytest.mark.sandbox
 def test_slow_heads_and_bodies_do_not_hold_connections(server: Server) -> None:
     """Half a head (no key needed), a byte of the next head every few seconds after a first
     request, and a control-plane body that never completes (plain and chunked) each held a
-    connection and a file descriptor for good: the head is closed after 30 s, the body is a 408
-    after 60 s."""
+    connection and a file descriptor for good: the head is closed after AENV_HTTP_HEAD_TIMEOUT
+    (30 s by default), the body is a 408 after AENV_HTTP_BODY_TIMEOUT (60 s)."""
+    head, body = slow_client_deadlines(server)
     key = f"X-API-Key: {API_KEY}\r\n".encode()
     body_head = b"POST /sandboxes HTTP/1.1\r\nHost: x\r\n" + key + b"Content-Type: application/json\r\n"
     cases = {
-        "half a head": ([b"GET /health HTTP/1.1\r\nHost: x\r\n"], 0.0, 45),
-        "a byte now and then": ([b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"] + [b"G"] * 20, 3.0, 70),
-        "a body that stops": ([body_head + b"Content-Length: 100\r\n\r\n{"], 0.0, 75),
-        "a chunked body that stops": ([body_head + b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"], 0.0, 75),
+        "half a head": ([b"GET /health HTTP/1.1\r\nHost: x\r\n"], 0.0, head + 15),
+        "a byte now and then": ([b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"] + [b"G"] * 20, head / 8, head * 3 + 15),
+        "a body that stops": ([body_head + b"Content-Length: 100\r\n\r\n{"], 0.0, body + 15),
+        "a chunked body that stops": ([body_head + b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"], 0.0, body + 15),
         # an idle kept-alive connection is not a slow head: clients' pools reuse them for minutes
-        "idle between requests": ([b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"] * 2, 35.0, 75),
+        "idle between requests": ([b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"] * 2, head + 5, 2 * head + 15),
     }
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         futures = {name: pool.submit(answer_within, server, *case) for name, case in cases.items()}
@@ -641,21 +648,22 @@ async def test_a_sandbox_whose_lookups_never_end_waits_for_its_own(monkeypatch: 
 @pytest.mark.sandbox
 def test_envd_bodies_that_stop_are_let_go(server: Server, envd: tuple[httpx.Client, str]) -> None:  # noqa: F811
     """An upload (or a Connect request) whose body stops coming held its connection, and the
-    agent's write, for good: envd bodies may not go 60 s without a byte (408, or deadline_exceeded),
-    and what the stopped upload wrote is gone."""
+    agent's write, for good: envd bodies may not go AENV_HTTP_BODY_TIMEOUT (60 s by default) without
+    a byte (408, or deadline_exceeded), and what the stopped upload wrote is gone."""
     client, sid = envd
+    limit = slow_client_deadlines(server)[1] + 20
     routing = "".join(f"{k}: {v}\r\n" for k, v in client.headers.items() if k.lower().startswith(("e2b-", "x-access")))
     head = f"Host: x\r\n{routing}".encode()
     upload = b"POST /files?path=/home/user/stalled HTTP/1.1\r\n" + head + b"Content-Length: 1000000\r\n\r\n"
     rpc = b"POST /filesystem.Filesystem/Stat HTTP/1.1\r\n" + head + b"Content-Type: application/json\r\n"
     cases = {
-        "upload": ([upload + b"x" * 100_000], 0.0, 80),
+        "upload": ([upload + b"x" * 100_000], 0.0, limit),
         "chunked upload": (
             [upload.replace(b"Content-Length: 1000000", b"Transfer-Encoding: chunked") + b"5\r\nxxxxx\r\n"],
             0.0,
-            80,
+            limit,
         ),
-        "rpc": ([rpc + b"Content-Length: 100\r\n\r\n{"], 0.0, 80),
+        "rpc": ([rpc + b"Content-Length: 100\r\n\r\n{"], 0.0, limit),
     }
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         futures = {name: pool.submit(answer_within, server, *case) for name, case in cases.items()}
@@ -679,7 +687,7 @@ def test_a_body_to_a_sandbox_port_that_stops_is_let_go(server: Server, sandbox: 
     wait_for_port(f"{server.url}/", routed)
     head = "".join(f"{k}: {v}\r\n" for k, v in routed.items()).encode()
     request = b"POST /x HTTP/1.1\r\nHost: x\r\n" + head + b"Content-Length: 1000\r\n\r\nx"
-    answer, took = answer_within(server, [request], 0.0, 80)
+    answer, took = answer_within(server, [request], 0.0, slow_client_deadlines(server)[1] + 20)
     assert not answer.endswith(b"<open>"), f"still open after {took:.0f}s"
     assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
 
