@@ -27,7 +27,6 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from aenv.errors import InvalidRequest
 
-
 _TRANSPORT: contextvars.ContextVar[asyncio.BaseTransport | None] = contextvars.ContextVar(
     "aenv_client_transport", default=None
 )
