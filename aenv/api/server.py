@@ -13,6 +13,7 @@ import uvicorn
 from aenv.api import connections, envd
 from aenv.api.app import build
 from aenv.config import Settings
+from aenv.errors import InvalidRequest
 from aenv.node.orchestrator import Node
 from aenv.storage import datadir
 
@@ -34,6 +35,22 @@ def resolve_api_key(settings: Settings) -> str:
     return key
 
 
+def check_settings(settings: Settings) -> None:
+    """Refuse, before anything starts, settings the node would fail on only later (InvalidRequest):
+    its TLS files, and for a cluster its etcd URL, etcd TLS files and advertised URL. Without a
+    cluster, etcd TLS files are a mistake, not something to ignore."""
+    connections.check_tls(settings.tls_cert, settings.tls_key)
+    if settings.cluster:
+        from aenv.cluster.agent import advertise_of
+        from aenv.cluster.store import ClusterStore, EtcdTls
+
+        tls = EtcdTls(settings.cluster_ca, settings.cluster_cert, settings.cluster_key)
+        ClusterStore.from_url(settings.cluster, tls=tls)  # parsed and the files read; no connection yet
+        advertise_of(settings)
+    elif settings.cluster_ca or settings.cluster_cert or settings.cluster_key:
+        raise InvalidRequest("AENV_CLUSTER_CA, _CERT and _KEY are for a cluster: --cluster etcds://... is missing")
+
+
 async def serve(
     settings: Settings, *, on_log: Callable[[str], None] | None = None, ready_file: Path | None = None
 ) -> None:
@@ -41,7 +58,7 @@ async def serve(
 
     say = on_log or (lambda line: log.info("%s", line))
     os.umask(datadir.PRIVATE_UMASK)  # the node's files, its tools' (runsc's images) and logs: owner-only
-    connections.check_tls(settings.tls_cert, settings.tls_key)
+    check_settings(settings)
     api_key = resolve_api_key(settings)
     node = Node(settings)
     await node.start()

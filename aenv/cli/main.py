@@ -111,7 +111,9 @@ def server(
     ),
 ) -> None:
     """Run a node: the API on one port, with the `base` template ready."""
-    from aenv.api.server import serve
+    from pydantic import ValidationError
+
+    from aenv.api.server import check_settings, serve
     from aenv.config import Settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -127,7 +129,18 @@ def server(
     for name, value in (("cluster", cluster), ("advertise", advertise), ("node_id", node_id)):
         if value is not None:
             overrides[name] = value
-    asyncio.run(serve(Settings(**overrides)))
+    try:
+        settings = Settings(**overrides)
+        check_settings(settings)
+    except ValidationError as exc:
+        for problem in exc.errors():
+            where = ".".join(str(part) for part in problem["loc"])
+            err.print(f"[red]error:[/red] AENV_{where.upper()}: {problem['msg']}")
+        raise typer.Exit(2) from None
+    except AenvError as exc:
+        err.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(2) from None
+    asyncio.run(serve(settings))
 
 
 @app.command()

@@ -129,3 +129,35 @@ def test_the_gateway_refuses_bad_etcd_tls_settings_at_start(
         timeout=60,
     )
     assert done.returncode == 2 and says in " ".join(done.stderr.split()), done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["--cluster", "etcd://127.0.0.1:1"], {"AENV_CLUSTER_CA": "{ca}"}, "need an etcds:// cluster URL"),
+        (["--cluster", "etcds://127.0.0.1:1"], {"AENV_CLUSTER_CA": "{missing}"}, "cannot read"),
+        (["--cluster", "etcds://127.0.0.1:1"], {"AENV_CLUSTER_CERT": "{cert}"}, "needs its key"),
+        ([], {"AENV_CLUSTER_CA": "{ca}"}, "--cluster etcds://... is missing"),
+        (["--cluster", "etcd://"], {}, "cluster URL must"),
+        (["--cluster", "etcd://127.0.0.1:1", "--host", "0.0.0.0"], {}, "--advertise http://ADDRESS:PORT is needed"),
+        (["--cluster", "etcd://127.0.0.1:1", "--advertise", "ftp://x"], {}, "--advertise must be"),
+        ([], {"AENV_TLS_CERT": "{cert}"}, "needs its key"),
+        ([], {"AENV_CLUSTER_LEASE_TTL": "1"}, "AENV_CLUSTER_LEASE_TTL"),
+    ],
+)
+def test_a_node_refuses_bad_cluster_and_tls_settings_at_start(
+    args: list[str], env: dict[str, str], says: str, certificates: Certificates, tmp_path: Path
+) -> None:
+    """Exit 2 with the reason before the node starts anything (its data dir is never made), as the
+    gateway does; a node used to build `base` first and fail on its etcd settings only then."""
+    names = {"ca": certificates.ca, "cert": certificates.cert, "missing": tmp_path / "nope.pem"}
+    data_dir = tmp_path / "never-made"
+    done = subprocess.run(
+        [sys.executable, "-m", "aenv.cli.main", "server", "--data-dir", str(data_dir), *args],
+        env={**os.environ, "AENV_API_KEY": API_KEY, **{k: v.format(**names) for k, v in env.items()}},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and says in " ".join(done.stderr.split()), done.stderr[-2000:]
+    assert not data_dir.exists()
