@@ -94,7 +94,18 @@ def test_k8s_objects_match_the_openapi_schemas() -> None:
     objects = k8s_objects()
     kinds = sorted(d["kind"] for _, d in objects)
     assert kinds == sorted(
-        ["Namespace", "Secret", "Secret", "ConfigMap", "Service", "StatefulSet", "DaemonSet", "Deployment", "Service"]
+        [
+            "Namespace",
+            "Secret",
+            "Secret",
+            "Secret",
+            "ConfigMap",
+            "Service",
+            "StatefulSet",
+            "DaemonSet",
+            "Deployment",
+            "Service",
+        ]
         + ["Ingress"]
     )
     for file, obj in objects:
@@ -233,4 +244,29 @@ def test_every_aenv_setting_named_exists() -> None:
         assert name in compose()["x-gateway"]["environment"]
         assert name in texts[Path("systemd/aenv.env")]
     configmap = next(d for _, d in k8s_objects() if d["kind"] == "ConfigMap")
-    assert configmap["data"]["AENV_CLUSTER"].startswith("etcd://")
+    assert configmap["data"]["AENV_CLUSTER"].startswith("etcds://")
+    assert "AENV_CLUSTER=etcds://" in texts[Path("systemd/aenv.env")]
+
+
+def test_k8s_etcd_speaks_tls_with_client_certificates_to_nodes_and_gateways() -> None:
+    """etcd holds the cluster's token secret: in k8s its members ask every client and peer for a
+    certificate of the CA, and the nodes and gateways have theirs where AENV_CLUSTER_* point."""
+    objects = {(d["kind"], d["metadata"]["name"]): d for _, d in k8s_objects()}
+    etcd = objects[("StatefulSet", "etcd")]
+    args = pod_containers(etcd)[0]["command"]
+    assert "--client-cert-auth" in args and "--peer-client-cert-auth" in args
+    urls = [a.split("=", 1)[1] for a in args if a.split("=", 1)[0].endswith(("-client-urls", "-peer-urls"))]
+    assert urls and all(u.startswith("https://") for u in urls), urls
+    configmap = objects[("ConfigMap", "aenv")]["data"]
+    secret = objects[("Secret", "aenv-etcd-tls")]["stringData"]
+    for kind, name in (("DaemonSet", "aenv-node"), ("Deployment", "aenv-gateway")):
+        spec = objects[(kind, name)]["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounted = {}
+        for mount in spec["containers"][0]["volumeMounts"]:
+            source = volumes[mount["name"]].get("secret")
+            if source and source["secretName"] == "aenv-etcd-tls":
+                mounted |= {f"{mount['mountPath']}/{item['path']}": item["key"] for item in source["items"]}
+        for setting in ("AENV_CLUSTER_CA", "AENV_CLUSTER_CERT", "AENV_CLUSTER_KEY"):
+            assert mounted.get(configmap[setting]) in secret, (name, setting, mounted)
+        assert "member.key" not in mounted.values()  # the members' key stays with the members
