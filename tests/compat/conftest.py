@@ -43,3 +43,17 @@ def e2b_vars(deployment: Deployment, monkeypatch: pytest.MonkeyPatch) -> Iterato
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("E2B_DEBUG", raising=False)
     yield
+
+
+@pytest.fixture()
+def sandbox(deployment: Deployment) -> Iterator[object]:
+    """A sandbox of the deployment under test (the suite-wide fixture's is the session server's,
+    which is another machine when AENV_COMPAT_URL names a gateway)."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=300)
+    yield sbx
+    try:
+        sbx.kill()
+    except Exception:
+        pass
