@@ -305,16 +305,35 @@ def shell(sandbox_id: str, user: str = typer.Option(None, "--user", "-u")) -> No
     raise typer.Exit(code)
 
 
+def _transfer_progress() -> Progress:
+    """A bar for bytes on their way (uploads, downloads, a build's context), on stderr."""
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=err,
+        transient=True,
+    )
+
+
 @app.command()
 def upload(sandbox_id: str, local: Path, remote: str) -> None:
-    """Copy a local file into a sandbox."""
-    data = local.read_bytes()
+    """Copy a local file into a sandbox, streamed, with progress."""
+    if not local.is_file():
+        err.print(f"[red]error:[/red] {local} is not a file")
+        raise typer.Exit(2)
 
-    async def go(c: AsyncClient) -> None:
+    async def go(c: AsyncClient) -> int:
         sbx = await c.connect(sandbox_id)
-        await _with_status(f"uploading {len(data)} bytes", sbx.write(remote, data))
+        with _transfer_progress() as progress:
+            task = progress.add_task(f"{local.name} -> {remote}", total=local.stat().st_size)
+            return await sbx.write_from(
+                remote, local, on_progress=lambda sent, total: progress.update(task, completed=sent, total=total)
+            )
 
-    _run(go)
+    size = _run(go)
+    err.print(f"{local} -> {remote}: {size} bytes")
 
 
 @app.command()
@@ -323,17 +342,7 @@ def download(sandbox_id: str, remote: str, local: Path) -> None:
 
     async def go(c: AsyncClient) -> int:
         sbx = await c.connect(sandbox_id)
-        with (
-            open(local, "wb") as f,
-            Progress(
-                "[progress.description]{task.description}",
-                BarColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
-                console=err,
-                transient=True,
-            ) as progress,
-        ):
+        with open(local, "wb") as f, _transfer_progress() as progress:
             task = progress.add_task(remote, total=None)
 
             def sink(chunk: bytes) -> None:
@@ -520,18 +529,27 @@ def build(
         err.print(f"[red]error:[/red] no Dockerfile at {recipe} (name another with -f PATH)")
         raise typer.Exit(2)
     args = dict(a.split("=", 1) for a in build_arg if "=" in a)
-    with err.status(f"building '{name}'") as status:
+    with _transfer_progress() as progress:
+        # One line: the context's upload (a bar), then the build's step (the log prints above it).
+        task = progress.add_task(f"sending the context of '{name}'", total=None)
+
+        def uploaded(sent: int, total: int) -> None:
+            progress.update(task, completed=sent, total=total)
+            if sent == total:
+                progress.update(task, description=f"building '{name}'")
 
         def show(line: str) -> None:
             if line.startswith("["):
-                status.update(f"building '{name}': {line[:100]}")
-                err.print(f"[bold]{line}[/bold]")
+                progress.update(task, description=f"building '{name}': {line[:80]}")
+                progress.console.print(f"[bold]{line}[/bold]")
             else:
-                err.print(line, markup=False, highlight=False)
+                progress.console.print(line, markup=False, highlight=False)
 
         async def go(c: AsyncClient) -> dict[str, Any] | BuildError:
             try:
-                return await c.build(name, context, dockerfile=str(recipe), build_args=args, on_log=show)
+                return await c.build(
+                    name, context, dockerfile=str(recipe), build_args=args, on_log=show, on_upload=uploaded
+                )
             except BuildError as exc:
                 return exc
 

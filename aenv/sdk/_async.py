@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
 import os
 import secrets
 import struct
 import tarfile
+import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
@@ -28,6 +28,27 @@ class BuildError(AenvError):
         super().__init__(str(body.get("message", "build failed")), status=int(body.get("code", 400)))
         self.step = body.get("step")
         self.output = str(body.get("output") or "")
+
+
+ProgressFn = Callable[[int, int], None]  # (bytes sent, bytes in all)
+UPLOAD_CHUNK = 1 << 20
+
+
+async def _chunks_of(source: BinaryIO, total: int, on_progress: ProgressFn | None) -> AsyncIterator[bytes]:
+    """``source``'s bytes in chunks, read off the event loop, telling ``on_progress`` as they go."""
+    sent = 0
+    while chunk := await asyncio.to_thread(source.read, UPLOAD_CHUNK):
+        sent += len(chunk)
+        yield chunk
+        if on_progress is not None:
+            on_progress(sent, total)
+
+
+def _pack_context(into: BinaryIO, context: Path, outside: Path | None, dockerfile: str) -> None:
+    with tarfile.open(fileobj=into, mode="w:gz") as tar:
+        tar.add(str(context), arcname=".")
+        if outside is not None:
+            tar.add(str(outside), arcname=dockerfile)
 
 
 ENVD_PORT = 49983
@@ -272,6 +293,29 @@ class AsyncSandbox:
         )
         _raise_for(r)
 
+    async def write_from(
+        self,
+        path: str,
+        local: str | os.PathLike[str],
+        *,
+        user: str | None = None,
+        on_progress: ProgressFn | None = None,
+    ) -> int:
+        """Stream local file ``local`` to ``path`` in the sandbox without reading it into memory;
+        ``on_progress(sent, total)`` after each chunk. Returns the bytes sent."""
+        params = {"path": path, **({"username": user} if user else {})}
+        with open(local, "rb") as source:
+            total = os.fstat(source.fileno()).st_size
+            r = await self.client._http.post(
+                "/files",
+                params=params,
+                content=_chunks_of(source, total, on_progress),
+                headers=self._headers({"Content-Type": "application/octet-stream", "Content-Length": str(total)}),
+                timeout=httpx.Timeout(30, write=None, read=None),
+            )
+        _raise_for(r)
+        return total
+
     async def read(self, path: str, *, user: str | None = None) -> bytes:
         params = {"path": path, **({"username": user} if user else {})}
         r = await self.client._http.get("/files", params=params, headers=self._headers())
@@ -452,20 +496,34 @@ class AsyncClient:
         dockerfile: str = "Dockerfile",
         build_args: Mapping[str, str] | None = None,
         on_log: Callable[[str], None] | None = None,
+        on_upload: ProgressFn | None = None,
     ) -> dict[str, Any]:
-        """Build template ``name`` from ``context``/``dockerfile``; build logs go to ``on_log``.
-        An absolute ``dockerfile`` may be anywhere (as ``docker build -f``): one outside the
-        context is sent along with it under a name of its own."""
+        """Build template ``name`` from ``context``/``dockerfile``; build logs go to ``on_log``,
+        ``on_upload(sent, total)`` follows the packed context's upload. An absolute ``dockerfile``
+        may be anywhere (as ``docker build -f``): one outside the context is sent along with it
+        under a name of its own."""
         dockerfile, outside = _recipe_in(Path(context), dockerfile)
-        packed = io.BytesIO()
-        with tarfile.open(fileobj=packed, mode="w:gz") as tar:
-            tar.add(str(context), arcname=".")
-            if outside is not None:
-                tar.add(str(outside), arcname=dockerfile)
         params: list[tuple[str, str]] = [("name", name), ("dockerfile", dockerfile)]
         params += [("buildArg", f"{k}={v}") for k, v in (build_args or {}).items()]
+        # Packed to a temporary file, not memory: contexts of several GiB exist (datasets, weights).
+        with tempfile.TemporaryFile() as packed:
+            await asyncio.to_thread(_pack_context, packed, Path(context), outside, dockerfile)
+            size = packed.tell()
+            packed.seek(0)
+            return await self._send_build(packed, size, params, on_log, on_upload)
+
+    async def _send_build(
+        self,
+        packed: BinaryIO,
+        size: int,
+        params: list[tuple[str, str]],
+        on_log: Callable[[str], None] | None,
+        on_upload: ProgressFn | None,
+    ) -> dict[str, Any]:
+        headers = {**self._auth, "Content-Length": str(size)}
+        body = _chunks_of(packed, size, on_upload)
         async with self._http.stream(
-            "POST", "/templates/build", params=params, content=packed.getvalue(), headers=self._auth, timeout=None
+            "POST", "/templates/build", params=params, content=body, headers=headers, timeout=None
         ) as r:
             if r.status_code != 200:
                 await r.aread()

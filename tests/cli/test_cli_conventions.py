@@ -89,3 +89,38 @@ def test_listings_take_json_and_logs_show_commands(cli, api: httpx.Client) -> No
         cli("rm", sid)
     code, text = cli("logs", sid)
     assert code == 1 and "not found" in text.lower()
+
+
+def test_upload_streams_a_file_with_progress_and_download_gets_it_back(cli, api: httpx.Client, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`aenv upload` streams the file in chunks (it used to read it whole into memory) and the SDK
+    reports progress up to the file's size; the bytes arrive unchanged."""
+    import asyncio
+    import os
+
+    from aenv.sdk import AsyncClient
+
+    local = tmp_path / "payload.bin"
+    local.write_bytes(os.urandom(3 * (1 << 20) + 12345))  # more than one chunk, not a whole number of them
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 120}).json()["sandboxID"]
+    try:
+        code, text = cli("upload", sid, str(local), "/home/user/payload.bin")
+        assert code == 0, text
+        code, text = cli("download", sid, "/home/user/payload.bin", str(tmp_path / "back.bin"))
+        assert code == 0, text
+        assert (tmp_path / "back.bin").read_bytes() == local.read_bytes()
+
+        seen: list[tuple[int, int]] = []
+
+        async def with_progress() -> int:
+            async with AsyncClient(str(api.base_url), API_KEY) as client:
+                sbx = await client.connect(sid)
+                return await sbx.write_from("/home/user/again.bin", local, on_progress=lambda *p: seen.append(p))
+
+        size = local.stat().st_size
+        assert asyncio.run(with_progress()) == size
+        assert len(seen) == 4 and seen[-1] == (size, size) and [s for s, _ in seen] == sorted(s for s, _ in seen)
+        code, text = cli("exec", sid, "cmp /home/user/payload.bin /home/user/again.bin && echo same")
+        assert (code, text) == (0, "same\n")
+        assert cli("upload", sid, str(tmp_path / "missing.bin"), "/tmp/x")[0] == 2
+    finally:
+        api.delete(f"/sandboxes/{sid}")
