@@ -12,7 +12,8 @@ import asyncio
 import os
 import socket
 import threading
-from collections.abc import Callable, Coroutine
+import time
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from aenv.channel import DATA, END, EOF, SPLICE_CHUNK, ChannelClosed, Stream
@@ -124,6 +125,30 @@ async def relay_in_thread(conn: socket.socket, stream: Stream) -> None:
             conn.close()
 
     await on_own_thread(work, name="relay")
+
+
+def listen_abstract(name: bytes, kind: socket.SocketKind) -> socket.socket | None:
+    """A listening Unix socket at abstract ``name`` (programs of the sandbox connect to it), or
+    None when the name is taken."""
+    listener = socket.socket(socket.AF_UNIX, kind)
+    try:
+        listener.bind(name)
+        listener.listen(64)
+    except OSError:
+        listener.close()
+        return None
+    return listener
+
+
+def accepted(listener: socket.socket) -> Iterator[socket.socket]:
+    """Connections to ``listener``, for good; a failed accept is waited out, not spun on."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            time.sleep(0.1)  # e.g. out of descriptors: not a busy loop
+            continue
+        yield conn
 
 
 def _tcp_inodes() -> set[str]:

@@ -22,13 +22,12 @@ import signal
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aenv.guest.processes import ProcessError, _which
-from aenv.guest.sockets import on_loop
+from aenv.guest.sockets import accepted, listen_abstract, on_loop
 from aenv.guest.users import UnknownUser, User, lookup, name_of_uid
 
 SOCKET_NAME = b"\0aenv-sudo"
@@ -287,22 +286,13 @@ class SudoServer:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(SOCKET_NAME)
-            listener.listen(64)
-        except OSError:
-            listener.close()
+        listener = listen_abstract(SOCKET_NAME, socket.SOCK_STREAM)
+        if listener is None:
             return  # taken: sudo then answers that it cannot reach the agent
         threading.Thread(target=self._accept, args=(listener,), name="sudo-accept", daemon=True).start()
 
     def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                time.sleep(0.1)  # e.g. out of descriptors: not a busy loop
-                continue
+        for conn in accepted(listener):
             if not self.slots.acquire(blocking=False):
                 _answer(conn, Refused(1, f"sudo: more than {MAX_CLIENTS} sudo commands at once\n"))
                 conn.close()

@@ -26,10 +26,10 @@ import socket
 import stat
 import struct
 import threading
-import time
 from dataclasses import dataclass
 
 from aenv.guest import metadata
+from aenv.guest.sockets import accepted, listen_abstract
 from aenv.guest.users import UnknownUser, lookup, name_of_uid
 
 SOCKET_NAME = b"\0aenv-xattr"
@@ -57,23 +57,14 @@ class XattrServer:
     for each would cost more than the call (under the ptrace platform, a millisecond)."""
 
     def start(self) -> None:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            listener.bind(SOCKET_NAME)
-            listener.listen(64)
-        except OSError:
-            listener.close()
+        listener = listen_abstract(SOCKET_NAME, socket.SOCK_SEQPACKET)
+        if listener is None:
             return  # taken: programs then get the file system's EOPNOTSUPP
         for i in range(WORKERS):
             threading.Thread(target=self._work, args=(listener,), name=f"xattr-{i}", daemon=True).start()
 
     def _work(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                time.sleep(0.1)  # e.g. out of descriptors: not a busy loop
-                continue
+        for conn in accepted(listener):
             self._answer(conn)
 
     def _answer(self, conn: socket.socket) -> None:
