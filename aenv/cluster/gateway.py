@@ -771,6 +771,8 @@ class Relay:
             finally:
                 gone.cancel()
                 relay.cancel()
+                # A cancelled task is done only once it has run its cancellation: wait for both.
+                await asyncio.gather(relay, gone, return_exceptions=True)
             if not relay.cancelled():
                 relay.result()
         finally:
