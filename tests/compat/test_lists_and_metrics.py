@@ -14,14 +14,13 @@ import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 
 from tests.compat.conftest import Deployment
-from tests.conftest import API_KEY
 
 pytestmark = pytest.mark.sandbox
 
 
 @pytest.fixture()
 def api(deployment: Deployment) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=deployment.url, headers={"X-API-Key": API_KEY}, timeout=60) as client:
+    with httpx.Client(base_url=deployment.url, headers={"X-API-Key": deployment.api_key}, timeout=60) as client:
         yield client
 
 
