@@ -252,6 +252,9 @@ class Gateway:
         if path == "/nodes" or path.startswith("/nodes/"):
             scope[ROUTE_SCOPE] = "nodes"
             return self.nodes(path)
+        if method == "GET" and path == "/sandboxes/metrics":  # several sandboxes, perhaps on several nodes
+            scope[ROUTE_SCOPE] = "list"
+            return await self.latest_metrics(request)
         match = SANDBOX_PATH.match(path)
         if match:
             scope[ROUTE_SCOPE] = "sandbox"
@@ -278,6 +281,9 @@ class Gateway:
         if method == "GET" and path in ("/sandboxes", "/v2/sandboxes"):
             scope[ROUTE_SCOPE] = "list"
             return await self.list_sandboxes(request, paginated=path == "/v2/sandboxes")
+        if method == "GET" and path == "/snapshots":
+            scope[ROUTE_SCOPE] = "list"
+            return await self.list_snapshots(request)
         scope[ROUTE_SCOPE] = "other"
         if method == "POST" and path == "/v3/templates":
             return await self.answered(request, self.any_node(), self._note_template)
@@ -519,15 +525,85 @@ class Gateway:
             headers["X-Total-Running"] = str(sum(running))
         return JSONResponse(served, headers=headers)
 
-    async def _node_page(self, request: Request, node: NodeEntry, path: str) -> NodePage:
+    async def list_snapshots(self, request: Request) -> Response:
+        """Every node's snapshots, merged as `_list_from_nodes` merges sandboxes: a snapshot is on
+        the node that made it at once and on the others once its commit reached the repository,
+        so one node's list can miss another's newest ones. Each node is asked for its first
+        ``limit`` after the client's token, with the client's filters; one listed by several
+        nodes is served once."""
+        limit = _limit_of(request)
+        token = request.query_params.get("nextToken")
+        if token:
+            listing.SNAPSHOTS.cursor(token)  # a bad token is the client's 400, whatever the nodes
+        nodes = sorted(self.mirror.nodes.values(), key=lambda n: n.node_id)
+        if not nodes:
+            raise ClusterUnavailable("no node in the cluster is up")
+        pages = await asyncio.gather(*(self._node_page(request, n, "/snapshots") for n in nodes))
+        unique: dict[str, dict[str, object]] = {}
+        for item in (item for page in pages for item in page.items):
+            known = unique.get(str(item.get("snapshotID")))
+            if known is None or (item.get("committed") and not known.get("committed")):
+                unique[str(item.get("snapshotID"))] = item
+        served, next_token = listing.SNAPSHOTS.page(list(unique.values()), _snapshot_position, limit, None)
+        if next_token is None and served and any(page.more for page in pages):
+            next_token = listing.SNAPSHOTS.token(_snapshot_position(served[-1]))
+        return JSONResponse(served, headers={"X-Next-Token": next_token} if next_token else {})
+
+    async def latest_metrics(self, request: Request) -> Response:
+        """E2B's metrics of several sandboxes: each owner node is asked for its own. The first
+        is sent the client's whole list, so it checks it as one node would (its refusal is the
+        answer); sandboxes no live node holds are left out, as a node leaves out unknown ones."""
+        ids = [i for value in request.query_params.getlist("sandbox_ids") for i in value.split(",")]
+        by_node: dict[str, list[str]] = {}
+        for sandbox_id in ids:
+            entry: SandboxEntry | None = None
+            with contextlib.suppress(InvalidRequest):  # the first node refuses it, as one node would
+                entry = self.mirror.sandboxes.get(short_sandbox_id(sandbox_id))
+            if entry is not None and entry.node_id in self.mirror.nodes:
+                by_node.setdefault(entry.node_id, []).append(sandbox_id)
+        first = self.mirror.nodes[next(iter(by_node))] if by_node else self.any_node()
+        asked = [(first, request.query_params.multi_items())]
+        asked += [
+            (self.mirror.nodes[node_id], [("sandbox_ids", ",".join(held))])
+            for node_id, held in by_node.items()
+            if node_id != first.node_id
+        ]
         headers = {"x-api-key": request.headers.get("x-api-key", "")}
-        params = request.query_params.multi_items()
+        answers = await asyncio.gather(
+            *(self._node_json(node, "/sandboxes/metrics", params, headers) for node, params in asked)
+        )
+        merged: dict[str, object] = {}
+        for answer in answers:
+            sandboxes = answer.get("sandboxes") if isinstance(answer, dict) else None
+            if isinstance(sandboxes, dict):
+                merged.update(sandboxes)
+        return JSONResponse({"sandboxes": merged})
+
+    async def _node_json(
+        self, node: NodeEntry, path: str, params: list[tuple[str, str]], headers: dict[str, str]
+    ) -> object:
+        r = await self._node_response(node, path, params, headers)
+        try:
+            return r.json()
+        except ValueError:
+            raise UpstreamError(f"node {node.node_id} answered {path} with something else than JSON") from None
+
+    async def _node_response(
+        self, node: NodeEntry, path: str, params: list[tuple[str, str]], headers: dict[str, str]
+    ) -> httpx.Response:
+        """A node's answer to a fan-out GET; its refusal raised as it said it (a client's mistake
+        stays 4xx), a node that does not answer a 502 naming it."""
         try:
             r = await self.client.get(node.address + path, params=params, headers=headers, timeout=LIST_TIMEOUT)
         except httpx.TransportError as exc:
-            raise UpstreamError(f"node {node.node_id} did not answer the list: {exc!r}"[:300]) from None
+            raise UpstreamError(f"node {node.node_id} did not answer {path}: {exc!r}"[:300]) from None
         if r.status_code != 200:
             raise _node_error(r, node)
+        return r
+
+    async def _node_page(self, request: Request, node: NodeEntry, path: str) -> NodePage:
+        headers = {"x-api-key": request.headers.get("x-api-key", "")}
+        r = await self._node_response(node, path, request.query_params.multi_items(), headers)
         try:
             items = r.json()
         except ValueError:
@@ -832,6 +908,16 @@ def _position(item: dict[str, object]) -> listing.Position:
         return listing.Position(listing.parse_time(str(item.get("startedAt")), "startedAt"), str(item.get("sandboxID")))
     except InvalidRequest:
         raise UpstreamError("a node listed a sandbox without a valid startedAt") from None
+
+
+def _snapshot_position(item: dict[str, object]) -> listing.Position:
+    """Where a node's listed snapshot stands in the snapshots' order (its creation time and id)."""
+    try:
+        return listing.Position(
+            listing.parse_time(str(item.get("createdAt")), "createdAt"), str(item.get("snapshotID"))
+        )
+    except InvalidRequest:
+        raise UpstreamError("a node listed a snapshot without a valid createdAt") from None
 
 
 def _limit_of(request: Request) -> int:

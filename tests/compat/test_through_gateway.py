@@ -3,9 +3,10 @@ nodes behind `aenv gateway`.
 
 Every test of test_python_sync.py (commands, PTY, background processes, files, watch, lists over
 both nodes, timeouts, pause and connect, port HTTP and WebSockets, secure sandboxes and signed
-URLs, auto-resume, snapshots, the SDK's errors), and the npm SDK's smoke test (create, commands,
-files, list, pause and connect, kill), collected here a second time with ``deployment`` pointing
-at the gateway (about 60 s). The other compat files pass through a
+URLs, auto-resume, snapshots, the SDK's errors), the lists of snapshots and the metrics of
+several sandboxes (both merged from every node by the gateway), and the npm SDK's smoke test
+(create, commands, files, list, pause and connect, kill), collected here a second time with
+``deployment`` pointing at the gateway (about 90 s). The other compat files pass through a
 gateway too but for what docs/cluster.md lists; run them so with ``AENV_COMPAT_URL=<gateway>``.
 """
 
@@ -19,6 +20,16 @@ import pytest
 from tests.cluster.cluster import running_cluster
 from tests.compat.conftest import Deployment
 from tests.compat.test_js_sdk import test_npm_sdk_smoke  # noqa: F401  (the npm SDK, through the gateway)
+from tests.compat.test_lists_and_metrics import (  # noqa: F401  (lists and metrics merged over the nodes)
+    api,
+    snapshots,
+    tag,
+    tagged,
+    test_a_forged_token_is_a_400,
+    test_latest_metrics_of_several_sandboxes,
+    test_pages_of_snapshots_neither_repeat_nor_skip,
+    test_snapshots_filtered_by_name_and_id,
+)
 from tests.compat.test_python_sync import (  # noqa: F401  (collected here again, through the gateway)
     sbx,
     test_commands_stream_and_report_exit_codes,
