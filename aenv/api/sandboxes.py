@@ -7,7 +7,7 @@ import json
 import re
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -53,6 +53,7 @@ from aenv.node.service import (
     NodeService,
     Sample,
     SnapshotRecord,
+    TemplateRecord,
     create_id_of,
     in_range,
 )
@@ -564,14 +565,63 @@ async def list_templates(request: Request) -> list[dict[str, Any]]:
     summary="Make a template from an OCI image",
     openapi_extra=json_body(ImageTemplate),
 )
-async def template_from_image(request: Request) -> JSONResponse:
+async def template_from_image(request: Request) -> Response:
+    """The template (201) once pulled and committed; with ``Accept: application/x-ndjson``, NDJSON
+    lines as the build's: ``{"log"}``, ``{"progress": {layer, layers, done, total}}`` as each
+    layer downloads, then ``{"template"}`` or ``{"error"}``."""
     body: ImageTemplate = await _body(request, ImageTemplate)
     node = build_host_of(request)
-    # A shielded task: the pull and commit finish even if the client gives up waiting.
     login = (body.username, body.password or "") if body.username else None
+    if "application/x-ndjson" in request.headers.get("accept", ""):
+
+        async def pulled(emit: Emit) -> TemplateRecord:
+            def progress(layer: int, layers: int, done: int, total: int) -> None:
+                emit({"progress": {"layer": layer, "layers": layers, "done": done, "total": total}})
+
+            return await images.template_from_image(
+                node, body.name, body.image, login=login, on_log=lambda line: emit({"log": line}), on_progress=progress
+            )
+
+        return _streamed_job(node, pulled)
+    # A shielded task: the pull and commit finish even if the client gives up waiting.
     task = asyncio.ensure_future(images.template_from_image(node, body.name, body.image, login=login))
     rec = await asyncio.shield(task)
     return JSONResponse(template_json(rec, node), status_code=201)
+
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+def _streamed_job(
+    node: BuildHost, work: Callable[[Emit], Awaitable[TemplateRecord]], cleanup: Callable[[], None] | None = None
+) -> StreamingResponse:
+    """Run ``work`` on the node (it finishes even if the client goes away), streaming the lines it
+    emits as NDJSON, then ``{"template": ...}`` or ``{"error": {code, message, step?, output?}}``."""
+    lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    async def run() -> None:
+        try:
+            rec = await work(lines.put_nowait)
+            lines.put_nowait({"template": template_json(rec, node)})
+        except AenvError as exc:
+            body = error_body(exc)
+            body.update({k: getattr(exc, k) for k in ("step", "output") if hasattr(exc, k)})
+            lines.put_nowait({"error": body})
+        except Exception as exc:  # noqa: BLE001 - reported to the client, then logged by the task
+            lines.put_nowait({"error": {"code": 500, "message": f"failed: {exc}"}})
+            raise
+        finally:
+            lines.put_nowait(None)
+            if cleanup is not None:
+                cleanup()
+
+    node.spawn(run())
+
+    async def stream() -> AsyncIterator[bytes]:
+        while (line := await lines.get()) is not None:
+            yield (json.dumps(line) + "\n").encode()
+
+    return StreamingResponse(stream(), media_type="application/x-ndjson")
 
 
 @router.post(
@@ -604,37 +654,12 @@ async def build_template(
     except BaseException:
         remove_tree(workdir, ignore_errors=True)
         raise
-    lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
-    async def run() -> None:
-        try:
-            rec = await build.build(
-                node,
-                name=name,
-                dockerfile=text,
-                context=context,
-                build_args=args,
-                on_log=lambda line: lines.put_nowait({"log": line}),
-            )
-            lines.put_nowait({"template": template_json(rec, node)})
-        except AenvError as exc:
-            body = error_body(exc)
-            body.update({k: getattr(exc, k) for k in ("step", "output") if hasattr(exc, k)})
-            lines.put_nowait({"error": body})
-        except Exception as exc:  # noqa: BLE001 - reported to the client, then logged by the task
-            lines.put_nowait({"error": {"code": 500, "message": f"build failed: {exc}"}})
-            raise
-        finally:
-            lines.put_nowait(None)
-            remove_tree(workdir, ignore_errors=True)
+    async def built(emit: Emit) -> TemplateRecord:
+        log = lambda line: emit({"log": line})  # noqa: E731
+        return await build.build(node, name=name, dockerfile=text, context=context, build_args=args, on_log=log)
 
-    node.spawn(run())  # a build finishes even if its client goes away
-
-    async def stream() -> AsyncIterator[bytes]:
-        while (line := await lines.get()) is not None:
-            yield (json.dumps(line) + "\n").encode()
-
-    return StreamingResponse(stream(), media_type="application/x-ndjson")
+    return _streamed_job(node, built, cleanup=lambda: remove_tree(workdir, ignore_errors=True))
 
 
 @router.delete("/templates/{template_id:path}", status_code=204, summary="Delete a template or a snapshot")

@@ -520,8 +520,22 @@ def build(
     """Build a template from a Dockerfile (streaming its log), or straight from an OCI image."""
     if image is not None:
         password = os.environ.get("AENV_REGISTRY_PASSWORD") if registry_user else None
-        with err.status(f"pulling {image} and committing '{name}'"):
-            row = _run(lambda c: c.template_from_image(name, image, username=registry_user, password=password))
+        with _transfer_progress() as progress:
+            task = progress.add_task(f"pulling {image}", total=None)
+
+            def layer(index: int, layers: int, done: int, total: int) -> None:
+                progress.update(task, description=f"layer {index}/{layers} of {image}", completed=done, total=total)
+
+            def said(line: str) -> None:
+                progress.console.print(line, markup=False, highlight=False)
+                if line.startswith("pulled "):
+                    progress.update(task, description=f"committing '{name}'", completed=0, total=None)
+
+            row = _run(
+                lambda c: c.template_from_image(
+                    name, image, username=registry_user, password=password, on_log=said, on_progress=layer
+                )
+            )
         _emit([row], ["name", "templateID", "layers", "description"])
         return
     recipe = (file if file is not None else context / "Dockerfile").absolute()

@@ -45,6 +45,10 @@ def _check_layers(image: Image) -> None:
             raise LayerError(f"{image.ref}: diff_id {diff_id!r} is not a sha256 digest")
 
 
+PullProgressFn = Callable[[int, int, int, int], None]  # (layer, layers, bytes done, bytes in the layer)
+PROGRESS_EVERY = 0.25  # seconds between two reports of one layer's download
+
+
 @dataclass
 class Pulled:
     ref: ImageRef
@@ -55,12 +59,37 @@ class Pulled:
     cached_layers: int
 
 
+class LayerProgress:
+    """``on_progress(layer, layers, done, total)`` as a layer's bytes arrive: at most every
+    quarter second, and always once the layer is whole (what a client's progress bar needs)."""
+
+    def __init__(self, on_progress: PullProgressFn | None, layer: int, layers: int, total: int) -> None:
+        self.on_progress, self.layer, self.layers, self.total = on_progress, layer, layers, total
+        self.done, self.shown_at = 0, 0.0
+
+    def add(self, count: int) -> None:
+        self.done += count
+        now = time.monotonic()
+        if self.on_progress is not None and now - self.shown_at >= PROGRESS_EVERY:
+            self.shown_at = now
+            self.on_progress(self.layer, self.layers, self.done, max(self.total, self.done))
+
+    def finish(self, size: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(self.layer, self.layers, size, size)
+
+
 async def pull(
-    node: BuildHost, reference: str, *, login: tuple[str, str] | None = None, on_log: LogFn | None = None
+    node: BuildHost,
+    reference: str,
+    *,
+    login: tuple[str, str] | None = None,
+    on_log: LogFn | None = None,
+    on_progress: PullProgressFn | None = None,
 ) -> Pulled:
     """Bring an image's layers into the layer store: from a registry (``login`` = (user, password)
     for it, else the Docker config's), or from a layout or archive on this node (``oci:``,
-    ``oci-archive:``, ``docker-archive:``)."""
+    ``oci-archive:``, ``docker-archive:``). ``on_progress`` follows each layer's download."""
     log = on_log or (lambda line: None)
     roots = [node.settings.data_dir / "imports", *map(Path, node.settings.image_import_dirs)]
     tmp = node.files.root / "tmp"
@@ -97,6 +126,7 @@ async def pull(
             need = declared if isinstance(declared, int) else 0
             ensure_space(tmp, headroom(node.settings), need, f"layer {i} of {ref}")
             started = time.monotonic()
+            progress = LayerProgress(on_progress, i, len(image.layers), need)
             blob = tmp / f"{new_id()}.blob"
             work = tmp / f"{layer_id}.{new_id()}"
             try:
@@ -104,8 +134,9 @@ async def pull(
                     await asyncio.to_thread(local.fetch, desc["digest"], blob)
                 else:
                     assert client is not None
-                    await client.fetch_blob(ref, desc, blob)
+                    await client.fetch_blob(ref, desc, blob, on_bytes=progress.add)
                 size = blob.stat().st_size
+                progress.finish(size)
                 got = await asyncio.to_thread(apply_layer, blob, work, headroom(node.settings))
                 if got != diff_id:
                     raise LayerError(f"layer {i} of {ref} unpacks to {got}, not its diff_id {diff_id}")

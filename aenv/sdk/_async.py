@@ -44,6 +44,30 @@ async def _chunks_of(source: BinaryIO, total: int, on_progress: ProgressFn | Non
             on_progress(sent, total)
 
 
+async def _template_stream(
+    r: httpx.Response, on_log: Callable[[str], None] | None, on_progress: Callable[[int, int, int, int], None] | None
+) -> dict[str, Any]:
+    """A build's or pull's NDJSON lines: logs and progress handed on, then its template or error."""
+    if r.status_code not in (200, 201):
+        await r.aread()
+        _raise_for(r)
+    async for line in r.aiter_lines():
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        if "log" in item and on_log is not None:
+            on_log(item["log"])
+        elif "progress" in item and on_progress is not None:
+            p = item["progress"]
+            on_progress(p["layer"], p["layers"], p["done"], p["total"])
+        elif "template" in item:
+            result: dict[str, Any] = item["template"]
+            return result
+        elif "error" in item:
+            raise BuildError(item["error"])
+    raise AenvError("the template's stream ended without a result")
+
+
 def _pack_context(into: BinaryIO, context: Path, outside: Path | None, dockerfile: str) -> None:
     with tarfile.open(fileobj=into, mode="w:gz") as tar:
         tar.add(str(context), arcname=".")
@@ -476,17 +500,29 @@ class AsyncClient:
         return result
 
     async def template_from_image(
-        self, name: str, image: str, *, username: str | None = None, password: str | None = None
+        self,
+        name: str,
+        image: str,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        on_log: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int, int, int], None] | None = None,
     ) -> dict[str, Any]:
         """Pull ``image`` (an OCI reference; ``username``/``password`` for a private registry,
-        used for this pull only) and commit it as template ``name``."""
+        used for this pull only) and commit it as template ``name``. With ``on_log`` or
+        ``on_progress(layer, layers, done, total)`` the node streams the pull as it goes."""
         body: dict[str, Any] = {"name": name, "image": image}
         if username:
             body.update(username=username, password=password or "")
-        r = await self._http.post("/templates/from-image", json=body, headers=self._auth, timeout=3600)
-        _raise_for(r)
-        result: dict[str, Any] = r.json()
-        return result
+        if on_log is None and on_progress is None:
+            r = await self._http.post("/templates/from-image", json=body, headers=self._auth, timeout=3600)
+            _raise_for(r)
+            result: dict[str, Any] = r.json()
+            return result
+        headers = {**self._auth, "Accept": "application/x-ndjson"}
+        async with self._http.stream("POST", "/templates/from-image", json=body, headers=headers, timeout=None) as r:
+            return await _template_stream(r, on_log, on_progress)
 
     async def build(
         self,
@@ -525,21 +561,7 @@ class AsyncClient:
         async with self._http.stream(
             "POST", "/templates/build", params=params, content=body, headers=headers, timeout=None
         ) as r:
-            if r.status_code != 200:
-                await r.aread()
-                _raise_for(r)
-            async for line in r.aiter_lines():
-                if not line.strip():
-                    continue
-                item = json.loads(line)
-                if "log" in item and on_log is not None:
-                    on_log(item["log"])
-                elif "template" in item:
-                    result: dict[str, Any] = item["template"]
-                    return result
-                elif "error" in item:
-                    raise BuildError(item["error"])
-        raise AenvError("the build stream ended without a result")
+            return await _template_stream(r, on_log, None)
 
     async def nodes(self) -> list[dict[str, Any]]:
         """A cluster's nodes with their load (a gateway's ``GET /nodes``; a lone node has none)."""

@@ -12,7 +12,7 @@ import asyncio
 import stat
 from pathlib import Path
 
-from aenv.images.pull import Pulled, pull, release
+from aenv.images.pull import Pulled, PullProgressFn, pull, release
 from aenv.node.service import BuildHost, TemplateRecord
 from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
 from aenv.storage.confined import View, remove_tree
@@ -70,13 +70,19 @@ def _write_conventions(view: View) -> None:
 
 
 async def template_from_image(
-    node: BuildHost, name: str, reference: str, *, login: tuple[str, str] | None = None, on_log: LogFn | None = None
+    node: BuildHost,
+    name: str,
+    reference: str,
+    *,
+    login: tuple[str, str] | None = None,
+    on_log: LogFn | None = None,
+    on_progress: PullProgressFn | None = None,
 ) -> TemplateRecord:
     """Pull ``reference`` and commit it as template ``name`` (its env and user conventions kept)."""
     log = on_log or (lambda line: None)
     pulled: Pulled | None = None
     try:
-        pulled = await pull(node, reference, login=login, on_log=log)
+        pulled = await pull(node, reference, login=login, on_log=log, on_progress=on_progress)
         extra = await asyncio.to_thread(conventions_layer, node, pulled.layers)
         config = pulled.config.get("config") or {}
         env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)

@@ -180,3 +180,43 @@ def test_private_registry_logins(private_registry: Registry, api: httpx.Client, 
         sbx.kill()
     with pytest.raises(Exception, match="refused"):
         Template.build(Template().from_image(image, username="alice", password="wrong").run_cmd("true"), "priv-bad")
+
+
+def test_a_pull_streams_its_progress_when_asked(registry: Registry, api: httpx.Client, server: Server) -> None:
+    """`Accept: application/x-ndjson`: the log, each layer's download (layer i of n, bytes done of
+    its size, ending whole), then the template; a refused pull ends with its error. Without it:
+    one JSON answer, as before."""
+    import asyncio
+    import os
+
+    from aenv.sdk import AsyncClient, BuildError
+    from tests.conftest import API_KEY
+
+    big = busybox_layer().file("noise.bin", os.urandom(3 << 20))  # incompressible: several chunks on the wire
+    registry.push_image("tests/progress", "1", [(big.bytes(), "gzip"), (LayerTar().file("x", b"x").bytes(), "gzip")])
+    image = f"{registry.host}/tests/progress:1"
+    seen: list[tuple[int, int, int, int]] = []
+    logs: list[str] = []
+
+    async def pull(name: str, reference: str) -> dict[str, object]:
+        async with AsyncClient(server.url, API_KEY) as client:
+            return await client.template_from_image(
+                name, reference, on_log=logs.append, on_progress=lambda *p: seen.append(p)
+            )
+
+    try:
+        row = asyncio.run(pull("progress", image))
+        assert row["name"] == "progress"
+        assert {layer for layer, *_ in seen} == {1, 2} and all(layers == 2 for _, layers, *_ in seen)
+        for index in (1, 2):
+            mine = [(done, total) for layer, _, done, total in seen if layer == index]
+            assert mine[-1][0] == mine[-1][1] > 0 and [d for d, _ in mine] == sorted(d for d, _ in mine)
+        assert any("2 layers" in line for line in logs), logs
+        with pytest.raises(BuildError) as refused:
+            asyncio.run(pull("progress-missing", f"{registry.host}/tests/nothing-here:1"))
+        assert refused.value.status in (400, 404, 502) and refused.value.message
+        plain = api.post("/templates/from-image", json={"name": "progress-plain", "image": image}, timeout=600)
+        assert plain.status_code == 201 and plain.headers["content-type"].startswith("application/json")
+    finally:
+        for name in ("progress", "progress-plain"):
+            api.delete(f"/templates/{name}")
