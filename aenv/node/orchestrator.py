@@ -60,6 +60,7 @@ def make_driver(settings: Settings) -> Driver:
             runsc=settings.runsc,
             platform=settings.runsc_platform,
             debug=settings.runsc_debug,
+            max_sandboxes=settings.max_sandboxes,
         )
     raise InvalidRequest(f"unknown driver {settings.driver!r}")
 

@@ -46,6 +46,11 @@ CAPS = [
 ]
 
 
+# Host tasks an idle sandbox holds under ptrace: runsc's sandbox process (~23 threads), its gofer
+# (~10) and the stubs of the agent's threads (~4 processes of 3): measured by bench.density.
+TASKS_PER_IDLE_SANDBOX = 50
+
+
 def host_tasks_limit(nproc: int) -> int:
     """The sandbox's host pids cgroup: a backstop that stops the whole sandbox when hit.
 
@@ -79,14 +84,25 @@ def _kernel_limit(name: str) -> int:
         return 32768  # pid_max's default, and lower than any host's threads-max
 
 
-def limit_all_sandboxes() -> None:
-    """Cap the pids cgroup every sandbox's is made in (runsc makes the parent on first use)."""
+def limit_all_sandboxes(max_sandboxes: int = 0) -> None:
+    """Cap the pids cgroup every sandbox's is made in (runsc makes the parent on first use), and
+    say so when that cap holds fewer idle sandboxes than the node admits."""
     parent = CGROUP_ROOT / "pids" / CGROUP_PARENT
+    limit = all_sandboxes_tasks_limit()
     try:
         parent.mkdir(exist_ok=True)
-        (parent / "pids.max").write_text(str(all_sandboxes_tasks_limit()))
+        (parent / "pids.max").write_text(str(limit))
     except OSError as exc:  # not root, or no cgroup v1 pids controller: runsc would fail as well
         log.warning("cannot limit the host tasks of all sandboxes in %s: %s", parent, exc)
+    if limit // TASKS_PER_IDLE_SANDBOX < max_sandboxes:
+        log.warning(
+            "this host's tasks (pid_max %d, threads-max %d) hold about %d idle sandboxes, fewer than "
+            "AENV_MAX_SANDBOXES (%d): raise kernel.pid_max to 4194304 (scripts/install does)",
+            _kernel_limit("pid_max"),
+            _kernel_limit("threads-max"),
+            limit // TASKS_PER_IDLE_SANDBOX,
+            max_sandboxes,
+        )
 
 
 def _guest_mount_point(upper: Path, layers: Sequence[Path]) -> None:
@@ -110,7 +126,15 @@ class GVisorDriver:
     name = "gvisor"
     saves_epoll_tcp = False  # runsc 20221219: "endpoint still has waiters upon save", then it exits
 
-    def __init__(self, *, state_dir: Path, runsc: str = "runsc", platform: str = "ptrace", debug: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        state_dir: Path,
+        runsc: str = "runsc",
+        platform: str = "ptrace",
+        debug: bool = False,
+        max_sandboxes: int = 0,
+    ) -> None:
         self.state_dir = state_dir
         self.runsc = runsc
         self.platform = platform
@@ -121,7 +145,7 @@ class GVisorDriver:
         for d in (self.runsc_root, self.bundles, self.guest_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._guest: Path | None = None
-        limit_all_sandboxes()
+        limit_all_sandboxes(max_sandboxes)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _global(self, instance_id: str | None = None) -> list[str]:
