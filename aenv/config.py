@@ -114,6 +114,14 @@ class Settings(BaseSettings):
     # Blank uppers kept formatted and mounted, so creates and forks need not make theirs:
     # None = max_fork + 1 (a whole fork's worth); 0 = none.
     spare_uppers: int | None = Field(None, ge=0)
+    # Warm pools (aenv/node/warmpool.py): idle sandboxes kept restored per template, taken by creates.
+    # The most each template keeps unless set per template (0: none; its recent demand decides how
+    # many below that), the memory all pools may hold together, the host's available memory below
+    # which members are dropped, and the window (seconds) recent demand is counted over.
+    warm_pool: int = Field(0, ge=0, le=1000)
+    warm_pool_memory_mb: int = Field(2048, ge=0)
+    warm_pool_min_free_mb: int = Field(2048, ge=0)
+    warm_pool_window: float = Field(300.0, gt=0)
 
     # Cluster membership (docs/cluster.md): the etcd members (etcd://H1:P1,H2:P2,...), the URL
     # gateways reach this node at (default: http://host:port), and its id (default: made once
