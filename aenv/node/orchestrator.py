@@ -235,7 +235,7 @@ class Node(Lifecycle, Instances, Records):
     async def drop_template(self, rec: TemplateRecord) -> None:
         """Forget a template; its layers go with the next collection no record names them in."""
         await self.catalogue.remove_template(rec)
-        await self.warm.forget(rec)
+        self.warm.forget(rec)
         await self.artifacts.forget(rec)
 
     async def collect_garbage(self, *, min_age: float = 0.0) -> None:

@@ -12,10 +12,11 @@ a fresh sandbox id (hence fresh access and traffic tokens), env, user, workdir, 
 (``sys.configure``), metadata, timeout, lifecycle and network rules (the record's). What it cannot
 apply it does not claim: a create with other limits restores as before.
 
-How many members a template keeps (``target``): at most its size (``PUT /templates/{id}/warm-pool``,
-else ``AENV_WARM_POOL``), and no more than its recent demand (creates of it within
-``AENV_WARM_POOL_WINDOW`` seconds; at least one once a size was set for it explicitly), within
-``AENV_WARM_POOL_MEMORY_MB`` for every pool together (at the members' measured memory). The pool is
+How many members a template keeps (``target``): the size set for it (``PUT /templates/{id}/warm-pool``:
+what its operator asked for), else the node's ``AENV_WARM_POOL`` but no more than the template's
+recent demand (its creates within ``AENV_WARM_POOL_WINDOW`` seconds: a template nobody creates from
+keeps none), all within ``AENV_WARM_POOL_MEMORY_MB`` for every pool together (at the members'
+measured memory). The pool is
 refilled one member at a time, only when the node is quiet (no operation running, no create within
 the last half second): a burst of creates is never slowed down by its own refill. Members above the
 target, beyond the budget, or while the host has less than ``AENV_WARM_POOL_MIN_FREE_MB`` available
@@ -115,8 +116,8 @@ def plan(
     """Pure: what a pass does, from the pools, each template's size, recent demand and current build."""
     out = Plan()
     for name, size in sizes.items():
-        floor = 1 if name in explicit else 0
-        out.targets[name] = min(size, max(floor, demand.get(name, 0))) if current.get(name) else 0
+        wanted = size if name in explicit else min(size, demand.get(name, 0))
+        out.targets[name] = wanted if current.get(name) else 0
     kept: dict[str, list[Member]] = {}
     for name, members in pools.items():
         build = current.get(name)
@@ -202,11 +203,12 @@ class WarmPools:
             "memberMB": self._member_mb or None,
         }
 
-    async def forget(self, rec: TemplateRecord) -> None:
-        """A template was deleted: its members go, and its size with it."""
-        if self.sizes.pop(rec.name, None) is not None:
-            await self.node.store.set_meta(SIZES_KEY, json.dumps(self.sizes))
-        for member in self.pools.pop(rec.name, []):
+    def forget(self, rec: TemplateRecord) -> None:
+        """A template record was deleted: its members go at once. Its size stays with its name (a
+        rebuild deletes the old record before it adds the new one)."""
+        members = self.pools.get(rec.name, [])
+        for member in [m for m in members if m.build.template_id == rec.id]:
+            members.remove(member)
             self._drop(member, "its template was deleted")
         self._observe()
 
