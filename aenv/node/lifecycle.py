@@ -151,9 +151,7 @@ class Lifecycle:
             allow_internet_access = self.settings.internet_by_default
         EgressPolicy.of(allow_internet_access, network)  # bad rules are the caller's 400, before any work
         self._admit()
-        live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
-        if live >= self.settings.max_sandboxes:
-            raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
+        self._check_room()
         source = self.catalogue.source(template)
         if source is None and await self.artifacts.refresh_catalogue():
             source = self.catalogue.source(template)  # committed to the repository by another node
@@ -192,15 +190,17 @@ class Lifecycle:
             guest=guest,
             start=start,
         )
+        # From the check to the sandbox's entry nothing awaits: a burst cannot overfill the node.
+        self._check_room()
         member = self.warm.take(source, self.limits_of(rec)) if isinstance(source, TemplateRecord) else None
         if member is not None:
             return await self._claim(member, rec, timeout)
-        rec.upper = await self.files.new_upper(self.limits_of(rec).disk_mb)
         sb = LiveSandbox(rec)
         self.sandboxes[rec.id] = sb
 
         async def run() -> SandboxRecord:
             try:
+                rec.upper = await self.files.new_upper(self.limits_of(rec).disk_mb)
                 async with self.artifacts.using(source):  # fetched from the repository if not here
                     await self._restore_into(sb, image=image, layers=layers, upper=rec.upper, fresh=True)
             except BaseException:
@@ -239,6 +239,11 @@ class Lifecycle:
             return rec
 
         return await self._operate(sb, "create", run, join=False)
+
+    def _check_room(self) -> None:
+        live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
+        if live >= self.settings.max_sandboxes:
+            raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
 
     def _admit(self) -> None:
         for check in self.admission_checks:
