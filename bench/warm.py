@@ -4,7 +4,8 @@
 Starts a node (`aenv server`) on the data dir and measures, each against a baseline in the same run:
 - a create from a warm pool against a cold one (the pool off): `POST /sandboxes` from a plain HTTP
   client (the node's own time plus one local HTTP round trip), and the E2B SDK's
-  `Sandbox.create()` + first `commands.run("true")`, the pool refilled between rounds;
+  `Sandbox.create()` + first `commands.run("true")`, the pool refilled and the node quiet (2 s)
+  before each round;
 - a burst: `--burst` creates from `--clients` concurrent clients at once (pool off): creates/s,
   p50/p99 latency and the answers (201, or 429 with Retry-After when the node is full);
 - then, with the node stopped, the same burst of the driver's bare restores of the template's image
@@ -38,6 +39,7 @@ from bench.__main__ import pct, summary
 
 console = Console()
 API_KEY = "bench-" + "0" * 32
+QUIET = 2.0  # seconds before each create round: a node between two rollouts' creates
 
 
 def start_node(data_dir: Path, port: int, template: str) -> subprocess.Popen[bytes]:
@@ -88,6 +90,7 @@ def creates(url: str, api: httpx.Client, template: str, rounds: int, warm: int) 
     for i in range(rounds * 2):
         if warm:
             wait_ready(api, template, warm)
+        time.sleep(QUIET)  # the last round's teardown and the refill's restore are over, in both modes
         if i % 2 == 0:
             start = time.perf_counter()
             r = api.post("/sandboxes", json={"templateID": template, "timeout": 120})
@@ -102,8 +105,6 @@ def creates(url: str, api: httpx.Client, template: str, rounds: int, warm: int) 
             sdk.append(time.perf_counter() - start)
             first_run.append(time.perf_counter() - made)
             sbx.kill()
-        if not warm:
-            time.sleep(0.3)  # as quiet as the warm rounds' refills leave it
     return {"http_create": stats(http), "sdk_create_and_run": stats(sdk), "sdk_first_run": stats(first_run)}
 
 
