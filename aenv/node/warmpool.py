@@ -376,7 +376,9 @@ class WarmPools:
         node.artifacts.pin(held)
         try:
             async with node.artifacts.using(rec):
-                await node._restore_into(sb, image=rec.image, layers=list(rec.layers), upper=upper, fresh=True)
+                await node._restore_into(
+                    sb, image=rec.image, layers=list(rec.layers), upper=upper, fresh=True, hold_heap=True
+                )
         except BaseException:
             node.artifacts.unpin(held)
             self._discard(sb, "its restore failed")
