@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     max_timeout: int = 24 * 3600
     max_fork: int = Field(DEFAULT_MAX_FORK, ge=1)
     max_sandboxes: int = 1000
+    # A create is refused (429, Retry-After) while the host has less memory available than this:
+    # a burst of creates must not take the host's last memory (sandboxes' limits are overcommitted).
+    min_free_memory_mb: int = Field(1024, ge=0)
     # Internet access of sandboxes created without allow_internet_access: E2B's default is on.
     # RL deployments usually turn it off (AENV_INTERNET_BY_DEFAULT=false) and allow-list instead.
     internet_by_default: bool = True

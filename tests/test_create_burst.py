@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -100,3 +101,14 @@ def test_a_burst_within_the_limit_all_succeed_and_run(node: Server) -> None:
                 assert r.status_code == 200 and r.json()["state"] == "running", r.text
     finally:
         kill_all(node, made)
+
+
+def test_a_create_is_refused_while_the_host_is_short_of_memory(tmp_path: Path) -> None:
+    from aenv.config import Settings
+    from aenv.errors import LimitExceeded
+    from aenv.node.orchestrator import Node
+
+    node = Node(Settings(data_dir=tmp_path / "data", min_free_memory_mb=10**9))
+    with pytest.raises(LimitExceeded, match="memory available"):
+        asyncio.run(node.create("base"))
+    assert node.sandboxes == {}

@@ -34,7 +34,7 @@ from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
 from aenv.node.state import SETTLED, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, TemplateRecord
-from aenv.node.warmpool import Member
+from aenv.node.warmpool import Member, memory_available_mb
 from aenv.storage.layers import new_id
 
 log = logging.getLogger("aenv.node")
@@ -244,6 +244,12 @@ class Lifecycle:
         live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
         if live >= self.settings.max_sandboxes:
             raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
+        available = memory_available_mb()
+        if available is not None and available < self.settings.min_free_memory_mb:
+            raise LimitExceeded(
+                f"this node's host has {available} MiB of memory available, "
+                f"less than the {self.settings.min_free_memory_mb} MiB it keeps free"
+            )
 
     def _admit(self) -> None:
         for check in self.admission_checks:
