@@ -8,6 +8,7 @@ One node for the module, on a busybox template (nothing to debootstrap), with a 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +69,11 @@ def check(answers: list[httpx.Response | BaseException]) -> list[str]:
     return made
 
 
+def hits_of(api: httpx.Client) -> float:
+    found = re.search(r'^aenv_warm_pool_creates_total\{outcome="hit"\} ([0-9.e+]+)$', api.get("/metrics").text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def kill_all(node: Server, ids: list[str]) -> None:
     with node.client() as api:
         for sid in ids:
@@ -101,6 +107,28 @@ def test_a_burst_within_the_limit_all_succeed_and_run(node: Server) -> None:
                 assert r.status_code == 200 and r.json()["state"] == "running", r.text
     finally:
         kill_all(node, made)
+
+
+def test_a_burst_with_a_warm_pool_takes_members_and_restores_and_never_overfills(node: Server) -> None:
+    with node.client() as api:
+        assert api.put("/templates/bb/warm-pool", json={"size": 3}).status_code == 200
+        deadline = time.monotonic() + 60
+        while api.get("/templates/bb/warm-pool").json()["ready"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        hits = hits_of(api)
+    answers = asyncio.run(burst(node.url, BURST, {"templateID": "bb", "timeout": 120}))
+    made = check(answers)
+    try:
+        assert 1 <= len(made) <= MAX_SANDBOXES
+        with node.client() as api:
+            assert hits_of(api) == hits + 3  # every member taken, no more
+            assert sorted(sb["sandboxID"] for sb in api.get("/sandboxes").json()) == sorted(made)
+            for sid in made:
+                assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+    finally:
+        kill_all(node, made)
+        with node.client() as api:
+            api.put("/templates/bb/warm-pool", json={"size": None})
 
 
 def test_a_create_is_refused_while_the_host_is_short_of_memory(tmp_path: Path) -> None:
