@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     max_timeout: int = 24 * 3600
     max_fork: int = Field(DEFAULT_MAX_FORK, ge=1)
     max_sandboxes: int = 1000
+    # A create is refused (429, Retry-After) while the host has less memory available than this:
+    # a burst of creates must not take the host's last memory (sandboxes' limits are overcommitted).
+    min_free_memory_mb: int = Field(1024, ge=0)
     # Internet access of sandboxes created without allow_internet_access: E2B's default is on.
     # RL deployments usually turn it off (AENV_INTERNET_BY_DEFAULT=false) and allow-list instead.
     internet_by_default: bool = True
@@ -118,6 +121,14 @@ class Settings(BaseSettings):
     # Blank uppers kept formatted and mounted, so creates and forks need not make theirs:
     # None = max_fork + 1 (a whole fork's worth); 0 = none.
     spare_uppers: int | None = Field(None, ge=0)
+    # Warm pools (aenv/node/warmpool.py): idle sandboxes kept restored per template, taken by creates.
+    # The most each template keeps unless set per template (0: none; its recent demand decides how
+    # many below that), the memory all pools may hold together, the host's available memory below
+    # which members are dropped, and the window (seconds) recent demand is counted over.
+    warm_pool: int = Field(0, ge=0, le=1000)
+    warm_pool_memory_mb: int = Field(2048, ge=0)
+    warm_pool_min_free_mb: int = Field(2048, ge=0)
+    warm_pool_window: float = Field(300.0, gt=0)
 
     # Cluster membership (docs/cluster.md): the etcd members (etcd://H1:P1,H2:P2,...), the URL
     # gateways reach this node at (default: http://host:port), and its id (default: made once

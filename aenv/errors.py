@@ -13,7 +13,7 @@
     ├── Conflict                             409 conflict
     │   ├── WrongState                       409 wrong_state
     │   └── CreateElsewhere                  409 create_elsewhere (another node holds this create id)
-    ├── LimitExceeded                        429 limit_exceeded  (Should-Retry: false)
+    ├── LimitExceeded                        429 limit_exceeded  (Should-Retry: false, Retry-After: 1)
     ├── UpstreamError                        502 upstream_error (a registry failed or is out of reach)
     ├── ClusterUnavailable                   503 cluster_unavailable (etcd has no quorum or is out of reach)
     ├── SandboxError                         500 sandbox_error
@@ -216,6 +216,18 @@ def lookup(cls: type[BaseException]) -> tuple[int, str]:
 
 def http_status(cls: type[BaseException]) -> int:
     return lookup(cls)[0]
+
+
+RETRY_AFTER_SECONDS = 1  # a full node (429) or an unavailable cluster (503): when to ask again
+
+
+def error_headers(exc: AenvError) -> dict[str, str]:
+    """Headers of an error's answer: E2B's ``Should-Retry`` (its SDKs' own retries stay off), and
+    ``Retry-After`` where trying again later is the answer (a full node, a cluster out of reach)."""
+    headers = {"Should-Retry": "false"} if exc.status in (429, 502, 503, 504) else {}
+    if exc.status in (429, 503):
+        headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    return headers
 
 
 def error_body(exc: AenvError) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from aenv.api import e2b_templates, envd, proxy, repository
 from aenv.api.sandboxes import add_body_schemas, router
 from aenv.dashboard import pages as dashboard_pages
 from aenv.dashboard import routes as dashboard_routes
-from aenv.errors import AenvError, PayloadTooLarge, RequestTimeout, error_body
+from aenv.errors import AenvError, PayloadTooLarge, RequestTimeout, error_body, error_headers
 from aenv.node.service import NodeService
 
 log = logging.getLogger("aenv.api")
@@ -95,10 +95,9 @@ def create_app(node: NodeService, *, start_node: bool = True) -> FastAPI:
 
     @app.exception_handler(AenvError)
     async def aenv_error(request: Request, exc: AenvError) -> JSONResponse:
-        headers = {"Should-Retry": "false"} if exc.status in (429, 502, 503, 504) else None
         if exc.status >= 500:
             log.warning("%s %s failed: %r", request.method, request.url.path, exc)
-        return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
+        return JSONResponse(error_body(exc), status_code=exc.status, headers=error_headers(exc))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

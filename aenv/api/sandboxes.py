@@ -29,6 +29,7 @@ from aenv.api.schemas import (
     SnapshotBody,
     TemplatePatch,
     Timeout,
+    WarmPoolSize,
     rfc3339,
     sandbox_detail,
     sandbox_json,
@@ -682,6 +683,21 @@ async def patch_template(request: Request, template_id: str) -> dict[str, Any]:
     body: TemplatePatch = await _body(request, TemplatePatch)
     node = build_host_of(request)
     return template_json(await catalog.set_aliases(node, template_id, body.aliases), node)
+
+
+@router.get("/templates/{template_id}/warm-pool", summary="A template's warm pool")
+async def get_warm_pool(request: Request, template_id: str) -> dict[str, Any]:
+    return node_of(request).warm_pool(template_id)
+
+
+@router.put(
+    "/templates/{template_id}/warm-pool",
+    summary="Set how many idle sandboxes a template's warm pool keeps at most",
+    openapi_extra=json_body(WarmPoolSize),
+)
+async def set_warm_pool(request: Request, template_id: str) -> dict[str, Any]:
+    body: WarmPoolSize = await _body(request, WarmPoolSize)
+    return await node_of(request).set_warm_pool(template_id, body.size)
 
 
 @router.get("/templates/{template_id}", summary="Get a template")

@@ -77,6 +77,13 @@ class TemplatePatch(BaseModel):
     aliases: list[str] = Field(..., max_length=64)
 
 
+class WarmPoolSize(BaseModel):
+    """``size``: the most idle sandboxes the template's warm pool keeps; null: the node's default."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    size: int | None = Field(..., ge=0, le=1000)
+
+
 class Timeout(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     timeout: int = Field(..., ge=0)  # 0: expire now (E2B's minimum)

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
 import typer
@@ -581,6 +581,22 @@ def templates(as_json: bool = JSON_OPTION) -> None:
     """List templates."""
     rows = _run(lambda c: c.templates())
     _emit(rows, ["name", "templateID", "layers", "sandboxes", "committed", "createdAt"], as_json=as_json)
+
+
+@app.command()
+def warm(
+    template: str,
+    size: int = typer.Argument(None, min=0, help="the most idle sandboxes to keep (omit to show the pool)"),
+    default: bool = typer.Option(False, "--default", help="follow the node's AENV_WARM_POOL again"),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Show or set a template's warm pool: idle sandboxes kept restored, taken by creates."""
+    wanted: int | None | Literal["keep"] = None if default else ("keep" if size is None else size)
+    info = _run(lambda c: c.warm_pool(template, wanted))
+    if as_json or not out.is_terminal:
+        print(json.dumps(info))
+        return
+    _emit([info], ["name", "size", "target", "ready", "recentCreates", "memberMB"])
 
 
 @app.command()

@@ -63,6 +63,7 @@ from aenv.errors import (
     Unauthenticated,
     UpstreamError,
     error_body,
+    error_headers,
     from_body,
 )
 from aenv.node import tokens
@@ -980,7 +981,7 @@ def traffic_gone(scope: Scope, sandbox_id: str, exc: SandboxNotFound) -> JSONRes
 
 def error_response(scope: Scope, exc: AenvError) -> JSONResponse:
     """An error as JSON, naming the node the request was for when the gateway got that far."""
-    headers = {"Should-Retry": "false"} if exc.status in (429, 502, 503, 504) else {}
+    headers = error_headers(exc)
     node_id = scope.get(NODE_SCOPE)
     if node_id:
         headers[NODE_ID_HEADER] = node_id

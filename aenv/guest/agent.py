@@ -75,6 +75,9 @@ class Agent:
         self._watch_ids = itertools.count(1)
         self.last_request = time.monotonic()
         self.heap_release = HeapRelease(lambda: self.last_request)
+        # A warm pool member (aenv/node/warmpool.py) keeps the heap its restore left in the sentry
+        # until a create claims it: given back, the claimer's first command pays to grow it again.
+        self.hold_heap = False
 
     # -- plumbing ---------------------------------------------------------------------------
     async def _serve(self, stream: Stream) -> None:
@@ -132,7 +135,8 @@ class Agent:
             metadata.forget_devices()
             FILE_IO.submit(metadata.STORE.rebind)  # a restore numbered the inodes anew
             await self.channel.ctrl({"op": "thawed", "pid": os.getpid()})
-            self.heap_release.schedule()
+            if not self.hold_heap:
+                self.heap_release.schedule()
         elif op == "ping":
             await self.channel.ctrl({"op": "pong", "t": msg.get("t")})
 
@@ -147,6 +151,9 @@ class Agent:
             wanted = int(config["nproc"])
             self.procs.nproc = wanted if own == resource.RLIM_INFINITY else min(wanted, own)
         self.workdir = config.get("workdir", self.workdir)
+        held, self.hold_heap = self.hold_heap, bool(config.get("hold_heap"))
+        if held and not self.hold_heap:  # claimed: give it back once the new sandbox is quiet
+            self.heap_release.schedule()
         sandbox_id = self.env.get("E2B_SANDBOX_ID")
         if sandbox_id:
             try:

@@ -52,8 +52,11 @@ class Instances:
     def rootfs(self, layers: list[str], upper: str, guest: str = "") -> RootfsSpec:
         return RootfsSpec(tuple(self.files.layer(x) for x in layers), self.files.upper(upper), guest)
 
-    async def _restore_into(self, sb: LiveSandbox, *, image: str, layers: list[str], upper: str, fresh: bool) -> None:
-        """Start an instance of ``sb`` from a checkpoint image and wire up its agent."""
+    async def _restore_into(
+        self, sb: LiveSandbox, *, image: str, layers: list[str], upper: str, fresh: bool, hold_heap: bool = False
+    ) -> None:
+        """Start an instance of ``sb`` from a checkpoint image and wire up its agent (``hold_heap``:
+        a warm pool member's, which keeps its restore's heap until claimed)."""
         instance_id = new_id()
         instance = await self.driver.restore(
             instance_id=instance_id,
@@ -63,7 +66,8 @@ class Instances:
         )
         link = sb.link if (sb.link is not None and not fresh) else self._new_link(sb)
         try:
-            await link.restored(instance, fresh=fresh, config=self._agent_config(sb.rec))
+            config = {**self._agent_config(sb.rec), **({"hold_heap": True} if hold_heap else {})}
+            await link.restored(instance, fresh=fresh, config=config)
         except BaseException:
             await self.driver.kill(instance)
             raise

@@ -34,6 +34,7 @@ from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
 from aenv.node.state import SETTLED, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, TemplateRecord
+from aenv.node.warmpool import Member, memory_available_mb
 from aenv.storage.layers import new_id
 
 log = logging.getLogger("aenv.node")
@@ -150,9 +151,7 @@ class Lifecycle:
             allow_internet_access = self.settings.internet_by_default
         EgressPolicy.of(allow_internet_access, network)  # bad rules are the caller's 400, before any work
         self._admit()
-        live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
-        if live >= self.settings.max_sandboxes:
-            raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
+        self._check_room()
         source = self.catalogue.source(template)
         if source is None and await self.artifacts.refresh_catalogue():
             source = self.catalogue.source(template)  # committed to the repository by another node
@@ -168,7 +167,6 @@ class Lifecycle:
         base_env.update(env_vars or {})
         base_limits.update(limits or {})
         now = time.time()
-        upper = await self.files.new_upper(self._limits_from(base_limits).disk_mb)
         rec = SandboxRecord(
             id=new_sandbox_id(),
             template_id=template_id,
@@ -181,7 +179,6 @@ class Lifecycle:
             env_vars=base_env,
             limits=base_limits,
             layers=layers,
-            upper=upper,
             snapshot_id=snapshot_id,
             user=user,
             workdir=workdir,
@@ -193,11 +190,17 @@ class Lifecycle:
             guest=guest,
             start=start,
         )
+        # From the check to the sandbox's entry nothing awaits: a burst cannot overfill the node.
+        self._check_room()
+        member = self.warm.take(source, self.limits_of(rec)) if isinstance(source, TemplateRecord) else None
+        if member is not None:
+            return await self._claim(member, rec, timeout)
         sb = LiveSandbox(rec)
         self.sandboxes[rec.id] = sb
 
         async def run() -> SandboxRecord:
             try:
+                rec.upper = await self.files.new_upper(self.limits_of(rec).disk_mb)
                 async with self.artifacts.using(source):  # fetched from the repository if not here
                     await self._restore_into(sb, image=image, layers=layers, upper=rec.upper, fresh=True)
             except BaseException:
@@ -209,6 +212,44 @@ class Lifecycle:
             return rec
 
         return await self._operate(sb, "create", run, join=False)
+
+    async def _claim(self, member: Member, rec: SandboxRecord, timeout: int) -> SandboxRecord:
+        """Make a warm pool member the sandbox ``rec``: it takes the member's instance and upper,
+        and everything of the create is applied now (the agent's env, user, workdir and process
+        limit; the record's id, tokens, metadata, timeout, lifecycle and network rules)."""
+        link, egress = member.sb.link, member.sb.egress
+        assert link is not None and egress is not None and member.sb.instance is not None
+        rec.upper, rec.instance_id = member.sb.rec.upper, member.sb.rec.instance_id
+        sb = LiveSandbox(rec, instance=member.sb.instance, link=link, egress=egress)
+        link.sandbox_id = egress.sandbox_id = rec.id
+        egress.policy_of = lambda: self.policy_of(sb.id)
+        self.sandboxes[rec.id] = sb
+        self.warm.release(member)
+
+        async def run() -> SandboxRecord:
+            try:
+                await link.call("sys.configure", self._agent_config(rec))
+            except BaseException:
+                await self._discard(sb)
+                raise
+            link.watcher = asyncio.ensure_future(self._watch(sb, link))
+            rec.started_at = time.time()
+            rec.end_at = rec.started_at + timeout
+            await self._set_state(sb, S.RUNNING)
+            return rec
+
+        return await self._operate(sb, "create", run, join=False)
+
+    def _check_room(self) -> None:
+        live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
+        if live >= self.settings.max_sandboxes:
+            raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
+        available = memory_available_mb()
+        if available is not None and available < self.settings.min_free_memory_mb:
+            raise LimitExceeded(
+                f"this node's host has {available} MiB of memory available, "
+                f"less than the {self.settings.min_free_memory_mb} MiB it keeps free"
+            )
 
     def _admit(self) -> None:
         for check in self.admission_checks:

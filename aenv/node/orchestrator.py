@@ -36,6 +36,7 @@ from aenv.node.service import CachedArtifacts
 from aenv.node.state import SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.node.usage import UsageHistory
+from aenv.node.warmpool import WarmPools
 from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
 from aenv.runtime.base import Driver
@@ -111,6 +112,7 @@ class Node(Lifecycle, Instances, Records):
         # Called when a resume names a sandbox this node does not hold: the cluster agent takes
         # over one durably paused on a node that is gone (adopt_paused), or does nothing.
         self.adopter: Callable[[str], Awaitable[None]] | None = None
+        self.warm = WarmPools(self)  # idle sandboxes restored ahead of creates
 
     # -- start and stop ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -136,6 +138,8 @@ class Node(Lifecycle, Instances, Records):
             asyncio.create_task(housekeeping.expire_forever(self)),
             asyncio.create_task(self.usage_history.sample_forever(self)),
         ]
+        await self.warm.load()
+        self.warm.start()
 
     async def stop(self, *, pause_running: bool = True) -> None:
         """Stop the node. Running sandboxes are paused so a restart loses nothing; one that cannot
@@ -147,6 +151,7 @@ class Node(Lifecycle, Instances, Records):
         for task in self._housekeepers:
             task.cancel()
         self._housekeepers = []
+        await self.warm.stop()
         in_flight = [t for sb in self.sandboxes.values() for t in sb.tasks]
         if in_flight:
             await asyncio.wait(in_flight, timeout=STOP_OPS_GRACE)
@@ -220,15 +225,18 @@ class Node(Lifecycle, Instances, Records):
         """A template just built: recorded, and committed to the repository in the background."""
         await self.catalogue.put_template(rec)
         self.artifacts.commit_later(rec)
+        self.warm.wake()  # a rebuild: the pool of its name holds the old build
 
     async def save_template(self, rec: TemplateRecord) -> None:
         """A template's record changed (its name or aliases)."""
         await self.catalogue.put_template(rec)
         await self.artifacts.record_changed(rec)
+        self.warm.wake()  # a name moved to another build: its pool holds the old one
 
     async def drop_template(self, rec: TemplateRecord) -> None:
         """Forget a template; its layers go with the next collection no record names them in."""
         await self.catalogue.remove_template(rec)
+        self.warm.forget(rec)
         await self.artifacts.forget(rec)
 
     async def collect_garbage(self, *, min_age: float = 0.0) -> None:
@@ -255,6 +263,12 @@ class Node(Lifecycle, Instances, Records):
             "cacheBytes": await housekeeping.cache_bytes(self),
             "cacheBudgetBytes": self.settings.layer_cache_mb * 2**20,
         }
+
+    def warm_pool(self, ref: str) -> dict[str, Any]:
+        return self.warm.status(ref)
+
+    async def set_warm_pool(self, ref: str, size: int | None) -> dict[str, Any]:
+        return await self.warm.set_size(ref, size)
 
     def durable_reason(self, rec: SandboxRecord) -> str:
         return self.artifacts.durable_reason(rec)

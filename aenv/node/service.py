@@ -168,6 +168,14 @@ class NodeService(Protocol):
 
     def cached_artifacts(self) -> CachedArtifacts: ...
 
+    def warm_pool(self, ref: str) -> dict[str, Any]:
+        """A template's warm pool: its size, target now, members ready, recent creates."""
+        ...
+
+    async def set_warm_pool(self, ref: str, size: int | None) -> dict[str, Any]:
+        """Set the most members a template's warm pool keeps (None: the node's default)."""
+        ...
+
     async def repository_status(self) -> dict[str, Any]: ...
 
     def durable_reason(self, rec: SandboxRecord) -> str:

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import httpx
 
@@ -498,6 +498,20 @@ class AsyncClient:
     async def templates(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = await self._get("/templates")
         return result
+
+    async def warm_pool(self, template: str, size: int | None | Literal["keep"] = "keep") -> dict[str, Any]:
+        """The template's warm pool (idle sandboxes restored ahead of creates); with ``size``, first
+        set the most it keeps (None: back to the node's default, ``AENV_WARM_POOL``)."""
+        from urllib.parse import quote
+
+        path = f"/templates/{quote(template, safe='')}/warm-pool"
+        if size == "keep":
+            result: dict[str, Any] = await self._get(path)
+            return result
+        r = await self._http.put(path, json={"size": size}, headers=self._auth)
+        _raise_for(r)
+        answer: dict[str, Any] = r.json()
+        return answer
 
     async def template_from_image(
         self,
