@@ -1,0 +1,226 @@
+"""Drain and what a durable pause owes the cluster: a drained node takes no new work and pauses
+its running sandboxes durably (with ``move``, they run on elsewhere: a process's in-memory counter
+goes on, files, env, metadata kept); a durable pause of a lost node is shown paused by the
+gateways (info and lists) and resumed anywhere; traffic to a sandbox with auto-resume wakes it on
+another node; a node stopped with SIGTERM drains itself first. One cluster for the module (2
+nodes, 2 gateways); each test drains or loses a node of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from tests.cluster.cluster import LEASE_TTL, Cluster, directory_entry, running_cluster, use_gateway, wait_for_nodes
+from tests.cluster.nodes import start_node
+from tests.conftest import API_KEY, Server
+from tests.durable import COUNTER, count, wait_for
+
+pytestmark = pytest.mark.sandbox
+
+PORT_SERVER = "cd /home/user && python3 -m http.server 8000"
+
+
+@pytest.fixture(scope="module")
+def cluster(server: Server) -> Iterator[Cluster]:
+    with running_cluster() as c:
+        yield c
+
+
+@contextmanager
+def extra_node(cluster: Cluster, name: str) -> Iterator[Server]:
+    """A third node, known to both gateways; stopped after, and what it left removed."""
+    node = start_node(cluster.etcd.url, name, lease_ttl=LEASE_TTL, extra_env={"AENV_DRAIN_TIMEOUT": "60"})
+    try:
+        for gateway in cluster.gateways:
+            wait_for_nodes(gateway, {*cluster.nodes, name})
+        yield node
+    finally:
+        node.stop(signal.SIGKILL)
+        back = start_node(cluster.etcd.url, name, lease_ttl=LEASE_TTL, extra_env={"AENV_DRAIN_TIMEOUT": "0"})
+        with back.client() as direct:
+            for sandbox in direct.get("/v2/sandboxes", params={"state": ["running", "paused"]}).json():
+                direct.delete(f"/sandboxes/{sandbox['sandboxID']}")
+        back.stop()
+
+
+def counting_sandbox(node: Server, **body: Any) -> str:
+    """A sandbox made on ``node`` directly, running the counter, with a file written."""
+    with node.client() as direct:
+        r = direct.post(
+            "/sandboxes",
+            json={"templateID": "base", "timeout": 600, "metadata": {"run": "d1"}, "envVars": {"MARK": "kept"}, **body},
+        )
+        assert r.status_code == 201, r.text
+        return str(r.json()["sandboxID"])
+
+
+def start_counting(sandbox_id: str) -> int:
+    sbx = Sandbox.connect(sandbox_id)
+    sbx.commands.run(COUNTER, background=True)
+    sbx.files.write("/home/user/state.txt", "written before the drain")
+    time.sleep(1.5)
+    return count(sbx)
+
+
+def drained(cluster: Cluster, node: str, *, move: bool, gateway: int = 0) -> list[dict[str, Any]]:
+    """``POST /nodes/{node}/drain`` through a gateway: its progress lines, to the last."""
+    with httpx.Client(base_url=cluster.gateways[gateway].url, headers={"X-API-Key": API_KEY}, timeout=300) as api:
+        with api.stream("POST", f"/nodes/{node}/drain", json={"move": move}) as r:
+            assert r.status_code == 200, r.read()
+            assert r.headers["content-type"].startswith("application/x-ndjson")
+            assert r.headers["x-aenv-node-id"] == node
+            return [json.loads(line) for line in r.iter_lines() if line.strip()]
+
+
+def assert_goes_on(cluster: Cluster, sandbox_id: str, before: int, gateway: int = 1) -> Sandbox:
+    """Connect through ``gateway``: the same process counts on, files, env and metadata kept, on a
+    node of the module's cluster."""
+    resumed = Sandbox.connect(sandbox_id)
+    at_resume = count(resumed)
+    assert at_resume >= before  # the same process, its memory kept: not a fresh counter
+    wait_for(lambda: count(resumed) > at_resume, 10)
+    assert resumed.files.read("/home/user/state.txt") == "written before the drain"
+    assert resumed.commands.run("echo $MARK").stdout.strip() == "kept"
+    with cluster.api(gateway) as api:
+        r = api.get(f"/sandboxes/{sandbox_id}")
+        assert r.status_code == 200, r.text
+        assert r.headers["x-aenv-node-id"] in cluster.nodes
+        assert r.json()["state"] == "running" and r.json()["metadata"] == {"run": "d1"}
+    return resumed
+
+
+def test_a_drain_with_move_resumes_running_sandboxes_elsewhere(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_gateway(cluster, 0, monkeypatch)
+    with extra_node(cluster, "node-move") as node:
+        sandbox_id = counting_sandbox(node)
+        before = start_counting(sandbox_id)
+        first = directory_entry(cluster, sandbox_id)
+        assert first is not None and first.node_id == "node-move"
+
+        lines = drained(cluster, "node-move", move=True)
+        last = lines[-1]
+        assert last["done"] and not any(line["done"] for line in lines[:-1]), lines
+        assert (last["total"], last["paused"], last["durable"], last["moved"], last["failed"]) == (1, 1, 1, 1, 0), last
+        assert last["running"] == 0 and last["move"] is True
+
+        moved = directory_entry(cluster, sandbox_id)
+        assert moved is not None and moved.node_id in cluster.nodes and moved.state == "running"
+        assert moved.epoch == first.epoch + 1
+        with node.client() as direct:
+            assert direct.get(f"/sandboxes/{sandbox_id}").status_code == 404  # its copy is let go
+            # it takes no new work: a create straight at it is refused, the gateways place elsewhere
+            r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+            assert r.status_code == 429 and "draining" in r.json()["message"], r.text
+        with cluster.api(1) as api:
+            assert api.get("/nodes/node-move").json()["draining"] is True
+            made = [api.post("/sandboxes", json={"templateID": "base", "timeout": 60}) for _ in range(2)]
+            for r in made:
+                assert r.status_code == 201 and r.headers["x-aenv-node-id"] in cluster.nodes, r.text
+                api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+            # a second drain joins nothing left to do: done at once
+            again = drained(cluster, "node-move", move=True, gateway=1)[-1]
+            assert again["done"] and again["failed"] == 0
+
+        use_gateway(cluster, 1, monkeypatch)
+        resumed = assert_goes_on(cluster, sandbox_id, before)
+        resumed.kill()
+
+
+def test_a_drain_without_move_leaves_durable_pauses_the_cluster_resumes(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI drains (JSON lines); the sandbox stays paused, durable; its node refuses to resume
+    it (it moves); once the node is lost (kill -9) the gateways show it paused, naming the node,
+    in info and lists; a connect through the other gateway resumes it elsewhere, counting on."""
+    use_gateway(cluster, 0, monkeypatch)
+    with extra_node(cluster, "node-hold") as node:
+        sandbox_id = counting_sandbox(node)
+        before = start_counting(sandbox_id)
+
+        env = {**os.environ, "AENV_URL": cluster.gateway.url, "AENV_API_KEY": API_KEY}
+        cli = [sys.executable, "-m", "aenv.cli.main", "nodes", "drain", "node-hold", "--json"]
+        done = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        last = json.loads(done.stdout.strip().splitlines()[-1])
+        assert last["done"] and (last["durable"], last["moved"], last["failed"]) == (1, 0, 0), last
+
+        with node.client() as direct:
+            info = direct.get(f"/sandboxes/{sandbox_id}").json()
+            assert info["state"] == "paused" and info["durable"] is True, info
+            r = direct.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+            assert r.status_code == 503 and "draining" in r.json()["message"], r.text
+
+        node.stop(signal.SIGKILL)
+        for gateway in cluster.gateways:
+            wait_for_nodes(gateway, set(cluster.nodes), timeout=LEASE_TTL + 15)
+        for index in (0, 1):
+            with cluster.api(index) as api:
+                r = api.get(f"/sandboxes/{sandbox_id}")
+                assert r.status_code == 200, r.text
+                shown = r.json()
+                assert shown["state"] == "paused" and shown["durable"] is True and shown["nodeID"] == "node-hold"
+                assert shown["metadata"] == {"run": "d1"} and r.headers["x-aenv-node-id"] == "node-hold"
+                listed = api.get("/v2/sandboxes", params={"state": "paused", "metadata": "run=d1"}).json()
+                assert [s["sandboxID"] for s in listed] == [sandbox_id], listed
+                running = api.get("/v2/sandboxes", params={"state": "running", "metadata": "run=d1"}).json()
+                assert running == []
+
+        use_gateway(cluster, 1, monkeypatch)
+        resumed = assert_goes_on(cluster, sandbox_id, before)
+        resumed.kill()
+
+
+def test_auto_resume_traffic_wakes_a_sandbox_of_a_drained_node_elsewhere(cluster: Cluster) -> None:
+    """A port's HTTP request through a gateway to a sandbox with auto-resume, durably paused on a
+    draining node: it is resumed on another node and the request answered from there."""
+    with extra_node(cluster, "node-wake") as node:
+        lifecycle = {"onTimeout": "pause", "autoResume": True}
+        with node.client() as direct:
+            r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 600, "lifecycle": lifecycle})
+            assert r.status_code == 201, r.text
+            sandbox_id = r.json()["sandboxID"]
+        routed = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "8000"}
+        sbx = Sandbox.connect(sandbox_id, api_key=API_KEY, api_url=cluster.gateway.url, sandbox_url=cluster.gateway.url)
+        sbx.files.write("/home/user/hello.txt", "hello from the port")
+        sbx.commands.run(PORT_SERVER, background=True)
+        url = f"{cluster.gateway.url}/hello.txt"
+        wait_for(lambda: httpx.get(url, headers=routed).status_code == 200, 20)
+
+        assert drained(cluster, "node-wake", move=False)[-1]["durable"] == 1
+        assert directory_entry(cluster, sandbox_id).state == "paused"  # type: ignore[union-attr]
+
+        r = httpx.get(f"{cluster.gateways[1].url}/hello.txt", headers=routed, timeout=90)
+        assert r.status_code == 200 and r.text == "hello from the port", r.text
+        assert r.headers["x-aenv-node-id"] in cluster.nodes
+        entry = directory_entry(cluster, sandbox_id)
+        assert entry is not None and entry.node_id in cluster.nodes and entry.state == "running"
+        with cluster.api() as api:
+            api.delete(f"/sandboxes/{sandbox_id}")
+
+
+def test_sigterm_drains_the_node_first(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_gateway(cluster, 0, monkeypatch)
+    with extra_node(cluster, "node-term") as node:
+        sandbox_id = counting_sandbox(node)
+        before = start_counting(sandbox_id)
+        started = time.monotonic()
+        node.stop(signal.SIGTERM)
+        assert time.monotonic() - started < 90
+        entry = directory_entry(cluster, sandbox_id)
+        assert entry is not None and entry.node_id in cluster.nodes and entry.state == "running", entry
+        use_gateway(cluster, 1, monkeypatch)
+        resumed = assert_goes_on(cluster, sandbox_id, before)
+        resumed.kill()
