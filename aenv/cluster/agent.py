@@ -111,6 +111,7 @@ class NodeAgent:
         self.api_key = api_key  # the cluster's one key: a drain's moves ask other nodes with it
         self.draining = False  # takes no new work (see aenv/cluster/drain.py); until a restart
         self._drain: Drain | None = None
+        self._recheck = False  # reconcile at the next tick (an entry could not be created: a tombstone?)
 
     # -- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -119,6 +120,7 @@ class NodeAgent:
         await self._register()
         listing = await self.store.read_all()
         self.written = {k: v for k, v in listing.sandboxes.items() if v.entry.node_id == self.node_id}
+        await self._kill_buried()
         await self.sync()
         self.node.state_listeners.append(self._changed)
         self.node.admission_checks.append(self.admit)
@@ -245,7 +247,8 @@ class NodeAgent:
                     if await self._heartbeat():
                         next_reconcile = 0.0  # back after its lease ran out: what did it miss?
                     await self._release_old_claims()
-                if time.monotonic() >= next_reconcile:
+                if time.monotonic() >= next_reconcile or self._recheck:
+                    self._recheck = False
                     await self.reconcile()
                     next_reconcile = time.monotonic() + self.reconcile_interval
                 await self.sync()
@@ -319,6 +322,34 @@ class NodeAgent:
         for sandbox_id, current in entries.items():
             if current.entry.node_id != self.node_id:
                 self._owned_elsewhere(sandbox_id, current)
+        await self._kill_buried([i for i in held if i not in entries])
+
+    async def _kill_buried(self, held: list[str] | None = None) -> None:
+        """Sandboxes killed through a gateway while this node was lost (their entry replaced by a
+        tombstone): killed here too (a durable pause's repository entry with them), never written
+        again. The tombstone goes once the node it was meant for has seen it."""
+        if held is None:
+            held = [sb.id for sb in list(self.node.sandboxes.values()) if sb.state != SandboxState.KILLED]
+        for sandbox_id, stone in (await self.store.tombstones(held)).items():
+            if sandbox_id in self.killing or sandbox_id in self._adoptions:
+                continue
+            log.warning("sandbox %s was killed while node %s was lost: killing it here", sandbox_id, stone.node_id)
+            self.written.pop(sandbox_id, None)
+            self.foreign.add(sandbox_id)
+            self.killing.add(sandbox_id)
+            task = asyncio.ensure_future(self._kill_dead(sandbox_id, stone.node_id == self.node_id))
+            self._kills.add(task)
+            task.add_done_callback(self._kills.discard)
+
+    async def _kill_dead(self, sandbox_id: str, drop_tombstone: bool) -> None:
+        try:
+            await self.node.kill(sandbox_id)
+            if drop_tombstone:
+                await self.store.drop_tombstone(sandbox_id)
+        except Exception as exc:  # gone already, or its kill failed (logged by the node); the next reconcile retries
+            log.warning("killing sandbox %s, killed while its node was lost: %r", sandbox_id, exc)
+        finally:
+            self.killing.discard(sandbox_id)
 
     def _owned_elsewhere(self, sandbox_id: str, current: Versioned) -> None:
         if sandbox_id in self._adoptions:
@@ -525,6 +556,8 @@ class NodeAgent:
         except EntryError as exc:
             log.warning("sandbox %s has no directory entry: %s", entry.sandbox_id, exc)
             return
+        if not result.ok and result.current is None:
+            self._recheck = True  # refused with no entry there: killed while this node was lost
         self._settle(entry.sandbox_id, result.ok, result.current)
 
     async def _replace(self, entry: SandboxEntry, have: Versioned) -> None:

@@ -112,6 +112,7 @@ STARTUP_WAIT = 10.0
 SETTLE_SECONDS = 5.0  # how long a list waits for a change made through this gateway, at most
 LIST_SETTLE = 2.0  # seconds one list waits for the directory to show such changes
 PRESENT, GONE = "present", "gone"
+TOMBSTONE_SECONDS = 30 * 86400  # how long a lost node has to come back and learn its sandbox was killed
 WAKE_SECONDS = 60.0  # how long traffic waits for its sandbox to be resumed on another node
 LIST_TIMEOUT = 30.0  # seconds the gateway waits for its first read of the directory
 
@@ -266,6 +267,10 @@ class Gateway:
                 shown = await self.cluster_paused(match["id"])
                 if shown is not None:
                     return shown
+            if method == "DELETE" and SANDBOX_INFO.match(path):
+                buried = await self.kill_lost(match["id"], scope)
+                if buried is not None:
+                    return buried
             resume = method == "POST" and bool(SANDBOX_ANSWER.match(path))
             node = await self.owner(match["id"], scope, resume=resume)
             if scope.get(TAKEOVER_SCOPE):
@@ -474,6 +479,25 @@ class Gateway:
                 return winner
             failures.append(f"{node.node_id}: {r.status_code} {r.text[:200]}")
         raise UpstreamError(f"sandbox {sandbox_id} could not be resumed on another node: " + "; ".join(failures))
+
+    async def kill_lost(self, sandbox_id: str, scope: Scope) -> Response | None:
+        """``DELETE /sandboxes/{id}`` of a sandbox whose node is lost: its entry is replaced by a
+        tombstone (one transaction, while the node is still gone), so the node kills its copy
+        when it comes back instead of writing it again, and nobody takes a durable pause of it
+        over. None when its node is alive (or came back, or another node took the sandbox
+        meanwhile): the owner kills it."""
+        entry, node = self.mirror.owner(sandbox_id)
+        if entry is None or node is not None:
+            return None
+        read = await self.mirror.store.get_sandbox(sandbox_id)
+        if read is None or read.entry.node_id in self.mirror.nodes:
+            return None
+        scope[NODE_SCOPE] = read.entry.node_id
+        if not await self.mirror.store.bury_sandbox(read, TOMBSTONE_SECONDS):
+            return None
+        log.info("sandbox %s killed while its node %s is lost (tombstone)", sandbox_id, read.entry.node_id)
+        self._expect(sandbox_id, GONE)
+        return Response(status_code=204, headers={NODE_ID_HEADER: read.entry.node_id})
 
     async def cluster_paused(self, sandbox_id: str) -> Response | None:
         """``GET /sandboxes/{id}`` of a sandbox durably paused on a node that is gone: it belongs to

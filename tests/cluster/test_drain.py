@@ -2,7 +2,8 @@
 its running sandboxes durably (with ``move``, they run on elsewhere: a process's in-memory counter
 goes on, files, env, metadata kept); a durable pause of a lost node is shown paused by the
 gateways (info and lists) and resumed anywhere; traffic to a sandbox with auto-resume wakes it on
-another node; a node stopped with SIGTERM drains itself first. One cluster for the module (2
+another node; a node stopped with SIGTERM drains itself first; a sandbox killed while its node was
+lost stays dead when the node comes back. One cluster for the module (2
 nodes, 2 gateways); each test drains or loses a node of its own."""
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+from aenv.repo.backends import PosixBackend
+from aenv.repo.repository import Repository
 from tests.cluster.cluster import LEASE_TTL, Cluster, directory_entry, running_cluster, use_gateway, wait_for_nodes
 from tests.cluster.nodes import start_node
-from tests.conftest import API_KEY, Server
+from tests.conftest import API_KEY, DATA_DIR, Server
 from tests.durable import COUNTER, count, wait_for
 
 pytestmark = pytest.mark.sandbox
@@ -224,3 +227,39 @@ def test_sigterm_drains_the_node_first(cluster: Cluster, monkeypatch: pytest.Mon
         use_gateway(cluster, 1, monkeypatch)
         resumed = assert_goes_on(cluster, sandbox_id, before)
         resumed.kill()
+
+
+def test_a_sandbox_killed_while_its_node_was_lost_stays_dead(cluster: Cluster) -> None:
+    """A kill through a gateway of a lost node's sandboxes (one running, one durably paused)
+    leaves tombstones: the node restarted with its id kills its copies instead of writing them
+    back, and the durable pause is neither shown nor taken over."""
+    repo = Repository(PosixBackend(DATA_DIR / "repo"))
+    with extra_node(cluster, "node-dead") as node:
+        with node.client() as direct:
+            made = [direct.post("/sandboxes", json={"templateID": "base", "timeout": 600}) for _ in range(2)]
+            running, paused = (r.json()["sandboxID"] for r in made)
+            assert direct.post(f"/sandboxes/{paused}/pause").status_code == 204
+        wait_for(lambda: (e := directory_entry(cluster, paused)) is not None and e.durable)
+        assert repo.get_entry("sandbox", paused) is not None
+        node.stop(signal.SIGKILL)
+        for gateway in cluster.gateways:
+            wait_for_nodes(gateway, set(cluster.nodes), timeout=LEASE_TTL + 15)
+
+        with cluster.api(0) as api:
+            for sandbox_id in (running, paused):
+                r = api.delete(f"/sandboxes/{sandbox_id}")
+                assert r.status_code == 204 and r.headers["x-aenv-node-id"] == "node-dead", r.text
+                assert directory_entry(cluster, sandbox_id) is None
+        with cluster.api(1) as api:
+            assert api.get(f"/sandboxes/{paused}").status_code == 404
+            assert api.post(f"/sandboxes/{paused}/connect", json={"timeout": 60}).status_code == 404
+
+        node.restart(signal.SIGKILL)
+        with node.client() as direct:
+            for sandbox_id in (running, paused):
+                wait_for(lambda: direct.get(f"/sandboxes/{sandbox_id}").status_code == 404, 20)  # noqa: B023
+        for sandbox_id in (running, paused):
+            assert directory_entry(cluster, sandbox_id) is None
+        wait_for(lambda: repo.get_entry("sandbox", paused) is None, 20)
+        with cluster.api(1) as api:
+            assert api.get(f"/sandboxes/{running}").status_code == 404
