@@ -186,6 +186,13 @@ def holders(cluster: Cluster, sandbox_id: str) -> list[str]:
 
 def test_two_connects_through_two_gateways_give_one_instance(cluster: Cluster) -> None:
     with lost_durable_sandbox(cluster, "node-race") as sandbox_id:
+        for index in (0, 1):  # it belongs to the cluster: shown paused (not 404) until a connect
+            with cluster.api(index) as api:
+                r = api.get(f"/sandboxes/{sandbox_id}")
+                assert r.status_code == 200 and r.headers["x-aenv-node-id"] == "node-race", r.text
+                assert (r.json()["state"], r.json()["durable"], r.json()["nodeID"]) == ("paused", True, "node-race")
+                listed = api.get("/v2/sandboxes", params={"state": "paused"}).json()
+                assert sandbox_id in [s["sandboxID"] for s in listed]
 
         def connect(index: int) -> tuple[int, str, str]:
             with cluster.api(index) as api:
