@@ -49,12 +49,12 @@ def extra_node(cluster: Cluster, name: str) -> Iterator[Server]:
             wait_for_nodes(gateway, {*cluster.nodes, name})
         yield node
     finally:
-        node.stop(signal.SIGKILL)
-        back = start_node(cluster.etcd.url, name, lease_ttl=LEASE_TTL, extra_env={"AENV_DRAIN_TIMEOUT": "0"})
-        with back.client() as direct:
+        if node.proc.poll() is not None:  # stopped or killed: back, to remove what it left
+            node = start_node(cluster.etcd.url, name, lease_ttl=LEASE_TTL, extra_env={"AENV_DRAIN_TIMEOUT": "0"})
+        with node.client() as direct:
             for sandbox in direct.get("/v2/sandboxes", params={"state": ["running", "paused"]}).json():
                 direct.delete(f"/sandboxes/{sandbox['sandboxID']}")
-        back.stop()
+        node.stop()
 
 
 def counting_sandbox(node: Server, **body: Any) -> str:
