@@ -185,16 +185,19 @@ class NodeAgent:
         return None
 
     def _draining_refusal(self, method: str, path: str, headers: dict[str, str]) -> str | None:
-        """A draining node does not resume a durably paused sandbox (a connect, or traffic waking
-        one with auto-resume): it may be moving to another node right then. Through a gateway the
-        resume goes to another node; asked directly, the client is told to go through one."""
+        """A draining node does not resume a sandbox paused durably, or being so (a connect, or
+        traffic waking one with auto-resume): it may be moving to another node right then.
+        Through a gateway the resume waits for the pause to be durable and goes to another node;
+        asked directly, the client is told to go through one. A pause that stays here for good
+        (no repository, no memory) resumes here as before."""
         op = OWNERSHIP_PATH.fullmatch(path) if method == "POST" else None
         if op is not None and op["op"] == "pause":
             return None
         target = sandbox_target(headers) if op is None else None
         sandbox_id = op["id"] if op is not None else target[0] if isinstance(target, tuple) else None
         sb = self.node.sandboxes.get(sandbox_id.split("-")[0]) if sandbox_id else None
-        if sb is None or sb.state != SandboxState.PAUSED or not sb.rec.durable_at:
+        pausing = (SandboxState.PAUSING, SandboxState.PAUSED)
+        if sb is None or sb.state not in pausing or self.node.durable_reason(sb.rec):
             return None
         if op is None and not sb.rec.auto_resume:
             return None  # traffic that wakes nothing: the node's own answer (not running)

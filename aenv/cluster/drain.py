@@ -83,6 +83,7 @@ class Drain:
         self.api_key = api_key
         self.progress = DrainProgress(agent.node_id, move)
         self._tick = asyncio.Event()  # set (and replaced) at each change of the progress
+        self._seen: set[str] = set()  # sandboxes the drain took on (one resumed here meanwhile is taken again)
         self.started = time.monotonic()
         self.task: asyncio.Task[None] = asyncio.ensure_future(self._run())
 
@@ -97,7 +98,8 @@ class Drain:
                         break
                     await asyncio.sleep(0.2)  # a create or resume finishing: it is drained next
                     continue
-                self.progress.total += len(running)
+                self._seen.update(sb.id for sb in running)
+                self.progress.total = len(self._seen)
                 await self._report()
                 await asyncio.gather(*(self._one(sb, gate) for sb in running))
         except Exception as exc:  # the drain's own failure (etcd out of reach): said, not hidden
@@ -124,6 +126,8 @@ class Drain:
                 await self._report()
             self.progress.paused += 1
             if not await self.node.wait_durable(sb.id):
+                if sb.state != SandboxState.PAUSED:
+                    return  # resumed (drained again at the next pass) or killed meanwhile
                 reason = self.node.durable_reason(sb.rec) or "its commit to the repository failed (retried)"
                 self._error(f"sandbox {sb.id}: paused on this node only: {reason}")
                 await self._report()

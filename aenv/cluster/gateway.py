@@ -433,6 +433,14 @@ class Gateway:
         if entry is None:
             raise SandboxNotFound(f"sandbox {sandbox_id[:80]!r} not found", sandbox_id=sandbox_id[:80])
         scope[NODE_SCOPE] = entry.node_id
+        if (resume or wake) and _becoming_durable(entry, node):
+            # Being paused by a drain: wait for its pause to be durable (then it resumes elsewhere)
+            # or for its move, rather than wake it where it is leaving.
+            await self.mirror.wait_for(lambda m: not _becoming_durable(*m.owner(sandbox_id)), WAKE_SECONDS)
+            entry, node = self.mirror.owner(sandbox_id)
+            if entry is None:
+                raise SandboxNotFound(f"sandbox {sandbox_id[:80]!r} not found", sandbox_id=sandbox_id[:80])
+            scope[NODE_SCOPE] = entry.node_id
         if resume and _movable(entry, node):
             node = self.candidates()[0]
             scope[NODE_SCOPE], scope[TAKEOVER_SCOPE] = node.node_id, True
@@ -911,6 +919,18 @@ def _movable(entry: SandboxEntry, node: NodeEntry | None) -> bool:
     """A resume of this sandbox goes to another node: it is durably paused on a node that is gone
     or draining (which takes no new work)."""
     return _cluster_paused(entry) and (node is None or node.draining)
+
+
+def _becoming_durable(entry: SandboxEntry | None, node: NodeEntry | None) -> bool:
+    """Paused (or being paused) on a draining node, its pause not durable yet but to be."""
+    return (
+        entry is not None
+        and node is not None
+        and node.draining
+        and entry.state == "paused"
+        and not entry.durable
+        and "durableReason" not in entry.listed
+    )
 
 
 def _wakes(entry: SandboxEntry) -> bool:
