@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -263,3 +264,36 @@ def test_a_sandbox_killed_while_its_node_was_lost_stays_dead(cluster: Cluster) -
         wait_for(lambda: repo.get_entry("sandbox", paused) is None, 20)
         with cluster.api(1) as api:
             assert api.get(f"/sandboxes/{running}").status_code == 404
+
+
+def test_auto_resume_traffic_during_a_moving_drain_is_answered(cluster: Cluster) -> None:
+    """A port's HTTP requests through a gateway, one after another while the sandbox's node
+    drains with move: each is answered by the sandbox (before the pause by the draining node,
+    during it after waiting, after it by the node it moved to); none gets an error."""
+    with extra_node(cluster, "node-busy") as node:
+        lifecycle = {"onTimeout": "pause", "autoResume": True}
+        with node.client() as direct:
+            r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 600, "lifecycle": lifecycle})
+            assert r.status_code == 201, r.text
+            sandbox_id = r.json()["sandboxID"]
+        routed = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "8000"}
+        sbx = Sandbox.connect(sandbox_id, api_key=API_KEY, api_url=cluster.gateway.url, sandbox_url=cluster.gateway.url)
+        sbx.files.write("/home/user/hello.txt", "hello from the port")
+        sbx.commands.run(PORT_SERVER, background=True)
+        url = f"{cluster.gateways[1].url}/hello.txt"
+        wait_for(lambda: httpx.get(url, headers=routed).status_code == 200, 20)
+
+        answers: list[tuple[int, str]] = []
+        with ThreadPoolExecutor(1) as pool:
+            draining = pool.submit(drained, cluster, "node-busy", move=True)
+            while not draining.done():
+                r = httpx.get(url, headers=routed, timeout=90)
+                answers.append((r.status_code, r.headers.get("x-aenv-node-id", "")))
+                time.sleep(0.1)
+            assert draining.result()[-1]["moved"] == 1
+        r = httpx.get(url, headers=routed, timeout=90)
+        answers.append((r.status_code, r.headers.get("x-aenv-node-id", "")))
+        assert all(status == 200 for status, _ in answers), answers
+        assert answers[-1][1] in cluster.nodes
+        with cluster.api() as api:
+            api.delete(f"/sandboxes/{sandbox_id}")
