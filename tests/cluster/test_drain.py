@@ -148,7 +148,8 @@ def test_a_drain_without_move_leaves_durable_pauses_the_cluster_resumes(
 ) -> None:
     """The CLI drains (JSON lines); the sandbox stays paused, durable; its node refuses to resume
     it (it moves); once the node is lost (kill -9) the gateways show it paused, naming the node,
-    in info and lists; a connect through the other gateway resumes it elsewhere, counting on."""
+    in info and lists; a (legacy) resume through a gateway takes it over elsewhere, where it counts
+    on."""
     use_gateway(cluster, 0, monkeypatch)
     with extra_node(cluster, "node-hold") as node:
         sandbox_id = counting_sandbox(node)
@@ -181,6 +182,9 @@ def test_a_drain_without_move_leaves_durable_pauses_the_cluster_resumes(
                 assert [s["sandboxID"] for s in listed] == [sandbox_id], listed
                 running = api.get("/v2/sandboxes", params={"state": "running", "metadata": "run=d1"}).json()
                 assert running == []
+        with cluster.api(0) as api:  # the legacy resume takes it over too
+            r = api.post(f"/sandboxes/{sandbox_id}/resume", json={"timeout": 300})
+            assert r.status_code == 201 and r.headers["x-aenv-node-id"] in cluster.nodes, r.text
 
         use_gateway(cluster, 1, monkeypatch)
         resumed = assert_goes_on(cluster, sandbox_id, before)
