@@ -404,6 +404,8 @@ class NodeAgent:
         entry = current.entry if current is not None else None
         if entry is None or entry.node_id == self.node_id or not (entry.durable and entry.state == "paused"):
             return
+        if self.draining:
+            return  # takes no new work (a move's or a gateway's race with this node's drain): not found here
         owner = next((n for n in await self.store.nodes() if n.node_id == entry.node_id), None)
         if owner is not None and not owner.draining:
             return  # its node is up: the sandbox is that node's to resume
