@@ -84,6 +84,7 @@ class Drain:
         self.progress = DrainProgress(agent.node_id, move)
         self._tick = asyncio.Event()  # set (and replaced) at each change of the progress
         self._seen: set[str] = set()  # sandboxes the drain took on (one resumed here meanwhile is taken again)
+        self._unpaused: set[str] = set()  # sandboxes whose pause failed: not tried again (they run on)
         self.started = time.monotonic()
         self.task: asyncio.Task[None] = asyncio.ensure_future(self._run())
 
@@ -92,7 +93,9 @@ class Drain:
             await self.agent.set_draining()
             gate = asyncio.Semaphore(AT_ONCE)
             while True:
-                running = [sb for sb in list(self.node.sandboxes.values()) if sb.state in BUSY]
+                running = [
+                    sb for sb in list(self.node.sandboxes.values()) if sb.state in BUSY and sb.id not in self._unpaused
+                ]
                 if not running:
                     if not self._in_transition():
                         break
@@ -115,33 +118,40 @@ class Drain:
 
     async def _one(self, sb: LiveSandbox, gate: asyncio.Semaphore) -> None:
         async with gate:
-            left = max(1, int(sb.rec.end_at - time.time()))  # what is left of its timeout goes with it
             try:
-                await self.node.pause(sb.id)
-            except AenvError as exc:
+                await self._drain_one(sb)
+            except AenvError as exc:  # etcd or the node failing on one sandbox: said, the drain goes on
                 if sb.state != SandboxState.KILLED:  # killed meanwhile: nothing to drain
-                    self._error(f"sandbox {sb.id}: not paused: {exc.message}")
-                return
+                    self._error(f"sandbox {sb.id}: {exc.message}")
             finally:
                 await self._report()
-            self.progress.paused += 1
-            if not await self.node.wait_durable(sb.id):
-                if sb.state != SandboxState.PAUSED:
-                    return  # resumed (drained again at the next pass) or killed meanwhile
-                reason = self.node.durable_reason(sb.rec) or "its commit to the repository failed (retried)"
-                self._error(f"sandbox {sb.id}: paused on this node only: {reason}")
-                await self._report()
-                return
-            self.progress.durable += 1
+
+    async def _drain_one(self, sb: LiveSandbox) -> None:
+        left = max(1, int(sb.rec.end_at - time.time()))  # what is left of its timeout goes with it
+        try:
+            await self.node.pause(sb.id)
+        except AenvError:
+            if sb.state == SandboxState.RUNNING:
+                self._unpaused.add(sb.id)
+            raise
+        finally:
             await self._report()
-            # Others resume it (a move, a connect through a gateway) only once its entry says durable.
-            written = await self.agent.durable_written(sb.id)
-            if self.progress.move:
-                if not written:
-                    self._error(f"sandbox {sb.id}: stays durably paused here: its directory entry was not written")
-                    return
-                await self._move(sb, left)
-                await self._report()
+        self.progress.paused += 1
+        if not await self.node.wait_durable(sb.id):
+            if sb.state != SandboxState.PAUSED:
+                return  # resumed (drained again at the next pass) or killed meanwhile
+            reason = self.node.durable_reason(sb.rec) or "its commit to the repository failed (retried)"
+            self._error(f"sandbox {sb.id}: paused on this node only: {reason}")
+            return
+        self.progress.durable += 1
+        await self._report()
+        # Others resume it (a move, a connect through a gateway) only once its entry says durable.
+        written = await self.agent.durable_written(sb.id)
+        if self.progress.move:
+            if not written:
+                self._error(f"sandbox {sb.id}: stays durably paused here: its directory entry was not written")
+                return
+            await self._move(sb, left)
 
     async def _move(self, sb: LiveSandbox, timeout: int) -> None:
         """Resume ``sb`` on the best other node (it takes the pause over from the repository)."""
@@ -166,6 +176,11 @@ class Drain:
                     log.info("drain: sandbox %s moved to node %s", sb.id, target.node_id)
                     return
                 failures.append(f"{target.node_id}: {r.status_code} {r.text[:200]}")
+        current = await self.agent.store.get_sandbox(sb.id)
+        if current is not None and current.entry.node_id != self.agent.node_id:
+            await self.agent.moved_away(sb.id)  # a connect through a gateway took it over first
+            self.progress.moved += 1
+            return
         self._error(f"sandbox {sb.id}: stays durably paused here: " + ("; ".join(failures) or "no node has room"))
 
     def _error(self, message: str) -> None:
