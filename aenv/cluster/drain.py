@@ -241,10 +241,9 @@ async def _move_of(request: Request) -> bool:
         parsed = json.loads(body) if body.strip() else {}
     except ValueError:
         raise InvalidRequest('a drain\'s body is JSON: {"move": true|false}') from None
-    move = parsed.get("move", False) if isinstance(parsed, dict) else None
-    if not isinstance(move, bool) or set(parsed) - {"move"}:
+    if not isinstance(parsed, dict) or set(parsed) - {"move"} or not isinstance(parsed.get("move", False), bool):
         raise InvalidRequest('a drain\'s body is {"move": true|false}')
-    return move
+    return bool(parsed.get("move", False))
 
 
 class DrainFirst(uvicorn.Server):

@@ -114,6 +114,16 @@ def test_a_drain_with_move_resumes_running_sandboxes_elsewhere(
         first = directory_entry(cluster, sandbox_id)
         assert first is not None and first.node_id == "node-move"
 
+        with cluster.api(0) as api:  # refusals start nothing
+            for body in (b'{"move": "yes"}', b"[{}]", b"{", b'{"move": true, "x": 1}'):
+                r = api.post("/nodes/node-move/drain", content=body)
+                assert r.status_code == 400 and r.json()["code"] == 400, (body, r.text)
+            assert api.post("/nodes/no-such-node/drain", json={"move": True}).status_code == 404
+            assert httpx.post(f"{cluster.gateway.url}/nodes/node-move/drain", json={}).status_code == 401
+            with node.client() as direct:
+                assert direct.post("/cluster/drain", json={}, headers={"X-API-Key": "wrong"}).status_code == 401
+            assert api.get("/nodes/node-move").json()["draining"] is False
+
         lines = drained(cluster, "node-move", move=True)
         last = lines[-1]
         assert last["done"] and not any(line["done"] for line in lines[:-1]), lines
