@@ -192,6 +192,8 @@ def test_a_drain_without_move_leaves_durable_pauses_the_cluster_resumes(
                 assert [s["sandboxID"] for s in listed] == [sandbox_id], listed
                 running = api.get("/v2/sandboxes", params={"state": "running", "metadata": "run=d1"}).json()
                 assert running == []
+        info = Sandbox.get_info(sandbox_id)  # the SDK reads the gateway's answer for it
+        assert info.state.value == "paused" and info.metadata == {"run": "d1"}
         with cluster.api(0) as api:  # the legacy resume takes it over too
             r = api.post(f"/sandboxes/{sandbox_id}/resume", json={"timeout": 300})
             assert r.status_code == 201 and r.headers["x-aenv-node-id"] in cluster.nodes, r.text
