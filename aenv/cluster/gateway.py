@@ -433,7 +433,7 @@ class Gateway:
         if entry is None:
             raise SandboxNotFound(f"sandbox {sandbox_id[:80]!r} not found", sandbox_id=sandbox_id[:80])
         scope[NODE_SCOPE] = entry.node_id
-        if (resume or wake) and _becoming_durable(entry, node):
+        if (resume or (wake and _auto_resumes(entry))) and _becoming_durable(entry, node):
             # Being paused by a drain: wait for its pause to be durable (then it resumes elsewhere)
             # or for its move, rather than wake it where it is leaving.
             await self.mirror.wait_for(lambda m: not _becoming_durable(*m.owner(sandbox_id)), WAKE_SECONDS)
@@ -933,12 +933,15 @@ def _becoming_durable(entry: SandboxEntry | None, node: NodeEntry | None) -> boo
     )
 
 
+def _auto_resumes(entry: SandboxEntry) -> bool:
+    lifecycle = entry.listed.get("lifecycle")
+    return isinstance(lifecycle, dict) and lifecycle.get("autoResume") is True
+
+
 def _wakes(entry: SandboxEntry) -> bool:
     """Whether traffic resumes this paused sandbox: auto-resume, and paused with its memory (a
     resume without it is a reboot, which only an explicit connect does)."""
-    lifecycle = entry.listed.get("lifecycle")
-    auto = isinstance(lifecycle, dict) and lifecycle.get("autoResume") is True
-    return auto and entry.listed.get("pausedWithMemory") is True
+    return _auto_resumes(entry) and entry.listed.get("pausedWithMemory") is True
 
 
 def _note_node(answer: object, node: NodeEntry) -> None:
