@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -111,6 +112,9 @@ def test_a_drain_with_move_resumes_running_sandboxes_elsewhere(
     with extra_node(cluster, "node-move") as node:
         sandbox_id = counting_sandbox(node)
         before = start_counting(sandbox_id)
+        ruled = counting_sandbox(node, timeout=300, network={"denyOut": ["10.9.9.9/32"]})
+        with node.client() as direct:
+            ruled_before = direct.get(f"/sandboxes/{ruled}").json()
         first = directory_entry(cluster, sandbox_id)
         assert first is not None and first.node_id == "node-move"
 
@@ -127,7 +131,7 @@ def test_a_drain_with_move_resumes_running_sandboxes_elsewhere(
         lines = drained(cluster, "node-move", move=True)
         last = lines[-1]
         assert last["done"] and not any(line["done"] for line in lines[:-1]), lines
-        assert (last["total"], last["paused"], last["durable"], last["moved"], last["failed"]) == (1, 1, 1, 1, 0), last
+        assert (last["total"], last["paused"], last["durable"], last["moved"], last["failed"]) == (2, 2, 2, 2, 0), last
         assert last["running"] == 0 and last["move"] is True
 
         moved = directory_entry(cluster, sandbox_id)
@@ -148,9 +152,21 @@ def test_a_drain_with_move_resumes_running_sandboxes_elsewhere(
             again = drained(cluster, "node-move", move=True, gateway=1)[-1]
             assert again["done"] and again["failed"] == 0
 
+        with cluster.api(1) as api:  # its network rules and what was left of its timeout went with it
+            after = api.get(f"/sandboxes/{ruled}").json()
+            assert after["state"] == "running" and after["network"] == ruled_before["network"]
+            assert after["network"] == {"denyOut": ["10.9.9.9/32"]}
+            drift = abs(parse_time(after["endAt"]) - parse_time(ruled_before["endAt"]))
+            assert drift < 30, (after["endAt"], ruled_before["endAt"])
+            api.delete(f"/sandboxes/{ruled}")
+
         use_gateway(cluster, 1, monkeypatch)
         resumed = assert_goes_on(cluster, sandbox_id, before)
         resumed.kill()
+
+
+def parse_time(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 def test_a_drain_without_move_leaves_durable_pauses_the_cluster_resumes(
