@@ -257,19 +257,22 @@ class DrainFirst(uvicorn.Server):
         self.agent = agent
         self.timeout = timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining: asyncio.Future[None] | None = None
+        self._drain_asked = False  # a second signal stops at once
+        self._drain_task: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and self._draining is None and self._loop is not None and not self.should_exit:
-            loop = self._loop
-            self._draining = loop.create_future()  # marks the drain as started (a second signal stops)
-            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain_then_exit(sig, frame)))
+        if sig == signal.SIGTERM and not self._drain_asked and self._loop is not None and not self.should_exit:
+            self._drain_asked = True
+            self._loop.call_soon_threadsafe(self._start_drain, sig, frame)
             return
         super().handle_exit(sig, frame)
+
+    def _start_drain(self, sig: int, frame: FrameType | None) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain_then_exit(sig, frame))  # held: not collected
 
     async def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
         log.info("SIGTERM: draining node %s (at most %.0f s) before it stops", self.agent.node_id, self.timeout)
