@@ -145,6 +145,10 @@ class Settings(BaseSettings):
     # Seconds between two checks that the directory still gives this node its sandboxes (one read
     # of their entries, 64 to a transaction): a copy the directory gave to another node is killed.
     cluster_reconcile_interval: float = Field(10.0, gt=0)
+    # Seconds a node stopped with SIGTERM spends draining itself first (its running sandboxes
+    # paused durably and resumed on other nodes; cluster and repository needed); what is left is
+    # then paused here, as a node alone does. 0 = no drain.
+    drain_timeout: float = Field(90.0, ge=0)
 
     debian_mirror: str | None = None  # None = the host's apt sources
     debian_suite: str = "bookworm"

@@ -8,6 +8,16 @@ from typing import Any
 
 from e2b import Sandbox
 
+# A counter held in a Python process's memory, written out for the test to read.
+COUNTER = (
+    "python3 -c 'import time\n"
+    "i = 0\n"
+    "while True:\n"
+    "    i += 1\n"
+    '    open("/home/user/count", "w").write(str(i))\n'
+    "    time.sleep(0.2)'"
+)
+
 
 def count(sbx: Sandbox) -> int:
     """What the sandbox's counter process last wrote to /home/user/count."""

@@ -447,9 +447,10 @@ router.add_api_route(
 async def resume(request: Request, sandbox_id: str) -> JSONResponse:
     node = node_of(request)
     body: ConnectBody = await _body(request, ConnectBody)
-    sb = node.get(sandbox_id)
-    if sb.state.value == "running":
+    running = sandbox_id in node.sandboxes and node.get(sandbox_id).state.value == "running"
+    if running:
         raise WrongState(f"sandbox {sandbox_id} is already running", sandbox_id=sandbox_id)
+    # One this node does not hold may be a lost or draining node's durable pause: the resume takes it over.
     rec, _ = await node.resume(sandbox_id, timeout=body.timeout, memory=body.memory)
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
 

@@ -70,11 +70,13 @@ async def serve(
                 say("building the `base` template (first start only; takes about a minute)")
             await ensure_base(node, on_log=say)
         app = build(node, api_key, start_node=False)
+        agent = None
         if settings.cluster:
             from aenv.cluster.agent import leaving_with, refusing_without_quorum, start_agent
+            from aenv.cluster.drain import serving_drain
 
             agent = await start_agent(node, settings, api_key)
-            app = leaving_with(refusing_without_quorum(app, agent), agent)
+            app = leaving_with(serving_drain(refusing_without_quorum(app, agent), agent, api_key), agent)
         config = uvicorn.Config(
             app,
             host=settings.host,
@@ -90,6 +92,10 @@ async def serve(
         )
         logging.getLogger("uvicorn.error").addFilter(envd.DroppedStreamsAreNotErrors())
         server = uvicorn.Server(config)
+        if agent is not None and settings.drain_timeout > 0 and settings.repo.strip().lower() != "none":
+            from aenv.cluster.drain import DrainFirst
+
+            server = DrainFirst(config, agent, settings.drain_timeout)  # SIGTERM drains the node first
         url = f"{'https' if settings.tls_cert else 'http'}://{settings.host}:{settings.port}"
         say(f"aenv listening on {url} (API key in {settings.data_dir / 'api-key'})")
         if ready_file is not None:

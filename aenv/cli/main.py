@@ -481,10 +481,20 @@ NODE_COLUMNS = ["node_id", "address", "running", "paused", "starting", "room", "
 
 @app.command()
 def nodes(
-    node_id: str = typer.Argument(None, help="one node's detail"),
+    node_id: str = typer.Argument(None, help="one node's detail (or `drain NODE`)"),
+    drained: str = typer.Argument(None, metavar="[NODE]", help="with `drain`: the node to drain"),
+    move: bool = typer.Option(False, "--move", help="with `drain`: resume its sandboxes on other nodes"),
     as_json: bool = JSON_OPTION,
 ) -> None:
-    """The nodes of a cluster, as its gateway sees them (AENV_URL names a gateway)."""
+    """The nodes of a cluster, as its gateway sees them (AENV_URL names a gateway).
+    `aenv nodes drain NODE [--move]`: the node takes no new work and pauses its running sandboxes
+    durably (--move: resumes them on other nodes), with progress, until it is empty."""
+    if node_id == "drain" and drained:
+        _drain(drained, move=move, as_json=as_json or not err.is_terminal)
+        return
+    if drained:
+        err.print(f"[red]error:[/red] unexpected argument {drained!r} (drain a node with `aenv nodes drain NODE`)")
+        raise typer.Exit(2)
 
     async def go(c: AsyncClient) -> list[dict[str, Any]] | dict[str, Any]:
         try:
@@ -502,6 +512,42 @@ def nodes(
             out.print(f"[bold]{key}[/bold]: {value}")
     else:
         _emit(found, NODE_COLUMNS, title=f"{len(found)} nodes")
+
+
+def _drain(node_id: str, *, move: bool, as_json: bool) -> None:
+    """Drain a node: a progress bar on a terminal (each sandbox paused, durable, moved), or its
+    progress reports as JSON lines."""
+
+    async def go(c: AsyncClient) -> dict[str, Any]:
+        if as_json:
+            return await c.drain_node(node_id, move=move, on_progress=lambda p: print(json.dumps(p), flush=True))
+        with Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            "{task.completed}/{task.total}",
+            "{task.fields[detail]}",
+            console=err,
+        ) as progress:
+            task = progress.add_task(f"draining {node_id}", total=None, detail="")
+
+            def show(p: dict[str, Any]) -> None:
+                finished = (p["moved"] if p["move"] else p["durable"]) + p["failed"]
+                detail = f"paused {p['paused']}, durable {p['durable']}, moved {p['moved']}, failed {p['failed']}"
+                progress.update(task, total=max(p["total"], 1), completed=finished, detail=detail)
+
+            return await c.drain_node(node_id, move=move, on_progress=show)
+
+    last = _run(go)
+    if as_json:
+        return
+    for message in last.get("errors", []):
+        err.print(f"[yellow]{message}[/yellow]")
+    err.print(
+        f"node {node_id} drained in {last['seconds']} s: {last['total']} running sandboxes, "
+        f"{last['durable']} paused durably, {last['moved']} moved, {last['failed']} failed"
+    )
+    if last["failed"]:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse
 from aenv import __version__
 from aenv.api.app import sandbox_target
 from aenv.api.schemas import sandbox_detail
+from aenv.cluster.drain import Drain
 from aenv.cluster.entries import (
     MAX_CACHED_NAME,
     MAX_CACHED_NAMES,
@@ -49,7 +50,15 @@ from aenv.cluster.entries import (
 )
 from aenv.cluster.store import ClusterStore, EtcdTls
 from aenv.config import Settings
-from aenv.errors import ClusterUnavailable, CreateElsewhere, InvalidRequest, TemplateNotFound, WrongState, error_body
+from aenv.errors import (
+    ClusterUnavailable,
+    CreateElsewhere,
+    InvalidRequest,
+    LimitExceeded,
+    TemplateNotFound,
+    WrongState,
+    error_body,
+)
 from aenv.node.create_ids import KEEP_SECONDS
 from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxState
 
@@ -76,6 +85,7 @@ class NodeAgent:
         lease_ttl: int = 10,
         interval: float = 1.0,
         reconcile_interval: float = 10.0,
+        api_key: str = "",
     ) -> None:
         self.node = node
         self.store = store
@@ -98,6 +108,10 @@ class NodeAgent:
         self._held: list[str] = []  # templates and snapshots on this node's disk (see NodeEntry.cached)
         self._held_at = -HELD_REFRESH
         self._adoptions: dict[str, asyncio.Future[None]] = {}  # durably paused sandboxes being taken over
+        self.api_key = api_key  # the cluster's one key: a drain's moves ask other nodes with it
+        self.draining = False  # takes no new work (see aenv/cluster/drain.py); until a restart
+        self._drain: Drain | None = None
+        self._recheck = False  # reconcile at the next tick (an entry could not be created: a tombstone?)
 
     # -- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -106,6 +120,7 @@ class NodeAgent:
         await self._register()
         listing = await self.store.read_all()
         self.written = {k: v for k, v in listing.sandboxes.items() if v.entry.node_id == self.node_id}
+        await self._kill_buried()
         await self.sync()
         self.node.state_listeners.append(self._changed)
         self.node.admission_checks.append(self.admit)
@@ -143,8 +158,11 @@ class NodeAgent:
         self._wake.set()
 
     def admit(self) -> None:
-        """Refuse new sandboxes while etcd does not answer: one no gateway could find, on a node
-        whose registration may be expiring, is worse than a clear 503 the client can retry."""
+        """Refuse new sandboxes while draining (429: a gateway tries the next node) and while etcd
+        does not answer: one no gateway could find, on a node whose registration may be
+        expiring, is worse than a clear 503 the client can retry."""
+        if self.draining:
+            raise LimitExceeded(f"node {self.node_id} is draining: it takes no new sandboxes")
         silent = self.silent()
         if silent is not None:
             raise ClusterUnavailable(
@@ -158,14 +176,42 @@ class NodeAgent:
         return silent if silent > self.unreachable_after else None
 
     def refusal(self, method: str, path: str, headers: dict[str, str]) -> str | None:
+        """Why this node will not serve a request now (answered 503), or None."""
+        silent = self.silent()
+        if silent is not None:
+            return self._unreachable_refusal(method, path, headers, silent)
+        if self.draining:
+            return self._draining_refusal(method, path, headers)
+        return None
+
+    def _draining_refusal(self, method: str, path: str, headers: dict[str, str]) -> str | None:
+        """A draining node does not resume a sandbox paused durably, or being so (a connect, or
+        traffic waking one with auto-resume): it may be moving to another node right then.
+        Through a gateway the resume waits for the pause to be durable and goes to another node;
+        asked directly, the client is told to go through one. A pause that stays here for good
+        (no repository, no memory) resumes here as before."""
+        op = OWNERSHIP_PATH.fullmatch(path) if method == "POST" else None
+        if op is not None and op["op"] == "pause":
+            return None
+        target = sandbox_target(headers) if op is None else None
+        sandbox_id = op["id"] if op is not None else target[0] if isinstance(target, tuple) else None
+        sb = self.node.sandboxes.get(sandbox_id.split("-")[0]) if sandbox_id else None
+        pausing = (SandboxState.PAUSING, SandboxState.PAUSED)
+        if sb is None or sb.state not in pausing or self.node.durable_reason(sb.rec):
+            return None
+        if op is None and not sb.rec.auto_resume:
+            return None  # traffic that wakes nothing: the node's own answer (not running)
+        return (
+            f"node {self.node_id} is draining: sandbox {sb.id} is durably paused and resumes on another node "
+            "(through a gateway)"
+        )
+
+    def _unreachable_refusal(self, method: str, path: str, headers: dict[str, str], silent: float) -> str | None:
         """Why a request must wait for etcd, or None. Without etcd a node does not pause or resume
         a sandbox (through its API, a connect, or traffic waking one with auto-resume): what
         the directory says of it, and who holds it, would change where no gateway can see. A
         refused pause leaves it running; a refused resume leaves it paused. Kills, snapshots,
         timeouts and the node's own stop go on (their entries are written once etcd answers)."""
-        silent = self.silent()
-        if silent is None:
-            return None
         op = OWNERSHIP_PATH.fullmatch(path) if method == "POST" else None
         target = sandbox_target(headers) if op is None else None
         sandbox_id = op["id"] if op is not None else target[0] if isinstance(target, tuple) else None
@@ -204,7 +250,8 @@ class NodeAgent:
                     if await self._heartbeat():
                         next_reconcile = 0.0  # back after its lease ran out: what did it miss?
                     await self._release_old_claims()
-                if time.monotonic() >= next_reconcile:
+                if time.monotonic() >= next_reconcile or self._recheck:
+                    self._recheck = False
                     await self.reconcile()
                     next_reconcile = time.monotonic() + self.reconcile_interval
                 await self.sync()
@@ -255,6 +302,7 @@ class NodeAgent:
             memory_committed_mb=load.memory_committed_mb,
             cpu_used=load.cpu_used,
             load1=round(os.getloadavg()[0], 2),
+            draining=self.draining,
             started_at=self.started_at,
             updated_at=round(time.time(), 3),
             cached=self.held(),
@@ -277,6 +325,34 @@ class NodeAgent:
         for sandbox_id, current in entries.items():
             if current.entry.node_id != self.node_id:
                 self._owned_elsewhere(sandbox_id, current)
+        await self._kill_buried([i for i in held if i not in entries])
+
+    async def _kill_buried(self, held: list[str] | None = None) -> None:
+        """Sandboxes killed through a gateway while this node was lost (their entry replaced by a
+        tombstone): killed here too (a durable pause's repository entry with them), never written
+        again. The tombstone goes once the node it was meant for has seen it."""
+        if held is None:
+            held = [sb.id for sb in list(self.node.sandboxes.values()) if sb.state != SandboxState.KILLED]
+        for sandbox_id, stone in (await self.store.tombstones(held)).items():
+            if sandbox_id in self.killing or sandbox_id in self._adoptions:
+                continue
+            log.warning("sandbox %s was killed while node %s was lost: killing it here", sandbox_id, stone.node_id)
+            self.written.pop(sandbox_id, None)
+            self.foreign.add(sandbox_id)
+            self.killing.add(sandbox_id)
+            task = asyncio.ensure_future(self._kill_dead(sandbox_id, stone.node_id == self.node_id))
+            self._kills.add(task)
+            task.add_done_callback(self._kills.discard)
+
+    async def _kill_dead(self, sandbox_id: str, drop_tombstone: bool) -> None:
+        try:
+            await self.node.kill(sandbox_id)
+            if drop_tombstone:
+                await self.store.drop_tombstone(sandbox_id)
+        except Exception as exc:  # gone already, or its kill failed (logged by the node); the next reconcile retries
+            log.warning("killing sandbox %s, killed while its node was lost: %r", sandbox_id, exc)
+        finally:
+            self.killing.discard(sandbox_id)
 
     def _owned_elsewhere(self, sandbox_id: str, current: Versioned) -> None:
         if sandbox_id in self._adoptions:
@@ -328,11 +404,17 @@ class NodeAgent:
         entry = current.entry if current is not None else None
         if entry is None or entry.node_id == self.node_id or not (entry.durable and entry.state == "paused"):
             return
-        if any(n.node_id == entry.node_id for n in await self.store.nodes()):
+        if self.draining:
+            return  # takes no new work (a move's or a gateway's race with this node's drain): not found here
+        owner = next((n for n in await self.store.nodes() if n.node_id == entry.node_id), None)
+        if owner is not None and not owner.draining:
             return  # its node is up: the sandbox is that node's to resume
         # Fetch first, claim after: the directory moves the sandbox only once this node can serve it.
+        # A draining owner resumes none of its durable pauses (it refuses), so the epoch's
+        # compare-and-swap is enough there; a lost one must still be gone.
         await self.node.adopt_paused(sandbox_id)
-        result = await self.store.claim_sandbox(sandbox_id, self.node_id, epoch=entry.epoch, from_lost=entry.node_id)
+        lost = entry.node_id if owner is None else None
+        result = await self.store.claim_sandbox(sandbox_id, self.node_id, epoch=entry.epoch, from_lost=lost)
         if result.ok and result.current is not None:
             self.written[sandbox_id] = result.current
             self.foreign.discard(sandbox_id)
@@ -341,6 +423,41 @@ class NodeAgent:
         await self.node.let_go(sandbox_id)
         winner = result.current.entry.node_id if result.current is not None else "none"
         raise WrongState(f"sandbox {sandbox_id} was taken over by node {winner} meanwhile", sandbox_id=sandbox_id)
+
+    # -- drain ---------------------------------------------------------------------------------------
+    def drain(self, *, move: bool) -> Drain:
+        """This node's drain: started, or joined (asking to move makes a drain that only pauses
+        move what it pauses from then on)."""
+        if self._drain is None:
+            self._drain = Drain(self, move=move, api_key=self.api_key)
+        elif move:
+            self._drain.progress.move = True
+        return self._drain
+
+    async def set_draining(self) -> None:
+        """Take no new work, and say so in the node's entry at once (gateways stop placing here,
+        and other nodes may then take over its durable pauses)."""
+        self.draining = True
+        await self.store.put_node(self.entry(), self.lease_id)
+
+    async def durable_written(self, sandbox_id: str, within: float = 10.0) -> bool:
+        """Until the directory says the sandbox is durably paused (another node takes over only
+        such an entry); whether it does within ``within`` seconds."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            have = self.written.get(sandbox_id)
+            if have is not None and have.entry.durable and have.entry.node_id == self.node_id:
+                return True
+            self._wake.set()
+            await asyncio.sleep(0.05)
+        return False
+
+    async def moved_away(self, sandbox_id: str) -> None:
+        """Another node took ``sandbox_id`` over (a drain's move): its entry is that node's, and
+        the paused copy here goes (its repository entry is the other node's to remove)."""
+        self.written.pop(sandbox_id, None)
+        self.foreign.add(sandbox_id)
+        await self.node.let_go(sandbox_id)
 
     # -- create ids (aenv.node.create_ids.Claims) -------------------------------------------------------
     async def claim(self, create_id: str) -> None:
@@ -444,6 +561,8 @@ class NodeAgent:
         except EntryError as exc:
             log.warning("sandbox %s has no directory entry: %s", entry.sandbox_id, exc)
             return
+        if not result.ok and result.current is None:
+            self._recheck = True  # refused with no entry there: killed while this node was lost
         self._settle(entry.sandbox_id, result.ok, result.current)
 
     async def _replace(self, entry: SandboxEntry, have: Versioned) -> None:
@@ -571,6 +690,7 @@ async def start_agent(node: Any, settings: Settings, api_key: str) -> NodeAgent:
         address=advertise_of(settings),
         lease_ttl=settings.cluster_lease_ttl,
         reconcile_interval=settings.cluster_reconcile_interval,
+        api_key=api_key,
     )
     try:
         await join_cluster(store, node, api_key)
@@ -589,7 +709,7 @@ def refusing_without_quorum(app: ASGIApp, agent: NodeAgent) -> ASGIApp:
     async def wrapped(
         scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
     ) -> None:
-        if scope["type"] in ("http", "websocket") and agent.silent() is not None:
+        if scope["type"] in ("http", "websocket") and (agent.draining or agent.silent() is not None):
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
             reason = agent.refusal(scope.get("method", "GET"), scope["path"], headers)
             if reason is not None:

@@ -6,6 +6,8 @@ Keys:
     /aenv/nodes/<node-id>          NodeEntry, JSON, under the node's lease: gone when the node dies
     /aenv/sandboxes/<sandbox-id>   SandboxEntry, JSON; changed only by compare-and-swap transactions
     /aenv/creates/<create-id>      CreateClaim, under the creating node's lease: a create id taken
+    /aenv/tombstones/<sandbox-id>  Tombstone: a sandbox killed while its node was lost, so that node
+                                   kills its copy when it comes back instead of writing it again
 
 Values are bounded (a node's entry, a sandbox's entry and its metadata) and decoded strictly: what
 comes out of etcd was written by a node, but a bad or oversized value costs its one entry, never
@@ -25,6 +27,7 @@ PREFIX = "/aenv/"
 NODES_PREFIX = PREFIX + "nodes/"
 SANDBOXES_PREFIX = PREFIX + "sandboxes/"
 CREATES_PREFIX = PREFIX + "creates/"
+TOMBSTONES_PREFIX = PREFIX + "tombstones/"
 CONFIG_KEY = (PREFIX + "cluster").encode()
 
 MAX_NODE_ENTRY = 16 * 1024
@@ -58,6 +61,10 @@ def sandbox_key(sandbox_id: str) -> bytes:
     return (SANDBOXES_PREFIX + check_id(sandbox_id, "sandbox id")).encode()
 
 
+def tombstone_key(sandbox_id: str) -> bytes:
+    return (TOMBSTONES_PREFIX + check_id(sandbox_id, "sandbox id")).encode()
+
+
 def create_key(create_id: str) -> bytes:
     return (CREATES_PREFIX + check_id(create_id, "create id")).encode()
 
@@ -88,6 +95,16 @@ class CreateClaim:
     """A create id taken by a node: a create retried elsewhere is refused while the claim lives."""
 
     node_id: str
+    at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """A sandbox killed through a gateway while its node was lost: ``node_id`` (the node that held
+    it) kills its copy when it comes back, and no node writes the sandbox's entry again."""
+
+    node_id: str
+    epoch: int = 1  # the killed entry's
     at: float = 0.0
 
 
@@ -162,8 +179,8 @@ class Versioned:
     create_revision: int
 
 
-E = TypeVar("E", NodeEntry, SandboxEntry, ClusterConfig, CreateClaim)
-Entry = NodeEntry | SandboxEntry | ClusterConfig | CreateClaim
+E = TypeVar("E", NodeEntry, SandboxEntry, ClusterConfig, CreateClaim, Tombstone)
+Entry = NodeEntry | SandboxEntry | ClusterConfig | CreateClaim | Tombstone
 
 
 def encode(entry: Entry) -> bytes:

@@ -44,6 +44,7 @@ from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
 from aenv.api.listing import short_sandbox_id
 from aenv.api.proxy import sandbox_gone
 from aenv.cluster import lists
+from aenv.cluster.drain import DRAIN_PATH
 from aenv.cluster.entries import ID_PATTERN, ClusterConfig, NodeEntry, SandboxEntry, key_matches
 from aenv.cluster.lists import ListQuery
 from aenv.cluster.metrics import GatewayMetrics
@@ -73,6 +74,7 @@ log = logging.getLogger("aenv.gateway")
 
 SANDBOX_PATH = re.compile(r"^(?:/v2)?/sandboxes/(?P<id>[^/]+)(?:/.*)?$")
 SANDBOX_INFO = re.compile(r"^/sandboxes/[^/]+$")
+NODE_DRAIN = re.compile(r"/nodes/(?P<id>[^/]+)/drain")
 SANDBOX_ANSWER = re.compile(r"^(?:/v2)?/sandboxes/[^/]+/(?:connect|resume)$")  # answered with the sandbox
 # A template's or snapshot's own requests (E2B deletes a snapshot as a template).
 ARTIFACT_PATH = re.compile(r"^/(?:v\d+/)?(?:templates|snapshots)/(?P<id>[^/]+)")
@@ -111,6 +113,8 @@ STARTUP_WAIT = 10.0
 SETTLE_SECONDS = 5.0  # how long a list waits for a change made through this gateway, at most
 LIST_SETTLE = 2.0  # seconds one list waits for the directory to show such changes
 PRESENT, GONE = "present", "gone"
+TOMBSTONE_SECONDS = 30 * 86400  # how long a lost node has to come back and learn its sandbox was killed
+WAKE_SECONDS = 60.0  # how long traffic waits for its sandbox to be resumed on another node
 LIST_TIMEOUT = 30.0  # seconds the gateway waits for its first read of the directory
 
 
@@ -164,6 +168,7 @@ class Gateway:
         self.building: dict[str, tuple[str, float]] = {}  # template id -> the node building it
         self.config: ClusterConfig | None = None  # read once a node has joined (it writes it)
         self._tokens: dict[str, str] = {}  # sandbox id -> envd access token (for signed URLs)
+        self._waking: dict[str, asyncio.Future[NodeEntry]] = {}  # auto-resumes on another node under way
         self.metrics = GatewayMetrics(mirror)
 
     async def aclose(self) -> None:
@@ -234,7 +239,7 @@ class Gateway:
             scope[ROUTE_SCOPE] = "envd" if port == envd.ENVD_PORT else "port"
             extra = {"e2b-sandbox-id": sandbox_id, "e2b-sandbox-port": str(port)}  # a host route, as headers
             try:
-                node = await self.owner(sandbox_id, scope)
+                node = await self.owner(sandbox_id, scope, wake=True)
             except SandboxNotFound as exc:
                 return traffic_gone(scope, sandbox_id, exc)
             return await self.forward(request, node, extra)
@@ -252,6 +257,9 @@ class Gateway:
             self.check_key(headers)
         if path == "/nodes" or path.startswith("/nodes/"):
             scope[ROUTE_SCOPE] = "nodes"
+            drained = NODE_DRAIN.fullmatch(path)
+            if drained is not None and method == "POST":
+                return await self.drain(request, drained["id"])
             return self.nodes(path)
         if method == "GET" and path == "/sandboxes/metrics":  # several sandboxes, perhaps on several nodes
             scope[ROUTE_SCOPE] = "list"
@@ -259,6 +267,14 @@ class Gateway:
         match = SANDBOX_PATH.match(path)
         if match:
             scope[ROUTE_SCOPE] = "sandbox"
+            if method == "GET" and SANDBOX_INFO.match(path):
+                shown = await self.cluster_paused(match["id"])
+                if shown is not None:
+                    return shown
+            if method == "DELETE" and SANDBOX_INFO.match(path):
+                buried = await self.kill_lost(match["id"], scope)
+                if buried is not None:
+                    return buried
             resume = method == "POST" and bool(SANDBOX_ANSWER.match(path))
             node = await self.owner(match["id"], scope, resume=resume)
             if scope.get(TAKEOVER_SCOPE):
@@ -304,7 +320,7 @@ class Gateway:
             if target is None:
                 raise NotFound("only a sandbox's port takes WebSockets (E2b-Sandbox-Id and E2b-Sandbox-Port headers)")
             sandbox_id, port = target
-            node = await self.owner(sandbox_id, scope)
+            node = await self.owner(sandbox_id, scope, wake=True)
         except SandboxNotFound as exc:
             await refuse_websocket(scope, send, traffic_gone(scope, sandbox_id, exc))
             return
@@ -385,17 +401,29 @@ class Gateway:
             raise NotFound(f"no node {node_id[:80]!r} in the cluster")
         return JSONResponse(_node_json(node))
 
+    async def drain(self, request: Request, node_id: str) -> Relay:
+        """``POST /nodes/{id}/drain``: the node drains itself (aenv/cluster/drain.py); its progress
+        streams back as NDJSON lines until the node is empty."""
+        node = self.mirror.nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"no node {node_id[:80]!r} in the cluster")
+        body = await _read_bounded(request, 1024)
+        request.scope[NODE_SCOPE] = node.node_id
+        timeout = httpx.Timeout(self.settings.connect_timeout, read=None, write=60.0, pool=10.0)
+        return Relay(await self._send(request, node, body=body, path=DRAIN_PATH, timeout=timeout), node)
+
     def check_key(self, headers: dict[str, str]) -> None:
         key = self.settings.api_key
         if key and not hmac.compare_digest(headers.get("x-api-key", "").encode(), key.encode()):
             raise Unauthenticated("invalid or missing API key (X-API-Key header)")
 
     # -- where a request goes -------------------------------------------------------------------------
-    async def owner(self, sandbox_id: str, scope: Scope, *, resume: bool = False) -> NodeEntry:
+    async def owner(self, sandbox_id: str, scope: Scope, *, resume: bool = False, wake: bool = False) -> NodeEntry:
         """The node serving ``sandbox_id``: from the mirror; a miss costs one read of etcd. Its id
         is noted in ``scope`` (for the answer's header) even when the node is gone. For a
-        ``resume``, a sandbox durably paused on a node that is gone goes to the best node with
-        room, which takes it over from the repository."""
+        ``resume``, a sandbox durably paused on a node that is gone or draining goes to the best
+        node with room, which takes it over from the repository. With ``wake`` (sandbox traffic),
+        such a sandbox with auto-resume is resumed there first (see ``wake_elsewhere``)."""
         entry, node = self.mirror.owner(sandbox_id)
         if entry is not None:
             self.hints.pop(sandbox_id, None)  # the directory has it now
@@ -412,15 +440,93 @@ class Gateway:
         if entry is None:
             raise SandboxNotFound(f"sandbox {sandbox_id[:80]!r} not found", sandbox_id=sandbox_id[:80])
         scope[NODE_SCOPE] = entry.node_id
-        if node is None and resume and entry.durable and entry.state == "paused":
+        if (resume or (wake and _auto_resumes(entry))) and _becoming_durable(entry, node):
+            # Being paused by a drain: wait for its pause to be durable (then it resumes elsewhere)
+            # or for its move, rather than wake it where it is leaving.
+            await self.mirror.wait_for(lambda m: not _becoming_durable(*m.owner(sandbox_id)), WAKE_SECONDS)
+            entry, node = self.mirror.owner(sandbox_id)
+            if entry is None:
+                raise SandboxNotFound(f"sandbox {sandbox_id[:80]!r} not found", sandbox_id=sandbox_id[:80])
+            scope[NODE_SCOPE] = entry.node_id
+        if resume and _movable(entry, node):
             node = self.candidates()[0]
             scope[NODE_SCOPE], scope[TAKEOVER_SCOPE] = node.node_id, True
+        elif wake and _movable(entry, node) and _wakes(entry):
+            node = await self.wake_elsewhere(sandbox_id)
+            scope[NODE_SCOPE] = node.node_id
         if node is None:
             raise SandboxNotFound(
                 f"sandbox {sandbox_id} was on node {entry.node_id}, which left the cluster (lost)",
                 sandbox_id=sandbox_id,
             )
         return node
+
+    async def wake_elsewhere(self, sandbox_id: str) -> NodeEntry:
+        """Auto-resume through the gateway: traffic to a sandbox with auto-resume, durably paused
+        on a node that is gone or draining, resumes it on the best node with room (a connect, so
+        it takes the sandbox over as a client's connect would) and then proceeds there, waiting
+        up to WAKE_SECONDS. Concurrent traffic joins one wake; a node that lost the claim to
+        another (409, or 404 once it saw the move) sends the traffic to the winner."""
+        waking = self._waking.get(sandbox_id)
+        if waking is None:
+            waking = asyncio.ensure_future(self._wake(sandbox_id))
+            self._waking[sandbox_id] = waking
+            waking.add_done_callback(lambda _: self._waking.pop(sandbox_id, None))
+        return await asyncio.shield(waking)
+
+    async def _wake(self, sandbox_id: str) -> NodeEntry:
+        headers = {"X-API-Key": self.settings.api_key or ""}
+        timeout = httpx.Timeout(self.settings.connect_timeout, read=WAKE_SECONDS, write=10.0, pool=10.0)
+        failures = []
+        for node in self.candidates()[:MAX_CANDIDATES]:
+            url = f"{node.address}/sandboxes/{sandbox_id}/connect"
+            try:
+                r = await self.client.post(url, json={}, headers=headers, timeout=timeout)
+            except httpx.TransportError as exc:
+                failures.append(f"{node.node_id}: {exc!r}"[:200])
+                continue
+            if r.status_code in (200, 201):
+                self._expect(sandbox_id, "running")
+                return node
+            read = await self.mirror.store.get_sandbox(sandbox_id)
+            winner = self.mirror.nodes.get(read.entry.node_id) if read is not None else None
+            if r.status_code in (404, 409) and winner is not None and not winner.draining:
+                return winner
+            failures.append(f"{node.node_id}: {r.status_code} {r.text[:200]}")
+        raise UpstreamError(f"sandbox {sandbox_id} could not be resumed on another node: " + "; ".join(failures))
+
+    async def kill_lost(self, sandbox_id: str, scope: Scope) -> Response | None:
+        """``DELETE /sandboxes/{id}`` of a sandbox whose node is lost: its entry is replaced by a
+        tombstone (one transaction, while the node is still gone), so the node kills its copy
+        when it comes back instead of writing it again, and nobody takes a durable pause of it
+        over. None when its node is alive (or came back, or another node took the sandbox
+        meanwhile): the owner kills it."""
+        entry, node = self.mirror.owner(sandbox_id)
+        if entry is None or node is not None:
+            return None
+        read = await self.mirror.store.get_sandbox(sandbox_id)
+        if read is None or read.entry.node_id in self.mirror.nodes:
+            return None
+        scope[NODE_SCOPE] = read.entry.node_id
+        if not await self.mirror.store.bury_sandbox(read, TOMBSTONE_SECONDS):
+            return None
+        log.info("sandbox %s killed while its node %s is lost (tombstone)", sandbox_id, read.entry.node_id)
+        self._expect(sandbox_id, GONE)
+        return Response(status_code=204, headers={NODE_ID_HEADER: read.entry.node_id})
+
+    async def cluster_paused(self, sandbox_id: str) -> Response | None:
+        """``GET /sandboxes/{id}`` of a sandbox durably paused on a node that is gone: it belongs to
+        the cluster (any node resumes it), so it is shown paused, from its entry, naming the lost
+        node. None for anything else (the owner answers, or the lost node's 404)."""
+        entry, node = self.mirror.owner(sandbox_id)
+        if entry is None or node is not None or not (entry.durable and entry.state == "paused" and entry.listed):
+            return None
+        config = await self.cluster_config()
+        if config is None:
+            return None
+        item = lists.listed_item(entry, config.secret.encode(), self.settings.domain)
+        item["nodeID"] = entry.node_id
+        return JSONResponse(item, headers={NODE_ID_HEADER: entry.node_id})
 
     def candidates(self, source: str | None = None) -> list[NodeEntry]:
         """Ready nodes with room, best first for a create from ``source`` (see placement.py)."""
@@ -450,17 +556,18 @@ class Gateway:
             query.order.cursor(query.token)  # a bad token is the client's 400, whatever the nodes
         config = await self.cluster_config() if self.mirror.connected else None
         if config is None:
-            return await self._list_from_nodes(request, paginated=paginated)
+            return await self._list_from_nodes(request, query, config)
         await self._settle()
         entries = self._listable_entries()
         if entries is None:
-            return await self._list_from_nodes(request, paginated=paginated)
+            return await self._list_from_nodes(request, query, config)
         items, headers = lists.answer(query, entries, config.secret.encode(), self.settings.domain)
         return JSONResponse(items, headers=headers)
 
     def _listable_entries(self) -> list[SandboxEntry] | None:
-        """The live nodes' sandboxes' entries, if each can be listed from its entry alone."""
-        live = [e for e in self.mirror.sandboxes.values() if e.node_id in self.mirror.nodes]
+        """The live nodes' sandboxes' entries and the durable pauses of lost nodes (they belong to
+        the cluster), if each can be listed from its entry alone."""
+        live = [e for e in self.mirror.sandboxes.values() if e.node_id in self.mirror.nodes or _cluster_paused(e)]
         return live if all(e.listable for e in live) else None
 
     def _expect(self, sandbox_id: str, outcome: str) -> None:
@@ -494,7 +601,7 @@ class Gateway:
         elif method == "POST" and path.endswith(("/resume", "/connect")):
             self._expect(sandbox_id, "running")
 
-    async def _list_from_nodes(self, request: Request, *, paginated: bool) -> Response:
+    async def _list_from_nodes(self, request: Request, query: ListQuery, config: ClusterConfig | None) -> Response:
         """Every node's list, merged. v1: the nodes' running sandboxes as one array. v2: one node's
         contract over the cluster. Each node is asked for its first ``limit`` items after the
         client's ``nextToken`` (a position, start time and id, which every node reads alike),
@@ -503,7 +610,9 @@ class Gateway:
         two pages shift nothing (none served twice or skipped), and a page costs each node one
         request of at most ``limit`` items. ``X-Total-Running`` is the nodes' sum. A node that
         cannot answer fails the list (502 naming it): a partial list would tell a cleanup script
-        that live sandboxes are gone."""
+        that live sandboxes are gone. The durable pauses of lost nodes are listed from their
+        entries (they belong to the cluster)."""
+        paginated = query.paginated
         nodes = sorted(self.mirror.nodes.values(), key=lambda n: n.node_id)
         path = "/v2/sandboxes" if paginated else "/sandboxes"
         order = (
@@ -515,6 +624,8 @@ class Gateway:
         pages = await asyncio.gather(*(self._node_page(request, n, path) for n in nodes))
         items = [item for page in pages for item in page.items]
         self._stamp_domain(items)
+        if config is not None:
+            items += self._lost_but_paused(query, config)
         if not paginated:
             return JSONResponse(items)
         served, next_token = order.page(items, _position, limit, None)
@@ -525,6 +636,15 @@ class Gateway:
         if running:
             headers["X-Total-Running"] = str(sum(running))
         return JSONResponse(served, headers=headers)
+
+    def _lost_but_paused(self, query: ListQuery, config: ClusterConfig) -> list[dict[str, object]]:
+        """List items of the sandboxes durably paused on nodes that are gone, that ``query`` shows."""
+        secret, domain = config.secret.encode(), self.settings.domain
+        return [
+            lists.listed_item(e, secret, domain)
+            for e in self.mirror.sandboxes.values()
+            if e.node_id not in self.mirror.nodes and _cluster_paused(e) and e.listable and query.matches(e)
+        ]
 
     async def list_snapshots(self, request: Request) -> Response:
         """Every node's snapshots, merged as `_list_from_nodes` merges sandboxes: a snapshot is on
@@ -799,6 +919,7 @@ class Gateway:
         body: bytes | None = None,
         extra: dict[str, str] | None = None,
         timeout: httpx.Timeout | None = None,
+        path: str | None = None,
     ) -> httpx.Response:
         extra = extra or {}
         # As received (bytes: a value that is not ASCII passes as it came, for the node to judge).
@@ -806,7 +927,7 @@ class Gateway:
         dropped = (HOP_HEADERS - ({"host"} if "e2b-sandbox-id" in extra else set())) | set(extra)
         headers = [(k, v) for k, v in request.scope["headers"] if k.decode("latin-1").lower() not in dropped]
         headers += [(k.encode(), v.encode()) for k, v in extra.items()]
-        url = node.address + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        url = node.address + (path or request.url.path) + (f"?{request.url.query}" if request.url.query else "")
         content: bytes | AsyncIterator[bytes] | None = body
         if body is None and ("content-length" in request.headers or "transfer-encoding" in request.headers):
             content = _body(request)  # streamed as it arrives; httpx keeps the client's Content-Length
@@ -866,6 +987,40 @@ class Relay:
             connections.reset_on_close()
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _cluster_paused(entry: SandboxEntry) -> bool:
+    """Paused and in the snapshot repository: any node may resume it (its own node or not)."""
+    return entry.durable and entry.state == "paused"
+
+
+def _movable(entry: SandboxEntry, node: NodeEntry | None) -> bool:
+    """A resume of this sandbox goes to another node: it is durably paused on a node that is gone
+    or draining (which takes no new work)."""
+    return _cluster_paused(entry) and (node is None or node.draining)
+
+
+def _becoming_durable(entry: SandboxEntry | None, node: NodeEntry | None) -> bool:
+    """Paused (or being paused) on a draining node, its pause not durable yet but to be."""
+    return (
+        entry is not None
+        and node is not None
+        and node.draining
+        and entry.state == "paused"
+        and not entry.durable
+        and "durableReason" not in entry.listed
+    )
+
+
+def _auto_resumes(entry: SandboxEntry) -> bool:
+    lifecycle = entry.listed.get("lifecycle")
+    return isinstance(lifecycle, dict) and lifecycle.get("autoResume") is True
+
+
+def _wakes(entry: SandboxEntry) -> bool:
+    """Whether traffic resumes this paused sandbox: auto-resume, and paused with its memory (a
+    resume without it is a reboot, which only an explicit connect does)."""
+    return _auto_resumes(entry) and entry.listed.get("pausedWithMemory") is True
 
 
 def _note_node(answer: object, node: NodeEntry) -> None:

@@ -78,14 +78,14 @@ def answer(
             headers["X-Next-Token"] = next_token
     else:
         page = query.order.sort(found, _position)
-    return [_item(e, secret, domain) for e in page], headers
+    return [listed_item(e, secret, domain) for e in page], headers
 
 
 def _position(entry: SandboxEntry) -> listing.Position:
     return listing.Position(listing.micros(entry.started_at), entry.sandbox_id)
 
 
-def _item(entry: SandboxEntry, secret: bytes, domain: str | None) -> dict[str, object]:
+def listed_item(entry: SandboxEntry, secret: bytes, domain: str | None) -> dict[str, object]:
     item = dict(entry.listed)
     secure, private = item.pop("secure", False), item.pop("private", False)
     item.update(sandboxID=entry.sandbox_id, metadata=entry.metadata, domain=domain)

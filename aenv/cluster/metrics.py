@@ -59,13 +59,14 @@ class _ClusterGauges(Collector):
         nodes.add_metric(["draining"], draining)
         yield nodes
         states = Tally(e.state for e in m.sandboxes.values())
-        lost = sum(1 for e in m.sandboxes.values() if e.node_id not in m.nodes)
+        # entries whose node left the cluster, but durable pauses (any node resumes them)
+        lost = sum(1 for e in m.sandboxes.values() if e.node_id not in m.nodes and not e.durable)
         sandboxes = GaugeMetricFamily(
             "aenv_cluster_sandboxes", "Sandboxes in the directory, by state", labels=["state"]
         )
         for state in ("running", "paused"):
             sandboxes.add_metric([state], states.get(state, 0))
-        sandboxes.add_metric(["lost"], lost)  # entries whose node left the cluster (counted in their state too)
+        sandboxes.add_metric(["lost"], lost)  # counted in their state too
         yield sandboxes
         yield GaugeMetricFamily(
             "aenv_cluster_capacity",

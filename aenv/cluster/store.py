@@ -13,7 +13,8 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
@@ -36,12 +37,14 @@ from aenv.cluster.entries import (
     EntryError,
     NodeEntry,
     SandboxEntry,
+    Tombstone,
     Versioned,
     create_key,
     decode,
     encode,
     node_key,
     sandbox_key,
+    tombstone_key,
 )
 from aenv.errors import ClusterUnavailable, InvalidRequest
 
@@ -304,11 +307,36 @@ class ClusterStore:
         return None if got is None else _versioned(SandboxEntry, got)
 
     async def create_sandbox(self, entry: SandboxEntry) -> CasResult:
-        """Write a sandbox's first entry; fails (with the entry there) if the id is taken."""
+        """Write a sandbox's first entry; fails (with the entry there) if the id is taken, or
+        (with no entry) if the sandbox was killed while its node was lost (a tombstone)."""
         client = await self._connected()
         key = sandbox_key(entry.sandbox_id)
         t = client.transactions
-        return await self._cas("create a sandbox entry", key, [t.create(key) == 0], t.put(key, encode(entry)))
+        compare = [t.create(key) == 0, t.version(tombstone_key(entry.sandbox_id)) == 0]
+        return await self._cas("create a sandbox entry", key, compare, t.put(key, encode(entry)))
+
+    async def bury_sandbox(self, current: Versioned, keep_seconds: int) -> bool:
+        """Kill a sandbox whose node is lost: its entry goes and a tombstone (kept ``keep_seconds``)
+        takes its place, in one transaction, if the entry is still ``current`` and its node still
+        has no entry. False if either changed (it was taken over, or its node came back)."""
+        entry: SandboxEntry = current.entry
+        client = await self._connected()
+        key = sandbox_key(entry.sandbox_id)
+        t = client.transactions
+        lease = await self.grant_lease(keep_seconds)
+        stone = Tombstone(entry.node_id, entry.epoch, round(time.time(), 3))
+        compare = [t.mod(key) == current.mod_revision, t.version(node_key(entry.node_id)) == 0]
+        success = [t.delete(key), t.put(tombstone_key(entry.sandbox_id), encode(stone), lease=lease)]
+        ok, _ = await self._call("bury a sandbox", client.transaction(compare=compare, success=success, failure=[]))
+        return bool(ok)
+
+    async def tombstones(self, sandbox_ids: list[str]) -> dict[str, Tombstone]:
+        """The tombstones of these sandboxes (those killed while their node was lost)."""
+        return {s: v.entry for s, v in (await self._get_many(sandbox_ids, tombstone_key, Tombstone)).items()}
+
+    async def drop_tombstone(self, sandbox_id: str) -> None:
+        client = await self._connected()
+        await self._call("drop a tombstone", client.delete(tombstone_key(sandbox_id)))
 
     async def replace_sandbox(self, entry: SandboxEntry, mod_revision: int) -> CasResult:
         """Rewrite an entry if nobody changed it since it was read at ``mod_revision``."""
@@ -343,6 +371,11 @@ class ClusterStore:
 
     async def get_sandboxes(self, sandbox_ids: list[str]) -> dict[str, Versioned]:
         """The entries of these sandboxes (those that have one), read in transactions of 64."""
+        return await self._get_many(sandbox_ids, sandbox_key, SandboxEntry)
+
+    async def _get_many(
+        self, sandbox_ids: list[str], key_of: Callable[[str], bytes], cls: type[E]
+    ) -> dict[str, Versioned]:
         client = await self._connected()
         t = client.transactions
         found: dict[str, Versioned] = {}
@@ -350,12 +383,12 @@ class ClusterStore:
             chunk = sandbox_ids[i : i + GETS_PER_TRANSACTION]
             _, responses = await self._call(
                 "read sandbox entries",
-                client.transaction(compare=[], success=[t.get(sandbox_key(s)) for s in chunk], failure=[]),
+                client.transaction(compare=[], success=[t.get(key_of(s)) for s in chunk], failure=[]),
             )
             for sandbox_id, response in zip(chunk, responses, strict=True):
                 for _, kv in response:
                     try:
-                        found[sandbox_id] = _versioned(SandboxEntry, kv)
+                        found[sandbox_id] = _versioned(cls, kv)
                     except EntryError as exc:
                         log.warning("skipping the entry of sandbox %s: %s", sandbox_id, exc)
         return found

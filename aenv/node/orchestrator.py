@@ -273,6 +273,15 @@ class Node(Lifecycle, Instances, Records):
     def durable_reason(self, rec: SandboxRecord) -> str:
         return self.artifacts.durable_reason(rec)
 
+    async def wait_durable(self, sandbox_id: str) -> bool:
+        sb = self.get(sandbox_id)
+        for _ in range(2):  # a failed commit is tried once more at once (else every minute)
+            await self.artifacts.wait_pause_committed(sb.id)
+            if sb.rec.durable_at or self.durable_reason(sb.rec) or sb.state != S.PAUSED:
+                break
+            self.artifacts.commit_pause_later(sb)
+        return bool(sb.rec.durable_at) and sb.state == S.PAUSED
+
     async def gc_repository(self) -> dict[str, Any]:
         if self.artifacts.repo is None:
             raise InvalidRequest("this node has no snapshot repository (AENV_REPO=none)")

@@ -182,6 +182,10 @@ class NodeService(Protocol):
         """Why a paused sandbox stays on this node ("" if its pause is, or is being made, durable)."""
         ...
 
+    async def wait_durable(self, sandbox_id: str) -> bool:
+        """Until the pause's commit to the repository is done; whether the sandbox is durably paused."""
+        ...
+
     async def gc_repository(self) -> dict[str, Any]: ...
 
     # -- the cluster agent's hooks -------------------------------------------------------------------

@@ -589,6 +589,30 @@ class AsyncClient:
         result: dict[str, Any] = await self._get(f"/nodes/{quote(node_id, safe='')}")
         return result
 
+    async def drain_node(
+        self, node_id: str, *, move: bool = False, on_progress: Callable[[dict[str, Any]], None] | None = None
+    ) -> dict[str, Any]:
+        """Drain a cluster's node (a gateway's ``POST /nodes/{id}/drain``): it takes no new work and
+        pauses its running sandboxes durably (``move``: and resumes them on other nodes). Each
+        progress report goes to ``on_progress``; returns the last one (``done``)."""
+        from urllib.parse import quote
+
+        path = f"/nodes/{quote(node_id, safe='')}/drain"
+        last: dict[str, Any] | None = None
+        async with self._http.stream("POST", path, json={"move": move}, headers=self._auth, timeout=None) as r:
+            if r.status_code != 200:
+                await r.aread()
+                _raise_for(r)
+            async for line in r.aiter_lines():
+                if not line.strip():
+                    continue
+                last = json.loads(line)
+                if on_progress is not None:
+                    on_progress(last)
+        if last is None or not last.get("done"):
+            raise AenvError("the drain's progress stream ended before the drain did")
+        return last
+
     async def logs(self, sandbox_id: str) -> dict[str, Any]:
         """A sandbox's recent commands (newest first, with their exit codes) and its agent's log."""
         from urllib.parse import quote

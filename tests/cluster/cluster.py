@@ -14,8 +14,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
+import pytest
 
-from aenv.cluster.entries import ClusterConfig
+from aenv.cluster.entries import ClusterConfig, SandboxEntry
 from aenv.cluster.store import ClusterStore
 from tests.cluster.conftest import require_etcd
 from tests.cluster.etcd import EtcdCluster
@@ -133,3 +134,22 @@ def cluster_config(cluster: Cluster) -> ClusterConfig:
         return config
 
     return asyncio.run(read())
+
+
+def directory_entry(cluster: Cluster, sandbox_id: str) -> SandboxEntry | None:
+    async def read() -> SandboxEntry | None:
+        store = ClusterStore.from_url(cluster.etcd.url)
+        try:
+            got = await store.get_sandbox(sandbox_id)
+        finally:
+            await store.close()
+        return got.entry if got is not None else None
+
+    return asyncio.run(read())
+
+
+def use_gateway(cluster: Cluster, index: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("E2B_API_KEY", API_KEY)
+    monkeypatch.setenv("E2B_API_URL", cluster.gateways[index].url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", cluster.gateways[index].url)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)

@@ -4,7 +4,6 @@ id, metadata and env; the directory moves it with an epoch compare-and-swap."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
 from collections.abc import Iterator
@@ -14,51 +13,20 @@ from contextlib import contextmanager
 import pytest
 from e2b import Sandbox
 
-from aenv.cluster.entries import SandboxEntry
-from aenv.cluster.store import ClusterStore
 from aenv.repo.backends import PosixBackend
 from aenv.repo.repository import Repository
-from tests.cluster.cluster import LEASE_TTL, Cluster, running_cluster, wait_for_nodes
+from tests.cluster.cluster import LEASE_TTL, Cluster, directory_entry, running_cluster, use_gateway, wait_for_nodes
 from tests.cluster.nodes import start_node
-from tests.conftest import API_KEY, DATA_DIR, Server
-from tests.durable import count, wait_for
+from tests.conftest import DATA_DIR, Server
+from tests.durable import COUNTER, count, wait_for
 
 pytestmark = pytest.mark.sandbox
-
-# A counter held in a Python process's memory, written out for the test to read.
-COUNTER = (
-    "python3 -c 'import time\n"
-    "i = 0\n"
-    "while True:\n"
-    "    i += 1\n"
-    '    open("/home/user/count", "w").write(str(i))\n'
-    "    time.sleep(0.2)'"
-)
 
 
 @pytest.fixture(scope="module")
 def cluster(server: Server) -> Iterator[Cluster]:
     with running_cluster() as c:
         yield c
-
-
-def directory_entry(cluster: Cluster, sandbox_id: str) -> SandboxEntry | None:
-    async def read() -> SandboxEntry | None:
-        store = ClusterStore.from_url(cluster.etcd.url)
-        try:
-            got = await store.get_sandbox(sandbox_id)
-        finally:
-            await store.close()
-        return got.entry if got is not None else None
-
-    return asyncio.run(read())
-
-
-def use_gateway(cluster: Cluster, index: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("E2B_API_KEY", API_KEY)
-    monkeypatch.setenv("E2B_API_URL", cluster.gateways[index].url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", cluster.gateways[index].url)
-    monkeypatch.delenv("E2B_DEBUG", raising=False)
 
 
 def test_a_durable_pause_outlives_its_node(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,6 +186,13 @@ def holders(cluster: Cluster, sandbox_id: str) -> list[str]:
 
 def test_two_connects_through_two_gateways_give_one_instance(cluster: Cluster) -> None:
     with lost_durable_sandbox(cluster, "node-race") as sandbox_id:
+        for index in (0, 1):  # it belongs to the cluster: shown paused (not 404) until a connect
+            with cluster.api(index) as api:
+                r = api.get(f"/sandboxes/{sandbox_id}")
+                assert r.status_code == 200 and r.headers["x-aenv-node-id"] == "node-race", r.text
+                assert (r.json()["state"], r.json()["durable"], r.json()["nodeID"]) == ("paused", True, "node-race")
+                listed = api.get("/v2/sandboxes", params={"state": "paused"}).json()
+                assert sandbox_id in [s["sandboxID"] for s in listed]
 
         def connect(index: int) -> tuple[int, str, str]:
             with cluster.api(index) as api:
