@@ -223,13 +223,13 @@ async def contain_runaways(node: Node) -> None:
         instance, link = sb.instance, sb.link
         if sb.state != S.RUNNING or instance is None or link is None or sb.lock.locked():
             continue
-        usage = await node.driver.usage(instance)
+        pids, pids_limit = await node.driver.host_tasks(instance)
         # Host tasks do not go down when the bomb is gone (runsc keeps the stubs until a restore):
         # asked again only once they grew on.
-        since = node.contained.get(instance.id, 0) + usage.pids_limit * RECONTAIN_STEP
-        if usage.pids_limit and usage.pids > max(usage.pids_limit * CONTAIN_AT, since):
-            node.contained[instance.id] = usage.pids
-            task = asyncio.ensure_future(_contain(sb.id, link, usage.pids, usage.pids_limit))
+        since = node.contained.get(instance.id, 0) + pids_limit * RECONTAIN_STEP
+        if pids_limit and pids > max(pids_limit * CONTAIN_AT, since):
+            node.contained[instance.id] = pids
+            task = asyncio.ensure_future(_contain(sb.id, link, pids, pids_limit))
             node._background.add(task)
             task.add_done_callback(log_failure(sb.id, node._background))
 
