@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from aenv.errors import (
     AenvError,
     ArtifactDamaged,
+    ImageIncompatible,
     InvalidRequest,
     LimitExceeded,
     OperationTimeout,
@@ -200,8 +201,10 @@ class Lifecycle:
             try:
                 async with self.artifacts.using(source):  # fetched from the repository if not here
                     await self._restore_into(sb, image=image, layers=layers, upper=rec.upper, fresh=True)
-            except BaseException:
+            except BaseException as exc:
                 await self._discard(sb)
+                if isinstance(exc, ImageIncompatible):
+                    raise _stale_source(source, exc) from exc
                 raise
             rec.started_at = time.time()
             rec.end_at = rec.started_at + timeout
@@ -282,10 +285,13 @@ class Lifecycle:
                     await self._restore_into(
                         sb, image=sb.rec.image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=True
                     )
-            except BaseException:
+            except BaseException as exc:
                 if sb.killer is None:
                     await self._set_state(sb, S.PAUSED, persist=False)
                     self.artifacts.commit_pause_later(sb)  # if the resume abandoned it
+                if isinstance(exc, ImageIncompatible):
+                    remedy = "resume it without its memory (connect with memory=false) to boot it on its files"
+                    raise ImageIncompatible(f"{exc.message}; {remedy}", sandbox_id=sb.id) from exc
                 raise
             self.files.remove_image(sb.rec.image)
             sb.rec.image = ""
@@ -583,6 +589,16 @@ class Lifecycle:
         await self._set_state(sb, S.KILLED, persist=False)
         self.sandboxes.pop(sb.id, None)
         await self.store.delete_sandbox(sb.id)
+
+
+def _stale_source(source: TemplateRecord | SnapshotRecord, exc: ImageIncompatible) -> ImageIncompatible:
+    """What a create from an image another runsc wrote says: a template can be built again (its
+    unchanged steps come from the build cache), a snapshot's memory is bound to that runsc."""
+    if isinstance(source, TemplateRecord):
+        what, remedy = f"template '{source.name}'", "build it again on this node"
+    else:
+        what, remedy = f"snapshot {source.id}", "create it on a node that runs that runsc"
+    return ImageIncompatible(f"{what}: {exc.message}; {remedy}")
 
 
 def _check_auto_pause(auto_pause: bool, auto_resume: bool, auto_pause_memory: bool) -> None:
