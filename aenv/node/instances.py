@@ -210,13 +210,53 @@ class Instances:
             await self.driver.checkpoint(sb.instance, image_dir=self.files.image(image), leave_running=False)
         except BaseException:
             self.files.remove_image(image)
-            try:
-                await sb.link.unfreeze()
-            except AenvError:
-                log.error("sandbox %s died in a failed checkpoint", sb.id)
-                self._stop_instance(sb, "the sandbox died during a failed checkpoint")
+            await self._unfreeze_after_failure(sb)
             raise  # the checkpoint's own error: it says what went wrong
         return image
+
+    async def _checkpoint_running(self, sb: LiveSandbox) -> tuple[str, str | None]:
+        """Freeze the agent, checkpoint the instance leaving it running, copy its upper while it is
+        stopped, thaw the agent on the same pipe; return (image id, the copy's layer id, None when
+        the upper is empty). Its open streams never notice. On failure the sandbox is left running
+        and answering, never frozen, and nothing is left behind."""
+        assert sb.instance is not None and sb.link is not None
+        if not self.driver.saves_epoll_tcp:
+            await self._refuse_unsaveable(sb)
+        await sb.link.freeze()
+        image, copy = new_id(), None
+        upper = sb.rec.upper
+
+        async def copy_upper() -> None:
+            nonlocal copy
+            if not self.files.is_empty(upper):
+                copy = await asyncio.to_thread(self.files.copy_upper, upper)
+
+        saved = False
+        try:
+            image_dir = self.files.image(image)
+            await self.driver.checkpoint_running(sb.instance, image_dir=image_dir, while_stopped=copy_upper)
+            if copy is not None:
+                await self.files.mount(copy, writable=False)
+            saved = True
+            await sb.link.unfreeze()
+        except BaseException as exc:
+            self.files.remove_image(image)
+            if copy is not None:
+                await self.files.remove(copy)
+            if not saved:
+                await self._unfreeze_after_failure(sb)
+            elif isinstance(exc, AenvError):  # saved, but its agent did not come back
+                self._stop_instance(sb, "the sandbox's agent did not come back from a checkpoint")
+            raise
+        return image, copy
+
+    async def _unfreeze_after_failure(self, sb: LiveSandbox) -> None:
+        assert sb.link is not None
+        try:
+            await sb.link.unfreeze()
+        except AenvError:
+            log.error("sandbox %s died in a failed checkpoint", sb.id)
+            self._stop_instance(sb, "the sandbox died during a failed checkpoint")
 
     async def _refuse_unsaveable(self, sb: LiveSandbox) -> None:
         """Refuse up front what the runtime could not save: a failed save would kill the instance."""

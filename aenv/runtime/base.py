@@ -9,6 +9,7 @@ Nothing above this module knows which driver runs.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -100,6 +101,13 @@ class Driver(Protocol):
 
     async def checkpoint(self, instance: Instance, *, image_dir: Path, leave_running: bool) -> None:
         """Save the instance's memory and process state to ``image_dir``."""
+        ...
+
+    async def checkpoint_running(
+        self, instance: Instance, *, image_dir: Path, while_stopped: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Checkpoint and leave the instance running (only when ``leaves_running``); it stays stopped
+        until ``while_stopped`` returns, so what is on its disk then is what the image expects."""
         ...
 
     async def restore(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits, image_dir: Path) -> Instance:

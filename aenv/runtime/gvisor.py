@@ -18,7 +18,7 @@ import re
 import shutil
 import stat
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -386,6 +386,22 @@ class GVisorDriver:
                 raise CheckpointRefused(message, argv=exc.argv, stderr=exc.stderr) from exc
             raise
         (image_dir / IMAGE_MARK).write_text(self.image_mark)
+
+    async def checkpoint_running(
+        self, instance: Instance, *, image_dir: Path, while_stopped: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Checkpoint with `--leave-running`, the sandbox stopped (`runsc pause`) from before the
+        checkpoint until ``while_stopped`` (the node copies its upper) is done: what the image
+        holds and what is on its disk are one moment."""
+        if not self.leaves_running:
+            raise RuntimeFailure(f"runsc {self.version.version} cannot checkpoint a sandbox and leave it running")
+        image_dir.mkdir(parents=True, exist_ok=True)
+        await hostexec.run([*self._global(instance.id), "pause", instance.id], timeout=30)
+        try:
+            await self.checkpoint(instance, image_dir=image_dir, leave_running=True)
+            await while_stopped()
+        finally:
+            await hostexec.run([*self._global(instance.id), "resume", instance.id], timeout=30)
 
     async def kill(self, instance: Instance) -> None:
         instance.writer.close()
