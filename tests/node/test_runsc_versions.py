@@ -12,7 +12,7 @@ import pytest
 from e2b import Sandbox
 
 from aenv.runtime.gvisor import IMAGE_MARK, LEGACY_RUNSC, RunscVersion, image_mark
-from tests.conftest import Server
+from tests.conftest import Server, modern_runsc
 
 pytestmark = pytest.mark.sandbox
 
@@ -78,3 +78,46 @@ def test_versions_runsc_prints() -> None:
     assert not RunscVersion("0.0~20221219.0").modern
     assert RunscVersion("VERSION_MISSING").modern  # a development build: taken to be recent
     assert RunscVersion("0.0~20221219.0").mark == LEGACY_RUNSC
+
+
+STATX_NO_AUTOMOUNT = """
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(512)
+# The raw system call (the compat shim never sees it): statx(AT_FDCWD, "/etc", AT_NO_AUTOMOUNT, ...)
+r = libc.syscall(332, -100, b"/etc", 0x800, 0xFFF, buf)
+print("ok" if r == 0 else errno.errorcode[ctypes.get_errno()])
+"""
+
+
+def test_statx_with_no_automount_needs_no_shim(sandbox: Sandbox, server: Server, api: httpx.Client) -> None:
+    """runsc 20221219 refuses statx(AT_NO_AUTOMOUNT) (EINVAL), which coreutils always passes, so the
+    compat shim dropped the flag; the runsc a node is made for takes it, and its bundles' shim has
+    no statx of its own any more."""
+    if not modern_runsc(api):
+        pytest.skip("runsc 20221219 needs the statx shim")
+    sandbox.files.write("/home/user/statx.py", STATX_NO_AUTOMOUNT)
+    assert sandbox.commands.run("python3 /home/user/statx.py").stdout.strip() == "ok"
+    assert sandbox.commands.run("stat -c %F /etc && ls -ld /etc").stdout.startswith("directory\n")
+    # The shim this sandbox's programs load (its bundle's) names no statx any more.
+    assert sandbox.commands.run("grep -c statx /.aenv/compat/libaenv_compat.so || true").stdout.strip() == "0"
+
+
+ROOT_XATTR = """
+import os, sys
+path = "/home/user/root-xattr"
+if sys.argv[1] == "set":
+    open(path, "w").close()
+    os.setxattr(path, "user.k", b"root's")
+print(os.getxattr(path, "user.k").decode())
+"""
+
+
+def test_roots_xattrs_on_the_root_file_system_are_kept(sandbox: Sandbox) -> None:
+    """runsc 20240729 accepts root's user xattrs on the root file system and keeps none (a getxattr
+    right after answers ENODATA); the compat shim has the agent keep them, as it does a user's."""
+    sandbox.files.write("/home/user/rx.py", ROOT_XATTR)
+    assert sandbox.commands.run("python3 /home/user/rx.py set", user="root").stdout == "root's\n"
+    assert sandbox.pause() is True
+    again = Sandbox.connect(sandbox.sandbox_id)
+    assert again.commands.run("python3 /home/user/rx.py get", user="root").stdout == "root's\n"
