@@ -4,8 +4,9 @@ The agent's channel is the container's stdin/stdout: two host pipes that runsc h
 sandbox and re-attaches at restore, so one image restores onto fresh pipes any number of times.
 
 A checkpoint image restores only under the runsc that wrote it: each image holds a mark naming
-that runsc (``aenv-runtime``), and a restore of an image another runsc wrote is refused before
-runsc sees it (images without a mark were written by runsc 20221219, the only one before marks).
+that runsc and its platform (``aenv-runtime``), and a restore of an image another runsc or platform
+wrote is refused before runsc sees it (images without a mark were written by runsc 20221219 on
+ptrace, the only ones before marks).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ BOOT_ID_DIR = "/proc/sys/kernel/random"
 MOUNT_OPTIONS_MAX = 4000  # of the page the kernel accepts, with room to spare
 IMAGE_MARK = "aenv-runtime"  # in each checkpoint image: the runsc that wrote it
 MARK_MAX = 256
-LEGACY_RUNSC = "runsc 0.0~20221219.0"  # what wrote the images that have no mark
+LEGACY_RUNSC = "runsc 0.0~20221219.0 ptrace"  # what wrote the images that have no mark
 # The first runsc measured (Debian bookworm-backports) whose `checkpoint --leave-running` keeps
 # the container running and which saves TCP sockets that an epoll set watches; 20221219 does
 # neither (its leave-running is a stop and a restore of the whole sandbox).
@@ -150,7 +151,7 @@ class RunscVersion:
 
     @property
     def mark(self) -> str:
-        """What its checkpoint images are marked with."""
+        """How its checkpoint images' marks name it (the platform follows)."""
         return f"runsc {self.version or 'unknown'}"
 
 
@@ -186,7 +187,9 @@ class GVisorDriver:
         self.saves_epoll_tcp = self.version.modern
         # A checkpoint that leaves the sandbox running (snapshot, fork) instead of a stop + restore.
         self.leaves_running = self.version.modern
-        self.image_mark = self.version.mark
+        # An image restores under the runsc and the platform that wrote it (a ptrace image restored
+        # under systrap hangs).
+        self.image_mark = f"{self.version.mark} {platform}"
         self.runsc_root = state_dir / "runsc"
         self.bundles = state_dir / "instances"
         self.guest_dir = state_dir / "guest"

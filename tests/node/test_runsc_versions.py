@@ -31,7 +31,8 @@ def test_a_pause_another_runsc_wrote_is_refused_and_boots_without_its_memory(
     assert sandbox.pause() is True
     (image,) = images(server) - before
     mark = server.data_dir / "fs" / "images" / image / IMAGE_MARK
-    assert mark.read_text() == f"runsc {api.get('/health').json()['runtime']['runsc']}"
+    runtime = api.get("/health").json()["runtime"]
+    assert mark.read_text() == f"runsc {runtime['runsc']} {runtime['platform']}"
     mark.write_text(OTHER_RUNSC)  # as if this node's runsc had been upgraded since
 
     r = api.post(f"/sandboxes/{sandbox.sandbox_id}/resume", json={})
@@ -77,7 +78,7 @@ def test_versions_runsc_prints() -> None:
     assert RunscVersion("release-20250106.0").modern
     assert not RunscVersion("0.0~20221219.0").modern
     assert RunscVersion("VERSION_MISSING").modern  # a development build: taken to be recent
-    assert RunscVersion("0.0~20221219.0").mark == LEGACY_RUNSC
+    assert f"{RunscVersion('0.0~20221219.0').mark} ptrace" == LEGACY_RUNSC
 
 
 STATX_NO_AUTOMOUNT = """
