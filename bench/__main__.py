@@ -142,9 +142,9 @@ async def exec_round_trips(link: Any, blocks: int = 6) -> tuple[list[float], lis
         for _ in range(12):
             dt, _ = await timed(lambda: exec_true(link))
             ours.append(dt)
-        code, out = await run_in(link, f"python3 - <<'EOF'\n{BARE_SPAWN}\nEOF", user="user")
-        if code == 0:
-            bare += json.loads(out.strip().splitlines()[-1])
+        ran = await run_in(link, f"python3 - <<'EOF'\n{BARE_SPAWN}\nEOF", user="user")
+        if ran.code == 0:
+            bare += json.loads(ran.output.strip().splitlines()[-1])
     return ours, bare
 
 

@@ -94,11 +94,11 @@ print(json.dumps(ts[1:]))
 
 
 async def inside(link: Any, script: str, rounds: int) -> list[float] | None:
-    code, out = await run_in(link, f"python3 - <<'EOF'\n{script.replace('ROUNDS', str(rounds))}\nEOF", user="user")
-    if code != 0:
-        console.print(f"  [yellow]failed ({code}): {out.strip()[-300:]}[/yellow]")
+    ran = await run_in(link, f"python3 - <<'EOF'\n{script.replace('ROUNDS', str(rounds))}\nEOF", user="user")
+    if ran.code != 0:
+        console.print(f"  [yellow]failed ({ran.code}): {ran.output.strip()[-300:]}[/yellow]")
         return None
-    return json.loads(out.strip().splitlines()[-1])
+    return json.loads(ran.output.strip().splitlines()[-1])
 
 
 async def on_platform(args: argparse.Namespace, name: str) -> dict[str, Any]:

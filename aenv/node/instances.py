@@ -231,21 +231,22 @@ class Instances:
             if not self.files.is_empty(upper):
                 copy = await asyncio.to_thread(self.files.copy_upper, upper)
 
-        saved = False
+        saved = thawed = False
         try:
             image_dir = self.files.image(image)
             await self.driver.checkpoint_running(sb.instance, image_dir=image_dir, while_stopped=copy_upper)
+            saved = True
+            await sb.link.unfreeze()  # first: the sandbox answers while the copy is mounted
+            thawed = True
             if copy is not None:
                 await self.files.mount(copy, writable=False)
-            saved = True
-            await sb.link.unfreeze()
         except BaseException as exc:
             self.files.remove_image(image)
             if copy is not None:
                 await self.files.remove(copy)
             if not saved:
                 await self._unfreeze_after_failure(sb)
-            elif isinstance(exc, AenvError):  # saved, but its agent did not come back
+            elif not thawed and isinstance(exc, AenvError):  # saved, but its agent did not come back
                 self._stop_instance(sb, "the sandbox's agent did not come back from a checkpoint")
             raise
         return image, copy

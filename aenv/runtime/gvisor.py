@@ -379,6 +379,10 @@ class GVisorDriver:
     async def checkpoint(self, instance: Instance, *, image_dir: Path, leave_running: bool) -> None:
         image_dir.mkdir(parents=True, exist_ok=True)
         argv = [*self._global(instance.id), "checkpoint", "--image-path", str(image_dir)]
+        if self.version.modern:
+            # Uncompressed: the checkpoint and every restore skip flate (a fork of 8 restores its
+            # children ~25% sooner); the repository compresses what it stores anyway.
+            argv.append("--compression=none")
         if leave_running:
             argv.append("--leave-running")
         try:
