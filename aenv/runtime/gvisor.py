@@ -404,12 +404,15 @@ class GVisorDriver:
         if not self.leaves_running:
             raise RuntimeFailure(f"runsc {self.version.version} cannot checkpoint a sandbox and leave it running")
         image_dir.mkdir(parents=True, exist_ok=True)
+        resume = [*self._global(instance.id), "resume", instance.id]
         await hostexec.run([*self._global(instance.id), "pause", instance.id], timeout=30)
         try:
             await self.checkpoint(instance, image_dir=image_dir, leave_running=True)
             await while_stopped()
-        finally:
-            await hostexec.run([*self._global(instance.id), "resume", instance.id], timeout=30)
+        except BaseException:
+            await hostexec.run(resume, timeout=30, check=False)  # the failure itself says what went wrong
+            raise
+        await hostexec.run(resume, timeout=30)
 
     async def kill(self, instance: Instance) -> None:
         instance.writer.close()
