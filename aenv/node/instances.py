@@ -20,6 +20,7 @@ from aenv.node.sandbox import LiveSandbox, log_failure
 from aenv.node.store import SandboxRecord
 from aenv.runtime.base import Instance, RootfsSpec
 from aenv.storage.layers import new_id
+from aenv.storage.space import ensure_space, headroom
 
 log = logging.getLogger("aenv.node")
 DEFAULT_USER = "user"
@@ -222,9 +223,13 @@ class Instances:
         assert sb.instance is not None and sb.link is not None
         if not self.driver.saves_epoll_tcp:
             await self._refuse_unsaveable(sb)
+        upper = sb.rec.upper
+        # The copy takes what the upper holds (sealing took nothing): refused (507) up front rather
+        # than let a sandbox's full quota fill the node's disk.
+        need = self.files.disk_usage(upper)
+        ensure_space(self.files.layers, headroom(self.settings), need, f"a copy of sandbox {sb.id}'s disk")
         await sb.link.freeze()
         image, copy = new_id(), None
-        upper = sb.rec.upper
 
         async def copy_upper() -> None:
             nonlocal copy

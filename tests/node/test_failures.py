@@ -18,7 +18,7 @@ import pytest
 
 from aenv.channel import END
 from aenv.config import Settings
-from aenv.errors import RuntimeFailure, SandboxNotFound
+from aenv.errors import InsufficientStorage, RuntimeFailure, SandboxNotFound
 from aenv.node.orchestrator import Node
 from aenv.runtime.base import Instance, Limits, RootfsSpec
 from aenv.runtime.gvisor import GVisorDriver
@@ -165,6 +165,11 @@ async def test_a_failed_copy_of_the_upper_leaves_the_source_running_and_nothing_
         await asyncio.sleep(0.3)
         assert await count(node, rec.id) > first  # resumed (runsc pause undone) and thawed
     assert node.files.layer_ids() - layers == set() and node.files.image_ids() - images == set()
+    monkeypatch.undo()
+    monkeypatch.setattr(node.settings, "disk_headroom_mb", 2**40)  # no room for the copy: refused first
+    with pytest.raises(InsufficientStorage):
+        await node.snapshot(rec.id)
+    assert node.get(rec.id).state.value == "running" and await count(node, rec.id) > 0
     monkeypatch.undo()
     snap = await node.snapshot(rec.id)  # and a later one works, with the copy as its top layer
     assert snap.layers[-1] not in layers and (node.files.layer(snap.layers[-1]) / "root" / "written").exists()
