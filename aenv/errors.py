@@ -18,6 +18,8 @@
     ├── ClusterUnavailable                   503 cluster_unavailable (etcd has no quorum or is out of reach)
     ├── SandboxError                         500 sandbox_error
     │   ├── RuntimeFailure                   500 runtime_failure (a driver binary failed)
+    │   ├── CheckpointRefused                422 checkpoint_refused (the runtime cannot save this sandbox now)
+    │   ├── ImageIncompatible                422 image_incompatible (another runsc wrote the memory image)
     │   └── AgentUnavailable (ConnectionError)  500 agent_unavailable
     ├── OperationTimeout (TimeoutError)      500 operation_timeout
     │   └── AgentTimeout                     504 agent_timeout (the sandbox's agent did not answer)
@@ -137,6 +139,11 @@ CHECKPOINT_REFUSAL = (
 )
 
 
+class ImageIncompatible(SandboxError):
+    """The memory image was checkpointed by another runsc version, which this node's cannot
+    restore (an upgraded node, or a repository shared with nodes running another version)."""
+
+
 class AgentUnavailable(SandboxError, ConnectionError):
     pass
 
@@ -188,6 +195,7 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     RuntimeFailure: (500, "runtime_failure"),
     # Not 409: E2B's SDKs read 409 on pause as "already paused".
     CheckpointRefused: (422, "checkpoint_refused"),
+    ImageIncompatible: (422, "image_incompatible"),
     AgentUnavailable: (500, "agent_unavailable"),
     OperationTimeout: (500, "operation_timeout"),
     AgentTimeout: (504, "agent_timeout"),

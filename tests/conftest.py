@@ -7,6 +7,7 @@ The server's data dir persists between local runs (AENV_TEST_DATA_DIR, default
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -101,6 +102,13 @@ def start_server(
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"aenv server did not become ready:\n{log.read_text()[-4000:]}")
+
+
+def modern_runsc(api: httpx.Client) -> bool:
+    """Whether the server runs the runsc a node is made for (20240729 or newer), by its /health."""
+    version = api.get("/health").json()["runtime"]["runsc"]
+    found = re.search(r"20\d{6}", version)
+    return found is None or int(found.group()) >= 20240729
 
 
 def _have_runtime() -> bool:

@@ -120,7 +120,12 @@ def create_app(node: NodeService, *, start_node: bool = True) -> FastAPI:
 
     @app.get("/health", include_in_schema=False)
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "version": __version__, "templates": sorted(t.name for t in node.templates.values())}
+        return {
+            "status": "ok",
+            "version": __version__,
+            "templates": sorted(t.name for t in node.templates.values()),
+            "runtime": node.runtime_info(),
+        }
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:

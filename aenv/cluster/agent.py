@@ -292,6 +292,7 @@ class NodeAgent:
             address=self.address,
             driver=settings.driver,
             version=__version__,
+            runtime=_runtime_of(self.node.runtime_info()),
             running=load.running,
             paused=load.paused,
             starting=load.starting,
@@ -617,6 +618,10 @@ def _fits(entry: SandboxEntry) -> bool:
 
 def _with_epoch(entry: SandboxEntry, epoch: int) -> SandboxEntry:
     return replace(entry, epoch=epoch)
+
+
+def _runtime_of(info: dict[str, str]) -> str:
+    return f"runsc {info.get('runsc', 'unknown')} {info.get('platform', '')}".strip()
 
 
 def _host_memory_mb() -> int:

@@ -116,6 +116,9 @@ class NodeEntry:
     address: str  # the URL gateways forward to
     driver: str
     version: str
+    # The sandbox runtime, "runsc <version> <platform>": a memory image restores only under the
+    # runsc that wrote it.
+    runtime: str = ""
     running: int = 0
     paused: int = 0
     starting: int = 0  # sandboxes in an operation (creating, pausing, resuming, forking, ...)

@@ -1,8 +1,9 @@
 """User-defined file metadata, as envd keeps it: ``user.e2b.<key>`` extended attributes of a file.
 
-gVisor (runsc 20221219) keeps no extended attributes on its gofer-backed root file system: both of
-its gofers (9p and lisafs) answer EOPNOTSUPP to every xattr call, whatever the host file system
-under them takes. Its tmpfs mounts (/tmp, /dev/shm) do keep them. So metadata is a real xattr
+gVisor keeps no extended attributes on its gofer-backed root file system, whatever the host file
+system under it takes: runsc 20221219's gofers (9p and lisafs) answer EOPNOTSUPP to every xattr
+call, runsc 20240729 answers a user's with EOPNOTSUPP and accepts root's without keeping them. Its
+tmpfs mounts (/tmp, /dev/shm) do keep them (told apart by statfs). So metadata is a real xattr
 where the file system takes one (what user programs set there is read back too), and elsewhere
 the agent keeps a file's user.* xattrs in a store of its own (programs' own xattr calls reach it
 through the compat shim: aenv.guest.xattrs), which follows what xattrs follow as far as the agent
@@ -25,6 +26,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -318,9 +320,11 @@ def check_name(name: object) -> None:
 
 
 STORE = Store(KEPT_FLAG)
-# Whether each device (st_dev) keeps xattrs. Asked with a getxattr: the gofer's file system answers
-# listxattr with an empty list, and only the other calls with EOPNOTSUPP.
+# Whether each device (st_dev) keeps xattrs: runsc's own tmpfs mounts do; the root file system
+# (the gofer's) does not, whatever its calls answer: runsc 20221219 refuses them (EOPNOTSUPP), and
+# 20240729 accepts root's and keeps nothing (a getxattr then answers ENODATA).
 _keeps: dict[int, bool] = {}
+TMPFS_MAGIC = 0x01021994
 
 
 def forget_devices() -> None:
@@ -331,15 +335,27 @@ def forget_devices() -> None:
 def _keeps_xattrs(file: str | int, dev: int) -> bool:
     known = _keeps.get(dev)
     if known is None:
-        try:
-            os.getxattr(file, PREFIX + "?")
-            known = True
-        except OSError as exc:
-            if exc.errno not in (*_UNSUPPORTED, errno.ENODATA):
-                return True  # the file, not its file system (it went away): try, and fail softly
-            known = exc.errno == errno.ENODATA
+        fs_type = _fs_type(file)
+        if fs_type is None:
+            return True  # the file, not its file system (it went away): try, and fail softly
+        known = fs_type == TMPFS_MAGIC
         _keeps[dev] = known
     return known
+
+
+def _fs_type(file: str | int) -> int | None:
+    """statfs(2)'s f_type of the file system that holds ``file`` (None if it cannot be asked)."""
+    import ctypes  # not at start: the agent's memory is in every checkpoint
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on 64-bit Linux); f_type first
+    if isinstance(file, int):
+        done = libc.fstatfs(file, buf)
+    else:
+        done = libc.statfs(os.fsencode(file), buf)
+    if done != 0:
+        return None
+    return int.from_bytes(buf.raw[: ctypes.sizeof(ctypes.c_long)], sys.byteorder)
 
 
 def read(path: str, st: os.stat_result, real_path: Callable[[], str]) -> dict[str, str] | None:

@@ -20,6 +20,7 @@ from aenv.node.sandbox import LiveSandbox, log_failure
 from aenv.node.store import SandboxRecord
 from aenv.runtime.base import Instance, RootfsSpec
 from aenv.storage.layers import new_id
+from aenv.storage.space import ensure_space, headroom
 
 log = logging.getLogger("aenv.node")
 DEFAULT_USER = "user"
@@ -214,13 +215,58 @@ class Instances:
             await self.driver.checkpoint(sb.instance, image_dir=self.files.image(image), leave_running=False)
         except BaseException:
             self.files.remove_image(image)
-            try:
-                await sb.link.unfreeze()
-            except AenvError:
-                log.error("sandbox %s died in a failed checkpoint", sb.id)
-                self._stop_instance(sb, "the sandbox died during a failed checkpoint")
+            await self._unfreeze_after_failure(sb)
             raise  # the checkpoint's own error: it says what went wrong
         return image
+
+    async def _checkpoint_running(self, sb: LiveSandbox) -> tuple[str, str | None]:
+        """Freeze the agent, checkpoint the instance leaving it running, copy its upper while it is
+        stopped, thaw the agent on the same pipe; return (image id, the copy's layer id, None when
+        the upper is empty). Its open streams never notice. On failure the sandbox is left running
+        and answering, never frozen, and nothing is left behind."""
+        assert sb.instance is not None and sb.link is not None
+        if not self.driver.saves_epoll_tcp:
+            await self._refuse_unsaveable(sb)
+        upper = sb.rec.upper
+        # The copy takes what the upper holds (sealing took nothing): refused (507) up front rather
+        # than let a sandbox's full quota fill the node's disk.
+        need = self.files.disk_usage(upper)
+        ensure_space(self.files.layers, headroom(self.settings), need, f"a copy of sandbox {sb.id}'s disk")
+        await sb.link.freeze()
+        image, copy = new_id(), None
+
+        async def copy_upper() -> None:
+            nonlocal copy
+            if not self.files.is_empty(upper):
+                copy = await asyncio.to_thread(self.files.copy_upper, upper)
+
+        saved = thawed = False
+        try:
+            image_dir = self.files.image(image)
+            await self.driver.checkpoint_running(sb.instance, image_dir=image_dir, while_stopped=copy_upper)
+            saved = True
+            await sb.link.unfreeze()  # first: the sandbox answers while the copy is mounted
+            thawed = True
+            if copy is not None:
+                await self.files.mount(copy, writable=False)
+        except BaseException as exc:
+            self.files.remove_image(image)
+            if copy is not None:
+                await self.files.remove(copy)
+            if not saved:
+                await self._unfreeze_after_failure(sb)
+            elif not thawed and isinstance(exc, AenvError):  # saved, but its agent did not come back
+                self._stop_instance(sb, "the sandbox's agent did not come back from a checkpoint")
+            raise
+        return image, copy
+
+    async def _unfreeze_after_failure(self, sb: LiveSandbox) -> None:
+        assert sb.link is not None
+        try:
+            await sb.link.unfreeze()
+        except AenvError:
+            log.error("sandbox %s died in a failed checkpoint", sb.id)
+            self._stop_instance(sb, "the sandbox died during a failed checkpoint")
 
     async def _refuse_unsaveable(self, sb: LiveSandbox) -> None:
         """Refuse up front what the runtime could not save: a failed save would kill the instance."""

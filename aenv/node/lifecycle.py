@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from aenv.errors import (
     AenvError,
     ArtifactDamaged,
+    ImageIncompatible,
     InvalidRequest,
     LimitExceeded,
     OperationTimeout,
@@ -203,8 +204,10 @@ class Lifecycle:
                 rec.upper = await self.files.new_upper(self.limits_of(rec).disk_mb)
                 async with self.artifacts.using(source):  # fetched from the repository if not here
                     await self._restore_into(sb, image=image, layers=layers, upper=rec.upper, fresh=True)
-            except BaseException:
+            except BaseException as exc:
                 await self._discard(sb)
+                if isinstance(exc, ImageIncompatible):
+                    raise _stale_source(source, exc) from exc
                 raise
             rec.started_at = time.time()
             rec.end_at = rec.started_at + timeout
@@ -323,10 +326,13 @@ class Lifecycle:
                     await self._restore_into(
                         sb, image=sb.rec.image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=True
                     )
-            except BaseException:
+            except BaseException as exc:
                 if sb.killer is None:
                     await self._set_state(sb, S.PAUSED, persist=False)
                     self.artifacts.commit_pause_later(sb)  # if the resume abandoned it
+                if isinstance(exc, ImageIncompatible):
+                    remedy = "resume it without its memory (connect with memory=false) to boot it on its files"
+                    raise ImageIncompatible(f"{exc.message}; {remedy}", sandbox_id=sb.id) from exc
                 raise
             self.files.remove_image(sb.rec.image)
             sb.rec.image = ""
@@ -407,6 +413,18 @@ class Lifecycle:
         sb.rec.upper = await self.files.new_upper(self.limits_of(sb.rec).disk_mb)
         return image, layers
 
+    async def _branch_running(self, sb: LiveSandbox, during: SandboxState) -> tuple[str, list[str]]:
+        """Checkpoint a running sandbox leaving it running, with a copy of its upper as a new layer;
+        returns (image, layers) for the copies. The source keeps its instance, upper and streams.
+        If the checkpoint fails the sandbox is left running."""
+        await self._set_state(sb, during, persist=False)
+        try:
+            image, copy = await self._checkpoint_running(sb)
+        except BaseException:
+            await self._after_failed_checkpoint(sb)
+            raise
+        return image, [*sb.rec.layers, *([copy] if copy is not None else [])]
+
     async def _restart_source(self, sb: LiveSandbox, image: str) -> None:
         try:
             await self._restore_into(sb, image=image, layers=sb.rec.layers, upper=sb.rec.upper, fresh=False)
@@ -432,7 +450,12 @@ class Lifecycle:
             raise InvalidRequest(f"a snapshot named '{name}' already exists")
 
         async def run() -> SnapshotRecord:
-            image, layers = await self._branch(sb, S.SNAPSHOTTING)
+            leaves_running = self.driver.leaves_running
+            if leaves_running:
+                image, layers = await self._branch_running(sb, S.SNAPSHOTTING)
+                await self._set_state(sb, S.RUNNING)
+            else:
+                image, layers = await self._branch(sb, S.SNAPSHOTTING)
             snap = SnapshotRecord(
                 id=f"snap_{new_id(16)}",
                 name=name or "",
@@ -451,8 +474,9 @@ class Lifecycle:
             )
             await self.catalogue.put_snapshot(snap)
             self.artifacts.commit_later(snap)
-            await self._restart_source(sb, image)
-            await self._set_state(sb, S.RUNNING)
+            if not leaves_running:
+                await self._restart_source(sb, image)
+                await self._set_state(sb, S.RUNNING)
             return snap
 
         snap = await self._operate(sb, "snapshot", run, join=False)
@@ -477,7 +501,9 @@ class Lifecycle:
         self._admit()
 
         async def run() -> list[ForkResult]:
-            image, layers = await self._branch(sb, S.FORKING)
+            leaves_running = self.driver.leaves_running
+            branch = self._branch_running if leaves_running else self._branch
+            image, layers = await branch(sb, S.FORKING)
             now = time.time()
             ttl = child_timeout if child_timeout is not None else max(1, int(sb.rec.end_at - now))
             children: list[LiveSandbox] = []
@@ -486,10 +512,10 @@ class Lifecycle:
                     children.append(await self._child_of(sb, layers, now, ttl))
                 for child in children:
                     self.sandboxes[child.id] = child
+                # The source is restored from the image too unless the checkpoint left it running.
+                restart = [] if leaves_running else [self._restart_source(sb, image)]
                 outcomes = await asyncio.gather(
-                    self._restart_source(sb, image),
-                    *(self._start_child(child, image) for child in children),
-                    return_exceptions=True,
+                    *restart, *(self._start_child(child, image) for child in children), return_exceptions=True
                 )
             except BaseException:  # cancelled (killed, or past the deadline): no child is handed out
                 for child in children:
@@ -497,13 +523,13 @@ class Lifecycle:
                 raise
             finally:
                 self.files.remove_image(image)  # a restored instance no longer needs its image
-            if isinstance(outcomes[0], BaseException):
+            if restart and isinstance(outcomes[0], BaseException):
                 for child in children:
                     await self._discard(child)
                 raise outcomes[0]
             await self._set_state(sb, S.RUNNING)
             results = []
-            for child, outcome in zip(children, outcomes[1:], strict=True):
+            for child, outcome in zip(children, outcomes[len(restart) :], strict=True):
                 if isinstance(outcome, BaseException):
                     await self._discard(child)
                     err = outcome if isinstance(outcome, AenvError) else self._killed(child, "fork")
@@ -624,6 +650,16 @@ class Lifecycle:
         await self._set_state(sb, S.KILLED, persist=False)
         self.sandboxes.pop(sb.id, None)
         await self.store.delete_sandbox(sb.id)
+
+
+def _stale_source(source: TemplateRecord | SnapshotRecord, exc: ImageIncompatible) -> ImageIncompatible:
+    """What a create from an image another runsc wrote says: a template can be built again (its
+    unchanged steps come from the build cache), a snapshot's memory is bound to that runsc."""
+    if isinstance(source, TemplateRecord):
+        what, remedy = f"template '{source.name}'", "build it again on this node"
+    else:
+        what, remedy = f"snapshot {source.id}", "create it on a node that runs that runsc"
+    return ImageIncompatible(f"{what}: {exc.message}; {remedy}")
 
 
 def _check_auto_pause(auto_pause: bool, auto_resume: bool, auto_pause_memory: bool) -> None:

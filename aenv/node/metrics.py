@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, Info
 
 from aenv.errors import AenvError, lookup
 
@@ -45,6 +45,7 @@ LAYER_CACHE_BUDGET = Gauge("aenv_layer_cache_budget_bytes", "The layer cache's b
 REPO_PENDING = Gauge(
     "aenv_repo_pending", "Templates and durable snapshots not committed to the repository yet (the commit backlog)"
 )
+RUNTIME = Info("aenv_runtime", "The sandbox runtime of this node: driver, runsc version, platform")
 MAX_SANDBOXES = Gauge("aenv_max_sandboxes", "Sandboxes this node may run at once (AENV_MAX_SANDBOXES)")
 
 
@@ -74,6 +75,7 @@ def observe_node(node: Node) -> None:
     TEMPLATES.set(len(node.templates))
     LAYER_CACHE_BUDGET.set(node.settings.layer_cache_mb * 2**20)
     MAX_SANDBOXES.set(node.settings.max_sandboxes)
+    RUNTIME.info(node.runtime_info())
     REPO_PENDING.set(len(pending_commits(node)))
     streams: dict[str, int] = {}
     for sb in node.sandboxes.values():

@@ -220,6 +220,9 @@ class Node(Lifecycle, Instances, Records):
     def observe_metrics(self) -> None:
         metrics.observe_node(self)
 
+    def runtime_info(self) -> dict[str, str]:
+        return self.driver.info()
+
     # -- the catalogue: templates, and what the repository holds -----------------------------------------
     async def add_template(self, rec: TemplateRecord) -> None:
         """A template just built: recorded, and committed to the repository in the background."""

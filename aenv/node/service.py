@@ -143,6 +143,10 @@ class NodeService(Protocol):
 
     def observe_metrics(self) -> None: ...
 
+    def runtime_info(self) -> dict[str, str]:
+        """The sandbox runtime this node runs: driver, runsc version, platform."""
+        ...
+
     # -- credentials ---------------------------------------------------------------------------------
     def access_token(self, sandbox_id: str) -> str: ...
 

@@ -1,13 +1,15 @@
 """The isolation-driver contract: boot, checkpoint, restore, kill, a channel, usage.
 
-Pause = checkpoint (stopping) ; snapshot = checkpoint + restore of the source ;
-fork = one checkpoint + N restores ; create-from-template = restore of the template's image.
+Pause = checkpoint (stopping) ; snapshot = checkpoint that leaves the source running (or, on a
+runtime that cannot, checkpoint + restore of the source) ; fork = that checkpoint + N restores ;
+create-from-template = restore of the template's image.
 Nothing above this module knows which driver runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -62,6 +64,18 @@ class Driver(Protocol):
     # False when the runtime cannot checkpoint a TCP socket that an epoll set watches; the node
     # then asks the agent first (sys.checkpointable), because a failed save kills the instance.
     saves_epoll_tcp: bool
+    # True when a checkpoint can leave the instance running (snapshot and fork then restore only
+    # the copies); False: the instance stops and the source is restored from its own image.
+    leaves_running: bool
+    image_mark: str  # names the runtime and version that wrote a checkpoint image
+
+    def info(self) -> dict[str, str]:
+        """The runtime's name, version and options (e.g. runsc's platform), as the node reports them."""
+        ...
+
+    def image_compatible(self, image_dir: Path) -> bool:
+        """Whether this runtime can restore the image (another version may have written it)."""
+        ...
 
     def guest_key(self) -> str:
         """The id of the guest bundle that fresh boots use now."""
@@ -87,6 +101,13 @@ class Driver(Protocol):
 
     async def checkpoint(self, instance: Instance, *, image_dir: Path, leave_running: bool) -> None:
         """Save the instance's memory and process state to ``image_dir``."""
+        ...
+
+    async def checkpoint_running(
+        self, instance: Instance, *, image_dir: Path, while_stopped: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Checkpoint and leave the instance running (only when ``leaves_running``); it stays stopped
+        until ``while_stopped`` returns, so what is on its disk then is what the image expects."""
         ...
 
     async def restore(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits, image_dir: Path) -> Instance:

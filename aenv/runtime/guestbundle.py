@@ -59,9 +59,10 @@ def _agent_sources() -> list[Path]:
     return out
 
 
-def bundle_key() -> str:
+def bundle_key(*, statx_shim: bool = True) -> str:
     h = hashlib.sha256()
     h.update(BUNDLE_LAYOUT.encode())
+    h.update(b"" if statx_shim else b"no statx shim")
     h.update(sys.version.encode())
     h.update(os.path.realpath(sys.executable).encode())
     for src in _agent_sources():
@@ -125,9 +126,11 @@ def _compile(source: Path, dest: Path, *extra: str) -> None:
     subprocess.run(argv, check=True, capture_output=True)
 
 
-def ensure_bundle(cache_dir: Path) -> Path:
-    """Build the bundle under ``cache_dir`` unless it is there already; return its directory."""
-    dest = cache_dir / bundle_key()
+def ensure_bundle(cache_dir: Path, *, statx_shim: bool = True) -> Path:
+    """Build the bundle under ``cache_dir`` unless it is there already; return its directory.
+    ``statx_shim``: the compat shim drops statx's AT_NO_AUTOMOUNT, which runsc 20221219 refuses."""
+    key = bundle_key(statx_shim=statx_shim)
+    dest = cache_dir / key
     if (dest / ".complete").exists():
         return dest
     tmp = cache_dir / f".{dest.name}.{os.getpid()}.tmp"
@@ -156,8 +159,9 @@ def ensure_bundle(cache_dir: Path) -> Path:
         target = tmp / "pkg" / "aenv" / src.relative_to(root)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
-    # The statx shim runs inside any image's programs: no startup files, only libc's syscall().
-    _compile(COMPAT_SOURCE, tmp / "compat" / Path(COMPAT_LIB).name, "-shared", "-fPIC", "-nostartfiles")
+    # The compat shim runs inside any image's programs: no startup files, only libc's syscall().
+    statx = ("-DAENV_STATX_SHIM",) if statx_shim else ()
+    _compile(COMPAT_SOURCE, tmp / "compat" / Path(COMPAT_LIB).name, "-shared", "-fPIC", "-nostartfiles", *statx)
     # The spawner runs inside the agent, on the bundle's own glibc; bound now, so that its vfork
     # child never enters the dynamic linker.
     _compile(SPAWN_SOURCE, tmp / "compat" / "libaenv_spawn.so", "-shared", "-fPIC", "-Wl,-z,now")
@@ -166,8 +170,8 @@ def ensure_bundle(cache_dir: Path) -> Path:
     _compile(SUDO_SOURCE, tmp / "bin" / "sudo", loader, f"-Wl,-rpath,{GUEST_MOUNT}/lib")
     # Precompile so every sandbox starts without writing bytecode.
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(tmp / "pkg")], check=False)
-    (tmp / ".complete").write_text(bundle_key())
-    # Every user of the sandbox loads the statx shim, and the node's umask (077) is not theirs.
+    (tmp / ".complete").write_text(key)
+    # Every user of the sandbox loads the compat shim, and the node's umask (077) is not theirs.
     for path in [tmp, *tmp.rglob("*")]:
         executable = path.is_dir() or path.stat().st_mode & 0o111
         path.chmod(0o755 if executable else 0o644)

@@ -1,7 +1,12 @@
-"""gVisor driver: runsc with --platform=ptrace --network=none and an overlayfs root.
+"""gVisor driver: runsc with --network=none, --overlay2=none and a host overlayfs root.
 
 The agent's channel is the container's stdin/stdout: two host pipes that runsc hands to the
 sandbox and re-attaches at restore, so one image restores onto fresh pipes any number of times.
+
+A checkpoint image restores only under the runsc that wrote it: each image holds a mark naming
+that runsc and its platform (``aenv-runtime``), and a restore of an image another runsc or platform
+wrote is refused before runsc sees it (images without a mark were written by runsc 20221219 on
+ptrace, the only ones before marks).
 """
 
 from __future__ import annotations
@@ -10,13 +15,17 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shutil
-from collections.abc import Sequence
+import stat
+import subprocess
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aenv.config import MAX_NPROC
-from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, RuntimeFailure
+from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, ImageIncompatible, RuntimeFailure, snippet
 from aenv.runtime import guestbundle, hostexec
 from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
 from aenv.storage.confined import View, dir_at, open_root
@@ -28,6 +37,13 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "aenv"
 BOOT_ID_DIR = "/proc/sys/kernel/random"
 MOUNT_OPTIONS_MAX = 4000  # of the page the kernel accepts, with room to spare
+IMAGE_MARK = "aenv-runtime"  # in each checkpoint image: the runsc that wrote it
+MARK_MAX = 256
+LEGACY_RUNSC = "runsc 0.0~20221219.0 ptrace"  # what wrote the images that have no mark
+# The first runsc measured (Debian bookworm-backports) whose `checkpoint --leave-running` keeps
+# the container running and which saves TCP sockets that an epoll set watches; 20221219 does
+# neither (its leave-running is a stop and a restore of the whole sandbox).
+MODERN_RUNSC = 20240729
 CAPS = [
     "CAP_CHOWN",
     "CAP_DAC_OVERRIDE",
@@ -131,9 +147,59 @@ def _guest_mount_point(upper: Path, layers: Sequence[Path]) -> None:
         os.close(fd)
 
 
+@dataclass(frozen=True, slots=True)
+class RunscVersion:
+    """What `runsc --version` says, and what this driver makes of it."""
+
+    version: str  # "0.0~20240729.0" (Debian), "release-20240729.0" (upstream); "" if it did not say
+
+    @classmethod
+    def of(cls, runsc: str) -> RunscVersion:
+        try:
+            out = subprocess.run([runsc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("cannot ask %s its version: %s", runsc, exc)
+            return cls("")
+        first = out.splitlines()[0] if out else ""
+        return cls(first.removeprefix("runsc version").strip()[:100])
+
+    @property
+    def date(self) -> int:
+        """Its release date (20240729), 0 when the version names none (a development build)."""
+        found = re.search(r"(20\d{6})", self.version)
+        return int(found.group(1)) if found else 0
+
+    @property
+    def modern(self) -> bool:
+        """At least MODERN_RUNSC, or a build that names no date (taken to be recent)."""
+        return self.date == 0 or self.date >= MODERN_RUNSC
+
+    @property
+    def mark(self) -> str:
+        """How its checkpoint images' marks name it (the platform follows)."""
+        return f"runsc {self.version or 'unknown'}"
+
+
+def image_mark(image_dir: Path) -> str:
+    """The runsc that wrote a checkpoint image. The image may come from a repository others write:
+    the mark is read only as a small regular file, never through a link."""
+    try:
+        fd = os.open(image_dir / IMAGE_MARK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return LEGACY_RUNSC
+    except OSError:
+        return "an unreadable mark"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "an unreadable mark"
+        text = os.read(fd, MARK_MAX + 1).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+    return snippet(text, 120) if text else LEGACY_RUNSC
+
+
 class GVisorDriver:
     name = "gvisor"
-    saves_epoll_tcp = False  # runsc 20221219: "endpoint still has waiters upon save", then it exits
 
     def __init__(
         self,
@@ -148,6 +214,15 @@ class GVisorDriver:
         self.runsc = runsc
         self.platform = platform
         self.debug = debug
+        self.version = RunscVersion.of(runsc)
+        # runsc 20221219 cannot save a TCP socket an epoll set watches ("endpoint still has waiters
+        # upon save", then the sandbox exits): the node asks the agent first and refuses.
+        self.saves_epoll_tcp = self.version.modern
+        # A checkpoint that leaves the sandbox running (snapshot, fork) instead of a stop + restore.
+        self.leaves_running = self.version.modern
+        # An image restores under the runsc and the platform that wrote it (a ptrace image restored
+        # under systrap hangs).
+        self.image_mark = f"{self.version.mark} {platform}"
         self.runsc_root = state_dir / "runsc"
         self.bundles = state_dir / "instances"
         self.guest_dir = state_dir / "guest"
@@ -157,16 +232,24 @@ class GVisorDriver:
         self._pids_max: dict[str, int] = {}  # instance id -> its pids cgroup's limit
         limit_all_sandboxes(max_sandboxes)
 
+    def info(self) -> dict[str, str]:
+        """What the node reports of its runtime (/health, /metrics, its cluster entry)."""
+        return {"driver": self.name, "runsc": self.version.version or "unknown", "platform": self.platform}
+
     # -- helpers ----------------------------------------------------------------------------------
     def _global(self, instance_id: str | None = None) -> list[str]:
+        # --overlay2=none: newer runsc put a memory-backed overlay over the root by default; the
+        # sandbox's writes belong in its upper on the host (its disk quota, snapshots, commits).
         argv = [self.runsc, "--root", str(self.runsc_root), f"--platform={self.platform}", "--network=none"]
+        argv.append("--overlay2=none")
         if self.debug and instance_id:
             argv += ["--debug", f"--debug-log={self.bundles / instance_id / 'runsc.log'}"]
         return argv
 
     def guest_bundle(self, key: str = "") -> Path:
         if self._guest is None:
-            self._guest = guestbundle.ensure_bundle(self.guest_dir)
+            # runsc 20221219 refuses statx(AT_NO_AUTOMOUNT): its bundles' shim drops the flag.
+            self._guest = guestbundle.ensure_bundle(self.guest_dir, statx_shim=not self.version.modern)
         if key and key != self._guest.name:
             path = self.guest_dir / key
             if not (path / ".complete").exists():
@@ -315,11 +398,25 @@ class GVisorDriver:
         return await self._start(["run"], instance_id, rootfs, limits)
 
     async def restore(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits, image_dir: Path) -> Instance:
+        written_by = image_mark(image_dir)
+        if written_by != self.image_mark:
+            raise ImageIncompatible(
+                f"its memory image was written by {written_by}; this node runs {self.image_mark}, "
+                "which cannot restore it"
+            )
         return await self._start(["restore", "--image-path", str(image_dir)], instance_id, rootfs, limits)
+
+    def image_compatible(self, image_dir: Path) -> bool:
+        """Whether this runsc restores the image (the runsc that wrote it, by its mark)."""
+        return image_mark(image_dir) == self.image_mark
 
     async def checkpoint(self, instance: Instance, *, image_dir: Path, leave_running: bool) -> None:
         image_dir.mkdir(parents=True, exist_ok=True)
         argv = [*self._global(instance.id), "checkpoint", "--image-path", str(image_dir)]
+        if self.version.modern:
+            # Uncompressed: the checkpoint and every restore skip flate (a fork of 8 restores its
+            # children ~25% sooner); the repository compresses what it stores anyway.
+            argv.append("--compression=none")
         if leave_running:
             argv.append("--leave-running")
         try:
@@ -330,6 +427,26 @@ class GVisorDriver:
                 message = f"{CHECKPOINT_REFUSAL}; the failed save stopped the sandbox"
                 raise CheckpointRefused(message, argv=exc.argv, stderr=exc.stderr) from exc
             raise
+        (image_dir / IMAGE_MARK).write_text(self.image_mark)
+
+    async def checkpoint_running(
+        self, instance: Instance, *, image_dir: Path, while_stopped: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Checkpoint with `--leave-running`, the sandbox stopped (`runsc pause`) from before the
+        checkpoint until ``while_stopped`` (the node copies its upper) is done: what the image
+        holds and what is on its disk are one moment."""
+        if not self.leaves_running:
+            raise RuntimeFailure(f"runsc {self.version.version} cannot checkpoint a sandbox and leave it running")
+        image_dir.mkdir(parents=True, exist_ok=True)
+        resume = [*self._global(instance.id), "resume", instance.id]
+        await hostexec.run([*self._global(instance.id), "pause", instance.id], timeout=30)
+        try:
+            await self.checkpoint(instance, image_dir=image_dir, leave_running=True)
+            await while_stopped()
+        except BaseException:
+            await hostexec.run(resume, timeout=30, check=False)  # the failure itself says what went wrong
+            raise
+        await hostexec.run(resume, timeout=30)
 
     async def kill(self, instance: Instance) -> None:
         instance.writer.close()

@@ -6,7 +6,9 @@ for overlayfs. Writing past the quota fails with ENOSPC inside the sandbox and t
 
 An upper becomes a layer by being *sealed*, which moves nothing: its id simply joins a layer list
 (its ``upper/`` directory is then a lower of new overlays) and, once the instance that wrote it is
-gone, it is remounted read-only. Forks and snapshots share every sealed layer. A layer is either
+gone, it is remounted read-only. An upper whose sandbox goes on running (a snapshot or fork that
+leaves its source running) is *copied* instead: its image, frozen for the copy, becomes a new
+layer's. Forks and snapshots share every sealed layer. A layer is either
 such an image or a plain directory (a root filesystem made by debootstrap). Ids are short so that
 overlayfs option strings stay short.
 """
@@ -14,6 +16,8 @@ overlayfs option strings stay short.
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -33,6 +37,7 @@ SPARE_SIZE_KEEP_SECONDS = 3600.0
 MAX_SPARE_SIZES = 4
 OTHER_SIZE_SPARES = 2
 UNTRUSTED_BITS = os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC  # hostexec.UNTRUSTED_FLAGS, as statvfs says them
+FIFREEZE, FITHAW = 0xC0045877, 0xC0045878  # linux/fs.h: _IOWR('X', 119 / 120, int)
 ENTRY_COST = 4096  # what the cache counts for an entry of a layer, at the least (one block)
 MKFS = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", "-m", "0"]
 
@@ -232,6 +237,28 @@ class LayerStore:
                 opts = ",".join(("remount", *kept, *hostexec.UNTRUSTED_FLAGS))
                 await hostexec.run(["mount", "-o", opts, str(mnt)], timeout=60)
 
+    def copy_upper(self, upper_id: str) -> str:
+        """A new layer whose image is a copy of a mounted upper's as it is now (not mounted yet:
+        :meth:`mount` it read-only). The upper's file system is frozen for the copy (FIFREEZE:
+        written out whole and consistent, writes wait), so call it while nothing in the sandbox
+        runs; only its data extents are copied, as the sparse file it is."""
+        copy_id = new_id()
+        (self.layers / copy_id).mkdir()
+        mnt = os.open(self.layers / upper_id, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.ioctl(mnt, FIFREEZE, 0)
+            try:
+                _copy_sparse(self._img(upper_id), self._img(copy_id))
+            finally:
+                fcntl.ioctl(mnt, FITHAW, 0)
+        except BaseException:
+            self._img(copy_id).unlink(missing_ok=True)
+            (self.layers / copy_id).rmdir()
+            raise
+        finally:
+            os.close(mnt)
+        return copy_id
+
     async def make_read_only(self, layer_id: str) -> None:
         """Seal for good: called once the instance that wrote the layer is gone."""
         mnt = self.layers / layer_id
@@ -384,3 +411,33 @@ class LayerStore:
 
     def image_ids(self) -> set[str]:
         return {p.name for p in self.images.iterdir() if not p.name.startswith(".")}
+
+
+def _copy_sparse(source: Path, target: Path) -> None:
+    """Copy a file's data extents into a new file of the same size: its holes stay holes."""
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            size = os.fstat(src).st_size
+            os.ftruncate(dst, size)
+            offset = 0
+            while offset < size:
+                try:
+                    start = os.lseek(src, offset, os.SEEK_DATA)
+                except OSError as exc:
+                    if exc.errno == errno.ENXIO:  # only a hole remains
+                        break
+                    raise
+                end = os.lseek(src, start, os.SEEK_HOLE)
+                done = start
+                while done < end:
+                    n = os.copy_file_range(src, dst, end - done, done, done)
+                    if n == 0:
+                        raise OSError(errno.EIO, f"{source} shrank while being copied")
+                    done += n
+                offset = end
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)

@@ -123,7 +123,7 @@ async def build(
             begin = StartCommand(argv, {**state.args, **state.env}, state.workdir, state.user, ready=ready)
         commits = json.loads(await node.store.get_meta(COMMITS_KEY) or "{}")
         defaults = (state.default_user, state.default_workdir)
-        key = state.chain("COMMIT", name, argv, ready, node.driver.guest_key(), *defaults)
+        key = state.chain("COMMIT", name, argv, ready, node.driver.guest_key(), node.driver.image_mark, *defaults)
         same = node.templates.get(commits.get(key, ""))
         if same is not None and same.name == name and same.layers == state.layers:
             log(f"template '{name}' is unchanged")

@@ -322,6 +322,16 @@ async def _commit_base(node: BuildHost, debian_layer: str, log: LogFn | None) ->
     )
 
 
+async def _image_runs_here(node: BuildHost, rec: TemplateRecord) -> bool:
+    """Whether this node's runsc restores the template's memory image (an upgraded runsc does not
+    restore what an older one wrote); an image that cannot be had is as good as incompatible."""
+    try:
+        await node.artifacts.ensure_local(rec, only={rec.image})
+    except AenvError:
+        return False
+    return node.driver.image_compatible(node.files.image(rec.image))
+
+
 async def ensure_base(node: BuildHost, *, on_log: LogFn | None = None) -> TemplateRecord:
     """`base`, built on first use and recommitted when the guest agent or the setup steps changed.
 
@@ -332,8 +342,12 @@ async def ensure_base(node: BuildHost, *, on_log: LogFn | None = None) -> Templa
         current = node.find_template("base")
     except AenvError:
         return await build_base(node, on_log=on_log)
-    if current.guest == node.driver.guest_key() and current.description == BASE_DESCRIPTION:
+    runs_here = await _image_runs_here(node, current)
+    if runs_here and current.guest == node.driver.guest_key() and current.description == BASE_DESCRIPTION:
         return current
-    changed = "guest agent" if current.guest != node.driver.guest_key() else "setup of `base`"
+    if not runs_here:
+        changed = "runtime (runsc)"
+    else:
+        changed = "guest agent" if current.guest != node.driver.guest_key() else "setup of `base`"
     (on_log or (lambda line: None))(f"the {changed} changed: recommitting `base` on its existing root filesystem")
     return await _commit_base(node, current.layers[0], on_log)

@@ -18,7 +18,7 @@ import pytest
 
 from aenv.channel import END
 from aenv.config import Settings
-from aenv.errors import RuntimeFailure, SandboxNotFound
+from aenv.errors import InsufficientStorage, RuntimeFailure, SandboxNotFound
 from aenv.node.orchestrator import Node
 from aenv.runtime.base import Instance, Limits, RootfsSpec
 from aenv.runtime.gvisor import GVisorDriver
@@ -63,8 +63,9 @@ async def tiny(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[
     if os.geteuid() != 0:
         pytest.skip("needs root and runsc")
     data = Path(tmp_path_factory.mktemp("tiny-node"))
-    driver = FaultyDriver(state_dir=data / "runtime")
-    node = Node(Settings(data_dir=data, build_base=False), driver=driver)
+    settings = Settings(data_dir=data, build_base=False)
+    driver = FaultyDriver(state_dir=data / "runtime", runsc=settings.runsc, platform=settings.runsc_platform)
+    node = Node(settings, driver=driver)
     await node.start()
     layer_id, root = node.files.new_layer_dir()
     for d in ("etc", "root", "home/user", "tmp", "proc", "sys", "dev"):
@@ -134,6 +135,44 @@ async def test_failed_snapshot_and_fork_leave_the_source_running(tiny: tuple[Nod
         assert node.get(rec.id).state.value == "running"
         assert await count(node, rec.id) > 0
     assert [s for s in node.snapshots.values() if s.sandbox_id == rec.id] == []
+    await node.kill(rec.id)
+
+
+async def test_a_failed_copy_of_the_upper_leaves_the_source_running_and_nothing_behind(
+    tiny: tuple[Node, FaultyDriver], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot or fork that leaves its source running copies the upper while the sandbox is
+    stopped; if that copy fails (a full disk), the sandbox is resumed and thawed, and neither an
+    image nor a layer is left."""
+    node, driver = tiny
+    if not driver.leaves_running:
+        pytest.skip("runsc 20221219 seals the upper instead of copying it")
+    rec = await node.create("tiny")
+    await start_counter(node, rec.id)
+    await run_py(node, rec.id, "open('/root/written', 'w').write('x')")  # an upper that is not empty
+    await node.settle()  # earlier tests' teardowns
+    layers, images = node.files.layer_ids(), node.files.image_ids()
+
+    def full(upper_id: str) -> str:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(node.files, "copy_upper", full)
+    for op in (lambda: node.snapshot(rec.id), lambda: node.fork(rec.id, count=2)):
+        with pytest.raises(OSError):
+            await op()
+        assert node.get(rec.id).state.value == "running"
+        first = await count(node, rec.id)
+        await asyncio.sleep(0.3)
+        assert await count(node, rec.id) > first  # resumed (runsc pause undone) and thawed
+    assert node.files.layer_ids() - layers == set() and node.files.image_ids() - images == set()
+    monkeypatch.undo()
+    monkeypatch.setattr(node.settings, "disk_headroom_mb", 2**40)  # no room for the copy: refused first
+    with pytest.raises(InsufficientStorage):
+        await node.snapshot(rec.id)
+    assert node.get(rec.id).state.value == "running" and await count(node, rec.id) > 0
+    monkeypatch.undo()
+    snap = await node.snapshot(rec.id)  # and a later one works, with the copy as its top layer
+    assert snap.layers[-1] not in layers and (node.files.layer(snap.layers[-1]) / "root" / "written").exists()
     await node.kill(rec.id)
 
 

@@ -189,10 +189,17 @@ async def test_failed_operations_fall_back_through_checked_transitions(
     assert node.get(rec.id).state == S.PAUSED
     await node.resume(rec.id)
     driver.fail_restore = True
-    with pytest.raises(RuntimeFailure):
-        await node.snapshot(rec.id)  # checkpointed, but the source could not be restarted: kept paused
-    assert node.get(rec.id).state == S.PAUSED and await stored_state(node, rec.id) == S.PAUSED
-    await node.resume(rec.id)
+    if driver.leaves_running:
+        await node.snapshot(rec.id)  # the source is not restored: nothing to fail
+        driver.fail_restore = False
+        snapshot = [(S.RUNNING, S.SNAPSHOTTING), (S.SNAPSHOTTING, S.RUNNING)]
+    else:
+        with pytest.raises(RuntimeFailure):
+            await node.snapshot(rec.id)  # checkpointed, but the source could not be restarted: kept paused
+        assert node.get(rec.id).state == S.PAUSED and await stored_state(node, rec.id) == S.PAUSED
+        await node.resume(rec.id)
+        snapshot = [(S.RUNNING, S.SNAPSHOTTING), (S.SNAPSHOTTING, S.PAUSED), (S.PAUSED, S.RESUMING)]
+        snapshot.append((S.RESUMING, S.RUNNING))
     assert node.get(rec.id).state == S.RUNNING
     await node.kill(rec.id)
     assert seen[rec.id] == [
@@ -205,10 +212,7 @@ async def test_failed_operations_fall_back_through_checked_transitions(
         (S.RESUMING, S.PAUSED),
         (S.PAUSED, S.RESUMING),
         (S.RESUMING, S.RUNNING),
-        (S.RUNNING, S.SNAPSHOTTING),
-        (S.SNAPSHOTTING, S.PAUSED),
-        (S.PAUSED, S.RESUMING),
-        (S.RESUMING, S.RUNNING),
+        *snapshot,
         (S.RUNNING, S.KILLING),
         (S.KILLING, S.KILLED),
     ]

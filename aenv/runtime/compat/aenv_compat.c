@@ -1,10 +1,10 @@
 /*
  * aenv compat shim, preloaded into glibc programs inside gVisor sandboxes (via /etc/ld.so.preload).
  *
- * The runsc release Debian ships (20221219) rejects statx() calls that carry AT_NO_AUTOMOUNT with
- * EINVAL, and coreutils (ls, stat, cp, ...) always passes it. A sandbox has no automount points,
- * so dropping the flag changes nothing else. Only libc's syscall() is used, so the shim works
- * with any glibc version an image brings.
+ * Built with AENV_STATX_SHIM for runsc 20221219 (Debian bookworm's), which rejects statx() calls
+ * that carry AT_NO_AUTOMOUNT with EINVAL, while coreutils (ls, stat, cp, ...) always passes it. A
+ * sandbox has no automount points, so dropping the flag changes nothing else; newer runsc takes
+ * the flag. Only libc's syscall() is used, so the shim works with any glibc version an image brings.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -15,28 +15,33 @@
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/un.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #ifndef AT_NO_AUTOMOUNT
 #define AT_NO_AUTOMOUNT 0x800
 #endif
 
+#ifdef AENV_STATX_SHIM
 struct statx;
 
 int statx(int dirfd, const char *path, int flags, unsigned int mask, struct statx *buf) {
     return (int)syscall(SYS_statx, dirfd, path, flags & ~AT_NO_AUTOMOUNT, mask, buf);
 }
+#endif
 
 /*
- * User xattrs. runsc's gofers answer every xattr call on the sandbox's root file system with
- * EOPNOTSUPP (tmpfs mounts keep them). For a user.* name the guest agent then keeps them in its
- * store (aenv/guest/xattrs.py describes the protocol): the file goes to it as an O_PATH descriptor
- * with the caller's ids, and the agent applies the kernel's rules. listxattr adds the agent's
- * names to the file system's, when the agent keeps any. Without the agent (or in it: PID 1),
- * the file system's answer stands. System calls only, through syscall(): any glibc.
+ * User xattrs. runsc keeps none on the sandbox's root file system (its tmpfs mounts keep them).
+ * For a user.* name on a file system other than a tmpfs the guest agent keeps them in its store
+ * (aenv/guest/xattrs.py describes the protocol): the file goes to it as an O_PATH descriptor with
+ * the caller's ids, and the agent applies the kernel's rules. listxattr adds the agent's names to
+ * the file system's, when the agent keeps any. Without the agent (or in it: PID 1) such a call
+ * fails with EOPNOTSUPP, as the file system keeps nothing. System calls only, through syscall():
+ * any glibc.
  */
 #define XATTR_SOCKET "aenv-xattr"
 #define XATTRS_KEPT "/dev/shm/.aenv-user-xattrs" /* there while the agent keeps any */
+#define TMPFS_MAGIC 0x01021994
 
 struct xattr_call {
     unsigned char op, pad[3];
@@ -128,21 +133,53 @@ static long ask_by_path(unsigned char op, const char *path, int follow, const ch
     return r;
 }
 
-static int set_attr(long raw, const char *path, int fd, int follow, const char *name, const void *value, size_t len,
-                    int flags) {
-    if (raw >= 0 || errno != EOPNOTSUPP || !user_xattr(name)) return (int)raw;
+/* Whether a call on a user.* name goes to the agent: unless the file's file system keeps xattrs
+ * itself (runsc's tmpfs mounts). The root file system keeps none, whatever its calls answer: runsc
+ * 20221219 refuses them (EOPNOTSUPP), 20240729 refuses a user's and accepts root's without keeping
+ * them. A file that cannot be looked at is left to the system call, which says why. */
+static int to_agent(const char *name, const char *path, int fd, int follow) {
+    if (!user_xattr(name)) return 0;
+    int saved = errno;
+    struct statfs fs;
+    long r;
+    if (path && !follow) {
+        int link = (int)syscall(SYS_openat, AT_FDCWD, path, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+        r = link < 0 ? -1 : syscall(SYS_fstatfs, link, &fs);
+        if (link >= 0) syscall(SYS_close, link);
+    } else {
+        r = path ? syscall(SYS_statfs, path, &fs) : syscall(SYS_fstatfs, fd, &fs);
+    }
+    errno = saved;
+    return r == 0 && fs.f_type != TMPFS_MAGIC;
+}
+
+/* What the kernel checks before any file system sees the call: the agent never gets these. */
+static int too_long(const char *name, size_t value_len) {
+    if (text_length(name) > 255) {
+        errno = ERANGE;
+        return 1;
+    }
+    if (value_len > 65536) {
+        errno = E2BIG;
+        return 1;
+    }
+    return 0;
+}
+
+static int set_attr(const char *path, int fd, int follow, const char *name, const void *value, size_t len, int flags) {
+    if (too_long(name, len)) return -1;
     if (path) return (int)ask_by_path('s', path, follow, name, value, len, flags, NULL, 0, EOPNOTSUPP);
     return (int)ask_agent('s', fd, name, value, len, flags, NULL, 0, EOPNOTSUPP);
 }
 
-static ssize_t get_attr(long raw, const char *path, int fd, int follow, const char *name, void *value, size_t size) {
-    if (raw >= 0 || errno != EOPNOTSUPP || !user_xattr(name)) return (ssize_t)raw;
+static ssize_t get_attr(const char *path, int fd, int follow, const char *name, void *value, size_t size) {
+    if (too_long(name, 0)) return -1;
     if (path) return (ssize_t)ask_by_path('g', path, follow, name, NULL, 0, 0, value, size, EOPNOTSUPP);
     return (ssize_t)ask_agent('g', fd, name, NULL, 0, 0, value, size, EOPNOTSUPP);
 }
 
-static int remove_attr(long raw, const char *path, int fd, int follow, const char *name) {
-    if (raw >= 0 || errno != EOPNOTSUPP || !user_xattr(name)) return (int)raw;
+static int remove_attr(const char *path, int fd, int follow, const char *name) {
+    if (too_long(name, 0)) return -1;
     if (path) return (int)ask_by_path('r', path, follow, name, NULL, 0, 0, NULL, 0, EOPNOTSUPP);
     return (int)ask_agent('r', fd, name, NULL, 0, 0, NULL, 0, EOPNOTSUPP);
 }
@@ -174,39 +211,48 @@ static ssize_t list_attrs(long raw, const char *path, int fd, int follow, char *
 }
 
 int setxattr(const char *path, const char *name, const void *value, size_t size, int flags) {
-    return set_attr(syscall(SYS_setxattr, path, name, value, size, flags), path, -1, 1, name, value, size, flags);
+    if (to_agent(name, path, -1, 1)) return set_attr(path, -1, 1, name, value, size, flags);
+    return (int)syscall(SYS_setxattr, path, name, value, size, flags);
 }
 
 int lsetxattr(const char *path, const char *name, const void *value, size_t size, int flags) {
-    return set_attr(syscall(SYS_lsetxattr, path, name, value, size, flags), path, -1, 0, name, value, size, flags);
+    if (to_agent(name, path, -1, 0)) return set_attr(path, -1, 0, name, value, size, flags);
+    return (int)syscall(SYS_lsetxattr, path, name, value, size, flags);
 }
 
 int fsetxattr(int fd, const char *name, const void *value, size_t size, int flags) {
-    return set_attr(syscall(SYS_fsetxattr, fd, name, value, size, flags), NULL, fd, 1, name, value, size, flags);
+    if (to_agent(name, NULL, fd, 1)) return set_attr(NULL, fd, 1, name, value, size, flags);
+    return (int)syscall(SYS_fsetxattr, fd, name, value, size, flags);
 }
 
 ssize_t getxattr(const char *path, const char *name, void *value, size_t size) {
-    return get_attr(syscall(SYS_getxattr, path, name, value, size), path, -1, 1, name, value, size);
+    if (to_agent(name, path, -1, 1)) return get_attr(path, -1, 1, name, value, size);
+    return (ssize_t)syscall(SYS_getxattr, path, name, value, size);
 }
 
 ssize_t lgetxattr(const char *path, const char *name, void *value, size_t size) {
-    return get_attr(syscall(SYS_lgetxattr, path, name, value, size), path, -1, 0, name, value, size);
+    if (to_agent(name, path, -1, 0)) return get_attr(path, -1, 0, name, value, size);
+    return (ssize_t)syscall(SYS_lgetxattr, path, name, value, size);
 }
 
 ssize_t fgetxattr(int fd, const char *name, void *value, size_t size) {
-    return get_attr(syscall(SYS_fgetxattr, fd, name, value, size), NULL, fd, 1, name, value, size);
+    if (to_agent(name, NULL, fd, 1)) return get_attr(NULL, fd, 1, name, value, size);
+    return (ssize_t)syscall(SYS_fgetxattr, fd, name, value, size);
 }
 
 int removexattr(const char *path, const char *name) {
-    return remove_attr(syscall(SYS_removexattr, path, name), path, -1, 1, name);
+    if (to_agent(name, path, -1, 1)) return remove_attr(path, -1, 1, name);
+    return (int)syscall(SYS_removexattr, path, name);
 }
 
 int lremovexattr(const char *path, const char *name) {
-    return remove_attr(syscall(SYS_lremovexattr, path, name), path, -1, 0, name);
+    if (to_agent(name, path, -1, 0)) return remove_attr(path, -1, 0, name);
+    return (int)syscall(SYS_lremovexattr, path, name);
 }
 
 int fremovexattr(int fd, const char *name) {
-    return remove_attr(syscall(SYS_fremovexattr, fd, name), NULL, fd, 1, name);
+    if (to_agent(name, NULL, fd, 1)) return remove_attr(NULL, fd, 1, name);
+    return (int)syscall(SYS_fremovexattr, fd, name);
 }
 
 ssize_t listxattr(const char *path, char *list, size_t size) {
