@@ -751,6 +751,7 @@ class Gateway:
         unanswered = False  # an attempt may have started a create: keep trying until the deadline
         queue = self._create_candidates(body)
         not_found: Response | None = None
+        out_of_touch = False  # a node refused (503) because it could not reach etcd
         while time.monotonic() < deadline:
             if not queue:
                 if not unanswered:
@@ -779,6 +780,11 @@ class Gateway:
             if upstream.status_code == 429:
                 failures.append(f"{node.node_id}: at its limit")
                 continue
+            if upstream.status_code == 503 and _error_code(content) == "cluster_unavailable":
+                # refused before it began: the node lost etcd for a moment (a saturated host)
+                failures.append(f"{node.node_id}: out of touch with the cluster store")
+                out_of_touch = True
+                continue
             if upstream.status_code == 404 and _error_code(content) == "template_not_found":
                 # a snapshot not yet in the repository is only on the node that made it: maybe the next
                 not_found = not_found or _buffered(upstream, node, content)
@@ -801,6 +807,8 @@ class Gateway:
             return not_found
         if unanswered:
             raise UpstreamError(f"no node confirmed the create in time: {summary}")
+        if out_of_touch:
+            raise ClusterUnavailable("no node could take the sandbox: " + summary)
         raise LimitExceeded("no node could take the sandbox: " + summary)
 
     def _create_candidates(self, body: bytes) -> list[NodeEntry]:
