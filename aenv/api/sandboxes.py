@@ -576,13 +576,14 @@ async def template_from_image(request: Request) -> Response:
     login = (body.username, body.password or "") if body.username else None
     if "application/x-ndjson" in request.headers.get("accept", ""):
 
-        async def pulled(emit: Emit) -> TemplateRecord:
+        async def pulled(emit: Emit) -> dict[str, Any]:
             def progress(layer: int, layers: int, done: int, total: int) -> None:
                 emit({"progress": {"layer": layer, "layers": layers, "done": done, "total": total}})
 
-            return await images.template_from_image(
+            rec = await images.template_from_image(
                 node, body.name, body.image, login=login, on_log=lambda line: emit({"log": line}), on_progress=progress
             )
+            return {"template": template_json(rec, node)}
 
         return _streamed_job(node, pulled)
     # A shielded task: the pull and commit finish even if the client gives up waiting.
@@ -595,16 +596,16 @@ Emit = Callable[[dict[str, Any]], None]
 
 
 def _streamed_job(
-    node: BuildHost, work: Callable[[Emit], Awaitable[TemplateRecord]], cleanup: Callable[[], None] | None = None
+    node: BuildHost, work: Callable[[Emit], Awaitable[dict[str, Any]]], cleanup: Callable[[], None] | None = None
 ) -> StreamingResponse:
     """Run ``work`` on the node (it finishes even if the client goes away), streaming the lines it
-    emits as NDJSON, then ``{"template": ...}`` or ``{"error": {code, message, step?, output?}}``."""
+    emits as NDJSON, then the line it returns (``{"template": ...}``) or ``{"error": {code,
+    message, step?, output?}}``."""
     lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
     async def run() -> None:
         try:
-            rec = await work(lines.put_nowait)
-            lines.put_nowait({"template": template_json(rec, node)})
+            lines.put_nowait(await work(lines.put_nowait))
         except AenvError as exc:
             body = error_body(exc)
             body.update({k: getattr(exc, k) for k in ("step", "output") if hasattr(exc, k)})
@@ -657,11 +658,35 @@ async def build_template(
         remove_tree(workdir, ignore_errors=True)
         raise
 
-    async def built(emit: Emit) -> TemplateRecord:
+    async def built(emit: Emit) -> dict[str, Any]:
         log = lambda line: emit({"log": line})  # noqa: E731
-        return await build.build(node, name=name, dockerfile=text, context=context, build_args=args, on_log=log)
+        rec = await build.build(node, name=name, dockerfile=text, context=context, build_args=args, on_log=log)
+        return {"template": template_json(rec, node)}
 
     return _streamed_job(node, built, cleanup=lambda: remove_tree(workdir, ignore_errors=True))
+
+
+@router.post("/templates/{template_id}/fetch", summary="Bring a template's or snapshot's files into this node's cache")
+async def fetch_template(request: Request, template_id: str) -> Response:
+    """Fetch from the repository what of a committed template or snapshot this node lacks, ahead
+    of its first create. The answer: ``{"template" | "snapshot": ..., "fetchedBytes": N}``; with
+    ``Accept: application/x-ndjson``, ``{"progress": {done, total}}`` lines (bytes) before it."""
+    node = build_host_of(request)
+    try:
+        rec: TemplateRecord | SnapshotRecord = node.find_snapshot(template_id)
+    except SnapshotNotFound:
+        rec = node.find_template(template_id)
+
+    async def fetched(emit: Emit) -> dict[str, Any]:
+        progress = lambda done, total: emit({"progress": {"done": done, "total": total}})  # noqa: E731
+        size = await node.artifacts.prefetch(rec, on_progress=progress)
+        if isinstance(rec, SnapshotRecord):
+            return {"snapshot": snapshot_json(rec), "fetchedBytes": size}
+        return {"template": template_json(rec, node), "fetchedBytes": size}
+
+    if "application/x-ndjson" in request.headers.get("accept", ""):
+        return _streamed_job(node, fetched)
+    return JSONResponse(await fetched(lambda line: None))
 
 
 @router.delete("/templates/{template_id:path}", status_code=204, summary="Delete a template or a snapshot")

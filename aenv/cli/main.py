@@ -673,6 +673,24 @@ def repo_status(as_json: bool = JSON_OPTION) -> None:
         out.print(f"[bold]{key}[/bold]: {info.get(key)}")
 
 
+@repo_app.command("fetch")
+def repo_fetch(name: str, as_json: bool = JSON_OPTION) -> None:
+    """Bring a template's or snapshot's files from the repository into the node's cache (ahead of
+    its first create there), with progress."""
+    with _transfer_progress() as progress:
+        task = progress.add_task(f"fetching {name}", total=None)
+        answer = _run(
+            lambda c: c.fetch_template(
+                name, on_progress=lambda done, total: progress.update(task, completed=done, total=total)
+            )
+        )
+    if as_json or not out.is_terminal:
+        print(json.dumps(answer))
+        return
+    fetched = answer.get("fetchedBytes", 0)
+    out.print(f"{name}: {fetched / 2**20:.1f} MiB fetched" if fetched else f"{name}: already in this node's cache")
+
+
 @repo_app.command("gc")
 def repo_gc() -> None:
     """Delete repository chunks and artifacts that no template or snapshot needs."""

@@ -18,9 +18,10 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -481,7 +482,10 @@ class ArtifactCache:
                 return rec
         return None
 
-    async def ensure_local(self, rec: Entry, only: set[str] | None = None) -> None:
+    async def ensure_local(
+        self, rec: Entry, only: set[str] | None = None, on_progress: FetchProgressFn | None = None
+    ) -> None:
+        """Fetch what of ``rec`` is not on this node; ``on_progress(done, total)`` in bytes."""
         missing = await self._missing([i for i in self.items_of(rec) if only is None or i.id in only])
         if not missing:
             return
@@ -492,7 +496,26 @@ class ArtifactCache:
         entry = await asyncio.to_thread(self.repo.get_entry, kind, rec.id)
         if entry is None:
             raise ArtifactDamaged(f"{what} is not in the repository {self.repo.url} and its files are not here")
-        await self._fetch_all(missing, entry, what)
+        await self._fetch_all(missing, entry, what, on_progress)
+
+    async def prefetch(self, rec: Entry, on_progress: FetchProgressFn | None = None) -> int:
+        """Bring a committed template's or snapshot's files into this node's cache ahead of its
+        first create (an operator warming a node); its layers and image stay pinned only while
+        they arrive. Returns the bytes fetched (0: all were here)."""
+        fetched = [0]
+
+        def seen(done: int, total: int) -> None:
+            fetched[0] = done
+            if on_progress is not None:
+                on_progress(done, total)
+
+        held = [*rec.layers, rec.image]
+        self.pin(held)
+        try:
+            await self.ensure_local(rec, on_progress=seen)
+        finally:
+            self.unpin(held)
+        return fetched[0]
 
     async def fetch_pause(self, sandbox_id: str) -> SandboxRecord:
         """The record of a sandbox durably paused by another node, with every artifact it needs
@@ -520,31 +543,47 @@ class ArtifactCache:
                 await self.node.files.mount(item.id, writable=False)
         return [i for i in items if not self._is_local(i.kind, i.id)]
 
-    async def _fetch_all(self, missing: list[LocalArtifact], entry: dict[str, Any], what: str) -> None:
+    async def _fetch_all(
+        self,
+        missing: list[LocalArtifact],
+        entry: dict[str, Any],
+        what: str,
+        on_progress: FetchProgressFn | None = None,
+    ) -> None:
         assert self.repo is not None
         refs = {(r.kind, r.id): r for r in self.repo.artifact_refs(entry)}
-        fetches = []
+        wanted = []
         for item in missing:
             ref = refs.get((item.kind, item.id))
             if ref is None:
                 raise ArtifactDamaged(f"{what}: the repository entry does not name {item.kind} {item.id}")
-            fetches.append(self._fetch(ref, what))
+            wanted.append(ref)
+        counter = await self._progress_of(wanted, what, on_progress) if on_progress is not None else None
+        fetches = [self._fetch(ref, what, counter) for ref in wanted]
         outcomes = await asyncio.gather(*fetches, return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
 
-    async def _fetch(self, ref: ArtifactRef, what: str) -> None:
-        """Fetch one artifact; concurrent requests for the same one join."""
+    async def _progress_of(self, refs: list[ArtifactRef], what: str, on_progress: FetchProgressFn) -> ByteCounter:
+        """A thread-safe counter of the bytes of ``refs`` fetched, told to ``on_progress`` on this loop."""
+        assert self.repo is not None
+        repo = self.repo
+        manifests = await asyncio.gather(*(asyncio.to_thread(repo.read_manifest, ref, what) for ref in refs))
+        return ByteCounter(asyncio.get_running_loop(), sum(int(m.get("size", 0)) for m in manifests), on_progress)
+
+    async def _fetch(self, ref: ArtifactRef, what: str, counter: ByteCounter | None = None) -> None:
+        """Fetch one artifact; concurrent requests for the same one join (only the first's bytes
+        are counted)."""
         key = f"{ref.kind}/{ref.id}"
         running = self._fetches.get(key)
         if running is None:
-            running = asyncio.ensure_future(self._fetch_now(ref, what))
+            running = asyncio.ensure_future(self._fetch_now(ref, what, counter))
             self._fetches[key] = running
             running.add_done_callback(lambda f: self._fetches.pop(key, None))
         await asyncio.shield(running)
 
-    async def _fetch_now(self, ref: ArtifactRef, what: str) -> None:
+    async def _fetch_now(self, ref: ArtifactRef, what: str, counter: ByteCounter | None = None) -> None:
         assert self.repo is not None
         files = self.node.files
         if self._is_local(ref.kind, ref.id):
@@ -563,7 +602,8 @@ class ArtifactCache:
             temp = final.parent / f"{FETCHING}{ref.id}-{new_id(6)}"
         try:
             room = headroom(self.node.settings)
-            size = await asyncio.to_thread(self.repo.fetch_artifact, ref, temp, what, room)
+            on_bytes = counter.add if counter is not None else None
+            size = await asyncio.to_thread(self.repo.fetch_artifact, ref, temp, what, room, on_bytes)
             os.rename(temp, final)
         except BaseException:
             metrics.REPO_FETCHES.labels(outcome="error").inc()
@@ -649,3 +689,27 @@ def _discard(path: Path) -> None:
             path.unlink()
         except FileNotFoundError:
             pass
+
+
+FetchProgressFn = Callable[[int, int], None]  # (bytes fetched, bytes to fetch)
+PROGRESS_EVERY = 0.25  # seconds between two reports
+
+
+class ByteCounter:
+    """Bytes fetched by repository threads, reported on the node's loop at most every quarter
+    second, and once more when all have arrived."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, total: int, on_progress: FetchProgressFn) -> None:
+        self.loop, self.total, self.on_progress = loop, total, on_progress
+        self.done, self.shown_at = 0, 0.0
+        self.lock = threading.Lock()
+
+    def add(self, count: int) -> None:
+        with self.lock:
+            self.done += count
+            now = time.monotonic()
+            if now - self.shown_at < PROGRESS_EVERY and self.done < self.total:
+                return
+            self.shown_at = now
+            done = self.done
+        self.loop.call_soon_threadsafe(self.on_progress, done, max(self.total, done))

@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -217,14 +217,19 @@ class Repository:
             raise ArtifactDamaged(f"{what}: the manifest of {ref.kind} {ref.id} does not match its digest")
         return dict(json.loads(data))
 
-    def fetch_artifact(self, ref: ArtifactRef, dest: Path, what: str, headroom: int = 0) -> int:
+    def fetch_artifact(
+        self, ref: ArtifactRef, dest: Path, what: str, headroom: int = 0, on_bytes: Callable[[int], None] | None = None
+    ) -> int:
         """Rebuild an artifact at ``dest`` (a directory for tar, a file for sparse), every chunk
         verified; returns its logical size. On any error the caller discards ``dest``. Refused
-        (507) if it would leave less than ``headroom`` bytes free on its filesystem."""
+        (507) if it would leave less than ``headroom`` bytes free on its filesystem.
+        ``on_bytes(n)`` follows the chunks as they arrive (called on this thread)."""
         manifest = self.read_manifest(ref, what)
         _check_manifest(manifest, what)
         ensure_space(dest.parent, headroom, manifest["size"], what)
         chunks = read_chunks(self.backend, [tuple(c) for c in manifest["chunks"]], self.pool, what)  # type: ignore[misc]
+        if on_bytes is not None:
+            chunks = _counted(chunks, on_bytes)
         if manifest["encoding"] == "tar":
             dest.mkdir(parents=True)
             encodings.untar(chunks, dest, headroom)
@@ -464,3 +469,9 @@ class Repository:
                         except ArtifactDamaged as exc:
                             problems.append(exc.message)
         return problems
+
+
+def _counted(chunks: Iterator[bytes], on_bytes: Callable[[int], None]) -> Iterator[bytes]:
+    for chunk in chunks:
+        on_bytes(len(chunk))
+        yield chunk

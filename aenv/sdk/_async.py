@@ -538,6 +538,35 @@ class AsyncClient:
         async with self._http.stream("POST", "/templates/from-image", json=body, headers=headers, timeout=None) as r:
             return await _template_stream(r, on_log, on_progress)
 
+    async def fetch_template(
+        self, name: str, *, on_progress: Callable[[int, int], None] | None = None
+    ) -> dict[str, Any]:
+        """Bring a committed template's or snapshot's files into the node's cache from the
+        repository, ahead of its first create; ``on_progress(done, total)`` in bytes. Returns
+        ``{"template" | "snapshot": ..., "fetchedBytes": N}``."""
+        from urllib.parse import quote
+
+        path = f"/templates/{quote(name, safe='')}/fetch"
+        if on_progress is None:
+            r = await self._http.post(path, headers=self._auth, timeout=None)
+            _raise_for(r)
+            result: dict[str, Any] = r.json()
+            return result
+        headers = {**self._auth, "Accept": "application/x-ndjson"}
+        async with self._http.stream("POST", path, headers=headers, timeout=None) as r:
+            if r.status_code != 200:
+                await r.aread()
+                _raise_for(r)
+            async for line in r.aiter_lines():
+                item = json.loads(line) if line.strip() else {}
+                if "progress" in item:
+                    on_progress(item["progress"]["done"], item["progress"]["total"])
+                elif "error" in item:
+                    raise from_body(int(item["error"].get("code", 500)), item["error"])
+                elif "fetchedBytes" in item:
+                    return dict(item)
+        raise AenvError("the fetch's stream ended without a result")
+
     async def build(
         self,
         name: str,

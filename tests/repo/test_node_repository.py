@@ -113,6 +113,7 @@ def test_a_node_with_an_empty_data_dir_restores_from_the_repository(
         api = use(second, monkeypatch)
         names = {s["names"][0]: s for s in api.get("/snapshots").json()}
         assert {"prepared", "prepared-2"} <= set(names) and names["prepared"]["committed"]
+        prefetch_with_progress(second, snap1["snapshotID"])
 
         # Damage one chunk that only the second snapshot's checkpoint image has.
         repo = Repository(backend)
@@ -146,3 +147,32 @@ def test_a_node_with_an_empty_data_dir_restores_from_the_repository(
             fresh.kill()
     finally:
         second.stop()
+
+
+def prefetch_with_progress(node: Server, snapshot_id: str) -> None:
+    """An operator warms a node: `aenv repo fetch` brings a snapshot's files from the repository
+    with a progress bar (NDJSON progress in bytes); once they are here there is nothing to fetch."""
+    import asyncio
+    import json
+
+    from typer.testing import CliRunner
+
+    from aenv.cli.main import app
+    from aenv.sdk import AsyncClient, NotFound
+
+    seen: list[tuple[int, int]] = []
+
+    async def fetch(name: str) -> dict[str, object]:
+        async with AsyncClient(node.url, node.env["AENV_API_KEY"]) as client:
+            return await client.fetch_template(name, on_progress=lambda *p: seen.append(p))
+
+    answer = asyncio.run(fetch(snapshot_id))
+    fetched = answer["fetchedBytes"]
+    assert isinstance(fetched, int) and fetched > 0 and answer["snapshot"]["snapshotID"] == snapshot_id  # type: ignore[index]
+    assert seen and seen[-1][0] == seen[-1][1] == fetched and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    cli = CliRunner().invoke(
+        app, ["--url", node.url, "--api-key", node.env["AENV_API_KEY"], "repo", "fetch", snapshot_id]
+    )
+    assert cli.exit_code == 0 and json.loads(cli.stdout)["fetchedBytes"] == 0, cli.output  # all here now
+    with pytest.raises(NotFound):
+        asyncio.run(fetch("no-such-template"))
