@@ -57,7 +57,7 @@ def child_body(source: dict[str, Any], snapshot_id: str, timeout: int | None) ->
     """A create of one child from the source's snapshot with the source's settings (its
     ``GET /sandboxes/{id}``): metadata, lifecycle, network and ingress, secure; the fork's
     ``timeout``, else what is left of the source's (as the node gives its own children)."""
-    lifecycle = source.get("lifecycle") if isinstance(source.get("lifecycle"), dict) else {}
+    lifecycle: dict[str, Any] = source["lifecycle"] if isinstance(source.get("lifecycle"), dict) else {}
     body: dict[str, Any] = {
         "templateID": snapshot_id,
         "timeout": timeout or _left(source.get("endAt")),

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+from aenv.cluster import forks
 from tests.cluster.cluster import Cluster, running_cluster, use_gateway
 from tests.conftest import API_KEY, Server
 from tests.durable import COUNTER, count, wait_for
@@ -41,7 +42,7 @@ def gateway(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[httpx
                 direct.delete(f"/sandboxes/{item['sandboxID']}")
 
 
-def counting_source(node: Server) -> tuple[Sandbox, int]:
+def counting_source(node: Server, gateway: httpx.Client) -> tuple[Sandbox, int]:
     """A sandbox made on ``node`` directly, its counter running and a file written."""
     with node.client() as direct:
         body: dict[str, Any] = {
@@ -50,10 +51,15 @@ def counting_source(node: Server) -> tuple[Sandbox, int]:
             "metadata": {"run": "f1"},
             "envVars": {"MARK": "kept"},
             "lifecycle": {"onTimeout": "pause", "autoResume": False},
+            "allow_internet_access": False,
+            "network": {"allowOut": ["93.184.215.14"], "allowPublicTraffic": False},
         }
         r = direct.post("/sandboxes", json=body)
         assert r.status_code == 201, r.text
-    sbx = Sandbox.connect(r.json()["sandboxID"])
+    sandbox_id = r.json()["sandboxID"]
+    # Made on the node, not through the gateway: known to the gateway once the node's entry is written.
+    wait_for(lambda: gateway.get(f"/sandboxes/{sandbox_id}").status_code == 200, 10)
+    sbx = Sandbox.connect(sandbox_id)
     sbx.commands.run(COUNTER, background=True)
     sbx.files.write("/home/user/state.txt", "written before the fork")
     time.sleep(1.5)  # the counter's first writes
@@ -61,7 +67,9 @@ def counting_source(node: Server) -> tuple[Sandbox, int]:
 
 
 def test_a_fork_past_its_nodes_room_runs_the_rest_on_another_node(cluster: Cluster, gateway: httpx.Client) -> None:
-    source, before = counting_source(cluster.nodes["node-a"])
+    source, before = counting_source(cluster.nodes["node-a"], gateway)
+    source_info = gateway.get(f"/sandboxes/{source.sandbox_id}").json()
+    assert source_info["network"]["allowPublicTraffic"] is False
     r = gateway.post(f"/sandboxes/{source.sandbox_id}/fork", json={"count": 4, "timeout": 300})
     assert r.status_code == 201, r.text
     results = r.json()
@@ -79,14 +87,15 @@ def test_a_fork_past_its_nodes_room_runs_the_rest_on_another_node(cluster: Clust
         assert child.commands.run("echo $MARK").stdout.strip() == "kept"
         info = gateway.get(f"/sandboxes/{child_id}").json()
         assert info["metadata"] == {"run": "f1"} and info["lifecycle"]["onTimeout"] == "pause"
-        assert info["state"] == "running"
+        assert info["state"] == "running" and info["allowInternetAccess"] is False
+        assert info["network"] == source_info["network"] and "trafficAccessToken" in item["sandbox"]
     with cluster.nodes["node-a"].client() as direct:
         assert len(direct.get("/sandboxes").json()) == 3  # never more than its room
     assert count(source) >= before  # the source runs on
 
 
 def test_a_fork_with_no_room_on_its_node_is_made_elsewhere_whole(cluster: Cluster, gateway: httpx.Client) -> None:
-    source, before = counting_source(cluster.nodes["node-a"])
+    source, before = counting_source(cluster.nodes["node-a"], gateway)
     first = gateway.post(f"/sandboxes/{source.sandbox_id}/fork", json={"count": 2})
     assert first.status_code == 201 and [i["sandbox"]["nodeID"] for i in first.json()] == ["node-a"] * 2
     r = gateway.post(f"/sandboxes/{source.sandbox_id}/fork", json={"count": 2})
@@ -96,3 +105,29 @@ def test_a_fork_with_no_room_on_its_node_is_made_elsewhere_whole(cluster: Cluste
         child = Sandbox.connect(item["sandbox"]["sandboxID"])
         assert count(child) >= before
         assert child.files.read("/home/user/state.txt") == "written before the fork"
+
+
+def test_what_the_gateway_reads_of_a_fork_and_asks_for_its_children() -> None:
+    assert forks.asked(b"") == (1, None) and forks.asked(b'{"count": 3, "timeout": 60}') == (3, 60)
+    for body in (b"[1]", b'{"count": true}', b'{"count": 0}', b'{"timeout": "1"}', b"{"):
+        assert forks.asked(body) is None  # the node answered those itself
+    full = {"code": 429, "message": "this node runs at most 3 sandboxes", "error_code": "limit_exceeded"}
+    assert forks.results_of(429, full, 2) == [{"error": full}, {"error": full}]
+    assert forks.results_of(429, {**full, "error_code": "cluster_unavailable"}, 2) is None
+    assert forks.results_of(201, [{"sandbox": {}}], 2) is None  # not one result per child
+    source = {
+        "sandboxID": "s1",
+        "envdAccessToken": "t",
+        "metadata": {"a": "b"},
+        "endAt": "2999-01-01T00:00:00Z",
+        "lifecycle": {"onTimeout": "pause", "autoResume": True, "keepMemory": True},
+        "network": {"denyOut": ["10.0.0.0/8"], "maskRequestHost": "x:${PORT}"},
+        "allowInternetAccess": True,
+    }
+    body = forks.child_body(source, "snap_1", None)
+    assert body["templateID"] == "snap_1" and body["secure"] is True and body["metadata"] == {"a": "b"}
+    assert body["network"] == source["network"] and body["allow_internet_access"] is True
+    assert body["lifecycle"] == {"onTimeout": "pause", "autoResume": True} and body["autoPauseMemory"] is True
+    assert body["timeout"] > 10**9  # what is left of the source's
+    assert forks.child_body({**source, "envdAccessToken": None} | {}, "snap_1", 60)["timeout"] == 60
+    assert forks.child_body({k: v for k, v in source.items() if k != "envdAccessToken"}, "s", 5)["secure"] is False
