@@ -43,7 +43,7 @@ from aenv.api import connections, envd, listing
 from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
 from aenv.api.listing import short_sandbox_id
 from aenv.api.proxy import sandbox_gone
-from aenv.cluster import lists
+from aenv.cluster import forks, lists
 from aenv.cluster.drain import DRAIN_PATH
 from aenv.cluster.entries import ID_PATTERN, ClusterConfig, NodeEntry, SandboxEntry, key_matches
 from aenv.cluster.lists import ListQuery
@@ -108,6 +108,7 @@ CREATE_RETRY_PAUSE = 0.5
 # Sandboxes this gateway created, known from the create's answer until the node's entry arrives.
 MAX_HINTS = 100_000
 HINT_SECONDS = 60.0
+CATALOGUE_LAG = 8.0  # a node reads the repository's new entries at most every 3 s (aenv/node/artifacts.py)
 SNAPSHOT_HINT_SECONDS = 600.0  # a snapshot's commit to the repository may take minutes
 STARTUP_WAIT = 10.0
 SETTLE_SECONDS = 5.0  # how long a list waits for a change made through this gateway, at most
@@ -282,7 +283,7 @@ class Gateway:
             if method == "GET" and SANDBOX_INFO.match(path):
                 return await self.answered(request, node, _note_node)
             if method == "POST" and path.endswith("/fork"):
-                return await self.answered(request, node, self._note_fork)
+                return await self.fork(request, node, short_sandbox_id(match["id"]))
             if method == "POST" and path.endswith("/snapshots"):
                 return await self.answered(request, node, self._note_snapshot)
             if self.settings.domain and method == "POST" and SANDBOX_ANSWER.match(path):
@@ -745,27 +746,41 @@ class Gateway:
         create_id = create_id_of(request.headers) or uuid.uuid4().hex
         if not ID_PATTERN.fullmatch(create_id):
             raise InvalidRequest(f"{CREATE_ID_HEADER} must be 1-63 characters of A-Z a-z 0-9 . _ -")
+        upstream, content, node = await self._place_create(request, body, create_id)
+        if 200 <= upstream.status_code < 300:
+            answer = _json_answer(upstream, content) if self.settings.domain else None
+            if answer is not None:
+                self._stamp_domain(answer)
+                content = json.dumps(answer).encode()
+        return _buffered(upstream, node, content)
+
+    async def _place_create(
+        self, request: Request, body: bytes, create_id: str, *, avoid: str = ""
+    ) -> tuple[httpx.Response, bytes, NodeEntry]:
+        """``create``'s attempts (its answer, read whole, and the node that gave it); ``avoid``: a
+        node not to try (a fork's source node, full). The request's own path is ``POST /sandboxes``
+        or a fork's, whose children are sent as creates to ``/sandboxes``."""
         deadline = time.monotonic() + self.settings.create_timeout + CREATE_RETRY_SECONDS
         timeout = httpx.Timeout(self.settings.connect_timeout, read=self.settings.create_timeout, write=60.0, pool=10.0)
         failures: list[str] = []
         unanswered = False  # an attempt may have started a create: keep trying until the deadline
-        queue = self._create_candidates(body)
-        not_found: Response | None = None
+        queue = self._create_candidates(body, avoid)
+        not_found: tuple[httpx.Response, bytes, NodeEntry] | None = None
         out_of_touch = False  # a node refused (503) because it could not reach etcd
+        extra = {CREATE_ID_HEADER: create_id, "content-length": str(len(body)), "content-type": "application/json"}
+        path = None if request.url.path in ("/sandboxes", "/v2/sandboxes") else "/sandboxes"
         while time.monotonic() < deadline:
             if not queue:
                 if not unanswered:
                     break
                 await asyncio.sleep(CREATE_RETRY_PAUSE)
-                queue = self._create_candidates(body)
+                queue = self._create_candidates(body, avoid)
                 continue
             node = queue.pop(0)
             self.placement.sent(node.node_id)
             made = False
             try:
-                upstream = await self._send(
-                    request, node, body=body, extra={CREATE_ID_HEADER: create_id}, timeout=timeout
-                )
+                upstream = await self._send(request, node, body=body, extra=extra, timeout=timeout, path=path)
                 try:
                     content = await _read_upstream(upstream, MAX_INFO_BODY, node)
                 finally:
@@ -787,7 +802,7 @@ class Gateway:
                 continue
             if upstream.status_code == 404 and _error_code(content) == "template_not_found":
                 # a snapshot not yet in the repository is only on the node that made it: maybe the next
-                not_found = not_found or _buffered(upstream, node, content)
+                not_found = not_found or (upstream, content, node)
                 continue
             if upstream.status_code == 409 and _error_code(content) == "create_elsewhere":
                 holder = await self._create_holder(create_id)
@@ -797,11 +812,7 @@ class Gateway:
                     queue.insert(0, self.mirror.nodes[holder])
                 continue
             self._remember_created(content, node)
-            answer = _json_answer(upstream, content) if self.settings.domain else None
-            if answer is not None:
-                self._stamp_domain(answer)
-                content = json.dumps(answer).encode()
-            return _buffered(upstream, node, content)
+            return upstream, content, node
         summary = "; ".join(failures[-6:])[:1000]
         if not_found is not None and not unanswered:
             return not_found
@@ -811,17 +822,18 @@ class Gateway:
             raise ClusterUnavailable("no node could take the sandbox: " + summary)
         raise LimitExceeded("no node could take the sandbox: " + summary)
 
-    def _create_candidates(self, body: bytes) -> list[NodeEntry]:
-        """The best nodes for the create (placement.py); first the one this gateway saw make the
-        snapshot named, if any (its entry may not list it yet, nor the repository hold it)."""
+    def _create_candidates(self, body: bytes, avoid: str = "") -> list[NodeEntry]:
+        """The best nodes for the create (placement.py) but ``avoid``; first the one this gateway
+        saw make the snapshot named, if any (its entry may not list it yet, nor the repository
+        hold it)."""
         try:
             source = json.loads(body).get("templateID")
         except (ValueError, AttributeError):
             source = None
         source = source if isinstance(source, str) else None
-        ranked = self.candidates(source)
+        ranked = [n for n in self.candidates(source) if n.node_id != avoid]
         made = self.made_on.get(source) if source is not None else None
-        maker = self.mirror.nodes.get(made[0]) if made is not None else None
+        maker = self.mirror.nodes.get(made[0]) if made is not None and made[0] != avoid else None
         if maker is not None and made is not None and time.monotonic() - made[1] < SNAPSHOT_HINT_SECONDS:
             ranked = [maker, *(n for n in ranked if n.node_id != maker.node_id)]  # a full one answers 429
         return ranked[:MAX_CANDIDATES]
@@ -896,6 +908,87 @@ class Gateway:
                 item = item["sandbox"]  # a fork's result
             if isinstance(item, dict) and "sandboxID" in item:
                 item["domain"] = domain
+
+    async def fork(self, request: Request, node: NodeEntry, sandbox_id: str) -> Response:
+        """A fork, sent to the source's node. The children it had no room for (a per-child 429, or
+        its 429 for the whole fork) are made on other nodes from a durable snapshot of the source
+        (aenv/cluster/forks.py), when other nodes have room: one list back, each child in the
+        order asked, with the node it runs on (``nodeID``), or its error."""
+        body = await _read_bounded(request, MAX_CREATE_BODY)
+        upstream = await self._send(request, node, body=body)
+        try:
+            content = await _read_upstream(upstream, MAX_FORK_BODY, node)
+        finally:
+            await upstream.aclose()
+        fork = forks.asked(body)
+        answer = _parsed(content) if "content-encoding" not in upstream.headers else None
+        results = forks.results_of(upstream.status_code, answer, fork[0]) if fork is not None else None
+        if results is None or fork is None:
+            return await self.answered(request, node, self._note_fork, upstream=_replay(upstream, content))
+        self._note_fork(results, node)
+        for result in results:
+            if isinstance(result.get("sandbox"), dict):
+                result["sandbox"]["nodeID"] = node.node_id
+        refused = [i for i, result in enumerate(results) if forks.refused_for_room(result)]
+        if refused and any(n.node_id != node.node_id for n in self.placement.rank(list(self.mirror.nodes.values()))):
+            made = await self._fork_elsewhere(request, node, sandbox_id, len(refused), fork[1])
+            for i, result in zip(refused, made, strict=True):
+                results[i] = result
+        if upstream.status_code == 429 and not any("sandbox" in result for result in results):
+            return _buffered(upstream, node, content)  # no room anywhere: the node's 429 as it was
+        self._stamp_domain(results)
+        return JSONResponse(results, status_code=201, headers={NODE_ID_HEADER: node.node_id})
+
+    async def _fork_elsewhere(
+        self, request: Request, node: NodeEntry, sandbox_id: str, count: int, timeout: int | None
+    ) -> list[dict[str, object]]:
+        """``count`` children of ``sandbox_id`` made on nodes other than ``node`` from a durable
+        snapshot of it, each as a create through the placement (``{"sandbox"}`` or ``{"error"}``).
+        The snapshot stays: the children's layers are its layers (see docs/cluster.md)."""
+        headers = {"x-api-key": request.headers.get("x-api-key", "")}
+        try:
+            source = (await self._node_response(node, f"/sandboxes/{sandbox_id}", [], headers)).json()
+            snapshot = await self._send(
+                request,
+                node,
+                body=b'{"durable": true}',
+                path=f"/sandboxes/{sandbox_id}/snapshots",
+                extra={"content-type": "application/json", "content-length": "17"},
+                timeout=httpx.Timeout(self.settings.connect_timeout, read=self.settings.create_timeout),
+            )
+            try:
+                content = await _read_upstream(snapshot, MAX_INFO_BODY, node)
+            finally:
+                await snapshot.aclose()
+            if snapshot.status_code != 201:
+                raise _node_error(_replay(snapshot, content), node)
+            snapshot_id = json.loads(content)["snapshotID"]
+        except (AenvError, ValueError, KeyError, TypeError) as exc:
+            message = exc.message if isinstance(exc, AenvError) else repr(exc)
+            failed = UpstreamError(f"no room on node {node.node_id}; its snapshot for others failed: {message}"[:500])
+            return [{"error": error_body(failed)} for _ in range(count)]
+        _note(self.made_on, snapshot_id, node.node_id, SNAPSHOT_HINT_SECONDS)
+        child = json.dumps(forks.child_body(source, snapshot_id, timeout)).encode()
+        return list(await asyncio.gather(*(self._fork_child(request, child, node) for _ in range(count))))
+
+    async def _fork_child(self, request: Request, body: bytes, source_node: NodeEntry) -> dict[str, object]:
+        """One child made elsewhere. The snapshot is committed, but a node reads the repository's
+        new entries at most every few seconds: a node that does not know it yet is asked again."""
+        create_id = uuid.uuid4().hex
+        deadline = time.monotonic() + CATALOGUE_LAG
+        try:
+            while True:
+                upstream, content, node = await self._place_create(request, body, create_id, avoid=source_node.node_id)
+                if upstream.status_code != 404 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(1.0)
+        except AenvError as exc:
+            return {"error": error_body(exc)}
+        answer = _parsed(content)
+        if upstream.status_code != 201 or not isinstance(answer, dict):
+            return {"error": forks.error_of(upstream.status_code, content)}
+        answer["nodeID"] = node.node_id
+        return {"sandbox": answer}
 
     def _note_fork(self, answer: object, node: NodeEntry) -> None:
         """A fork's children live on the source's node: known there before the directory says so."""
@@ -1056,6 +1149,18 @@ def _note(table: dict[str, tuple[str, float]], key: str, node_id: str, keep: flo
             del table[old]
     if len(table) < MAX_HINTS:
         table[key] = (node_id, now)
+
+
+def _parsed(content: bytes) -> object:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None
+
+
+def _replay(upstream: httpx.Response, content: bytes) -> httpx.Response:
+    """A node's answer already read whole, as a response to read again."""
+    return httpx.Response(upstream.status_code, headers=upstream.headers, content=content)
 
 
 def _error_code(content: bytes) -> str:

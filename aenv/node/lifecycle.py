@@ -244,15 +244,21 @@ class Lifecycle:
         return await self._operate(sb, "create", run, join=False)
 
     def _check_room(self) -> None:
-        live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
-        if live >= self.settings.max_sandboxes:
-            raise LimitExceeded(f"this node runs at most {self.settings.max_sandboxes} sandboxes")
+        room, limit = self._room()
+        if room == 0:
+            raise LimitExceeded(limit)
+
+    def _room(self) -> tuple[int, str]:
+        """How many more sandboxes this node may run now, and the limit that stops the next one."""
         available = memory_available_mb()
         if available is not None and available < self.settings.min_free_memory_mb:
-            raise LimitExceeded(
+            return 0, (
                 f"this node's host has {available} MiB of memory available, "
                 f"less than the {self.settings.min_free_memory_mb} MiB it keeps free"
             )
+        live = sum(1 for sb in self.sandboxes.values() if sb.state != S.PAUSED)
+        most = self.settings.max_sandboxes
+        return max(0, most - live), f"this node runs at most {most} sandboxes"
 
     def _admit(self) -> None:
         for check in self.admission_checks:
@@ -499,6 +505,7 @@ class Lifecycle:
             raise InvalidRequest(f"count may be at most {self.settings.max_fork}")
         child_timeout = self._check_timeout(timeout) if timeout is not None else None
         self._admit()
+        self._check_room()  # no room for any child: the whole fork is refused, nothing checkpointed
 
         async def run() -> list[ForkResult]:
             leaves_running = self.driver.leaves_running
@@ -508,8 +515,14 @@ class Lifecycle:
             ttl = child_timeout if child_timeout is not None else max(1, int(sb.rec.end_at - now))
             children: list[LiveSandbox] = []
             try:
-                for _ in range(count):
+                for _ in range(min(count, self._room()[0])):
                     children.append(await self._child_of(sb, layers, now, ttl))
+                # From the count to the entries nothing awaits: concurrent creates and forks cannot
+                # overfill the node. Children past its room are answered with the limit instead.
+                room, limit = self._room()
+                for child in children[room:]:
+                    await self.files.remove(child.rec.upper)
+                children = children[:room]
                 for child in children:
                     self.sandboxes[child.id] = child
                 # The source is restored from the image too unless the checkpoint left it running.
@@ -528,6 +541,8 @@ class Lifecycle:
                     await self._discard(child)
                 raise outcomes[0]
             await self._set_state(sb, S.RUNNING)
+            if not children:
+                raise LimitExceeded(limit)  # the room went to others while the source was checkpointed
             results = []
             for child, outcome in zip(children, outcomes[len(restart) :], strict=True):
                 if isinstance(outcome, BaseException):
@@ -536,6 +551,8 @@ class Lifecycle:
                     results.append(ForkResult(error=err))
                 else:
                     results.append(ForkResult(sandbox=child.rec))
+            refused = f"{limit}: no room for this child ({len(children)} of the fork's {count} fit)"
+            results += [ForkResult(error=LimitExceeded(refused)) for _ in range(count - len(children))]
             return results
 
         return await self._operate(sb, "fork", run, join=False)
