@@ -90,9 +90,11 @@ class Cluster:
 
 
 @contextmanager
-def running_cluster(node_names: tuple[str, ...] = ("node-a", "node-b"), gateways: int = 2) -> Iterator[Cluster]:
-    """etcd x3, the nodes (sharing the session server's repository: request `server` first), and
-    the gateways; everything stopped after."""
+def running_cluster(
+    node_names: tuple[str, ...] = ("node-a", "node-b"), gateways: int = 2, node_env: dict[str, str] | None = None
+) -> Iterator[Cluster]:
+    """etcd x3, the nodes (sharing the session server's repository: request `server` first; or
+    the one ``node_env`` names, e.g. an S3 repository), and the gateways; everything stopped after."""
     require_etcd()
     etcd = EtcdCluster(3)
     nodes: dict[str, Server] = {}
@@ -100,7 +102,7 @@ def running_cluster(node_names: tuple[str, ...] = ("node-a", "node-b"), gateways
     try:
         etcd.start()
         for name in node_names:
-            nodes[name] = start_node(etcd.url, name, lease_ttl=LEASE_TTL)
+            nodes[name] = start_node(etcd.url, name, lease_ttl=LEASE_TTL, extra_env=node_env)
         started += [start_gateway(etcd.url) for _ in range(gateways)]
         for gateway in started:
             wait_for_nodes(gateway, set(nodes))
