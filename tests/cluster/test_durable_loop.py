@@ -81,6 +81,12 @@ def cluster(request: pytest.FixtureRequest, server: Server) -> Iterator[Cluster]
             "AENV_REPO_S3_SECRET_ACCESS_KEY": S3_KEY["secret_access_key"],
         }
     with running_cluster(node_env=node_env) as c:
+        for node in c.nodes.values():  # each on the repository meant, `base` found there (not committed again)
+            with node.client() as direct:
+                repository = direct.get("/repository").json()
+            assert repository["url"].startswith("s3://" if node_env else "/") and repository["pending"] == [], (
+                repository
+            )
         yield c
 
 
