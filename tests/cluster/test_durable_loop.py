@@ -84,7 +84,7 @@ def cluster(request: pytest.FixtureRequest, server: Server) -> Iterator[Cluster]
         for node in c.nodes.values():  # each on the repository meant, `base` found there (not committed again)
             with node.client() as direct:
                 repository = direct.get("/repository").json()
-            assert repository["url"].startswith("s3://" if node_env else "/") and repository["pending"] == [], (
+            assert repository["url"].startswith("s3://" if node_env else "file://") and repository["pending"] == [], (
                 repository
             )
         yield c
