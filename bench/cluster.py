@@ -8,7 +8,13 @@ each against a baseline taken in the same run:
 - a burst of creates from concurrent clients through the gateways against one node alone;
 - a gateway's directory mirror holding N entries the bench writes straight to etcd: load time of
   a fresh gateway process, its memory against an empty directory's, lookup p99 in the mirror;
-- seconds from a node's `kill -9` until every gateway has dropped it (its lease's TTL).
+- seconds from a node's `kill -9` until every gateway has dropped it (its lease's TTL);
+- durable pause (`--only durable` runs this alone; 3 nodes then): the pause call against the time
+  until `GET` shows it durable, bytes uploaded per pause (the node's
+  `aenv_repo_commit_bytes_total{what="uploaded"}`) of an idle sandbox and of one that wrote
+  20 MiB; a resume on the origin node against one on another node (artifacts fetched); a drain
+  with move of a node holding N running sandboxes: its seconds and the longest pause a client
+  polling each sandbox saw.
 Prints a table and writes JSON.
 """
 
@@ -242,9 +248,142 @@ async def bench(state: dict[str, Any], layout: local.Layout, args: argparse.Name
         "failures": fail_gw + fail_node,
     }
     results["directory"] = await mirror_bench(layout, key, args.entries)
+    if len(state["nodes"]) >= 3:  # it leaves its first two nodes draining: after the rest, before the failover
+        results["durable"] = await durable_bench(state, args)
+    else:
+        say("durable pause: skipped (it needs --nodes 3 or more)")
     say("[bold]failover[/bold]: kill -9 of a node")
     results["failover"] = {**failover(state, key), "lease_ttl_s": int(os.environ.get("AENV_CLUSTER_LEASE_TTL", 10))}
     return results
+
+
+def uploaded_bytes(node: str) -> float:
+    """The node's counter of bytes its repository commits uploaded."""
+    for line in httpx.get(f"{node}/metrics", timeout=10).text.splitlines():
+        if line.startswith('aenv_repo_commit_bytes_total{what="uploaded"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def durable_pause(http: httpx.AsyncClient, node: str, sandbox_id: str) -> dict[str, float]:
+    """Pause ``sandbox_id`` (on ``node``): the call's seconds, until GET says durable, bytes uploaded."""
+    before = uploaded_bytes(node)
+    start = time.perf_counter()
+    (await http.post(f"{node}/sandboxes/{sandbox_id}/pause")).raise_for_status()
+    call = time.perf_counter() - start
+    while not (await http.get(f"{node}/sandboxes/{sandbox_id}")).json().get("durable"):
+        if time.perf_counter() - start > 300:
+            raise RuntimeError(f"the pause of {sandbox_id} was not durable within 300 s")
+        await asyncio.sleep(0.02)
+    durable = time.perf_counter() - start
+    await asyncio.sleep(0.5)  # the counter is bumped as the commit ends; the GET may see durable first
+    return {"pause_s": call, "durable_s": durable, "uploaded_bytes": uploaded_bytes(node) - before}
+
+
+async def wait_durable_entry(store: ClusterStore, sandbox_id: str) -> None:
+    """Until the directory says the pause is durable (a tick after the node's GET does)."""
+    for _ in range(3000):
+        found = await store.get_sandbox(sandbox_id)
+        if found is not None and found.entry.durable:
+            return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{sandbox_id} is not durable in the directory")
+
+
+async def timed_connect(http: httpx.AsyncClient, gateway: str, sandbox_id: str) -> tuple[float, str]:
+    start = time.perf_counter()
+    r = await http.post(f"{gateway}/sandboxes/{sandbox_id}/connect", json={"timeout": 600})
+    r.raise_for_status()
+    return time.perf_counter() - start, r.headers["x-aenv-node-id"]
+
+
+async def drain_stream(http: httpx.AsyncClient, gateway: str, node_id: str, move: bool) -> dict[str, Any]:
+    async with http.stream("POST", f"{gateway}/nodes/{node_id}/drain", json={"move": move}, timeout=900) as r:
+        r.raise_for_status()
+        lines = [json.loads(line) async for line in r.aiter_lines() if line.strip()]
+    return dict(lines[-1])
+
+
+async def poll_gaps(http: httpx.AsyncClient, gateway: str, sandbox_id: str, stop: asyncio.Event) -> float:
+    """The longest time between two answers of the sandbox's envd `/health` through ``gateway``."""
+    headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "49983"}
+    last = time.perf_counter()
+    longest = 0.0
+    while not stop.is_set():
+        try:
+            ok = (await http.get(f"{gateway}/health", headers=headers, timeout=30)).status_code < 300
+        except httpx.HTTPError:
+            ok = False
+        now = time.perf_counter()
+        if ok:
+            longest, last = max(longest, now - last), now
+        await asyncio.sleep(0.1)
+    return max(longest, time.perf_counter() - last)
+
+
+async def durable_bench(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Durable pauses, resumes on the origin and elsewhere, a drain with move (see the module doc)."""
+    key, gw = state["apiKey"], state["gateways"][0]
+    first, second = state["nodes"][0], state["nodes"][1]
+    store = ClusterStore.from_url(local.Layout(args.dir, args.base_port).etcd_url())
+    out: dict[str, Any] = {}
+    async with (
+        AsyncClient(first["url"], key) as direct,
+        httpx.AsyncClient(headers={"X-API-Key": key}, timeout=300) as http,
+    ):
+        say(f"[bold]durable pause[/bold] x{args.pauses}: idle, and after writing 20 MiB")
+        idle, written, ids = [], [], []
+        for _ in range(args.pauses):
+            for kind, into in (("idle", idle), ("20MiB", written)):
+                sbx = await direct.create(timeout=600)
+                ids.append(sbx.sandbox_id)
+                await sbx.exec("true")
+                if kind == "20MiB":
+                    await sbx.exec("head -c 20M /dev/urandom > /home/user/big")
+                into.append(await durable_pause(http, first["url"], sbx.sandbox_id))
+        out["pause_idle"], out["pause_20mib"] = idle, written
+        say("[bold]resume[/bold] on the origin node (through a gateway), paused durably again")
+        origin = []
+        for sid in ids:
+            origin.append((await timed_connect(http, gw, sid))[0])
+            (await http.post(f"{first['url']}/sandboxes/{sid}/pause")).raise_for_status()
+        for sid in ids:
+            await wait_durable_entry(store, sid)
+        say(f"[bold]resume elsewhere[/bold]: {first['nodeID']} drained without move, each connected through a gateway")
+        await drain_stream(http, gw, first["nodeID"], move=False)
+        elsewhere = [await timed_connect(http, gw, sid) for sid in ids]
+        out["resume_origin_s"] = origin
+        out["resume_elsewhere_s"] = [s for s, _ in elsewhere]
+        out["resumed_on"] = sorted({n for _, n in elsewhere})
+        for sid in ids:
+            await http.delete(f"{gw}/sandboxes/{sid}")
+
+    async with (
+        AsyncClient(second["url"], key) as direct,
+        httpx.AsyncClient(headers={"X-API-Key": key}, timeout=300) as http,
+    ):
+        say(f"[bold]drain with move[/bold] of {second['nodeID']} holding {args.drain} running sandboxes")
+        made = [(await direct.create(timeout=600)).sandbox_id for _ in range(args.drain)]
+        stop = asyncio.Event()
+        pollers = [asyncio.ensure_future(poll_gaps(http, gw, sid, stop)) for sid in made]
+        await asyncio.sleep(2)
+        start = time.perf_counter()
+        last = await drain_stream(http, gw, second["nodeID"], move=True)
+        seconds = time.perf_counter() - start
+        await asyncio.sleep(1)
+        stop.set()
+        gaps = await asyncio.gather(*pollers)
+        out["drain"] = {
+            "sandboxes": args.drain,
+            "seconds": seconds,
+            "longest_pause_s": max(gaps),
+            "p50_pause_s": pct(gaps, 0.5),
+            "last": last,
+        }
+        for sid in made:
+            await http.delete(f"{gw}/sandboxes/{sid}")
+    await store.close()
+    return out
 
 
 def _against(ours: list[float], base: list[float]) -> dict[str, float]:
@@ -296,11 +435,46 @@ def render(r: dict[str, Any]) -> None:
     console.print(table)
 
 
+def render_durable(d: dict[str, Any]) -> None:
+    table = Table(title="durable pause, resume anywhere, drain", header_style="bold")
+    for col in ("measure", "p50", "max", "baseline (same run)"):
+        table.add_column(col)
+    for name, label in (("pause_idle", "idle sandbox"), ("pause_20mib", "after writing 20 MiB")):
+        rows = d[name]
+        calls, durables = [r["pause_s"] for r in rows], [r["durable_s"] for r in rows]
+        mib = [r["uploaded_bytes"] / 2**20 for r in rows]
+        table.add_row(
+            f"pause until durable s, {label}",
+            f"{pct(durables, 0.5):.2f}",
+            f"{max(durables):.2f}",
+            f"the pause call {pct(calls, 0.5):.2f} s p50",
+        )
+        table.add_row(f"MiB uploaded per pause, {label}", f"{pct(mib, 0.5):.1f}", f"{max(mib):.1f}", "")
+    elsewhere, origin = d["resume_elsewhere_s"], d["resume_origin_s"]
+    table.add_row(
+        "resume on another node s (artifacts fetched)",
+        f"{pct(elsewhere, 0.5):.2f}",
+        f"{max(elsewhere):.2f}",
+        f"on the origin node {pct(origin, 0.5):.2f} p50, {max(origin):.2f} max",
+    )
+    dr = d["drain"]
+    table.add_row(
+        f"drain with move of {dr['sandboxes']} running sandboxes s",
+        f"{dr['seconds']:.1f}",
+        "",
+        f"longest pause a client saw {dr['longest_pause_s']:.1f} s (p50 of each one's longest {dr['p50_pause_s']:.1f})",
+    )
+    console.print(table)
+
+
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     layout = local.Layout(args.dir, args.base_port)
     state = await asyncio.to_thread(local.up, layout, args.nodes, args.gateways, say)
     try:
-        results = await bench(state, layout, args)
+        if args.only == "durable":
+            results = {"durable": await durable_bench(state, args)}
+        else:
+            results = await bench(state, layout, args)
     finally:
         await asyncio.to_thread(local.down, layout, say)
     results["cluster"] = {"nodes": args.nodes, "gateways": args.gateways, "etcd": local.ETCD_MEMBERS}
@@ -317,14 +491,23 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=50, help="creates in the burst")
     parser.add_argument("--clients", type=int, default=10, help="concurrent clients of the burst")
     parser.add_argument("--entries", type=int, default=30000, help="directory entries the mirror holds")
+    parser.add_argument("--only", choices=["durable"], help="run only this section (it needs 3 nodes)")
+    parser.add_argument("--pauses", type=int, default=5, help="durable pauses of each kind (idle, 20 MiB written)")
+    parser.add_argument("--drain", type=int, default=20, help="running sandboxes on the node drained with move")
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp/aenv-bench-cluster"))
     parser.add_argument("--base-port", type=int, default=18080)
     parser.add_argument("--out", type=Path, default=Path("bench/results/cluster.json"))
     args = parser.parse_args()
     if shutil.which("etcd") is None:
         sys.exit("etcd is not installed (./scripts/cluster up installs etcd-server)")
+    if args.only == "durable":
+        args.nodes = max(args.nodes, 3)  # the drained origin, the node resumes go to, the drain's target
+        args.out = args.out.with_name("cluster-durable.json")
     results = asyncio.run(amain(args))
-    render(results)
+    if args.only != "durable":
+        render(results)
+    if "durable" in results:
+        render_durable(results["durable"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     console.print(f"JSON: {args.out}")

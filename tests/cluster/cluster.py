@@ -96,7 +96,7 @@ def running_cluster(
     node_env: dict[str, dict[str, str]] | None = None,
 ) -> Iterator[Cluster]:
     """etcd x3, the nodes (sharing the session server's repository: request `server` first; each
-    with its settings in ``node_env``), and the gateways; everything stopped after."""
+    with its settings in ``node_env``, e.g. an S3 repository), and the gateways; everything stopped after."""
     require_etcd()
     etcd = EtcdCluster(3)
     nodes: dict[str, Server] = {}
