@@ -170,7 +170,7 @@ def sandbox_detail(node: NodeService, sb: LiveSandbox, domain: str | None) -> di
     )
     if rec.state.value == "paused":
         out["pausedWithMemory"] = not rec.filesystem_only
-        out["durable"] = bool(rec.durable_at)
+        out["durable"] = node.is_durable(rec)
         reason = node.durable_reason(rec)
         if reason:
             out["durableReason"] = reason

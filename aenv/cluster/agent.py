@@ -126,6 +126,7 @@ class NodeAgent:
         self.node.admission_checks.append(self.admit)
         self.node.create_ids.claims = self
         self.node.adopter = self.adopt
+        self.node.durable_in_directory = self.durable_in_directory
         self._task = asyncio.create_task(self._run(), name="cluster-agent")
 
     async def stop(self) -> None:
@@ -139,6 +140,8 @@ class NodeAgent:
             self.node.create_ids.claims = None
         if self.node.adopter == self.adopt:
             self.node.adopter = None
+        if self.node.durable_in_directory == self.durable_in_directory:
+            self.node.durable_in_directory = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -441,13 +444,18 @@ class NodeAgent:
         self.draining = True
         await self.store.put_node(self.entry(), self.lease_id)
 
+    def durable_in_directory(self, sandbox_id: str) -> bool:
+        """Whether this node's directory entry for the sandbox says durably paused: only then may
+        another node take it over, so only then does the node call the pause durable."""
+        have = self.written.get(sandbox_id)
+        return have is not None and have.entry.durable and have.entry.node_id == self.node_id
+
     async def durable_written(self, sandbox_id: str, within: float = 10.0) -> bool:
         """Until the directory says the sandbox is durably paused (another node takes over only
         such an entry); whether it does within ``within`` seconds."""
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
-            have = self.written.get(sandbox_id)
-            if have is not None and have.entry.durable and have.entry.node_id == self.node_id:
+            if self.durable_in_directory(sandbox_id):
                 return True
             self._wake.set()
             await asyncio.sleep(0.05)

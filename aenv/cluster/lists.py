@@ -89,6 +89,8 @@ def listed_item(entry: SandboxEntry, secret: bytes, domain: str | None) -> dict[
     item = dict(entry.listed)
     secure, private = item.pop("secure", False), item.pop("private", False)
     item.update(sandboxID=entry.sandbox_id, metadata=entry.metadata, domain=domain)
+    if "durable" in item:  # the node's item was made before the entry it went into said durable
+        item["durable"] = entry.durable
     if secure:
         item["envdAccessToken"] = tokens.access_token(secret, entry.sandbox_id)
     if private:

@@ -342,6 +342,8 @@ class ArtifactCache:
             return
         sb.rec.durable_at = time.time()
         await self.node.store.put_sandbox(sb.rec)
+        for listener in self.node.state_listeners:  # the cluster agent writes the entry now, not at its next beat
+            listener(sb)
         log.info(
             "paused sandbox %s is durable: %.1f MiB uploaded in %d new chunks (%.2fs)",
             sb.id,

@@ -112,6 +112,9 @@ class Node(Lifecycle, Instances, Records):
         # Called when a resume names a sandbox this node does not hold: the cluster agent takes
         # over one durably paused on a node that is gone (adopt_paused), or does nothing.
         self.adopter: Callable[[str], Awaitable[None]] | None = None
+        # In a cluster: whether the directory says a sandbox is durably paused (its entry is
+        # written a moment after the commit; another node may take it over only from then on).
+        self.durable_in_directory: Callable[[str], bool] | None = None
         self.warm = WarmPools(self)  # idle sandboxes restored ahead of creates
 
     # -- start and stop ---------------------------------------------------------------------------
@@ -275,6 +278,10 @@ class Node(Lifecycle, Instances, Records):
 
     def durable_reason(self, rec: SandboxRecord) -> str:
         return self.artifacts.durable_reason(rec)
+
+    def is_durable(self, rec: SandboxRecord) -> bool:
+        confirmed = self.durable_in_directory
+        return bool(rec.durable_at) and (confirmed is None or confirmed(rec.id))
 
     async def wait_durable(self, sandbox_id: str) -> bool:
         sb = self.get(sandbox_id)

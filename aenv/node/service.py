@@ -203,6 +203,12 @@ class NodeService(Protocol):
     def create_ids(self) -> CreateIds: ...
 
     adopter: Callable[[str], Awaitable[None]] | None
+    durable_in_directory: Callable[[str], bool] | None
+
+    def is_durable(self, rec: SandboxRecord) -> bool:
+        """A paused sandbox's state is in the repository (and, in a cluster, its directory entry
+        says so): it survives this node."""
+        ...
 
     async def adopt_paused(self, sandbox_id: str) -> None:
         """Hold a sandbox durably paused by another node, from the repository (paused here)."""

@@ -70,7 +70,12 @@ def counting_sandbox(node: Server, **body: Any) -> str:
         return str(r.json()["sandboxID"])
 
 
-def start_counting(sandbox_id: str) -> int:
+def start_counting(cluster: Cluster, sandbox_id: str) -> int:
+    """Start the counter through the gateways, once they know the sandbox (it was made straight
+    at its node: its directory entry comes a beat later, and a connect before it found nothing)."""
+    for index in range(len(cluster.gateways)):
+        with cluster.api(index) as api:
+            wait_for(lambda api=api: api.get(f"/sandboxes/{sandbox_id}").status_code == 200, 10)
     sbx = Sandbox.connect(sandbox_id)
     sbx.commands.run(COUNTER, background=True)
     sbx.files.write("/home/user/state.txt", "written before the drain")
@@ -111,7 +116,7 @@ def test_a_drain_with_move_resumes_running_sandboxes_elsewhere(
     use_gateway(cluster, 0, monkeypatch)
     with extra_node(cluster, "node-move") as node:
         sandbox_id = counting_sandbox(node)
-        before = start_counting(sandbox_id)
+        before = start_counting(cluster, sandbox_id)
         ruled = counting_sandbox(node, timeout=300, network={"denyOut": ["10.9.9.9/32"]})
         with node.client() as direct:
             ruled_before = direct.get(f"/sandboxes/{ruled}").json()
@@ -179,7 +184,7 @@ def test_a_drain_without_move_leaves_durable_pauses_the_cluster_resumes(
     use_gateway(cluster, 0, monkeypatch)
     with extra_node(cluster, "node-hold") as node:
         sandbox_id = counting_sandbox(node)
-        before = start_counting(sandbox_id)
+        before = start_counting(cluster, sandbox_id)
 
         env = {**os.environ, "AENV_URL": cluster.gateway.url, "AENV_API_KEY": API_KEY}
         cli = [sys.executable, "-m", "aenv.cli.main", "nodes", "drain", "node-hold", "--json"]
@@ -256,7 +261,7 @@ def test_sigterm_drains_the_node_first(cluster: Cluster, monkeypatch: pytest.Mon
     use_gateway(cluster, 0, monkeypatch)
     with extra_node(cluster, "node-term") as node:
         sandbox_id = counting_sandbox(node)
-        before = start_counting(sandbox_id)
+        before = start_counting(cluster, sandbox_id)
         started = time.monotonic()
         node.stop(signal.SIGTERM)
         assert time.monotonic() - started < 90
