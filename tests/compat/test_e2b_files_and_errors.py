@@ -616,19 +616,21 @@ def test_base_has_python_as_e2bs_does(sbx: Sandbox) -> None:
 
 
 @pytest.mark.parametrize(
-    ("guest", "description", "recommitted"),
+    ("guest", "description", "runs_here", "recommitted"),
     [
-        ("current", builder.BASE_DESCRIPTION, False),
-        ("current", "", True),  # committed by a node whose setup steps were others (an older one)
-        ("current", "Debian with aenv's setup 000000000000", True),
-        ("older", builder.BASE_DESCRIPTION, True),
+        ("current", builder.BASE_DESCRIPTION, True, False),
+        ("current", "", True, True),  # committed by a node whose setup steps were others (an older one)
+        ("current", "Debian with aenv's setup 000000000000", True, True),
+        ("older", builder.BASE_DESCRIPTION, True, True),
+        ("current", builder.BASE_DESCRIPTION, False, True),  # its image was written by another runsc
     ],
 )
 async def test_base_is_recommitted_when_its_setup_changes(
-    guest: str, description: str, recommitted: bool, monkeypatch: pytest.MonkeyPatch
+    guest: str, description: str, runs_here: bool, recommitted: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A data dir's `base` gets a changed setup (such as `python`) at the next start, on its own
-    Debian layer: without this, only a new guest agent would ever bring it."""
+    Debian layer: without this, only a new guest agent would ever bring it. So does a `base`
+    whose memory image this node's runsc cannot restore."""
     record = SimpleNamespace(guest=guest, description=description, layers=["debian", "setup"])
     node = SimpleNamespace(find_template=lambda name: record, driver=SimpleNamespace(guest_key=lambda: "current"))
     commits: list[str] = []
@@ -637,6 +639,10 @@ async def test_base_is_recommitted_when_its_setup_changes(
         commits.append(debian_layer)
         return "new base"
 
+    async def image_runs_here(node: object, rec: object) -> bool:
+        return runs_here
+
     monkeypatch.setattr(builder, "_commit_base", commit)
+    monkeypatch.setattr(builder, "_image_runs_here", image_runs_here)
     assert await builder.ensure_base(node) == ("new base" if recommitted else record)  # type: ignore[arg-type]
     assert commits == (["debian"] if recommitted else [])
