@@ -123,24 +123,29 @@ class AgentLink:
             raise InvalidRequest(f"the sandbox's settings: {exc.message}", sandbox_id=self.sandbox_id) from exc
         await self._await(fut, "thaw", READY_TIMEOUT)
 
+    @property
+    def freeze_timeout(self) -> float:
+        """A freeze is a call: it has at most the agent's deadline (AENV_AGENT_TIMEOUT)."""
+        return min(FREEZE_TIMEOUT, self.call_timeout)
+
     async def freeze(self, *, halt: bool = False) -> None:
         """Bring both pipe directions to a frame boundary before a checkpoint. With ``halt`` the
         agent first ends every other process (the instance will be stopped, not saved)."""
         fut = self._expect("frozen")
         try:
-            await self.within(self.channel.ctrl({"op": "freeze", "halt": halt}), "freeze", FREEZE_TIMEOUT)
+            await self.within(self.channel.ctrl({"op": "freeze", "halt": halt}), "freeze", self.freeze_timeout)
         except ChannelClosed as exc:
             raise AgentUnavailable(f"cannot freeze the sandbox's agent: {exc}", sandbox_id=self.sandbox_id) from exc
         self.channel.hold()
         try:
-            await self._await(fut, "freeze", FREEZE_TIMEOUT)
+            await self._await(fut, "freeze", self.freeze_timeout)
         except BaseException:
             # Never leave the sandbox half-frozen: release our writes and tell the agent to go on
             # (as far as a wedged agent lets us: these writes have a deadline too).
             self._waiters.pop("frozen", None)
             try:
-                await self.within(self.channel.release(replay=True), "thaw", FREEZE_TIMEOUT)
-                await self.within(self.channel.ctrl({"op": "thaw", "fresh": False}), "thaw", FREEZE_TIMEOUT)
+                await self.within(self.channel.release(replay=True), "thaw", self.freeze_timeout)
+                await self.within(self.channel.ctrl({"op": "thaw", "fresh": False}), "thaw", self.freeze_timeout)
             except (ChannelClosed, AgentTimeout):
                 pass
             raise

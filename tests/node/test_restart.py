@@ -16,7 +16,8 @@ pytestmark = pytest.mark.sandbox
 
 def runsc_containers(server: Server) -> set[str]:
     root = server.data_dir / "runtime" / "runsc"
-    out = subprocess.run(["runsc", "--root", str(root), "list", "-quiet"], capture_output=True, text=True).stdout
+    runsc = server.env.get("AENV_RUNSC", "runsc")  # the node's own runsc
+    out = subprocess.run([runsc, "--root", str(root), "list", "-quiet"], capture_output=True, text=True).stdout
     return {line.strip() for line in out.splitlines() if line.strip()}
 
 
