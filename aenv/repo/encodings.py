@@ -22,7 +22,6 @@ the node's headroom of full.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import stat
@@ -33,7 +32,7 @@ from pathlib import Path
 
 from aenv.errors import ArtifactDamaged, StorageError
 from aenv.storage.confined import XATTR_PREFIXES, is_whiteout
-from aenv.storage.space import SpaceWatch
+from aenv.storage.space import SpaceWatch, data_runs
 
 log = logging.getLogger("aenv.repo")
 BLOCK = 1024 * 1024
@@ -132,19 +131,7 @@ def data_extents(path: Path) -> tuple[int, list[tuple[int, int]]]:
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        extents: list[tuple[int, int]] = []
-        offset = 0
-        while offset < size:
-            try:
-                start = os.lseek(fd, offset, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:  # only a hole remains
-                    break
-                raise
-            end = os.lseek(fd, start, os.SEEK_HOLE)
-            extents.append((start, end - start))
-            offset = end
-        return size, extents
+        return size, [(start, end - start) for start, end in data_runs(fd, size)]
     finally:
         os.close(fd)
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from aenv.runtime import hostexec
 from aenv.storage import datadir
 from aenv.storage.confined import remove_tree, tree_usage
+from aenv.storage.space import data_runs
 
 log = logging.getLogger(__name__)
 
@@ -421,22 +422,13 @@ def _copy_sparse(source: Path, target: Path) -> None:
         try:
             size = os.fstat(src).st_size
             os.ftruncate(dst, size)
-            offset = 0
-            while offset < size:
-                try:
-                    start = os.lseek(src, offset, os.SEEK_DATA)
-                except OSError as exc:
-                    if exc.errno == errno.ENXIO:  # only a hole remains
-                        break
-                    raise
-                end = os.lseek(src, start, os.SEEK_HOLE)
+            for start, end in data_runs(src, size):
                 done = start
                 while done < end:
                     n = os.copy_file_range(src, dst, end - done, done, done)
                     if n == 0:
                         raise OSError(errno.EIO, f"{source} shrank while being copied")
                     done += n
-                offset = end
         finally:
             os.close(dst)
     finally:

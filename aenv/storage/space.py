@@ -11,8 +11,9 @@ can create a file. The headroom keeps the same share of the filesystem's inodes 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from aenv.config import Settings
@@ -117,3 +118,19 @@ def _write(fd: int, data: bytes, headroom: int, what: str) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+
+
+def data_runs(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each region of the open file ``fd`` (``size`` bytes) that holds data, in
+    order: what a sparse file's holes leave."""
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # only a hole remains
+                return
+            raise
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        yield start, end
+        offset = end
