@@ -472,38 +472,6 @@ def test_fork_children_live_on_the_source_s_node(cluster: Cluster) -> None:
                 api.delete(f"/sandboxes/{s}")
 
 
-def test_without_quorum_running_sandboxes_keep_working(e2b_gateway: Cluster) -> None:
-    # last in this module: it stops two etcd members (and starts them again)
-    from e2b import Sandbox
-
-    sbx = Sandbox.create(timeout=120)
-    down = e2b_gateway.etcd.members[:2]
-    try:
-        for m in down:
-            m.stop(signal.SIGKILL)
-        assert sbx.commands.run("echo still here").stdout == "still here\n"
-        sbx.files.write("/tmp/q", "no quorum")
-        assert sbx.files.read("/tmp/q") == "no quorum"
-        with e2b_gateway.api() as api:
-            assert api.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 200
-            # a sandbox the directory never had: its lookup needs etcd, which cannot answer
-            start = time.monotonic()
-            r = api.get("/sandboxes/neverexisted12345")
-            assert r.status_code == 503 and r.json()["error_code"] == "cluster_unavailable"
-            assert time.monotonic() - start < 5
-    finally:
-        for m in down:
-            m.start()
-        e2b_gateway.etcd.wait_healthy(e2b_gateway.etcd.members)
-    assert sbx.commands.run("echo back").stdout == "back\n"
-    sbx.kill()
-    with e2b_gateway.api() as api:
-        deadline = time.monotonic() + 15
-        while api.get(f"/sandboxes/{sbx.sandbox_id}").status_code != 404:
-            assert time.monotonic() < deadline
-            time.sleep(0.3)
-
-
 class OutOfTouchNode:
     """A node, as etcd lists it, that refuses every create with 503 cluster_unavailable (what a
     node answers while it cannot reach etcd: on a saturated host its heartbeat starves), and the
@@ -576,3 +544,35 @@ def test_a_node_out_of_touch_with_etcd_is_skipped_not_failed(cluster: Cluster) -
     finally:
         stub.server.shutdown()
         wait_for_nodes(cluster.gateway, set(cluster.nodes))
+
+
+def test_without_quorum_running_sandboxes_keep_working(e2b_gateway: Cluster) -> None:
+    # last in this module: it stops two etcd members (and starts them again)
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=120)
+    down = e2b_gateway.etcd.members[:2]
+    try:
+        for m in down:
+            m.stop(signal.SIGKILL)
+        assert sbx.commands.run("echo still here").stdout == "still here\n"
+        sbx.files.write("/tmp/q", "no quorum")
+        assert sbx.files.read("/tmp/q") == "no quorum"
+        with e2b_gateway.api() as api:
+            assert api.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 200
+            # a sandbox the directory never had: its lookup needs etcd, which cannot answer
+            start = time.monotonic()
+            r = api.get("/sandboxes/neverexisted12345")
+            assert r.status_code == 503 and r.json()["error_code"] == "cluster_unavailable"
+            assert time.monotonic() - start < 5
+    finally:
+        for m in down:
+            m.start()
+        e2b_gateway.etcd.wait_healthy(e2b_gateway.etcd.members)
+    assert sbx.commands.run("echo back").stdout == "back\n"
+    sbx.kill()
+    with e2b_gateway.api() as api:
+        deadline = time.monotonic() + 15
+        while api.get(f"/sandboxes/{sbx.sandbox_id}").status_code != 404:
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
