@@ -42,7 +42,7 @@ from starlette.types import Message, Receive, Scope, Send
 from aenv.api import connections, envd, listing
 from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
 from aenv.api.listing import short_sandbox_id
-from aenv.api.proxy import sandbox_gone
+from aenv.api.proxy import TRAFFIC_TOKEN_HEADER, sandbox_gone
 from aenv.cluster import forks, lists
 from aenv.cluster.drain import DRAIN_PATH
 from aenv.cluster.entries import ID_PATTERN, ClusterConfig, NodeEntry, SandboxEntry, key_matches
@@ -230,9 +230,11 @@ class Gateway:
         scope = request.scope
         path, method = request.url.path, request.method
         target = sandbox_target(headers)
+        signed = False
         if target is None and path == "/files":
             signer = await self.signer(request)
             target = (signer, envd.ENVD_PORT) if signer else None
+            signed = signer is not None  # its URL's signature is the sandbox's token's
         if isinstance(target, str):
             return JSONResponse({"code": 400, "message": target}, status_code=400)
         if target is not None:
@@ -240,7 +242,7 @@ class Gateway:
             scope[ROUTE_SCOPE] = "envd" if port == envd.ENVD_PORT else "port"
             extra = {"e2b-sandbox-id": sandbox_id, "e2b-sandbox-port": str(port)}  # a host route, as headers
             try:
-                node = await self.owner(sandbox_id, scope, wake=True)
+                node = await self.owner(sandbox_id, scope, wake=Traffic(port, headers, signed))
             except SandboxNotFound as exc:
                 return traffic_gone(scope, sandbox_id, exc)
             return await self.forward(request, node, extra)
@@ -321,7 +323,7 @@ class Gateway:
             if target is None:
                 raise NotFound("only a sandbox's port takes WebSockets (E2b-Sandbox-Id and E2b-Sandbox-Port headers)")
             sandbox_id, port = target
-            node = await self.owner(sandbox_id, scope, wake=True)
+            node = await self.owner(sandbox_id, scope, wake=Traffic(port, headers, signed=False))
         except SandboxNotFound as exc:
             await refuse_websocket(scope, send, traffic_gone(scope, sandbox_id, exc))
             return
@@ -348,6 +350,26 @@ class Gateway:
             if made is not None and made[0] in self.mirror.nodes:
                 return self.mirror.nodes[made[0]]
         return self.any_node()
+
+    async def _may_wake(self, entry: SandboxEntry, traffic: Traffic) -> bool:
+        """Whether ``traffic`` may resume the sandbox: it has the token its node would check first
+        (nothing for an open sandbox). An entry that says neither way wakes nothing."""
+        listed = entry.listed
+        if not listed:
+            return False
+        protected = listed.get("secure") if traffic.port == envd.ENVD_PORT else listed.get("private")
+        if not protected or traffic.signed:
+            return True
+        config = await self.cluster_config()
+        if config is None:
+            return False
+        secret = config.secret.encode()
+        if traffic.port == envd.ENVD_PORT:
+            given, expected = traffic.headers.get("x-access-token", ""), tokens.access_token(secret, entry.sandbox_id)
+        else:
+            given = traffic.headers.get(TRAFFIC_TOKEN_HEADER, "")
+            expected = tokens.traffic_token(secret, entry.sandbox_id)
+        return bool(given) and hmac.compare_digest(given.encode(), expected.encode())
 
     async def cluster_config(self) -> ClusterConfig | None:
         """The cluster's secret and key digest (None until a node has joined and written them).
@@ -419,12 +441,16 @@ class Gateway:
             raise Unauthenticated("invalid or missing API key (X-API-Key header)")
 
     # -- where a request goes -------------------------------------------------------------------------
-    async def owner(self, sandbox_id: str, scope: Scope, *, resume: bool = False, wake: bool = False) -> NodeEntry:
+    async def owner(
+        self, sandbox_id: str, scope: Scope, *, resume: bool = False, wake: Traffic | None = None
+    ) -> NodeEntry:
         """The node serving ``sandbox_id``: from the mirror; a miss costs one read of etcd. Its id
         is noted in ``scope`` (for the answer's header) even when the node is gone. For a
         ``resume``, a sandbox durably paused on a node that is gone or draining goes to the best
         node with room, which takes it over from the repository. With ``wake`` (sandbox traffic),
-        such a sandbox with auto-resume is resumed there first (see ``wake_elsewhere``)."""
+        such a sandbox with auto-resume is resumed there first (see ``wake_elsewhere``), if the
+        traffic carries what the sandbox's node would ask of it (a secure sandbox's access token,
+        a private one's traffic token): a stranger wakes nothing, as on one node."""
         entry, node = self.mirror.owner(sandbox_id)
         if entry is not None:
             self.hints.pop(sandbox_id, None)  # the directory has it now
@@ -441,6 +467,8 @@ class Gateway:
         if entry is None:
             raise SandboxNotFound(f"sandbox {sandbox_id[:80]!r} not found", sandbox_id=sandbox_id[:80])
         scope[NODE_SCOPE] = entry.node_id
+        if wake is not None and not await self._may_wake(entry, wake):
+            wake = None  # forwarded as it is: the node answers its 401 or 403
         if (resume or (wake and _auto_resumes(entry))) and _becoming_durable(entry, node):
             # Being paused by a drain: wait for its pause to be durable (then it resumes elsewhere)
             # or for its move, rather than wake it where it is leaving.
@@ -1039,6 +1067,16 @@ class Gateway:
             return await self.client.send(outgoing, stream=True)
         except httpx.TransportError as exc:
             raise UpstreamError(f"node {node.node_id} at {node.address} did not answer: {exc!r}"[:300]) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """Sandbox traffic that may wake a paused sandbox: its port, its (lowercased) headers, and
+    whether a signed URL already proved it holds the sandbox's token."""
+
+    port: int
+    headers: dict[str, str]
+    signed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -224,17 +224,26 @@ def test_a_drain_without_move_leaves_durable_pauses_the_cluster_resumes(
         resumed.kill()
 
 
-def test_auto_resume_traffic_wakes_a_sandbox_of_a_lost_node_elsewhere(cluster: Cluster) -> None:
+@pytest.mark.parametrize("private", [False, True], ids=["public", "secure-and-private"])
+def test_auto_resume_traffic_wakes_a_sandbox_of_a_lost_node_elsewhere(cluster: Cluster, private: bool) -> None:
     """A port's HTTP request through a gateway to a sandbox with auto-resume, durably paused on a
     node that is then lost (kill -9): it is resumed on another node and the request answered from
-    there (a draining node's: the next test)."""
+    there (a draining node's: the next test). A secure, private sandbox is woken only by traffic
+    with its token: a stranger's request (or envd call) resumed it before anything checked one."""
     with extra_node(cluster, "node-wake") as node:
-        lifecycle = {"onTimeout": "pause", "autoResume": True}
+        body: dict[str, Any] = {"templateID": "base", "timeout": 600}
+        body["lifecycle"] = {"onTimeout": "pause", "autoResume": True}
+        if private:
+            body.update(secure=True, network={"allowPublicTraffic": False})
         with node.client() as direct:
-            r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 600, "lifecycle": lifecycle})
+            r = direct.post("/sandboxes", json=body)
             assert r.status_code == 201, r.text
             sandbox_id = r.json()["sandboxID"]
+            tokens = {"traffic": r.json().get("trafficAccessToken"), "envd": r.json().get("envdAccessToken")}
         routed = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "8000"}
+        stranger = dict(routed)
+        if private:
+            routed["e2b-traffic-access-token"] = str(tokens["traffic"])
         sbx = Sandbox.connect(sandbox_id, api_key=API_KEY, api_url=cluster.gateway.url, sandbox_url=cluster.gateway.url)
         sbx.files.write("/home/user/hello.txt", "hello from the port")
         sbx.commands.run(PORT_SERVER, background=True)
@@ -248,6 +257,13 @@ def test_auto_resume_traffic_wakes_a_sandbox_of_a_lost_node_elsewhere(cluster: C
         for gateway in cluster.gateways:
             wait_for_nodes(gateway, set(cluster.nodes), timeout=LEASE_TTL + 15)
 
+        if private:
+            envd_call = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "49983"}
+            for headers, path in ((stranger, "/hello.txt"), (envd_call, "/files?path=/home/user/hello.txt")):
+                r = httpx.get(f"{cluster.gateways[1].url}{path}", headers=headers, timeout=90)
+                assert r.status_code != 200, r.text
+                entry = directory_entry(cluster, sandbox_id)
+                assert entry is not None and (entry.node_id, entry.state) == ("node-wake", "paused"), entry
         r = httpx.get(f"{cluster.gateways[1].url}/hello.txt", headers=routed, timeout=90)
         assert r.status_code == 200 and r.text == "hello from the port", r.text
         assert r.headers["x-aenv-node-id"] in cluster.nodes
