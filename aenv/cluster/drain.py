@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from aenv.cluster.placement import Placement
-from aenv.errors import AenvError, InvalidRequest, Unauthenticated, error_body
+from aenv.errors import AenvError, InvalidRequest, Unauthenticated, error_body, error_headers
 from aenv.node.service import LiveSandbox, SandboxState
 
 if TYPE_CHECKING:
@@ -224,7 +224,8 @@ def serving_drain(app: ASGIApp, agent: NodeAgent, api_key: str) -> ASGIApp:
                 raise Unauthenticated("invalid or missing API key (X-API-Key header)")
             drain = agent.drain(move=await _move_of(request))
         except AenvError as exc:
-            await JSONResponse(error_body(exc), status_code=exc.status)(scope, receive, send)
+            refusal = JSONResponse(error_body(exc), status_code=exc.status, headers=error_headers(exc))
+            await refusal(scope, receive, send)
             return
         await StreamingResponse(drain.follow(), media_type="application/x-ndjson")(scope, receive, send)
 

@@ -10,6 +10,7 @@ loser of a race gets the winner's entry back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -327,7 +328,13 @@ class ClusterStore:
         stone = Tombstone(entry.node_id, entry.epoch, round(time.time(), 3))
         compare = [t.mod(key) == current.mod_revision, t.version(node_key(entry.node_id)) == 0]
         success = [t.delete(key), t.put(tombstone_key(entry.sandbox_id), encode(stone), lease=lease)]
-        ok, _ = await self._call("bury a sandbox", client.transaction(compare=compare, success=success, failure=[]))
+        ok = False
+        try:
+            ok, _ = await self._call("bury a sandbox", client.transaction(compare=compare, success=success, failure=[]))
+        finally:
+            if not ok:  # no tombstone holds it: a lease of 30 days would outlive nothing
+                with contextlib.suppress(ClusterUnavailable):
+                    await self.revoke_lease(lease)
         return bool(ok)
 
     async def tombstones(self, sandbox_ids: list[str]) -> dict[str, Tombstone]:
