@@ -478,7 +478,7 @@ class Gateway:
                 raise SandboxNotFound(f"sandbox {sandbox_id[:80]!r} not found", sandbox_id=sandbox_id[:80])
             scope[NODE_SCOPE] = entry.node_id
         if resume and _movable(entry, node):
-            node = self.candidates()[0]
+            node = self.candidates(entry.template_id or None)[0]  # a node holding its template's layers first
             scope[NODE_SCOPE], scope[TAKEOVER_SCOPE] = node.node_id, True
         elif wake and _movable(entry, node) and _wakes(entry):
             node = await self.wake_elsewhere(sandbox_id)
@@ -507,7 +507,9 @@ class Gateway:
         headers = {"X-API-Key": self.settings.api_key or ""}
         timeout = httpx.Timeout(self.settings.connect_timeout, read=WAKE_SECONDS, write=10.0, pool=10.0)
         failures = []
-        for node in self.candidates()[:MAX_CANDIDATES]:
+        entry, _ = self.mirror.owner(sandbox_id)
+        source = (entry.template_id or None) if entry is not None else None  # its template's layers: fetched least
+        for node in self.candidates(source)[:MAX_CANDIDATES]:
             url = f"{node.address}/sandboxes/{sandbox_id}/connect"
             try:
                 r = await self.client.post(url, json={}, headers=headers, timeout=timeout)
