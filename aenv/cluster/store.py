@@ -359,23 +359,13 @@ class ClusterStore:
         return await self._cas("delete a sandbox entry", key, [t.mod(key) == mod_revision], t.delete(key))
 
     async def claim_sandbox(
-        self,
-        sandbox_id: str,
-        node_id: str,
-        *,
-        epoch: int,
-        from_lost: str | None = None,
-        durable_only: bool = False,
+        self, sandbox_id: str, node_id: str, *, epoch: int, from_lost: str | None = None
     ) -> CasResult:
         """Move a sandbox to ``node_id`` if its entry is still at ``epoch`` (and, with ``from_lost``,
-        that node has no entry: its lease is gone; with ``durable_only``, the entry as it is now
-        still says durably paused: its owner may have resumed it since it was read): one
-        transaction; of two claimants of the same epoch exactly one wins, the other gets the
-        winner's entry."""
+        that node has no entry: its lease is gone): one transaction; of two claimants of the same
+        epoch exactly one wins, the other gets the winner's entry."""
         current = await self.get_sandbox(sandbox_id)
         if current is None or current.entry.epoch != epoch:
-            return CasResult(False, current)
-        if durable_only and not (current.entry.durable and current.entry.state == "paused"):
             return CasResult(False, current)
         moved = replace(current.entry, node_id=node_id, epoch=epoch + 1)
         client = await self._connected()
