@@ -111,6 +111,21 @@ def modern_runsc(api: httpx.Client) -> bool:
     return found is None or int(found.group()) >= 20240729
 
 
+def start_busybox_node(data_dir: Path, extra_env: dict[str, str] | None = None) -> Server:
+    """A node without a repository on a busybox template `bb` from a local OCI layout (nothing to
+    debootstrap); ``extra_env`` adds or overrides settings."""
+    from tests.images.oci import busybox_layer, write_layout
+
+    layout = data_dir / "imports" / "bb"
+    env = {"AENV_BUILD_BASE": "false", "AENV_REPO": "none", **(extra_env or {})}
+    srv = start_server(data_dir, extra_env=env, wait_for=None)
+    write_layout(layout, [busybox_layer().bytes()], "v1")
+    with srv.client() as api:
+        r = api.post("/templates/from-image", json={"name": "bb", "image": f"oci:{layout}:v1"})
+        assert r.status_code == 201, r.text
+    return srv
+
+
 def _have_runtime() -> bool:
     return os.geteuid() == 0 and shutil.which("runsc") is not None and shutil.which("debootstrap") is not None
 
@@ -143,6 +158,11 @@ def e2b_env(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
 
 @pytest.fixture()
 def sandbox(e2b_env: Server) -> Iterator[object]:
+    yield from e2b_sandbox()
+
+
+def e2b_sandbox() -> Iterator[object]:
+    """A sandbox of the deployment the E2B_* variables name, killed after (if it still lives)."""
     from e2b import Sandbox
 
     sbx = Sandbox.create(timeout=300)

@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import API_KEY, Server, start_server
-from tests.images.oci import busybox_layer, write_layout
+from tests.conftest import API_KEY, Server, start_busybox_node
 from tests.node.test_restart import runsc_containers
 
 pytestmark = pytest.mark.sandbox
@@ -28,13 +27,7 @@ BURST = 40
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    data = tmp_path_factory.mktemp("burst") / "data"
-    write_layout(data / "imports" / "bb", [busybox_layer().bytes()], "v1")
-    env = {"AENV_BUILD_BASE": "false", "AENV_REPO": "none", "AENV_MAX_SANDBOXES": str(MAX_SANDBOXES)}
-    srv = start_server(data, extra_env=env, wait_for=None)
-    with srv.client() as api:
-        r = api.post("/templates/from-image", json={"name": "bb", "image": f"oci:{data / 'imports' / 'bb'}:v1"})
-        assert r.status_code == 201, r.text
+    srv = start_busybox_node(tmp_path_factory.mktemp("burst") / "data", {"AENV_MAX_SANDBOXES": str(MAX_SANDBOXES)})
     yield srv
     srv.stop()
 

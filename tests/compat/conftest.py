@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.conftest import API_KEY
+from tests.conftest import API_KEY, e2b_sandbox
 
 pytestmark = pytest.mark.sandbox
 
@@ -49,11 +49,4 @@ def e2b_vars(deployment: Deployment, monkeypatch: pytest.MonkeyPatch) -> Iterato
 def sandbox(deployment: Deployment) -> Iterator[object]:
     """A sandbox of the deployment under test (the suite-wide fixture's is the session server's,
     which is another machine when AENV_COMPAT_URL names a gateway)."""
-    from e2b import Sandbox
-
-    sbx = Sandbox.create(timeout=300)
-    yield sbx
-    try:
-        sbx.kill()
-    except Exception:
-        pass
+    yield from e2b_sandbox()

@@ -15,8 +15,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from tests.conftest import Server, start_server
-from tests.images.oci import busybox_layer, write_layout
+from tests.conftest import Server, start_busybox_node
 
 pytestmark = pytest.mark.sandbox
 
@@ -25,20 +24,12 @@ MAX = 3
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    data = tmp_path_factory.mktemp("forkroom") / "data"
     env = {
-        "AENV_BUILD_BASE": "false",
-        "AENV_REPO": "none",
         "AENV_MAX_SANDBOXES": str(MAX),
         "AENV_MIN_FREE_MEMORY_MB": "0",  # the machine is shared: only the sandbox limit decides here
         "AENV_SPARE_UPPERS": "0",
     }
-    srv = start_server(data, extra_env=env, wait_for=None)
-    root = data / "imports" / "bb"
-    write_layout(root, [busybox_layer().bytes()], "v1")
-    with srv.client() as api:
-        r = api.post("/templates/from-image", json={"name": "bb", "image": f"oci:{root}:v1"})
-        assert r.status_code == 201, r.text
+    srv = start_busybox_node(tmp_path_factory.mktemp("forkroom") / "data", env)
     yield srv
     srv.stop()
 

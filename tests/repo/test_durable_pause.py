@@ -17,9 +17,8 @@ from e2b import Sandbox
 
 from aenv.repo.backends import PosixBackend
 from aenv.repo.repository import ArtifactRef, Repository
-from tests.conftest import Server, start_server
+from tests.conftest import Server, start_busybox_node
 from tests.durable import count, wait_for
-from tests.images.oci import busybox_layer, write_layout
 
 pytestmark = pytest.mark.sandbox
 
@@ -113,12 +112,7 @@ def test_a_resume_right_after_the_pause_does_not_wait_for_durability(e2b_env: Se
 @pytest.fixture(scope="module")
 def no_repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A node without a repository, on a busybox template from a local OCI layout."""
-    data = tmp_path_factory.mktemp("no-repo") / "data"
-    write_layout(data / "imports" / "bb", [busybox_layer().bytes()], "v1")
-    srv = start_server(data, extra_env={"AENV_BUILD_BASE": "false", "AENV_REPO": "none"}, wait_for=None)
-    with srv.client() as client:
-        r = client.post("/templates/from-image", json={"name": "bb", "image": f"oci:{data / 'imports' / 'bb'}:v1"})
-        assert r.status_code == 201, r.text
+    srv = start_busybox_node(tmp_path_factory.mktemp("no-repo") / "data")
     yield srv
     srv.stop()
 

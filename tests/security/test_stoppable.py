@@ -29,8 +29,7 @@ from e2b import InvalidArgumentException, Sandbox, SandboxException, TimeoutExce
 
 from aenv.errors import OperationTimeout, SandboxNotFound
 from aenv.node.orchestrator import Node
-from tests.conftest import Server, start_server
-from tests.images.oci import busybox_layer, write_layout
+from tests.conftest import Server, start_busybox_node
 from tests.node.test_failures import FaultyDriver, count, start_counter, tiny  # noqa: F401  (fixture)
 from tests.node.test_restart import runsc_containers
 
@@ -273,13 +272,7 @@ AGENT_TIMEOUT = 3
 def own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A node this module stops and crashes, on a busybox template from a local OCI layout
     (nothing to debootstrap), whose agents must answer within AGENT_TIMEOUT seconds."""
-    data = tmp_path_factory.mktemp("stoppable") / "data"
-    write_layout(data / "imports" / "bb", [busybox_layer().bytes()], "v1")
-    env = {"AENV_BUILD_BASE": "false", "AENV_REPO": "none", "AENV_AGENT_TIMEOUT": str(AGENT_TIMEOUT)}
-    srv = start_server(data, extra_env=env, wait_for=None)
-    with srv.client() as api:
-        r = api.post("/templates/from-image", json={"name": "bb", "image": f"oci:{data / 'imports' / 'bb'}:v1"})
-        assert r.status_code == 201, r.text
+    srv = start_busybox_node(tmp_path_factory.mktemp("stoppable") / "data", {"AENV_AGENT_TIMEOUT": str(AGENT_TIMEOUT)})
     yield srv
     srv.stop()
 
