@@ -418,7 +418,9 @@ class NodeAgent:
         # compare-and-swap is enough there; a lost one must still be gone.
         await self.node.adopt_paused(sandbox_id)
         lost = entry.node_id if owner is None else None
-        result = await self.store.claim_sandbox(sandbox_id, self.node_id, epoch=entry.epoch, from_lost=lost)
+        result = await self.store.claim_sandbox(
+            sandbox_id, self.node_id, epoch=entry.epoch, from_lost=lost, durable_only=True
+        )
         if result.ok and result.current is not None:
             self.written[sandbox_id] = result.current
             self.foreign.discard(sandbox_id)

@@ -138,6 +138,9 @@ def _endpoint(item: str) -> Endpoint:
     return Endpoint(split.hostname, port)
 
 
+CLAIM_ATTEMPTS = 5  # reads of an entry its owner keeps rewriting, before a claim gives up
+
+
 @dataclass(frozen=True, slots=True)
 class CasResult:
     """A compare-and-swap's outcome: whether it was applied, and the key's entry afterwards (the
@@ -359,22 +362,39 @@ class ClusterStore:
         return await self._cas("delete a sandbox entry", key, [t.mod(key) == mod_revision], t.delete(key))
 
     async def claim_sandbox(
-        self, sandbox_id: str, node_id: str, *, epoch: int, from_lost: str | None = None
+        self,
+        sandbox_id: str,
+        node_id: str,
+        *,
+        epoch: int,
+        from_lost: str | None = None,
+        durable_only: bool = False,
     ) -> CasResult:
         """Move a sandbox to ``node_id`` if its entry is still at ``epoch`` (and, with ``from_lost``,
-        that node has no entry: its lease is gone): one transaction; of two claimants of the same
-        epoch exactly one wins, the other gets the winner's entry."""
-        current = await self.get_sandbox(sandbox_id)
-        if current is None or current.entry.epoch != epoch:
-            return CasResult(False, current)
-        moved = replace(current.entry, node_id=node_id, epoch=epoch + 1)
-        client = await self._connected()
-        key = sandbox_key(sandbox_id)
-        t = client.transactions
-        compare = [t.mod(key) == current.mod_revision]
-        if from_lost is not None:
-            compare.append(t.version(node_key(from_lost)) == 0)
-        return await self._cas("claim a sandbox", key, compare, t.put(key, encode(moved)))
+        that node has no entry: its lease is gone; with ``durable_only``, the entry as it is now
+        still says durably paused: its owner may have resumed it since it was read). Of two
+        claimants of the same epoch exactly one wins, the other gets the winner's entry.
+
+        The owner rewrites its entry at the same epoch whenever what a list shows of the sandbox
+        changes; such a rewrite between the read and the transaction is not a lost race, so the
+        claim reads again and retries (a few times: an owner writes at most once a tick)."""
+        for _ in range(CLAIM_ATTEMPTS):
+            current = await self.get_sandbox(sandbox_id)
+            if current is None or current.entry.epoch != epoch:
+                return CasResult(False, current)
+            if durable_only and not (current.entry.durable and current.entry.state == "paused"):
+                return CasResult(False, current)
+            moved = replace(current.entry, node_id=node_id, epoch=epoch + 1)
+            client = await self._connected()
+            key = sandbox_key(sandbox_id)
+            t = client.transactions
+            compare = [t.mod(key) == current.mod_revision]
+            if from_lost is not None:
+                compare.append(t.version(node_key(from_lost)) == 0)
+            result = await self._cas("claim a sandbox", key, compare, t.put(key, encode(moved)))
+            if result.ok or result.current is None or result.current.mod_revision == current.mod_revision:
+                return result  # won; gone; or the entry is as read (the lost node is back)
+        return result
 
     async def get_sandboxes(self, sandbox_ids: list[str]) -> dict[str, Versioned]:
         """The entries of these sandboxes (those that have one), read in transactions of 64."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -103,6 +104,57 @@ async def test_claims_race_on_the_epoch_one_wins(etcd: EtcdCluster, store: Clust
     finally:
         for s in others:
             await s.close()
+
+
+async def test_a_claim_outlasts_its_owner_rewriting_the_entry(store: ClusterStore) -> None:
+    """The owner rewrites an entry at the same epoch (what a list shows changed) between the
+    claimant's read and its transaction: not a lost race; the claim reads again and wins."""
+    created = (await store.create_sandbox(sandbox("sb1", "n0", state="paused", durable=True))).current
+    assert created is not None
+    read = store.get_sandbox
+    rewrites: list[int] = []
+
+    async def read_then_owner_writes(sandbox_id: str):  # type: ignore[no-untyped-def]
+        got = await read(sandbox_id)
+        if not rewrites and got is not None:  # the first read only: then the owner's tick lands
+            changed = dataclasses.replace(got.entry, end_at=got.entry.end_at + 60)
+            rewritten = await store.replace_sandbox(changed, got.mod_revision)
+            assert rewritten.ok and rewritten.current is not None
+            rewrites.append(rewritten.current.mod_revision)
+        return got
+
+    store.get_sandbox = read_then_owner_writes  # type: ignore[method-assign]
+    try:
+        result = await store.claim_sandbox("sb1", "n1", epoch=1, durable_only=True)
+    finally:
+        del store.get_sandbox  # type: ignore[method-assign]
+    assert len(rewrites) == 1 and result.ok and result.current is not None
+    final = await store.get_sandbox("sb1")
+    # the claim moved the entry as the owner last wrote it
+    assert final == result.current and (final.entry.node_id, final.entry.epoch) == ("n1", 2)
+    assert final.entry.end_at == created.entry.end_at + 60 and final.mod_revision > rewrites[0]
+
+
+async def test_a_takeover_claim_refuses_an_entry_its_owner_resumed(store: ClusterStore) -> None:
+    """Read durably paused, then resumed by its owner (same epoch): a takeover must not claim it
+    (two copies would run), and a lost node that is back is not claimed from either."""
+    created = (await store.create_sandbox(sandbox("sb1", "n0", state="paused", durable=True))).current
+    assert created is not None
+    resumed = await store.replace_sandbox(sandbox("sb1", "n0", state="running"), created.mod_revision)
+    assert resumed.ok
+    refused = await store.claim_sandbox("sb1", "n1", epoch=1, durable_only=True)
+    assert not refused.ok and refused.current == resumed.current == await store.get_sandbox("sb1")
+
+    assert resumed.current is not None
+    paused_again = sandbox("sb1", "n0", state="paused", durable=True)
+    paused = await store.replace_sandbox(paused_again, resumed.current.mod_revision)
+    lease = await store.grant_lease(10)
+    await store.put_node(node("n0"), lease)  # its node has an entry: not lost
+    try:
+        back = await store.claim_sandbox("sb1", "n1", epoch=1, from_lost="n0", durable_only=True)
+        assert not back.ok and back.current == paused.current == await store.get_sandbox("sb1")
+    finally:
+        await store.revoke_lease(lease)
 
 
 async def test_replace_and_delete_compare_the_revision(store: ClusterStore) -> None:
