@@ -108,7 +108,7 @@ CREATE_RETRY_PAUSE = 0.5
 # Sandboxes this gateway created, known from the create's answer until the node's entry arrives.
 MAX_HINTS = 100_000
 HINT_SECONDS = 60.0
-CATALOGUE_LAG = 8.0  # a node reads the repository's new entries at most every 3 s (aenv/node/artifacts.py)
+CATALOGUE_LAG = 8.0  # a node reads an unknown id's entry at once, and all entries at most every 3 s
 SNAPSHOT_HINT_SECONDS = 600.0  # a snapshot's commit to the repository may take minutes
 STARTUP_WAIT = 10.0
 SETTLE_SECONDS = 5.0  # how long a list waits for a change made through this gateway, at most

@@ -390,10 +390,25 @@ class ArtifactCache:
                 await self._save(rec)
         self.commit_pending()
 
-    async def refresh_catalogue(self) -> int:
+    async def refresh_catalogue(self, ref: str = "") -> int:
         """Learn what other nodes committed since this one started (a create naming something
-        unknown asks); at most once every few seconds. Returns how many records were added."""
-        if self.repo is None or time.monotonic() - self._refreshed < 3:
+        unknown asks): the entry ``ref`` names, read at once (a fork's snapshot, made elsewhere a
+        moment ago, is found by the create that names it); else every entry, at most once every
+        few seconds. Returns how many records were added."""
+        if self.repo is None:
+            return 0
+        if is_valid_id(ref):
+            try:
+                found = {
+                    kind: await asyncio.to_thread(self.repo.get_entry, kind, ref) for kind in ("template", "snapshot")
+                }
+            except AenvError as exc:
+                log.warning("cannot read %s from the repository %s: %s", ref, self.repo_url, exc)
+            else:
+                if any(found.values()):
+                    named = {kind: [entry] if entry else [] for kind, entry in found.items()}
+                    return await self._import({**named, "damaged": []})
+        if time.monotonic() - self._refreshed < 3:
             return 0
         self._refreshed = time.monotonic()
         try:

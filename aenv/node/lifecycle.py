@@ -154,7 +154,7 @@ class Lifecycle:
         self._admit()
         self._check_room()
         source = self.catalogue.source(template)
-        if source is None and await self.artifacts.refresh_catalogue():
+        if source is None and await self.artifacts.refresh_catalogue(template):
             source = self.catalogue.source(template)  # committed to the repository by another node
         if source is None:
             raise TemplateNotFound(f"no template or snapshot named '{template}'")

@@ -97,14 +97,34 @@ def test_a_fork_past_its_nodes_room_runs_the_rest_on_another_node(cluster: Clust
 def test_a_fork_with_no_room_on_its_node_is_made_elsewhere_whole(cluster: Cluster, gateway: httpx.Client) -> None:
     source, before = counting_source(cluster.nodes["node-a"], gateway)
     first = gateway.post(f"/sandboxes/{source.sandbox_id}/fork", json={"count": 2})
-    assert first.status_code == 201 and [i["sandbox"]["nodeID"] for i in first.json()] == ["node-a"] * 2
+    assert first.status_code == 201 and all("sandbox" in i for i in first.json()), first.text
+    assert [i["sandbox"]["nodeID"] for i in first.json()] == ["node-a"] * 2
     r = gateway.post(f"/sandboxes/{source.sandbox_id}/fork", json={"count": 2})
-    assert r.status_code == 201, r.text
+    assert r.status_code == 201 and all("sandbox" in i for i in r.json()), r.text
     assert [item["sandbox"]["nodeID"] for item in r.json()] == ["node-b"] * 2
     for item in r.json():
         child = Sandbox.connect(item["sandbox"]["sandboxID"])
         assert count(child) >= before
         assert child.files.read("/home/user/state.txt") == "written before the fork"
+
+
+def test_a_node_creates_from_a_snapshot_committed_elsewhere_a_moment_ago(
+    cluster: Cluster, gateway: httpx.Client
+) -> None:
+    """What a fork elsewhere relies on: a create naming an id the node does not know reads that
+    entry from the repository at once, not only at its next whole-catalogue read (every 3 s)."""
+    a, b = cluster.nodes["node-a"], cluster.nodes["node-b"]
+    with a.client() as on_a, b.client() as on_b:
+        unknown = on_b.post("/sandboxes", json={"templateID": "snap_0000000000000000", "timeout": 60})
+        assert unknown.status_code == 404, unknown.text  # and node-b has just read the whole catalogue
+        made = on_a.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+        assert made.status_code == 201, made.text
+        source = made.json()["sandboxID"]
+        snapped = on_a.post(f"/sandboxes/{source}/snapshots", json={"durable": True})
+        assert snapped.status_code == 201 and snapped.json()["committed"] is True, snapped.text
+        child = on_b.post("/sandboxes", json={"templateID": snapped.json()["snapshotID"], "timeout": 60})
+        assert child.status_code == 201, child.text
+        assert on_b.get(f"/sandboxes/{child.json()['sandboxID']}").json()["state"] == "running"
 
 
 def test_what_the_gateway_reads_of_a_fork_and_asks_for_its_children() -> None:
