@@ -516,6 +516,10 @@ class NodeAgent:
                 continue  # (one being taken over is written by its claim)
             rec = sb.rec
             metadata, omitted = bounded_metadata(rec.metadata)
+            durable = sb.state == SandboxState.PAUSED and bool(rec.durable_at)
+            listed = self._listed(sb)
+            if "durable" in listed:  # what this very write says, not what the last one did (one write, not two)
+                listed["durable"] = durable
             entry = SandboxEntry(
                 sandbox_id=sb.id,
                 node_id=self.node_id,
@@ -526,9 +530,9 @@ class NodeAgent:
                 end_at=rec.end_at,
                 metadata=metadata,
                 metadata_omitted=omitted,
-                listed=self._listed(sb),
+                listed=listed,
                 template_names=self._template_names(rec.template_id),
-                durable=sb.state == SandboxState.PAUSED and bool(rec.durable_at),
+                durable=durable,
             )
             out[sb.id] = entry if _fits(entry) else replace(entry, listed={})  # routing needs the entry
         return out
