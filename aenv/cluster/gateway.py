@@ -171,6 +171,9 @@ class Gateway:
         self._tokens: dict[str, str] = {}  # sandbox id -> envd access token (for signed URLs)
         self._waking: dict[str, asyncio.Future[NodeEntry]] = {}  # auto-resumes on another node under way
         self.metrics = GatewayMetrics(mirror)
+        # Set when this gateway's key turns out not to be the cluster's: it stops serving (exit 2).
+        self.wrong_key = asyncio.Event()
+        self._config_check: asyncio.Task[None] | None = None
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -209,16 +212,30 @@ class Gateway:
                     await self.mirror.start(wait=STARTUP_WAIT)
                     await self.cluster_config()
                 except ClusterUnavailable as exc:
-                    if self.config is None and self.mirror.loaded.is_set():  # read, and not ours
+                    if self.wrong_key.is_set():
                         await self._close()  # an open watch and channel would hold the exit up
                         await send({"type": "lifespan.startup.failed", "message": exc.message})
                         return
                     log.warning("%s; serving once it can be read", exc.message)
+                if self.config is None:  # etcd slow, or no node has joined yet: checked once it can be
+                    self._config_check = asyncio.ensure_future(self._check_config())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                if self._config_check is not None:
+                    self._config_check.cancel()
                 await self._close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    async def _check_config(self) -> None:
+        """Read the cluster's configuration until there is one: a gateway with another key than
+        the cluster's must stop, whenever it finds out (etcd was slow at its start)."""
+        while self.config is None and not self.wrong_key.is_set():
+            with contextlib.suppress(ClusterUnavailable):
+                await self.cluster_config()
+            await asyncio.sleep(0.5)
+        if self.wrong_key.is_set():
+            log.error("this gateway's AENV_API_KEY is not the one the cluster was started with: stopping")
 
     async def _close(self) -> None:
         await self.mirror.stop()
@@ -377,6 +394,7 @@ class Gateway:
         if self.config is None:
             config = await self.mirror.store.get_config()
             if config is not None and self.settings.api_key and not key_matches(config, self.settings.api_key):
+                self.wrong_key.set()
                 raise ClusterUnavailable("this gateway's AENV_API_KEY is not the one the cluster was started with")
             self.config = config
         return self.config
@@ -406,14 +424,15 @@ class Gateway:
     # -- own routes ---------------------------------------------------------------------------------------
     def health(self) -> Response:
         m = self.mirror
+        ready = m.loaded.is_set() and not self.wrong_key.is_set()
         body = {
-            "status": "ok" if m.loaded.is_set() else "starting",
+            "status": "ok" if ready else "wrong_api_key" if self.wrong_key.is_set() else "starting",
             "nodes": len(m.nodes),
             "sandboxes": len(m.sandboxes),
             "directoryConnected": m.connected,
             "directoryAge": round(time.monotonic() - m.synced_at, 3) if m.synced_at else None,
         }
-        return JSONResponse(body, status_code=200 if m.loaded.is_set() else 503)
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     def nodes(self, path: str) -> Response:
         if path in ("/nodes", "/nodes/"):
@@ -1337,8 +1356,9 @@ def build_gateway(settings: GatewaySettings) -> Gateway:
 async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keepalive: int = 610) -> None:
     import uvicorn
 
+    gateway = build_gateway(settings)
     config = uvicorn.Config(
-        build_gateway(settings),
+        gateway,
         ssl_certfile=settings.tls_cert,
         ssl_keyfile=settings.tls_key,
         ws_max_size=settings.ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
@@ -1355,4 +1375,16 @@ async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keep
     log.info("aenv gateway on %s://%s:%d for %s", scheme, host, port, settings.cluster)
     if settings.domain:
         log.info("domain mode: api.%s is the control plane, <port>-<id>.%s a sandbox", settings.domain, settings.domain)
-    await uvicorn.Server(config).serve()
+    server = uvicorn.Server(config)
+
+    async def stop_on_wrong_key() -> None:
+        await gateway.wrong_key.wait()
+        server.should_exit = True
+
+    watch = asyncio.ensure_future(stop_on_wrong_key())
+    try:
+        await server.serve()
+    finally:
+        watch.cancel()
+    if gateway.wrong_key.is_set():
+        raise SystemExit(2)

@@ -14,9 +14,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 
+from aenv.cluster.entries import ClusterConfig, api_key_digest
 from aenv.cluster.store import ClusterStore
 from aenv.node.create_ids import CREATE_ID_HEADER
 from tests.cluster.cluster import LEASE_TTL, Cluster, running_cluster, start_gateway, wait_for_nodes
+from tests.cluster.etcd import EtcdCluster
 from tests.cluster.nodes import start_node
 from tests.conftest import API_KEY, Server
 
@@ -259,6 +261,26 @@ def test_a_node_or_gateway_with_another_api_key_does_not_join(cluster: Cluster) 
     wrong = {"AENV_API_KEY": "e2b_" + "1" * 40, "AENV_BUILD_BASE": "false"}
     with pytest.raises(RuntimeError, match="not the one the cluster was started with"):
         start_node(cluster.etcd.url, "node-wrongkey", extra_env=wrong)
+
+
+def test_a_gateway_that_learns_late_its_key_is_not_the_cluster_s_stops(etcd: EtcdCluster) -> None:
+    """Started before any node joined (no key to compare yet, so it serves), the gateway finds
+    the cluster's key another once the first node writes it: it stops, exit 2, not serving 401s."""
+    gateway = start_gateway(etcd.url, api_key="e2b_" + "3" * 40)
+    try:
+        assert httpx.get(f"{gateway.url}/health").json()["status"] == "ok"
+
+        async def first_node_joins() -> None:
+            store = ClusterStore.from_url(etcd.url)
+            try:
+                await store.ensure_config(ClusterConfig("ab" * 32, api_key_digest("ab" * 32, API_KEY), time.time()))
+            finally:
+                await store.close()
+
+        asyncio.run(first_node_joins())
+        assert gateway.proc.wait(30) == 2
+    finally:
+        gateway.stop()
 
 
 def test_sandbox_answers_name_their_node_errors_included(cluster: Cluster) -> None:
