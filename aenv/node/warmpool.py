@@ -54,6 +54,10 @@ REFILL_QUIET_SECONDS = 0.5  # no create for this long before a refill starts
 PASS_SECONDS = 1.0  # the pool looks at demand, memory and its templates at least this often
 DEFAULT_MEMBER_MB = 64  # what one member is taken to cost until one was measured
 MAX_DEMAND_KEPT = 10_000  # create times remembered per template
+# A template whose members fail to restore is tried again after 2 s, then 4, 8, ... at most 5 min
+# (a broken build would otherwise restore and fail every pass, forever); a rebuild starts afresh.
+RETRY_FIRST_SECONDS = 2.0
+RETRY_MAX_SECONDS = 300.0
 
 WARM_MEMBERS = Gauge("aenv_warm_pool_members", "Idle sandboxes kept restored in warm pools", ["template"])
 WARM_CLAIMS = Counter(
@@ -93,6 +97,22 @@ def same_host_limits(a: Limits, b: Limits) -> bool:
 
 
 @dataclass
+class Failing:
+    """A template whose last refills failed: not refilled again before ``until``."""
+
+    build: Build | None
+    failures: int
+    until: float
+    error: str
+
+    @classmethod
+    def after(cls, before: Failing | None, build: Build | None, error: str) -> Failing:
+        failures = before.failures + 1 if before is not None and before.build == build else 1
+        wait = min(RETRY_MAX_SECONDS, RETRY_FIRST_SECONDS * 2 ** (failures - 1))
+        return cls(build, failures, time.monotonic() + wait, error)
+
+
+@dataclass
 class Plan:
     """One pass's decisions: how many members each template should have, and which to drop."""
 
@@ -112,8 +132,10 @@ def plan(
     budget_mb: int,
     pressure: bool,
     quiet: bool,
+    resting: frozenset[str] = frozenset(),
 ) -> Plan:
-    """Pure: what a pass does, from the pools, each template's size, recent demand and current build."""
+    """Pure: what a pass does, from the pools, each template's size, recent demand and current build
+    (a template ``resting`` after failed refills is not refilled now)."""
     out = Plan()
     for name, size in sizes.items():
         wanted = size if name in explicit else min(size, demand.get(name, 0))
@@ -135,7 +157,11 @@ def plan(
         if pressure:
             break  # one at a time under pressure: the next pass looks at the host again
     if not pressure and quiet and total < most:
-        short = [(len(kept.get(n, [])) - t, n) for n, t in out.targets.items() if len(kept.get(n, [])) < t]
+        short = [
+            (len(kept.get(n, [])) - t, n)
+            for n, t in out.targets.items()
+            if len(kept.get(n, [])) < t and n not in resting
+        ]
         if short:
             out.refill = min(short)[1]
     return out
@@ -161,6 +187,7 @@ class WarmPools:
         self._demand: dict[str, collections.deque[float]] = {}
         self._last_create = 0.0
         self._member_mb = 0  # the most one member measured (0: none measured yet)
+        self._failing: dict[str, Failing] = {}  # template name -> its refills' failures, while they last
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -201,7 +228,15 @@ class WarmPools:
             "ready": sum(1 for m in self.pools.get(rec.name, []) if m.build == Build.of(rec)),
             "recentCreates": demand,
             "memberMB": self._member_mb or None,
+            **self._failure_of(rec.name),
         }
+
+    def _failure_of(self, name: str) -> dict[str, Any]:
+        failing = self._failing.get(name)
+        if failing is None or failing.build != self._current(name):
+            return {}
+        retry_in = max(0.0, failing.until - time.monotonic())
+        return {"failures": failing.failures, "lastError": failing.error, "retryIn": round(retry_in, 1)}
 
     def forget(self, rec: TemplateRecord) -> None:
         """A template record was deleted: its members go at once. Its size stays with its name (a
@@ -290,6 +325,7 @@ class WarmPools:
             budget_mb=self.settings.warm_pool_memory_mb,
             pressure=self._under_pressure(),
             quiet=self._quiet(),
+            resting=self._resting(),
         )
         for member in decided.drop:
             self.pools[member.sb.rec.template_id].remove(member)
@@ -300,6 +336,10 @@ class WarmPools:
         if decided.refill is not None:
             await self._refill(decided.refill)
             self.wake()  # look again at once: more may be short
+
+    def _resting(self) -> frozenset[str]:
+        now = time.monotonic()
+        return frozenset(n for n, f in self._failing.items() if f.until > now and f.build == self._current(n))
 
     def _all_sizes(self) -> dict[str, int]:
         """The size of every template (explicit ones, and the node's default for the rest)."""
@@ -343,9 +383,16 @@ class WarmPools:
         try:
             member = await self._make(self.node.find_template(name))
         except AenvError as exc:
-            log.warning("warm pool of %s: could not restore a member: %s", name, exc)
-            await asyncio.sleep(PASS_SECONDS)  # not at once again: the template may be broken
+            failing = self._failing[name] = Failing.after(self._failing.get(name), self._current(name), exc.message)
+            log.warning(
+                "warm pool of %s: could not restore a member (%d in a row; next try in %.0f s): %s",
+                name,
+                failing.failures,
+                failing.until - time.monotonic(),
+                exc.message,
+            )
             return
+        self._failing.pop(name, None)
         if member.build != self._current(name):  # rebuilt or deleted meanwhile
             self._drop(member, "its template changed")
             return
@@ -389,7 +436,11 @@ class WarmPools:
             sb.link.watcher = None
         member = Member(sb=sb, build=Build.of(rec), limits=limits, held=held)
         member.watcher = asyncio.ensure_future(self._watch(member))
-        await self._measure(member)
+        try:
+            await self._measure(member)
+        except BaseException:  # cancelled (the node stops): a member no pool holds would run on
+            self._drop(member, "the pool stopped while it was made")
+            raise
         return member
 
     async def _measure(self, member: Member) -> None:

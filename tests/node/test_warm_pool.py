@@ -19,7 +19,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from aenv.node.warmpool import Build, Member, plan
+from aenv.node.warmpool import RETRY_MAX_SECONDS, Build, Failing, Member, plan
 from aenv.runtime.base import Limits
 from tests.conftest import Server, start_server
 from tests.images.oci import busybox_layer, write_layout
@@ -196,6 +196,30 @@ def test_sizes_are_checked_and_a_deleted_template_takes_its_members_along(api: h
     assert instances(node, 0) == set()
 
 
+def test_a_template_whose_members_fail_to_restore_is_retried_ever_more_rarely(api: httpx.Client, node: Server) -> None:
+    """A broken build (its checkpoint damaged on disk) would fail a restore every pass, forever:
+    the pool waits 2, 4, 8 ... s between tries, says why, and the node serves everyone else."""
+    images = node.data_dir / "fs" / "images"
+    before = set(images.iterdir())
+    image = bb_layout(node.data_dir / "imports" / "broken", "broken", "broken")
+    assert api.post("/templates/from-image", json={"name": "broken", "image": image}).status_code == 201
+    (made,) = set(images.iterdir()) - before
+    (made / "checkpoint.img").write_bytes(b"not a checkpoint")
+    try:
+        warm(api, 0)
+        warm(api, 1, "broken")
+        time.sleep(9)  # tries at 0, ~2 and ~6 s (each try's restore takes a moment too); not 9
+        status = api.get("/templates/broken/warm-pool").json()
+        assert status["ready"] == 0 and 2 <= status["failures"] <= 3, status
+        assert status["lastError"] and 0 < status["retryIn"] <= 8, status
+        r = api.post("/sandboxes", json={"templateID": "bb", "timeout": 60})
+        assert r.status_code == 201, r.text
+        assert api.delete(f"/sandboxes/{r.json()['sandboxID']}").status_code == 204
+    finally:
+        warm(api, None, "broken")
+        assert api.delete("/templates/broken").status_code == 204
+
+
 def test_the_cli_shows_and_sets_a_pool(node: Server) -> None:
     env = {"AENV_URL": node.url, "AENV_API_KEY": node.env["AENV_API_KEY"], "PATH": "/usr/bin:/bin"}
     run = [sys.executable, "-m", "aenv.cli.main", "warm", "bb"]
@@ -252,3 +276,16 @@ def test_stale_extra_over_budget_and_pressured_members_are_dropped() -> None:
     assert len(out.drop) == 2 and out.refill is None  # type: ignore[attr-defined]  # the stale one and one more
     out = decide(pools, current={"a": None})  # deleted
     assert len(out.drop) == 4  # type: ignore[attr-defined]
+
+
+def test_a_template_resting_after_failures_is_not_refilled_and_its_wait_doubles() -> None:
+    assert decide({}, resting=frozenset({"a"})).refill is None  # type: ignore[attr-defined]
+    sizes, demand, current = {"a": 4, "b": 1}, {"a": 10, "b": 10}, {"a": B1, "b": B2}
+    out = decide({}, sizes=sizes, demand=demand, current=current, resting=frozenset({"a"}))
+    assert out.refill == "b"  # type: ignore[attr-defined]  # the other template is still served
+    waits, failing = [], None
+    for _ in range(10):
+        failing = Failing.after(failing, B1, "boom")
+        waits.append(round(failing.until - time.monotonic()))
+    assert waits[:4] == [2, 4, 8, 16] and waits[-1] == RETRY_MAX_SECONDS and failing is not None
+    assert failing.failures == 10 and Failing.after(failing, B2, "rebuilt").failures == 1  # a new build: afresh
