@@ -119,10 +119,14 @@ def start_busybox_node(data_dir: Path, extra_env: dict[str, str] | None = None) 
     layout = data_dir / "imports" / "bb"
     env = {"AENV_BUILD_BASE": "false", "AENV_REPO": "none", **(extra_env or {})}
     srv = start_server(data_dir, extra_env=env, wait_for=None)
-    write_layout(layout, [busybox_layer().bytes()], "v1")
-    with srv.client() as api:
-        r = api.post("/templates/from-image", json={"name": "bb", "image": f"oci:{layout}:v1"})
-        assert r.status_code == 201, r.text
+    try:
+        write_layout(layout, [busybox_layer().bytes()], "v1")
+        with srv.client() as api:
+            r = api.post("/templates/from-image", json={"name": "bb", "image": f"oci:{layout}:v1"})
+            assert r.status_code == 201, r.text
+    except BaseException:
+        srv.stop()  # a fixture that fails here has no teardown: the node would outlive the session
+        raise
     return srv
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import aenv
 from aenv.node.orchestrator import Node
+from tests.source import parse
 
 ROOT = Path(aenv.__file__).parent
 COMPOSITION_ROOTS = {"api/server.py"}  # makes the Node it serves
@@ -22,7 +23,7 @@ def node_private_names(root: Path = ROOT) -> set[str]:
     """Private names a node's classes define or assign on ``self`` (methods and attributes)."""
     names = set()
     for path in (root / "node").rglob("*.py"):
-        for item in ast.walk(ast.parse(path.read_text())):
+        for item in ast.walk(parse(path.read_text())):
             if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and _private(item.name):
                 names.add(item.name)
             elif (
@@ -50,7 +51,7 @@ def private_reaches(path: Path, private: set[str]) -> list[str]:
     """Accesses of a private member of a node: on anything named node, or of a name a node
     defines on anything but the file's own ``self``/``cls``."""
     found = []
-    for item in ast.walk(ast.parse(path.read_text())):
+    for item in ast.walk(parse(path.read_text())):
         if not isinstance(item, ast.Attribute) or not _private(item.attr):
             continue
         own = isinstance(item.value, ast.Name) and item.value.id in ("self", "cls")
@@ -61,7 +62,7 @@ def private_reaches(path: Path, private: set[str]) -> list[str]:
 
 def node_imports(path: Path) -> list[str]:
     out = []
-    for item in ast.walk(ast.parse(path.read_text())):
+    for item in ast.walk(parse(path.read_text())):
         if isinstance(item, ast.ImportFrom) and item.module and item.level == 0:
             if item.module == "aenv.node":
                 out.extend(f"aenv.node.{a.name}" for a in item.names)
@@ -118,7 +119,7 @@ def test_nothing_outside_the_node_names_the_orchestrator_but_server() -> None:
 
 
 def test_the_node_has_every_member_of_the_service() -> None:
-    service = ast.parse((ROOT / "node" / "service.py").read_text())
+    service = parse((ROOT / "node" / "service.py").read_text())
     members = {
         f.name
         for cls in service.body

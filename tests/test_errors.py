@@ -9,6 +9,7 @@ import pytest
 
 from aenv import errors
 from aenv.errors import ERROR_TABLE, AenvError, error_body, from_body
+from tests.source import parse
 
 
 @pytest.mark.parametrize("cls", list(ERROR_TABLE))
@@ -31,7 +32,7 @@ def test_builtin_bases() -> None:
 def test_one_exception_root_in_the_package() -> None:
     roots = []
     for path in Path(errors.__file__).parent.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path.read_text())):
             if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") == "Exception" for b in node.bases):
                 roots.append(f"{path.name}:{node.name}")
     # AenvError, plus the channel and the guest side, which must stay stdlib-only and speak

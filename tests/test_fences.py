@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import aenv
+from tests.source import parse
 
 ROOT = Path(aenv.__file__).parent
 
@@ -15,7 +16,7 @@ def test_guest_and_channel_import_only_stdlib() -> None:
     bad = []
     for pkg in ("guest", "channel"):
         for path in (ROOT / pkg).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(parse(path.read_text())):
                 names = []
                 if isinstance(node, ast.Import):
                     names = [a.name for a in node.names]

@@ -20,6 +20,7 @@ from aenv.node.orchestrator import Node
 from aenv.node.state import TRANSITIONS, check_transition
 from aenv.node.state import SandboxState as S
 from tests.node.test_failures import FaultyDriver, tiny  # noqa: F401  (the fixture, used by name)
+from tests.source import parse
 
 Transitions = dict[str, list[tuple[S, S]]]
 
@@ -69,7 +70,7 @@ class StateWrites(ast.NodeVisitor):
 
 def state_writes(source: str) -> list[tuple[str, int]]:
     visitor = StateWrites()
-    visitor.visit(ast.parse(source))
+    visitor.visit(parse(source))
     return visitor.found
 
 
