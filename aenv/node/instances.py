@@ -237,8 +237,14 @@ class Instances:
 
         async def copy_upper() -> None:
             nonlocal copy
-            if not self.files.is_empty(upper):
-                copy = await asyncio.to_thread(self.files.copy_upper, upper)
+            if self.files.is_empty(upper):
+                return
+            work = asyncio.ensure_future(asyncio.to_thread(self.files.copy_upper, upper))
+            try:
+                copy = await asyncio.shield(work)
+            except asyncio.CancelledError:  # a kill overtook it: a thread cannot be stopped, so its
+                work.add_done_callback(self._drop_late_copy)  # layer goes once the thread is done
+                raise
 
         saved = thawed = False
         try:
@@ -259,6 +265,10 @@ class Instances:
                 self._stop_instance(sb, "the sandbox's agent did not come back from a checkpoint")
             raise
         return image, copy
+
+    def _drop_late_copy(self, work: asyncio.Future[str]) -> None:
+        if not work.cancelled() and work.exception() is None:
+            self.spawn(self.files.remove(work.result()))
 
     async def _unfreeze_after_failure(self, sb: LiveSandbox) -> None:
         assert sb.link is not None

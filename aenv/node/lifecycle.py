@@ -320,6 +320,8 @@ class Lifecycle:
                 sb.rec.end_at = max(sb.rec.end_at, time.time() + timeout_s)
                 await self.store.put_sandbox(sb.rec)
                 return sb.rec, False
+            if sb.rec.durable_at and self.resume_guard is not None:
+                await self.resume_guard(sb.id)  # raises if another node took it over: it stays paused here
             await self._set_state(sb, S.RESUMING, persist=False)
             try:
                 await self.artifacts.release_pause(sb)
@@ -478,7 +480,17 @@ class Lifecycle:
                 workdir=sb.rec.workdir,
                 start=dict(sb.rec.start),
             )
-            await self.catalogue.put_snapshot(snap)
+            try:
+                await self.catalogue.put_snapshot(snap)
+            except BaseException:  # its record could not be written: the snapshot is not, the source runs on
+                self.catalogue.snapshots.pop(snap.id, None)
+                if not leaves_running:
+                    await self._restart_source(sb, image)
+                    await self._set_state(sb, S.RUNNING)
+                self.files.remove_image(image)
+                for layer in [x for x in layers if x not in sb.rec.layers]:  # the upper's copy
+                    await self.files.remove(layer)
+                raise
             self.artifacts.commit_later(snap)
             if not leaves_running:
                 await self._restart_source(sb, image)

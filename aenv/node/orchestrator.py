@@ -115,6 +115,9 @@ class Node(Lifecycle, Instances, Records):
         # In a cluster: whether the directory says a sandbox is durably paused (its entry is
         # written a moment after the commit; another node may take it over only from then on).
         self.durable_in_directory: Callable[[str], bool] | None = None
+        # In a cluster: called before a durably paused sandbox resumes here (the directory must stop
+        # offering it for takeover first); raises if another node took it over meanwhile.
+        self.resume_guard: Callable[[str], Awaitable[None]] | None = None
         self.warm = WarmPools(self)  # idle sandboxes restored ahead of creates
 
     # -- start and stop ---------------------------------------------------------------------------

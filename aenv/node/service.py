@@ -204,6 +204,7 @@ class NodeService(Protocol):
 
     adopter: Callable[[str], Awaitable[None]] | None
     durable_in_directory: Callable[[str], bool] | None
+    resume_guard: Callable[[str], Awaitable[None]] | None
 
     def is_durable(self, rec: SandboxRecord) -> bool:
         """A paused sandbox's state is in the repository (and, in a cluster, its directory entry
