@@ -3,12 +3,14 @@
 It registers the node under a lease (its entry vanishes when the node stops renewing it), rewrites
 the entry with the node's load about once a second, and keeps one directory entry per sandbox the
 node holds. The node tells it of every state change (``Node.state_listeners``); the agent writes
-from its own task, so no sandbox operation ever waits on etcd. Each tick also compares what the
+from its own task, so a sandbox operation does not wait on etcd, but for one: the resume of a
+durably paused sandbox first takes the entry's durable mark off (one compare-and-swap), since
+from that mark on another node may take the sandbox over. Each tick also compares what the
 directory should say with what was last written, so a write lost to an etcd outage, or a change
 made without a state change (a new timeout), is caught up on.
 
 An entry another node owns (the directory gave the sandbox away: a higher epoch) is never
-overwritten; the node's instance of it is stale (handled by a later slice: kill it).
+overwritten; the node's instance of it is stale, and is killed.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from aenv.cluster.entries import (
     encode,
     key_matches,
 )
-from aenv.cluster.store import ClusterStore, EtcdTls
+from aenv.cluster.store import CLAIM_ATTEMPTS, ClusterStore, EtcdTls
 from aenv.config import Settings
 from aenv.errors import (
     ClusterUnavailable,
@@ -127,6 +129,7 @@ class NodeAgent:
         self.node.create_ids.claims = self
         self.node.adopter = self.adopt
         self.node.durable_in_directory = self.durable_in_directory
+        self.node.resume_guard = self.before_resume
         self._task = asyncio.create_task(self._run(), name="cluster-agent")
 
     async def stop(self) -> None:
@@ -142,6 +145,8 @@ class NodeAgent:
             self.node.adopter = None
         if self.node.durable_in_directory == self.durable_in_directory:
             self.node.durable_in_directory = None
+        if self.node.resume_guard == self.before_resume:
+            self.node.resume_guard = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -463,6 +468,44 @@ class NodeAgent:
             await asyncio.sleep(0.05)
         return False
 
+    async def before_resume(self, sandbox_id: str) -> None:
+        """A sandbox paused here is about to resume here. If its entry says durably paused, another
+        node may be taking it over: the mark comes off first (a compare-and-swap), so from then on
+        none can, and a takeover that won already makes this copy stale: it is not resumed (the
+        sandbox is the other node's) and goes."""
+        if sandbox_id in self.foreign:
+            raise WrongState(f"sandbox {sandbox_id} belongs to another node now", sandbox_id=sandbox_id)
+        for _ in range(CLAIM_ATTEMPTS):
+            have = self.written.get(sandbox_id)
+            if have is None or not have.entry.durable:
+                return  # no entry says it may be taken over
+            listed = dict(have.entry.listed)
+            if "durable" in listed:
+                listed["durable"] = False
+            held = replace(have.entry, durable=False, listed=listed)
+            result = await self.store.replace_sandbox(held, have.mod_revision)
+            self.reached_at = time.monotonic()
+            current = result.current
+            if result.ok or (current is not None and current.entry.node_id == self.node_id):
+                if current is not None:
+                    self.written[sandbox_id] = current
+                if result.ok:
+                    return
+                continue  # this node's own tick rewrote it meanwhile: once more
+            if current is None:
+                self._recheck = True  # no entry: killed while this node was cut off (a tombstone)
+                raise WrongState(f"sandbox {sandbox_id} was killed through the cluster", sandbox_id=sandbox_id)
+            # Stale here: the next tick's reconcile kills this copy (not now: this resume holds its
+            # lock, and its caller should hear where the sandbox went, not that it was killed).
+            self.written.pop(sandbox_id, None)
+            self._recheck = True
+            self._wake.set()
+            raise WrongState(
+                f"sandbox {sandbox_id} was taken over by node {current.entry.node_id}: it resumes there",
+                sandbox_id=sandbox_id,
+            )
+        raise ClusterUnavailable(f"sandbox {sandbox_id}: its directory entry kept changing; try again")
+
     async def moved_away(self, sandbox_id: str) -> None:
         """Another node took ``sandbox_id`` over (a drain's move): its entry is that node's, and
         the paused copy here goes (its repository entry is the other node's to remove)."""
@@ -511,6 +554,7 @@ class NodeAgent:
     def desired(self) -> dict[str, SandboxEntry]:
         """What the directory should say about each sandbox this node holds."""
         out: dict[str, SandboxEntry] = {}
+        runtime = _runtime_of(self.node.runtime_info())
         for sb in list(self.node.sandboxes.values()):
             if sb.state == SandboxState.KILLED or sb.id in self.foreign or sb.id in self._adoptions:
                 continue  # (one being taken over is written by its claim)
@@ -533,6 +577,7 @@ class NodeAgent:
                 listed=listed,
                 template_names=self._template_names(rec.template_id),
                 durable=durable,
+                runtime=runtime,
             )
             out[sb.id] = entry if _fits(entry) else replace(entry, listed={})  # routing needs the entry
         return out

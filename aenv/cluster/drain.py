@@ -156,7 +156,8 @@ class Drain:
     async def _move(self, sb: LiveSandbox, timeout: int) -> None:
         """Resume ``sb`` on the best other node (it takes the pause over from the repository)."""
         others = [n for n in await self.agent.store.nodes() if n.node_id != self.agent.node_id]
-        targets = Placement().rank(others)[:MOVE_TARGETS]
+        runtime = self.agent.entry().runtime  # its memory image restores under this node's runtime only
+        targets = Placement().rank(others, sb.rec.template_id or None, runtime)[:MOVE_TARGETS]
         timeout = min(timeout, self.node.settings.max_timeout)
         failures = []
         async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=MOVE_TIMEOUT)) as client:

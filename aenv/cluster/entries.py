@@ -166,6 +166,9 @@ class SandboxEntry:
 
     # Paused, and the pause is in the snapshot repository: if its node is lost, another takes it.
     durable: bool = False
+    # The runtime of the node that holds it ("runsc <version> <platform>", as NodeEntry.runtime):
+    # its memory image restores only under that runtime, so a takeover goes to a node that has it.
+    runtime: str = ""
 
     @property
     def listable(self) -> bool:

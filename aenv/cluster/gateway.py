@@ -497,7 +497,8 @@ class Gateway:
                 raise SandboxNotFound(f"sandbox {sandbox_id[:80]!r} not found", sandbox_id=sandbox_id[:80])
             scope[NODE_SCOPE] = entry.node_id
         if resume and _movable(entry, node):
-            node = self.candidates(entry.template_id or None)[0]  # a node holding its template's layers first
+            # a node with its runtime (its memory image's), holding its template's layers first
+            node = self.candidates(entry.template_id or None, entry.runtime)[0]
             scope[NODE_SCOPE], scope[TAKEOVER_SCOPE] = node.node_id, True
         elif wake and _movable(entry, node) and _wakes(entry):
             node = await self.wake_elsewhere(sandbox_id)
@@ -528,7 +529,8 @@ class Gateway:
         failures = []
         entry, _ = self.mirror.owner(sandbox_id)
         source = (entry.template_id or None) if entry is not None else None  # its template's layers: fetched least
-        for node in self.candidates(source)[:MAX_CANDIDATES]:
+        runtime = entry.runtime if entry is not None else ""  # its memory image restores only there
+        for node in self.candidates(source, runtime)[:MAX_CANDIDATES]:
             url = f"{node.address}/sandboxes/{sandbox_id}/connect"
             try:
                 r = await self.client.post(url, json={}, headers=headers, timeout=timeout)
@@ -578,9 +580,10 @@ class Gateway:
         item["nodeID"] = entry.node_id
         return JSONResponse(item, headers={NODE_ID_HEADER: entry.node_id})
 
-    def candidates(self, source: str | None = None) -> list[NodeEntry]:
-        """Ready nodes with room, best first for a create from ``source`` (see placement.py)."""
-        ranked = self.placement.rank(list(self.mirror.nodes.values()), source)
+    def candidates(self, source: str | None = None, runtime: str = "") -> list[NodeEntry]:
+        """Ready nodes with room, best first for a create from ``source`` (see placement.py),
+        those running ``runtime`` only while any has room."""
+        ranked = self.placement.rank(list(self.mirror.nodes.values()), source, runtime)
         if not ranked:
             if not self.mirror.loaded.is_set():
                 raise ClusterUnavailable("the gateway has not read the cluster directory yet")
@@ -815,6 +818,7 @@ class Gateway:
         unanswered = False  # an attempt may have started a create: keep trying until the deadline
         queue = self._create_candidates(body, avoid)
         not_found: tuple[httpx.Response, bytes, NodeEntry] | None = None
+        incompatible: tuple[httpx.Response, bytes, NodeEntry] | None = None
         out_of_touch = False  # a node refused (503) because it could not reach etcd
         extra = {CREATE_ID_HEADER: create_id, "content-length": str(len(body)), "content-type": "application/json"}
         path = None if request.url.path in ("/sandboxes", "/v2/sandboxes") else "/sandboxes"
@@ -849,6 +853,11 @@ class Gateway:
                 failures.append(f"{node.node_id}: out of touch with the cluster store")
                 out_of_touch = True
                 continue
+            if upstream.status_code == 422 and _error_code(content) == "image_incompatible":
+                # a snapshot's memory image from another runsc or platform: a node like its maker may take it
+                failures.append(f"{node.node_id}: another runtime than the snapshot's")
+                incompatible = incompatible or (upstream, content, node)
+                continue
             if upstream.status_code == 404 and _error_code(content) == "template_not_found":
                 # a snapshot not yet in the repository is only on the node that made it: maybe the next
                 not_found = not_found or (upstream, content, node)
@@ -865,6 +874,8 @@ class Gateway:
         summary = "; ".join(failures[-6:])[:1000]
         if not_found is not None and not unanswered:
             return not_found
+        if incompatible is not None and not unanswered:
+            return incompatible  # the node's 422, which says what to do
         if unanswered:
             raise UpstreamError(f"no node confirmed the create in time: {summary}")
         if out_of_touch:

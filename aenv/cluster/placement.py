@@ -17,6 +17,8 @@ E2B's API samples 3 ready nodes and takes the least loaded by
   that would fetch it first counts ``UNCACHED`` more, as loaded as by one more core per core. The
   sample takes up to 3 nodes that hold it and up to 3 that do not, so a node holding it is never
   left out by chance.
+- a durable pause taken over, or woken, elsewhere goes to a node running the runtime (runsc and
+  platform) that wrote its memory image, when one has room: another one refuses the image (422).
 """
 
 from __future__ import annotations
@@ -70,9 +72,12 @@ class Placement:
             score += UNCACHED
         return score
 
-    def rank(self, nodes: list[NodeEntry], source: str | None = None) -> list[NodeEntry]:
-        """A sample of the ready nodes with room, best first (ties broken at random)."""
+    def rank(self, nodes: list[NodeEntry], source: str | None = None, runtime: str = "") -> list[NodeEntry]:
+        """A sample of the ready nodes with room, best first (ties broken at random); with
+        ``runtime``, only nodes running it while any of them has room."""
         ready = [n for n in nodes if not n.draining and n.room - self.pending(n) > 0]
+        if runtime:
+            ready = [n for n in ready if n.runtime == runtime] or ready
         holding = [n for n in ready if source is not None and source in n.cached]
         others = [n for n in ready if source is None or source not in n.cached]
         sample = random.sample(holding, min(SAMPLE, len(holding))) + random.sample(others, min(SAMPLE, len(others)))

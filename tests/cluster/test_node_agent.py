@@ -169,6 +169,53 @@ async def test_a_copy_the_directory_gave_to_another_node_is_killed(
         await store.close()
 
 
+async def test_a_durable_pause_another_node_took_over_is_not_resumed_here(
+    server: Server, etcd: EtcdCluster, mirror: Mirror
+) -> None:
+    """Another node claims a durably paused sandbox (its owner was draining, or seemed lost) and
+    the owner, not yet aware, is asked to resume it: the owner's resume first takes the durable
+    mark off the entry (a compare-and-swap), finds the sandbox gone to the other node, and does
+    not resume it (two copies would run): 409 naming that node, and its copy goes."""
+    # checks its entries rarely: only the resume's own write can find out in time
+    node = start_node(etcd.url, "node-guard", extra_env={"AENV_CLUSTER_RECONCILE_INTERVAL": "600"})
+    store = ClusterStore.from_url(etcd.url)
+    try:
+        async with client(node) as api:
+            sid = (await api.post("/sandboxes", json={"templateID": "base", "timeout": 120})).json()["sandboxID"]
+            assert (await api.post(f"/sandboxes/{sid}/pause")).status_code == 204
+            await until(mirror, lambda m: sid in m.sandboxes and m.sandboxes[sid].durable, 60, "a durable pause")
+            taken = await store.claim_sandbox(sid, "node-elsewhere", epoch=1, durable_only=True)
+            assert taken.ok, taken
+            r = await api.post(f"/sandboxes/{sid}/connect", json={"timeout": 60})
+            assert r.status_code == 409 and "node-elsewhere" in r.json()["message"], r.text
+            deadline = time.monotonic() + 15
+            while (await api.get(f"/sandboxes/{sid}")).status_code != 404:
+                assert time.monotonic() < deadline, "the owner kept its stale copy"
+                await asyncio.sleep(0.3)
+            now = await store.get_sandbox(sid)
+            assert now is not None and (now.entry.node_id, now.entry.epoch, now.entry.state) == (
+                "node-elsewhere",
+                2,
+                "paused",
+            )
+            assert now.entry.durable  # still the other node's to resume
+
+            # and a resume here of a durable pause nobody took: the mark comes off first, then it runs
+            mine = (await api.post("/sandboxes", json={"templateID": "base", "timeout": 120})).json()["sandboxID"]
+            assert (await api.post(f"/sandboxes/{mine}/pause")).status_code == 204
+            await until(mirror, lambda m: mine in m.sandboxes and m.sandboxes[mine].durable, 60, "a durable pause")
+            assert (await api.post(f"/sandboxes/{mine}/connect", json={"timeout": 60})).status_code == 201
+            late = await store.claim_sandbox(mine, "node-elsewhere", epoch=1, durable_only=True)
+            assert not late.ok  # no longer offered for takeover
+            await until(
+                mirror, lambda m: m.sandboxes[mine].state == "running" and m.sandboxes[mine].node_id == "node-guard"
+            )
+            await store.delete_sandbox(sid, now.mod_revision)
+    finally:
+        await store.close()
+        node.stop()
+
+
 async def test_without_quorum_a_node_refuses_new_sandboxes_until_it_returns(
     node_a: Server, etcd: EtcdCluster, mirror: Mirror
 ) -> None:

@@ -90,6 +90,22 @@ def test_full_and_draining_nodes_are_left_out() -> None:
     assert [n.node_id for n in ranked] == ["ok"]
 
 
+def test_a_memory_image_goes_to_a_node_with_its_runtime_while_one_has_room() -> None:
+    """A durable pause's memory image restores only under the runsc and platform that wrote it:
+    its takeover goes to such a node, however loaded, while one has room; else anywhere (that
+    node answers 422 image_incompatible, which says what to do)."""
+    p = Placement()
+    old = "runsc 0.0~20221219.0 ptrace"
+    same = node("same", runtime=old, running=5, cpu_committed=5.0, cached=[])
+    others = [node(f"new{i}", runtime="runsc 0.0~20240729.0 ptrace", cached=["base"]) for i in range(10)]
+    for _ in range(20):
+        assert [n.node_id for n in p.rank([*others, same], "base", old)] == ["same"]
+    assert p.rank([*others, same], "base")[0].node_id != "same"  # a create: anywhere
+    full = node("same", runtime=old, max_sandboxes=1, running=1)
+    assert len(p.rank([*others, full], "base", old)) == placement.SAMPLE  # none with it has room: the others
+    assert {n.node_id for n in p.rank([*others, full], "base", old)} <= {n.node_id for n in others}
+
+
 # -- on a real cluster ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster(server: Server) -> Iterator[Cluster]:
