@@ -141,6 +141,12 @@ class Settings(BaseSettings):
     cluster_ca: str | None = None
     cluster_cert: str | None = None
     cluster_key: str | None = None
+    # The etcd user this node logs in as when etcd's auth is on (aenv etcd-auth makes aenv-node),
+    # and its password: a file holding it, or the value itself. Not needed with a client
+    # certificate: etcd takes the user from its common name.
+    cluster_user: str | None = None
+    cluster_password_file: str | None = None
+    cluster_password: str | None = Field(None, repr=False)
     cluster_lease_ttl: int = Field(10, ge=2, le=300)  # seconds a dead node stays registered
     # Seconds between two checks that the directory still gives this node its sandboxes (one read
     # of their entries, 64 to a transaction): a copy the directory gave to another node is killed.

@@ -41,14 +41,14 @@ def check_settings(settings: Settings) -> None:
     cluster, etcd TLS files are a mistake, not something to ignore."""
     connections.check_tls(settings.tls_cert, settings.tls_key)
     if settings.cluster:
-        from aenv.cluster.agent import advertise_of
-        from aenv.cluster.store import ClusterStore, EtcdTls
+        from aenv.cluster.agent import advertise_of, cluster_store
 
-        tls = EtcdTls(settings.cluster_ca, settings.cluster_cert, settings.cluster_key)
-        ClusterStore.from_url(settings.cluster, tls=tls)  # parsed and the files read; no connection yet
+        cluster_store(settings)  # parsed and the files read; no connection yet
         advertise_of(settings)
     elif settings.cluster_ca or settings.cluster_cert or settings.cluster_key:
         raise InvalidRequest("AENV_CLUSTER_CA, _CERT and _KEY are for a cluster: --cluster etcds://... is missing")
+    elif settings.cluster_user or settings.cluster_password_file or settings.cluster_password:
+        raise InvalidRequest("AENV_CLUSTER_USER and its password are for a cluster: --cluster etcd://... is missing")
 
 
 async def serve(

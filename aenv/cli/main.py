@@ -165,7 +165,7 @@ def gateway(
     """Run a gateway: one URL in front of the cluster's nodes (docs/cluster.md)."""
     from aenv.api.connections import check_tls
     from aenv.cluster.gateway import GatewaySettings, check_domain, serve_gateway
-    from aenv.cluster.store import ClusterStore, EtcdTls
+    from aenv.cluster.store import ClusterStore, EtcdTls, EtcdUser
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded request otherwise
@@ -179,6 +179,7 @@ def gateway(
         raise typer.Exit(2)
     cluster_tls = EtcdTls.from_env(os.environ)
     try:
+        cluster_user = EtcdUser.from_env(os.environ)
         ClusterStore.from_url(cluster, tls=cluster_tls)  # the URL and the TLS files checked (no connection yet)
         domain = check_domain(domain) if domain else None
         check_tls(tls_cert, tls_key)
@@ -194,8 +195,61 @@ def gateway(
         tls_cert=str(tls_cert) if tls_cert else None,
         tls_key=str(tls_key) if tls_key else None,
         cluster_tls=cluster_tls,
+        cluster_user=cluster_user,
     )
     asyncio.run(serve_gateway(settings, host=host, port=port))
+
+
+@app.command("etcd-auth")
+def etcd_auth(
+    cluster: str = typer.Option(None, "--cluster", help="etcd://H1:P1,... (or AENV_CLUSTER)"),
+    root_password_file: Path = typer.Option(..., "--root-password-file", help="etcd's root user's password"),
+    node_password_file: Path = typer.Option(
+        None, "--node-password-file", help="aenv-node's password [default: random: it logs in by certificate]"
+    ),
+    gateway_password_file: Path = typer.Option(
+        None, "--gateway-password-file", help="aenv-gateway's password [default: random: by certificate]"
+    ),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Turn etcd's auth on for a cluster: etcd's root user, and the users and roles aenv-node
+    (everything under /aenv/) and aenv-gateway (reads; writes sandbox entries and tombstones only).
+    Run it again to change their passwords. Nodes and gateways then log in with AENV_CLUSTER_USER
+    and AENV_CLUSTER_PASSWORD_FILE, or by a client certificate whose CN is the user
+    (docs/cluster.md, "etcd users and roles")."""
+    from aenv.cluster.auth import GATEWAY_USER, NODE_USER, enable_auth
+    from aenv.cluster.store import EtcdTls
+
+    cluster = cluster or os.environ.get("AENV_CLUSTER", "")
+    if not cluster:
+        err.print("[red]error:[/red] --cluster etcd://HOST:PORT[,...] (or AENV_CLUSTER) is needed")
+        raise typer.Exit(2)
+
+    def secret(path: Path | None) -> str | None:
+        if path is None:
+            return None
+        try:
+            value = path.read_text(errors="replace")[:1025].removesuffix("\n")
+        except OSError as exc:
+            raise AenvError(f"cannot read {path}: {exc.strerror}") from None
+        if not value or len(value) > 1024:
+            raise AenvError(f"{path} must hold a password of 1 to 1024 characters")
+        return value
+
+    try:
+        root = secret(root_password_file)
+        assert root is not None
+        passwords = {NODE_USER: secret(node_password_file), GATEWAY_USER: secret(gateway_password_file)}
+        report = asyncio.run(enable_auth(cluster, root, passwords, tls=EtcdTls.from_env(os.environ)))
+    except AenvError as exc:
+        err.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(1) from None
+    rows = [{"user": user, "role": user, "may": ", ".join(grants)} for user, grants in report.users.items()]
+    if as_json or not out.is_terminal:
+        print(json.dumps({"enabledNow": report.enabled_now, "users": rows}))
+        return
+    _emit(rows, ["user", "role", "may"])
+    out.print("etcd's auth turned on" if report.enabled_now else "etcd's auth was on already: users and roles updated")
 
 
 @app.command()

@@ -50,7 +50,7 @@ from aenv.cluster.entries import (
     encode,
     key_matches,
 )
-from aenv.cluster.store import CLAIM_ATTEMPTS, ClusterStore, EtcdTls
+from aenv.cluster.store import CLAIM_ATTEMPTS, ClusterStore, EtcdTls, EtcdUser
 from aenv.config import Settings
 from aenv.errors import (
     ClusterUnavailable,
@@ -742,11 +742,17 @@ async def join_cluster(store: ClusterStore, node: Any, api_key: str) -> ClusterC
     return config
 
 
-async def start_agent(node: Any, settings: Settings, api_key: str) -> NodeAgent:
-    """Join the cluster named by ``settings.cluster`` (raises ClusterUnavailable if out of reach)."""
+def cluster_store(settings: Settings) -> ClusterStore:
+    """The store for a node's cluster settings (URL, TLS files, etcd user), checked; not connected."""
     assert settings.cluster
     tls = EtcdTls(settings.cluster_ca, settings.cluster_cert, settings.cluster_key)
-    store = ClusterStore.from_url(settings.cluster, tls=tls)
+    user = EtcdUser.load(settings.cluster_user, settings.cluster_password_file, settings.cluster_password)
+    return ClusterStore.from_url(settings.cluster, tls=tls, user=user)
+
+
+async def start_agent(node: Any, settings: Settings, api_key: str) -> NodeAgent:
+    """Join the cluster named by ``settings.cluster`` (raises ClusterUnavailable if out of reach)."""
+    store = cluster_store(settings)
     agent = NodeAgent(
         node,
         store,

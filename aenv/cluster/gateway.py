@@ -50,7 +50,7 @@ from aenv.cluster.lists import ListQuery
 from aenv.cluster.metrics import GatewayMetrics
 from aenv.cluster.mirror import Mirror
 from aenv.cluster.placement import Placement
-from aenv.cluster.store import ClusterStore, EtcdTls
+from aenv.cluster.store import ClusterStore, EtcdTls, EtcdUser
 from aenv.cluster.websocket import NODE_ID_HEADER, refuse_websocket, relay_websocket
 from aenv.dashboard import cluster as dashboard
 from aenv.errors import (
@@ -148,6 +148,7 @@ class GatewaySettings:
     tls_cert: str | None = None  # PEM files: the gateway serves HTTPS itself (else HTTP, e.g. behind a proxy)
     tls_key: str | None = None
     cluster_tls: EtcdTls | None = None  # the files for an etcds:// cluster (AENV_CLUSTER_CA, _CERT, _KEY)
+    cluster_user: EtcdUser | None = None  # etcd's auth: AENV_CLUSTER_USER, AENV_CLUSTER_PASSWORD_FILE
 
 
 class Gateway:
@@ -1361,7 +1362,9 @@ def _node_json(node: NodeEntry) -> dict[str, object]:
 
 
 def build_gateway(settings: GatewaySettings) -> Gateway:
-    return Gateway(settings, Mirror(ClusterStore.from_url(settings.cluster, tls=settings.cluster_tls)))
+    return Gateway(
+        settings, Mirror(ClusterStore.from_url(settings.cluster, tls=settings.cluster_tls, user=settings.cluster_user))
+    )
 
 
 async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keepalive: int = 610) -> None:

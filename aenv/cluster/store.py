@@ -16,7 +16,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -57,6 +57,8 @@ DEFAULT_TIMEOUT = 2.0  # seconds any one call may take
 GETS_PER_TRANSACTION = 64  # etcd refuses transactions of more than 128 operations by default
 MAX_ENDPOINTS = 16
 MAX_PEM = 256 * 1024  # a CA bundle, a certificate chain or a key
+MAX_USER = 128
+MAX_PASSWORD = 1024
 # etcd refuses a request on a member that has no leader when this metadata is set (instead of
 # holding it until an election that, without quorum, never comes).
 REQUIRE_LEADER = (("hasleader", "true"),)
@@ -116,6 +118,46 @@ def _read_pem(path: str | None) -> bytes | None:
     return data
 
 
+@dataclass(frozen=True, slots=True)
+class EtcdUser:
+    """An etcd user this process logs in as, when etcd's auth is on (docs/cluster.md, etcd users
+    and roles). Over TLS with client certificates etcd takes the user from the certificate's
+    common name instead, and no password is needed."""
+
+    name: str
+    password: str = field(repr=False)
+
+    @classmethod
+    def load(cls, name: str | None, password_file: str | None, password: str | None = None) -> EtcdUser | None:
+        """AENV_CLUSTER_USER with AENV_CLUSTER_PASSWORD_FILE (a file holding the password: what a
+        Kubernetes Secret or a systemd credential gives) or AENV_CLUSTER_PASSWORD; None with none."""
+        if not name and not password_file and not password:
+            return None
+        if not name:
+            raise InvalidRequest("an etcd password needs its user: AENV_CLUSTER_USER")
+        if len(name) > MAX_USER or not name.isprintable():
+            raise InvalidRequest(f"AENV_CLUSTER_USER must be at most {MAX_USER} printable characters")
+        if password_file and password:
+            raise InvalidRequest("give the etcd password once: AENV_CLUSTER_PASSWORD_FILE or AENV_CLUSTER_PASSWORD")
+        if password_file:
+            try:
+                with open(password_file, "rb") as f:
+                    data = f.read(MAX_PASSWORD + 2)
+            except OSError as exc:
+                raise InvalidRequest(f"cannot read {password_file[:200]}: {exc.strerror}") from None
+            password = data.decode(errors="replace").removesuffix("\n")
+        if not password or len(password) > MAX_PASSWORD:
+            raise InvalidRequest(
+                f"etcd user {name!r} needs a password of 1 to {MAX_PASSWORD} characters "
+                "(AENV_CLUSTER_PASSWORD_FILE or AENV_CLUSTER_PASSWORD)"
+            )
+        return cls(name, password)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> EtcdUser | None:
+        return cls.load(*(environ.get(f"AENV_CLUSTER_{n}") or None for n in ("USER", "PASSWORD_FILE", "PASSWORD")))
+
+
 def parse_cluster_url(url: str) -> list[Endpoint]:
     """``etcd://H1:P1,H2:P2,...`` (``etcds://`` for TLS; the port defaults to 2379) -> the member list."""
     parts = urlsplit(url)
@@ -138,6 +180,7 @@ def _endpoint(item: str) -> Endpoint:
     return Endpoint(split.hostname, port)
 
 
+TXN = aetcd.client.Transactions()  # builds compares and operations; bound to no connection
 CLAIM_ATTEMPTS = 5  # reads of an entry its owner keeps rewriting, before a claim gives up
 
 
@@ -168,33 +211,78 @@ class Change:
     create_revision: int
 
 
+class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]
+    """aetcd's watcher, but a watch etcd cancels (its creation refused: no permission, or a token
+    the member does not know; or ended by the server) fails instead of going silent: aetcd does
+    not look at a response's ``canceled``."""
+
+    async def _handle_response(self, response: Any) -> None:
+        if not response.canceled or response.compact_revision:  # aetcd's: a compacted history's error
+            await super()._handle_response(response)
+            return
+        error = aetcd.exceptions.ClientError(f"watch canceled: {response.cancel_reason or 'by etcd'}")
+        async with self._lock:
+            if response.created and self._new_callback is not None:  # the creation refused
+                self._new_callback.error = error
+                self._new_callback_ready.notify_all()
+                return
+            callback = self._callbacks.pop(response.watch_id, None)
+        if callback is not None:
+            await self._process_callback(callback, error)
+
+
 class _Client(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type hints
     """aetcd's client, asking for a leader on every request (unary and watch), over TLS when
-    given credentials (aetcd itself only opens plaintext channels)."""
+    given credentials (aetcd itself only opens plaintext channels), logged in as ``user`` when
+    given one (aetcd would log in once and keep a stale token)."""
 
-    def __init__(self, *, credentials: grpc.ChannelCredentials | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *, credentials: grpc.ChannelCredentials | None = None, user: EtcdUser | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.credentials = credentials
+        self.user = user
+        self.logins = 0  # how many times it logged in: calls refused for an older token log in again
 
     async def connect(self) -> None:
-        if self.credentials is None or self._connected.is_set():
+        if self._connected.is_set():
+            return
+        if self.credentials is None:
             await super().connect()
         else:
             self._open_tls_channel()
-        self.metadata = REQUIRE_LEADER
-        if self._watcher is not None:
-            self._watcher._metadata = REQUIRE_LEADER  # aetcd hands its watcher the metadata at connect
+        self._watcher = _Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout)
+        self._use(REQUIRE_LEADER)
+
+    def _use(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = metadata
+        self._watcher._metadata = metadata  # aetcd hands its watcher the metadata at connect
+
+    async def login(self) -> None:
+        """Log in as ``user``: every later call carries the token. A watch stream opened with the
+        old one is ended (its watches fail and are made again on a new stream)."""
+        assert self.user is not None
+        await self.connect()
+        request = aetcd.rpc.AuthenticateRequest(name=self.user.name, password=self.user.password)
+        try:
+            reply = await aetcd.rpc.AuthStub(self.channel).Authenticate(
+                request, timeout=self._timeout, metadata=REQUIRE_LEADER
+            )
+        except grpc.aio.AioRpcError as exc:
+            aetcd.exceptions._handle_exception(exc)
+        self._use((*REQUIRE_LEADER, ("token", reply.token)))
+        self.logins += 1
+        if self.logins > 1:  # its watches fail, and are made again on a stream with the new token
+            await self._watcher._terminate_stream(aetcd.exceptions.ClientError("logged in to etcd again"))
 
     def _open_tls_channel(self) -> None:
-        """What aetcd's connect sets up (no etcd user login: TLS clients authenticate by their
-        certificate), on a secure channel."""
+        """What aetcd's connect sets up, on a secure channel."""
         target = f"{self._host}:{self._port}"
         self.channel = aetcd.rpc.secure_channel(target, self.credentials, options=self._options.items())
         self.kvstub = aetcd.rpc.KVStub(self.channel)
         self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
         self.leasestub = aetcd.rpc.LeaseStub(self.channel)
         self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
-        self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout)
         self._connected.set()
 
 
@@ -202,25 +290,35 @@ class ClusterStore:
     """One connection to the etcd cluster. Safe to share between tasks of one event loop."""
 
     def __init__(
-        self, endpoints: list[Endpoint], *, timeout: float = DEFAULT_TIMEOUT, tls: EtcdTls | None = None
+        self,
+        endpoints: list[Endpoint],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        tls: EtcdTls | None = None,
+        user: EtcdUser | None = None,
     ) -> None:
         if not endpoints:
             raise InvalidRequest("no etcd member given")
         self.endpoints = endpoints
         self.timeout = timeout
         self.credentials = tls.credentials() if tls is not None else None
+        self.user = user
         self._client: _Client | None = None
         self._connecting = asyncio.Lock()
 
     @classmethod
-    def from_url(cls, url: str, *, timeout: float = DEFAULT_TIMEOUT, tls: EtcdTls | None = None) -> ClusterStore:
+    def from_url(
+        cls, url: str, *, timeout: float = DEFAULT_TIMEOUT, tls: EtcdTls | None = None, user: EtcdUser | None = None
+    ) -> ClusterStore:
         """A store for ``url``; ``etcds://`` speaks TLS (with ``tls``'s files, else the system's
         roots). Files given for an ``etcd://`` URL are refused rather than silently unused."""
         endpoints = parse_cluster_url(url)
         secure = urlsplit(url).scheme == "etcds"
         if not secure and tls is not None and tls != EtcdTls():
             raise InvalidRequest("etcd TLS files (AENV_CLUSTER_CA, _CERT, _KEY) need an etcds:// cluster URL")
-        return cls(endpoints, timeout=timeout, tls=(tls or EtcdTls()) if secure else None)
+        if user is not None and not secure:
+            log.warning("etcd user %s logs in over plaintext (etcd://): its password crosses the network", user.name)
+        return cls(endpoints, timeout=timeout, tls=(tls or EtcdTls()) if secure else None, user=user)
 
     async def close(self) -> None:
         client, self._client = self._client, None
@@ -242,9 +340,17 @@ class ClusterStore:
                 if self.credentials is not None:  # certificates name a member, not the gRPC target's list
                     options = {**options, "grpc.ssl_target_name_override": self.endpoints[0].host}
                 self._client = _Client(
-                    host=host, port=int(port), timeout=self.timeout, options=options, credentials=self.credentials
+                    host=host,
+                    port=int(port),
+                    timeout=self.timeout,
+                    options=options,
+                    credentials=self.credentials,
+                    user=self.user,
                 )
-            return self._client
+            client = self._client
+            if client.user is not None and client.logins == 0:  # not yet, or the first login failed
+                await self._call_login(client)
+            return client
 
     async def _target(self) -> str:
         """A gRPC target naming every member: ``ipv4:A:P,B:P`` (or ``ipv6:[A]:P,...``)."""
@@ -273,49 +379,99 @@ class ClusterStore:
             return "ipv6:" + ",".join(dict.fromkeys(v6))
         raise ClusterUnavailable("no etcd member address could be resolved")
 
-    async def _call(self, what: str, call: Awaitable[T]) -> T:
+    async def _call(self, what: str, make: Callable[[_Client], Awaitable[T]]) -> T:
+        """``make(client)``'s answer within the deadline. A call etcd refused for its login token
+        (tokens live in one member's memory: a restart or a move to another member forgets them;
+        etcd checks a watch's token only as a refused permission) logs in again and is made once
+        more: a refused call did nothing."""
+        client = await self._connected()
+        for attempt in (1, 2):
+            generation = client.logins
+            try:
+                return await asyncio.wait_for(make(client), self.timeout + 0.5)
+            except aetcd.exceptions.RevisionCompactedError as exc:
+                raise WatchCompacted(f"cluster store: {what}: {exc}") from None
+            except (aetcd.exceptions.ClientError, TimeoutError) as exc:
+                refused = _refusal(exc)
+                if attempt == 1 and client.user is not None and refused in ("token", "permission"):
+                    await self._login_again(client, generation)
+                    continue
+                if refused == "token" and client.user is None:
+                    raise ClusterUnavailable(
+                        f"the cluster store refused {what}: etcd's auth is on and this process logs in as no "
+                        "user (AENV_CLUSTER_USER and AENV_CLUSTER_PASSWORD_FILE, or a client certificate)"
+                    ) from None
+                if refused == "permission":
+                    who = f"etcd user {client.user.name!r}" if client.user is not None else "this client"
+                    raise ClusterUnavailable(
+                        f"the cluster store refused {what}: {who} lacks the permission "
+                        "(its role: docs/cluster.md, etcd users and roles)"
+                    ) from None
+                raise ClusterUnavailable(f"the cluster store did not answer ({what}): {_reason(exc)}") from None
+        raise AssertionError("unreachable")
+
+    async def _login_again(self, client: _Client, generation: int) -> None:
+        """Log in once for every call that found the token refused since login ``generation``."""
+        async with self._connecting:
+            if client.logins == generation:
+                await self._call_login(client)
+
+    async def _call_login(self, client: _Client) -> None:
         try:
-            return await asyncio.wait_for(call, self.timeout + 0.5)
-        except aetcd.exceptions.RevisionCompactedError as exc:
-            raise WatchCompacted(f"cluster store: {what}: {exc}") from None
+            await asyncio.wait_for(client.login(), self.timeout + 0.5)
         except (aetcd.exceptions.ClientError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"the cluster store did not answer ({what}): {_reason(exc)}") from None
+            assert client.user is not None
+            if _refusal(exc) == "password":
+                raise ClusterUnavailable(
+                    f"etcd refused the login of user {client.user.name!r}: wrong user name or password"
+                ) from None
+            raise ClusterUnavailable(f"the cluster store did not answer (log in): {_reason(exc)}") from None
+
+    async def auth_request(self, what: str, method: str, request: Any, *, done_if: str = "") -> Any:
+        """One call of etcd's Auth service (users, roles, turning auth on: ``aenv.cluster.auth``);
+        None when etcd's refusal says ``done_if`` (e.g. "already exists": nothing left to do)."""
+
+        async def call(client: _Client) -> Any:
+            await client.connect()
+            try:
+                stub = aetcd.rpc.AuthStub(client.channel)
+                return await getattr(stub, method)(request, timeout=self.timeout, metadata=client.metadata)
+            except grpc.aio.AioRpcError as exc:
+                if done_if and done_if in (exc.details() or ""):
+                    return None
+                aetcd.exceptions._handle_exception(exc)
+
+        return await self._call(what, call)
 
     # -- nodes ---------------------------------------------------------------------------------------
     async def grant_lease(self, ttl: int) -> int:
-        client = await self._connected()
-        lease = await self._call("grant a lease", client.lease(ttl))
+        lease = await self._call("grant a lease", lambda c: c.lease(ttl))
         return int(lease.id)
 
     async def keep_alive(self, lease_id: int) -> bool:
         """Renew a lease once; False when it has already expired."""
-        client = await self._connected()
-        reply = await self._call("renew a lease", client.refresh_lease(lease_id))
+        reply = await self._call("renew a lease", lambda c: c.refresh_lease(lease_id))
         return reply is not None and int(reply.TTL) > 0
 
     async def revoke_lease(self, lease_id: int) -> None:
-        client = await self._connected()
-        await self._call("revoke a lease", client.revoke_lease(lease_id))
+        await self._call("revoke a lease", lambda c: c.revoke_lease(lease_id))
 
     async def put_node(self, entry: NodeEntry, lease_id: int) -> None:
-        client = await self._connected()
-        await self._call("register a node", client.put(node_key(entry.node_id), encode(entry), lease=lease_id))
+        await self._call("register a node", lambda c: c.put(node_key(entry.node_id), encode(entry), lease=lease_id))
 
     async def nodes(self) -> list[NodeEntry]:
         return [v.entry for v in (await self.read_all()).nodes.values()]
 
     # -- sandboxes --------------------------------------------------------------------------------------
     async def get_sandbox(self, sandbox_id: str) -> Versioned | None:
-        client = await self._connected()
-        got = await self._call("read a sandbox", client.get(sandbox_key(sandbox_id)))
+        got = await self._call("read a sandbox", lambda c: c.get(sandbox_key(sandbox_id)))
         return None if got is None else _versioned(SandboxEntry, got)
 
     async def create_sandbox(self, entry: SandboxEntry) -> CasResult:
         """Write a sandbox's first entry; fails (with the entry there) if the id is taken, or
         (with no entry) if the sandbox was killed while its node was lost (a tombstone)."""
-        client = await self._connected()
         key = sandbox_key(entry.sandbox_id)
-        t = client.transactions
+        t = TXN
         compare = [t.create(key) == 0, t.version(tombstone_key(entry.sandbox_id)) == 0]
         return await self._cas("create a sandbox entry", key, compare, t.put(key, encode(entry)))
 
@@ -324,16 +480,15 @@ class ClusterStore:
         takes its place, in one transaction, if the entry is still ``current`` and its node still
         has no entry. False if either changed (it was taken over, or its node came back)."""
         entry: SandboxEntry = current.entry
-        client = await self._connected()
         key = sandbox_key(entry.sandbox_id)
-        t = client.transactions
+        t = TXN
         lease = await self.grant_lease(keep_seconds)
         stone = Tombstone(entry.node_id, entry.epoch, round(time.time(), 3))
         compare = [t.mod(key) == current.mod_revision, t.version(node_key(entry.node_id)) == 0]
         success = [t.delete(key), t.put(tombstone_key(entry.sandbox_id), encode(stone), lease=lease)]
         ok = False
         try:
-            ok, _ = await self._call("bury a sandbox", client.transaction(compare=compare, success=success, failure=[]))
+            ok, _ = await self._call("bury a sandbox", _transaction(compare=compare, success=success))
         finally:
             if not ok:  # no tombstone holds it: a lease of 30 days would outlive nothing
                 with contextlib.suppress(ClusterUnavailable):
@@ -345,20 +500,17 @@ class ClusterStore:
         return {s: v.entry for s, v in (await self._get_many(sandbox_ids, tombstone_key, Tombstone)).items()}
 
     async def drop_tombstone(self, sandbox_id: str) -> None:
-        client = await self._connected()
-        await self._call("drop a tombstone", client.delete(tombstone_key(sandbox_id)))
+        await self._call("drop a tombstone", lambda c: c.delete(tombstone_key(sandbox_id)))
 
     async def replace_sandbox(self, entry: SandboxEntry, mod_revision: int) -> CasResult:
         """Rewrite an entry if nobody changed it since it was read at ``mod_revision``."""
-        client = await self._connected()
         key = sandbox_key(entry.sandbox_id)
-        t = client.transactions
+        t = TXN
         return await self._cas("update a sandbox entry", key, [t.mod(key) == mod_revision], t.put(key, encode(entry)))
 
     async def delete_sandbox(self, sandbox_id: str, mod_revision: int) -> CasResult:
-        client = await self._connected()
         key = sandbox_key(sandbox_id)
-        t = client.transactions
+        t = TXN
         return await self._cas("delete a sandbox entry", key, [t.mod(key) == mod_revision], t.delete(key))
 
     async def claim_sandbox(
@@ -385,9 +537,8 @@ class ClusterStore:
             if durable_only and not (current.entry.durable and current.entry.state == "paused"):
                 return CasResult(False, current)
             moved = replace(current.entry, node_id=node_id, epoch=epoch + 1)
-            client = await self._connected()
             key = sandbox_key(sandbox_id)
-            t = client.transactions
+            t = TXN
             compare = [t.mod(key) == current.mod_revision]
             if from_lost is not None:
                 compare.append(t.version(node_key(from_lost)) == 0)
@@ -403,15 +554,12 @@ class ClusterStore:
     async def _get_many(
         self, sandbox_ids: list[str], key_of: Callable[[str], bytes], cls: type[E]
     ) -> dict[str, Versioned]:
-        client = await self._connected()
-        t = client.transactions
+        t = TXN
         found: dict[str, Versioned] = {}
         for i in range(0, len(sandbox_ids), GETS_PER_TRANSACTION):
             chunk = sandbox_ids[i : i + GETS_PER_TRANSACTION]
-            _, responses = await self._call(
-                "read sandbox entries",
-                client.transaction(compare=[], success=[t.get(key_of(s)) for s in chunk], failure=[]),
-            )
+            gets = [t.get(key_of(s)) for s in chunk]
+            _, responses = await self._call("read sandbox entries", _transaction(compare=[], success=gets))
             for sandbox_id, response in zip(chunk, responses, strict=True):
                 for _, kv in response:
                     try:
@@ -424,8 +572,7 @@ class ClusterStore:
     async def ensure_config(self, proposed: ClusterConfig) -> ClusterConfig:
         """The cluster's configuration: ``proposed`` if there was none (the first node to join
         writes it), else the one there. One transaction: of two first nodes exactly one wins."""
-        client = await self._connected()
-        t = client.transactions
+        t = TXN
         result = await self._cas(
             "write the cluster configuration",
             CONFIG_KEY,
@@ -437,30 +584,26 @@ class ClusterStore:
         return result.current.entry  # type: ignore[no-any-return]
 
     async def get_config(self) -> ClusterConfig | None:
-        client = await self._connected()
-        got = await self._call("read the cluster configuration", client.get(CONFIG_KEY))
+        got = await self._call("read the cluster configuration", lambda c: c.get(CONFIG_KEY))
         return None if got is None else decode(ClusterConfig, got.value)
 
     async def claim_create(self, create_id: str, claim: CreateClaim, lease_id: int) -> CasResult:
         """Take a create id for a node (under its lease) if nobody holds it; the loser gets the
         holder's claim back."""
-        client = await self._connected()
         key = create_key(create_id)
-        t = client.transactions
+        t = TXN
         return await self._cas(
             "claim a create id", key, [t.create(key) == 0], t.put(key, encode(claim), lease=lease_id), CreateClaim
         )
 
     async def get_create(self, create_id: str) -> Versioned | None:
-        client = await self._connected()
-        got = await self._call("read a create id", client.get(create_key(create_id)))
+        got = await self._call("read a create id", lambda c: c.get(create_key(create_id)))
         return None if got is None else _versioned(CreateClaim, got)
 
     async def release_create(self, create_id: str, create_revision: int) -> None:
         """Drop a create id's claim if it is still the one made at ``create_revision``."""
-        client = await self._connected()
         key = create_key(create_id)
-        t = client.transactions
+        t = TXN
         await self._cas("release a create id", key, [t.create(key) == create_revision], t.delete(key), CreateClaim)
 
     async def _cas(
@@ -471,10 +614,9 @@ class ClusterStore:
         success: Any,
         cls: type[E] = SandboxEntry,  # type: ignore[assignment]
     ) -> CasResult:
-        client = await self._connected()
-        t = client.transactions
+        t = TXN
         ok, responses = await self._call(
-            what, client.transaction(compare=compare, success=[success, t.get(key)], failure=[t.get(key)])
+            what, _transaction(compare=compare, success=[success, t.get(key)], failure=[t.get(key)])
         )
         found = responses[-1] if responses else []
         if not found:
@@ -486,8 +628,7 @@ class ClusterStore:
     async def read_all(self) -> Listing:
         """One consistent read of every node and sandbox entry (entries that do not decode are
         logged and left out)."""
-        client = await self._connected()
-        got = await self._call("read the directory", client.get_prefix(PREFIX.encode()))
+        got = await self._call("read the directory", lambda c: c.get_prefix(PREFIX.encode()))
         nodes: dict[str, Versioned] = {}
         sandboxes: dict[str, Versioned] = {}
         for kv in got:
@@ -504,9 +645,8 @@ class ClusterStore:
     async def watch(self, start_revision: int) -> AsyncIterator[Change]:
         """Every change under /aenv/ from ``start_revision`` on, until the stream fails
         (``ClusterUnavailable``) or that history is compacted (``WatchCompacted``)."""
-        client = await self._connected()
         watch = await self._call(
-            "watch the directory", client.watch_prefix(PREFIX.encode(), start_revision=start_revision)
+            "watch the directory", lambda c: c.watch_prefix(PREFIX.encode(), start_revision=start_revision)
         )
         try:
             async for event in _translated(watch):
@@ -528,6 +668,31 @@ async def _translated(watch: Any) -> AsyncIterator[Any]:
         raise WatchCompacted(f"cluster store watch: {exc}") from None
     except aetcd.exceptions.ClientError as exc:
         raise ClusterUnavailable(f"the cluster store watch ended: {_reason(exc)}") from None
+
+
+def _transaction(
+    *, compare: list[Any], success: list[Any], failure: list[Any] | None = None
+) -> Callable[[_Client], Awaitable[Any]]:
+    """A transaction to make on whichever client ``_call`` hands it (made again after a login)."""
+    return lambda client: client.transaction(compare=compare, success=success, failure=failure or [])
+
+
+def _refusal(exc: BaseException) -> Literal["token", "permission", "password"] | None:
+    """Why etcd refused a call, if for its login: the token unknown to the member (restarted,
+    another one, expired), the user's permissions (also how a watch refuses a bad token), or the
+    password."""
+    cause = exc.__cause__
+    code = cause.code() if isinstance(cause, grpc.aio.AioRpcError) else None
+    text = str(exc)
+    if code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in text or "auth store is old" in text:
+        return "token"
+    if "user name is empty" in text:  # a call without a token where etcd wants one
+        return "token"
+    if code == grpc.StatusCode.PERMISSION_DENIED or "permission denied" in text:
+        return "permission"
+    if "authentication failed" in text:
+        return "password"
+    return None
 
 
 def _versioned(cls: type[E], kv: Any) -> Versioned:

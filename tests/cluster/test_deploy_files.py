@@ -99,7 +99,9 @@ def test_k8s_objects_match_the_openapi_schemas() -> None:
             "Secret",
             "Secret",
             "Secret",
+            "Secret",
             "ConfigMap",
+            "Job",
             "Service",
             "StatefulSet",
             "DaemonSet",
@@ -270,3 +272,19 @@ def test_k8s_etcd_speaks_tls_with_client_certificates_to_nodes_and_gateways() ->
         for setting in ("AENV_CLUSTER_CA", "AENV_CLUSTER_CERT", "AENV_CLUSTER_KEY"):
             assert mounted.get(configmap[setting]) in secret, (name, setting, mounted)
         assert "member.key" not in mounted.values()  # the members' key stays with the members
+        # with etcd's auth on, the certificate's common name is the etcd user: each part its own
+        role = "node" if kind == "DaemonSet" else "gateway"
+        assert mounted[configmap["AENV_CLUSTER_CERT"]] == f"{role}.crt", (name, mounted)
+        assert mounted[configmap["AENV_CLUSTER_KEY"]] == f"{role}.key", (name, mounted)
+    # and a Job turns etcd's auth on, as root by a password of its own Secret
+    job = objects[("Job", "aenv-etcd-auth")]
+    container = pod_containers(job)[0]
+    argv = [*container["command"], *container["args"]]
+    assert argv[:2] == ["aenv", "etcd-auth"], argv
+    ctx = parse_cli(argv)
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v["secret"] for v in job["spec"]["template"]["spec"]["volumes"]}
+    root_file = Path(str(ctx.params["root_password_file"]))
+    source = next(v for n, v in volumes.items() if Path(mounts[n]) == root_file.parent)
+    assert (source["secretName"], source["items"][0]["key"]) == ("aenv-etcd-root", "password")
+    assert "password" in objects[("Secret", "aenv-etcd-root")]["stringData"]
