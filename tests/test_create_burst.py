@@ -124,6 +124,54 @@ def test_a_burst_with_a_warm_pool_takes_members_and_restores_and_never_overfills
             api.put("/templates/bb/warm-pool", json={"size": None})
 
 
+def test_resumes_count_against_the_limit_as_creates_do(node: Server) -> None:
+    """A paused sandbox holds no room, so the node fills up with others; resuming it then would
+    run one sandbox past AENV_MAX_SANDBOXES: 429 with Retry-After, and it stays paused, whole.
+    A burst of resumes of many paused sandboxes at once never overfills either."""
+    with node.client() as api:
+        paused = []
+        for _ in range(MAX_SANDBOXES):
+            r = api.post("/sandboxes", json={"templateID": "bb", "timeout": 120})
+            assert r.status_code == 201, r.text
+            sid = r.json()["sandboxID"]
+            assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+            paused.append(sid)
+        fillers = check(asyncio.run(burst(node.url, MAX_SANDBOXES - 2, {"templateID": "bb", "timeout": 120})))
+        try:
+            assert len(fillers) == MAX_SANDBOXES - 2
+            answers = asyncio.run(resume_burst(node.url, paused))
+            resumed = check(answers)
+            assert len(resumed) == 2, [a.status_code for a in answers if isinstance(a, httpx.Response)]
+            listed = api.get("/sandboxes", params={"state": "running"}).json()
+            assert len(listed) == MAX_SANDBOXES
+            deadline = time.monotonic() + 30  # the paused ones' old instances go in the background
+            while len(runsc_containers(node)) > MAX_SANDBOXES:
+                assert time.monotonic() < deadline, runsc_containers(node)
+                time.sleep(0.3)
+            refused = [sid for sid in paused if sid not in resumed]
+            for sid in refused:  # untouched: paused, and resumes once there is room
+                assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+            r = api.post(f"/sandboxes/{refused[0]}/connect", json={"timeout": 60})
+            assert r.status_code == 429 and "at most" in r.json()["message"], r.text
+            assert api.delete(f"/sandboxes/{fillers[0]}").status_code == 204
+            fillers = fillers[1:]
+            r = api.post(f"/sandboxes/{refused[0]}/connect", json={"timeout": 60})
+            assert r.status_code == 201, r.text
+            assert api.get(f"/sandboxes/{refused[0]}").json()["state"] == "running"
+        finally:
+            kill_all(node, [*paused, *fillers])
+
+
+async def resume_burst(url: str, ids: list[str]) -> list[httpx.Response | BaseException]:
+    """Each paused sandbox resumed at the same moment; a 201 answer is shaped as a create's."""
+
+    async def one(sid: str) -> httpx.Response:
+        async with httpx.AsyncClient(base_url=url, headers={"X-API-Key": API_KEY}, timeout=120) as client:
+            return await client.post(f"/sandboxes/{sid}/connect", json={"timeout": 60})
+
+    return list(await asyncio.gather(*(one(sid) for sid in ids), return_exceptions=True))
+
+
 def test_a_create_is_refused_while_the_host_is_short_of_memory(tmp_path: Path) -> None:
     from aenv.config import Settings
     from aenv.errors import LimitExceeded

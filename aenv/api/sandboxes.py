@@ -47,6 +47,7 @@ from aenv.errors import (
     snippet,
 )
 from aenv.node.service import (
+    OWNER_FULL_HEADER,
     PUBLIC_STATE,
     Bucket,
     BuildHost,
@@ -418,8 +419,18 @@ async def pause(request: Request, sandbox_id: str) -> Response:
 async def _connect(request: Request, sandbox_id: str) -> JSONResponse:
     node = node_of(request)
     body: ConnectBody = await _body(request, ConnectBody)
-    rec, resumed = await node.resume(sandbox_id, timeout=body.timeout, memory=body.memory)
+    rec, resumed = await node.resume(
+        sandbox_id, timeout=body.timeout, memory=body.memory, owner_full=_owner_full(request)
+    )
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201 if resumed else 200)
+
+
+def _owner_full(request: Request) -> bool:
+    """A gateway's word (OWNER_FULL_HEADER) that the sandbox's own node refused its resume for
+    room: this node may take a durable pause over from a node that is up. Only where the cluster
+    goes next: a taker claims only while the entry says durably paused, and the owner resumes only
+    after taking that mark off, so whoever sends it gets one instance, wherever it runs."""
+    return request.headers.get(OWNER_FULL_HEADER, "") == "1"
 
 
 router.add_api_route(
@@ -451,7 +462,7 @@ async def resume(request: Request, sandbox_id: str) -> JSONResponse:
     if running:
         raise WrongState(f"sandbox {sandbox_id} is already running", sandbox_id=sandbox_id)
     # One this node does not hold may be a lost or draining node's durable pause: the resume takes it over.
-    rec, _ = await node.resume(sandbox_id, timeout=body.timeout, memory=body.memory)
+    rec, _ = await node.resume(sandbox_id, timeout=body.timeout, memory=body.memory, owner_full=_owner_full(request))
     return JSONResponse(sandbox_json(node, node.get(rec.id), domain_of(request)), status_code=201)
 
 

@@ -395,17 +395,18 @@ class NodeAgent:
             self.killing.discard(sandbox_id)
 
     # -- durably paused sandboxes of lost nodes ----------------------------------------------------------
-    async def adopt(self, sandbox_id: str) -> None:
+    async def adopt(self, sandbox_id: str, owner_full: bool = False) -> None:
         """A resume here names a sandbox this node does not hold: if the directory says it is
-        durably paused on a node that is gone, take it over (concurrent resumes join)."""
+        durably paused on a node that is gone, draining, or (``owner_full``: a gateway's word)
+        refused its resume for room, take it over (concurrent resumes join)."""
         running = self._adoptions.get(sandbox_id)
         if running is None:
-            running = asyncio.ensure_future(self._adopt(sandbox_id))
+            running = asyncio.ensure_future(self._adopt(sandbox_id, owner_full))
             self._adoptions[sandbox_id] = running
             running.add_done_callback(lambda _: self._adoptions.pop(sandbox_id, None))
         await asyncio.shield(running)
 
-    async def _adopt(self, sandbox_id: str) -> None:
+    async def _adopt(self, sandbox_id: str, owner_full: bool) -> None:
         try:
             current = await self.store.get_sandbox(sandbox_id)
         except EntryError:
@@ -416,11 +417,12 @@ class NodeAgent:
         if self.draining:
             return  # takes no new work (a move's or a gateway's race with this node's drain): not found here
         owner = next((n for n in await self.store.nodes() if n.node_id == entry.node_id), None)
-        if owner is not None and not owner.draining:
+        if owner is not None and not owner.draining and not owner_full:
             return  # its node is up: the sandbox is that node's to resume
         # Fetch first, claim after: the directory moves the sandbox only once this node can serve it.
-        # A draining owner resumes none of its durable pauses (it refuses), so the epoch's
-        # compare-and-swap is enough there; a lost one must still be gone.
+        # A live owner (draining, or full) resumes a durable pause only after taking its mark off
+        # by a compare-and-swap (NodeAgent.before_resume), and the claim needs the mark still on:
+        # of the two exactly one wins. A lost one must still be gone.
         await self.node.adopt_paused(sandbox_id)
         lost = entry.node_id if owner is None else None
         result = await self.store.claim_sandbox(

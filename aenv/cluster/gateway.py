@@ -69,6 +69,7 @@ from aenv.errors import (
 )
 from aenv.node import tokens
 from aenv.node.create_ids import CREATE_ID_HEADER, create_id_of
+from aenv.node.service import OWNER_FULL_HEADER
 
 log = logging.getLogger("aenv.gateway")
 
@@ -299,7 +300,11 @@ class Gateway:
             resume = method == "POST" and bool(SANDBOX_ANSWER.match(path))
             node = await self.owner(match["id"], scope, resume=resume)
             if scope.get(TAKEOVER_SCOPE):
-                return await self.take_over(request, node, match["id"])
+                entry, _ = self.mirror.owner(match["id"])
+                others = self._takeover_candidates(entry, avoid=node.node_id) if entry is not None else []
+                return await self.take_over(request, [node, *others], match["id"])
+            if resume and _cluster_paused_at(self.mirror, match["id"], node):
+                return await self.resume_or_move(request, node, match["id"])
             if method == "GET" and SANDBOX_INFO.match(path):
                 return await self.answered(request, node, _note_node)
             if method == "POST" and path.endswith("/fork"):
@@ -915,20 +920,66 @@ class Gateway:
             _note(self.hints, sandbox_id, node.node_id, HINT_SECONDS)
             self._expect(sandbox_id, PRESENT)
 
-    async def take_over(self, request: Request, node: NodeEntry, sandbox_id: str) -> Response | Relay:
-        """A resume of a sandbox durably paused on a lost node, sent to ``node`` to take it over.
-        If another node took it first (a resume through another gateway), ``node`` answers 409
-        (it lost the claim) or 404 (it saw the move) and the resume goes to the winner, so both
-        callers get the one instance."""
+    async def resume_or_move(self, request: Request, node: NodeEntry, sandbox_id: str) -> Response | Relay:
+        """A resume of a durable pause whose node is up: there, where its files are, if that node
+        has room; one that answers 429 (full) gives it up to the best other node with room, which
+        takes it over from the repository (the owner resumes only after taking the entry's
+        durable mark off, the taker claims only while it is on: never both)."""
         body = await _read_bounded(request, MAX_CREATE_BODY)
         upstream = await self._send(request, node, body=body)
+        entry, _ = self.mirror.owner(sandbox_id)
+        if upstream.status_code == 429 and entry is not None and _cluster_paused(entry):
+            others = self._takeover_candidates(entry, avoid=node.node_id)
+            if others:
+                await upstream.aclose()
+                return await self.take_over(request, others, sandbox_id, body=body, owner_full=True)
+        return await self._resumed(request, node, sandbox_id, upstream)
+
+    def _takeover_candidates(self, entry: SandboxEntry, *, avoid: str) -> list[NodeEntry]:
+        """Nodes to take a durable pause over, best first: its memory image's runtime, then
+        those holding its template's layers (see placement.py)."""
+        try:
+            ranked = self.candidates(entry.template_id or None, entry.runtime)
+        except AenvError:
+            return []  # none with room: the owner's own answer stands
+        return [n for n in ranked if n.node_id != avoid][:MAX_CANDIDATES]
+
+    async def take_over(
+        self,
+        request: Request,
+        nodes: list[NodeEntry],
+        sandbox_id: str,
+        *,
+        body: bytes | None = None,
+        owner_full: bool = False,
+    ) -> Response | Relay:
+        """A resume of a durably paused sandbox sent to another node than its own (gone,
+        draining or full) to take it over, trying the next of ``nodes`` while one is full too
+        (429). If another node took it first (a resume through another gateway), the node
+        answers 409 (it lost the claim) or 404 (it saw the move) and the resume goes to the
+        winner, so both callers get the one instance."""
+        if body is None:
+            body = await _read_bounded(request, MAX_CREATE_BODY)
+        extra = {OWNER_FULL_HEADER: "1"} if owner_full else None
+        for i, node in enumerate(nodes):
+            upstream = await self._send(request, node, body=body, extra=extra)
+            if upstream.status_code == 429 and i + 1 < len(nodes):
+                await upstream.aclose()
+                continue
+            break
         if upstream.status_code in (404, 409):
             read = await self.mirror.store.get_sandbox(sandbox_id)
             winner = self.mirror.nodes.get(read.entry.node_id) if read is not None else None
             if winner is not None and winner.node_id != node.node_id:
                 await upstream.aclose()
                 node, upstream = winner, await self._send(request, winner, body=body)
+        return await self._resumed(request, node, sandbox_id, upstream)
+
+    async def _resumed(
+        self, request: Request, node: NodeEntry, sandbox_id: str, upstream: httpx.Response
+    ) -> Response | Relay:
         request.scope[NODE_SCOPE] = node.node_id
+        self._note_change("POST", request.url.path, sandbox_id, upstream.status_code)
         if self.settings.domain:
             return await self.answered(request, node, upstream=upstream)
         return Relay(upstream, node)
@@ -1086,7 +1137,8 @@ class Gateway:
         extra = extra or {}
         # As received (bytes: a value that is not ASCII passes as it came, for the node to judge).
         # Sandbox traffic keeps the client's Host: the sandbox's port sees it (or its mask).
-        dropped = (HOP_HEADERS - ({"host"} if "e2b-sandbox-id" in extra else set())) | set(extra)
+        # The gateway's own word to a node is never a client's.
+        dropped = (HOP_HEADERS - ({"host"} if "e2b-sandbox-id" in extra else set())) | set(extra) | {OWNER_FULL_HEADER}
         headers = [(k, v) for k, v in request.scope["headers"] if k.decode("latin-1").lower() not in dropped]
         headers += [(k.encode(), v.encode()) for k, v in extra.items()]
         url = node.address + (path or request.url.path) + (f"?{request.url.query}" if request.url.query else "")
@@ -1164,6 +1216,12 @@ class Relay:
 def _cluster_paused(entry: SandboxEntry) -> bool:
     """Paused and in the snapshot repository: any node may resume it (its own node or not)."""
     return entry.durable and entry.state == "paused"
+
+
+def _cluster_paused_at(mirror: Mirror, sandbox_id: str, node: NodeEntry) -> bool:
+    """Durably paused, by the mirror, on ``node`` (its owner, up)."""
+    entry, owner = mirror.owner(sandbox_id)
+    return entry is not None and owner is not None and owner.node_id == node.node_id and _cluster_paused(entry)
 
 
 def _movable(entry: SandboxEntry, node: NodeEntry | None) -> bool:

@@ -305,13 +305,15 @@ class Lifecycle:
         return await self._operate(sb, "pause" if keep_memory else "pause_filesystem", run, join=True)
 
     async def resume(
-        self, sandbox_id: str, *, timeout: int | None = None, memory: bool = True
+        self, sandbox_id: str, *, timeout: int | None = None, memory: bool = True, owner_full: bool = False
     ) -> tuple[SandboxRecord, bool]:
         """Resume a paused sandbox; returns (record, True if it was resumed, False if it ran).
         Without ``memory`` (E2B's connect ``memory: false``, the SDKs' ``on_resume="reboot"``)
-        one paused with its memory boots fresh on its files instead, as one paused without."""
+        one paused with its memory boots fresh on its files instead, as one paused without.
+        ``owner_full``: a gateway's word that the sandbox's own node refused it for room."""
         if sandbox_id not in self.sandboxes and self.adopter is not None:
-            await self.adopter(sandbox_id)  # durably paused on a node that is gone: taken over here
+            # durably paused on a node that is gone, draining or full: taken over here
+            await self.adopter(sandbox_id, owner_full)
         sb = self.get(sandbox_id)
         timeout_s = self._check_timeout(timeout)
 
@@ -320,8 +322,12 @@ class Lifecycle:
                 sb.rec.end_at = max(sb.rec.end_at, time.time() + timeout_s)
                 await self.store.put_sandbox(sb.rec)
                 return sb.rec, False
+            # A resume takes a running sandbox's room, as a create does (429: a gateway takes a
+            # durable pause elsewhere); checked before the guard, which makes it no longer movable.
+            self._check_room()
             if sb.rec.durable_at and self.resume_guard is not None:
                 await self.resume_guard(sb.id)  # raises if another node took it over: it stays paused here
+                self._check_room()  # taken meanwhile: it stays paused (the agent marks it durable again)
             await self._set_state(sb, S.RESUMING, persist=False)
             try:
                 await self.artifacts.release_pause(sb)
@@ -360,6 +366,7 @@ class Lifecycle:
         that asked for it restores it with its id, metadata, env, timeout and network rules."""
         if sandbox_id in self.sandboxes:
             return
+        self._check_room()  # before any fetch: with no room here it goes to another node (429)
         rec = await self.artifacts.fetch_pause(sandbox_id)
         if sandbox_id in self.sandboxes:
             return  # another adoption here finished first

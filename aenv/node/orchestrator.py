@@ -111,7 +111,7 @@ class Node(Lifecycle, Instances, Records):
         self.create_ids = CreateIds(kill=self.kill)
         # Called when a resume names a sandbox this node does not hold: the cluster agent takes
         # over one durably paused on a node that is gone (adopt_paused), or does nothing.
-        self.adopter: Callable[[str], Awaitable[None]] | None = None
+        self.adopter: Callable[[str, bool], Awaitable[None]] | None = None
         # In a cluster: whether the directory says a sandbox is durably paused (its entry is
         # written a moment after the commit; another node may take it over only from then on).
         self.durable_in_directory: Callable[[str], bool] | None = None

@@ -56,6 +56,11 @@ __all__ = [
 ]
 
 
+# A gateway's word to a node asked to resume a durable pause it does not hold: the sandbox's own
+# node (up) refused the resume for room, so this one may take it over (aenv/cluster/gateway.py).
+OWNER_FULL_HEADER = "x-aenv-owner-full"
+
+
 @dataclass(frozen=True)
 class Capacity:
     """A node's load: what placement compares (docs/cluster.md)."""
@@ -108,7 +113,7 @@ class NodeService(Protocol):
     async def pause(self, sandbox_id: str, *, keep_memory: bool = True) -> SandboxRecord: ...
 
     async def resume(
-        self, sandbox_id: str, *, timeout: int | None = None, memory: bool = True
+        self, sandbox_id: str, *, timeout: int | None = None, memory: bool = True, owner_full: bool = False
     ) -> tuple[SandboxRecord, bool]: ...
 
     async def ensure_running(self, sandbox_id: str) -> LiveSandbox: ...
@@ -202,7 +207,7 @@ class NodeService(Protocol):
     @property
     def create_ids(self) -> CreateIds: ...
 
-    adopter: Callable[[str], Awaitable[None]] | None
+    adopter: Callable[[str, bool], Awaitable[None]] | None
     durable_in_directory: Callable[[str], bool] | None
     resume_guard: Callable[[str], Awaitable[None]] | None
 

@@ -230,3 +230,53 @@ def test_two_nodes_taking_over_one_sandbox_at_once_one_wins(cluster: Cluster) ->
         with cluster.api(1) as api:
             r = api.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 120})
             assert r.status_code == 200 and r.headers["x-aenv-node-id"] == winner, r.text
+
+
+def test_a_durable_pause_whose_node_is_full_resumes_on_another(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its node is up but full (a resume takes room as a create does: the node answers 429): a
+    connect through a gateway resumes it on another node, from the repository, with its memory
+    and files; the full node lets its paused copy go, and the one instance runs elsewhere."""
+    full = start_node(cluster.etcd.url, "node-full", lease_ttl=LEASE_TTL, extra_env={"AENV_MAX_SANDBOXES": "1"})
+    made: list[str] = []
+    try:
+        for gateway in cluster.gateways:
+            wait_for_nodes(gateway, {*cluster.nodes, "node-full"})
+        with full.client() as direct:
+            r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 600})
+            assert r.status_code == 201, r.text
+            sandbox_id = r.json()["sandboxID"]
+            made.append(sandbox_id)
+            use_gateway(cluster, 0, monkeypatch)
+            sbx = Sandbox.connect(sandbox_id)
+            sbx.commands.run(COUNTER, background=True)
+            sbx.files.write("/home/user/state.txt", "written on node-full")
+            time.sleep(1.0)
+            before = count(sbx)
+            assert direct.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+            wait_for(lambda: (e := directory_entry(cluster, sandbox_id)) is not None and e.durable)
+            r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 600})  # its one room
+            assert r.status_code == 201, r.text
+            made.append(r.json()["sandboxID"])
+            r = direct.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+            assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1, r.text
+        wait_for(lambda: (e := directory_entry(cluster, sandbox_id)) is not None and e.durable)  # still offered
+        with cluster.api(1) as api:
+            r = api.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 120})
+            assert r.status_code == 201, r.text
+            moved_to = r.headers["x-aenv-node-id"]
+            assert moved_to in cluster.nodes, moved_to
+        resumed = Sandbox.connect(sandbox_id)
+        assert count(resumed) >= before  # its memory: the same process goes on
+        assert resumed.files.read("/home/user/state.txt") == "written on node-full"
+        entry = directory_entry(cluster, sandbox_id)
+        assert entry is not None and (entry.node_id, entry.epoch, entry.state) == (moved_to, 2, "running")
+        with full.client() as direct:
+            wait_for(lambda: direct.get(f"/sandboxes/{sandbox_id}").status_code == 404, 30)
+        assert holders(cluster, sandbox_id) == [moved_to]
+    finally:
+        with cluster.api() as api:
+            for sid in made:
+                api.delete(f"/sandboxes/{sid}")
+        full.stop()
