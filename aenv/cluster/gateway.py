@@ -506,8 +506,8 @@ class Gateway:
             # a node with its runtime (its memory image's), holding its template's layers first
             node = self.candidates(entry.template_id or None, entry.runtime)[0]
             scope[NODE_SCOPE], scope[TAKEOVER_SCOPE] = node.node_id, True
-        elif wake and _movable(entry, node) and _wakes(entry):
-            node = await self.wake_elsewhere(sandbox_id)
+        elif wake and _wakes(entry) and (_movable(entry, node) or _full_owner(entry, node)):
+            node = await self.wake_elsewhere(sandbox_id, owner_full=node is not None)
             scope[NODE_SCOPE] = node.node_id
         if node is None:
             raise SandboxNotFound(
@@ -516,21 +516,23 @@ class Gateway:
             )
         return node
 
-    async def wake_elsewhere(self, sandbox_id: str) -> NodeEntry:
+    async def wake_elsewhere(self, sandbox_id: str, *, owner_full: bool = False) -> NodeEntry:
         """Auto-resume through the gateway: traffic to a sandbox with auto-resume, durably paused
-        on a node that is gone or draining, resumes it on the best node with room (a connect, so
+        on a node that is gone, draining or full, resumes it on the best node with room (a connect, so
         it takes the sandbox over as a client's connect would) and then proceeds there, waiting
         up to WAKE_SECONDS. Concurrent traffic joins one wake; a node that lost the claim to
         another (409, or 404 once it saw the move) sends the traffic to the winner."""
         waking = self._waking.get(sandbox_id)
         if waking is None:
-            waking = asyncio.ensure_future(self._wake(sandbox_id))
+            waking = asyncio.ensure_future(self._wake(sandbox_id, owner_full))
             self._waking[sandbox_id] = waking
             waking.add_done_callback(lambda _: self._waking.pop(sandbox_id, None))
         return await asyncio.shield(waking)
 
-    async def _wake(self, sandbox_id: str) -> NodeEntry:
+    async def _wake(self, sandbox_id: str, owner_full: bool) -> NodeEntry:
         headers = {"X-API-Key": self.settings.api_key or ""}
+        if owner_full:
+            headers[OWNER_FULL_HEADER] = "1"
         timeout = httpx.Timeout(self.settings.connect_timeout, read=WAKE_SECONDS, write=10.0, pool=10.0)
         failures = []
         entry, _ = self.mirror.owner(sandbox_id)
@@ -1228,6 +1230,11 @@ def _movable(entry: SandboxEntry, node: NodeEntry | None) -> bool:
     """A resume of this sandbox goes to another node: it is durably paused on a node that is gone
     or draining (which takes no new work)."""
     return _cluster_paused(entry) and (node is None or node.draining)
+
+
+def _full_owner(entry: SandboxEntry, node: NodeEntry | None) -> bool:
+    """Durably paused on a node that is up but, by its last entry, has no room to resume it."""
+    return _cluster_paused(entry) and node is not None and not node.draining and node.room <= 0
 
 
 def _becoming_durable(entry: SandboxEntry | None, node: NodeEntry | None) -> bool:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import httpx
 import pytest
 from e2b import Sandbox
 
@@ -237,25 +238,40 @@ def test_a_durable_pause_whose_node_is_full_resumes_on_another(
 ) -> None:
     """Its node is up but full (a resume takes room as a create does: the node answers 429): a
     connect through a gateway resumes it on another node, from the repository, with its memory
-    and files; the full node lets its paused copy go, and the one instance runs elsewhere."""
+    and files, and so does a port's traffic to one with auto-resume; the full node lets its
+    paused copies go, and each sandbox runs once, elsewhere."""
     full = start_node(cluster.etcd.url, "node-full", lease_ttl=LEASE_TTL, extra_env={"AENV_MAX_SANDBOXES": "1"})
     made: list[str] = []
     try:
         for gateway in cluster.gateways:
             wait_for_nodes(gateway, {*cluster.nodes, "node-full"})
+        use_gateway(cluster, 0, monkeypatch)
         with full.client() as direct:
             r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 600})
             assert r.status_code == 201, r.text
             sandbox_id = r.json()["sandboxID"]
             made.append(sandbox_id)
-            use_gateway(cluster, 0, monkeypatch)
             sbx = Sandbox.connect(sandbox_id)
             sbx.commands.run(COUNTER, background=True)
             sbx.files.write("/home/user/state.txt", "written on node-full")
             time.sleep(1.0)
             before = count(sbx)
             assert direct.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
-            wait_for(lambda: (e := directory_entry(cluster, sandbox_id)) is not None and e.durable)
+
+            lifecycle = {"onTimeout": "pause", "autoResume": True}
+            r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 600, "lifecycle": lifecycle})
+            assert r.status_code == 201, r.text
+            woken_id = r.json()["sandboxID"]
+            made.append(woken_id)
+            woken = Sandbox.connect(woken_id)
+            woken.files.write("/home/user/hello.txt", "hello from the port")
+            woken.commands.run("cd /home/user && python3 -m http.server 8000", background=True)
+            routed = {"E2b-Sandbox-Id": woken_id, "E2b-Sandbox-Port": "8000"}
+            wait_for(lambda: httpx.get(f"{cluster.gateway.url}/hello.txt", headers=routed).status_code == 200, 20)
+            assert direct.post(f"/sandboxes/{woken_id}/pause").status_code == 204
+            for sid in (sandbox_id, woken_id):
+                wait_for(lambda sid=sid: (e := directory_entry(cluster, sid)) is not None and e.durable)
+
             r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 600})  # its one room
             assert r.status_code == 201, r.text
             made.append(r.json()["sandboxID"])
@@ -272,8 +288,19 @@ def test_a_durable_pause_whose_node_is_full_resumes_on_another(
         assert resumed.files.read("/home/user/state.txt") == "written on node-full"
         entry = directory_entry(cluster, sandbox_id)
         assert entry is not None and (entry.node_id, entry.epoch, entry.state) == (moved_to, 2, "running")
+
+        # the port's traffic: the gateway sees the node full in its mirror and wakes it elsewhere
+        with cluster.api(1) as api:
+            wait_for(lambda: api.get("/nodes/node-full").json()["running"] >= 1, 10)
+        r = httpx.get(f"{cluster.gateways[1].url}/hello.txt", headers=routed, timeout=90)
+        assert r.status_code == 200 and r.text == "hello from the port", r.text
+        assert r.headers["x-aenv-node-id"] in cluster.nodes
+        entry = directory_entry(cluster, woken_id)
+        assert entry is not None and entry.node_id in cluster.nodes and entry.state == "running"
+
         with full.client() as direct:
-            wait_for(lambda: direct.get(f"/sandboxes/{sandbox_id}").status_code == 404, 30)
+            for sid in (sandbox_id, woken_id):
+                wait_for(lambda sid=sid: direct.get(f"/sandboxes/{sid}").status_code == 404, 30)
         assert holders(cluster, sandbox_id) == [moved_to]
     finally:
         with cluster.api() as api:
