@@ -102,21 +102,27 @@ def test_own_routes_need_the_key_and_list_the_nodes(cluster: Cluster) -> None:
 
 
 def test_a_lost_node_s_sandboxes_answer_404_naming_it(cluster: Cluster) -> None:
-    node = start_node(cluster.etcd.url, "node-lost", lease_ttl=LEASE_TTL)
+    """kill -9 of a node with the default lease (10 s): within 15 s both gateways answer its
+    running sandbox 404 naming the node; creates go to the others."""
+    node = start_node(cluster.etcd.url, "node-lost", lease_ttl=10)
     try:
         with node.client() as direct:
             sid = direct.post("/sandboxes", json={"templateID": "base", "timeout": 300}).json()["sandboxID"]
+        for index in (0, 1):
+            with cluster.api(index) as api:
+                deadline = time.monotonic() + 10
+                while api.get(f"/sandboxes/{sid}").status_code != 200:
+                    assert time.monotonic() < deadline, "the gateway never found the sandbox"
+                    time.sleep(0.2)
+        node.stop(signal.SIGKILL)
+        killed = time.monotonic()
+        for index in (0, 1):
+            with cluster.api(index) as api:
+                while (r := api.get(f"/sandboxes/{sid}")).status_code != 404:
+                    assert time.monotonic() - killed < 15, f"gateway {index} still routes to a dead node"
+                    time.sleep(0.3)
+                assert "node-lost" in r.json()["message"] and r.json()["error_code"] == "sandbox_not_found"
         with cluster.api() as api:
-            deadline = time.monotonic() + 10
-            while api.get(f"/sandboxes/{sid}").status_code != 200:
-                assert time.monotonic() < deadline, "the gateway never found the sandbox"
-                time.sleep(0.2)
-            node.stop(signal.SIGKILL)
-            deadline = time.monotonic() + LEASE_TTL + 5
-            while (r := api.get(f"/sandboxes/{sid}")).status_code != 404:
-                assert time.monotonic() < deadline, "the gateway still routes to a dead node"
-                time.sleep(0.3)
-            assert "node-lost" in r.json()["message"] and r.json()["error_code"] == "sandbox_not_found"
             envd = api.post(
                 "/filesystem.Filesystem/Stat",
                 headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"},
@@ -132,6 +138,98 @@ def test_a_lost_node_s_sandboxes_answer_404_naming_it(cluster: Cluster) -> None:
     finally:
         node.restart()  # a crashed node's mounts and instances go at its next start
         node.stop()
+
+
+def test_a_gateway_killed_leaves_the_other_serving_everything(e2b_gateway: Cluster) -> None:
+    """Gateways hold nothing of their own: a sandbox made through one that is then killed (-9)
+    is served whole by another (commands, files, pause and resume, list), and creates go on."""
+    from e2b import Sandbox
+
+    extra = start_gateway(e2b_gateway.etcd.url)
+    try:
+        wait_for_nodes(extra, set(e2b_gateway.nodes))
+        made = Sandbox.create(timeout=120, api_url=extra.url, sandbox_url=extra.url, metadata={"via": "extra"})
+        made.files.write("/home/user/f.txt", "before")
+    finally:
+        extra.proc.send_signal(signal.SIGKILL)
+        extra.proc.wait(10)
+    sbx = Sandbox.connect(made.sandbox_id)  # the fixture's gateway
+    try:
+        assert sbx.files.read("/home/user/f.txt") == "before"
+        assert sbx.commands.run("echo served").stdout == "served\n"
+        assert made.sandbox_id in [s.sandbox_id for s in Sandbox.list(query=None).next_items()]
+        sbx.pause()
+        again = Sandbox.connect(made.sandbox_id)
+        assert again.files.read("/home/user/f.txt") == "before"
+        other = Sandbox.create(timeout=60)
+        other.kill()
+    finally:
+        Sandbox.kill(made.sandbox_id)
+
+
+def test_a_node_at_its_limit_is_skipped_not_failed(cluster: Cluster) -> None:
+    """A node that is full (AENV_MAX_SANDBOXES reached a moment ago: its entry may not say so
+    yet, and then it answers 429) is passed over: every create through the gateway is made on
+    another node, none fails."""
+    full = start_node(cluster.etcd.url, "node-max", lease_ttl=LEASE_TTL, extra_env={"AENV_MAX_SANDBOXES": "1"})
+    made: list[str] = []
+    filler = ""
+    try:
+        for gateway in cluster.gateways:
+            wait_for_nodes(gateway, {*cluster.nodes, "node-max"})
+        with full.client() as direct:
+            r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+            assert r.status_code == 201, r.text
+            filler = r.json()["sandboxID"]
+            assert direct.post("/sandboxes", json={"templateID": "base", "timeout": 120}).status_code == 429
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: create_through(cluster, i % 2), range(4)))
+        made = [r.json()["sandboxID"] for r in answers if r.status_code == 201]
+        assert [r.status_code for r in answers] == [201] * 4, [r.text for r in answers]
+        assert {r.headers["x-aenv-node-id"] for r in answers} <= set(cluster.nodes)
+        with full.client() as direct:
+            assert [s["sandboxID"] for s in direct.get("/sandboxes").json()] == [filler]
+    finally:
+        with cluster.api() as api:
+            for sid in [*made, filler]:
+                if sid:
+                    api.delete(f"/sandboxes/{sid}")
+        full.stop()
+
+
+def create_through(cluster: Cluster, gateway: int) -> httpx.Response:
+    with cluster.api(gateway) as api:
+        return api.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+
+
+def test_one_etcd_member_down_changes_nothing(e2b_gateway: Cluster) -> None:
+    """A quorum of 2 of 3: creates, commands, files, lists, pause, resume and kill all work, and
+    a gateway started meanwhile joins; the member comes back."""
+    from e2b import Sandbox
+
+    member = e2b_gateway.etcd.members[0]  # the one gRPC clients talk to first
+    member.stop(signal.SIGKILL)
+    try:
+        sbx = Sandbox.create(timeout=120)
+        sbx.files.write("/home/user/f.txt", "one member down")
+        assert sbx.commands.run("cat /home/user/f.txt").stdout == "one member down"
+        sbx.pause()
+        assert Sandbox.connect(sbx.sandbox_id).commands.run("echo up").stdout == "up\n"
+        late = start_gateway(e2b_gateway.etcd.url)
+        try:
+            wait_for_nodes(late, set(e2b_gateway.nodes))
+            with httpx.Client(base_url=late.url, headers={"X-API-Key": API_KEY}, timeout=30) as api:
+                assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "running"
+        finally:
+            late.stop()
+        sbx.kill()
+        with e2b_gateway.api() as api:
+            deadline = time.monotonic() + 15
+            while api.get(f"/sandboxes/{sbx.sandbox_id}").status_code != 404:
+                assert time.monotonic() < deadline
+                time.sleep(0.3)
+    finally:
+        e2b_gateway.etcd.restart(member)
 
 
 def test_a_port_and_id_host_routes_to_the_sandbox_s_node(cluster: Cluster) -> None:
@@ -587,10 +685,24 @@ def test_without_quorum_running_sandboxes_keep_working(e2b_gateway: Cluster) -> 
             r = api.get("/sandboxes/neverexisted12345")
             assert r.status_code == 503 and r.json()["error_code"] == "cluster_unavailable"
             assert time.monotonic() - start < 5
+            # a create needs the directory: a clear 503 (every node refuses it), not a hang
+            deadline = time.monotonic() + 15  # the nodes count etcd out of reach after 3 missed beats
+            while (r := api.post("/sandboxes", json={"templateID": "base", "timeout": 60})).status_code != 503:
+                assert r.status_code in (201, 502, 503), r.text
+                if r.status_code == 201:  # made before its node saw the quorum go: not a lost create
+                    api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+                assert time.monotonic() < deadline, r.text
+            assert r.json()["error_code"] == "cluster_unavailable", r.text
     finally:
         for m in down:
             m.start()
         e2b_gateway.etcd.wait_healthy(e2b_gateway.etcd.members)
+    with e2b_gateway.api() as api:  # creates recover with the quorum
+        deadline = time.monotonic() + 30
+        while (r := api.post("/sandboxes", json={"templateID": "base", "timeout": 60})).status_code != 201:
+            assert r.status_code == 503 and time.monotonic() < deadline, r.text
+            time.sleep(0.5)
+        api.delete(f"/sandboxes/{r.json()['sandboxID']}")
     assert sbx.commands.run("echo back").stdout == "back\n"
     sbx.kill()
     with e2b_gateway.api() as api:
