@@ -51,11 +51,56 @@ def _run(fn: Callable[[AsyncClient], Coroutine[Any, Any, T]]) -> T:
     try:
         return asyncio.run(main())
     except AenvError as exc:
-        err.print(f"[red]error:[/red] {exc.message}")
+        err.print(Text.assemble(("error: ", "red"), exc.message))
+        hint = next_step(exc)
+        if hint:
+            err.print(Text(hint, style="dim"))
         raise typer.Exit(1) from None
     except OSError as exc:
-        err.print(f"[red]error:[/red] cannot reach the aenv server: {exc}")
+        err.print(Text.assemble(("error: ", "red"), f"cannot reach the aenv server: {exc}"))
+        err.print(Text(UNREACHABLE_HINT, style="dim"))
         raise typer.Exit(1) from None
+
+
+UNREACHABLE_HINT = (
+    "Is a server running there? Start one with ./scripts/serve (or aenv server), or point the CLI at "
+    "yours with --url or AENV_URL (a cluster: one of its gateways)."
+)
+
+
+def next_step(exc: AenvError) -> str:
+    """What to do about an error, where the CLI can say more than the server's message."""
+    from aenv.errors import (
+        ClusterUnavailable,
+        ImageIncompatible,
+        LimitExceeded,
+        SandboxNotFound,
+        SnapshotNotFound,
+        TemplateNotFound,
+        Unauthenticated,
+        WrongState,
+    )
+
+    if isinstance(exc, Unauthenticated):
+        return (
+            "Give the server's API key with --api-key or AENV_API_KEY (a node keeps it in "
+            "<data-dir>/api-key, /var/lib/aenv/api-key by default; the CLI reads that file when it can)."
+        )
+    if isinstance(exc, SandboxNotFound):
+        return "aenv list shows the sandboxes there are (aenv list --state paused for paused ones)."
+    if isinstance(exc, SnapshotNotFound):
+        return "aenv snapshots lists the snapshots there are."
+    if isinstance(exc, TemplateNotFound):
+        return "aenv templates lists the templates there are; aenv build makes one."
+    if isinstance(exc, LimitExceeded):
+        return "The node (or cluster) is full: try again in a moment, or kill or pause sandboxes you no longer need."
+    if isinstance(exc, ClusterUnavailable):
+        return "The cluster's etcd has no quorum or cannot be reached: running sandboxes still work; try again soon."
+    if isinstance(exc, ImageIncompatible):
+        return "Rebuild the template (aenv build: its steps come from the build cache), or resume without memory."
+    if isinstance(exc, WrongState):
+        return "aenv list (or GET /sandboxes/ID) shows the sandbox's state."
+    return ""
 
 
 JSON_OPTION = typer.Option(False, "--json", help="JSON even on a terminal")
@@ -403,7 +448,7 @@ def download(sandbox_id: str, remote: str, local: Path) -> None:
                 f.write(chunk)
                 progress.advance(task, len(chunk))
 
-            return await sbx.read_to(remote, sink)
+            return await sbx.read_to(remote, sink, on_size=lambda size: progress.update(task, total=size))
 
     size = _run(go)
     err.print(f"{size} bytes -> {local}")
@@ -477,7 +522,12 @@ def snapshot(
 
 
 @app.command()
-def fork(sandbox_id: str, n: int = typer.Option(1, "-n", "--count"), timeout: int = typer.Option(None)) -> None:
+def fork(
+    sandbox_id: str,
+    n: int = typer.Option(1, "-n", "--count"),
+    timeout: int = typer.Option(None),
+    as_json: bool = JSON_OPTION,
+) -> None:
     """Fork a running sandbox into N children that start from its exact state."""
 
     async def go(c: AsyncClient) -> list[AsyncSandbox]:
@@ -486,7 +536,8 @@ def fork(sandbox_id: str, n: int = typer.Option(1, "-n", "--count"), timeout: in
         )
 
     children = _run(go)
-    _emit([{"sandboxID": ch.sandbox_id, "parentID": sandbox_id} for ch in children], ["sandboxID", "parentID"])
+    rows = [{"sandboxID": ch.sandbox_id, "parentID": sandbox_id} for ch in children]
+    _emit(rows, ["sandboxID", "parentID"], as_json=as_json)
 
 
 @app.command()
@@ -746,10 +797,10 @@ def repo_fetch(name: str, as_json: bool = JSON_OPTION) -> None:
 
 
 @repo_app.command("gc")
-def repo_gc() -> None:
+def repo_gc(as_json: bool = JSON_OPTION) -> None:
     """Delete repository chunks and artifacts that no template or snapshot needs."""
     report = _run(lambda c: _with_status("collecting repository garbage", c.repository_gc()))
-    if not out.is_terminal:
+    if as_json or not out.is_terminal:
         print(json.dumps(report))
     elif report.get("skipped"):
         out.print(f"skipped: {report['skipped']}")

@@ -346,13 +346,19 @@ class AsyncSandbox:
         _raise_for(r)
         return r.content
 
-    async def read_to(self, path: str, sink: Callable[[bytes], object]) -> int:
-        """Stream a file out of the sandbox chunk by chunk; returns its size."""
+    async def read_to(
+        self, path: str, sink: Callable[[bytes], object], *, on_size: Callable[[int], object] | None = None
+    ) -> int:
+        """Stream a file out of the sandbox chunk by chunk; returns its size. ``on_size`` hears
+        the size the sandbox gives before the first chunk (e.g. for a progress bar's total)."""
         total = 0
         async with self.client._http.stream("GET", "/files", params={"path": path}, headers=self._headers()) as r:
             if r.status_code >= 400:
                 await r.aread()
                 _raise_for(r)
+            length = r.headers.get("content-length", "")
+            if on_size is not None and length.isdigit():
+                on_size(int(length))
             async for chunk in r.aiter_bytes():
                 sink(chunk)
                 total += len(chunk)

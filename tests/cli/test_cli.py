@@ -74,11 +74,29 @@ def test_cli_tour(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     assert code == 1
 
 
-def test_an_unreachable_server_is_one_clear_line() -> None:
+def test_an_unreachable_server_is_a_clear_error_with_what_to_do() -> None:
     from tests.conftest import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     result = CliRunner().invoke(app, ["--url", url, "--api-key", API_KEY, "exec", "sbx_nothing", "true"])
     assert result.exit_code == 1
     assert f"cannot reach the aenv server: {url}" in result.stderr.replace("\n", "")
+    said = " ".join(result.stderr.split())
+    assert "./scripts/serve" in said and "AENV_URL" in said
     assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)  # no crash dump
+
+
+@pytest.mark.parametrize(
+    ("args", "key", "says", "hint"),
+    [
+        (["exec", "nosuchsandbox1", "true"], API_KEY, "not found", "aenv list"),
+        (["list"], "wrong-key", "API key", "AENV_API_KEY"),
+        (["create", "--template", "nosuchtemplate"], API_KEY, "nosuchtemplate", "aenv templates"),
+    ],
+)
+def test_errors_say_what_to_do_next(server: Server, args: list[str], key: str, says: str, hint: str) -> None:
+    result = CliRunner().invoke(app, ["--url", server.url, "--api-key", key, *args])
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.stderr.split())
+    assert said.startswith("error:") and says in said and hint in said, said
+    assert "Traceback" not in result.output

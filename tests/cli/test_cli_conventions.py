@@ -77,6 +77,11 @@ def test_listings_take_json_and_logs_show_commands(cli, api: httpx.Client) -> No
             assert code == 0 and isinstance(json.loads(text), list), (args, text)
         code, text = cli("repo", "status", "--json")
         assert code == 0 and "pending" in json.loads(text)
+        code, text = cli("repo", "gc", "--json")
+        assert code == 0 and isinstance(json.loads(text), dict), text
+        code, text = cli("fork", sid, "-n", "1", "--json")
+        assert code == 0 and [c["parentID"] for c in json.loads(text)] == [sid], text
+        cli("rm", json.loads(text)[0]["sandboxID"])
         code, text = cli("logs", sid, "--json")
         assert code == 0, text
         commands = json.loads(text)["commands"]
@@ -118,6 +123,15 @@ def test_upload_streams_a_file_with_progress_and_download_gets_it_back(cli, api:
 
         size = local.stat().st_size
         assert asyncio.run(with_progress()) == size
+
+        told: list[int] = []  # a download's progress bar has the file's size as its total
+
+        async def download_size() -> int:
+            async with AsyncClient(str(api.base_url), API_KEY) as client:
+                sbx = await client.connect(sid)
+                return await sbx.read_to("/home/user/payload.bin", lambda _: None, on_size=told.append)
+
+        assert asyncio.run(download_size()) == size and told == [size]
         assert len(seen) == 4 and seen[-1] == (size, size) and [s for s, _ in seen] == sorted(s for s, _ in seen)
         code, text = cli("exec", sid, "cmp /home/user/payload.bin /home/user/again.bin && echo same")
         assert (code, text) == (0, "same\n")
