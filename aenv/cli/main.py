@@ -814,7 +814,9 @@ def repo_gc(as_json: bool = JSON_OPTION) -> None:
 
 @app.command()
 def logs(sandbox_id: str, as_json: bool = JSON_OPTION) -> None:
-    """A sandbox's recent commands (with their exit codes) and its agent's log, as the node kept them."""
+    """A sandbox's recent commands (with their exit codes) and its log (what the node did with it:
+    created, paused, resumed, snapshots, forks, timeouts, each with how long it took; and what its
+    agent wrote), as the node kept them."""
     found = _run(lambda c: c.logs(sandbox_id))
     if as_json or not out.is_terminal:
         print(json.dumps(found))
@@ -835,8 +837,10 @@ def logs(sandbox_id: str, as_json: bool = JSON_OPTION) -> None:
         table.add_row(*(Text(str(row[c])) for c in ("started", "exit", "ended", "command")))
     out.print(table)
     if found["logs"]:
-        out.rule("agent log")
-        out.print(Text("\n".join(line["line"] for line in found["logs"])))
+        out.rule("log: what the node did with it, and what its agent wrote")
+        for line in found["logs"]:
+            stamp = (line["timestamp"] or "")[11:19]  # RFC 3339: its time of day
+            out.print(Text.assemble((f"{stamp} ", "dim"), line["line"]))
 
 
 @app.command()

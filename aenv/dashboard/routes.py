@@ -49,17 +49,22 @@ async def artifacts(request: Request) -> list[dict[str, Any]]:
     return data.artifacts(node_of(request))
 
 
-@router.get("/sandboxes/{sandbox_id}/logs", summary="A sandbox's recent commands and its agent's log")
+@router.get("/sandboxes/{sandbox_id}/logs", summary="A sandbox's recent commands and its log")
 async def logs(request: Request, sandbox_id: str, limit: int = Query(1000, ge=1, le=10_000)) -> dict[str, Any]:
-    """E2B's sandbox logs (``logs``, ``logEntries``: the agent's log lines, the newest ``limit``),
+    """E2B's sandbox logs (``logs``, ``logEntries``: the node's events for the sandbox and its
+    agent's log lines, oldest first, the newest ``limit``),
     plus aenv's ``commands``: the commands started through envd, newest first, with their exit codes."""
     sb = node_of(request).get(sandbox_id)
     lines, at = _agent_log(sb)
-    lines = lines[-limit:]
-    stamp = rfc3339(at) if at else None
+    entries = [(e["timestamp"], "node", e["line"]) for e in sb.events.recent()]  # what the node did with it
+    entries += [(at, "agent", line) for line in lines]  # what its runtime and agent wrote to stderr
+    entries = sorted(entries, key=lambda e: e[0])[-limit:]
     return {
-        "logs": [{"timestamp": stamp, "line": line} for line in lines],
-        "logEntries": [{"timestamp": stamp, "level": "info", "message": line, "fields": {}} for line in lines],
+        "logs": [{"timestamp": rfc3339(t) if t else None, "line": line} for t, _, line in entries],
+        "logEntries": [
+            {"timestamp": rfc3339(t) if t else None, "level": "info", "message": line, "fields": {"source": source}}
+            for t, source, line in entries
+        ],
         "commands": sb.commands.recent(),
     }
 

@@ -341,6 +341,7 @@ class ArtifactCache:
             await self.forget_pause(sb.id)  # killed meanwhile
             return
         sb.rec.durable_at = time.time()
+        sb.events.note(f"durable: its pause is in the repository ({report.new_bytes / 2**20:.1f} MiB uploaded)")
         await self.node.store.put_sandbox(sb.rec)
         for listener in self.node.state_listeners:  # the cluster agent writes the entry now, not at its next beat
             listener(sb)

@@ -317,6 +317,7 @@ def expire_due(node: Node, expiring: set[str]) -> float:
             wait = min(wait, EXPIRY_RECHECK)
             continue
         log.info("sandbox %s timed out: %s", sb.id, "pausing" if sb.rec.auto_pause else "killing")
+        sb.events.note(f"timed out: {'pausing' if sb.rec.auto_pause else 'killing'} it")
         expiring.add(sb.id)
         task = asyncio.ensure_future(
             _expire(node, sb.id, pause=sb.rec.auto_pause, keep_memory=sb.rec.auto_pause_memory)

@@ -197,6 +197,7 @@ class Lifecycle:
         if member is not None:
             return await self._claim(member, rec, timeout)
         sb = LiveSandbox(rec)
+        sb.events.note(f"restoring from {'snapshot' if snapshot_id else 'template'} {template[:100]}")
         self.sandboxes[rec.id] = sb
 
         async def run() -> SandboxRecord:
@@ -224,6 +225,7 @@ class Lifecycle:
         assert link is not None and egress is not None and member.sb.instance is not None
         rec.upper, rec.instance_id = member.sb.rec.upper, member.sb.rec.instance_id
         sb = LiveSandbox(rec, instance=member.sb.instance, link=link, egress=egress)
+        sb.events.note(f"a warm pool member of template {rec.template_id[:100]}, restored in advance")
         link.sandbox_id = egress.sandbox_id = rec.id
         egress.policy_of = lambda: self.policy_of(sb.id)
         self.sandboxes[rec.id] = sb
@@ -374,7 +376,9 @@ class Lifecycle:
             raise ArtifactDamaged(f"sandbox {sandbox_id}: its repository entry is not a paused sandbox")
         rec.upper = await self.files.new_upper(self.limits_of(rec).disk_mb)
         rec.instance_id = ""
-        self.sandboxes[rec.id] = LiveSandbox(rec)
+        sb = LiveSandbox(rec)
+        sb.events.note("taken over: another node's durable pause, fetched from the repository")
+        self.sandboxes[rec.id] = sb
         await self.store.put_sandbox(rec)
 
     async def let_go(self, sandbox_id: str) -> None:
@@ -499,6 +503,7 @@ class Lifecycle:
                     await self.files.remove(layer)
                 raise
             self.artifacts.commit_later(snap)
+            sb.events.note(f"snapshot {snap.id}{f' ({snap.name[:100]})' if snap.name else ''}")
             if not leaves_running:
                 await self._restart_source(sb, image)
                 await self._set_state(sb, S.RUNNING)
@@ -572,6 +577,8 @@ class Lifecycle:
                     results.append(ForkResult(sandbox=child.rec))
             refused = f"{limit}: no room for this child ({len(children)} of the fork's {count} fit)"
             results += [ForkResult(error=LimitExceeded(refused)) for _ in range(count - len(children))]
+            made = [r.sandbox.id for r in results if r.sandbox is not None]
+            sb.events.note(f"fork of {count}: {len(made)} children made ({', '.join(made[:8])})")
             return results
 
         return await self._operate(sb, "fork", run, join=False)
@@ -603,7 +610,9 @@ class Lifecycle:
             workdir=src.workdir,
             start=dict(src.start),
         )
-        return LiveSandbox(rec)
+        child = LiveSandbox(rec)
+        child.events.note(f"forked from {src.id}")
+        return child
 
     def _start_child(self, child: LiveSandbox, image: str) -> asyncio.Task[None]:
         """A fork child's restore, as an operation of the child: killing the child cancels it."""

@@ -43,6 +43,7 @@ class Records:
 
     async def _set_state(self, sb: LiveSandbox, target: SandboxState, *, persist: bool = True) -> None:
         check_transition(sb.id, sb.state, target)
+        sb.events.transition(sb.state, target)
         sb.rec.state = target
         if persist:
             await self.store.put_sandbox(sb.rec)

@@ -14,6 +14,7 @@ from aenv.errors import AenvError
 from aenv.node.agentlink import AgentLink
 from aenv.node.commands import CommandHistory
 from aenv.node.egress import Guest
+from aenv.node.events import SandboxEvents
 from aenv.node.state import SandboxState
 from aenv.node.store import SandboxRecord
 from aenv.runtime.base import Instance
@@ -37,6 +38,7 @@ class LiveSandbox:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)  # every operation in flight (a kill cancels them)
     killer: asyncio.Task[None] | None = None  # the kill in progress: nothing else starts any more
     commands: CommandHistory = field(default_factory=CommandHistory)  # its recent commands (envd's Start)
+    events: SandboxEvents = field(default_factory=SandboxEvents)  # what happened to it, as the node saw
 
     @property
     def id(self) -> str:

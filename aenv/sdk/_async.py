@@ -649,7 +649,8 @@ class AsyncClient:
         return last
 
     async def logs(self, sandbox_id: str) -> dict[str, Any]:
-        """A sandbox's recent commands (newest first, with their exit codes) and its agent's log."""
+        """A sandbox's recent commands (newest first, with their exit codes) and its log (the node's
+        events for it and its agent's lines, oldest first)."""
         from urllib.parse import quote
 
         result: dict[str, Any] = await self._get(f"/sandboxes/{quote(sandbox_id, safe='')}/logs")

@@ -51,7 +51,19 @@ def test_logs_and_family_of_a_sandbox(api: httpx.Client, e2b_env: Server) -> Non
         newest, first = logs["commands"][:2]
         assert newest["cmd"].endswith("sleep 30") and newest["pid"] == handle.pid and newest["exitCode"] is None
         assert first["cmd"].endswith("true") and first["exitCode"] == 0 and first["endedAt"] >= first["startedAt"]
-        assert isinstance(logs["logs"], list) and isinstance(logs["logEntries"], list)
+        lines = [entry["line"] for entry in logs["logs"]]  # what the node did with it, oldest first
+        assert lines[0] == "restoring from template base" and lines[1].startswith("created in "), lines
+        assert any(line.startswith("forked in ") for line in lines), lines
+        assert any(line.startswith(f"fork of 1: 1 children made ({child})") for line in lines), lines
+        assert all(entry["timestamp"].endswith("Z") for entry in logs["logs"]), logs["logs"]
+        assert [e["message"] for e in logs["logEntries"]] == lines
+        sbx.pause()
+        Sandbox.connect(sbx.sandbox_id)
+        lines = [entry["line"] for entry in api.get(f"/sandboxes/{sbx.sandbox_id}/logs").json()["logs"]]
+        paused = next(i for i, line in enumerate(lines) if line.startswith("paused in "))
+        assert any(line.startswith("resumed in ") for line in lines[paused:]), lines
+        child_lines = [e["line"] for e in api.get(f"/sandboxes/{child}/logs").json()["logs"]]
+        assert child_lines[0] == f"forked from {sbx.sandbox_id}", child_lines
         family = api.get(f"/sandboxes/{child}/family").json()
         assert family["ancestors"] == [sbx.sandbox_id]
         assert [(m["sandboxID"], m["parentID"]) for m in family["members"]] == [

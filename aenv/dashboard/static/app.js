@@ -431,7 +431,7 @@ function sandboxView(main, sandboxId) {
       ),
     );
     family.replaceChildren(familyTree(fam));
-    log.textContent = logs.logs.map((l) => l.line).join("\n") || "(no agent log on the node for this sandbox)";
+    log.textContent = logs.logs.map((l) => l.line).join("\n") || "(nothing logged for this sandbox)";
   };
 }
 
