@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge, Histogram, Info
 
 from aenv.errors import AenvError, lookup
+from aenv.node.state import SandboxState
 
 if TYPE_CHECKING:
     from aenv.node.orchestrator import Node
@@ -43,7 +44,8 @@ OPERATION_FAILURES = Counter(
 )
 LAYER_CACHE_BUDGET = Gauge("aenv_layer_cache_budget_bytes", "The layer cache's budget (AENV_LAYER_CACHE_MB)")
 REPO_PENDING = Gauge(
-    "aenv_repo_pending", "Templates and durable snapshots not committed to the repository yet (the commit backlog)"
+    "aenv_repo_pending",
+    "Templates, durable snapshots and paused sandboxes not committed to the repository yet (the commit backlog)",
 )
 RUNTIME = Info("aenv_runtime", "The sandbox runtime of this node: driver, runsc version, platform")
 MAX_SANDBOXES = Gauge("aenv_max_sandboxes", "Sandboxes this node may run at once (AENV_MAX_SANDBOXES)")
@@ -89,9 +91,26 @@ def observe_node(node: Node) -> None:
 
 
 def pending_commits(node: Node) -> list[str]:
+    """Ids of the templates, durable snapshots and paused sandboxes the repository does not have
+    yet: the commit backlog."""
+    return [*pending_records(node), *pending_pauses(node)]
+
+
+def pending_records(node: Node) -> list[str]:
     """Ids of the templates and durable snapshots the repository does not have yet."""
-    records: list[TemplateRecord | SnapshotRecord] = [
-        *node.templates.values(),
-        *(s for s in node.snapshots.values() if not s.ephemeral),
+    return [r.id for r in committable(node) if not r.committed_at]
+
+
+def committable(node: Node) -> list[TemplateRecord | SnapshotRecord]:
+    """The templates and snapshots a node commits to its repository (not a fork's own image)."""
+    return [*node.templates.values(), *(s for s in node.snapshots.values() if not s.ephemeral)]
+
+
+def pending_pauses(node: Node) -> list[str]:
+    """Ids of the sandboxes paused with their memory whose pause is not in the repository yet (it
+    is committed, to be durable, on a node that has one)."""
+    return [
+        sb.id
+        for sb in list(node.sandboxes.values())
+        if sb.state == SandboxState.PAUSED and not sb.rec.durable_at and not node.durable_reason(sb.rec)
     ]
-    return [r.id for r in records if not r.committed_at]

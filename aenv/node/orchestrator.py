@@ -259,16 +259,16 @@ class Node(Lifecycle, Instances, Records):
 
     async def repository_status(self) -> dict[str, Any]:
         """The snapshot repository, and what of this node's is not committed to it yet."""
-        snapshots = [s for s in self.snapshots.values() if not s.ephemeral]
-        records: list[TemplateRecord | SnapshotRecord] = [*self.templates.values(), *snapshots]
-        pending = [r.id for r in records if not r.committed_at]
+        records = metrics.committable(self)
+        pending = metrics.pending_records(self)
         repo = self.artifacts.repo
         return {
             "url": repo.url if repo is not None else None,
             "templates": len(self.templates),
-            "snapshots": len(snapshots),
+            "snapshots": len(records) - len(self.templates),
             "committed": len(records) - len(pending),
             "pending": pending,
+            "pendingPauses": metrics.pending_pauses(self),  # paused sandboxes not durable yet
             "cacheBytes": await housekeeping.cache_bytes(self),
             "cacheBudgetBytes": self.settings.layer_cache_mb * 2**20,
         }

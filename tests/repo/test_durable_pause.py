@@ -48,10 +48,13 @@ def test_a_pause_becomes_durable_and_resumes_on_its_node(e2b_env: Server, api: h
         before = count(sbx)
         r = api.post(f"/sandboxes/{sbx.sandbox_id}/pause")
         assert r.status_code == 204, r.text
+        pending = api.get("/repository").json()["pendingPauses"]  # the commit backlog counts it until durable
         detail = api.get(f"/sandboxes/{sbx.sandbox_id}").json()
         assert detail["state"] == "paused" and detail["durable"] in (False, True)
+        assert detail["durable"] or sbx.sandbox_id in pending
         assert "durableReason" not in detail
         wait_for(lambda: durable_detail(api, sbx.sandbox_id))
+        assert sbx.sandbox_id not in api.get("/repository").json()["pendingPauses"]
 
         entry = repo.get_entry("sandbox", sbx.sandbox_id)
         assert entry is not None
@@ -144,6 +147,7 @@ def test_a_pause_without_memory_says_it_stays_on_the_node(e2b_env: Server, api: 
         assert detail["durable"] is False and "without memory" in detail["durableReason"]
         time.sleep(2)
         assert repo.get_entry("sandbox", sbx.sandbox_id) is None
+        assert sbx.sandbox_id not in api.get("/repository").json()["pendingPauses"]  # nothing to commit
     finally:
         sbx.kill()
 
