@@ -579,7 +579,7 @@ class Gateway:
         the cluster (any node resumes it), so it is shown paused, from its entry, naming the lost
         node. None for anything else (the owner answers, or the lost node's 404)."""
         entry, node = self.mirror.owner(sandbox_id)
-        if entry is None or node is not None or not (entry.durable and entry.state == "paused" and entry.listed):
+        if entry is None or node is not None or not _cluster_paused(entry):
             return None
         config = await self.cluster_config()
         if config is None:

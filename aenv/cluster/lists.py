@@ -15,6 +15,7 @@ from starlette.requests import Request
 
 from aenv.api import listing
 from aenv.api.sandboxes import parse_metadata_query, parse_states
+from aenv.api.schemas import rfc3339
 from aenv.cluster.entries import SandboxEntry
 from aenv.errors import InvalidRequest
 from aenv.node import tokens
@@ -86,7 +87,9 @@ def _position(entry: SandboxEntry) -> listing.Position:
 
 
 def listed_item(entry: SandboxEntry, secret: bytes, domain: str | None) -> dict[str, object]:
-    item = dict(entry.listed)
+    """The node's list item kept in the entry, with what the entry keeps apart put back. An
+    entry too large to keep it (`listed` left out) gives what the entry itself says."""
+    item = dict(entry.listed) if entry.listed else _from_entry(entry)
     secure, private = item.pop("secure", False), item.pop("private", False)
     item.update(sandboxID=entry.sandbox_id, metadata=entry.metadata, domain=domain)
     if "durable" in item:  # the node's item was made before the entry it went into said durable
@@ -96,3 +99,14 @@ def listed_item(entry: SandboxEntry, secret: bytes, domain: str | None) -> dict[
     if private:
         item["trafficAccessToken"] = tokens.traffic_token(secret, entry.sandbox_id)
     return item
+
+
+def _from_entry(entry: SandboxEntry) -> dict[str, object]:
+    return {
+        "templateID": entry.template_id,
+        "alias": entry.alias,
+        "state": entry.state,
+        "startedAt": rfc3339(entry.started_at),
+        "endAt": rfc3339(entry.end_at),
+        "durable": entry.durable,
+    }

@@ -166,3 +166,27 @@ def test_creates_from_a_snapshot_go_to_the_node_holding_it(cluster: Cluster) -> 
     finally:
         with cluster.api(0) as api:
             api.delete(f"/snapshots/{snapshot_id}")
+
+
+def test_an_entry_too_large_for_its_list_item_still_shows_what_it_says() -> None:
+    """A lost node's durable pause whose entry had no room for the node's list item: GET through
+    a gateway shows it paused and durable from the entry itself (it used to be 404 while a
+    connect resumed it)."""
+    from aenv.cluster.entries import SandboxEntry
+    from aenv.cluster.lists import listed_item
+
+    entry = SandboxEntry(
+        sandbox_id="s1", node_id="gone", state="paused", template_id="base", started_at=1.0, end_at=61.0, durable=True
+    )
+    item = listed_item(entry, b"k" * 32, "example.test")
+    assert item == {
+        "sandboxID": "s1",
+        "templateID": "base",
+        "alias": "",
+        "state": "paused",
+        "startedAt": "1970-01-01T00:00:01Z",
+        "endAt": "1970-01-01T00:01:01Z",
+        "durable": True,
+        "metadata": {},
+        "domain": "example.test",
+    }
