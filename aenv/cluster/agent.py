@@ -70,6 +70,7 @@ OWNERSHIP_PATH = re.compile(r"(?:/v2)?/sandboxes/(?P<id>[^/]+)/(?P<op>pause|resu
 WRITES_IN_FLIGHT = 16  # directory writes one sync has outstanding (a burst of creates lands at once)
 HELD_REFRESH = 5.0  # seconds between looks at which templates and snapshots are on the node's disk
 MAX_TEMPLATE_NAMES = 8  # a sandbox entry's names of its template (id, name, aliases)
+SWEEP_BATCH = 64  # killed sandboxes' durable pauses one reconcile removes from the repository
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -114,6 +115,7 @@ class NodeAgent:
         self.draining = False  # takes no new work (see aenv/cluster/drain.py); until a restart
         self._drain: Drain | None = None
         self._recheck = False  # reconcile at the next tick (an entry could not be created: a tombstone?)
+        self._swept: set[str] = set()  # tombstones whose sandbox's durable pause this node removed
 
     # -- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -335,6 +337,26 @@ class NodeAgent:
             if current.entry.node_id != self.node_id:
                 self._owned_elsewhere(sandbox_id, current)
         await self._kill_buried([i for i in held if i not in entries])
+        await self.sweep_buried()
+
+    async def sweep_buried(self) -> None:
+        """A sandbox killed through a gateway while its node was lost leaves its durable pause in
+        the repository if that node never comes back (back, it kills its copy and the pause with
+        it): the live node with the smallest id removes such pauses, once per tombstone. A
+        tombstone's sandbox is dead for good (nothing makes or takes over its entry again)."""
+        stones = await self.store.all_tombstones()
+        self._swept &= set(stones)
+        fresh = [s for s in stones if s not in self._swept and s not in self.node.sandboxes]
+        if not fresh or min((n.node_id for n in await self.store.nodes()), default=self.node_id) != self.node_id:
+            return
+        for sandbox_id in fresh[:SWEEP_BATCH]:
+            try:
+                if await self.node.forget_durable_pause(sandbox_id):
+                    log.info("removed the durable pause of sandbox %s, killed while its node was lost", sandbox_id)
+            except Exception as exc:  # the repository out of reach: the next reconcile tries again
+                log.warning("removing the durable pause of killed sandbox %s: %r", sandbox_id, exc)
+                return
+            self._swept.add(sandbox_id)
 
     async def _kill_buried(self, held: list[str] | None = None) -> None:
         """Sandboxes killed through a gateway while this node was lost (their entry replaced by a

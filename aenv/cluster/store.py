@@ -32,6 +32,7 @@ from aenv.cluster.entries import (
     NODES_PREFIX,
     PREFIX,
     SANDBOXES_PREFIX,
+    TOMBSTONES_PREFIX,
     ClusterConfig,
     CreateClaim,
     E,
@@ -498,6 +499,17 @@ class ClusterStore:
     async def tombstones(self, sandbox_ids: list[str]) -> dict[str, Tombstone]:
         """The tombstones of these sandboxes (those killed while their node was lost)."""
         return {s: v.entry for s, v in (await self._get_many(sandbox_ids, tombstone_key, Tombstone)).items()}
+
+    async def all_tombstones(self) -> dict[str, Tombstone]:
+        """Every tombstone: the sandboxes killed while their node was lost (kept 30 days)."""
+        got = await self._call("read the tombstones", lambda c: c.get_prefix(TOMBSTONES_PREFIX.encode()))
+        found: dict[str, Tombstone] = {}
+        for kv in got:
+            try:
+                found[kv.key.decode(errors="replace")[len(TOMBSTONES_PREFIX) :]] = decode(Tombstone, kv.value)
+            except EntryError as exc:
+                log.warning("skipping a tombstone: %s", exc)
+        return found
 
     async def drop_tombstone(self, sandbox_id: str) -> None:
         await self._call("drop a tombstone", lambda c: c.delete(tombstone_key(sandbox_id)))

@@ -353,6 +353,12 @@ class ArtifactCache:
             report.seconds,
         )
 
+    async def holds_pause(self, sandbox_id: str) -> bool:
+        """Whether the repository holds a durable pause of ``sandbox_id``."""
+        if self.repo is None:
+            return False
+        return await asyncio.to_thread(self.repo.get_entry, "sandbox", sandbox_id) is not None
+
     async def forget_pause(self, sandbox_id: str) -> None:
         """The sandbox runs again or is gone: its paused state leaves the repository."""
         if self.repo is None:

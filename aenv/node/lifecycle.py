@@ -387,6 +387,12 @@ class Lifecycle:
             sb.rec.durable_at = 0.0  # its repository entry is the other node's now: kept
             await self.kill(sandbox_id)
 
+    async def forget_durable_pause(self, sandbox_id: str) -> bool:
+        if sandbox_id in self.sandboxes or not await self.artifacts.holds_pause(sandbox_id):
+            return False
+        await self.artifacts.forget_pause(sandbox_id)
+        return True
+
     async def ensure_running(self, sandbox_id: str) -> LiveSandbox:
         """For data-plane traffic: a paused sandbox with auto-resume comes back on use."""
         sb = self.get(sandbox_id)

@@ -291,7 +291,8 @@ def test_sigterm_drains_the_node_first(cluster: Cluster, monkeypatch: pytest.Mon
 def test_a_sandbox_killed_while_its_node_was_lost_stays_dead(cluster: Cluster) -> None:
     """A kill through a gateway of a lost node's sandboxes (one running, one durably paused)
     leaves tombstones: the node restarted with its id kills its copies instead of writing them
-    back, and the durable pause is neither shown nor taken over."""
+    back, and the durable pause is neither shown nor taken over; its state leaves the repository
+    even while the node stays away (a live node sweeps it)."""
     repo = Repository(PosixBackend(DATA_DIR / "repo"))
     with extra_node(cluster, "node-dead") as node:
         with node.client() as direct:
@@ -312,6 +313,7 @@ def test_a_sandbox_killed_while_its_node_was_lost_stays_dead(cluster: Cluster) -
         with cluster.api(1) as api:
             assert api.get(f"/sandboxes/{paused}").status_code == 404
             assert api.post(f"/sandboxes/{paused}/connect", json={"timeout": 60}).status_code == 404
+        wait_for(lambda: repo.get_entry("sandbox", paused) is None, 40)  # the lost node need not come back
 
         node.restart(signal.SIGKILL)
         with node.client() as direct:
