@@ -259,7 +259,8 @@ def etcd_auth(
 ) -> None:
     """Turn etcd's auth on for a cluster: etcd's root user, and the users and roles aenv-node
     (everything under /aenv/) and aenv-gateway (reads; writes sandbox entries and tombstones only).
-    Run it again to change their passwords. Nodes and gateways then log in with AENV_CLUSTER_USER
+    Run it again to change the passwords given (a user given none keeps its own). Nodes and
+    gateways then log in with AENV_CLUSTER_USER
     and AENV_CLUSTER_PASSWORD_FILE, or by a client certificate whose CN is the user
     (docs/cluster.md, "etcd users and roles")."""
     from aenv.cluster.auth import GATEWAY_USER, NODE_USER, enable_auth

@@ -344,12 +344,15 @@ class NodeAgent:
         the repository if that node never comes back (back, it kills its copy and the pause with
         it): the live node with the smallest id removes such pauses, once per tombstone. A
         tombstone's sandbox is dead for good (nothing makes or takes over its entry again)."""
+        if not self.node.has_repository or min(await self.store.node_ids(), default=self.node_id) != self.node_id:
+            return
         stones = await self.store.all_tombstones()
         self._swept &= set(stones)
-        fresh = [s for s in stones if s not in self._swept and s not in self.node.sandboxes]
-        if not fresh or min((n.node_id for n in await self.store.nodes()), default=self.node_id) != self.node_id:
-            return
-        for sandbox_id in fresh[:SWEEP_BATCH]:
+        fresh = [s for s in stones if s not in self._swept and s not in self.node.sandboxes][:SWEEP_BATCH]
+        alive = await self.store.get_sandboxes(fresh)  # a tombstone beside an entry is not to be trusted
+        for sandbox_id in fresh:
+            if sandbox_id in alive:
+                continue
             try:
                 if await self.node.forget_durable_pause(sandbox_id):
                     log.info("removed the durable pause of sandbox %s, killed while its node was lost", sandbox_id)
@@ -493,42 +496,49 @@ class NodeAgent:
         return False
 
     async def before_resume(self, sandbox_id: str) -> None:
-        """A sandbox paused here is about to resume here. If its entry says durably paused, another
-        node may be taking it over: the mark comes off first (a compare-and-swap), so from then on
-        none can, and a takeover that won already makes this copy stale: it is not resumed (the
-        sandbox is the other node's) and goes."""
+        """A sandbox paused here, durably, is about to resume here. Another node may be taking it
+        over while its entry says durably paused: the mark comes off first (a compare-and-swap),
+        so from then on none can, and a takeover that won already makes this copy stale: it is not
+        resumed (the sandbox is the other node's) and goes."""
         if sandbox_id in self.foreign:
             raise WrongState(f"sandbox {sandbox_id} belongs to another node now", sandbox_id=sandbox_id)
+        # Read from etcd, not from what this node last wrote: a write of the durable mark still in
+        # flight may land after. The compare-and-swap below is made even on an entry without the
+        # mark, so such a write (it compares an older revision) fails once this one is in.
         for _ in range(CLAIM_ATTEMPTS):
-            have = self.written.get(sandbox_id)
-            if have is None or not have.entry.durable:
-                return  # no entry says it may be taken over
-            listed = dict(have.entry.listed)
-            if "durable" in listed:
-                listed["durable"] = False
-            held = replace(have.entry, durable=False, listed=listed)
-            result = await self.store.replace_sandbox(held, have.mod_revision)
+            try:
+                current = await self.store.get_sandbox(sandbox_id)
+                if current is None or current.entry.node_id != self.node_id:
+                    break
+                listed = dict(current.entry.listed)
+                if "durable" in listed:
+                    listed["durable"] = False
+                held = replace(current.entry, durable=False, listed=listed)
+                result = await self.store.replace_sandbox(held, current.mod_revision)
+            except ClusterUnavailable:
+                self.written.pop(sandbox_id, None)  # perhaps written: the next tick reads it again
+                raise
             self.reached_at = time.monotonic()
-            current = result.current
-            if result.ok or (current is not None and current.entry.node_id == self.node_id):
-                if current is not None:
-                    self.written[sandbox_id] = current
-                if result.ok:
-                    return
-                continue  # this node's own tick rewrote it meanwhile: once more
-            if current is None:
-                self._recheck = True  # no entry: killed while this node was cut off (a tombstone)
-                raise WrongState(f"sandbox {sandbox_id} was killed through the cluster", sandbox_id=sandbox_id)
-            # Stale here: the next tick's reconcile kills this copy (not now: this resume holds its
-            # lock, and its caller should hear where the sandbox went, not that it was killed).
-            self.written.pop(sandbox_id, None)
-            self._recheck = True
-            self._wake.set()
-            raise WrongState(
-                f"sandbox {sandbox_id} was taken over by node {current.entry.node_id}: it resumes there",
-                sandbox_id=sandbox_id,
-            )
-        raise ClusterUnavailable(f"sandbox {sandbox_id}: its directory entry kept changing; try again")
+            if result.ok and result.current is not None:
+                self.written[sandbox_id] = result.current
+                return
+            # changed between the read and the write (this node's own tick, or a claim): once more
+        else:
+            raise ClusterUnavailable(f"sandbox {sandbox_id}: its directory entry kept changing; try again")
+        if current is None:
+            if sandbox_id not in self.written:
+                return  # never written: nobody could have taken it over
+            self._recheck = True  # no entry: killed while this node was cut off (a tombstone)
+            raise WrongState(f"sandbox {sandbox_id} was killed through the cluster", sandbox_id=sandbox_id)
+        # Stale here: the next tick's reconcile kills this copy (not now: this resume holds its
+        # lock, and its caller should hear where the sandbox went, not that it was killed).
+        self.written.pop(sandbox_id, None)
+        self._recheck = True
+        self._wake.set()
+        raise WrongState(
+            f"sandbox {sandbox_id} was taken over by node {current.entry.node_id}: it resumes there",
+            sandbox_id=sandbox_id,
+        )
 
     async def moved_away(self, sandbox_id: str) -> None:
         """Another node took ``sandbox_id`` over (a drain's move): its entry is that node's, and
@@ -635,7 +645,9 @@ class NodeAgent:
                 writes.append(self._create(entry))
             elif have.entry != _with_epoch(entry, have.entry.epoch):
                 writes.append(self._replace(_with_epoch(entry, have.entry.epoch), have))
-        writes += [self._delete(i) for i in self.written if i not in desired]
+        # One being taken over is left out of ``desired`` but written by its claim: not deleted
+        # (a delete there made its resume find no entry, and the next write made it afresh at epoch 1).
+        writes += [self._delete(i) for i in self.written if i not in desired and i not in self._adoptions]
         await _bounded_gather(writes, WRITES_IN_FLIGHT)
         self.foreign &= set(self.node.sandboxes)
 

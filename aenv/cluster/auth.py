@@ -14,7 +14,7 @@ reach its keys, each with what its part does and no more:
 A node or gateway logs in with AENV_CLUSTER_USER and AENV_CLUSTER_PASSWORD_FILE; over TLS with
 client certificates etcd takes the user from the certificate's common name instead (issue
 certificates with CN=aenv-node and CN=aenv-gateway). Running it again changes nothing but the
-passwords given.
+passwords given: a user made before keeps its password unless a new one is given.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ async def enable_auth(
     tls: EtcdTls | None = None,
     timeout: float = 5.0,
 ) -> AuthReport:
-    """Make etcd's root user and aenv's users and roles (``passwords``: user -> its password, None
-    for a random one: a user who logs in by certificate), then turn auth on. Idempotent."""
+    """Make etcd's root user and aenv's users and roles (``passwords``: user -> its password; None
+    keeps an existing user's and gives a new one a random one: a user who logs in by certificate),
+    then turn auth on. Idempotent."""
     store = ClusterStore.from_url(url, tls=tls, user=EtcdUser(ROOT, root_password), timeout=timeout)
     enabled_now = True
     try:
@@ -84,7 +85,7 @@ async def enable_auth(
                 await store.auth_request(f"grant role {role} {prefix}", "RoleGrantPermission", request)
             report[role] = [f"{aetcd.rpc.Permission.Type.Name(k).lower()} {p}" for k, p in grants]
         for user in ROLES:
-            await _user(store, user, passwords.get(user) or secrets.token_urlsafe(32), user)
+            await _user(store, user, passwords.get(user), user)
         if enabled_now:
             await store.auth_request("turn auth on", "AuthEnable", aetcd.rpc.AuthEnableRequest())
         return AuthReport(enabled_now, report)
@@ -92,15 +93,16 @@ async def enable_auth(
         await store.close()
 
 
-async def _user(store: ClusterStore, name: str, password: str, role: str) -> None:
-    """The user with this password (made, or its password changed) and this role."""
+async def _user(store: ClusterStore, name: str, password: str | None, role: str) -> None:
+    """The user with this role, and this password (a new user without one: a random one; an
+    existing user without one keeps its own: its sessions and files stay good)."""
     added = await store.auth_request(
         f"add user {name}",
         "UserAdd",
-        aetcd.rpc.AuthUserAddRequest(name=name, password=password),
+        aetcd.rpc.AuthUserAddRequest(name=name, password=password or secrets.token_urlsafe(32)),
         done_if="already exists",
     )
-    if added is None:
+    if added is None and password is not None:
         request = aetcd.rpc.AuthUserChangePasswordRequest(name=name, password=password)
         await store.auth_request(f"set the password of {name}", "UserChangePassword", request)
     grant = aetcd.rpc.AuthUserGrantRoleRequest(user=name, role=role)

@@ -538,7 +538,13 @@ class Gateway:
         entry, _ = self.mirror.owner(sandbox_id)
         source = (entry.template_id or None) if entry is not None else None  # its template's layers: fetched least
         runtime = entry.runtime if entry is not None else ""  # its memory image restores only there
-        for node in self.candidates(source, runtime)[:MAX_CANDIDATES]:
+        ranked = self.candidates(source, runtime)
+        if owner_full and runtime:  # its owner is up: only where its memory image restores
+            ranked = [n for n in ranked if n.runtime == runtime]
+        owner = self.mirror.nodes.get(entry.node_id) if entry is not None else None
+        if owner_full and not ranked and owner is not None:
+            return owner  # nowhere else to go: its owner's answer (429 while it is full)
+        for node in ranked[:MAX_CANDIDATES]:
             url = f"{node.address}/sandboxes/{sandbox_id}/connect"
             try:
                 r = await self.client.post(url, json={}, headers=headers, timeout=timeout)
@@ -931,19 +937,23 @@ class Gateway:
         upstream = await self._send(request, node, body=body)
         entry, _ = self.mirror.owner(sandbox_id)
         if upstream.status_code == 429 and entry is not None and _cluster_paused(entry):
-            others = self._takeover_candidates(entry, avoid=node.node_id)
+            others = self._takeover_candidates(entry, avoid=node.node_id, same_runtime=True)
             if others:
                 await upstream.aclose()
                 return await self.take_over(request, others, sandbox_id, body=body, owner_full=True)
         return await self._resumed(request, node, sandbox_id, upstream)
 
-    def _takeover_candidates(self, entry: SandboxEntry, *, avoid: str) -> list[NodeEntry]:
+    def _takeover_candidates(self, entry: SandboxEntry, *, avoid: str, same_runtime: bool = False) -> list[NodeEntry]:
         """Nodes to take a durable pause over, best first: its memory image's runtime, then
-        those holding its template's layers (see placement.py)."""
+        those holding its template's layers (see placement.py). With ``same_runtime`` only nodes
+        whose runtime can restore its memory image (an owner that is up and full: better to wait
+        for its room than to be told to reboot it elsewhere)."""
         try:
             ranked = self.candidates(entry.template_id or None, entry.runtime)
         except AenvError:
             return []  # none with room: the owner's own answer stands
+        if same_runtime and entry.runtime:
+            ranked = [n for n in ranked if n.runtime == entry.runtime]
         return [n for n in ranked if n.node_id != avoid][:MAX_CANDIDATES]
 
     async def take_over(

@@ -59,6 +59,7 @@ GETS_PER_TRANSACTION = 64  # etcd refuses transactions of more than 128 operatio
 MAX_ENDPOINTS = 16
 MAX_PEM = 256 * 1024  # a CA bundle, a certificate chain or a key
 MAX_USER = 128
+LOGIN_RETRY = 1.0  # seconds a failed login is the answer to every call, before one logs in again
 MAX_PASSWORD = 1024
 # etcd refuses a request on a member that has no leader when this metadata is set (instead of
 # holding it until an election that, without quorum, never comes).
@@ -223,10 +224,11 @@ class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]
             return
         error = aetcd.exceptions.ClientError(f"watch canceled: {response.cancel_reason or 'by etcd'}")
         async with self._lock:
-            if response.created and self._new_callback is not None:  # the creation refused
-                self._new_callback.error = error
-                self._new_callback_ready.notify_all()
-                return
+            if response.created:  # a creation refused: the one waiting, if it has not given up
+                if self._new_callback is not None:
+                    self._new_callback.error = error
+                    self._new_callback_ready.notify_all()
+                return  # (its watch id is the request's, not a live watch's)
             callback = self._callbacks.pop(response.watch_id, None)
         if callback is not None:
             await self._process_callback(callback, error)
@@ -306,6 +308,7 @@ class ClusterStore:
         self.user = user
         self._client: _Client | None = None
         self._connecting = asyncio.Lock()
+        self._login_failed: tuple[float, ClusterUnavailable] | None = None
 
     @classmethod
     def from_url(
@@ -331,6 +334,13 @@ class ClusterStore:
 
     # -- calls ----------------------------------------------------------------------------------------
     async def _connected(self) -> _Client:
+        try:
+            async with asyncio.timeout(self.timeout + 0.5):  # waiting for another's login included
+                return await self._connect()
+        except TimeoutError:
+            raise ClusterUnavailable("the cluster store did not answer (connect and log in)") from None
+
+    async def _connect(self) -> _Client:
         async with self._connecting:
             if self._client is None:
                 target = await self._target()
@@ -350,7 +360,7 @@ class ClusterStore:
                 )
             client = self._client
             if client.user is not None and client.logins == 0:  # not yet, or the first login failed
-                await self._call_login(client)
+                await self._login_once(client)
             return client
 
     async def _target(self) -> str:
@@ -413,9 +423,25 @@ class ClusterStore:
 
     async def _login_again(self, client: _Client, generation: int) -> None:
         """Log in once for every call that found the token refused since login ``generation``."""
-        async with self._connecting:
-            if client.logins == generation:
-                await self._call_login(client)
+        try:
+            async with asyncio.timeout(self.timeout + 0.5), self._connecting:
+                if client.logins == generation:
+                    await self._login_once(client)
+        except TimeoutError:
+            raise ClusterUnavailable("the cluster store did not answer (log in again)") from None
+
+    async def _login_once(self, client: _Client) -> None:
+        """Log in (the caller holds ``_connecting``). A login that failed a moment ago is the
+        answer of the calls queued behind it: each would otherwise try (a bcrypt on etcd) in turn."""
+        failed = self._login_failed
+        if failed is not None and time.monotonic() - failed[0] < LOGIN_RETRY:
+            raise failed[1]
+        try:
+            await self._call_login(client)
+        except ClusterUnavailable as exc:
+            self._login_failed = (time.monotonic(), exc)
+            raise
+        self._login_failed = None
 
     async def _call_login(self, client: _Client) -> None:
         try:
@@ -459,6 +485,11 @@ class ClusterStore:
 
     async def put_node(self, entry: NodeEntry, lease_id: int) -> None:
         await self._call("register a node", lambda c: c.put(node_key(entry.node_id), encode(entry), lease=lease_id))
+
+    async def node_ids(self) -> list[str]:
+        """The ids of the nodes registered now (their keys only: no entry is read)."""
+        got = await self._call("read the nodes", lambda c: c.get_prefix(NODES_PREFIX.encode(), keys_only=True))
+        return [kv.key.decode(errors="replace")[len(NODES_PREFIX) :] for kv in got]
 
     async def nodes(self) -> list[NodeEntry]:
         return [v.entry for v in (await self.read_all()).nodes.values()]

@@ -56,9 +56,11 @@ async def logs(request: Request, sandbox_id: str, limit: int = Query(1000, ge=1,
     plus aenv's ``commands``: the commands started through envd, newest first, with their exit codes."""
     sb = node_of(request).get(sandbox_id)
     lines, at = _agent_log(sb)
-    entries = [(e["timestamp"], "node", e["line"]) for e in sb.events.recent()]  # what the node did with it
-    entries += [(at, "agent", line) for line in lines]  # what its runtime and agent wrote to stderr
-    entries = sorted(entries, key=lambda e: e[0])[-limit:]
+    # What the node did with it (each at its moment), then what its runtime and agent wrote to
+    # stderr (its file's time of last write: lines carry none of their own), the newest ``limit``.
+    entries = [(e["timestamp"], "node", e["line"]) for e in sb.events.recent()][-limit:]
+    room = limit - len(entries)
+    entries += [(at, "agent", line) for line in (lines[-room:] if room > 0 else [])]
     return {
         "logs": [{"timestamp": rfc3339(t) if t else None, "line": line} for t, _, line in entries],
         "logEntries": [

@@ -388,9 +388,10 @@ class Lifecycle:
             await self.kill(sandbox_id)
 
     async def forget_durable_pause(self, sandbox_id: str) -> bool:
-        if sandbox_id in self.sandboxes or not await self.artifacts.holds_pause(sandbox_id):
+        repo = self.artifacts.repo
+        if repo is None or sandbox_id in self.sandboxes or not await self.artifacts.holds_pause(sandbox_id):
             return False
-        await self.artifacts.forget_pause(sandbox_id)
+        await asyncio.to_thread(repo.delete_entry, "sandbox", sandbox_id)  # raises: tried again later
         return True
 
     async def ensure_running(self, sandbox_id: str) -> LiveSandbox:

@@ -279,6 +279,10 @@ class Node(Lifecycle, Instances, Records):
     async def set_warm_pool(self, ref: str, size: int | None) -> dict[str, Any]:
         return await self.warm.set_size(ref, size)
 
+    @property
+    def has_repository(self) -> bool:
+        return self.artifacts.repo is not None
+
     def durable_reason(self, rec: SandboxRecord) -> str:
         return self.artifacts.durable_reason(rec)
 

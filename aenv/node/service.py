@@ -225,6 +225,11 @@ class NodeService(Protocol):
         or one ``adopt_paused`` took while another node won): its repository entry stays."""
         ...
 
+    @property
+    def has_repository(self) -> bool:
+        """Whether this node commits to a snapshot repository (AENV_REPO is not none)."""
+        ...
+
     async def forget_durable_pause(self, sandbox_id: str) -> bool:
         """Remove the durable pause of a sandbox this node does not hold from the repository (it
         was killed while its node was lost); whether there was one."""

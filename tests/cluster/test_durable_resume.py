@@ -14,6 +14,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+from aenv.node.service import OWNER_FULL_HEADER
 from aenv.repo.backends import PosixBackend
 from aenv.repo.repository import Repository
 from tests.cluster.cluster import LEASE_TTL, Cluster, directory_entry, running_cluster, use_gateway, wait_for_nodes
@@ -142,8 +143,12 @@ def test_a_resume_on_a_node_that_does_not_hold_it_is_not_found(cluster: Cluster)
                 assert r.status_code == 404, r.text
             entry = directory_entry(cluster, sandbox_id)
             assert entry is not None and entry.node_id == holder and entry.epoch == 1
-            r = api.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+            # the gateway's word that its owner is full is the gateway's: a client's is dropped
+            forged = {OWNER_FULL_HEADER: "1"}
+            r = api.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60}, headers=forged)
             assert r.status_code == 201 and r.headers["x-aenv-node-id"] == holder, r.text
+            entry = directory_entry(cluster, sandbox_id)
+            assert entry is not None and entry.node_id == holder and entry.epoch == 1
         finally:
             api.delete(f"/sandboxes/{sandbox_id}")
 

@@ -125,13 +125,16 @@ async def test_running_it_again_changes_passwords_and_nothing_else(auth_etcd: Et
     assert report.enabled_now is False and set(report.users) == {NODE_USER, GATEWAY_USER}
     old = ClusterStore.from_url(auth_etcd.url, user=user(NODE_USER), timeout=3)
     new = ClusterStore.from_url(auth_etcd.url, user=EtcdUser(NODE_USER, "rotated-secret"), timeout=3)
+    kept = ClusterStore.from_url(auth_etcd.url, user=user(GATEWAY_USER), timeout=3)  # none given: unchanged
     try:
         with pytest.raises(ClusterUnavailable, match="wrong user name or password"):
             await old.read_all()
         assert (await new.read_all()).revision > 0
+        assert (await kept.read_all()).revision > 0
     finally:
         await old.close()
         await new.close()
+        await kept.close()
         # back as the module's other tests know them
         passwords = {NODE_USER: PASSWORDS[NODE_USER].strip(), GATEWAY_USER: PASSWORDS[GATEWAY_USER]}
         await enable_auth(auth_etcd.url, root, passwords)
