@@ -165,6 +165,7 @@ async def bench(node: Node, count: int, parallel: int) -> dict[str, Any]:
     pause_s, pause_failures = await concurrently(ids, node.pause, f"pausing {len(ids)}", parallel)
     results["pause_all"] = {"seconds": pause_s, "failures": pause_failures[:10], "failed": len(pause_failures)}
     await node.settle()
+    await node.artifacts.wait_all()  # the pauses' repository commits: not what an idle node costs
     results["paused_idle_cpu_cores"] = await idle_cpu_share(node)
     resume_s, resume_failures = await concurrently(ids, node.resume, f"resuming {len(ids)}", parallel)
     results["resume_all"] = {"seconds": resume_s, "failures": resume_failures[:10], "failed": len(resume_failures)}

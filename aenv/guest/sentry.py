@@ -1,6 +1,8 @@
-"""Give the gVisor sentry's restore garbage back to the host once a sandbox goes quiet.
+"""Give the gVisor sentry's restore garbage back to the host once a sandbox goes quiet (runsc
+20221219; the node tells the agent to hold off on runsc 20240729, whose restores leave little:
+there the churn below kept 4-6 MiB more per sandbox, see ``Driver.restore_leaves_garbage``).
 
-Restoring (or checkpointing with leave-running) leaves the sentry, a Go program, holding
+Restoring (on 20221219) leaves the sentry, a Go program, holding
 ~30 MiB of heap from decoding the image. Go returns it only after its next GC, and an idle
 sandbox allocates nothing, so that GC is the runtime's forced one two minutes later; measured,
 the memory comes back about four minutes after a restore. The environment of the sentry is

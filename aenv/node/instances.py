@@ -43,12 +43,15 @@ class Instances:
         env = dict(rec.env_vars)
         env.update({"E2B_SANDBOX": "true", "E2B_SANDBOX_ID": rec.id, "E2B_TEMPLATE_ID": rec.template_id})
         env.update({"AENV_SANDBOX_ID": rec.id})
-        return {
+        config: dict[str, Any] = {
             "env": env,
             "user": rec.user or DEFAULT_USER,
             "workdir": rec.workdir or None,
             "nproc": self.limits_of(rec).nproc,
         }
+        if not self.driver.restore_leaves_garbage:
+            config["hold_heap"] = True  # nothing to give back: the agent's churn would only add
+        return config
 
     def rootfs(self, layers: list[str], upper: str, guest: str = "") -> RootfsSpec:
         return RootfsSpec(tuple(self.files.layer(x) for x in layers), self.files.upper(upper), guest)

@@ -67,6 +67,9 @@ class Driver(Protocol):
     # True when a checkpoint can leave the instance running (snapshot and fork then restore only
     # the copies); False: the instance stops and the source is restored from its own image.
     leaves_running: bool
+    # True when a restore (or a leave-running checkpoint) leaves the sentry a heap of garbage the
+    # agent should make it give back once quiet (aenv/guest/sentry.py); False: that costs memory.
+    restore_leaves_garbage: bool
     image_mark: str  # names the runtime and version that wrote a checkpoint image
 
     def info(self) -> dict[str, str]:

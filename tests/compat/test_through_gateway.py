@@ -1,13 +1,14 @@
 """The compat suite's core through a gateway: the official Python SDK, unchanged, against two
 nodes behind `aenv gateway`.
 
-Every test of test_python_sync.py (commands, PTY, background processes, files, watch, lists over
-both nodes, timeouts, pause and connect, port HTTP and WebSockets, secure sandboxes and signed
-URLs, auto-resume, snapshots, the SDK's errors), the lists of snapshots and the metrics of
-several sandboxes (both merged from every node by the gateway), and the npm SDK's smoke test
-(create, commands, files, list, pause and connect, kill), collected here a second time with
-``deployment`` pointing at the gateway (about 90 s). The other compat files pass through a
-gateway too but for what docs/cluster.md lists; run them so with ``AENV_COMPAT_URL=<gateway>``.
+In CI (to keep it within its budget), a second collection, with ``deployment`` pointing at the
+gateway, of the tests of test_python_sync.py that cross what a gateway does (commands streamed
+both ways, the SDK's errors, files of several megabytes, a port's WebSockets, lists over both
+nodes, pause and connect, secure sandboxes and signed URLs), the lists of snapshots and the
+metrics of several sandboxes (both merged from every node by the gateway), and the npm SDK's
+smoke test (create, commands, files, list, pause and connect, kill). The whole compat suite
+runs through a gateway with ``AENV_COMPAT_URL=<gateway> python -m pytest tests/compat``
+(docs/cluster.md, "Through a gateway": the last such run and what differs from one node).
 """
 
 from __future__ import annotations
