@@ -83,7 +83,15 @@ async def idle_cpu_share(node: Node, window: float = CPU_WINDOW) -> dict[str, fl
     }
 
 
-async def exec_p50(node: Node, sandbox_id: str, rounds: int = 40) -> float:
+async def quiet(node: Node, below: float = 0.05, within: float = 90.0) -> None:
+    """Until the node and its sandboxes' processes keep less than ``below`` cores busy over 2 s
+    (a mass pause's teardowns go on after its calls return), at most ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and (await idle_cpu_share(node, 2.0))["total"] >= below:
+        pass
+
+
+async def exec_p50(node: Node, sandbox_id: str, rounds: int = 200) -> float:
     link = node.get(sandbox_id).link
     for _ in range(3):
         await exec_true(link)
@@ -166,6 +174,7 @@ async def bench(node: Node, count: int, parallel: int) -> dict[str, Any]:
     results["pause_all"] = {"seconds": pause_s, "failures": pause_failures[:10], "failed": len(pause_failures)}
     await node.settle()
     await node.artifacts.wait_all()  # the pauses' repository commits: not what an idle node costs
+    await quiet(node)  # and the teardown of their instances
     results["paused_idle_cpu_cores"] = await idle_cpu_share(node)
     resume_s, resume_failures = await concurrently(ids, node.resume, f"resuming {len(ids)}", parallel)
     results["resume_all"] = {"seconds": resume_s, "failures": resume_failures[:10], "failed": len(resume_failures)}
