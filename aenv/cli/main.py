@@ -70,37 +70,32 @@ UNREACHABLE_HINT = (
 
 def next_step(exc: AenvError) -> str:
     """What to do about an error, where the CLI can say more than the server's message."""
-    from aenv.errors import (
-        ClusterUnavailable,
-        ImageIncompatible,
-        LimitExceeded,
-        SandboxNotFound,
-        SnapshotNotFound,
-        TemplateNotFound,
-        Unauthenticated,
-        WrongState,
-    )
+    from aenv import errors
 
-    if isinstance(exc, Unauthenticated):
-        return (
+    hints: list[tuple[type[AenvError], str]] = [
+        (
+            errors.Unauthenticated,
             "Give the server's API key with --api-key or AENV_API_KEY (a node keeps it in "
-            "<data-dir>/api-key, /var/lib/aenv/api-key by default; the CLI reads that file when it can)."
-        )
-    if isinstance(exc, SandboxNotFound):
-        return "aenv list shows the sandboxes there are (aenv list --state paused for paused ones)."
-    if isinstance(exc, SnapshotNotFound):
-        return "aenv snapshots lists the snapshots there are."
-    if isinstance(exc, TemplateNotFound):
-        return "aenv templates lists the templates there are; aenv build makes one."
-    if isinstance(exc, LimitExceeded):
-        return "The node (or cluster) is full: try again in a moment, or kill or pause sandboxes you no longer need."
-    if isinstance(exc, ClusterUnavailable):
-        return "The cluster's etcd has no quorum or cannot be reached: running sandboxes still work; try again soon."
-    if isinstance(exc, ImageIncompatible):
-        return "Rebuild the template (aenv build: its steps come from the build cache), or resume without memory."
-    if isinstance(exc, WrongState):
-        return "aenv list (or GET /sandboxes/ID) shows the sandbox's state."
-    return ""
+            "<data-dir>/api-key, /var/lib/aenv/api-key by default; the CLI reads that file when it can).",
+        ),
+        (errors.SandboxNotFound, "aenv list shows the sandboxes there are (aenv list --state paused for paused ones)."),
+        (errors.SnapshotNotFound, "aenv snapshots lists the snapshots there are."),
+        (errors.TemplateNotFound, "aenv templates lists the templates there are; aenv build makes one."),
+        (
+            errors.LimitExceeded,
+            "The node (or cluster) is full: try again in a moment, or kill or pause sandboxes you no longer need.",
+        ),
+        (
+            errors.ClusterUnavailable,
+            "The cluster's etcd has no quorum or cannot be reached: running sandboxes still work; try again soon.",
+        ),
+        (
+            errors.ImageIncompatible,
+            "Rebuild the template (aenv build: its steps come from the build cache), or resume without memory.",
+        ),
+        (errors.WrongState, "aenv list (or GET /sandboxes/ID) shows the sandbox's state."),
+    ]
+    return next((hint for kind, hint in hints if isinstance(exc, kind)), "")
 
 
 JSON_OPTION = typer.Option(False, "--json", help="JSON even on a terminal")

@@ -157,3 +157,27 @@ def use_gateway(cluster: Cluster, index: int, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("E2B_API_URL", cluster.gateways[index].url)
     monkeypatch.setenv("E2B_SANDBOX_URL", cluster.gateways[index].url)
     monkeypatch.delenv("E2B_DEBUG", raising=False)
+
+
+def joins_and_serves(
+    etcd_url: str, node_id: str, node_env: dict[str, str], gateway_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node (``node_env``) and a gateway (``gateway_env``) join ``etcd_url``; a sandbox is
+    created through the gateway on that node, found there, and killed."""
+    node = start_node(etcd_url, node_id, extra_env=node_env)
+    try:
+        for key, value in gateway_env.items():  # the gateway's environment is this one's
+            monkeypatch.setenv(key, value)
+        gateway = start_gateway(etcd_url)
+        try:
+            wait_for_nodes(gateway, {node_id})
+            with httpx.Client(base_url=gateway.url, headers={"X-API-Key": API_KEY}, timeout=120) as api:
+                r = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+                assert r.status_code == 201, r.text
+                sandbox_id = r.json()["sandboxID"]
+                assert api.get(f"/sandboxes/{sandbox_id}").json()["nodeID"] == node_id
+                assert api.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+        finally:
+            gateway.stop()
+    finally:
+        node.stop()

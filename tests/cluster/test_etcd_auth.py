@@ -15,7 +15,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from aenv.cluster.auth import GATEWAY_USER, NODE_USER, enable_auth
@@ -23,10 +22,9 @@ from aenv.cluster.entries import NodeEntry, SandboxEntry
 from aenv.cluster.mirror import Mirror
 from aenv.cluster.store import ClusterStore, EtcdUser
 from aenv.errors import ClusterUnavailable, InvalidRequest
-from tests.cluster.cluster import start_gateway, wait_for_nodes
+from tests.cluster.cluster import joins_and_serves
 from tests.cluster.conftest import require_etcd
 from tests.cluster.etcd import EtcdCluster
-from tests.cluster.nodes import start_node
 from tests.conftest import API_KEY, Server
 
 TOKEN_TTL = 2
@@ -236,24 +234,7 @@ def test_an_etcd_user_without_a_cluster_is_a_mistake(tmp_path: Path) -> None:
 def test_a_node_and_a_gateway_log_in_and_serve(
     server: Server, auth_etcd: EtcdCluster, secrets_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    node = start_node(
-        auth_etcd.url,
-        "node-auth",
-        extra_env={"AENV_CLUSTER_USER": NODE_USER, "AENV_CLUSTER_PASSWORD_FILE": str(secrets_dir / NODE_USER)},
-    )
-    try:
-        monkeypatch.setenv("AENV_CLUSTER_USER", GATEWAY_USER)  # the gateway's environment is this one's
-        monkeypatch.setenv("AENV_CLUSTER_PASSWORD_FILE", str(secrets_dir / GATEWAY_USER))
-        gateway = start_gateway(auth_etcd.url)
-        try:
-            wait_for_nodes(gateway, {"node-auth"})
-            with httpx.Client(base_url=gateway.url, headers={"X-API-Key": API_KEY}, timeout=120) as api:
-                r = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})
-                assert r.status_code == 201, r.text
-                sandbox_id = r.json()["sandboxID"]
-                assert api.get(f"/sandboxes/{sandbox_id}").json()["nodeID"] == "node-auth"
-                assert api.delete(f"/sandboxes/{sandbox_id}").status_code == 204
-        finally:
-            gateway.stop()
-    finally:
-        node.stop()
+    def login(name: str) -> dict[str, str]:
+        return {"AENV_CLUSTER_USER": name, "AENV_CLUSTER_PASSWORD_FILE": str(secrets_dir / name)}
+
+    joins_and_serves(auth_etcd.url, "node-auth", login(NODE_USER), login(GATEWAY_USER), monkeypatch)

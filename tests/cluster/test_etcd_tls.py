@@ -11,17 +11,15 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from aenv.cluster.entries import SandboxEntry
 from aenv.cluster.store import ClusterStore, EtcdTls
 from aenv.errors import ClusterUnavailable, InvalidRequest
-from tests.cluster.cluster import start_gateway, wait_for_nodes
+from tests.cluster.cluster import joins_and_serves
 from tests.cluster.conftest import require_etcd
 from tests.cluster.domain import Certificates, make_certificates
 from tests.cluster.etcd import EtcdCluster
-from tests.cluster.nodes import start_node
 from tests.conftest import API_KEY, Server
 
 
@@ -90,23 +88,7 @@ def test_tls_files_are_checked_before_any_connection(certificates: Certificates,
 def test_a_node_and_a_gateway_join_over_tls(
     server: Server, tls_etcd: EtcdCluster, certificates: Certificates, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    node = start_node(tls_etcd.url, "node-tls", extra_env=env_of(certificates))
-    try:
-        for key, value in env_of(certificates).items():  # the gateway's environment is this one's
-            monkeypatch.setenv(key, value)
-        gateway = start_gateway(tls_etcd.url)
-        try:
-            wait_for_nodes(gateway, {"node-tls"})
-            with httpx.Client(base_url=gateway.url, headers={"X-API-Key": API_KEY}, timeout=120) as api:
-                r = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})
-                assert r.status_code == 201, r.text
-                sandbox_id = r.json()["sandboxID"]
-                assert api.get(f"/sandboxes/{sandbox_id}").json()["nodeID"] == "node-tls"
-                assert api.delete(f"/sandboxes/{sandbox_id}").status_code == 204
-        finally:
-            gateway.stop()
-    finally:
-        node.stop()
+    joins_and_serves(tls_etcd.url, "node-tls", env_of(certificates), env_of(certificates), monkeypatch)
 
 
 @pytest.mark.parametrize(

@@ -223,11 +223,7 @@ def test_one_etcd_member_down_changes_nothing(e2b_gateway: Cluster) -> None:
         finally:
             late.stop()
         sbx.kill()
-        with e2b_gateway.api() as api:
-            deadline = time.monotonic() + 15
-            while api.get(f"/sandboxes/{sbx.sandbox_id}").status_code != 404:
-                assert time.monotonic() < deadline
-                time.sleep(0.3)
+        wait_gone(e2b_gateway, sbx.sandbox_id)
     finally:
         e2b_gateway.etcd.restart(member)
 
@@ -705,8 +701,13 @@ def test_without_quorum_running_sandboxes_keep_working(e2b_gateway: Cluster) -> 
         api.delete(f"/sandboxes/{r.json()['sandboxID']}")
     assert sbx.commands.run("echo back").stdout == "back\n"
     sbx.kill()
-    with e2b_gateway.api() as api:
-        deadline = time.monotonic() + 15
-        while api.get(f"/sandboxes/{sbx.sandbox_id}").status_code != 404:
-            assert time.monotonic() < deadline
+    wait_gone(e2b_gateway, sbx.sandbox_id)
+
+
+def wait_gone(cluster: Cluster, sandbox_id: str, timeout: float = 15) -> None:
+    """Until the gateway answers 404 for a killed sandbox (its node's directory write lands)."""
+    with cluster.api() as api:
+        deadline = time.monotonic() + timeout
+        while api.get(f"/sandboxes/{sandbox_id}").status_code != 404:
+            assert time.monotonic() < deadline, f"sandbox {sandbox_id} still answers"
             time.sleep(0.3)
