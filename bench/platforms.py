@@ -4,8 +4,10 @@
 For each platform, a node on it (`AENV_RUNSC_PLATFORM`) and real agent work in one of its sandboxes:
 create from `base`, the exec round trip of `true`, Python's start with `import json, asyncio`, a
 process spawned by a shell, a system-call bound loop (stat), a small pytest run and a `pip install`
-of a local wheel (when the image has pytest / pip), then snapshot and fork of 4. Times inside the
-sandbox are measured inside it. Prints one column per platform and writes JSON.
+of a local wheel (when the image has pip), then snapshot and fork of 4. Times inside the sandbox are
+measured inside it. `base` has no pytest: its wheels (and its dependencies') are downloaded once on
+the host (`--wheels DIR`, kept between runs) and installed into the sandbox offline before the
+work. Prints one column per platform and writes JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import asyncio
 import json
 import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +97,37 @@ print(json.dumps(ts[1:]))
 }
 
 
+PYTEST_WHEELS = ["pytest"]  # with their dependencies (pluggy, iniconfig, packaging)
+
+
+def pytest_wheels(cache: Path) -> list[Path]:
+    """pytest's wheels for the sandbox's Python, downloaded once into ``cache`` by the host's pip."""
+    if not list(cache.glob("pytest-*.whl")):
+        cache.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:", "-d", str(cache)]
+        subprocess.run([*argv, *PYTEST_WHEELS], check=True)
+    return sorted(cache.glob("*.whl"))
+
+
+async def put_file(link: Any, path: str, data: bytes) -> None:
+    """Write ``data`` at ``path`` inside the sandbox, as the files API does (the agent's fs.write)."""
+    stream = await link.open("fs.write", {"path": path, "user": "user", "metadata": {}})
+    for i in range(0, len(data), 1 << 20):
+        await stream.send_data(data[i : i + (1 << 20)])
+    await stream.send_eof()
+    await stream.result()
+
+
+async def install_pytest(link: Any, wheels: list[Path]) -> bool:
+    for wheel in wheels:
+        await put_file(link, f"/tmp/wheels/{wheel.name}", wheel.read_bytes())
+    argv = "python3 -m pip install -q --no-index --find-links /tmp/wheels --break-system-packages --user pytest"
+    ran = await run_in(link, argv, user="user")
+    if ran.code != 0:
+        console.print(f"  [yellow]pytest not installed ({ran.code}): {ran.output.strip()[-300:]}[/yellow]")
+    return ran.code == 0
+
+
 async def inside(link: Any, script: str, rounds: int) -> list[float] | None:
     ran = await run_in(link, f"python3 - <<'EOF'\n{script.replace('ROUNDS', str(rounds))}\nEOF", user="user")
     if ran.code != 0:
@@ -117,6 +152,7 @@ async def on_platform(args: argparse.Namespace, name: str) -> dict[str, Any]:
             ids.append(rec.id)
         results["create"] = summary(creates)
         sb = node.get(ids[0])
+        await install_pytest(sb.link, pytest_wheels(args.wheels))
         ours, bare = await exec_round_trips(sb.link, blocks=3)
         results["exec round trip (true)"] = summary(ours)
         results["bare spawn inside"] = summary(bare)
@@ -176,6 +212,7 @@ def main() -> None:
     parser.add_argument("--platforms", default="ptrace,systrap")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--data-dir", type=Path, default=Path("/var/tmp/aenv-bench"))
+    parser.add_argument("--wheels", type=Path, default=Path("/var/tmp/aenv-bench-wheels"), help="pytest's wheels")
     parser.add_argument("--out", type=Path, default=Path("bench/results/platforms.json"))
     asyncio.run(amain(parser.parse_args()))
 
