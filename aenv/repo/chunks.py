@@ -21,27 +21,10 @@ import zstandard
 from aenv.errors import ArtifactDamaged
 from aenv.repo.backends import Backend, MissingObject
 
-
-@dataclass(frozen=True)
-class Sizes:
-    """FastCDC's smallest, average and largest chunk."""
-
-    min: int
-    avg: int
-    max: int
-
-
-# Layers and uppers: files change whole, so large chunks (fewer objects, fewer requests).
-FILE_SIZES = Sizes(256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
-# A checkpoint's memory pages (runsc 20240729 writes them uncompressed): between two snapshots of
-# an idle sandbox ~12% of its pages change, scattered over the page file, so a 1 MiB chunk around
-# each is new again. Measured on two images of one sandbox (2671 pages, 314 changed; the whole
-# image 2.29 MiB as zstd): new chunks of 1 MiB 2.39 MiB, of 64 KiB 1.85, of 16 KiB 1.03, of a page
-# 0.38 (but 2671 objects an image). 16 KiB on average: ~600 chunks of a 10 MiB image.
-IMAGE_SIZES = Sizes(8 * 1024, 32 * 1024, 128 * 1024)
-CHUNK_MIN, CHUNK_AVG, CHUNK_MAX = FILE_SIZES.min, FILE_SIZES.avg, FILE_SIZES.max
+CHUNK_MIN = 256 * 1024
+CHUNK_AVG = 1024 * 1024
+CHUNK_MAX = 4 * 1024 * 1024
 WINDOW = 16 * 1024 * 1024  # bytes cut at a time; the tail carries over to the next window
-READ_AHEAD = 32  # chunks a read has in flight (an image has hundreds of small ones)
 ZSTD_LEVEL = 3
 
 ChunkRef = tuple[str, int]  # (sha256 hex of the raw bytes, raw length)
@@ -51,7 +34,7 @@ def chunk_key(digest: str) -> str:
     return f"chunks/{digest[:2]}/{digest}"
 
 
-def cut(blocks: Iterable[bytes], sizes: Sizes = FILE_SIZES) -> Iterator[bytes]:
+def cut(blocks: Iterable[bytes]) -> Iterator[bytes]:
     """Split a stream, given as blocks of any size, into content-defined chunks."""
     buf = bytearray()
     for block in blocks:
@@ -59,14 +42,14 @@ def cut(blocks: Iterable[bytes], sizes: Sizes = FILE_SIZES) -> Iterator[bytes]:
         if len(buf) < WINDOW:
             continue
         pending = bytes(buf)
-        pieces = list(fastcdc.fastcdc(pending, sizes.min, sizes.avg, sizes.max))
+        pieces = list(fastcdc.fastcdc(pending, CHUNK_MIN, CHUNK_AVG, CHUNK_MAX))
         for c in pieces[:-1]:
             yield pending[c.offset : c.offset + c.length]
         last = pieces[-1]  # cut by the window's end, not by content: decide it with more data
         buf = bytearray(pending[last.offset :])
     if buf:
         pending = bytes(buf)
-        for c in fastcdc.fastcdc(pending, sizes.min, sizes.avg, sizes.max):
+        for c in fastcdc.fastcdc(pending, CHUNK_MIN, CHUNK_AVG, CHUNK_MAX):
             yield pending[c.offset : c.offset + c.length]
 
 
@@ -96,9 +79,9 @@ class ChunkWriter:
     _in_flight: deque[Future[None]] = field(default_factory=deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def write_stream(self, blocks: Iterable[bytes], sizes: Sizes = FILE_SIZES) -> list[ChunkRef]:
+    def write_stream(self, blocks: Iterable[bytes]) -> list[ChunkRef]:
         refs: list[ChunkRef] = []
-        for raw in cut(blocks, sizes):
+        for raw in cut(blocks):
             digest = hashlib.sha256(raw).hexdigest()
             refs.append((digest, len(raw)))
             self.stats.logical_bytes += len(raw)
@@ -151,7 +134,7 @@ def read_chunks(backend: Backend, refs: list[ChunkRef], pool: ThreadPoolExecutor
     try:
         for ref in todo:
             ahead.append(pool.submit(read_chunk, backend, ref, what))
-            if len(ahead) >= READ_AHEAD:
+            if len(ahead) >= 8:
                 break
         while ahead:
             raw = ahead.popleft().result()

@@ -47,15 +47,7 @@ from typing import Any, Literal
 from aenv.errors import ArtifactDamaged, InvalidRequest, RepositoryUnavailable, StorageError
 from aenv.repo import encodings
 from aenv.repo.backends import Backend, MissingObject, PosixBackend
-from aenv.repo.chunks import (
-    FILE_SIZES,
-    IMAGE_SIZES,
-    ChunkWriter,
-    WriteStats,
-    chunk_key,
-    read_chunk,
-    read_chunks,
-)
+from aenv.repo.chunks import ChunkWriter, WriteStats, chunk_key, read_chunk, read_chunks
 from aenv.storage.space import ensure_space
 
 log = logging.getLogger("aenv.repo")
@@ -197,8 +189,7 @@ class Repository:
             "created_at": time.time(),
         }
         if item.encoding == "tar":
-            sizes = IMAGE_SIZES if item.kind == "image" else FILE_SIZES
-            refs = writer.write_stream(encodings.tar_blocks(item.path), sizes)
+            refs = writer.write_stream(encodings.tar_blocks(item.path))
         elif item.encoding == "sparse":
             size, extents = encodings.data_extents(item.path)
             manifest.update(file_size=size, extents=extents)

@@ -167,30 +167,6 @@ def test_a_second_commit_uploads_only_what_is_new(backend: Backend, tmp_path: Pa
     assert second.new_bytes <= chunking.CHUNK_MAX + 2**20 and second.new_bytes < first.new_bytes / 3
 
 
-def test_a_memory_image_with_a_few_pages_changed_uploads_about_those_pages(backend: Backend, tmp_path: Path) -> None:
-    """A checkpoint's page file between two snapshots of a sandbox: the same pages at the same
-    offsets but for some scattered ones. Its chunks are small (IMAGE_SIZES), so the second image
-    uploads about the pages that changed; a layer of the same bytes is cut in 1 MiB chunks, each
-    of which such changes make new."""
-    repo = Repository(backend)
-    rng = random.Random(7)
-    pages = bytearray(rng.randbytes(8 * 2**20))  # random: no chunk compresses, bytes are bytes
-    changed = bytearray(pages)
-    for page in rng.sample(range(len(pages) // 4096), 16):  # 16 pages of 2048, all over the file
-        changed[page * 4096 : page * 4096 + 64] = rng.randbytes(64)
-    dirs = {}
-    for name, data in (("one", pages), ("two", changed)):
-        dirs[name] = tmp_path / name
-        dirs[name].mkdir()
-        (dirs[name] / "pages.img").write_bytes(data)
-    first = repo.commit("snapshot", "snap_p1", {}, [LocalArtifact("image", "pages1", dirs["one"], "tar")])
-    second = repo.commit("snapshot", "snap_p2", {}, [LocalArtifact("image", "pages2", dirs["two"], "tar")])
-    assert first.new_bytes > 8 * 2**20 * 0.95
-    assert second.new_bytes < first.new_bytes * 0.2, (second.new_bytes, first.new_bytes)
-    as_layer = repo.commit("template", "t_p2", {}, [LocalArtifact("layer", "pages2l", dirs["two"], "tar")])
-    assert as_layer.new_bytes > first.new_bytes * 0.8  # a layer's 1 MiB chunks: (nearly) all new
-
-
 def _one_chunk_key(backend: Backend, repo: Repository, kind: str, artifact_id: str) -> str:
     found = repo.find_artifact(kind, artifact_id)
     assert found is not None
