@@ -90,18 +90,24 @@ def start_server(
     )
     url = f"{'https' if 'AENV_TLS_CERT' in env else 'http'}://{env.get('AENV_HOST', '127.0.0.1')}:{port}"
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"aenv server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            r = httpx.get(f"{url}/health", timeout=2, verify=verify)
-            if r.status_code == 200 and (wait_for is None or wait_for in r.json()["templates"]):
-                return Server(url, port, data_dir, proc, log, env, extra_env, wait_for)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"aenv server did not become ready:\n{log.read_text()[-4000:]}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"aenv server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                r = httpx.get(f"{url}/health", timeout=2, verify=verify)
+                if r.status_code == 200 and (wait_for is None or wait_for in r.json()["templates"]):
+                    return Server(url, port, data_dir, proc, log, env, extra_env, wait_for)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"aenv server did not become ready:\n{log.read_text()[-4000:]}")
+    except BaseException:
+        # Not handed to anyone (not ready, or the test gave up: a timeout's exception lands
+        # here too): it must not outlive the test holding its data dir's lock.
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def modern_runsc(api: httpx.Client) -> bool:

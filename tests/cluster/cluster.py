@@ -62,17 +62,21 @@ def start_gateway(
     )
     url = f"{'https' if '--tls-cert' in args else 'http'}://{host}:{port}"
     deadline = time.monotonic() + 90  # a loaded CI machine starts Python slowly
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"gateway exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
-                return Gateway(url, proc, verify)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"gateway did not become ready:\n{log.read_text()[-3000:]}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
+                    return Gateway(url, proc, verify)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"gateway did not become ready:\n{log.read_text()[-3000:]}")
+    except BaseException:  # not handed to anyone (a test's timeout lands here too): it must not outlive it
+        proc.kill()
+        proc.wait()
+        raise
 
 
 @dataclass
