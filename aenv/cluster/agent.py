@@ -271,6 +271,9 @@ class NodeAgent:
                     log.warning("cluster store: %s", exc.message)
                 self._last_error = exc.message
                 await asyncio.sleep(self.interval / 2)
+                # beat again now: a failover to another member or a new leader takes about a
+                # second, and every second more here counts towards refusing work (silent())
+                next_beat = min(next_beat, time.monotonic())
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -44,6 +44,7 @@ from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
 from aenv.api.listing import short_sandbox_id
 from aenv.api.proxy import TRAFFIC_TOKEN_HEADER, sandbox_gone
 from aenv.cluster import forks, lists
+from aenv.cluster.agent import OWNERSHIP_PATH
 from aenv.cluster.drain import DRAIN_PATH
 from aenv.cluster.entries import ID_PATTERN, ClusterConfig, NodeEntry, SandboxEntry, key_matches
 from aenv.cluster.lists import ListQuery
@@ -106,6 +107,11 @@ MAX_CANDIDATES = 3  # nodes a create tries before giving up
 # a dead node's claim on the create id goes with it) and how often.
 CREATE_RETRY_SECONDS = 30.0
 CREATE_RETRY_PAUSE = 0.5
+# A node that answers 503 cluster_unavailable while etcd answers the gateway missed a few
+# heartbeats (a leader election, a loaded host): its create, pause or resume is tried again for
+# this long. When etcd does not answer the gateway either (no quorum), the 503 goes out at once.
+STORE_BLIP_SECONDS = 10.0
+QUORUM_CHECK_KEEP = 0.5  # seconds one check that etcd answers serves every request that asks
 # Sandboxes this gateway created, known from the create's answer until the node's entry arrives.
 MAX_HINTS = 100_000
 HINT_SECONDS = 60.0
@@ -176,6 +182,7 @@ class Gateway:
         # Set when this gateway's key turns out not to be the cluster's: it stops serving (exit 2).
         self.wrong_key = asyncio.Event()
         self._config_check: asyncio.Task[None] | None = None
+        self._quorum: tuple[float, asyncio.Task[bool]] | None = None  # the last check that etcd answers
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -786,7 +793,7 @@ class Gateway:
         except httpx.TransportError as exc:
             raise UpstreamError(f"node {node.node_id} did not answer {path}: {exc!r}"[:300]) from None
         if r.status_code != 200:
-            raise _node_error(r, node)
+            raise _node_error(r.status_code, r.content, node)
         return r
 
     async def _node_page(self, request: Request, node: NodeEntry, path: str) -> NodePage:
@@ -836,9 +843,10 @@ class Gateway:
         out_of_touch = False  # a node refused (503) because it could not reach etcd
         extra = {CREATE_ID_HEADER: create_id, "content-length": str(len(body)), "content-type": "application/json"}
         path = None if request.url.path in ("/sandboxes", "/v2/sandboxes") else "/sandboxes"
+        blip_until = 0.0  # while a node that refused for etcd may just be catching up
         while time.monotonic() < deadline:
             if not queue:
-                if not unanswered:
+                if not unanswered and not (time.monotonic() < blip_until and await self.etcd_answers()):
                     break
                 await asyncio.sleep(CREATE_RETRY_PAUSE)
                 queue = self._create_candidates(body, avoid)
@@ -865,6 +873,8 @@ class Gateway:
             if upstream.status_code == 503 and _error_code(content) == "cluster_unavailable":
                 # refused before it began: the node lost etcd for a moment (a saturated host)
                 failures.append(f"{node.node_id}: out of touch with the cluster store")
+                if not out_of_touch:
+                    blip_until = time.monotonic() + STORE_BLIP_SECONDS
                 out_of_touch = True
                 continue
             if upstream.status_code == 422 and _error_code(content) == "image_incompatible":
@@ -1085,7 +1095,7 @@ class Gateway:
             finally:
                 await snapshot.aclose()
             if snapshot.status_code != 201:
-                raise _node_error(_replay(snapshot, content), node)
+                raise _node_error(snapshot.status_code, content, node)
             snapshot_id = json.loads(content)["snapshotID"]
         except (AenvError, ValueError, KeyError, TypeError) as exc:
             message = exc.message if isinstance(exc, AenvError) else repr(exc)
@@ -1137,6 +1147,53 @@ class Gateway:
         return Relay(await self._send(request, node, extra=extra), node)
 
     async def _send(
+        self,
+        request: Request,
+        node: NodeEntry,
+        *,
+        body: bytes | None = None,
+        extra: dict[str, str] | None = None,
+        timeout: httpx.Timeout | None = None,
+        path: str | None = None,
+    ) -> httpx.Response:
+        """The node's answer to ``request`` (streamed). A pause, resume or connect the node
+        refused only because it missed etcd for a moment is sent again while etcd answers here
+        (within STORE_BLIP_SECONDS): the node refused before doing anything."""
+        if request.method != "POST" or OWNERSHIP_PATH.fullmatch(path or request.url.path) is None:
+            return await self._send_once(request, node, body=body, extra=extra, timeout=timeout, path=path)
+        if body is None:
+            body = await _read_bounded(request, MAX_CREATE_BODY)  # small, and needed again for a retry
+        until = time.monotonic() + STORE_BLIP_SECONDS
+        while True:
+            upstream = await self._send_once(request, node, body=body, extra=extra, timeout=timeout, path=path)
+            if upstream.status_code != 503:
+                return upstream
+            try:
+                content = await _read_upstream(upstream, MAX_INFO_BODY, node)
+            finally:
+                await upstream.aclose()
+            if _error_code(content) != "cluster_unavailable" or time.monotonic() >= until:
+                return _replay(upstream, content)
+            if not await self.etcd_answers():
+                return _replay(upstream, content)
+            await asyncio.sleep(CREATE_RETRY_PAUSE)
+
+    async def etcd_answers(self) -> bool:
+        """Whether etcd has a leader and answers this gateway now (one read, shared by every
+        request asking within QUORUM_CHECK_KEEP seconds)."""
+        now = time.monotonic()
+        if self._quorum is None or now - self._quorum[0] > QUORUM_CHECK_KEEP:
+            self._quorum = (now, asyncio.create_task(self._read_config_answers()))
+        return await asyncio.shield(self._quorum[1])
+
+    async def _read_config_answers(self) -> bool:
+        try:
+            await self.mirror.store.get_config()
+        except ClusterUnavailable:
+            return False
+        return True
+
+    async def _send_once(
         self,
         request: Request,
         node: NodeEntry,
@@ -1305,8 +1362,8 @@ def _parsed(content: bytes) -> object:
 
 
 def _replay(upstream: httpx.Response, content: bytes) -> httpx.Response:
-    """A node's answer already read whole, as a response to read again."""
-    return httpx.Response(upstream.status_code, headers=upstream.headers, content=content)
+    """A node's answer already read whole, as a response to stream (relay or read) again."""
+    return httpx.Response(upstream.status_code, headers=upstream.headers, stream=httpx.ByteStream(content))
 
 
 def _error_code(content: bytes) -> str:
@@ -1343,15 +1400,12 @@ def _limit_of(request: Request) -> int:
     return int(raw_limit)
 
 
-def _node_error(response: httpx.Response, node: NodeEntry) -> AenvError:
+def _node_error(status: int, content: bytes, node: NodeEntry) -> AenvError:
     """A node's refusal of a fan-out request, as the node said it (a client's mistake stays 4xx)."""
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if response.status_code < 500 and isinstance(body, dict):
-        return from_body(response.status_code, body)
-    return UpstreamError(f"node {node.node_id} answered the list with {response.status_code}")
+    body = _parsed(content)
+    if status < 500 and isinstance(body, dict):
+        return from_body(status, body)
+    return UpstreamError(f"node {node.node_id} answered the list with {status}")
 
 
 async def _client_gone(receive: Receive) -> None:

@@ -98,9 +98,11 @@ def running_cluster(
     node_names: tuple[str, ...] = ("node-a", "node-b"),
     gateways: int = 2,
     node_env: dict[str, dict[str, str]] | None = None,
+    node_member: dict[str, int] | None = None,
 ) -> Iterator[Cluster]:
     """etcd x3, the nodes (sharing the session server's repository: request `server` first; each
-    with its settings in ``node_env``, e.g. an S3 repository), and the gateways; everything stopped after."""
+    with its settings in ``node_env``, e.g. an S3 repository; one named in ``node_member`` knows
+    only that etcd member), and the gateways; everything stopped after."""
     require_etcd()
     etcd = EtcdCluster(3)
     nodes: dict[str, Server] = {}
@@ -108,7 +110,9 @@ def running_cluster(
     try:
         etcd.start()
         for name in node_names:
-            nodes[name] = start_node(etcd.url, name, lease_ttl=LEASE_TTL, extra_env=(node_env or {}).get(name))
+            member = (node_member or {}).get(name)
+            url = etcd.url if member is None else f"etcd://127.0.0.1:{etcd.members[member].client_port}"
+            nodes[name] = start_node(url, name, lease_ttl=LEASE_TTL, extra_env=(node_env or {}).get(name))
         started += [start_gateway(etcd.url) for _ in range(gateways)]
         for gateway in started:
             wait_for_nodes(gateway, set(nodes))

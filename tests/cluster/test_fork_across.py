@@ -108,6 +108,30 @@ def test_a_fork_with_no_room_on_its_node_is_made_elsewhere_whole(cluster: Cluste
         assert child.files.read("/home/user/state.txt") == "written before the fork"
 
 
+@pytest.mark.parametrize(
+    "body",
+    [b'{"count": 0}', b'{"count": "two"}', b'{"timeout": -1}', b"[1]", b"{not json", b'{"count": 100000}'],
+    ids=["zero", "string", "negative-timeout", "list", "not-json", "too-many"],
+)
+def test_a_fork_the_node_refuses_is_answered_as_the_node_answered(
+    cluster: Cluster, gateway: httpx.Client, body: bytes
+) -> None:
+    """A fork body the node refuses (or one it answers with something else than its list) is
+    passed through: the node's own status and JSON, never a gateway error."""
+    with cluster.nodes["node-b"].client() as direct:
+        r = direct.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+        assert r.status_code == 201, r.text
+        sandbox_id = r.json()["sandboxID"]
+        wait_for(lambda: gateway.get(f"/sandboxes/{sandbox_id}").status_code == 200, 10)
+        headers = {"content-type": "application/json"}
+        through = gateway.post(f"/sandboxes/{sandbox_id}/fork", content=body, headers=headers)
+        own = direct.post(f"/sandboxes/{sandbox_id}/fork", content=body, headers=headers)
+        assert 400 <= through.status_code < 500, through.text
+        assert (through.status_code, through.json()) == (own.status_code, own.json())
+        assert through.headers["x-aenv-node-id"] == "node-b"
+        assert direct.get(f"/sandboxes/{sandbox_id}").json()["state"] == "running"
+
+
 def test_a_node_creates_from_a_snapshot_committed_elsewhere_a_moment_ago(
     cluster: Cluster, gateway: httpx.Client
 ) -> None:

@@ -1,0 +1,105 @@
+"""A node that misses etcd for a few seconds while etcd has quorum (a leader election, a member
+restarting, a loaded host) refuses creates, pauses and resumes with 503 `cluster_unavailable`;
+a gateway that still reaches etcd sends them again until the node catches up, so the client sees
+its request done, not a 503. Real 3-member etcd; the node knows only one member (so killing that
+member cuts the node off while the gateway, knowing all three, keeps its quorum)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from aenv.cluster.gateway import STORE_BLIP_SECONDS
+from tests.cluster.cluster import Cluster, running_cluster
+from tests.conftest import Server
+
+pytestmark = pytest.mark.sandbox
+
+OUTAGE = 2.0  # seconds the node's member stays down once the node has noticed
+
+
+@pytest.fixture(scope="module")
+def cluster(server: Server) -> Iterator[Cluster]:
+    # a lease that outlives the blip (as in production, 10 s): the node stays in the directory
+    env = {"node-one": {"AENV_CLUSTER_LEASE_TTL": "15"}}
+    with running_cluster(("node-one",), gateways=1, node_env=env, node_member={"node-one": 2}) as c:
+        yield c
+
+
+def cut_off(cluster: Cluster) -> threading.Thread:
+    """Kill the node's only etcd member; once the node refuses work for it, start the member
+    again OUTAGE seconds later (from a thread: the caller sends its request meanwhile)."""
+    member = cluster.etcd.members[2]
+    member.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    with cluster.nodes["node-one"].client() as node:
+        while "has not reached the cluster store" not in node.post("/sandboxes", json={}).text:
+            assert time.monotonic() < deadline, "the node did not notice it lost etcd"
+            time.sleep(0.2)
+
+    def back() -> None:
+        time.sleep(OUTAGE)
+        cluster.etcd.restart(member)
+
+    thread = threading.Thread(target=back, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_creates_pauses_and_resumes_wait_out_a_node_s_blip(cluster: Cluster) -> None:
+    with cluster.api() as api:
+        thread = cut_off(cluster)
+        started = time.monotonic()
+        r = api.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+        waited = time.monotonic() - started
+        thread.join()
+        assert r.status_code == 201, r.text
+        assert OUTAGE * 0.5 < waited < STORE_BLIP_SECONDS + 5, waited  # it waited for the node, not failed
+        sid = r.json()["sandboxID"]
+        try:
+            thread = cut_off(cluster)
+            r = api.post(f"/sandboxes/{sid}/pause")
+            thread.join()
+            assert r.status_code == 204, r.text
+            assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+
+            thread = cut_off(cluster)
+            r = api.post(f"/sandboxes/{sid}/connect", json={"timeout": 60})
+            thread.join()
+            assert r.status_code in (200, 201), r.text
+            assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+            with cluster.nodes["node-one"].client() as node:
+                assert node.get(f"/sandboxes/{sid}").json()["state"] == "running"
+        finally:
+            api.delete(f"/sandboxes/{sid}")
+
+
+def test_without_a_quorum_the_gateway_does_not_wait(cluster: Cluster) -> None:
+    """The same refusal while etcd answers nobody: passed on at once (the client retries)."""
+    down = cluster.etcd.members[1:]  # the node's member and one more: no quorum anywhere
+    for member in down:
+        member.stop(signal.SIGKILL)
+    try:
+        with cluster.api() as api, cluster.nodes["node-one"].client() as node:
+            deadline = time.monotonic() + 15
+            while "has not reached the cluster store" not in node.post("/sandboxes", json={}).text:
+                assert time.monotonic() < deadline, "the node did not notice it lost etcd"
+                time.sleep(0.2)
+            started = time.monotonic()
+            r = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+            assert r.status_code == 503 and r.json()["error_code"] == "cluster_unavailable", r.text
+            assert time.monotonic() - started < 5  # one quorum check (at most its deadline), no wait
+    finally:
+        for member in down:
+            member.start()
+        cluster.etcd.wait_healthy(cluster.etcd.members)
+    deadline = time.monotonic() + 30
+    with cluster.api() as api:
+        while (r := api.post("/sandboxes", json={"templateID": "base", "timeout": 60})).status_code != 201:
+            assert r.status_code == 503 and time.monotonic() < deadline, r.text
+            time.sleep(0.5)
+        api.delete(f"/sandboxes/{r.json()['sandboxID']}")
