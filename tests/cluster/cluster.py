@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import httpx
 import pytest
@@ -109,11 +112,15 @@ def running_cluster(
     started: list[Gateway] = []
     try:
         etcd.start()
-        for name in node_names:
+
+        def node(name: str) -> Server:
             member = (node_member or {}).get(name)
             url = etcd.url if member is None else f"etcd://127.0.0.1:{etcd.members[member].client_port}"
-            nodes[name] = start_node(url, name, lease_ttl=LEASE_TTL, extra_env=(node_env or {}).get(name))
-        started += [start_gateway(etcd.url) for _ in range(gateways)]
+            return start_node(url, name, lease_ttl=LEASE_TTL, extra_env=(node_env or {}).get(name))
+
+        # All at once (the nodes join the cluster concurrently, as a fleet starting does)
+        nodes.update(zip(node_names, all_started([lambda n=n: node(n) for n in node_names]), strict=True))
+        started += all_started([lambda: start_gateway(etcd.url)] * gateways)
         for gateway in started:
             wait_for_nodes(gateway, set(nodes))
         yield Cluster(etcd, nodes, started)
@@ -123,6 +130,50 @@ def running_cluster(
         for node in nodes.values():
             node.stop()
         etcd.stop()
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=Stoppable)
+
+
+def all_started(starts: list[Callable[[], S]]) -> list[S]:
+    """Every ``start`` run at once. If one fails (or the test gives up meanwhile), those that
+    started are stopped once every start has ended, and it raises."""
+    if not starts:
+        return []
+    pool = ThreadPoolExecutor(len(starts))
+    futures = [pool.submit(start) for start in starts]
+    done = False
+    try:
+        concurrent.futures.wait(futures)
+        for future in futures:
+            if future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+        done = True
+        return [future.result() for future in futures]
+    finally:
+        pool.shutdown(wait=True)
+        if not done:
+            for future in futures:
+                if future.exception() is None:
+                    future.result().stop()
+
+
+def wait_cut_off(node: Server, timeout: float = 15) -> None:
+    """Until ``node`` counts etcd out of reach: its admission refuses creates for it. The probe
+    names no template there is, so one the node still admits makes nothing (a 404)."""
+    deadline = time.monotonic() + timeout
+    with node.client() as direct:
+        while True:
+            r = direct.post("/sandboxes", json={"templateID": "no-such-template-probe"})
+            if r.status_code == 503 and "has not reached the cluster store" in r.text:
+                return
+            assert r.status_code == 404, r.text
+            assert time.monotonic() < deadline, "the node did not notice it lost etcd"
+            time.sleep(0.2)
 
 
 def wait_for_nodes(gateway: Gateway, names: set[str], timeout: float = 10) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.cluster.cluster import Cluster, running_cluster
+from tests.cluster.cluster import Cluster, running_cluster, wait_cut_off
 from tests.conftest import API_KEY, Server
 
 pytestmark = pytest.mark.sandbox
@@ -71,12 +71,7 @@ def test_without_quorum_pause_and_resume_fail_fast_and_lose_nothing(cluster: Clu
                 member.stop(signal.SIGKILL)
             try:
                 # the node notices within a few heartbeats (its creates are refused for it from then on)
-                with cluster.nodes["node-a"].client() as node:  # a create without a create id meets admission
-                    until(
-                        lambda: "has not reached the cluster store" in node.post("/sandboxes", json={}).text,
-                        15,
-                        "the node did not notice it lost etcd",
-                    )
+                wait_cut_off(cluster.nodes["node-a"])
                 started = time.monotonic()
                 r = api.post(f"/sandboxes/{live}/pause")
                 assert refused(r, live) and time.monotonic() - started < 2.0, (r.status_code, r.text)

@@ -1,8 +1,8 @@
 """Schemathesis against the real server's OpenAPI document: valid and invalid inputs for every
 control-plane operation, and not one answer is a 5xx; every error is JSON with `code` and `message`.
 
-Bounded for CI (AENV_FUZZ_EXAMPLES examples per operation and mode, 100 by default: about a
-minute); raise it for a longer run. Sandboxes the fuzzer creates are killed at once, and anything
+Bounded for CI (AENV_FUZZ_EXAMPLES examples per operation and mode, 50 by default: about a
+minute and a half); raise it for a longer run. Sandboxes the fuzzer creates are killed at once, and anything
 it leaves is removed at the end; the templates and snapshots that exist before the run are never
 touched (the server is shared by the whole session).
 """
@@ -23,7 +23,7 @@ from schemathesis.checks import not_a_server_error
 from tests.conftest import API_KEY, Server
 
 pytestmark = pytest.mark.sandbox
-EXAMPLES = int(os.environ.get("AENV_FUZZ_EXAMPLES", "100"))
+EXAMPLES = int(os.environ.get("AENV_FUZZ_EXAMPLES", "50"))
 # These pull images from a registry named in the request: the fuzzer would send the node to
 # arbitrary hosts. Their bodies are covered by test_api_hostile against a loopback address.
 LEAVES_THE_MACHINE = ["/templates/from-image", "/v2/templates/{template_id}/builds/{build_id}"]

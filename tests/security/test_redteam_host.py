@@ -381,7 +381,7 @@ def test_the_highest_nproc_the_api_allows_is_the_one_processes_get(e2b_env: Serv
 
 
 # -- deep trees: Python's own walks recurse --------------------------------------------------------
-DEEP = 3000  # directories: a few KiB of tar, past Python's recursion limit (1000)
+DEEP = 1200  # directories: a few KiB of tar, past Python's recursion limit (1000)
 
 
 def deep_tree(tar: LayerTar, top: str = "deep") -> LayerTar:
