@@ -61,6 +61,8 @@ MAX_PEM = 256 * 1024  # a CA bundle, a certificate chain or a key
 MAX_USER = 128
 LOGIN_RETRY = 1.0  # seconds a failed login is the answer to every call, before one logs in again
 MAX_PASSWORD = 1024
+LEADER_CHANGED = "leader changed"  # etcd dropped the request: its leader changed meanwhile
+ELECTION_PAUSE = 0.2  # seconds before a call dropped for a leader change is made again
 # etcd refuses a request on a member that has no leader when this metadata is set (instead of
 # holding it until an election that, without quorum, never comes).
 REQUIRE_LEADER = (("hasleader", "true"),)
@@ -390,7 +392,21 @@ class ClusterStore:
             return "ipv6:" + ",".join(dict.fromkeys(v6))
         raise ClusterUnavailable("no etcd member address could be resolved")
 
-    async def _call(self, what: str, make: Callable[[_Client], Awaitable[T]]) -> T:
+    async def _call(self, what: str, make: Callable[[_Client], Awaitable[T]], *, again: bool = False) -> T:
+        """``make(client)``'s answer within the deadline. With ``again`` (a read, or a write that
+        may be made twice) a call etcd dropped for a leader change is made again within that
+        deadline: the new leader is elected within about a second, while no quorum ("no
+        leader") stays a failure at once."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return await self._call_once(what, make)
+            except ClusterUnavailable as exc:
+                if not again or LEADER_CHANGED not in exc.message or time.monotonic() + ELECTION_PAUSE > deadline:
+                    raise
+            await asyncio.sleep(ELECTION_PAUSE)
+
+    async def _call_once(self, what: str, make: Callable[[_Client], Awaitable[T]]) -> T:
         """``make(client)``'s answer within the deadline. A call etcd refused for its login token
         (tokens live in one member's memory: a restart or a move to another member forgets them;
         etcd checks a watch's token only as a refused permission) logs in again and is made once
@@ -477,18 +493,22 @@ class ClusterStore:
 
     async def keep_alive(self, lease_id: int) -> bool:
         """Renew a lease once; False when it has already expired."""
-        reply = await self._call("renew a lease", lambda c: c.refresh_lease(lease_id))
+        reply = await self._call("renew a lease", lambda c: c.refresh_lease(lease_id), again=True)
         return reply is not None and int(reply.TTL) > 0
 
     async def revoke_lease(self, lease_id: int) -> None:
         await self._call("revoke a lease", lambda c: c.revoke_lease(lease_id))
 
     async def put_node(self, entry: NodeEntry, lease_id: int) -> None:
-        await self._call("register a node", lambda c: c.put(node_key(entry.node_id), encode(entry), lease=lease_id))
+        await self._call(
+            "register a node", lambda c: c.put(node_key(entry.node_id), encode(entry), lease=lease_id), again=True
+        )
 
     async def node_ids(self) -> list[str]:
         """The ids of the nodes registered now (their keys only: no entry is read)."""
-        got = await self._call("read the nodes", lambda c: c.get_prefix(NODES_PREFIX.encode(), keys_only=True))
+        got = await self._call(
+            "read the nodes", lambda c: c.get_prefix(NODES_PREFIX.encode(), keys_only=True), again=True
+        )
         return [kv.key.decode(errors="replace")[len(NODES_PREFIX) :] for kv in got]
 
     async def nodes(self) -> list[NodeEntry]:
@@ -496,7 +516,7 @@ class ClusterStore:
 
     # -- sandboxes --------------------------------------------------------------------------------------
     async def get_sandbox(self, sandbox_id: str) -> Versioned | None:
-        got = await self._call("read a sandbox", lambda c: c.get(sandbox_key(sandbox_id)))
+        got = await self._call("read a sandbox", lambda c: c.get(sandbox_key(sandbox_id)), again=True)
         return None if got is None else _versioned(SandboxEntry, got)
 
     async def create_sandbox(self, entry: SandboxEntry) -> CasResult:
@@ -533,7 +553,7 @@ class ClusterStore:
 
     async def all_tombstones(self) -> dict[str, Tombstone]:
         """Every tombstone: the sandboxes killed while their node was lost (kept 30 days)."""
-        got = await self._call("read the tombstones", lambda c: c.get_prefix(TOMBSTONES_PREFIX.encode()))
+        got = await self._call("read the tombstones", lambda c: c.get_prefix(TOMBSTONES_PREFIX.encode()), again=True)
         found: dict[str, Tombstone] = {}
         for kv in got:
             try:
@@ -602,7 +622,7 @@ class ClusterStore:
         for i in range(0, len(sandbox_ids), GETS_PER_TRANSACTION):
             chunk = sandbox_ids[i : i + GETS_PER_TRANSACTION]
             gets = [t.get(key_of(s)) for s in chunk]
-            _, responses = await self._call("read sandbox entries", _transaction(compare=[], success=gets))
+            _, responses = await self._call("read sandbox entries", _transaction(compare=[], success=gets), again=True)
             for sandbox_id, response in zip(chunk, responses, strict=True):
                 for _, kv in response:
                     try:
@@ -627,7 +647,7 @@ class ClusterStore:
         return result.current.entry  # type: ignore[no-any-return]
 
     async def get_config(self) -> ClusterConfig | None:
-        got = await self._call("read the cluster configuration", lambda c: c.get(CONFIG_KEY))
+        got = await self._call("read the cluster configuration", lambda c: c.get(CONFIG_KEY), again=True)
         return None if got is None else decode(ClusterConfig, got.value)
 
     async def claim_create(self, create_id: str, claim: CreateClaim, lease_id: int) -> CasResult:
@@ -640,7 +660,7 @@ class ClusterStore:
         )
 
     async def get_create(self, create_id: str) -> Versioned | None:
-        got = await self._call("read a create id", lambda c: c.get(create_key(create_id)))
+        got = await self._call("read a create id", lambda c: c.get(create_key(create_id)), again=True)
         return None if got is None else _versioned(CreateClaim, got)
 
     async def release_create(self, create_id: str, create_revision: int) -> None:
@@ -671,7 +691,7 @@ class ClusterStore:
     async def read_all(self) -> Listing:
         """One consistent read of every node and sandbox entry (entries that do not decode are
         logged and left out)."""
-        got = await self._call("read the directory", lambda c: c.get_prefix(PREFIX.encode()))
+        got = await self._call("read the directory", lambda c: c.get_prefix(PREFIX.encode()), again=True)
         nodes: dict[str, Versioned] = {}
         sandboxes: dict[str, Versioned] = {}
         for kv in got:

@@ -303,3 +303,28 @@ async def test_no_quorum_fails_fast_and_recovers(etcd: EtcdCluster, store: Clust
     finally:
         await mirror.stop()
         await mirror.store.close()
+
+
+async def test_a_read_dropped_for_a_leader_change_is_made_again(store: ClusterStore) -> None:
+    """etcd drops a request when its leader changes (a member died: an election follows within
+    about a second). A read, or a write that may be made twice, is made again within the call's
+    deadline; any other call fails as it came, and so does "no leader" (no quorum: fail fast)."""
+    assert await store.get_config() is None  # connected: the calls below fail only as they are told
+    sent: list[str] = []
+
+    def dropping_once(error: str) -> Callable[[object], Awaitable[str]]:
+        async def make(client: object) -> str:
+            sent.append(error)
+            if len(sent) == 1:
+                raise aetcd.exceptions.ClientError(f"etcdserver: {error}")
+            return "answered"
+
+        return make
+
+    assert await store._call("read a test key", dropping_once("leader changed"), again=True) == "answered"
+    assert len(sent) == 2
+    for error, again in (("leader changed", False), ("no leader", True)):
+        sent.clear()
+        with pytest.raises(ClusterUnavailable) as info:
+            await store._call("read a test key", dropping_once(error), again=again)
+        assert error in info.value.message and len(sent) == 1
