@@ -1159,14 +1159,13 @@ class Gateway:
         """The node's answer to ``request`` (streamed). A pause, resume or connect the node
         refused only because it missed etcd for a moment is sent again while etcd answers here
         (within STORE_BLIP_SECONDS): the node refused before doing anything."""
-        if request.method != "POST" or OWNERSHIP_PATH.fullmatch(path or request.url.path) is None:
-            return await self._send_once(request, node, body=body, extra=extra, timeout=timeout, path=path)
-        if body is None:
+        patient = request.method == "POST" and OWNERSHIP_PATH.fullmatch(path or request.url.path) is not None
+        if patient and body is None:
             body = await _read_bounded(request, MAX_CREATE_BODY)  # small, and needed again for a retry
         until = time.monotonic() + STORE_BLIP_SECONDS
         while True:
-            upstream = await self._send_once(request, node, body=body, extra=extra, timeout=timeout, path=path)
-            if upstream.status_code != 503:
+            upstream = await self._send_once(request, node, body, extra or {}, timeout, path)
+            if not patient or upstream.status_code != 503:
                 return upstream
             try:
                 content = await _read_upstream(upstream, MAX_INFO_BODY, node)
@@ -1197,13 +1196,11 @@ class Gateway:
         self,
         request: Request,
         node: NodeEntry,
-        *,
-        body: bytes | None = None,
-        extra: dict[str, str] | None = None,
-        timeout: httpx.Timeout | None = None,
-        path: str | None = None,
+        body: bytes | None,
+        extra: dict[str, str],
+        timeout: httpx.Timeout | None,
+        path: str | None,
     ) -> httpx.Response:
-        extra = extra or {}
         # As received (bytes: a value that is not ASCII passes as it came, for the node to judge).
         # Sandbox traffic keeps the client's Host: the sandbox's port sees it (or its mask).
         # The gateway's own word to a node is never a client's.
