@@ -1190,6 +1190,8 @@ class Gateway:
             await self.mirror.store.get_config()
         except ClusterUnavailable:
             return False
+        except Exception:  # noqa: BLE001 - etcd answered, with what this gateway cannot read
+            log.warning("reading the cluster configuration", exc_info=True)
         return True
 
     async def _send_once(
