@@ -122,6 +122,7 @@ SETTLE_SECONDS = 5.0  # how long a list waits for a change made through this gat
 LIST_SETTLE = 2.0  # seconds one list waits for the directory to show such changes
 PRESENT, GONE = "present", "gone"
 TOMBSTONE_SECONDS = 30 * 86400  # how long a lost node has to come back and learn its sandbox was killed
+MAX_REPLAYED_BODY = 64 * 1024  # sandbox traffic's body kept to send again (an envd call's; not a stream)
 WAKE_SECONDS = 60.0  # how long traffic waits for its sandbox to be resumed on another node
 LIST_TIMEOUT = 30.0  # seconds the gateway waits for its first read of the directory
 
@@ -268,10 +269,9 @@ class Gateway:
             scope[ROUTE_SCOPE] = "envd" if port == envd.ENVD_PORT else "port"
             extra = {"e2b-sandbox-id": sandbox_id, "e2b-sandbox-port": str(port)}  # a host route, as headers
             try:
-                node = await self.owner(sandbox_id, scope, wake=Traffic(port, headers, signed))
+                return await self.traffic(request, sandbox_id, Traffic(port, headers, signed), extra)
             except SandboxNotFound as exc:
                 return traffic_gone(scope, sandbox_id, exc)
-            return await self.forward(request, node, extra)
         scope[ROUTE_SCOPE] = "own"
         if method in ("GET", "HEAD") and path == "/health":
             return self.health()
@@ -338,6 +338,34 @@ class Gateway:
         if method == "POST" and path == "/v3/templates":
             return await self.answered(request, self.any_node(), self._note_template)
         return await self.forward(request, await self.artifact_node(request))
+
+    async def traffic(self, request: Request, sandbox_id: str, traffic: Traffic, extra: dict[str, str]) -> Relay:
+        """Sandbox traffic, to its node. A node that refused it before reading it (503
+        ``cluster_unavailable``: the sandbox is being paused durably by a drain the mirror does
+        not show yet, or the node missed etcd for a moment) gets it again once the mirror says
+        where the sandbox is, within WAKE_SECONDS, while etcd answers the gateway. Only a request
+        whose body is small enough to keep (or has none) is sent twice; a stream goes once."""
+        declared = request.headers.get("content-length", "")
+        replayable = "transfer-encoding" not in request.headers and (
+            not declared or (declared.isdecimal() and int(declared) <= MAX_REPLAYED_BODY)
+        )
+        body = await _read_bounded(request, MAX_REPLAYED_BODY) if replayable and declared else None
+        until = time.monotonic() + WAKE_SECONDS
+        while True:
+            node = await self.owner(sandbox_id, request.scope, wake=traffic)
+            request.scope[NODE_SCOPE] = node.node_id
+            upstream = await self._send(request, node, body=body, extra=extra)
+            if upstream.status_code != 503 or not replayable:
+                return Relay(upstream, node)
+            try:
+                content = await _read_upstream(upstream, MAX_INFO_BODY, node)
+            finally:
+                await upstream.aclose()
+            if _error_code(content) != "cluster_unavailable" or time.monotonic() >= until:
+                return Relay(_replay(upstream, content), node)
+            if not await self.etcd_answers():
+                return Relay(_replay(upstream, content), node)
+            await asyncio.sleep(CREATE_RETRY_PAUSE)
 
     async def websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A WebSocket to a sandbox's port, relayed to the node that owns the sandbox (which
