@@ -355,17 +355,9 @@ class Gateway:
             node = await self.owner(sandbox_id, request.scope, wake=traffic)
             request.scope[NODE_SCOPE] = node.node_id
             upstream = await self._send(request, node, body=body, extra=extra)
-            if upstream.status_code != 503 or not replayable:
-                return Relay(upstream, node)
-            try:
-                content = await _read_upstream(upstream, MAX_INFO_BODY, node)
-            finally:
-                await upstream.aclose()
-            if _error_code(content) != "cluster_unavailable" or time.monotonic() >= until:
-                return Relay(_replay(upstream, content), node)
-            if not await self.etcd_answers():
-                return Relay(_replay(upstream, content), node)
-            await asyncio.sleep(CREATE_RETRY_PAUSE)
+            answer = await self._unless_blip(upstream, node, until) if replayable else upstream
+            if answer is not None:
+                return Relay(answer, node)
 
     async def websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A WebSocket to a sandbox's port, relayed to the node that owns the sandbox (which
@@ -1193,17 +1185,26 @@ class Gateway:
         until = time.monotonic() + STORE_BLIP_SECONDS
         while True:
             upstream = await self._send_once(request, node, body, extra or {}, timeout, path)
-            if not patient or upstream.status_code != 503:
-                return upstream
-            try:
-                content = await _read_upstream(upstream, MAX_INFO_BODY, node)
-            finally:
-                await upstream.aclose()
-            if _error_code(content) != "cluster_unavailable" or time.monotonic() >= until:
-                return _replay(upstream, content)
-            if not await self.etcd_answers():
-                return _replay(upstream, content)
-            await asyncio.sleep(CREATE_RETRY_PAUSE)
+            answer = await self._unless_blip(upstream, node, until) if patient else upstream
+            if answer is not None:
+                return answer
+
+    async def _unless_blip(self, upstream: httpx.Response, node: NodeEntry, until: float) -> httpx.Response | None:
+        """``upstream`` to pass on (read whole and replayed if it was a 503), or None after a
+        pause when it is the node's refusal for missing etcd a moment (503 ``cluster_unavailable``)
+        and the request is worth sending again: before ``until`` and while etcd answers here."""
+        if upstream.status_code != 503:
+            return upstream
+        try:
+            content = await _read_upstream(upstream, MAX_INFO_BODY, node)
+        finally:
+            await upstream.aclose()
+        if _error_code(content) != "cluster_unavailable" or time.monotonic() >= until:
+            return _replay(upstream, content)
+        if not await self.etcd_answers():
+            return _replay(upstream, content)
+        await asyncio.sleep(CREATE_RETRY_PAUSE)
+        return None
 
     async def etcd_answers(self) -> bool:
         """Whether etcd has a leader and answers this gateway now (one read, shared by every
