@@ -58,6 +58,10 @@ class Settings(BaseSettings):
     # Registries spoken to over plain HTTP (besides localhost / 127.0.0.1), "host:port" each.
     insecure_registries: list[str] = []
     reaper_interval: float = 1.0
+    # A running sandbox with nothing running in it but its agent and nothing on its channel for
+    # this many seconds is frozen on the host until its next request (aenv/node/doze.py): an idle
+    # sandbox then costs no CPU. 0 turns that off.
+    doze_after: float = Field(10.0, ge=0)
     # Usage samples of running sandboxes (E2B's sandbox metrics): seconds between two, and how many
     # each sandbox keeps (36 bytes each: 360 at 5 s are the last half hour, 13 KiB).
     metrics_interval: float = Field(5.0, gt=0)

@@ -3,7 +3,8 @@
 N sandboxes of `base` on one node, left idle, as an RL fleet leaves them while its model thinks.
 Measures, against the same node with 1 sandbox in the same run: host memory (PSS) per idle
 sandbox, the CPU the node and its sandboxes' host processes take while all are idle (other work
-on the machine not counted), the exec round trip on one
+on the machine not counted), awake and then dozing (aenv/node/doze.py: frozen on the host once
+quiet), the first exec on a dozing sandbox against one on an awake one, the exec round trip on one
 sandbox at N against at 1, and the time to pause all N and to resume them. Creates stop at the
 first failure, which is reported (what broke first: descriptors, tasks, loop devices, mounts...).
 Prints a table and writes JSON.
@@ -131,7 +132,29 @@ async def concurrently(ids: list[str], op: Any, label: str, limit: int) -> tuple
     return time.perf_counter() - started, failures
 
 
-async def bench(node: Node, count: int, parallel: int) -> dict[str, Any]:
+async def doze_all(node: Node, ids: list[str], after: float, within: float = 120.0) -> float:
+    """Turn dozing on and wait until every sandbox dozes; seconds that took."""
+    node.settings.doze_after = after
+    started = time.perf_counter()
+    while time.perf_counter() - started < within:
+        if all(node.is_dozing(node.get(i)) for i in ids):
+            break
+        await asyncio.sleep(0.5)
+    return time.perf_counter() - started
+
+
+async def first_exec_ms(node: Node, ids: list[str]) -> list[float]:
+    """The round trip of one exec on each sandbox, one after the other."""
+    times = []
+    for sandbox_id in ids:
+        link = node.get(sandbox_id).link
+        dt, _ = await timed(lambda link=link: exec_true(link))
+        times.append(dt * 1000)
+    return times
+
+
+async def bench(node: Node, count: int, parallel: int, doze_after: float = 10.0) -> dict[str, Any]:
+    node.settings.doze_after = 0  # awake first: what an idle sentry costs, then what dozing saves
     results: dict[str, Any] = {"sandboxes_asked": count}
     first = await node.create("base", timeout=7200)
     await asyncio.sleep(IDLE_SETTLE)
@@ -170,6 +193,22 @@ async def bench(node: Node, count: int, parallel: int) -> dict[str, Any]:
         "node_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     results["exec_ratio_n_to_1"] = results["at_n"]["exec_p50_ms"] / results["one"]["exec_p50_ms"]
+    sample = ids[1 : 1 + min(50, len(ids) - 1)] or ids
+    awake_first = await first_exec_ms(node, sample)
+    seconds = await doze_all(node, ids, doze_after)
+    dozing = sum(1 for i in ids if node.is_dozing(node.get(i)))
+    cpu = await idle_cpu_share(node)
+    woken = await first_exec_ms(node, sample)
+    results["dozing"] = {
+        "doze_after_s": doze_after,
+        "dozing": dozing,
+        "all_dozing_after_s": seconds,
+        "idle_cpu_cores": cpu,
+        "exec_awake_p50_ms": pct(awake_first, 0.5),
+        "exec_woken_p50_ms": pct(woken, 0.5),
+        "exec_woken_p99_ms": pct(woken, 0.99),
+        "woken_sampled": len(woken),
+    }
     pause_s, pause_failures = await concurrently(ids, node.pause, f"pausing {len(ids)}", parallel)
     results["pause_all"] = {"seconds": pause_s, "failures": pause_failures[:10], "failed": len(pause_failures)}
     await node.settle()
@@ -197,6 +236,18 @@ def render(r: dict[str, Any]) -> None:
             f"{many['idle_cpu_cores'][part]:.3f}",
             "the node process" if part == "node" else "",
         )
+    dz = r.get("dozing")
+    if dz:
+        cpu = dz["idle_cpu_cores"]
+        note = f"{dz['dozing']} of {r['created']} dozing {dz['all_dozing_after_s']:.0f} s after AENV_DOZE_AFTER"
+        table.add_row("CPU while idle, dozing: total (cores)", "", f"{cpu['total']:.3f}", note)
+        table.add_row("  node / sandboxes (cores)", "", f"{cpu['node']:.3f} / {cpu['sandboxes']:.3f}", "")
+        table.add_row(
+            "first exec: awake / dozing, p50 ms",
+            "",
+            f"{dz['exec_awake_p50_ms']:.1f} / {dz['exec_woken_p50_ms']:.1f}",
+            f"woken p99 {dz['exec_woken_p99_ms']:.1f} ms",
+        )
     table.add_row("PSS of all sandboxes GiB", "", f"{many['pss_total_gib']:.2f}", "")
     table.add_row("pause all, s", "", f"{r['pause_all']['seconds']:.1f}", f"{r['pause_all']['failed']} failed")
     table.add_row("CPU, all paused: total (cores)", "", f"{r['paused_idle_cpu_cores']['total']:.3f}", "")
@@ -210,7 +261,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     await node.start()
     try:
         await ensure_base(node, on_log=lambda line: console.print(f"  {line}"))
-        results = await bench(node, args.sandboxes, args.parallel)
+        results = await bench(node, args.sandboxes, args.parallel, args.doze_after)
     finally:
         await node.stop(pause_running=False)
     results["machine"] = {
@@ -233,6 +284,7 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=8, help="creates, pauses and resumes at once")
     parser.add_argument("--memory-mb", type=int, default=512, help="memory limit of each sandbox")
     parser.add_argument("--data-dir", type=Path, default=Path("/var/tmp/aenv-bench"))
+    parser.add_argument("--doze-after", type=float, default=10.0, help="AENV_DOZE_AFTER for the dozing part")
     parser.add_argument("--out", type=Path, default=Path("bench/results/density.json"))
     asyncio.run(amain(parser.parse_args()))
 

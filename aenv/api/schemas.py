@@ -168,6 +168,8 @@ def sandbox_detail(node: NodeService, sb: LiveSandbox, domain: str | None) -> di
             "aenvState": rec.state.value,
         }
     )
+    if node.is_dozing(sb):
+        out["dozing"] = True
     if rec.state.value == "paused":
         out["pausedWithMemory"] = not rec.filesystem_only
         out["durable"] = node.is_durable(rec)

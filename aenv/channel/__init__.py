@@ -448,6 +448,10 @@ class Channel:
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = asyncio.Event()
         self.close_reason = ""
+        # Frames written and read so far: the host's doze watch tells a quiet channel by it not
+        # moving. ``on_write`` runs before every write (the host wakes a dozing sandbox there).
+        self.frames = 0
+        self.on_write: Callable[[], None] | None = None
 
     @property
     def open_streams(self) -> int:
@@ -496,10 +500,16 @@ class Channel:
         self.closed.set()
 
     # -- writing --------------------------------------------------------------------------------
+    def _writing(self) -> None:
+        self.frames += 1
+        if self.on_write is not None:
+            self.on_write()
+
     async def _write(self, frame: bytes) -> None:
         if self._held:
             self._held_frames.append(frame)
             return
+        self._writing()
         writer = self._writer
         if writer is None:
             raise ChannelClosed(self.close_reason or "channel is not attached")
@@ -514,6 +524,7 @@ class Channel:
         if self._held:
             self._held_frames.append(frame)
         elif self._writer is not None and not self._writer.is_closing():
+            self._writing()
             self._writer.write(frame)
 
     def hold(self) -> None:
@@ -534,6 +545,7 @@ class Channel:
             return
         if self._writer is None:
             raise ChannelClosed(self.close_reason or "channel is not attached")
+        self._writing()
         async with self._write_lock:  # written even while frames are held
             try:
                 self._writer.write(frame)
@@ -583,6 +595,7 @@ class Channel:
             while True:
                 header = await reader.readexactly(HEADER.size)
                 kind, sid, length = HEADER.unpack(header)
+                self.frames += 1
                 if length > MAX_LENGTH.get(kind, -1):  # checked before a byte of it is buffered
                     raise ProtocolViolation(_bad_header(kind, sid, length))
                 payload = await reader.readexactly(length) if length else b""

@@ -628,6 +628,13 @@ async def sys_health(agent: Agent, stream: Stream) -> Any:
     return {"version": AGENT_VERSION, "processes": len(agent.procs.running())}
 
 
+@handler("sys.alone")
+async def sys_alone(agent: Agent, stream: Stream) -> Any:
+    """Whether the agent is the only process left: the host may then doze the sandbox (stop it
+    whole while idle) without anyone in it noticing."""
+    return {"alone": not await off_loop(processes.others_alive)}
+
+
 @handler("sys.envs")
 async def sys_envs(agent: Agent, stream: Stream) -> Any:
     return dict(agent.env)

@@ -25,6 +25,24 @@ from aenv.guest.users import User
 CHUNK = 32 * 1024
 EXITED_KEEP_SECONDS = 30.0
 
+
+def others_alive() -> bool:
+    """Whether a process other than the agent (PID 1, the caller) has not exited yet: a zombie
+    has, its files are closed; whatever else is there may still do something."""
+    own = str(os.getpid())
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or name == own:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0]
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if state != b"Z":
+            return True
+    return False
+
+
 # Go's syscall.Signal names, which upstream envd reports in "status" and "error".
 SIGNAL_TEXT = {
     signal.SIGKILL: "killed",

@@ -20,6 +20,8 @@ import signal
 import threading
 import time
 
+from aenv.guest.processes import others_alive
+
 AT_LIMIT = 0.9  # a user holding this share of its task limit is the runaway
 # Each kill(-1) reaches the processes that existed when it began, and a signalled process may
 # still finish a fork in flight: a few rounds, a moment apart. Stopped processes cannot fork, so
@@ -93,12 +95,12 @@ def end_every_process(wait_s: float) -> None:
                 break
             time.sleep(ROUND_PAUSE)
     deadline = time.monotonic() + wait_s
-    while _others_alive() and time.monotonic() < deadline:
+    while others_alive() and time.monotonic() < deadline:
         _kill_every(signal.SIGKILL)
         time.sleep(ROUND_PAUSE)
 
 
-def _others_alive() -> bool:
+def others_alive() -> bool:
     """Whether a process other than the agent has not exited yet."""
     own = str(os.getpid())
     for name in os.listdir("/proc"):

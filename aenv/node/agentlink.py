@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import functools
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from aenv.channel import (
@@ -35,7 +36,12 @@ class AgentLink:
     agent), a call fails with AgentTimeout instead of hanging its caller."""
 
     def __init__(
-        self, sandbox_id: str, serve: OpenHandler | None = None, *, call_timeout: float = CALL_TIMEOUT
+        self,
+        sandbox_id: str,
+        serve: OpenHandler | None = None,
+        *,
+        call_timeout: float = CALL_TIMEOUT,
+        wake: Callable[[Instance], None] | None = None,
     ) -> None:
         self.sandbox_id = sandbox_id
         # ``serve`` answers streams the agent opens (egress); the host's own streams are odd-numbered.
@@ -47,6 +53,7 @@ class AgentLink:
         self._ping: asyncio.Future[None] | None = None
         self.agent_version = ""
         self.watcher: asyncio.Future[None] | None = None
+        self._wake = wake  # the driver's: a dozing instance is thawed before anything is written to it
 
     async def _on_ctrl(self, msg: dict[str, Any]) -> None:
         fut = self._waiters.pop(str(msg.get("op")), None)
@@ -71,7 +78,13 @@ class AgentLink:
         raise AgentUnavailable(f"the sandbox's agent went away during {what}", sandbox_id=self.sandbox_id)
 
     def attach(self, instance: Instance) -> None:
+        self.channel.on_write = functools.partial(self._wake, instance) if self._wake is not None else None
         self.channel.attach(instance.reader, instance.writer)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no stream open either way, no control exchange awaiting an answer."""
+        return self.channel.open_streams == 0 and not self._waiters and (self._ping is None or self._ping.done())
 
     def _timeout(self, what: str, timeout: float) -> AgentTimeout:
         return AgentTimeout(

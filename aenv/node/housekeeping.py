@@ -223,6 +223,8 @@ async def contain_runaways(node: Node) -> None:
         instance, link = sb.instance, sb.link
         if sb.state != S.RUNNING or instance is None or link is None or sb.lock.locked():
             continue
+        if node.driver.dozing(instance):
+            continue  # frozen: it cannot fork
         pids, pids_limit = await node.driver.host_tasks(instance)
         # Host tasks do not go down when the bomb is gone (runsc keeps the stubs until a restore):
         # asked again only once they grew on.

@@ -121,7 +121,7 @@ class Instances:
 
     def _new_link(self, sb: LiveSandbox) -> AgentLink:
         sb.egress = egress.Guest(sb.id, lambda: self.policy_of(sb.id))
-        return AgentLink(sb.id, serve=sb.egress, call_timeout=self.settings.agent_timeout)
+        return AgentLink(sb.id, serve=sb.egress, call_timeout=self.settings.agent_timeout, wake=self.driver.wake)
 
     async def _watch(self, sb: LiveSandbox, link: AgentLink) -> None:
         """Notice a sandbox that died on its own (e.g. its memory limit was hit) or broke the channel

@@ -48,6 +48,13 @@ REPO_PENDING = Gauge(
     "Templates, durable snapshots and paused sandboxes not committed to the repository yet (the commit backlog)",
 )
 RUNTIME = Info("aenv_runtime", "The sandbox runtime of this node: driver, runsc version, platform")
+DOZING = Gauge(
+    "aenv_sandboxes_dozing",
+    "Running sandboxes (and warm pool members) frozen on the host while idle (AENV_DOZE_AFTER)",
+)
+WAKES = Gauge(
+    "aenv_doze_wakes", "Times a dozing sandbox was thawed by a request or an operation since the node started"
+)
 MAX_SANDBOXES = Gauge("aenv_max_sandboxes", "Sandboxes this node may run at once (AENV_MAX_SANDBOXES)")
 
 
@@ -79,6 +86,8 @@ def observe_node(node: Node) -> None:
     MAX_SANDBOXES.set(node.settings.max_sandboxes)
     RUNTIME.info(node.runtime_info())
     REPO_PENDING.set(len(pending_commits(node)))
+    DOZING.set(sum(1 for sb in node.dozer.candidates() if sb.instance and node.driver.dozing(sb.instance)))
+    WAKES.set(getattr(node.driver, "wakes", 0))
     streams: dict[str, int] = {}
     for sb in node.sandboxes.values():
         for stream in sb.link.channel.streams() if sb.link is not None else []:

@@ -28,6 +28,7 @@ from aenv.node import housekeeping, metrics
 from aenv.node.artifacts import ArtifactCache
 from aenv.node.catalogue import Catalogue
 from aenv.node.create_ids import CreateIds
+from aenv.node.doze import Dozer
 from aenv.node.instances import Instances
 from aenv.node.lifecycle import Lifecycle
 from aenv.node.records import Records
@@ -119,6 +120,7 @@ class Node(Lifecycle, Instances, Records):
         # offering it for takeover first); raises if another node took it over meanwhile.
         self.resume_guard: Callable[[str], Awaitable[None]] | None = None
         self.warm = WarmPools(self)  # idle sandboxes restored ahead of creates
+        self.dozer = Dozer(self)  # freezes idle sandboxes on the host
 
     # -- start and stop ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -143,6 +145,7 @@ class Node(Lifecycle, Instances, Records):
             asyncio.create_task(housekeeping.reap_forever(self)),
             asyncio.create_task(housekeeping.expire_forever(self)),
             asyncio.create_task(self.usage_history.sample_forever(self)),
+            asyncio.create_task(self.dozer.forever()),
         ]
         await self.warm.load()
         self.warm.start()
@@ -285,6 +288,9 @@ class Node(Lifecycle, Instances, Records):
 
     def durable_reason(self, rec: SandboxRecord) -> str:
         return self.artifacts.durable_reason(rec)
+
+    def is_dozing(self, sb: LiveSandbox) -> bool:
+        return sb.instance is not None and self.driver.dozing(sb.instance)
 
     def is_durable(self, rec: SandboxRecord) -> bool:
         confirmed = self.durable_in_directory

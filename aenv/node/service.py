@@ -211,6 +211,10 @@ class NodeService(Protocol):
     durable_in_directory: Callable[[str], bool] | None
     resume_guard: Callable[[str], Awaitable[None]] | None
 
+    def is_dozing(self, sb: LiveSandbox) -> bool:
+        """A running sandbox is frozen on the host while idle (aenv/node/doze.py)."""
+        ...
+
     def is_durable(self, rec: SandboxRecord) -> bool:
         """A paused sandbox's state is in the repository (and, in a cluster, its directory entry
         says so): it survives this node."""

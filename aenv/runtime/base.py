@@ -123,6 +123,20 @@ class Driver(Protocol):
 
     async def usage(self, instance: Instance) -> Usage: ...
 
+    def doze(self, instance: Instance) -> bool:
+        """Stop every host task of an idle instance, so that it takes no CPU at all; False when
+        the host cannot. The node dozes only an instance with nothing running in it but its agent
+        and nothing in flight on its channel (aenv/node/doze.py)."""
+        ...
+
+    def wake(self, instance: Instance) -> None:
+        """Undo :meth:`doze` (nothing if not dozing). Runs before every write to the instance's
+        channel, and before every runtime operation on it, so nothing ever waits on a dozing
+        instance."""
+        ...
+
+    def dozing(self, instance: Instance) -> bool: ...
+
     async def host_tasks(self, instance: Instance) -> tuple[int, int]:
         """(host tasks now, where the host stops the sandbox; 0 if unknown): what the node looks
         at every second for every sandbox, so cheaper than ``usage``."""
