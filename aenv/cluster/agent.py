@@ -200,11 +200,9 @@ class NodeAgent:
         Through a gateway the resume waits for the pause to be durable and goes to another node;
         asked directly, the client is told to go through one. A pause that stays here for good
         (no repository, no memory) resumes here as before."""
-        op = OWNERSHIP_PATH.fullmatch(path) if method == "POST" else None
+        op, sandbox_id = _subject(method, path, headers)
         if op is not None and op["op"] == "pause":
             return None
-        target = sandbox_target(headers) if op is None else None
-        sandbox_id = op["id"] if op is not None else target[0] if isinstance(target, tuple) else None
         sb = self.node.sandboxes.get(sandbox_id.split("-")[0]) if sandbox_id else None
         pausing = (SandboxState.PAUSING, SandboxState.PAUSED)
         if sb is None or sb.state not in pausing or self.node.durable_reason(sb.rec):
@@ -222,9 +220,7 @@ class NodeAgent:
         the directory says of it, and who holds it, would change where no gateway can see. A
         refused pause leaves it running; a refused resume leaves it paused. Kills, snapshots,
         timeouts and the node's own stop go on (their entries are written once etcd answers)."""
-        op = OWNERSHIP_PATH.fullmatch(path) if method == "POST" else None
-        target = sandbox_target(headers) if op is None else None
-        sandbox_id = op["id"] if op is not None else target[0] if isinstance(target, tuple) else None
+        op, sandbox_id = _subject(method, path, headers)
         sb = self.node.sandboxes.get(sandbox_id.split("-")[0]) if sandbox_id else None
         if sb is None or sb.state == SandboxState.KILLED:
             return None  # the node's own answer (not found)
@@ -808,6 +804,16 @@ async def start_agent(node: Any, settings: Settings, api_key: str) -> NodeAgent:
         await store.close()
         raise
     return agent
+
+
+def _subject(method: str, path: str, headers: dict[str, str]) -> tuple[re.Match[str] | None, str | None]:
+    """(the pause, resume or connect a request is, if it is one; the sandbox it is about): sandbox
+    traffic (by its headers or host) is about its own sandbox, whatever its path says."""
+    target = sandbox_target(headers)
+    if isinstance(target, tuple):
+        return None, target[0]
+    op = OWNERSHIP_PATH.fullmatch(path) if method == "POST" and target is None else None
+    return op, op["id"] if op is not None else None
 
 
 def refusing_without_quorum(app: ASGIApp, agent: NodeAgent) -> ASGIApp:

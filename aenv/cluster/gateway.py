@@ -354,7 +354,7 @@ class Gateway:
         while True:
             node = await self.owner(sandbox_id, request.scope, wake=traffic)
             request.scope[NODE_SCOPE] = node.node_id
-            upstream = await self._send(request, node, body=body, extra=extra)
+            upstream = await self._send(request, node, body=body, extra=extra, traffic=True)
             answer = await self._unless_blip(upstream, node, until) if replayable else upstream
             if answer is not None:
                 return Relay(answer, node)
@@ -1175,11 +1175,15 @@ class Gateway:
         extra: dict[str, str] | None = None,
         timeout: httpx.Timeout | None = None,
         path: str | None = None,
+        traffic: bool = False,
     ) -> httpx.Response:
         """The node's answer to ``request`` (streamed). A pause, resume or connect the node
         refused only because it missed etcd for a moment is sent again while etcd answers here
-        (within STORE_BLIP_SECONDS): the node refused before doing anything."""
-        patient = request.method == "POST" and OWNERSHIP_PATH.fullmatch(path or request.url.path) is not None
+        (within STORE_BLIP_SECONDS): the node refused before doing anything. Sandbox ``traffic``
+        is never one of those, whatever its path (the app in the sandbox chose it)."""
+        patient = (
+            not traffic and request.method == "POST" and OWNERSHIP_PATH.fullmatch(path or request.url.path) is not None
+        )
         if patient and body is None:
             body = await _read_bounded(request, MAX_CREATE_BODY)  # small, and needed again for a retry
         until = time.monotonic() + STORE_BLIP_SECONDS

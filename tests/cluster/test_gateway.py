@@ -414,6 +414,31 @@ def test_sandbox_answers_name_their_node_errors_included(cluster: Cluster) -> No
         assert 'aenv_cluster_sandboxes{state="running"}' in text and "aenv_gateway_directory_connected 1.0" in text
 
 
+@pytest.mark.parametrize("op", ["pause", "resume", "connect"])
+def test_sandbox_traffic_on_a_control_plane_path_goes_to_the_port_as_is(e2b_gateway: Cluster, op: str) -> None:
+    """The app in a sandbox picks its own paths: a POST to its port at /sandboxes/<id>/pause is
+    its request, whatever the size of its body, and pauses nothing."""
+    from e2b import Sandbox
+
+    from tests.api.test_proxy import ECHO_SERVER, wait_for_port
+
+    sbx = Sandbox.create(timeout=120)
+    try:
+        sbx.files.write("/home/user/echo.py", ECHO_SERVER)
+        sbx.commands.run("python3 /home/user/echo.py", background=True)
+        routed = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8081"}
+        url = e2b_gateway.gateway.url
+        wait_for_port(f"{url}/", routed)
+        body = "x" * (2 * 2**20)  # past what the gateway keeps of a pause, resume or connect
+        r = httpx.post(f"{url}/sandboxes/{sbx.sandbox_id}/{op}", headers=routed, content=body, timeout=60)
+        assert r.status_code == 201, r.text[:300]
+        assert r.json()["path"] == f"/sandboxes/{sbx.sandbox_id}/{op}" and len(r.json()["body"]) == len(body)
+        with e2b_gateway.api() as api:
+            assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "running"
+    finally:
+        sbx.kill()
+
+
 def test_websockets_reach_a_port_through_the_gateway(e2b_gateway: Cluster) -> None:
     from e2b import Sandbox
     from websockets.exceptions import ConnectionClosed, InvalidStatus
