@@ -110,6 +110,19 @@ def start_server(
         raise
 
 
+def e2b_client(node: Server, monkeypatch: pytest.MonkeyPatch, *, empty_after: bool = False) -> Iterator[httpx.Client]:
+    """For an ``api`` fixture on a node of the module's own: the E2B SDK pointed at ``node`` and a
+    client of its API; ``empty_after`` kills every sandbox left, so each test starts on an empty node."""
+    monkeypatch.setenv("E2B_API_KEY", node.env["AENV_API_KEY"])
+    monkeypatch.setenv("E2B_API_URL", node.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", node.url)
+    with node.client() as client:
+        yield client
+        if empty_after:
+            for item in client.get("/sandboxes").json():
+                client.delete(f"/sandboxes/{item['sandboxID']}")
+
+
 def modern_runsc(api: httpx.Client) -> bool:
     """Whether the server runs the runsc a node is made for (20240729 or newer), by its /health."""
     version = api.get("/health").json()["runtime"]["runsc"]

@@ -135,6 +135,9 @@ async def proxy_http(request: Request, node: NodeService, sandbox_id: str, port:
     tunnel = await open_tunnel(node, sandbox_id, port)
     if isinstance(tunnel, Response):
         return tunnel
+    exchanging = node.sandboxes.get(sandbox_id)
+    if exchanging is not None:
+        exchanging.exchanges.add(tunnel)  # a pause waits for it to end, for a while
     patience = node.settings.port_response_timeout
     # h11 bounds what it buffers of an incomplete response head (16 KiB): a longer head is an error.
     conn = h11.Connection(our_role=h11.CLIENT)

@@ -100,20 +100,4 @@ def end_every_process(wait_s: float) -> None:
         time.sleep(ROUND_PAUSE)
 
 
-def others_alive() -> bool:
-    """Whether a process other than the agent has not exited yet."""
-    own = str(os.getpid())
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or name == own:
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                state = f.read().rpartition(b")")[2].split()[0]
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if state != b"Z":
-            return True
-    return False
-
-
 SYS_SETRESUID = {"x86_64": 117, "aarch64": 147}

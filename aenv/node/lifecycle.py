@@ -42,6 +42,8 @@ log = logging.getLogger("aenv.node")
 S = SandboxState
 T = TypeVar("T")
 KILL_GRACE = 10.0  # how long a kill waits for the operations it cancelled to unwind
+EXCHANGE_GRACE = 5.0  # how long a pause waits for the HTTP requests relayed to the sandbox's ports
+EXCHANGE_POLL = 0.02
 
 
 class Lifecycle:
@@ -284,6 +286,7 @@ class Lifecycle:
             if sb.state == S.PAUSED:
                 raise WrongState(f"sandbox {sb.id} is already paused", sandbox_id=sb.id)
             await self._set_state(sb, S.PAUSING, persist=False)
+            await self._exchanges_finish(sb)
             upper = sb.rec.upper
             try:
                 image = await self._checkpoint_stopped(sb) if keep_memory else await self._halt(sb)
@@ -305,6 +308,15 @@ class Lifecycle:
 
         # The two kinds do not join: a pause without memory asked during a full one finds it paused.
         return await self._operate(sb, "pause" if keep_memory else "pause_filesystem", run, join=True)
+
+    @staticmethod
+    async def _exchanges_finish(sb: LiveSandbox) -> None:
+        """Let the HTTP requests being relayed to its ports finish (new ones wait: it is pausing),
+        for at most EXCHANGE_GRACE: a pause cut them short, and a client saw a response end before
+        its Content-Length (a drain's move pauses with traffic going on)."""
+        deadline = time.monotonic() + EXCHANGE_GRACE
+        while sb.exchanging() and time.monotonic() < deadline:  # noqa: ASYNC110 - no one event for their ends
+            await asyncio.sleep(EXCHANGE_POLL)
 
     async def resume(
         self, sandbox_id: str, *, timeout: int | None = None, memory: bool = True, owner_full: bool = False

@@ -6,10 +6,12 @@ import asyncio
 import logging
 import secrets
 import string
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from aenv.channel import Stream
 from aenv.errors import AenvError
 from aenv.node.agentlink import AgentLink
 from aenv.node.commands import CommandHistory
@@ -39,6 +41,12 @@ class LiveSandbox:
     killer: asyncio.Task[None] | None = None  # the kill in progress: nothing else starts any more
     commands: CommandHistory = field(default_factory=CommandHistory)  # its recent commands (envd's Start)
     events: SandboxEvents = field(default_factory=SandboxEvents)  # what happened to it, as the node saw
+    # The tunnels of the HTTP requests to its ports that the node relays (request sent, answer not
+    # all passed on while the tunnel has not ended): a pause lets them finish first, for a while.
+    exchanges: weakref.WeakSet[Stream] = field(default_factory=weakref.WeakSet)
+
+    def exchanging(self) -> bool:
+        return any(not tunnel.ended for tunnel in list(self.exchanges))
 
     @property
     def id(self) -> str:

@@ -79,6 +79,52 @@ asyncio.run(main())
 """
 
 
+SLOW_SERVER = """
+import http.server, time
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header('Content-Length', str(200_000)); self.end_headers()
+        self.wfile.write(b'a' * 100_000); self.wfile.flush()
+        time.sleep(1.5)  # the pause comes meanwhile
+        self.wfile.write(b'b' * 100_000)
+http.server.ThreadingHTTPServer(('127.0.0.1', 8083), H).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("memory", [True, False], ids=["pause", "filesystem-only"])
+def test_a_pause_lets_a_proxied_request_in_flight_finish(
+    sandbox: Sandbox, server: Server, api: httpx.Client, memory: bool
+) -> None:
+    """The answer a port is sending when a pause comes is passed on whole (it was cut short,
+    shorter than its Content-Length), and the pause then happens."""
+    import threading
+
+    sandbox.files.write("/home/user/slow.py", SLOW_SERVER)
+    sandbox.commands.run("python3 /home/user/slow.py", background=True)
+    routed = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8083"}
+    wait_for_port(f"{server.url}/nothing", routed)
+    got: list[bytes] = []
+    started = threading.Event()
+
+    def fetch() -> None:
+        with httpx.stream("GET", f"{server.url}/slow", headers=routed, timeout=30) as r:
+            assert r.status_code == 200
+            body = b""
+            for chunk in r.iter_bytes():
+                body += chunk
+                started.set()
+            got.append(body)
+
+    reader = threading.Thread(target=fetch)
+    reader.start()
+    assert started.wait(15)
+    r = api.post(f"/sandboxes/{sandbox.sandbox_id}/pause", json={} if memory else {"memory": False})
+    reader.join(30)
+    assert r.status_code == 204, r.text
+    assert got and got[0] == b"a" * 100_000 + b"b" * 100_000
+    assert api.get(f"/sandboxes/{sandbox.sandbox_id}").json()["state"] == "paused"
+
+
 def test_pause_with_a_proxied_connection_open(sandbox: Sandbox, server: Server) -> None:
     from websockets.sync.client import connect as ws_connect
 

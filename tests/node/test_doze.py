@@ -20,7 +20,7 @@ import httpx
 import pytest
 from e2b import AsyncSandbox, Sandbox
 
-from tests.conftest import Server, start_server
+from tests.conftest import Server, e2b_client, start_server
 from tests.images.oci import busybox_layer, write_layout
 from tests.node.test_restart import runsc_containers
 
@@ -67,13 +67,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture()
 def api(node: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[httpx.Client]:
-    monkeypatch.setenv("E2B_API_KEY", node.env["AENV_API_KEY"])
-    monkeypatch.setenv("E2B_API_URL", node.url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", node.url)
-    with node.client() as client:
-        yield client
-        for item in client.get("/sandboxes").json():  # each test starts on an empty node
-            client.delete(f"/sandboxes/{item['sandboxID']}")
+    yield from e2b_client(node, monkeypatch, empty_after=True)
 
 
 def dozing(api: httpx.Client, sandbox_id: str) -> bool:

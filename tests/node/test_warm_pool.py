@@ -21,7 +21,7 @@ from e2b import Sandbox
 
 from aenv.node.warmpool import RETRY_MAX_SECONDS, Build, Failing, Member, plan
 from aenv.runtime.base import Limits
-from tests.conftest import Server, start_server
+from tests.conftest import Server, e2b_client, start_server
 from tests.images.oci import busybox_layer, write_layout
 from tests.node.test_restart import runsc_containers
 
@@ -53,11 +53,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture()
 def api(node: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[httpx.Client]:
-    monkeypatch.setenv("E2B_API_KEY", node.env["AENV_API_KEY"])
-    monkeypatch.setenv("E2B_API_URL", node.url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", node.url)
-    with node.client() as client:
-        yield client
+    yield from e2b_client(node, monkeypatch)
 
 
 def warm(api: httpx.Client, size: int | None, template: str = "bb") -> dict[str, object]:
