@@ -71,7 +71,8 @@ class Dozer:
 
     async def forever(self) -> None:
         while True:
-            await asyncio.sleep(TICK)
+            # At most a tenth of the quiet period late: a short AENV_DOZE_AFTER is looked at sooner.
+            await asyncio.sleep(min(TICK, max(self.node.settings.doze_after / 10, 0.1)))
             if self.node.settings.doze_after <= 0:
                 continue
             try:

@@ -46,7 +46,8 @@ class LiveSandbox:
     exchanges: weakref.WeakSet[Stream] = field(default_factory=weakref.WeakSet)
 
     def exchanging(self) -> bool:
-        return any(not tunnel.ended for tunnel in list(self.exchanges))
+        # Once the port's END is in, what it sent is all on the host: a pause cannot cut it short.
+        return any(not (tunnel.ended or tunnel.remote_ended) for tunnel in list(self.exchanges))
 
     @property
     def id(self) -> str:

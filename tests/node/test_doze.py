@@ -141,7 +141,7 @@ def test_a_sandbox_running_anything_never_dozes(api: httpx.Client, start: str) -
         handle.disconnect()  # the process runs on; no stream of ours follows it any more
     else:
         sandbox.commands.run(start)
-    time.sleep(DOZE_AFTER * 3 + 1.5)  # an idle one dozes within ~2.5 s here
+    time.sleep(DOZE_AFTER * 2 + 1)  # an idle one dozes within ~1.5 s here
     assert not dozing(api, sandbox.sandbox_id)
 
 
