@@ -86,8 +86,8 @@ def observe_node(node: Node) -> None:
     MAX_SANDBOXES.set(node.settings.max_sandboxes)
     RUNTIME.info(node.runtime_info())
     REPO_PENDING.set(len(pending_commits(node)))
-    DOZING.set(sum(1 for sb in node.dozer.candidates() if sb.instance and node.driver.dozing(sb.instance)))
-    WAKES.set(getattr(node.driver, "wakes", 0))
+    DOZING.set(sum(1 for sb in node.dozer.candidates() if node.is_dozing(sb)))
+    WAKES.set(node.driver.wakes)
     streams: dict[str, int] = {}
     for sb in node.sandboxes.values():
         for stream in sb.link.channel.streams() if sb.link is not None else []:

@@ -71,6 +71,7 @@ class Driver(Protocol):
     # agent should make it give back once quiet (aenv/guest/sentry.py); False: that costs memory.
     restore_leaves_garbage: bool
     image_mark: str  # names the runtime and version that wrote a checkpoint image
+    wakes: int  # how many times a dozing instance was thawed (aenv_doze_wakes)
 
     def info(self) -> dict[str, str]:
         """The runtime's name, version and options (e.g. runsc's platform), as the node reports them."""

@@ -462,10 +462,6 @@ class GVisorDriver:
     def dozing(self, instance: Instance) -> bool:
         return instance.id in self._dozing
 
-    @property
-    def dozing_count(self) -> int:
-        return len(self._dozing)
-
     def _wake(self, instance_id: str) -> None:
         if instance_id in self._dozing:
             self._dozing.discard(instance_id)
