@@ -23,7 +23,7 @@ from starlette.types import Send
 
 from aenv.api import connect, connections, uploads
 from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, ConnectError, Message
-from aenv.api.proxy import sandbox_gone
+from aenv.api.proxy import not_woken, sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError, end_error
 from aenv.errors import (
     AenvError,
@@ -584,8 +584,8 @@ async def handle(request: Request, node: NodeService, sandbox_id: str) -> Respon
         )
     try:
         sb = await node.ensure_running(sandbox_id)
-    except AenvError:
-        return sandbox_gone(sandbox_id)
+    except AenvError as exc:
+        return not_woken(sandbox_id, exc)
     request.state.disk_mb = node.limits_of(sb.rec).disk_mb  # what a full disk's answer names
     try:
         return await endpoint(request, sb, _user(request))

@@ -24,7 +24,7 @@ from websockets.uri import parse_uri
 
 from aenv.api.connections import refuse_websocket
 from aenv.channel import DATA, END, EOF, Item, Stream
-from aenv.errors import AenvError, AgentTimeout, RequestTimeout, error_body, snippet
+from aenv.errors import AenvError, AgentTimeout, ClusterUnavailable, RequestTimeout, error_body, error_headers, snippet
 from aenv.node.service import NodeService, SandboxRecord
 
 HOP_BY_HOP = {
@@ -108,20 +108,42 @@ def _host_headers(headers: list[tuple[bytes, bytes]], mask: str | None) -> list[
     return [(b"host", mask.encode()), *kept, *([(b"x-forwarded-host", original)] if original else [])]
 
 
-async def open_tunnel(node: NodeService, sandbox_id: str, port: int) -> Stream | Response:
-    """A tunnel stream to the port, or the 502 answer E2B's SDKs understand."""
+def not_woken(sandbox_id: str, exc: AenvError) -> JSONResponse:
+    """The answer to traffic for a sandbox that is not running and was not woken: 503
+    ``cluster_unavailable`` where the cluster must say first (a gateway sends it again once the
+    sandbox is where it can run), else the 502 E2B's SDKs understand."""
+    if isinstance(exc, ClusterUnavailable):
+        return JSONResponse(error_body(exc), status_code=exc.status, headers=error_headers(exc))
+    return sandbox_gone(sandbox_id)
+
+
+async def open_tunnel(node: NodeService, sandbox_id: str, port: int, *, exchange: bool = False) -> Stream | Response:
+    """A tunnel stream to the port, or the answer E2B's SDKs understand. An ``exchange`` (one
+    HTTP request) is waited for by a pause that starts from the moment the sandbox was found
+    running, for a while (``LiveSandbox.exchanges``)."""
     try:
         sb = await node.ensure_running(sandbox_id)
-        assert sb.link is not None
-        stream = await sb.link.open("tunnel.open", {"port": port})
-    except AenvError:
-        return sandbox_gone(sandbox_id)
+    except AenvError as exc:
+        return not_woken(sandbox_id, exc)
+    assert sb.link is not None
+    if exchange:
+        sb.opening += 1  # no await since it was found running: a pause from now on waits for it
     try:
-        first = await sb.link.within(stream.recv(), "tunnel.open")
-    except AgentTimeout as exc:
-        stream.cancel()
-        body = {"sandboxId": sandbox_id, "message": exc.message, "code": 504}
-        return JSONResponse(body, status_code=504, media_type="application/json; charset=utf-8")
+        try:
+            stream = await sb.link.open("tunnel.open", {"port": port})
+        except AenvError:
+            return sandbox_gone(sandbox_id)
+        if exchange:
+            sb.exchanges.add(stream)
+        try:
+            first = await sb.link.within(stream.recv(), "tunnel.open")
+        except AgentTimeout as exc:
+            stream.cancel()
+            body = {"sandboxId": sandbox_id, "message": exc.message, "code": 504}
+            return JSONResponse(body, status_code=504, media_type="application/json; charset=utf-8")
+    finally:
+        if exchange:
+            sb.opening -= 1
     if first.kind == END:
         return port_closed(sandbox_id, port)
     return stream
@@ -132,12 +154,9 @@ async def proxy_http(request: Request, node: NodeService, sandbox_id: str, port:
     refusal = traffic_refusal(node, rec, request.headers.raw)
     if refusal is not None:
         return refusal
-    tunnel = await open_tunnel(node, sandbox_id, port)
+    tunnel = await open_tunnel(node, sandbox_id, port, exchange=True)
     if isinstance(tunnel, Response):
         return tunnel
-    exchanging = node.sandboxes.get(sandbox_id)
-    if exchanging is not None:
-        exchanging.exchanges.add(tunnel)  # a pause waits for it to end, for a while
     patience = node.settings.port_response_timeout
     # h11 bounds what it buffers of an incomplete response head (16 KiB): a longer head is an error.
     conn = h11.Connection(our_role=h11.CLIENT)

@@ -174,6 +174,8 @@ async def _create(request: Request) -> JSONResponse:
     # Idempotency-Key) gets the first one's sandbox.
     create_id = create_id_of(request.headers)
     sandbox_id = await node.create_ids.once(create_id, create) if create_id is not None else await create()
+    if node.announce is not None:
+        await node.announce([sandbox_id])
     return JSONResponse(sandbox_json(node, node.get(sandbox_id), domain_of(request)), status_code=201)
 
 
@@ -525,6 +527,8 @@ async def fork(request: Request, sandbox_id: str) -> JSONResponse:
     node = node_of(request)
     body: ForkBody = await _body(request, ForkBody)
     results = await node.fork(sandbox_id, count=body.count, timeout=body.timeout)
+    if node.announce is not None:
+        await node.announce([r.sandbox.id for r in results if r.sandbox is not None])
     out: list[dict[str, Any]] = []
     for r in results:
         if r.sandbox is not None:

@@ -70,6 +70,7 @@ OWNERSHIP_PATH = re.compile(r"(?:/v2)?/sandboxes/(?P<id>[^/]+)/(?P<op>pause|resu
 WRITES_IN_FLIGHT = 16  # directory writes one sync has outstanding (a burst of creates lands at once)
 HELD_REFRESH = 5.0  # seconds between looks at which templates and snapshots are on the node's disk
 MAX_TEMPLATE_NAMES = 8  # a sandbox entry's names of its template (id, name, aliases)
+ANNOUNCE_SECONDS = 2.0  # how long a create's answer waits for its sandbox's directory entry
 SWEEP_BATCH = 64  # killed sandboxes' durable pauses one reconcile removes from the repository
 
 Scope = dict[str, Any]
@@ -116,6 +117,7 @@ class NodeAgent:
         self._drain: Drain | None = None
         self._recheck = False  # reconcile at the next tick (an entry could not be created: a tombstone?)
         self._swept: set[str] = set()  # tombstones whose sandbox's durable pause this node removed
+        self._listing: dict[str, asyncio.Future[None]] = {}  # new sandboxes whose entry is awaited
 
     # -- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -132,6 +134,8 @@ class NodeAgent:
         self.node.adopter = self.adopt
         self.node.durable_in_directory = self.durable_in_directory
         self.node.resume_guard = self.before_resume
+        self.node.wake_refusal = self.wake_refusal
+        self.node.announce = self.announce
         self._task = asyncio.create_task(self._run(), name="cluster-agent")
 
     async def stop(self) -> None:
@@ -149,6 +153,10 @@ class NodeAgent:
             self.node.durable_in_directory = None
         if self.node.resume_guard == self.before_resume:
             self.node.resume_guard = None
+        if self.node.wake_refusal == self.wake_refusal:
+            self.node.wake_refusal = None
+        if self.node.announce == self.announce:
+            self.node.announce = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -187,23 +195,34 @@ class NodeAgent:
 
     def refusal(self, method: str, path: str, headers: dict[str, str]) -> str | None:
         """Why this node will not serve a request now (answered 503), or None."""
+        if not self.draining and self.silent() is None:
+            return None
+        op, sandbox_id = _subject(method, path, headers)
+        sb = self.node.sandboxes.get(sandbox_id.split("-")[0]) if sandbox_id else None
+        return self._refusal(op["op"] if op is not None else None, sb)
+
+    def wake_refusal(self, sb: LiveSandbox) -> str | None:
+        """Why traffic may not wake ``sb`` here now, or None: asked once it came through, as what
+        it found running when it arrived may be paused by then (a drain's move)."""
+        return self._refusal(None, sb)
+
+    def _refusal(self, op: str | None, sb: LiveSandbox | None) -> str | None:
+        """Why ``op`` (a pause, resume or connect; None for traffic) on ``sb`` must wait, or None."""
         silent = self.silent()
         if silent is not None:
-            return self._unreachable_refusal(method, path, headers, silent)
+            return self._unreachable_refusal(op, sb, silent)
         if self.draining:
-            return self._draining_refusal(method, path, headers)
+            return self._draining_refusal(op, sb)
         return None
 
-    def _draining_refusal(self, method: str, path: str, headers: dict[str, str]) -> str | None:
+    def _draining_refusal(self, op: str | None, sb: LiveSandbox | None) -> str | None:
         """A draining node does not resume a sandbox paused durably, or being so (a connect, or
         traffic waking one with auto-resume): it may be moving to another node right then.
         Through a gateway the resume waits for the pause to be durable and goes to another node;
         asked directly, the client is told to go through one. A pause that stays here for good
         (no repository, no memory) resumes here as before."""
-        op, sandbox_id = _subject(method, path, headers)
-        if op is not None and op["op"] == "pause":
+        if op == "pause":
             return None
-        sb = self.node.sandboxes.get(sandbox_id.split("-")[0]) if sandbox_id else None
         pausing = (SandboxState.PAUSING, SandboxState.PAUSED)
         if sb is None or sb.state not in pausing or self.node.durable_reason(sb.rec):
             return None
@@ -214,17 +233,15 @@ class NodeAgent:
             "(through a gateway)"
         )
 
-    def _unreachable_refusal(self, method: str, path: str, headers: dict[str, str], silent: float) -> str | None:
+    def _unreachable_refusal(self, op: str | None, sb: LiveSandbox | None, silent: float) -> str | None:
         """Why a request must wait for etcd, or None. Without etcd a node does not pause or resume
         a sandbox (through its API, a connect, or traffic waking one with auto-resume): what
         the directory says of it, and who holds it, would change where no gateway can see. A
         refused pause leaves it running; a refused resume leaves it paused. Kills, snapshots,
         timeouts and the node's own stop go on (their entries are written once etcd answers)."""
-        op, sandbox_id = _subject(method, path, headers)
-        sb = self.node.sandboxes.get(sandbox_id.split("-")[0]) if sandbox_id else None
         if sb is None or sb.state == SandboxState.KILLED:
             return None  # the node's own answer (not found)
-        if op is not None and op["op"] == "pause":
+        if op == "pause":
             if sb.state != SandboxState.RUNNING:
                 return None
             doing = f"pause sandbox {sb.id} (it keeps running)"
@@ -483,6 +500,31 @@ class NodeAgent:
         have = self.written.get(sandbox_id)
         return have is not None and have.entry.durable and have.entry.node_id == self.node_id
 
+    async def announce(self, sandbox_ids: list[str], within: float = ANNOUNCE_SECONDS) -> None:
+        """Until the directory lists these new sandboxes (for at most ``within`` seconds): a client
+        told of one by this node (a create or fork asked of it directly) finds it through any
+        gateway at once, not after the next write."""
+        waits = []
+        for sandbox_id in sandbox_ids:
+            if sandbox_id in self.written or sandbox_id not in self.node.sandboxes:
+                continue
+            waiting = self._listing.get(sandbox_id)
+            if waiting is None:
+                waiting = self._listing[sandbox_id] = asyncio.get_running_loop().create_future()
+            waits.append(waiting)
+        if not waits:
+            return
+        self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(asyncio.shield(w) for w in waits)), within)
+        except TimeoutError:
+            log.warning("new sandboxes not in the directory within %g s: %s", within, ", ".join(sandbox_ids[:8]))
+        finally:
+            for sandbox_id in sandbox_ids:
+                waiting = self._listing.get(sandbox_id)
+                if waiting is not None and (waiting.done() or sandbox_id not in self.node.sandboxes):
+                    self._listing.pop(sandbox_id, None)
+
     async def durable_written(self, sandbox_id: str, within: float = 10.0) -> bool:
         """Until the directory says the sandbox is durably paused (another node takes over only
         such an entry); whether it does within ``within`` seconds."""
@@ -683,6 +725,9 @@ class NodeAgent:
             self.written[sandbox_id] = current
         else:
             self._owned_elsewhere(sandbox_id, current)
+        listing = self._listing.pop(sandbox_id, None)
+        if listing is not None and not listing.done():
+            listing.set_result(None)  # written, or known not to be ours: no longer waited for
         if not ok:
             self._wake.set()
 

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from aenv.errors import (
     AenvError,
     ArtifactDamaged,
+    ClusterUnavailable,
     ImageIncompatible,
     InvalidRequest,
     LimitExceeded,
@@ -44,6 +45,7 @@ T = TypeVar("T")
 KILL_GRACE = 10.0  # how long a kill waits for the operations it cancelled to unwind
 EXCHANGE_GRACE = 5.0  # how long a pause waits for the HTTP requests relayed to the sandbox's ports
 EXCHANGE_POLL = 0.02
+WAKE_ROUNDS = 3  # how often traffic wakes a sandbox paused again each time before it gives up
 
 
 class Lifecycle:
@@ -407,19 +409,27 @@ class Lifecycle:
         return True
 
     async def ensure_running(self, sandbox_id: str) -> LiveSandbox:
-        """For data-plane traffic: a paused sandbox with auto-resume comes back on use."""
+        """For data-plane traffic: a paused sandbox with auto-resume comes back on use. What this
+        returns is running when the caller gets it (no await in between): a pause that starts
+        later sees what the caller then registers (LiveSandbox.exchanges)."""
+        for _ in range(WAKE_ROUNDS):
+            sb = self.get(sandbox_id)
+            if sb.state == S.RUNNING and sb.link is not None:
+                return sb
+            # Traffic never brings back a sandbox paused without memory: its resume is a reboot,
+            # which loses whatever ran, so only an explicit resume (connect) does that, as in E2B.
+            if sb.state in (S.PAUSED, S.RESUMING) and sb.rec.auto_resume and not sb.rec.filesystem_only:
+                refusal = self.wake_refusal(sb) if self.wake_refusal is not None else None
+                if refusal is not None:  # a draining node's pause is moving, or etcd is silent
+                    raise ClusterUnavailable(refusal)
+                await self.resume(sandbox_id)
+                continue  # paused again meanwhile? Looked at afresh.
+            async with sb.lock:  # wait out a transition in progress (a pause: then woken, above)
+                pass
+            wakes = sb.state == S.PAUSED and sb.rec.auto_resume and not sb.rec.filesystem_only
+            if not (wakes or sb.state == S.RUNNING):
+                break
         sb = self.get(sandbox_id)
-        if sb.state == S.RUNNING and sb.link is not None:
-            return sb
-        # Traffic never brings back a sandbox paused without memory: its resume is a reboot, which
-        # loses whatever ran, so only an explicit resume (connect) does that, as in E2B.
-        if sb.state in (S.PAUSED, S.RESUMING) and sb.rec.auto_resume and not sb.rec.filesystem_only:
-            await self.resume(sandbox_id)
-            return self.get(sandbox_id)
-        async with sb.lock:  # wait out a transition in progress
-            pass
-        if sb.state == S.RUNNING and sb.link is not None:
-            return sb
         if sb.state == S.PAUSED and sb.rec.filesystem_only:
             message = f"sandbox {sandbox_id} is paused without its memory; resume it explicitly (connect)"
             raise WrongState(message, sandbox_id=sandbox_id)

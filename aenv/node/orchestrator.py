@@ -119,6 +119,12 @@ class Node(Lifecycle, Instances, Records):
         # In a cluster: called before a durably paused sandbox resumes here (the directory must stop
         # offering it for takeover first); raises if another node took it over meanwhile.
         self.resume_guard: Callable[[str], Awaitable[None]] | None = None
+        # In a cluster: why traffic may not wake a paused sandbox here now (a draining node moves
+        # its pauses; a node out of touch with etcd resumes nothing), or None. Answered 503.
+        self.wake_refusal: Callable[[LiveSandbox], str | None] | None = None
+        # In a cluster: waits, a moment at most, until the directory lists new sandboxes (a
+        # create's or a fork's answer then names only sandboxes every gateway can find).
+        self.announce: Callable[[list[str]], Awaitable[None]] | None = None
         self.warm = WarmPools(self)  # idle sandboxes restored ahead of creates
         self.dozer = Dozer(self)  # freezes idle sandboxes on the host
 

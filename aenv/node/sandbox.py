@@ -44,10 +44,11 @@ class LiveSandbox:
     # The tunnels of the HTTP requests to its ports that the node relays (request sent, answer not
     # all passed on while the tunnel has not ended): a pause lets them finish first, for a while.
     exchanges: weakref.WeakSet[Stream] = field(default_factory=weakref.WeakSet)
+    opening: int = 0  # such requests that found it running and are opening their tunnel
 
     def exchanging(self) -> bool:
         # Once the port's END is in, what it sent is all on the host: a pause cannot cut it short.
-        return any(not (tunnel.ended or tunnel.remote_ended) for tunnel in list(self.exchanges))
+        return self.opening > 0 or any(not (tunnel.ended or tunnel.remote_ended) for tunnel in list(self.exchanges))
 
     @property
     def id(self) -> str:

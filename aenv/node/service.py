@@ -210,6 +210,8 @@ class NodeService(Protocol):
     adopter: Callable[[str, bool], Awaitable[None]] | None
     durable_in_directory: Callable[[str], bool] | None
     resume_guard: Callable[[str], Awaitable[None]] | None
+    wake_refusal: Callable[[LiveSandbox], str | None] | None
+    announce: Callable[[builtins.list[str]], Awaitable[None]] | None
 
     def is_dozing(self, sb: LiveSandbox) -> bool:
         """A running sandbox is frozen on the host while idle (aenv/node/doze.py)."""

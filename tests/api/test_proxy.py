@@ -125,6 +125,50 @@ def test_a_pause_lets_a_proxied_request_in_flight_finish(
     assert api.get(f"/sandboxes/{sandbox.sandbox_id}").json()["state"] == "paused"
 
 
+def test_traffic_that_meets_a_pause_wakes_the_sandbox_again(e2b_env: Server, api: httpx.Client) -> None:
+    """Requests to the port of a sandbox with auto-resume (and calls of its envd), sent while it
+    is being paused, one round after another: each is answered, never with a 502. One that came first is
+    waited for by the pause; one that came while it was pausing waited for it and woke it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    lifecycle = {"onTimeout": "pause", "autoResume": True}
+    r = api.post("/sandboxes", json={"templateID": "base", "timeout": 300, "lifecycle": lifecycle})
+    assert r.status_code == 201, r.text
+    sandbox_id = r.json()["sandboxID"]
+    try:
+        sbx = Sandbox.connect(sandbox_id)
+        sbx.files.write("/home/user/site/hello.txt", "awake")
+        sbx.commands.run("python3 -m http.server 8000 --directory /home/user/site", background=True)
+        routed = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "8000"}
+        wait_for_port(f"{e2b_env.url}/hello.txt", routed)
+        answers: list[tuple[int, str]] = []
+
+        def pause(pausing: threading.Event) -> int:
+            pausing.set()
+            return api.post(f"/sandboxes/{sandbox_id}/pause").status_code
+
+        def fetch(pausing: threading.Event, delay: float, envd: bool) -> None:
+            pausing.wait(10)
+            time.sleep(delay)
+            if envd:  # the sandbox's own API (E2B's envd) wakes it the same way
+                answers.append((200, sbx.files.read("/home/user/site/hello.txt")))
+                return
+            got = httpx.get(f"{e2b_env.url}/hello.txt", headers=routed, timeout=60)
+            answers.append((got.status_code, got.text[:200]))
+
+        for _ in range(3):
+            pausing = threading.Event()
+            with ThreadPoolExecutor(8) as pool:
+                paused = pool.submit(pause, pausing)
+                for f in [pool.submit(fetch, pausing, 0.03 * i, i % 3 == 2) for i in range(7)]:
+                    f.result()
+                assert paused.result() in (204, 409), "the pause was neither done nor found done"
+        assert answers and all(a == (200, "awake") for a in answers), answers
+    finally:
+        api.delete(f"/sandboxes/{sandbox_id}")
+
+
 def test_pause_with_a_proxied_connection_open(sandbox: Sandbox, server: Server) -> None:
     from websockets.sync.client import connect as ws_connect
 

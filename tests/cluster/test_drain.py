@@ -343,17 +343,17 @@ def test_auto_resume_traffic_during_a_moving_drain_is_answered(cluster: Cluster)
         url = f"{cluster.gateways[1].url}/hello.txt"
         wait_for(lambda: httpx.get(url, headers=routed).status_code == 200, 20)
 
-        answers: list[tuple[int, str]] = []
+        answers: list[tuple[int, str, str]] = []
         with ThreadPoolExecutor(1) as pool:
             draining = pool.submit(drained, cluster, "node-busy", move=True)
             while not draining.done():
                 r = httpx.get(url, headers=routed, timeout=90)
-                answers.append((r.status_code, r.headers.get("x-aenv-node-id", "")))
+                answers.append((r.status_code, r.headers.get("x-aenv-node-id", ""), r.text[:300]))
                 time.sleep(0.1)
             assert draining.result()[-1]["moved"] == 1
         r = httpx.get(url, headers=routed, timeout=90)
-        answers.append((r.status_code, r.headers.get("x-aenv-node-id", "")))
-        assert all(status == 200 for status, _ in answers), answers
+        answers.append((r.status_code, r.headers.get("x-aenv-node-id", ""), r.text[:300]))
+        assert all(status == 200 for status, _, _ in answers), answers
         assert answers[-1][1] in cluster.nodes
         with cluster.api() as api:
             api.delete(f"/sandboxes/{sandbox_id}")

@@ -66,6 +66,58 @@ async def test_a_node_registers_with_its_capacity(node_a: Server, mirror: Mirror
     await until(mirror, lambda m: m.nodes["node-a"].updated_at > first, 3, "a refresh")
 
 
+async def test_a_create_or_fork_is_answered_once_the_directory_lists_it(node_a: Server, mirror: Mirror) -> None:
+    """A create asked of a node directly, one of a burst, and the children of a fork: each id the
+    node answers with is in etcd when the answer comes, so a gateway asked about it at once finds
+    it (it was written a moment later, and a connect through a gateway right after got 404)."""
+    async with client(node_a) as api:
+
+        async def create() -> str:
+            r = await api.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+            assert r.status_code == 201, r.text
+            sandbox_id = str(r.json()["sandboxID"])
+            assert await mirror.store.get_sandbox(sandbox_id) is not None, f"{sandbox_id} not in etcd"
+            return sandbox_id
+
+        made = await asyncio.gather(*(create() for _ in range(6)))
+        r = await api.post(f"/sandboxes/{made[0]}/fork", json={"count": 3})
+        assert r.status_code == 201, r.text
+        children = [item["sandbox"]["sandboxID"] for item in r.json()]
+        assert len(children) == 3
+        listed = await mirror.store.get_sandboxes(children)
+        assert sorted(listed) == sorted(children)
+        assert {v.entry.node_id for v in listed.values()} == {"node-a"}
+        for sandbox_id in [*made, *children]:
+            await api.delete(f"/sandboxes/{sandbox_id}")
+
+
+async def test_a_create_is_not_answered_before_its_entry_can_be_written(
+    node_a: Server, mirror: Mirror, etcd: EtcdCluster
+) -> None:
+    """With every etcd member frozen (SIGSTOP) for 1.5 s, shorter than the node's wait for its
+    directory (and than the silence after which it refuses creates), a create asked meanwhile is
+    answered only once etcd took its entry."""
+    async with client(node_a) as api:
+        await until(mirror, lambda m: "node-a" in m.nodes, what="node-a")
+        frozen = [m.proc for m in etcd.members if m.proc is not None]
+        for proc in frozen:
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            asked = asyncio.ensure_future(api.post("/sandboxes", json={"templateID": "base", "timeout": 120}))
+            await asyncio.sleep(1.5)
+            early = asked.done()
+        finally:
+            for proc in frozen:
+                proc.send_signal(signal.SIGCONT)
+        r = await asked
+        assert r.status_code == 201, r.text
+        assert not early, "the create was answered while its entry could not be written"
+        sandbox_id = r.json()["sandboxID"]
+        got = await mirror.store.get_sandbox(sandbox_id)
+        assert got is not None and got.entry.node_id == "node-a"
+        await api.delete(f"/sandboxes/{sandbox_id}")
+
+
 async def test_directory_follows_the_sandbox_lifecycle(node_a: Server, mirror: Mirror) -> None:
     async with client(node_a) as api:
         r = await api.post("/sandboxes", json={"templateID": "base", "timeout": 120, "metadata": {"run": "7"}})
