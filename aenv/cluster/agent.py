@@ -516,14 +516,14 @@ class NodeAgent:
             return
         self._wake.set()
         try:
-            await asyncio.wait_for(asyncio.gather(*(asyncio.shield(w) for w in waits)), within)
-        except TimeoutError:
-            log.warning("new sandboxes not in the directory within %g s: %s", within, ", ".join(sandbox_ids[:8]))
+            _, pending = await asyncio.wait(waits, timeout=within)  # the futures are left as they are
         finally:
             for sandbox_id in sandbox_ids:
                 waiting = self._listing.get(sandbox_id)
                 if waiting is not None and (waiting.done() or sandbox_id not in self.node.sandboxes):
                     self._listing.pop(sandbox_id, None)
+        if pending:
+            log.warning("new sandboxes not in the directory within %g s: %s", within, ", ".join(sandbox_ids[:8]))
 
     async def durable_written(self, sandbox_id: str, within: float = 10.0) -> bool:
         """Until the directory says the sandbox is durably paused (another node takes over only

@@ -416,9 +416,7 @@ class Lifecycle:
             sb = self.get(sandbox_id)
             if sb.state == S.RUNNING and sb.link is not None:
                 return sb
-            # Traffic never brings back a sandbox paused without memory: its resume is a reboot,
-            # which loses whatever ran, so only an explicit resume (connect) does that, as in E2B.
-            if sb.state in (S.PAUSED, S.RESUMING) and sb.rec.auto_resume and not sb.rec.filesystem_only:
+            if _traffic_wakes(sb):
                 refusal = self.wake_refusal(sb) if self.wake_refusal is not None else None
                 if refusal is not None:  # a draining node's pause is moving, or etcd is silent
                     raise ClusterUnavailable(refusal)
@@ -426,8 +424,7 @@ class Lifecycle:
                 continue  # paused again meanwhile? Looked at afresh.
             async with sb.lock:  # wait out a transition in progress (a pause: then woken, above)
                 pass
-            wakes = sb.state == S.PAUSED and sb.rec.auto_resume and not sb.rec.filesystem_only
-            if not (wakes or sb.state == S.RUNNING):
+            if sb.state != S.RUNNING and not _traffic_wakes(sb):
                 break
         sb = self.get(sandbox_id)
         if sb.state == S.PAUSED and sb.rec.filesystem_only:
@@ -748,3 +745,9 @@ def _check_auto_pause(auto_pause: bool, auto_resume: bool, auto_pause_memory: bo
             "autoPauseMemory=false (filesystem-only auto-pause) cannot be combined with autoResume: "
             "such a sandbox must be resumed explicitly"
         )
+
+
+def _traffic_wakes(sb: LiveSandbox) -> bool:
+    """Whether data-plane traffic resumes ``sb``. Never one paused without memory: its resume is a
+    reboot, which loses whatever ran, so only an explicit resume (connect) does that, as in E2B."""
+    return sb.state in (S.PAUSED, S.RESUMING) and sb.rec.auto_resume and not sb.rec.filesystem_only
