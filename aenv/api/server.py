@@ -10,7 +10,7 @@ from pathlib import Path
 
 import uvicorn
 
-from aenv.api import connections, envd
+from aenv.api import connections, envd, listen
 from aenv.api.app import build
 from aenv.config import Settings
 from aenv.errors import InvalidRequest
@@ -59,16 +59,23 @@ async def serve(
     say = on_log or (lambda line: log.info("%s", line))
     os.umask(datadir.PRIVATE_UMASK)  # the node's files, its tools' (runsc's images) and logs: owner-only
     check_settings(settings)
-    api_key = resolve_api_key(settings)
-    node = Node(settings)
-    await node.start()
+    # Listening before the node starts and `base` builds (a minute): a second server on this port
+    # (or data dir: the node's lock) fails at once; connections wait in the backlog meanwhile.
+    sockets = listen.bind(settings.host, settings.port)
+    try:
+        api_key = resolve_api_key(settings)
+        node = Node(settings)
+        await node.start()
+    except BaseException:
+        listen.close(sockets)
+        raise
     try:
         if settings.build_base:
             try:
                 node.find_template("base")
             except LookupError:
                 say("building the `base` template (first start only; takes about a minute)")
-            await ensure_base(node, on_log=say)
+            await listen.until_signalled(ensure_base(node, on_log=say))
         app = build(node, api_key, start_node=False)
         agent = None
         if settings.cluster:
@@ -100,7 +107,11 @@ async def serve(
         say(f"aenv listening on {url} (API key in {settings.data_dir / 'api-key'})")
         if ready_file is not None:
             ready_file.write_text(f"{url}\n")
-    except BaseException:
+    except BaseException as exc:
         await node.stop()
+        listen.close(sockets)
+        if isinstance(exc, listen.Stopped):
+            say(f"{exc}: stopped before serving")
+            return
         raise
-    await server.serve()  # the app's shutdown stops the node
+    await server.serve(sockets=sockets)  # the app's shutdown stops the node

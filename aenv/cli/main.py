@@ -180,7 +180,13 @@ def server(
     except AenvError as exc:
         err.print(f"[red]error:[/red] {exc.message}")
         raise typer.Exit(2) from None
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except AenvError as exc:  # the port or the data dir taken, a failed `base` build: no traceback
+        from rich.markup import escape
+
+        err.print(f"[red]error:[/red] {escape(exc.message)}")  # log lines may hold [brackets]
+        raise typer.Exit(1) from None
 
 
 @app.command()

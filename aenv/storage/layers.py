@@ -29,6 +29,7 @@ from pathlib import Path
 from aenv.runtime import hostexec
 from aenv.storage import datadir
 from aenv.storage.confined import remove_tree, tree_usage
+from aenv.storage.mounts import mounts_under, unmount_under
 from aenv.storage.space import data_runs
 
 log = logging.getLogger(__name__)
@@ -287,6 +288,9 @@ class LayerStore:
                 await hostexec.run(["umount", "-l", str(mnt)], timeout=60, check=False)
         self._img(layer_id).unlink(missing_ok=True)
         await asyncio.to_thread(remove_tree, mnt, ignore_errors=True)  # big trees take seconds: off the loop
+        if mnt.exists() and mounts_under(mnt):  # what a killed node's debootstrap mounted in its target
+            await unmount_under(mnt)
+            await asyncio.to_thread(remove_tree, mnt, ignore_errors=True)
         self._sealed_sizes.pop(layer_id, None)
         (self.used / layer_id).unlink(missing_ok=True)
 

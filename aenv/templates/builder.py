@@ -10,27 +10,36 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import os
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from aenv.channel import END, MSG, end_error
-from aenv.errors import AenvError
+from aenv.errors import AenvError, OperationTimeout, RuntimeFailure
 from aenv.node.service import AgentLink, BuildHost, TemplateRecord
 from aenv.runtime import hostexec
 from aenv.runtime.base import Instance, Limits
 from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
 from aenv.storage.layers import new_id
+from aenv.storage.mounts import unmount_under
 from aenv.templates.catalog import retire_builds
 
 LogFn = Callable[[str], None]
+T = TypeVar("T")
 OUTPUT_TAIL = 64 * 1024  # characters of a command's output kept for its error message
 BUILD_LIMITS = Limits(cpu_count=2.0, memory_mb=4096, nproc=8192, disk_mb=16384)
+DEBOOTSTRAP_TIMEOUT = 1800.0
+DEBOOTSTRAP_ATTEMPTS = 3  # a mirror's fetch fails now and then: the whole debootstrap again, on an empty target
+DEBOOTSTRAP_RETRY_AFTER = 10.0  # seconds before the second attempt, doubled for each further one
+KEPT_TARGET_LOG = 1 << 20  # bytes of a failed target's own debootstrap.log kept in the build's log
+OUTPUT_TAIL_LINES, OWN_TAIL_LINES = 10, 15  # of a failed attempt's output and its own log, quoted by the error
+OWN_LOG_HEADER = "== its debootstrap/debootstrap.log"
 BASE_PACKAGES = [
     "bash",
     "coreutils",
@@ -291,29 +300,127 @@ async def commit_template(
 async def build_base(node: BuildHost, *, on_log: LogFn | None = None) -> TemplateRecord:
     """debootstrap a Debian root filesystem and commit it as the `base` template."""
     log = on_log or (lambda line: None)
-    settings = node.settings
-    mirror = settings.debian_mirror or host_debian_mirror()
-    layer_id, path = node.files.new_layer_dir()
-    log(f"debootstrap {settings.debian_suite} from {mirror}")
     started = time.monotonic()
-    try:
-        await hostexec.run(
-            [
-                "debootstrap",
-                "--variant=minbase",
-                f"--include={','.join(BASE_PACKAGES)}",
-                settings.debian_suite,
-                str(path),
-                mirror,
-            ],
-            timeout=1800,
-            umask=0o022,  # a root filesystem: its files are for every user of the sandbox
-        )
-    except BaseException:
-        await node.files.remove(layer_id)
-        raise
+    layer_id = await debootstrap(node, log)
     log(f"root filesystem ready in {time.monotonic() - started:.0f}s")
     return await _commit_base(node, layer_id, log)
+
+
+async def debootstrap(node: BuildHost, log: LogFn) -> str:
+    """A Debian root filesystem in a new layer; its id. A failed attempt (a mirror's fetch fails
+    now and then) is made again from an empty target. Whatever way it ends (a failure, a
+    timeout, a cancellation: a kill of the build or a stopping server), nothing it mounted stays
+    mounted and a failed target is removed; its output and its own log are kept in
+    ``<data-dir>/logs/debootstrap.log``, and the error quotes their last lines."""
+    settings = node.settings
+    mirror = settings.debian_mirror or host_debian_mirror()
+    logs = settings.data_dir / "logs"
+    logs.mkdir(mode=0o700, exist_ok=True)
+    log_path = logs / "debootstrap.log"
+    log_path.write_bytes(b"")  # this build's attempts only
+    for attempt in range(1, DEBOOTSTRAP_ATTEMPTS + 1):
+        layer_id, path = node.files.new_layer_dir()
+        argv = [
+            "debootstrap",
+            "--variant=minbase",
+            f"--include={','.join(BASE_PACKAGES)}",
+            settings.debian_suite,
+            str(path),
+            mirror,
+        ]
+        log(f"debootstrap {settings.debian_suite} from {mirror} (attempt {attempt} of {DEBOOTSTRAP_ATTEMPTS})")
+        with open(log_path, "ab") as f:
+            f.write(f"== attempt {attempt} of {DEBOOTSTRAP_ATTEMPTS}: {' '.join(argv)}\n".encode())
+        out = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+        try:
+            await hostexec.run(
+                argv,
+                timeout=DEBOOTSTRAP_TIMEOUT,
+                stdout=out,
+                stderr_file=log_path,
+                umask=0o022,  # a root filesystem: its files are for every user of the sandbox
+            )
+            await _unstoppable(unmount_under(path))  # it unmounts what it mounted; sure is sure
+            return layer_id
+        except BaseException as exc:
+            await _unstoppable(_discard_target(node, layer_id, path, log_path))
+            if not isinstance(exc, RuntimeFailure | OperationTimeout):
+                raise  # cancelled, or the node's own fault: not the mirror's
+            tail = _log_tail(log_path)
+            if isinstance(exc, OperationTimeout) or attempt == DEBOOTSTRAP_ATTEMPTS:
+                kind = type(exc)
+                raise kind(
+                    f"{_headline(exc)} (attempt {attempt} of {DEBOOTSTRAP_ATTEMPTS}); "
+                    f"the last lines of its output and its log ({log_path}):\n{tail}",
+                    argv=argv,
+                    stderr=tail,
+                ) from exc
+            delay = DEBOOTSTRAP_RETRY_AFTER * 2 ** (attempt - 1)
+            log(f"{_headline(exc)}: trying again in {delay:.0f}s; its last lines:")
+            for line in tail.splitlines()[-5:]:
+                log(f"  {line}")
+            await asyncio.sleep(delay)
+        finally:
+            os.close(out)
+    raise AssertionError("unreachable")
+
+
+async def _discard_target(node: BuildHost, layer_id: str, path: Path, log_path: Path) -> None:
+    """Keep the end of a failed target's own log, unmount what was mounted in it, remove it."""
+    own = path / "debootstrap" / "debootstrap.log"
+    try:
+        with open(own, "rb") as f:  # debootstrap made it: no link in the target is followed by us
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - KEPT_TARGET_LOG))
+            kept = f.read(KEPT_TARGET_LOG)
+    except OSError:
+        kept = b""
+    if kept:
+        with open(log_path, "ab") as out:
+            out.write(f"{OWN_LOG_HEADER}\n".encode() + kept + (b"" if kept.endswith(b"\n") else b"\n"))
+    await unmount_under(path)
+    await node.files.remove(layer_id)
+
+
+def _log_tail(log_path: Path) -> str:
+    """The last lines of the last attempt's output and of its own log, from the build's log."""
+    with open(log_path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(0, size - 256 * 1024))
+        text = f.read().decode(errors="replace")
+    attempt = text.rsplit("\n== attempt ", 1)[-1]
+    output, _, own = attempt.partition(f"\n{OWN_LOG_HEADER}\n")
+    lines = [line[:300] for line in output.splitlines()[1:][-OUTPUT_TAIL_LINES:]] or ["(no output)"]
+    if own:
+        lines += ["-- its debootstrap/debootstrap.log:", *(line[:300] for line in own.splitlines()[-OWN_TAIL_LINES:])]
+    return "\n".join(lines)
+
+
+def _headline(exc: AenvError) -> str:
+    """"debootstrap failed (exit 1)", "debootstrap ... timed out after 1800.0s": what hostexec
+    said, without the stderr line it appends."""
+    return exc.message.split(": ", 1)[0]
+
+
+async def _unstoppable(coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro`` to its end even when cancelled meanwhile (cleanup that must not be cut
+    short: mounts left behind); the cancellation is raised once it is done."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                if task.cancelled():
+                    raise
+                result = task.result()
+                break
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 async def _commit_base(node: BuildHost, debian_layer: str, log: LogFn | None) -> TemplateRecord:
