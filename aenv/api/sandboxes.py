@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import re
 import tempfile
@@ -128,8 +129,10 @@ def _first_error(exc: ValueError) -> str:
         items = errors()
         if items:
             first = items[0]
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            return f"invalid request body: {where + ': ' if where else ''}{first.get('msg', 'invalid value')}"
+            # a location may be a key the client sent: quoted short and printable
+            where = ".".join(snippet(str(p), 64) for p in first.get("loc", ()))
+            msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+            return f"invalid request body: {where + ': ' if where else ''}{msg}"
     return f"invalid request body: {exc}"
 
 
@@ -145,12 +148,17 @@ async def _create(request: Request) -> JSONResponse:
     if isinstance(body.auto_resume, bool):
         auto_resume = body.auto_resume
     elif body.auto_resume is not None:
-        auto_resume = body.auto_resume.enabled
+        auto_resume = body.auto_resume.on
     if body.lifecycle is not None and body.lifecycle.auto_resume is not None:
         auto_resume = body.lifecycle.auto_resume
+    auto_pause_memory = body.auto_pause_memory
+    if auto_pause_memory is None and body.lifecycle is not None:
+        auto_pause_memory = body.lifecycle.keep_memory
+    unbuilt_features(body)
+    secure = body.secure is not False
     limits = body.limits.model_dump(exclude_none=True) if body.limits else None
-    network = egress_rules(body.network)
-    public_traffic, mask_request_host = ingress_options(body.network, secure=body.secure)
+    network = egress_rules(body.network, known=CREATE_NETWORK_FIELDS)
+    public_traffic, mask_request_host = ingress_options(body.network, secure=secure)
 
     async def create() -> str:
         rec = await node.create(
@@ -160,11 +168,11 @@ async def _create(request: Request) -> JSONResponse:
             env_vars=body.env_vars,
             auto_pause=auto_pause,
             auto_resume=auto_resume,
-            auto_pause_memory=body.auto_pause_memory is not False,
+            auto_pause_memory=auto_pause_memory is not False,
             limits=limits,
             allow_internet_access=body.allow_internet_access,
             network=network,
-            secure=body.secure,
+            secure=secure,
             public_traffic=public_traffic,
             mask_request_host=mask_request_host,
         )
@@ -316,16 +324,40 @@ async def set_timeout(request: Request, sandbox_id: str) -> Response:
     return Response(status_code=204)
 
 
-def egress_rules(network: Any, *, field: str = "network.egressProxy") -> dict[str, Any]:
+# What E2B's SandboxNetworkConfig has (the SDKs send each only when it is set).
+CREATE_NETWORK_FIELDS = frozenset(
+    {"allowOut", "denyOut", "allowPublicTraffic", "maskRequestHost", "rules", "egressProxy", "dnsServers", "httpsPorts"}
+)
+
+
+def unbuilt_features(body: NewSandbox) -> None:
+    """E2B features aenv does not have, refused as E2B refuses them to a team without them (a
+    sandbox without its volumes or workload tokens is not the one asked for); empty is fine."""
+    if body.volume_mounts:
+        raise InvalidRequest("Volume mounts are not enabled.")
+    if body.iam is not None and body.iam.tokens:
+        raise InvalidRequest("Sandbox IAM workload tokens are not available for your team.")
+
+
+def egress_rules(
+    network: Any, *, field: str = "network.egressProxy", known: frozenset[str] | None = None
+) -> dict[str, Any]:
     """The part of E2B's `network` object that aenv enforces (allowOut, denyOut).
 
     Transform rules and an egress proxy are refused as E2B refuses them to a team without them
     (docs/architecture.md, Egress, says why aenv has neither); ``field`` names the proxy's field
-    as E2B's message for that endpoint does."""
+    as E2B's message for that endpoint does. With ``known``, any other field is a 400."""
     if network is None:
         return {}
     if not isinstance(network, dict):
         raise InvalidRequest("network must be an object")
+    unknown = sorted(set(network) - known) if known is not None else []
+    if unknown:
+        raise InvalidRequest(f"invalid request body: network.{snippet(unknown[0], 64)}: Extra inputs are not permitted")
+    _dns_servers(network.get("dnsServers"))
+    if network.get("httpsPorts"):
+        # a port proxy that speaks TLS to the sandbox's server: not built (the proxy speaks HTTP)
+        raise InvalidRequest("HTTPS sandbox ports (network.httpsPorts) are not available for your team.")
     if network.get("rules") is not None:
         raise InvalidRequest("Network transform rules are not available for your team.")
     if network.get("egressProxy") is not None:
@@ -339,6 +371,26 @@ def egress_rules(network: Any, *, field: str = "network.egressProxy") -> dict[st
             raise InvalidRequest(f"network.{key} must be a list of strings")
         out[key] = value
     return out
+
+
+MAX_DNS_SERVERS = 16
+
+
+def _dns_servers(servers: Any) -> None:
+    """E2B's ``dnsServers`` (name servers a sandbox may reach when ``allowOut`` names a domain),
+    checked as E2B checks them. Nothing to open here: a sandbox's names are looked up by its node."""
+    if servers is None:
+        return
+    if not isinstance(servers, list) or len(servers) > MAX_DNS_SERVERS:
+        raise InvalidRequest(f"network.dnsServers must be a list of at most {MAX_DNS_SERVERS} IPv4 addresses")
+    for server in servers:
+        try:
+            if not isinstance(server, str):
+                raise ValueError(server)  # IPv4Address takes an int too
+            ipaddress.IPv4Address(server)
+        except ValueError:
+            shown = snippet(server, 64) if isinstance(server, str) else type(server).__name__
+            raise InvalidRequest(f"network.dnsServers: {shown!r} is not an IPv4 address") from None
 
 
 MAX_MASK_REQUEST_HOST = 255

@@ -7,25 +7,95 @@ one second), a number is not a boolean and a string is neither; E2B's SDKs send 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from aenv.config import MAX_NPROC
+from aenv.errors import snippet
 from aenv.guest.agent import AGENT_VERSION
 from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxRecord, SnapshotRecord, TemplateRecord
 from aenv.templates.catalog import TEMPLATE_NAME
 
 
+# A create's labels and environment: a sandbox's metadata is listed, filtered on, kept in the
+# cluster's entries and shown on the dashboard; its env vars reach every process's environment,
+# where a NUL cuts a string short and "=" in a name splits it.
+MAX_METADATA = 128  # entries
+MAX_METADATA_KEY = 256  # bytes (UTF-8)
+MAX_METADATA_VALUE = 4096
+MAX_METADATA_TOTAL = 64 * 1024  # keys and values together
+MAX_ENV_VARS = 1024
+MAX_ENV_NAME = 256
+MAX_ENV_VALUE = 64 * 1024  # well within Linux's 128 KiB for one "NAME=value"
+MAX_ENV_TOTAL = 512 * 1024
+ENV_VALUE_CONTROLS = frozenset("\t\n\r")  # multi-line values (a PEM key, a JSON document) are common
+
+
+def _control(text: str, allowed: frozenset[str] = frozenset()) -> int | None:
+    """The offset of the first control character (C0, DEL, C1) not in ``allowed``, or None."""
+    return next(
+        (i for i, c in enumerate(text) if (c < " " or "\x7f" <= c <= "\x9f") and c not in allowed),
+        None,
+    )
+
+
+def check_labels(
+    labels: dict[str, str],
+    *,
+    noun: str,
+    entries: int,
+    key: int,
+    value: int,
+    total: int,
+    value_controls: frozenset[str] = frozenset(),
+    no_equals: bool = False,
+) -> None:
+    """Raise ValueError for a map a create may not set (its field's 400, saying which entry and why)."""
+    if len(labels) > entries:
+        raise ValueError(f"at most {entries} entries, not {len(labels)}")
+    size = 0
+    for k, v in labels.items():
+        shown = snippet(k, 64)
+        if not k:
+            raise ValueError(f"a {noun} must not be empty")
+        if len(k.encode()) > key:
+            raise ValueError(f"{noun} {shown!r} is longer than {key} bytes")
+        if len(v.encode()) > value:
+            raise ValueError(f"the value of {shown!r} is longer than {value} bytes")
+        if (at := _control(k)) is not None:
+            raise ValueError(f"{noun} {shown!r} has a control character at offset {at}")
+        if no_equals and "=" in k:
+            raise ValueError(f"{noun} {shown!r} contains '='")
+        if (at := _control(v, value_controls)) is not None:
+            raise ValueError(f"the value of {shown!r} has a control character at offset {at}")
+        size += len(k.encode()) + len(v.encode())
+    if size > total:
+        raise ValueError(f"{size} bytes in all, more than {total}")
+
+
 class Lifecycle(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     on_timeout: str | None = Field(None, alias="onTimeout")
     auto_resume: bool | None = Field(None, alias="autoResume")
+    keep_memory: bool | None = Field(None, alias="keepMemory")  # as a sandbox's detail shows its lifecycle
 
 
 class AutoResume(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     enabled: bool = False
+    policy: Literal["any", "off"] | None = None  # E2B's first form of it ("any": enabled)
+
+    @property
+    def on(self) -> bool:
+        return self.enabled or self.policy == "any"
+
+
+class SandboxIam(BaseModel):
+    """E2B's workload identity (``iam.tokens``): not built; a non-empty ``tokens`` is refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    tokens: dict[str, dict[str, Any]] | None = None
 
 
 class Limits(BaseModel):
@@ -37,9 +107,11 @@ class Limits(BaseModel):
 
 
 class NewSandbox(BaseModel):
-    """E2B NewSandbox / NewSandboxV2, plus aenv's limits. Unknown keys are ignored, as upstream."""
+    """E2B NewSandbox / NewSandboxV2 (every field any version of its spec had), plus aenv's
+    lifecycle and limits. An unknown or misspelt field is a 400: ignored, it would make a sandbox
+    other than the one asked for (``templateId`` would have been ``base``)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
     template_id: str = Field("base", alias="templateID", min_length=1, max_length=200)
     timeout: int | None = Field(None, gt=0)
     metadata: dict[str, str] | None = None
@@ -49,10 +121,45 @@ class NewSandbox(BaseModel):
     auto_pause_memory: bool | None = Field(None, alias="autoPauseMemory")
     auto_resume: AutoResume | bool | None = Field(None, alias="autoResume")
     lifecycle: Lifecycle | None = None
-    secure: bool = True
+    secure: bool | None = None  # None: secure (aenv's default)
     allow_internet_access: bool | None = None
     network: dict[str, Any] | None = None
     limits: Limits | None = None
+    # E2B's API only records the MCP servers' names; its SDKs start the MCP gateway inside the
+    # sandbox themselves (from an `mcp-gateway` template), which works here unchanged.
+    mcp: dict[str, Any] | None = None
+    iam: SandboxIam | None = None  # refused unless empty (not built)
+    volume_mounts: list[dict[str, Any]] | None = Field(None, alias="volumeMounts")  # refused unless empty
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None:
+            check_labels(
+                value,
+                noun="key",
+                entries=MAX_METADATA,
+                key=MAX_METADATA_KEY,
+                value=MAX_METADATA_VALUE,
+                total=MAX_METADATA_TOTAL,
+            )
+        return value
+
+    @field_validator("env_vars")
+    @classmethod
+    def _env_vars(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None:
+            check_labels(
+                value,
+                noun="name",
+                entries=MAX_ENV_VARS,
+                key=MAX_ENV_NAME,
+                value=MAX_ENV_VALUE,
+                total=MAX_ENV_TOTAL,
+                value_controls=ENV_VALUE_CONTROLS,
+                no_equals=True,
+            )
+        return value
 
 
 class NetworkUpdate(BaseModel):
@@ -111,7 +218,10 @@ class SnapshotBody(BaseModel):
 
 
 class ForkBody(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """E2B's SandboxForkRequest. Unknown fields are a 400 (an ``n`` ignored was one child); the
+    node bounds ``count`` by AENV_MAX_FORK."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
     count: int = Field(1, ge=1)
     timeout: int | None = Field(None, gt=0)
 

@@ -19,17 +19,21 @@ from typing import Any
 ROOM = "limit_exceeded"  # the error a node answers a child (or a fork) it has no room for
 
 
-def asked(body: bytes) -> tuple[int, int | None] | None:
-    """The fork's ``count`` and ``timeout`` as the node read them, or None when the body is not
-    one the node would have taken (it answered that itself)."""
+FIELDS = frozenset({"count", "timeout"})  # E2B's SandboxForkRequest; a node refuses any other
+
+
+def asked(body: bytes, max_fork: int) -> tuple[int, int | None] | None:
+    """The fork's ``count`` and ``timeout`` as a node reads them, or None when the body is not one
+    this gateway spreads: one a node refuses (its answer goes back as it came), or a ``count``
+    past the gateway's own ``max_fork``, whatever a node configured otherwise answered."""
     try:
         parsed = json.loads(body) if body.strip() else {}
     except ValueError:
         return None
-    if not isinstance(parsed, dict):
+    if not isinstance(parsed, dict) or not FIELDS.issuperset(parsed):
         return None
     count, timeout = parsed.get("count", 1), parsed.get("timeout")
-    if not _positive(count) or not (timeout is None or _positive(timeout)):
+    if not _positive(count) or count > max_fork or not (timeout is None or _positive(timeout)):
         return None
     return count, timeout
 

@@ -26,12 +26,13 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -53,6 +54,7 @@ from aenv.cluster.mirror import Mirror
 from aenv.cluster.placement import Placement
 from aenv.cluster.store import ClusterStore, EtcdTls, EtcdUser
 from aenv.cluster.websocket import NODE_ID_HEADER, refuse_websocket, relay_websocket
+from aenv.config import DEFAULT_MAX_FORK
 from aenv.dashboard import cluster as dashboard
 from aenv.errors import (
     AenvError,
@@ -157,6 +159,18 @@ class GatewaySettings:
     tls_key: str | None = None
     cluster_tls: EtcdTls | None = None  # the files for an etcds:// cluster (AENV_CLUSTER_CA, _CERT, _KEY)
     cluster_user: EtcdUser | None = None  # etcd's auth: AENV_CLUSTER_USER, AENV_CLUSTER_PASSWORD_FILE
+    # The most children of one fork the gateway makes on other nodes (AENV_MAX_FORK, as the nodes'):
+    # a fork asking for more is the source node's to answer (a 400), never spread.
+    max_fork: int = field(default_factory=lambda: _max_fork(os.environ))
+
+
+def _max_fork(env: Mapping[str, str]) -> int:
+    raw = env.get("AENV_MAX_FORK", "")
+    if not raw:
+        return DEFAULT_MAX_FORK
+    if not (raw.isascii() and raw.isdecimal() and int(raw) >= 1):
+        raise ValueError(f"AENV_MAX_FORK must be a positive integer, not {raw[:40]!r}")
+    return int(raw)
 
 
 class Gateway:
@@ -1074,7 +1088,7 @@ class Gateway:
             content = await _read_upstream(upstream, MAX_FORK_BODY, node)
         finally:
             await upstream.aclose()
-        fork = forks.asked(body)
+        fork = forks.asked(body, self.settings.max_fork)
         answer = _parsed(content) if "content-encoding" not in upstream.headers else None
         results = forks.results_of(upstream.status_code, answer, fork[0]) if fork is not None else None
         if results is None or fork is None:

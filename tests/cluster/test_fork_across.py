@@ -110,8 +110,17 @@ def test_a_fork_with_no_room_on_its_node_is_made_elsewhere_whole(cluster: Cluste
 
 @pytest.mark.parametrize(
     "body",
-    [b'{"count": 0}', b'{"count": "two"}', b'{"timeout": -1}', b"[1]", b"{not json", b'{"count": 100000}'],
-    ids=["zero", "string", "negative-timeout", "list", "not-json", "too-many"],
+    [
+        b'{"count": 0}',
+        b'{"count": "two"}',
+        b'{"timeout": -1}',
+        b"[1]",
+        b"{not json",
+        b'{"count": 100000}',
+        b'{"n": 1000000000}',  # was 201 with one child (seen failing before unknown fields were refused)
+        b'{"count": 2, "n": true}',
+    ],
+    ids=["zero", "string", "negative-timeout", "list", "not-json", "too-many", "unknown-n", "count-and-unknown"],
 )
 def test_a_fork_the_node_refuses_is_answered_as_the_node_answered(
     cluster: Cluster, gateway: httpx.Client, body: bytes
@@ -152,9 +161,12 @@ def test_a_node_creates_from_a_snapshot_committed_elsewhere_a_moment_ago(
 
 
 def test_what_the_gateway_reads_of_a_fork_and_asks_for_its_children() -> None:
-    assert forks.asked(b"") == (1, None) and forks.asked(b'{"count": 3, "timeout": 60}') == (3, 60)
-    for body in (b"[1]", b'{"count": true}', b'{"count": 0}', b'{"timeout": "1"}', b"{"):
-        assert forks.asked(body) is None  # the node answered those itself
+    assert forks.asked(b"", 16) == (1, None) and forks.asked(b'{"count": 3, "timeout": 60}', 16) == (3, 60)
+    bad = (b"[1]", b'{"count": true}', b'{"count": 0}', b'{"timeout": "1"}', b"{", b'{"count": 2, "n": 9}', b'{"n": 9}')
+    for body in bad:
+        assert forks.asked(body, 16) is None  # the node answered those itself
+    # past the gateway's own bound, whatever a node configured otherwise answered: never spread
+    assert forks.asked(b'{"count": 16}', 16) == (16, None) and forks.asked(b'{"count": 17}', 16) is None
     full = {"code": 429, "message": "this node runs at most 3 sandboxes", "error_code": "limit_exceeded"}
     assert forks.results_of(429, full, 2) == [{"error": full}, {"error": full}]
     assert forks.results_of(429, {**full, "error_code": "cluster_unavailable"}, 2) is None
