@@ -32,10 +32,11 @@ from aenv.errors import (
     InsufficientStorage,
     InvalidRequest,
     RequestTimeout,
+    WrongState,
     error_body,
 )
 from aenv.guest import metadata
-from aenv.node.service import AgentLink, CommandRecord, LiveSandbox, NodeService
+from aenv.node.service import AgentLink, CommandRecord, LiveSandbox, NodeService, SandboxState
 
 KEEPALIVE_DEFAULT = 90.0
 ENVD_PORT = 49983
@@ -115,6 +116,8 @@ async def _stream_events(
                 item = await asyncio.wait_for(stream.recv(), timeout=interval)
             except TimeoutError:
                 if ping is not None and ping.done() and ping.exception() is not None:
+                    if record is not None:
+                        record.failed(str(ping.exception()))
                     yield connect.end_stream(_connect_error(ping.exception()))  # type: ignore[arg-type]
                     return
                 yield connect.message_envelope({"event": {"keepalive": {}}})
@@ -129,8 +132,8 @@ async def _stream_events(
             elif item.kind == END:
                 finished = True
                 error = end_error(item.msg)
-                if error is not None and record is not None:
-                    record.failed(error.message)
+                if record is not None:
+                    record.ended(error)
                 if error is not None and link.channel.closed.is_set():
                     raise StreamDropped(error.message)
                 yield connect.end_stream(_connect_error(error) if error else None)
@@ -140,6 +143,8 @@ async def _stream_events(
             ping.cancel()
         if not finished:  # the client left (or the agent is gone): stop following, the process keeps running
             stream.cancel()
+            if record is not None:
+                record.detached()
 
 
 def _link(sb: LiveSandbox) -> AgentLink:
@@ -552,6 +557,26 @@ def _endpoint(request: Request) -> Handler | None:
     return None
 
 
+def _paused(node: NodeService, sandbox_id: str, exc: AenvError) -> JSONResponse | None:
+    """E2B's edge's answer for a paused sandbox its traffic did not resume (409 "The sandbox is
+    paused", ``canAutoResume``), saying how to resume it; "was not found" would send a client
+    looking for a sandbox that is there. None when it is not paused."""
+    try:
+        sb = node.get(sandbox_id)
+    except AenvError:
+        return None
+    if not isinstance(exc, WrongState) or sb.state != SandboxState.PAUSED:
+        return None
+    why = " without its memory: only a connect resumes it" if sb.rec.filesystem_only else ""
+    how = "" if sb.rec.filesystem_only or sb.rec.auto_resume else " (or create it with autoResume: its use resumes it)"
+    message = (
+        f"The sandbox is paused{why}; resume it with a connect (POST /sandboxes/{sandbox_id}/connect, "
+        f"the SDKs' connect or resume, aenv resume){how}"
+    )
+    body = {"sandboxId": sandbox_id, "message": message, "code": 409, "canAutoResume": False}
+    return JSONResponse({**body, "error_code": "wrong_state"}, status_code=409)
+
+
 def _refusal(request: Request, token: str) -> str | None:
     if request.url.path == "/files" and request.method in ("GET", "POST"):
         return files_refusal(request, token, "read" if request.method == "GET" else "write")
@@ -585,7 +610,7 @@ async def handle(request: Request, node: NodeService, sandbox_id: str) -> Respon
     try:
         sb = await node.ensure_running(sandbox_id)
     except AenvError as exc:
-        return not_woken(sandbox_id, exc)
+        return _paused(node, sandbox_id, exc) or not_woken(sandbox_id, exc)
     request.state.disk_mb = node.limits_of(sb.rec).disk_mb  # what a full disk's answer names
     try:
         return await endpoint(request, sb, _user(request))

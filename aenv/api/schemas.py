@@ -205,6 +205,7 @@ class PauseBody(BaseModel):
 
 class ConnectBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    # None: the sandbox's own timeout (the one it was last given), where E2B's default is 300 s
     timeout: int | None = Field(None, gt=0)
     # false: a paused sandbox boots fresh on its files, whatever its pause kept (E2B's reboot)
     memory: bool = True

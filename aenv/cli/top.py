@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 OPS = ("create", "pause", "resume", "fork", "snapshot", "kill")
+OUTCOMES = ("ok", "nonzero", "timeout", "error", "detached")  # of commands (aenv_commands_total)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,23 @@ def operation_rows(now: Reading, then: Reading | None) -> list[dict[str, Any]]:
     return rows
 
 
+def command_row(now: Reading, then: Reading | None) -> dict[str, Any]:
+    """Commands run in sandboxes: totals by outcome since start, and between the two readings the
+    rate and the percentiles of their start latency (request to running in the sandbox)."""
+    span = now.at - then.at if then is not None else 0.0
+    outcomes = now.stats.get("commands") or {}
+    total = sum(outcomes.values())
+    before = sum((then.stats.get("commands") or {}).values()) if then is not None else total
+    hist = now.stats.get("commandStart") or {"buckets": []}
+    old = dict((then.stats.get("commandStart") or {"buckets": []})["buckets"]) if then is not None else {}
+    window = [(le, count - old.get(le, 0.0)) for le, count in hist["buckets"]]
+    return {
+        "perSecond": (total - before) / span if span > 0 else None,
+        **{outcome: int(outcomes.get(outcome, 0)) for outcome in OUTCOMES},
+        **{name: quantile(q, window) for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
+    }
+
+
 def failure_rows(stats: dict[str, Any]) -> list[tuple[str, str, int]]:
     rows = [(op, reason, int(n)) for op, reasons in stats["failures"].items() for reason, n in reasons.items()]
     return sorted(rows, key=lambda r: -r[2])
@@ -102,10 +120,20 @@ def frame(url: str, now: Reading, then: Reading | None) -> Group:
             str(row["failed"]),
             *(_number(row[p], 3) for p in ("p50", "p90", "p99")),
         )
+    commands = Table(title="commands", title_justify="left", show_edge=False, header_style="bold")
+    for column in ("per s", "exit 0", "exit != 0", "timeout", "error", "detached", "start p50 s", "p90 s", "p99 s"):
+        commands.add_column(column, justify="right")
+    row = command_row(now, then)
+    commands.add_row(
+        _number(row["perSecond"]),
+        *(str(row[outcome]) for outcome in OUTCOMES),
+        *(_number(row[p], 3) for p in ("p50", "p90", "p99")),
+    )
     parts: list[Any] = [
         Text(f"aenv top  {url}  {time.strftime('%H:%M:%S')}  ({len(now.nodes)} node(s))", style="bold"),
         nodes,
         ops,
+        commands,
     ]
     failures = failure_rows(now.stats)
     if failures:

@@ -95,7 +95,16 @@ def _node_row(entry: NodeEntry, answer: Any) -> dict[str, Any]:
 
 def merge_stats(answers: list[Any]) -> dict[str, Any]:
     """The nodes' counters added up (their histograms have the same buckets: the same code)."""
-    total: dict[str, Any] = {"at": 0.0, "nodes": 0, "operations": {}, "failures": {}, "latency": {}, "sandboxes": {}}
+    total: dict[str, Any] = {
+        "at": 0.0,
+        "nodes": 0,
+        "operations": {},
+        "failures": {},
+        "latency": {},
+        "sandboxes": {},
+        "commands": {},
+        "commandStart": {"buckets": {}, "count": 0.0, "sum": 0.0},
+    }
     for answer in answers:
         if not isinstance(answer, dict):
             continue
@@ -106,11 +115,13 @@ def merge_stats(answers: list[Any]) -> dict[str, Any]:
                 into = total[part].setdefault(op, {})
                 for label, value in _mapping(values).items():
                     into[label] = into.get(label, 0.0) + _number(value)
-        for state, value in _mapping(answer.get("sandboxes")).items():
-            total["sandboxes"][state] = total["sandboxes"].get(state, 0.0) + _number(value)
+        for part in ("sandboxes", "commands"):
+            for label, value in _mapping(answer.get(part)).items():
+                total[part][label] = total[part].get(label, 0.0) + _number(value)
+        _add_histogram(total["commandStart"], _mapping(answer.get("commandStart")))
         for op, hist in _mapping(answer.get("latency")).items():
             _add_histogram(total["latency"].setdefault(op, {"buckets": {}, "count": 0.0, "sum": 0.0}), _mapping(hist))
-    for hist in total["latency"].values():
+    for hist in [*total["latency"].values(), total["commandStart"]]:
         hist["buckets"] = sorted(hist["buckets"].items(), key=lambda b: float(b[0]))
     return total
 

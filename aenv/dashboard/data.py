@@ -1,8 +1,9 @@
 """What the dashboard and ``aenv top`` show of one node, as JSON; a gateway merges its nodes' answers.
 
 - ``node_summary``: the node's state, load, capacity and cache use;
-- ``stats``: the counters behind the charts (operations, failures by reason, latency histograms),
-  cumulative since the node started: a viewer takes rates and percentiles from two readings;
+- ``stats``: the counters behind the charts (operations, failures by reason, latency histograms,
+  commands by outcome and their start latency), cumulative since the node started: a viewer takes
+  rates and percentiles from two readings;
 - ``artifacts``: templates and snapshots, their size, commit state and where they are cached;
 - ``family``: a sandbox's fork family on this node.
 """
@@ -69,6 +70,8 @@ def registry_stats() -> dict[str, Any]:
     failures: dict[str, dict[str, float]] = {}
     latency: dict[str, dict[str, Any]] = {}
     sandboxes: dict[str, float] = {}
+    commands: dict[str, float] = {}
+    command_start: dict[str, Any] = {"buckets": {}, "count": 0.0, "sum": 0.0}
     for family in REGISTRY.collect():
         for sample in family.samples:
             labels = sample.labels
@@ -80,9 +83,20 @@ def registry_stats() -> dict[str, Any]:
                 sandboxes[labels["state"]] = sample.value
             elif sample.name.startswith("aenv_operation_seconds_"):
                 _histogram_sample(latency.setdefault(labels["op"], {"buckets": {}, "count": 0.0, "sum": 0.0}), sample)
-    for hist in latency.values():
+            elif sample.name == "aenv_commands_total":
+                commands[labels["outcome"]] = sample.value
+            elif sample.name.startswith("aenv_command_start_seconds_"):
+                _histogram_sample(command_start, sample)
+    for hist in [*latency.values(), command_start]:
         hist["buckets"] = sorted(hist["buckets"].items(), key=lambda b: float(b[0]))
-    return {"operations": operations, "failures": failures, "latency": latency, "sandboxes": sandboxes}
+    return {
+        "operations": operations,
+        "failures": failures,
+        "latency": latency,
+        "sandboxes": sandboxes,
+        "commands": commands,
+        "commandStart": command_start,
+    }
 
 
 def _histogram_sample(hist: dict[str, Any], sample: Any) -> None:

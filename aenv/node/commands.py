@@ -4,6 +4,9 @@ history lives with the sandbox in the node's memory (gone with it, or with a res
 
 The exit code is the one the sandbox's agent reported on the command's stream: the sandbox's own
 word, shown as such; a command whose client stopped following it has none.
+
+Each command is also counted on the node's metrics, once, by how it ended (``OUTCOMES``), and the
+time from its request to its start in the sandbox is observed (``aenv.node.metrics``).
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from aenv.channel import StreamError
+from aenv.node import metrics
 
 MAX_COMMANDS = 50  # per sandbox, the newest kept
 MAX_TEXT = 512  # characters of a command line, a directory, a user or a tag kept
@@ -31,6 +37,8 @@ class CommandRecord:
     exit_code: int | None = None
     status: str | None = None  # the agent's words for how it ended ("exit status 1", "signal: killed")
     error: str | None = None  # the start failed, or the stream ended with an error
+    since: float = field(default_factory=time.monotonic, repr=False)  # its request, for the start latency
+    outcome: str | None = field(default=None, repr=False)  # how it was counted (metrics.COMMAND_OUTCOMES)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -50,6 +58,7 @@ class CommandRecord:
         """The stream's first message: ``{"event": {"start": {"pid": N}}}``."""
         start = _event(first).get("start")
         self.pid = _integer(start.get("pid")) if isinstance(start, dict) else None
+        metrics.COMMAND_START_SECONDS.observe(time.monotonic() - self.since)
 
     def message(self, data: bytes) -> None:
         """A later message of the stream; its end event gives the exit code."""
@@ -66,9 +75,30 @@ class CommandRecord:
         self.status = _clip(status) if isinstance(status, str) else None
         self.ended_at = time.time()
 
-    def failed(self, message: str) -> None:
+    def failed(self, message: str, outcome: str = "error") -> None:
+        """It did not start, or its stream broke (the sandbox or its agent went away)."""
         self.error = _clip(message)
         self.ended_at = self.ended_at or time.time()
+        self._count(outcome)
+
+    def ended(self, error: StreamError | None) -> None:
+        """The stream's END: with the agent's error (the command's timeout killed it, or the
+        sandbox went away), else after the exit code its end event gave."""
+        if error is not None:
+            # deadline_exceeded: the agent's words for a command its own timeout killed
+            self.failed(error.message, "timeout" if error.code == "deadline_exceeded" else "error")
+            return
+        self.ended_at = self.ended_at or time.time()
+        self._count("error" if self.exit_code is None else "ok" if self.exit_code == 0 else "nonzero")
+
+    def detached(self) -> None:
+        """The client stopped following it before its end (the process keeps running)."""
+        self._count("detached")
+
+    def _count(self, outcome: str) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            metrics.COMMANDS.labels(outcome=outcome).inc()
 
 
 class CommandHistory:

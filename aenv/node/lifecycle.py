@@ -177,6 +177,7 @@ class Lifecycle:
             template_id=template_id,
             started_at=now,
             end_at=now + timeout,
+            timeout=timeout,
             auto_pause=auto_pause,
             auto_resume=auto_resume,
             auto_pause_memory=auto_pause_memory,
@@ -279,6 +280,12 @@ class Lifecycle:
             raise InvalidRequest(f"timeout may be at most {self.settings.max_timeout} seconds")
         return timeout
 
+    def _own_timeout(self, rec: SandboxRecord) -> int:
+        """The lease a resume that names none gives: the one the sandbox was last given (a
+        record from another node's repository entry is checked as a request's would be)."""
+        own = rec.timeout
+        return own if type(own) is int and 0 < own <= self.settings.max_timeout else self.settings.default_timeout
+
     async def pause(self, sandbox_id: str, *, keep_memory: bool = True) -> SandboxRecord:
         """Pause a running sandbox. Without ``keep_memory`` only its file system is kept (E2B's
         filesystem-only pause): its processes end and the resume boots it fresh."""
@@ -331,11 +338,14 @@ class Lifecycle:
             # durably paused on a node that is gone, draining or full: taken over here
             await self.adopter(sandbox_id, owner_full)
         sb = self.get(sandbox_id)
-        timeout_s = self._check_timeout(timeout)
+        # Without a timeout it keeps its own (E2B restarts it at 300 s): a 600 s sandbox paused and
+        # resumed runs 600 s again; one that names a timeout makes it the sandbox's own.
+        timeout_s = self._check_timeout(timeout) if timeout is not None else self._own_timeout(sb.rec)
 
         async def run() -> tuple[SandboxRecord, bool]:
             if sb.state == S.RUNNING:
-                sb.rec.end_at = max(sb.rec.end_at, time.time() + timeout_s)
+                sb.rec.end_at = max(sb.rec.end_at, time.time() + timeout_s)  # as E2B: only extended
+                sb.rec.timeout = timeout_s
                 await self.store.put_sandbox(sb.rec)
                 return sb.rec, False
             # A resume takes a running sandbox's room, as a create does (429: a gateway takes a
@@ -371,6 +381,7 @@ class Lifecycle:
                 sb.rec.durable_at = 0.0
                 self.spawn(self.artifacts.forget_pause(sb.id))  # it runs here now
             sb.rec.end_at = time.time() + timeout_s
+            sb.rec.timeout = timeout_s
             await self._set_state(sb, S.RUNNING)
             return sb.rec, True
 
@@ -566,7 +577,7 @@ class Lifecycle:
             children: list[LiveSandbox] = []
             try:
                 for _ in range(min(count, self._room()[0])):
-                    children.append(await self._child_of(sb, layers, now, ttl))
+                    children.append(await self._child_of(sb, layers, now, ttl, child_timeout))
                 # From the count to the entries nothing awaits: concurrent creates and forks cannot
                 # overfill the node. Children past its room are answered with the limit instead.
                 room, limit = self._room()
@@ -609,7 +620,11 @@ class Lifecycle:
 
         return await self._operate(sb, "fork", run, join=False)
 
-    async def _child_of(self, sb: LiveSandbox, layers: list[str], now: float, ttl: int) -> LiveSandbox:
+    async def _child_of(
+        self, sb: LiveSandbox, layers: list[str], now: float, ttl: int, timeout: int | None
+    ) -> LiveSandbox:
+        """A child runs for what its source has left (``ttl``) unless the fork names a ``timeout``;
+        its own timeout, for its resumes, is the one named, else its source's."""
         src = sb.rec
         upper = await self.files.new_upper(self.limits_of(src).disk_mb)
         rec = SandboxRecord(
@@ -617,6 +632,7 @@ class Lifecycle:
             template_id=src.template_id,
             started_at=now,
             end_at=now + ttl,
+            timeout=timeout if timeout is not None else self._own_timeout(src),
             auto_pause=src.auto_pause,
             auto_resume=src.auto_resume,
             auto_pause_memory=src.auto_pause_memory,
@@ -670,6 +686,8 @@ class Lifecycle:
         sb = self.get(sandbox_id)
         timeout = 0 if type(timeout) is int and timeout == 0 else self._check_timeout(timeout)
         sb.rec.end_at = time.time() + timeout
+        if timeout:  # 0 ends this run; its resumes get the lease it had
+            sb.rec.timeout = timeout
         await self.store.put_sandbox(sb.rec)
         return sb.rec
 

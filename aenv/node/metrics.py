@@ -56,6 +56,24 @@ WAKES = Gauge(
     "aenv_doze_wakes", "Times a dozing sandbox was thawed by a request or an operation since the node started"
 )
 MAX_SANDBOXES = Gauge("aenv_max_sandboxes", "Sandboxes this node may run at once (AENV_MAX_SANDBOXES)")
+# Commands started through envd (process.Start: exec, E2B's commands.run, PTYs), each counted once.
+COMMAND_OUTCOMES = ("ok", "nonzero", "timeout", "error", "detached")
+COMMANDS = Counter(
+    "aenv_commands_total",
+    "Commands run in sandboxes, by how they ended: ok (exit 0), nonzero (another exit code or a signal), "
+    "timeout (killed at their own timeout), error (did not start, or the sandbox or its agent went away), "
+    "detached (the client stopped following before the end; the process ran on)",
+    ["outcome"],
+)
+for _outcome in COMMAND_OUTCOMES:
+    COMMANDS.labels(outcome=_outcome)  # every outcome exported from the start, at 0
+# From the request to the command running in the sandbox (the agent's start event): the node's and the
+# agent's share of an exec (the channel, a dozing sandbox's wake, the spawn), whatever the command does.
+COMMAND_START_SECONDS = Histogram(
+    "aenv_command_start_seconds",
+    "Seconds from a command's request to its start in the sandbox (its pid known)",
+    buckets=(0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+)
 
 
 def operation_failed(op: str, exc: BaseException) -> None:

@@ -32,6 +32,9 @@ class SandboxRecord:
     template_id: str
     started_at: float
     end_at: float
+    # The lease it was last given, in seconds (its create, a set_timeout, a resume naming one): what
+    # a resume that names none gives it again (0: a record from before, the node's default).
+    timeout: int = 0
     # A new sandbox is being created; every later change is Node._set_state's (checked).
     state: SandboxState = SandboxState.CREATING
     auto_pause: bool = False

@@ -26,9 +26,11 @@ from aenv.errors import (
     Unauthenticated,
     WrongState,
 )
-from aenv.sdk._async import AsyncClient, AsyncSandbox, BuildError, CommandResult, PtySession, SandboxInfo
+from aenv.sdk._async import AsyncClient, AsyncSandbox, SandboxInfo
 from aenv.sdk._rl import fork_group
-from aenv.sdk._sync import Client, Sandbox
+from aenv.sdk._sync import Client, Pty, Sandbox
+from aenv.sdk._templates import BuildError
+from aenv.sdk._wire import DEFAULT_EXEC_TIMEOUT, CommandResult, PtySession
 
 __all__ = [
     "AenvError",
@@ -38,10 +40,12 @@ __all__ = [
     "Client",
     "CommandResult",
     "Conflict",
+    "DEFAULT_EXEC_TIMEOUT",
     "InvalidRequest",
     "LimitExceeded",
     "NotFound",
     "OperationTimeout",
+    "Pty",
     "PtySession",
     "Sandbox",
     "SandboxError",

@@ -4,88 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import json
 import os
-import secrets
-import struct
-import tarfile
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 import httpx
 
-from aenv.errors import AenvError, InvalidRequest, OperationTimeout, SandboxError, from_body
+from aenv.errors import AenvError, from_body
 from aenv.sdk._config import ClientConfig
-
-
-class BuildError(AenvError):
-    """A template build failed: ``step`` is the Dockerfile line, ``output`` what it printed."""
-
-    def __init__(self, body: dict[str, Any]) -> None:
-        super().__init__(str(body.get("message", "build failed")), status=int(body.get("code", 400)))
-        self.step = body.get("step")
-        self.output = str(body.get("output") or "")
-
-
-ProgressFn = Callable[[int, int], None]  # (bytes sent, bytes in all)
-UPLOAD_CHUNK = 1 << 20
-
-
-async def _chunks_of(source: BinaryIO, total: int, on_progress: ProgressFn | None) -> AsyncIterator[bytes]:
-    """``source``'s bytes in chunks, read off the event loop, telling ``on_progress`` as they go."""
-    sent = 0
-    while chunk := await asyncio.to_thread(source.read, UPLOAD_CHUNK):
-        sent += len(chunk)
-        yield chunk
-        if on_progress is not None:
-            on_progress(sent, total)
-
-
-async def _template_stream(
-    r: httpx.Response, on_log: Callable[[str], None] | None, on_progress: Callable[[int, int, int, int], None] | None
-) -> dict[str, Any]:
-    """A build's or pull's NDJSON lines: logs and progress handed on, then its template or error."""
-    if r.status_code not in (200, 201):
-        await r.aread()
-        _raise_for(r)
-    async for line in r.aiter_lines():
-        if not line.strip():
-            continue
-        item = json.loads(line)
-        if "log" in item and on_log is not None:
-            on_log(item["log"])
-        elif "progress" in item and on_progress is not None:
-            p = item["progress"]
-            on_progress(p["layer"], p["layers"], p["done"], p["total"])
-        elif "template" in item:
-            result: dict[str, Any] = item["template"]
-            return result
-        elif "error" in item:
-            raise BuildError(item["error"])
-    raise AenvError("the template's stream ended without a result")
-
-
-def _pack_context(into: BinaryIO, context: Path, outside: Path | None, dockerfile: str) -> None:
-    with tarfile.open(fileobj=into, mode="w:gz") as tar:
-        tar.add(str(context), arcname=".")
-        if outside is not None:
-            tar.add(str(outside), arcname=dockerfile)
-
-
-ENVD_PORT = 49983
-ENVELOPE = struct.Struct("!BI")
-OutputFn = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class CommandResult:
-    exit_code: int
-    stdout: str
-    stderr: str
-    error: str | None = None
+from aenv.sdk._templates import ProgressFn, _chunks_of, _pack_context, _recipe_in, _template_stream
+from aenv.sdk._wire import (
+    DEFAULT_EXEC_TIMEOUT,
+    ENVD_PORT,
+    CommandResult,
+    OutputFn,
+    PtySession,
+    raise_for_envd,
+)
+from aenv.sdk._wire import connect_error as _connect_error
+from aenv.sdk._wire import envelope as _envelope
+from aenv.sdk._wire import envelopes as _envelopes
+from aenv.sdk._wire import raise_for as _raise_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,80 +55,6 @@ class SandboxInfo:
             parent_id=body.get("parentID"),
             raw=dict(body),
         )
-
-
-def _raise_for(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
-    try:
-        body: Any = response.json()
-    except ValueError:
-        body = response.text
-    raise from_body(response.status_code, body)
-
-
-def _envelope(msg: Any) -> bytes:
-    payload = json.dumps(msg).encode()
-    return ENVELOPE.pack(0, len(payload)) + payload
-
-
-async def _envelopes(response: httpx.Response) -> AsyncIterator[tuple[int, Any]]:
-    buf = b""
-    async for chunk in response.aiter_bytes():
-        buf += chunk
-        while len(buf) >= ENVELOPE.size:
-            flags, length = ENVELOPE.unpack_from(buf)
-            if len(buf) < ENVELOPE.size + length:
-                break
-            payload = buf[ENVELOPE.size : ENVELOPE.size + length]
-            buf = buf[ENVELOPE.size + length :]
-            yield flags, json.loads(payload) if payload else {}
-
-
-def _connect_error(body: Mapping[str, Any]) -> AenvError:
-    code, message = str(body.get("code", "unknown")), str(body.get("message", ""))
-    if code == "deadline_exceeded":
-        return OperationTimeout(message)
-    if code in ("invalid_argument", "not_found", "already_exists"):
-        return InvalidRequest(f"{code}: {message}")
-    return SandboxError(f"{code}: {message}")
-
-
-class PtySession:
-    """An interactive shell inside a sandbox: output events and input, resize, wait."""
-
-    def __init__(
-        self, sandbox: AsyncSandbox, response: httpx.Response, stream: AsyncIterator[tuple[int, Any]], pid: int
-    ) -> None:
-        self.sandbox = sandbox
-        self.pid = pid
-        self._response = response
-        self._stream = stream
-        self.exit_code: int | None = None
-
-    async def output(self) -> AsyncIterator[bytes]:
-        async for flags, msg in self._stream:
-            if flags & 0x02:
-                return
-            event = msg.get("event", {})
-            if "data" in event:
-                yield base64.b64decode(event["data"].get("pty", ""))
-            elif "end" in event:
-                self.exit_code = int(event["end"].get("exitCode", -1))
-
-    async def send(self, data: bytes) -> None:
-        await self.sandbox._rpc(
-            "process.Process/SendInput",
-            {"process": {"pid": self.pid}, "input": {"pty": base64.b64encode(data).decode()}},
-        )
-
-    async def resize(self, cols: int, rows: int) -> None:
-        await self.sandbox._rpc(
-            "process.Process/Update", {"process": {"pid": self.pid}, "pty": {"size": {"cols": cols, "rows": rows}}}
-        )
-
-    async def close(self) -> None:
-        await self._response.aclose()
 
 
 class AsyncSandbox:
@@ -215,8 +85,8 @@ class AsyncSandbox:
 
     async def _rpc(self, path: str, msg: Mapping[str, Any]) -> Any:
         r = await self.client._http.post(f"/{path}", json=msg, headers=self._headers({"Connect-Protocol-Version": "1"}))
-        if r.status_code == 502:
-            raise SandboxError(f"sandbox {self.sandbox_id} is not running", sandbox_id=self.sandbox_id)
+        if r.status_code in (409, 502):  # the node's answer for a paused or gone sandbox
+            raise_for_envd(r, self.sandbox_id)
         if r.status_code >= 400:
             raise _connect_error(r.json())
         return r.json()
@@ -228,11 +98,16 @@ class AsyncSandbox:
         user: str | None = None,
         cwd: str | None = None,
         envs: Mapping[str, str] | None = None,
-        timeout: float | None = 60,
+        timeout: float | None = DEFAULT_EXEC_TIMEOUT,
         on_stdout: OutputFn | None = None,
         on_stderr: OutputFn | None = None,
     ) -> CommandResult:
-        """Run a command (a shell string through `bash -l -c`, or an argv list) and wait for it."""
+        """Run a command (a shell string through `bash -l -c`, or an argv list) and wait for it.
+
+        ``timeout``: seconds the command may run, 60 by default (``DEFAULT_EXEC_TIMEOUT``); past
+        it the sandbox's agent kills it and this raises ``OperationTimeout``. ``None`` or 0: no
+        limit. A non-zero exit is no error: see ``exit_code``. On a paused sandbox this raises
+        ``WrongState`` (resume it first) unless it was created with ``auto_resume``."""
         argv = ["/bin/bash", "-l", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         process: dict[str, Any] = {"cmd": argv[0], "args": argv[1:]}
         if envs:
@@ -257,7 +132,7 @@ class AsyncSandbox:
         ) as response:
             if response.status_code != 200:
                 await response.aread()
-                _raise_for(response)
+                raise_for_envd(response, self.sandbox_id)
             async for flags, msg in _envelopes(response):
                 if flags & 0x02:
                     if msg.get("error"):
@@ -280,6 +155,7 @@ class AsyncSandbox:
     async def pty(
         self, *, cols: int = 80, rows: int = 24, user: str | None = None, cmd: list[str] | None = None
     ) -> PtySession:
+        """An interactive terminal running ``cmd`` (a login shell by default) of ``cols`` x ``rows``."""
         argv = cmd or ["/bin/bash", "-i", "-l"]
         body = {
             "process": {"cmd": argv[0], "args": argv[1:], "envs": {"TERM": "xterm-256color", "LANG": "C.UTF-8"}},
@@ -298,7 +174,7 @@ class AsyncSandbox:
         response = await self.client._http.send(request, stream=True)
         if response.status_code != 200:
             await response.aread()
-            _raise_for(response)
+            raise_for_envd(response, self.sandbox_id)
         stream = _envelopes(response)
         flags, first = await stream.__anext__()
         if flags & 0x02:
@@ -307,6 +183,7 @@ class AsyncSandbox:
         return PtySession(self, response, stream, int(first["event"]["start"]["pid"]))
 
     async def write(self, path: str, data: bytes | str, *, user: str | None = None) -> None:
+        """Write ``data`` (text as UTF-8) to ``path`` in the sandbox, making its directories."""
         payload = data.encode() if isinstance(data, str) else data
         params = {"path": path, **({"username": user} if user else {})}
         r = await self.client._http.post(
@@ -315,7 +192,7 @@ class AsyncSandbox:
             content=payload,
             headers=self._headers({"Content-Type": "application/octet-stream"}),
         )
-        _raise_for(r)
+        raise_for_envd(r, self.sandbox_id)
 
     async def write_from(
         self,
@@ -337,13 +214,14 @@ class AsyncSandbox:
                 headers=self._headers({"Content-Type": "application/octet-stream", "Content-Length": str(total)}),
                 timeout=httpx.Timeout(30, write=None, read=None),
             )
-        _raise_for(r)
+        raise_for_envd(r, self.sandbox_id)
         return total
 
     async def read(self, path: str, *, user: str | None = None) -> bytes:
+        """The bytes of ``path`` in the sandbox."""
         params = {"path": path, **({"username": user} if user else {})}
         r = await self.client._http.get("/files", params=params, headers=self._headers())
-        _raise_for(r)
+        raise_for_envd(r, self.sandbox_id)
         return r.content
 
     async def read_to(
@@ -355,7 +233,7 @@ class AsyncSandbox:
         async with self.client._http.stream("GET", "/files", params={"path": path}, headers=self._headers()) as r:
             if r.status_code >= 400:
                 await r.aread()
-                _raise_for(r)
+                raise_for_envd(r, self.sandbox_id)
             length = r.headers.get("content-length", "")
             if on_size is not None and length.isdigit():
                 on_size(int(length))
@@ -365,15 +243,18 @@ class AsyncSandbox:
         return total
 
     async def ls(self, path: str = "", *, depth: int = 1) -> list[dict[str, Any]]:
+        """The entries of directory ``path`` (``depth`` levels down), as envd lists them."""
         body = await self._rpc("filesystem.Filesystem/ListDir", {"path": path, "depth": depth})
         entries: list[dict[str, Any]] = body.get("entries", [])
         return entries
 
     async def remove(self, path: str) -> None:
+        """Remove a file or a directory with everything in it."""
         await self._rpc("filesystem.Filesystem/Remove", {"path": path})
 
     # -- control plane ---------------------------------------------------------------------------------
     async def info(self) -> SandboxInfo:
+        """Its state, template, metadata and times (``end_at``: when its timeout ends it)."""
         return SandboxInfo.from_json(await self.client._get(f"/sandboxes/{self.sandbox_id}"))
 
     async def pause(self, *, keep_memory: bool = True) -> None:
@@ -382,6 +263,9 @@ class AsyncSandbox:
         await self.client._post(f"/sandboxes/{self.sandbox_id}/pause", {"memory": keep_memory})
 
     async def resume(self, *, timeout: int | None = None) -> None:
+        """Resume a paused sandbox (a running one is left running). Without ``timeout`` it runs
+        for its own timeout again (the one it was created with, or last given by ``set_timeout``
+        or a resume); with one, that becomes its timeout. A running sandbox's is only extended."""
         body = await self.client._post(
             f"/v2/sandboxes/{self.sandbox_id}/connect", {"timeout": timeout} if timeout else {}
         )
@@ -402,23 +286,41 @@ class AsyncSandbox:
         if timeout is not None:
             payload["timeout"] = timeout
         items = await self.client._post(f"/sandboxes/{self.sandbox_id}/fork", payload)
-        children = [AsyncSandbox(self.client, it["sandbox"]) for it in items if "sandbox" in it]
-        errors = [it["error"] for it in items if "error" in it]
-        if errors:
-            for child in children:
-                await child.kill()
-            raise from_body(int(errors[0].get("code", 500)), errors[0])
+        children = [AsyncSandbox(self.client, it["sandbox"]) for it in items if _made(it)]
+        try:
+            if len(children) != len(items) or not children:
+                errors = [it["error"] for it in items if isinstance(it, dict) and isinstance(it.get("error"), dict)]
+                error = errors[0] if errors else {"message": f"the fork answered {len(children)} of {count} children"}
+                raise from_body(int(error.get("code", 500)), error)
+        except BaseException:
+            await kill_all(children)
+            raise
         return children
 
     async def set_timeout(self, seconds: int) -> None:
+        """The sandbox ends (is paused or killed) ``seconds`` from now; a later resume without a
+        timeout gives it ``seconds`` again."""
         await self.client._post(f"/sandboxes/{self.sandbox_id}/timeout", {"timeout": seconds})
 
     async def kill(self) -> bool:
+        """Kill it; False if it was already gone."""
         r = await self.client._http.delete(f"/sandboxes/{self.sandbox_id}", headers=self.client._auth)
         if r.status_code == 404:
             return False
         _raise_for(r)
         return True
+
+
+def _made(item: Any) -> bool:
+    child = item.get("sandbox") if isinstance(item, dict) else None
+    return isinstance(child, dict) and isinstance(child.get("sandboxID"), str)
+
+
+async def kill_all(sandboxes: list[AsyncSandbox]) -> None:
+    """Kill them all, each whatever happens to the others; shielded, so that a cancellation does
+    not leave some of them running (the kills go on)."""
+    if sandboxes:
+        await asyncio.shield(asyncio.gather(*(s.kill() for s in sandboxes), return_exceptions=True))
 
 
 class AsyncClient:
@@ -438,6 +340,7 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the client's connections (its sandboxes live on)."""
         await self._http.aclose()
 
     async def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
@@ -460,14 +363,19 @@ class AsyncClient:
         auto_pause: bool = False,
         keep_memory: bool = True,
         limits: Mapping[str, Any] | None = None,
+        auto_resume: bool = False,
     ) -> AsyncSandbox:
         """A new sandbox; with ``auto_pause`` its timeout pauses it (keeping only its file system
-        unless ``keep_memory``) instead of killing it."""
+        unless ``keep_memory``) instead of killing it; with ``auto_resume`` its use (a command, a
+        file, its ports) resumes it when paused with its memory. ``timeout``: seconds it runs
+        (the node's default, 300, when None), and again after each resume that names none."""
         body: dict[str, Any] = {"templateID": template, "metadata": dict(metadata or {}), "envVars": dict(envs or {})}
         if timeout is not None:
             body["timeout"] = timeout
         if auto_pause:
             body["autoPause"] = True
+        if auto_resume:
+            body["autoResume"] = True
         if not keep_memory:
             body["autoPauseMemory"] = False
         if limits:
@@ -475,13 +383,15 @@ class AsyncClient:
         return AsyncSandbox(self, await self._post("/v2/sandboxes", body))
 
     async def connect(self, sandbox_id: str, *, timeout: int | None = None) -> AsyncSandbox:
-        """A handle on an existing sandbox; a paused one is resumed."""
+        """A handle on an existing sandbox; a paused one is resumed, with its own timeout unless
+        ``timeout`` names one (as a sandbox's ``resume``)."""
         body = await self._post(f"/v2/sandboxes/{sandbox_id}/connect", {"timeout": timeout} if timeout else {})
         return AsyncSandbox(self, body)
 
     async def list(
         self, *, state: list[str] | None = None, metadata: Mapping[str, str] | None = None
     ) -> list[SandboxInfo]:
+        """The sandboxes in these states (all when ``state`` is None) with this metadata."""
         from urllib.parse import quote
 
         params: dict[str, Any] = {}
@@ -489,7 +399,7 @@ class AsyncClient:
             params["state"] = ",".join(state)
         if metadata:
             params["metadata"] = "&".join(f"{quote(k)}={quote(v)}" for k, v in metadata.items())
-        out: list[SandboxInfo] = []
+        out: builtins.list[SandboxInfo] = []
         token: str | None = None
         while True:
             if token:
@@ -501,8 +411,9 @@ class AsyncClient:
             if not token:
                 return out
 
-    async def templates(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = await self._get("/templates")
+    async def templates(self) -> builtins.list[dict[str, Any]]:
+        """The node's templates."""
+        result: builtins.list[dict[str, Any]] = await self._get("/templates")
         return result
 
     async def warm_pool(self, template: str, size: int | None | Literal["keep"] = "keep") -> dict[str, Any]:
@@ -588,7 +499,7 @@ class AsyncClient:
         may be anywhere (as ``docker build -f``): one outside the context is sent along with it
         under a name of its own."""
         dockerfile, outside = _recipe_in(Path(context), dockerfile)
-        params: list[tuple[str, str]] = [("name", name), ("dockerfile", dockerfile)]
+        params: builtins.list[tuple[str, Any]] = [("name", name), ("dockerfile", dockerfile)]
         params += [("buildArg", f"{k}={v}") for k, v in (build_args or {}).items()]
         # Packed to a temporary file, not memory: contexts of several GiB exist (datasets, weights).
         with tempfile.TemporaryFile() as packed:
@@ -601,7 +512,7 @@ class AsyncClient:
         self,
         packed: BinaryIO,
         size: int,
-        params: list[tuple[str, str]],
+        params: builtins.list[tuple[str, Any]],
         on_log: Callable[[str], None] | None,
         on_upload: ProgressFn | None,
     ) -> dict[str, Any]:
@@ -612,9 +523,9 @@ class AsyncClient:
         ) as r:
             return await _template_stream(r, on_log, None)
 
-    async def nodes(self) -> list[dict[str, Any]]:
+    async def nodes(self) -> builtins.list[dict[str, Any]]:
         """A cluster's nodes with their load (a gateway's ``GET /nodes``; a lone node has none)."""
-        result: list[dict[str, Any]] = await self._get("/nodes")
+        result: builtins.list[dict[str, Any]] = await self._get("/nodes")
         return result
 
     async def node(self, node_id: str) -> dict[str, Any]:
@@ -658,7 +569,8 @@ class AsyncClient:
 
     async def overview(self) -> dict[str, Any]:
         """What the dashboard shows of a node or a cluster: ``nodes`` (state, load, capacity,
-        cache use) and ``stats`` (lifecycle counters and latency histograms since start)."""
+        cache use) and ``stats`` (lifecycle counters and latency histograms, commands by outcome
+        and their start latency, since start)."""
         nodes, stats = await asyncio.gather(self._get("/dashboard/api/nodes"), self._get("/dashboard/api/stats"))
         return {"nodes": nodes, "stats": stats}
 
@@ -672,9 +584,9 @@ class AsyncClient:
         result: dict[str, Any] = await self._post("/repository/gc", {})
         return result
 
-    async def snapshots(self) -> list[dict[str, Any]]:
+    async def snapshots(self) -> builtins.list[dict[str, Any]]:
         """Every snapshot, newest first (the API answers them in pages)."""
-        out: list[dict[str, Any]] = []
+        out: builtins.list[dict[str, Any]] = []
         params: dict[str, Any] = {}
         while True:
             r = await self._http.get("/snapshots", params=params, headers=self._auth)
@@ -685,16 +597,6 @@ class AsyncClient:
                 return out
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete a snapshot (sandboxes made from it live on)."""
         r = await self._http.delete(f"/snapshots/{snapshot_id}", headers=self._auth)
         _raise_for(r)
-
-
-def _recipe_in(context: Path, dockerfile: str) -> tuple[str, Path | None]:
-    """The Dockerfile's name in the build context, and the file to add to the context when it is
-    outside it (an absolute path elsewhere)."""
-    if not os.path.isabs(dockerfile):
-        return dockerfile, None
-    recipe, root = Path(dockerfile).resolve(), context.resolve()
-    if recipe.is_relative_to(root):
-        return recipe.relative_to(root).as_posix(), None
-    return f".aenv-dockerfile-{secrets.token_hex(6)}", recipe

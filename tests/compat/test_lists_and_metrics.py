@@ -355,6 +355,6 @@ def test_timed_out_sandboxes_read_paused_promptly(tagged: list[Sandbox], tag: st
         time.sleep(0.1)
     assert seen and [s for s in seen if s[2] != SandboxState.PAUSED] == []
     assert not expiring[0].is_running()
-    expiring[0].connect()
+    expiring[0].connect(timeout=120)  # without one it would get its own again: the 2 s set above
     assert expiring[0].get_info().state == SandboxState.RUNNING
     assert expiring[0].commands.run("echo back").stdout == "back\n"

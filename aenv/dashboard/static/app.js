@@ -8,6 +8,8 @@ const REFRESH_MS = 2000;
 const WINDOW_S = 30; // rates and percentiles over the last 30 s of readings
 const POINTS = 90; // points kept on a live chart
 const OPS = ["create", "pause", "resume", "fork", "snapshot", "kill"];
+// How commands run in sandboxes ended (aenv_commands_total), with their column titles
+const OUTCOMES = [["ok", "Exit 0"], ["nonzero", "Exit ≠ 0"], ["timeout", "Timeout"], ["error", "Error"], ["detached", "Detached"]];
 const COLORS = ["#2f6fdf", "#1f9d55", "#c98a00", "#8e44ad", "#16a2b8", "#d64545", "#6a7383"];
 
 class NeedKey extends Error {}
@@ -173,6 +175,27 @@ function record(stats) {
   }
 }
 
+function commandsTable(stats) {
+  // Totals by outcome since start; the rate and start latency (request to running in the sandbox)
+  // over the window of readings, as the operations' charts.
+  const first = readings[0];
+  const span = first ? readings[readings.length - 1].t - first.t : 0;
+  const total = (s) => Object.values(s.commands || {}).reduce((a, b) => a + b, 0);
+  const delta = first ? bucketDelta(stats.commandStart || { buckets: [] }, first.stats.commandStart) : [];
+  const fixed = (v, digits) => (v === null || v === undefined ? "—" : v.toFixed(digits));
+  const row = { rate: span > 0 ? fixed(Math.max(0, (total(stats) - total(first.stats)) / span), 2) : "—" };
+  for (const [outcome] of OUTCOMES) row[outcome] = (stats.commands || {})[outcome] || 0;
+  for (const [q, name] of [[0.5, "p50"], [0.9, "p90"], [0.99, "p99"]]) row[name] = fixed(quantile(q, delta), 3);
+  return table(
+    [
+      { title: `Per second (last ${WINDOW_S}s)`, num: true, cell: (r) => r.rate },
+      ...OUTCOMES.map(([outcome, title]) => ({ title, num: true, cell: (r) => r[outcome] })),
+      ...["p50", "p90", "p99"].map((name) => ({ title: `Start ${name} (s)`, num: true, cell: (r) => r[name] })),
+    ],
+    [row],
+  );
+}
+
 // -- views --------------------------------------------------------------------------------------
 function loginView(main, message) {
   const input = h("input", { type: "password", name: "key", autocomplete: "current-password", placeholder: "API key", required: true });
@@ -229,6 +252,7 @@ function overviewView(main) {
   const rateCanvas = h("canvas", { id: "chart-rates" });
   const latencyCanvas = h("canvas", { id: "chart-latency" });
   const failureCanvas = h("canvas", { id: "chart-failures" });
+  const commands = h("div", { id: "commands" });
   main.replaceChildren(
     h("h1", {}, "Overview"),
     cards,
@@ -242,6 +266,8 @@ function overviewView(main) {
       h("div", { class: "panel" }, h("strong", {}, "Latency (s) of "), opSelect, h("div", { class: "chart-box" }, latencyCanvas)),
       h("div", { class: "panel" }, h("strong", {}, "Failures by reason (since start)"), h("div", { class: "chart-box" }, failureCanvas)),
     ),
+    h("h2", {}, "Commands in sandboxes"),
+    commands,
   );
   opSelect.addEventListener("change", () => {
     for (const name of ["p50", "p90", "p99"]) series[name].length = 0;
@@ -287,6 +313,7 @@ function overviewView(main) {
     failures.data.labels = reasons.map((r) => r[0]);
     failures.data.datasets[0].data = reasons.map((r) => r[1]);
     failures.update();
+    commands.replaceChildren(commandsTable(stats));
   };
 }
 

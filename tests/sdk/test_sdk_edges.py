@@ -1,0 +1,214 @@
+"""The SDK's sharp edges, on real nodes: a resume keeps the sandbox's own timeout, fork groups in
+both faces clean up whatever happens, and a command on a paused sandbox says it is paused.
+
+Each was seen failing before its fix: the resume gave 300 s to a 600 s sandbox (every way back:
+SDK resume or connect, E2B's connect, the API's connect, auto-resume); the sync fork group raised
+TypeError and the async one, handed a sync sandbox, forked and left its children running; exec on a
+paused sandbox said "not found" (a 502 from the node, which the SDK raised as UpstreamError)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import pytest
+
+from aenv.sdk import (
+    AsyncClient,
+    AsyncSandbox,
+    Client,
+    LimitExceeded,
+    OperationTimeout,
+    Sandbox,
+    SandboxInfo,
+    WrongState,
+    fork_group,
+)
+from tests.conftest import API_KEY, DATA_DIR, Server, start_busybox_node
+
+pytestmark = pytest.mark.sandbox
+SH = ["/bin/sh", "-c"]
+
+
+def left(info: SandboxInfo) -> float:
+    """Seconds until the sandbox's timeout ends it."""
+    return datetime.fromisoformat(info.end_at.replace("Z", "+00:00")).timestamp() - time.time()
+
+
+def assert_lease(info: SandboxInfo, seconds: int) -> None:
+    assert seconds - 30 < left(info) <= seconds + 1, (seconds, info.end_at, info.state)
+
+
+# -- the timeout across a pause ---------------------------------------------------------------------
+async def test_a_resume_keeps_the_sandbox_timeout(server: Server) -> None:
+    async with AsyncClient(server.url, API_KEY) as client:
+        sbx = await client.create(timeout=600)
+        try:
+            await sbx.pause()
+            await sbx.resume()
+            assert_lease(await sbx.info(), 600)
+            await sbx.pause()
+            await sbx.resume(timeout=120)  # a resume that names one sets it
+            assert_lease(await sbx.info(), 120)
+            await sbx.pause()
+            await client.connect(sbx.sandbox_id)  # a handle by id resumes it too
+            assert_lease(await sbx.info(), 120)
+            await sbx.set_timeout(900)
+            await sbx.pause()
+            await sbx.resume()
+            assert_lease(await sbx.info(), 900)
+            await sbx.set_timeout(1200)
+            await sbx.resume()  # running: only ever extended
+            assert_lease(await sbx.info(), 1200)
+            (child,) = await sbx.fork(1)  # a child runs what its source has left, and keeps its timeout
+            try:
+                await child.pause()
+                await child.resume()
+                assert_lease(await child.info(), 1200)
+            finally:
+                await child.kill()
+        finally:
+            await sbx.kill()
+
+
+def test_every_way_back_keeps_it(server: Server, e2b_env: Server, api: httpx.Client) -> None:
+    from e2b import Sandbox as E2BSandbox
+
+    with Client(server.url, API_KEY) as client, client.create(timeout=700, auto_resume=True) as sbx:
+        sbx.pause()
+        client.connect(sbx.sandbox_id)
+        assert_lease(sbx.info(), 700)
+        sbx.pause()
+        E2BSandbox.connect(sbx.sandbox_id)  # E2B's SDK sends no timeout when given none
+        assert_lease(sbx.info(), 700)
+        sbx.pause()
+        r = api.post(f"/v2/sandboxes/{sbx.sandbox_id}/connect", json={})
+        assert r.status_code == 201, r.text
+        assert_lease(sbx.info(), 700)
+        sbx.pause()
+        assert sbx.exec("echo woken").stdout == "woken\n"  # auto-resume: its use brings it back
+        info = sbx.info()
+        assert info.state == "running"
+        assert_lease(info, 700)
+
+
+# -- a paused sandbox -------------------------------------------------------------------------------
+def test_exec_errors_say_what_happened(server: Server) -> None:
+    """Past its limit a command is killed (OperationTimeout); on a paused sandbox every data-plane
+    call says it is paused and how to resume it (WrongState), and nothing wakes it."""
+    with Client(server.url, API_KEY) as client, client.create(timeout=300) as sbx:
+        started = time.monotonic()
+        with pytest.raises(OperationTimeout):
+            sbx.exec("sleep 30", timeout=1)
+        assert time.monotonic() - started < 20  # a liveness bound: the limit ended it, not the command
+        sbx.write("/home/user/kept", "still here")
+        sbx.pause()
+        attempts = [
+            lambda: sbx.exec("true"),
+            lambda: sbx.exec(["/bin/true"], timeout=None),
+            lambda: sbx.read("/home/user/kept"),
+            lambda: sbx.read_to("/home/user/kept", lambda chunk: None),
+            lambda: sbx.write("/home/user/other", "x"),
+            lambda: sbx.ls("/home/user"),
+            lambda: sbx.pty(),
+        ]
+        for attempt in attempts:
+            with pytest.raises(WrongState) as caught:
+                attempt()
+            message = str(caught.value)
+            assert "paused" in message and "resume" in message and "not found" not in message, message
+            assert caught.value.sandbox_id == sbx.sandbox_id
+        assert sbx.info().state == "paused"  # nothing woke it
+        sbx.resume()
+        assert sbx.read("/home/user/kept") == b"still here"
+        with client.create(timeout=300, auto_resume=True) as woken:
+            woken.pause(keep_memory=False)  # auto-resume restores a memory, never reboots
+            with pytest.raises(WrongState, match="without its memory"):
+                woken.exec("true")
+            assert woken.info().state == "paused"
+
+
+def test_the_api_says_paused_in_e2b_words(server: Server, e2b_env: Server, api: httpx.Client) -> None:
+    from e2b import Sandbox as E2BSandbox
+    from e2b.exceptions import SandboxException
+
+    r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120})
+    sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
+    try:
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        routed = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983", "X-Access-Token": token}
+        for method, path, body in [
+            ("POST", "/filesystem.Filesystem/Stat", b'{"path": "/"}'),
+            ("POST", "/process.Process/List", b"{}"),
+            ("GET", "/files?path=/etc/hostname", b""),
+        ]:
+            headers = {**routed, "Content-Type": "application/json"}
+            r = httpx.request(method, server.url + path, headers=headers, content=body)
+            answer = r.json()
+            assert r.status_code == 409 and answer["message"].startswith("The sandbox is paused"), (path, r.text)
+            assert answer["canAutoResume"] is False and answer["sandboxId"] == sid and "connect" in answer["message"]
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+        sbx = E2BSandbox.connect(sid)
+        sbx.pause()
+        with pytest.raises(SandboxException, match="The sandbox is paused"):
+            sbx.commands.run("true", request_timeout=10)
+        with pytest.raises(SandboxException, match="The sandbox is paused"):
+            sbx.files.read("/etc/hostname", request_timeout=10)
+        assert not sbx.is_running()
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+# -- fork groups, on a node with room for three -----------------------------------------------------
+@pytest.fixture(scope="module")
+def small_node() -> Iterator[Server]:
+    srv = start_busybox_node(Path(f"{DATA_DIR}-sdk-forks"), {"AENV_MAX_SANDBOXES": "3"})
+    yield srv
+    srv.stop()
+
+
+def _ids(client: Client) -> set[str]:
+    return {s.sandbox_id for s in client.list()}
+
+
+def test_a_sync_fork_group_cleans_up_whatever_happens(small_node: Server) -> None:
+    with Client(small_node.url, API_KEY) as client, client.create("bb", timeout=300) as sbx:
+        with fork_group(sbx, 2) as rollouts:
+            assert all(isinstance(r, Sandbox) for r in rollouts)
+            assert [r.exec([*SH, "echo $((1+1))"]).stdout for r in rollouts] == ["2\n", "2\n"]
+        assert _ids(client) == {sbx.sandbox_id}
+        with pytest.raises(RuntimeError, match="the rollout failed"), fork_group(sbx, 2) as rollouts:
+            assert len(_ids(client)) == 3
+            raise RuntimeError("the rollout failed")
+        assert _ids(client) == {sbx.sandbox_id}
+        with pytest.raises(LimitExceeded), fork_group(sbx, 4):  # room for 2: the 2 made are killed
+            pytest.fail("not reached")
+        assert _ids(client) == {sbx.sandbox_id}
+
+        async def misuse() -> None:
+            async with fork_group(sbx, 2):  # type: ignore[arg-type]
+                pass
+
+        with pytest.raises(TypeError, match="with fork_group"):
+            asyncio.run(misuse())
+        assert _ids(client) == {sbx.sandbox_id}  # refused before forking: nothing left behind
+
+
+async def test_an_async_fork_group_refuses_a_sync_with(small_node: Server) -> None:
+    async with AsyncClient(small_node.url, API_KEY) as client:
+        sbx = await client.create("bb", timeout=300)
+        try:
+            with pytest.raises(TypeError, match="async with"), fork_group(sbx, 2):  # type: ignore[arg-type]
+                pytest.fail("not reached")
+            async with fork_group(sbx, 2) as rollouts:
+                assert all(isinstance(r, AsyncSandbox) for r in rollouts)
+            with pytest.raises(LimitExceeded):
+                async with fork_group(sbx, 4):
+                    pytest.fail("not reached")
+            assert {s.sandbox_id for s in await client.list()} == {sbx.sandbox_id}
+        finally:
+            await sbx.kill()
