@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_DATA_DIR = Path("/var/lib/aenv")
 DEFAULT_TIMEOUT = 300
@@ -57,6 +57,17 @@ class Settings(BaseSettings):
     image_import_dirs: list[str] = []
     # Registries spoken to over plain HTTP (besides localhost / 127.0.0.1), "host:port" each.
     insecure_registries: list[str] = []
+    # Mirrors asked before a registry, in order (aenv/images/mirrors.py): AENV_REGISTRY_MIRRORS is
+    # "docker.io=http://127.0.0.1:5000,ghcr.io=https://m.lan" or a JSON object of URLs or URL lists.
+    registry_mirrors: Annotated[dict[str, list[str]], NoDecode] = {}
+
+    @field_validator("registry_mirrors", mode="before")
+    @classmethod
+    def _registry_mirrors(cls, value: Any) -> dict[str, list[str]]:
+        from aenv.images.mirrors import parse_mirrors
+
+        return parse_mirrors(value)
+
     reaper_interval: float = 1.0
     # A running sandbox with nothing running in it but its agent and nothing on its channel for
     # this many seconds is frozen on the host until its next request (aenv/node/doze.py): an idle

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from aenv.images.local import DIGEST, LocalSource, is_local
 from aenv.images.reference import ImageRef
-from aenv.images.registry import Image, RegistryClient
+from aenv.images.mirrors import MirroredClient
+from aenv.images.registry import Image
 from aenv.images.unpack import LayerError, apply_layer
 from aenv.storage.confined import remove_tree
 from aenv.storage.layers import new_id
@@ -99,7 +100,9 @@ async def pull(
     if local is None:
         registry = ImageRef.parse(reference).registry
         logins = {registry: login} if login else {}
-        client = RegistryClient(registry, insecure=set(node.settings.insecure_registries), credentials=logins)
+        client = MirroredClient(
+            registry, node.settings.registry_mirrors, insecure=set(node.settings.insecure_registries), credentials=logins
+        )
     ensure_space(tmp, headroom(node.settings), 0, f"pulling {reference}")
     fetched, cached, ids = 0, 0, []
     try:
@@ -111,7 +114,8 @@ async def pull(
             ref = ImageRef.parse(reference)
             image = await client.resolve(ref)
         _check_layers(image)
-        log(f"{ref}: {len(image.layers)} layers, manifest {image.digest[:19]}")
+        source = f" from {client.source}" if client is not None and client.source != ref.registry else ""
+        log(f"{ref}{source}: {len(image.layers)} layers, manifest {image.digest[:19]}")
         for i, (desc, diff_id) in enumerate(zip(image.layers, image.diff_ids, strict=True), 1):
             layer_id = layer_id_of(diff_id)
             ids.append(layer_id)

@@ -57,6 +57,8 @@ class ImageRef:
                 raise InvalidRequest(f"image reference {text!r}: bad registry {registry!r}")
         else:
             registry, repository = DOCKER_HUB, rest
+        if registry.lower() in ("docker.io", "index.docker.io", DOCKER_HUB):  # Docker Hub's names for itself
+            registry = DOCKER_HUB
             if "/" not in repository:
                 repository = f"library/{repository}"
         if not repository or not all(COMPONENT.fullmatch(part) for part in repository.split("/")):

@@ -138,10 +138,11 @@ class RegistryClient:
         *,
         insecure: set[str] | None = None,
         credentials: dict[str, tuple[str, str]] | None = None,
+        scheme: str | None = None,
     ) -> None:
         self.registry = registry
         plain = registry in (insecure or set()) or registry.split(":")[0] in ("localhost", "127.0.0.1")
-        self.root = f"{'http' if plain else 'https'}://{registry}"
+        self.root = f"{scheme or ('http' if plain else 'https')}://{registry}"  # scheme: a mirror's, as configured
         # registry -> (user, password) given with the request; before the Docker config's
         self.credentials = credentials or {}
         self.http = guarded_client(httpx.URL(self.root))
