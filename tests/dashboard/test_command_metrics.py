@@ -109,3 +109,54 @@ def test_commands_are_counted_by_outcome_and_timed(node: Server) -> None:
     assert total["commands"] == {o: 2 * stats["commands"][o] for o in OUTCOMES}
     assert total["commandStart"]["count"] == 2 * stats["commandStart"]["count"]
     assert total["commandStart"]["buckets"] == [(le, 2 * n) for le, n in stats["commandStart"]["buckets"]]
+
+
+def _counts() -> dict[str, float]:
+    from prometheus_client import REGISTRY
+
+    return {
+        s.labels["outcome"]: s.value
+        for family in REGISTRY.collect()
+        for s in family.samples
+        if s.name == "aenv_commands_total"
+    }
+
+
+def test_what_a_sandbox_says_moves_only_its_own_outcome() -> None:
+    """The exit code and the end's error come from the sandbox's agent (root in a sandbox can speak
+    for it): whatever they say, each command is counted once under one of the five outcomes, and no
+    other series appears. Seen failing before the counters existed."""
+    from aenv.channel import StreamError
+    from aenv.node.commands import CommandHistory
+
+    history = CommandHistory()
+    before = _counts()
+    hostile_ends = [
+        b'{"event":{"end":{"exitCode":"0"}}}',  # a string
+        b'{"event":{"end":{"exitCode":true}}}',  # a boolean
+        b'{"event":{"end":{"exitCode":1e400}}}',  # not an integer
+        b'{"event":{"end":[1,2]}}',
+        b'{"event":{"end":{"exitCode":0,"status":"' + b"x" * 5000 + b'"}}}',  # past what is read
+        b'not json at all, but with "end" in it',
+    ]
+    for end in hostile_ends:
+        record = history.start({"cmd": "/bin/true"}, user=None, tag=None)
+        record.started({"event": {"start": {"pid": "1; rm -rf /"}}})
+        record.message(end)
+        record.ended(None)
+        record.ended(None)  # an END twice, and a client that leaves after: still counted once
+        record.detached()
+        assert record.outcome == "error" and record.exit_code is None and record.pid is None
+    lying = history.start({"cmd": "/bin/false"}, user=None, tag=None)
+    lying.message(b'{"event":{"end":{"exitCode":0}}}')
+    lying.ended(StreamError('no-such-code\n{outcome="x"}', "x" * 100_000))
+    assert lying.outcome == "error" and lying.error is not None and len(lying.error) <= 512
+    after = _counts()
+    assert set(after) == set(OUTCOMES)
+    assert {o: after[o] - before.get(o, 0.0) for o in OUTCOMES} == {
+        "ok": 0,
+        "nonzero": 0,
+        "timeout": 0,
+        "error": len(hostile_ends) + 1,
+        "detached": 0,
+    }
