@@ -126,6 +126,9 @@ def test_what_a_sandbox_shows(page: Any, server: Server, api: httpx.Client, e2b_
         api.post(f"/sandboxes/{child_ids[0]}/pause")
         api.post(f"/sandboxes/{child_ids[0]}/resume", json={})
         time.sleep(6)
+        # the commands run in sandboxes, by how they ended: one of each at least
+        cells = page.locator("#commands tbody td").all_inner_texts()
+        assert len(cells) == 9 and int(cells[1]) >= 1 and int(cells[2]) >= 1, cells  # exit 0, exit != 0
         shot(page, "overview")
         page.goto(f"{server.url}/dashboard#/sandboxes")
         page.locator(f"tr[data-sandbox-id='{sbx.sandbox_id}']").wait_for()
