@@ -16,7 +16,7 @@ import socket
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from aenv.errors import Conflict, InvalidRequest
+from aenv.errors import AenvError, Conflict, InvalidRequest
 
 BACKLOG = 2048  # uvicorn's default
 T = TypeVar("T")
@@ -62,8 +62,8 @@ def close(sockets: list[socket.socket]) -> None:
         sock.close()
 
 
-class Stopped(Exception):
-    """A signal stopped the node before it served."""
+class Stopped(AenvError):
+    """A signal stopped the node before it served (serve() returns; never an API answer)."""
 
 
 async def until_signalled(coro: Coroutine[Any, Any, T]) -> T:
