@@ -134,7 +134,7 @@ def test_an_unreachable_registry_is_not_needed(setup: Setup, api: httpx.Client) 
 
 def test_a_clients_login_is_not_given_to_a_mirror(setup: Setup, api: httpx.Client) -> None:
     """The login a client gives is for the registry it named, never for the operator's mirror."""
-    image(setup.locked, "tests/private", "1", b"private\n")
+    setup.locked.push_image("tests/private", "1", [(LayerTar().file("private", b"x").bytes(), "gzip")])  # never pulled
     r = from_image(api, "private", f"{setup.locked_for}/tests/private:1", username="user", password="secret")
     assert r.status_code == 502, r.text  # the mirror wants a login it was not given; the registry is gone
     assert "wants a login" in r.json()["message"], r.text
