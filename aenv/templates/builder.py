@@ -12,6 +12,7 @@ import base64
 import hashlib
 import os
 import re
+import stat
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -367,14 +368,20 @@ async def debootstrap(node: BuildHost, log: LogFn) -> str:
 
 async def _discard_target(node: BuildHost, layer_id: str, path: Path, log_path: Path) -> None:
     """Keep the end of a failed target's own log, unmount what was mounted in it, remove it."""
-    own = path / "debootstrap" / "debootstrap.log"
-    try:
-        with open(own, "rb") as f:  # debootstrap made it: no link in the target is followed by us
-            size = os.fstat(f.fileno()).st_size
-            f.seek(max(0, size - KEPT_TARGET_LOG))
-            kept = f.read(KEPT_TARGET_LOG)
+    kept = b""
+    try:  # a regular file, no link followed: the target holds what Debian's packages made
+        folder = os.open(path / "debootstrap", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fd = os.open("debootstrap.log", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+        finally:
+            os.close(folder)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if stat.S_ISREG(st.st_mode):
+                f.seek(max(0, st.st_size - KEPT_TARGET_LOG))
+                kept = f.read(KEPT_TARGET_LOG)
     except OSError:
-        kept = b""
+        pass
     if kept:
         with open(log_path, "ab") as out:
             out.write(f"{OWN_LOG_HEADER}\n".encode() + kept + (b"" if kept.endswith(b"\n") else b"\n"))
