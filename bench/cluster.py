@@ -212,7 +212,7 @@ def failover(state: dict[str, Any], key: str) -> dict[str, Any]:
             if url in per_gateway:
                 continue
             listed = httpx.get(f"{url}/nodes", headers={"X-API-Key": key}, timeout=5).json()
-            if victim["nodeID"] not in {n["node_id"] for n in listed}:
+            if victim["nodeID"] not in {n["nodeID"] for n in listed}:
                 per_gateway[url] = time.perf_counter() - start
         time.sleep(0.05)
     return {"node": victim["nodeID"], "all_gateways_s": max(per_gateway.values()), "per_gateway_s": per_gateway}

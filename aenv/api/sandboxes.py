@@ -259,7 +259,7 @@ async def list_v2(
     page, token = pages.page(items, _started, limit, next_token)
     if token is not None:
         headers["X-Next-Token"] = token
-    body = [sandbox_detail(node, sb, domain_of(request)) for sb in page]
+    body = [listed_item(node, sb, domain_of(request)) for sb in page]
     return JSONResponse(body, headers=headers)
 
 
@@ -279,7 +279,16 @@ def _template_name(node: NodeService, ref: str) -> str:
 async def list_v1(request: Request, metadata: str | None = None) -> list[dict[str, Any]]:
     node = node_of(request)
     items = node.list(states={"running"}, metadata=parse_metadata_query(metadata))
-    return [sandbox_detail(node, sb, domain_of(request)) for sb in items]
+    return [listed_item(node, sb, domain_of(request)) for sb in items]
+
+
+def listed_item(node: NodeService, sb: LiveSandbox, domain: str | None) -> dict[str, Any]:
+    """A list's item: the sandbox's detail, and the node it runs on when the node has an id
+    (AENV_NODE_ID; a cluster's nodes do), as a gateway's lists say (not in E2B's ListedSandbox)."""
+    item = sandbox_detail(node, sb, domain)
+    if node.settings.node_id:
+        item["nodeID"] = node.settings.node_id
+    return item
 
 
 @router.get("/sandboxes/metrics", summary="Latest resource usage of several sandboxes")

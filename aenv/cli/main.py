@@ -583,21 +583,35 @@ def list_(
     _emit(rows, ["sandboxID", "template", "state", "endAt", "metadata"], as_json=as_json)
 
 
-NODE_COLUMNS = ["node_id", "address", "running", "paused", "starting", "room", "cpu_committed", "load1", "draining"]
+NODE_COLUMNS = [
+    "nodeID",
+    "status",
+    "address",
+    "sandboxCount",
+    "sandboxPausedCount",
+    "sandboxStartingCount",
+    "room",
+    "allocatedCPU",
+    "load1",
+]
 
 
 @app.command()
 def nodes(
-    node_id: str = typer.Argument(None, help="one node's detail (or `drain NODE`)"),
-    drained: str = typer.Argument(None, metavar="[NODE]", help="with `drain`: the node to drain"),
+    node_id: str = typer.Argument(None, help="one node's detail (or `drain NODE`, `undrain NODE`)"),
+    drained: str = typer.Argument(None, metavar="[NODE]", help="with `drain` or `undrain`: the node"),
     move: bool = typer.Option(False, "--move", help="with `drain`: resume its sandboxes on other nodes"),
     as_json: bool = JSON_OPTION,
 ) -> None:
     """The nodes of a cluster, as its gateway sees them (AENV_URL names a gateway).
     `aenv nodes drain NODE [--move]`: the node takes no new work and pauses its running sandboxes
-    durably (--move: resumes them on other nodes), with progress, until it is empty."""
+    durably (--move: resumes them on other nodes), with progress, until it is empty.
+    `aenv nodes undrain NODE`: the node takes new work again (a drain under way stops)."""
     if node_id == "drain" and drained:
         _drain(drained, move=move, as_json=as_json or not err.is_terminal)
+        return
+    if node_id == "undrain" and drained:
+        _undrain(drained, as_json=as_json or not out.is_terminal)
         return
     if drained:
         err.print(f"[red]error:[/red] unexpected argument {drained!r} (drain a node with `aenv nodes drain NODE`)")
@@ -619,6 +633,23 @@ def nodes(
             out.print(f"[bold]{key}[/bold]: {value}")
     else:
         _emit(found, NODE_COLUMNS, title=f"{len(found)} nodes")
+
+
+def _undrain(node_id: str, *, as_json: bool) -> None:
+    """A gateway's ``POST /nodes/{id}/undrain``: the node as it is after (JSON, or a line)."""
+    from urllib.parse import quote
+
+    async def go(c: AsyncClient) -> dict[str, Any]:
+        result: dict[str, Any] = await c._post(f"/nodes/{quote(node_id, safe='')}/undrain", {})
+        return result
+
+    node = _run(go)
+    if as_json:
+        print(json.dumps(node))
+    else:
+        out.print(
+            f"node {node.get('nodeID', node_id)} takes new work again (status {node.get('status')})", highlight=False
+        )
 
 
 def _drain(node_id: str, *, move: bool, as_json: bool) -> None:

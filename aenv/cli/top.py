@@ -99,8 +99,8 @@ def frame(url: str, now: Reading, then: Reading | None) -> Group:
         budget = n.get("cacheBudgetBytes") or 0
         cache = f"{_mib(n.get('cacheBytes'))} / {_mib(budget)} MiB" if budget else "-"
         nodes.add_row(
-            str(n.get("nodeId")),
-            _state(str(n.get("state"))),
+            str(n.get("nodeID")),
+            _state(str(n.get("status"))),
             str(n.get("running")),
             str(n.get("paused")),
             str(n.get("starting")),

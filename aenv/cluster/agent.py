@@ -494,6 +494,15 @@ class NodeAgent:
         self.draining = True
         await self.store.put_node(self.entry(), self.lease_id)
 
+    async def undrain(self) -> None:
+        """Take new work again (``aenv nodes undrain``): a drain under way stops first (what it
+        paused stays durably paused here), and the entry says so at once. Idempotent."""
+        drain, self._drain = self._drain, None
+        if drain is not None:
+            await drain.stop()
+        self.draining = False
+        await self.store.put_node(self.entry(), self.lease_id)
+
     def durable_in_directory(self, sandbox_id: str) -> bool:
         """Whether this node's directory entry for the sandbox says durably paused: only then may
         another node take it over, so only then does the node call the pause durable."""

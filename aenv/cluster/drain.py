@@ -35,6 +35,7 @@ import uvicorn
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from aenv.cluster.nodes import node_json
 from aenv.cluster.placement import Placement
 from aenv.errors import AenvError, InvalidRequest, Unauthenticated, error_body, error_headers
 from aenv.node.service import LiveSandbox, SandboxState
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("aenv.cluster.drain")
 
 DRAIN_PATH = "/cluster/drain"
+UNDRAIN_PATH = "/cluster/undrain"
+UNDRAIN_WAIT = 30.0  # seconds an undrain waits for the pauses in flight (new ones are not begun)
 AT_ONCE = 2  # sandboxes paused (and moved) at a time: each pause writes a checkpoint, each move fetches it
 MOVE_TARGETS = 3  # nodes a move tries
 MOVE_TIMEOUT = 120.0  # seconds a target has to fetch and resume one sandbox
@@ -86,13 +89,20 @@ class Drain:
         self._seen: set[str] = set()  # sandboxes the drain took on (one resumed here meanwhile is taken again)
         self._unpaused: set[str] = set()  # sandboxes whose pause failed: not tried again (they run on)
         self.started = time.monotonic()
+        self.stopped = False  # an undrain: no sandbox is taken on from then on
         self.task: asyncio.Task[None] = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        """Take on no more sandboxes and end once the pauses in flight are done (those paused stay
+        durably paused here: a connect resumes them). The node takes work again after it."""
+        self.stopped = True
+        await asyncio.wait([self.task], timeout=UNDRAIN_WAIT)
 
     async def _run(self) -> None:
         try:
             await self.agent.set_draining()
             gate = asyncio.Semaphore(AT_ONCE)
-            while True:
+            while not self.stopped:
                 running = [
                     sb for sb in list(self.node.sandboxes.values()) if sb.state in BUSY and sb.id not in self._unpaused
                 ]
@@ -127,6 +137,8 @@ class Drain:
                 await self._report()
 
     async def _drain_one(self, sb: LiveSandbox) -> None:
+        if self.stopped:
+            return
         left = max(1, int(sb.rec.end_at - time.time()))  # what is left of its timeout goes with it
         try:
             await self.node.pause(sb.id)
@@ -147,7 +159,7 @@ class Drain:
         await self._report()
         # Others resume it (a move, a connect through a gateway) only once its entry says durable.
         written = await self.agent.durable_written(sb.id)
-        if self.progress.move:
+        if self.progress.move and not self.stopped:
             if not written:
                 self._error(f"sandbox {sb.id}: stays durably paused here: its directory entry was not written")
                 return
@@ -209,20 +221,26 @@ class Drain:
 
 def serving_drain(app: ASGIApp, agent: NodeAgent, api_key: str) -> ASGIApp:
     """``app``, with ``POST /cluster/drain`` (body ``{"move": bool}``, the API key required)
-    starting or joining the node's drain and streaming its progress."""
+    starting or joining the node's drain and streaming its progress, and ``POST /cluster/undrain``
+    (no body) making it take new work again, answered with the node as it is then."""
 
     async def wrapped(
         scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
     ) -> None:
-        if scope["type"] != "http" or scope["path"] != DRAIN_PATH:
+        if scope["type"] != "http" or scope["path"] not in (DRAIN_PATH, UNDRAIN_PATH):
             await app(scope, receive, send)
             return
         request = Request(scope, receive)
         try:
             if request.method != "POST":
-                raise InvalidRequest(f"{DRAIN_PATH} takes POST")
+                raise InvalidRequest(f"{scope['path']} takes POST")
             if not hmac.compare_digest(request.headers.get("x-api-key", "").encode(), api_key.encode()):
                 raise Unauthenticated("invalid or missing API key (X-API-Key header)")
+            if scope["path"] == UNDRAIN_PATH:
+                await _no_body(request)
+                await agent.undrain()
+                await JSONResponse(node_json(agent.entry()))(scope, receive, send)
+                return
             drain = agent.drain(move=await _move_of(request))
         except AenvError as exc:
             refusal = JSONResponse(error_body(exc), status_code=exc.status, headers=error_headers(exc))
@@ -231,6 +249,16 @@ def serving_drain(app: ASGIApp, agent: NodeAgent, api_key: str) -> ASGIApp:
         await StreamingResponse(drain.follow(), media_type="application/x-ndjson")(scope, receive, send)
 
     return wrapped
+
+
+async def _no_body(request: Request) -> None:
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > 1024:
+            break
+    if body.strip() not in (b"", b"{}"):
+        raise InvalidRequest("an undrain takes no body")
 
 
 async def _move_of(request: Request) -> bool:

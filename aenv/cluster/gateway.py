@@ -32,7 +32,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -46,11 +46,12 @@ from aenv.api.listing import short_sandbox_id
 from aenv.api.proxy import TRAFFIC_TOKEN_HEADER, sandbox_gone
 from aenv.cluster import forks, lists
 from aenv.cluster.agent import OWNERSHIP_PATH
-from aenv.cluster.drain import DRAIN_PATH
+from aenv.cluster.drain import DRAIN_PATH, UNDRAIN_PATH
 from aenv.cluster.entries import ID_PATTERN, ClusterConfig, NodeEntry, SandboxEntry, key_matches
 from aenv.cluster.lists import ListQuery
 from aenv.cluster.metrics import GatewayMetrics
 from aenv.cluster.mirror import Mirror
+from aenv.cluster.nodes import node_json
 from aenv.cluster.placement import Placement
 from aenv.cluster.store import ClusterStore, EtcdTls, EtcdUser
 from aenv.cluster.websocket import NODE_ID_HEADER, refuse_websocket, relay_websocket
@@ -79,6 +80,8 @@ log = logging.getLogger("aenv.gateway")
 SANDBOX_PATH = re.compile(r"^(?:/v2)?/sandboxes/(?P<id>[^/]+)(?:/.*)?$")
 SANDBOX_INFO = re.compile(r"^/sandboxes/[^/]+$")
 NODE_DRAIN = re.compile(r"/nodes/(?P<id>[^/]+)/drain")
+NODE_UNDRAIN = re.compile(r"/nodes/(?P<id>[^/]+)/undrain")
+NODE_ITSELF = re.compile(r"/nodes/(?P<id>[^/]+)")
 SANDBOX_ANSWER = re.compile(r"^(?:/v2)?/sandboxes/[^/]+/(?:connect|resume)$")  # answered with the sandbox
 # A template's or snapshot's own requests (E2B deletes a snapshot as a template).
 ARTIFACT_PATH = re.compile(r"^/(?:v\d+/)?(?:templates|snapshots)/(?P<id>[^/]+)")
@@ -303,6 +306,14 @@ class Gateway:
             drained = NODE_DRAIN.fullmatch(path)
             if drained is not None and method == "POST":
                 return await self.drain(request, drained["id"])
+            undrained = NODE_UNDRAIN.fullmatch(path)
+            if undrained is not None and method == "POST":
+                return await self.undrain(request, undrained["id"])
+            changed = NODE_ITSELF.fullmatch(path)
+            if changed is not None and method == "POST":
+                return await self.change_status(request, changed["id"])
+            if method not in ("GET", "HEAD"):
+                raise InvalidRequest(f"{method} {path[:100]} is not a route of the gateway", status=405)
             return self.nodes(path)
         if method == "GET" and path == "/sandboxes/metrics":  # several sandboxes, perhaps on several nodes
             scope[ROUTE_SCOPE] = "list"
@@ -482,13 +493,47 @@ class Gateway:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     def nodes(self, path: str) -> Response:
+        """E2B's Node shape and aenv's own (aenv/cluster/nodes.py), from the mirror."""
         if path in ("/nodes", "/nodes/"):
-            return JSONResponse([_node_json(n) for n in sorted(self.mirror.nodes.values(), key=lambda n: n.node_id)])
-        node_id = path[len("/nodes/") :]
+            return JSONResponse([node_json(n) for n in sorted(self.mirror.nodes.values(), key=lambda n: n.node_id)])
+        return JSONResponse(node_json(self._node_named(path[len("/nodes/") :])))
+
+    def _node_named(self, node_id: str) -> NodeEntry:
         node = self.mirror.nodes.get(node_id)
         if node is None:
             raise NotFound(f"no node {node_id[:80]!r} in the cluster")
-        return JSONResponse(_node_json(node))
+        return node
+
+    async def undrain(self, request: Request, node_id: str) -> Relay:
+        """``POST /nodes/{id}/undrain``: the node takes new work again (a drain under way stops);
+        its answer is the node as it is then."""
+        node = self._node_named(node_id)
+        body = await _read_bounded(request, 1024)
+        request.scope[NODE_SCOPE] = node.node_id
+        return Relay(await self._send(request, node, body=body, path=UNDRAIN_PATH), node)
+
+    async def change_status(self, request: Request, node_id: str) -> Response:
+        """E2B's ``POST /nodes/{id}`` (``{"status": "ready" | "draining"}``, 204): an undrain, or
+        a drain without moves started and left to run (its progress: ``POST .../drain``)."""
+        node = self._node_named(node_id)
+        try:
+            status = json.loads(await _read_bounded(request, 1024) or b"{}").get("status")
+        except (ValueError, AttributeError):
+            status = None
+        if status not in ("ready", "draining"):
+            raise InvalidRequest('a node\'s status change is {"status": "ready" | "draining"}')
+        request.scope[NODE_SCOPE] = node.node_id
+        path, body = (UNDRAIN_PATH, b"") if status == "ready" else (DRAIN_PATH, b'{"move": false}')
+        length = {"content-length": str(len(body)), "content-type": "application/json"}  # not the client's body
+        upstream = await self._send(request, node, body=body, path=path, extra=length)
+        try:
+            if upstream.status_code != 200:
+                return _replay(upstream, await _read_upstream(upstream, MAX_INFO_BODY, node))
+            async for _ in upstream.aiter_raw():  # the node took it (a drain's first line): it goes on alone
+                break
+        finally:
+            await upstream.aclose()
+        return Response(status_code=204, headers={NODE_ID_HEADER: node.node_id})
 
     async def drain(self, request: Request, node_id: str) -> Relay:
         """``POST /nodes/{id}/drain``: the node drains itself (aenv/cluster/drain.py); its progress
@@ -730,6 +775,9 @@ class Gateway:
         )
         limit = _limit_of(request) if paginated else 0
         pages = await asyncio.gather(*(self._node_page(request, n, path) for n in nodes))
+        for node, page in zip(nodes, pages, strict=True):
+            for item in page.items:
+                item["nodeID"] = node.node_id  # where each runs (the dashboard's Node column)
         items = [item for page in pages for item in page.items]
         self._stamp_domain(items)
         if config is not None:
@@ -1528,12 +1576,6 @@ def _response_headers(upstream: httpx.Response, node: NodeEntry) -> list[tuple[b
     headers = [(k, v) for k, v in upstream.headers.raw if k.lower().decode("latin-1") not in HOP_HEADERS]
     headers.append((NODE_ID_HEADER.encode(), node.node_id.encode()))
     return headers
-
-
-def _node_json(node: NodeEntry) -> dict[str, object]:
-    body = asdict(node)
-    body["room"] = node.room
-    return body
 
 
 def build_gateway(settings: GatewaySettings) -> Gateway:

@@ -91,7 +91,8 @@ def listed_item(entry: SandboxEntry, secret: bytes, domain: str | None) -> dict[
     entry too large to keep it (`listed` left out) gives what the entry itself says."""
     item = dict(entry.listed) if entry.listed else _from_entry(entry)
     secure, private = item.pop("secure", False), item.pop("private", False)
-    item.update(sandboxID=entry.sandbox_id, metadata=entry.metadata, domain=domain)
+    # nodeID: not E2B's, but where it runs is what the dashboard's Node column and an operator ask
+    item.update(sandboxID=entry.sandbox_id, metadata=entry.metadata, domain=domain, nodeID=entry.node_id)
     if "durable" in item:  # the node's item was made before the entry it went into said durable
         item["durable"] = entry.durable
     if secure:

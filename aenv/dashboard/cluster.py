@@ -1,7 +1,7 @@
 """The dashboard at a gateway: the same page, its JSON gathered from every node of the cluster.
 
 Each node is asked with the client's own API key (the node checks it again); a node that does not
-answer within ``NODE_TIMEOUT`` is shown from the directory's entry, as unreachable, and left out
+answer within ``NODE_TIMEOUT`` is shown from the directory's entry, as unhealthy, and left out
 of the sums.
 """
 
@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from aenv.cluster.entries import NodeEntry
+from aenv.cluster.nodes import node_status
 from aenv.dashboard import pages
 from aenv.errors import NotFound
 
@@ -87,9 +88,9 @@ def _node_row(entry: NodeEntry, answer: Any) -> dict[str, Any]:
     }
     if isinstance(answer, list) and answer and isinstance(answer[0], dict):
         row.update(answer[0])
-    row["nodeId"] = entry.node_id
+    row["nodeID"] = entry.node_id
     row["address"] = entry.address
-    row["state"] = "unreachable" if answer is None else "draining" if entry.draining else "ready"
+    row["status"] = "unhealthy" if answer is None else node_status(entry)  # E2B's words, as GET /nodes
     return row
 
 

@@ -41,8 +41,8 @@ def node_summary(node: NodeService) -> dict[str, Any]:
             starting += 1
     settings = node.settings
     return {
-        "nodeId": node_id(node),
-        "state": "ready",
+        "nodeID": node_id(node),
+        "status": "ready",
         "version": __version__,
         "driver": settings.driver,
         "running": running,

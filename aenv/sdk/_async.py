@@ -524,7 +524,9 @@ class AsyncClient:
             return await _template_stream(r, on_log, None)
 
     async def nodes(self) -> builtins.list[dict[str, Any]]:
-        """A cluster's nodes with their load (a gateway's ``GET /nodes``; a lone node has none)."""
+        """A cluster's nodes with their load (a gateway's ``GET /nodes``; a lone node has none):
+        E2B's node fields (``nodeID``, ``status``: ready, draining or unhealthy, ``sandboxCount``,
+        ``allocatedCPU``, ...) and aenv's (``address``, ``room``, ``maxSandboxes``, ...)."""
         result: builtins.list[dict[str, Any]] = await self._get("/nodes")
         return result
 

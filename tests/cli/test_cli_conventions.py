@@ -89,7 +89,7 @@ def test_listings_take_json_and_logs_show_commands(cli, api: httpx.Client) -> No
         code, text = cli("top", "--once", "--interval", "0.5")
         assert code == 0, text
         node = api.get("/dashboard/api/nodes").json()[0]
-        assert node["nodeId"] in text and "create" in text and "p99" in text
+        assert node["nodeID"] in text and "create" in text and "p99" in text
     finally:
         cli("rm", sid)
     code, text = cli("logs", sid)

@@ -180,7 +180,7 @@ def wait_for_nodes(gateway: Gateway, names: set[str], timeout: float = 10) -> No
     deadline = time.monotonic() + timeout
     while True:
         listed = httpx.get(f"{gateway.url}/nodes", headers={"X-API-Key": API_KEY}, verify=gateway.verify).json()
-        if {n["node_id"] for n in listed} == names:
+        if {n["nodeID"] for n in listed} == names:
             return
         assert time.monotonic() < deadline, f"the gateway lists {listed}, not {names}"
         time.sleep(0.2)

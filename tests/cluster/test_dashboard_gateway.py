@@ -18,7 +18,7 @@ def test_dashboard_and_top_through_a_gateway(server: Server) -> None:
         assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
         assert httpx.get(f"{url}/dashboard/api/nodes").status_code == 401
         nodes = api.get("/dashboard/api/nodes").json()
-        assert [(n["nodeId"], n["state"]) for n in nodes] == [("node-a", "ready"), ("node-b", "ready")]
+        assert [(n["nodeID"], n["status"]) for n in nodes] == [("node-a", "ready"), ("node-b", "ready")]
         assert all(n["cacheBudgetBytes"] > 0 and "address" in n for n in nodes)
         created = api.post("/sandboxes", json={"templateID": "base", "timeout": 120})
         assert created.status_code == 201, created.text
@@ -36,7 +36,7 @@ def test_dashboard_and_top_through_a_gateway(server: Server) -> None:
             assert "node-a" in result.stdout and "node-b" in result.stdout and "2 node(s)" in result.stdout
         finally:
             api.delete(f"/sandboxes/{sandbox_id}")
-        # a node that stops is shown from the directory while its entry lives: unreachable
+        # a node that stops is shown from the directory while its entry lives: unhealthy
         cluster.nodes["node-b"].stop()
-        rows = {n["nodeId"]: n["state"] for n in api.get("/dashboard/api/nodes").json()}
-        assert rows.get("node-b", "unreachable") == "unreachable" and rows["node-a"] == "ready"
+        rows = {n["nodeID"]: n["status"] for n in api.get("/dashboard/api/nodes").json()}
+        assert rows.get("node-b", "unhealthy") == "unhealthy" and rows["node-a"] == "ready"

@@ -296,7 +296,7 @@ def test_a_durable_pause_whose_node_is_full_resumes_on_another(
 
         # the port's traffic: the gateway sees the node full in its mirror and wakes it elsewhere
         with cluster.api(1) as api:
-            wait_for(lambda: api.get("/nodes/node-full").json()["running"] >= 1, 10)
+            wait_for(lambda: api.get("/nodes/node-full").json()["sandboxCount"] >= 1, 10)
         r = httpx.get(f"{cluster.gateways[1].url}/hello.txt", headers=routed, timeout=90)
         assert r.status_code == 200 and r.text == "hello from the port", r.text
         assert r.headers["x-aenv-node-id"] in cluster.nodes

@@ -87,8 +87,8 @@ def test_own_routes_need_the_key_and_list_the_nodes(cluster: Cluster) -> None:
     assert httpx.get(f"{cluster.gateway.url}/nodes", headers={"X-API-Key": "e2b_wrong"}).status_code == 401
     with cluster.api() as api:
         nodes = api.get("/nodes").json()
-        assert {n["node_id"]: n["address"] for n in nodes} == {k: v.url for k, v in cluster.nodes.items()}
-        assert api.get("/nodes/node-a").json()["node_id"] == "node-a"
+        assert {n["nodeID"]: n["address"] for n in nodes} == {k: v.url for k, v in cluster.nodes.items()}
+        assert api.get("/nodes/node-a").json()["nodeID"] == "node-a"
         missing = api.get("/nodes/nope")
         assert missing.status_code == 404 and missing.json()["code"] == 404
         # forwarded requests are the nodes' to authenticate

@@ -151,13 +151,13 @@ def test_creates_from_a_snapshot_go_to_the_node_holding_it(cluster: Cluster) -> 
         with cluster.api(1) as other:
             deadline = time.monotonic() + 15
             while True:
-                entries = {n["node_id"]: n for n in other.get("/nodes").json()}
-                if snapshot_id in entries[maker].get("cached", []):
+                entries = {n["nodeID"]: n for n in other.get("/nodes").json()}
+                if snapshot_id in entries[maker].get("cachedBuilds", []):
                     break
                 assert time.monotonic() < deadline, f"{maker}'s entry does not list {snapshot_id}: {entries}"
                 time.sleep(0.5)
-            assert all(snapshot_id not in n.get("cached", []) for k, n in entries.items() if k != maker)
-            assert "base" in entries[maker]["cached"]
+            assert all(snapshot_id not in n.get("cachedBuilds", []) for k, n in entries.items() if k != maker)
+            assert "base" in entries[maker]["cachedBuilds"]
             for _ in range(3):
                 r = other.post("/sandboxes", json={"templateID": snapshot_id, "timeout": 60})
                 assert r.status_code == 201 and r.headers["x-aenv-node-id"] == maker, (r.status_code, r.text)

@@ -32,10 +32,10 @@ def test_pages_open_data_needs_the_key(server: Server, api: httpx.Client) -> Non
     for path in DATA_ROUTES:
         assert api.get(path).status_code == 200, path
     node = api.get("/dashboard/api/nodes").json()[0]
-    assert node["state"] == "ready" and node["cacheBudgetBytes"] > 0 and node["maxSandboxes"] > 0
+    assert node["status"] == "ready" and node["cacheBudgetBytes"] > 0 and node["maxSandboxes"] > 0
     artifacts = api.get("/dashboard/api/artifacts").json()
     base = next(a for a in artifacts if a["name"] == "base")
-    assert base["kind"] == "template" and base["cachedOn"] == [node["nodeId"]]
+    assert base["kind"] == "template" and base["cachedOn"] == [node["nodeID"]]
 
 
 def test_logs_and_family_of_a_sandbox(api: httpx.Client, e2b_env: Server) -> None:

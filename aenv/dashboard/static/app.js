@@ -229,8 +229,8 @@ function loginView(main, message) {
 function nodeRows(nodes) {
   return table(
     [
-      { title: "Node", cell: (n) => h("span", { class: "mono" }, n.nodeId) },
-      { title: "State", cell: (n) => badge(n.state) },
+      { title: "Node", cell: (n) => h("span", { class: "mono" }, n.nodeID) },
+      { title: "State", cell: (n) => badge(n.status) },
       { title: "Running", num: true, cell: (n) => n.running },
       { title: "Paused", num: true, cell: (n) => n.paused },
       { title: "Busy", num: true, cell: (n) => n.starting },
@@ -241,7 +241,7 @@ function nodeRows(nodes) {
       { title: "Version", cell: (n) => n.version },
     ],
     nodes,
-    (n) => ({ "data-node-id": n.nodeId }),
+    (n) => ({ "data-node-id": n.nodeID }),
   );
 }
 
@@ -289,7 +289,7 @@ function overviewView(main) {
     const sum = (f) => nodeList.reduce((a, n) => a + (Number(f(n)) || 0), 0);
     cards.replaceChildren(
       ...[
-        ["Nodes", `${nodeList.filter((n) => n.state === "ready").length} / ${nodeList.length} ready`],
+        ["Nodes", `${nodeList.filter((n) => n.status === "ready").length} / ${nodeList.length} ready`],
         ["Running", sum((n) => n.running)],
         ["Paused", sum((n) => n.paused)],
         ["Capacity left", sum((n) => n.maxSandboxes - n.running - n.starting)],
