@@ -6,6 +6,15 @@ directory) and G gateways, every one a detached process with its log in the clus
 ``down`` reads it, stops everything and releases what a node killed in the middle of its work
 would leave (runsc sandboxes, mounts, loop devices), so nothing of the cluster outlives it.
 
+Any local user can reach loopback ports, so etcd (which holds the cluster's token secret and says
+where gateways send clients' keys) speaks TLS only, to clients and peers alike, and asks each for
+a certificate of the cluster's own CA (aenv/cluster/pki.py); with etcd's auth on, a node logs in
+as ``aenv-node`` and a gateway as ``aenv-gateway`` by their certificates' common names. The
+cluster dir and everything the script writes there is owner-only (0700 directories, 0600 files).
+
+``up`` on a cluster.json whose processes are partly gone starts only those again, with the same
+command lines, ports and data; with all of them running it changes nothing.
+
 Ports, from ``--base-port`` P (default 8080): gateways P, P+1, ...; nodes P+100, P+101, ...;
 etcd member i clients P+200+2i, peers P+201+2i.
 """
@@ -17,25 +26,27 @@ import asyncio
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from aenv.errors import AenvError
+from aenv.storage import datadir
 
 DEFAULT_DIR = Path("/var/tmp/aenv-cluster")
 DEFAULT_BASE_PORT = 8080
+DEFAULT_NODES = 3
+DEFAULT_GATEWAYS = 2
+STATE_FORMAT = 2  # 2: etcd over TLS with auth, each process's command line kept (to start it again)
 ETCD_MEMBERS = 3
 MAX_GATEWAYS = 100
 MAX_NODES = 100
@@ -70,6 +81,17 @@ class Layout:
     def logs(self) -> Path:
         return self.dir / "logs"
 
+    @property
+    def certs(self) -> Path:
+        return self.dir / "certs"
+
+    def tls_env(self, part: str) -> dict[str, str]:
+        """What a node (``node``) or gateway (``gateway``) needs to log in to etcd."""
+        d = self.certs / part
+        return {"AENV_CLUSTER_CA": str(d / "ca.crt"), "AENV_CLUSTER_CERT": str(d / "client.crt")} | {
+            "AENV_CLUSTER_KEY": str(d / "client.key")
+        }
+
     def gateway_port(self, i: int) -> int:
         return self.base_port + i
 
@@ -83,7 +105,7 @@ class Layout:
         return self.dir / "nodes" / node_id
 
     def etcd_url(self) -> str:
-        return "etcd://" + ",".join(f"{HOST}:{self.etcd_ports(i)[0]}" for i in range(ETCD_MEMBERS))
+        return "etcds://" + ",".join(f"{HOST}:{self.etcd_ports(i)[0]}" for i in range(ETCD_MEMBERS))
 
 
 def cluster_dir() -> Path:
@@ -105,9 +127,12 @@ def alive(pid: int, marker: str) -> bool:
 
 
 def spawn(argv: list[str], log: Path, env: dict[str, str]) -> int:
-    """Start a detached process (its own session, no terminal) writing to ``log``."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:
+    """Start a detached process (its own session, no terminal) writing to ``log`` (owner-only:
+    a log may say anything its process saw)."""
+    private_dir(log.parent)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "ab") as out:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -141,8 +166,44 @@ def wait_until(what: str, ready: Callable[[], bool], pid: int, marker: str, log:
         time.sleep(0.3)
 
 
-def etcd_healthy(url: str) -> bool:
-    return bool((get_json(f"{url}/health") or {}).get("health") == "true")
+def etcd_healthy(url: str, tls: ssl.SSLContext) -> bool:
+    try:
+        r = httpx.get(f"{url}/health", timeout=3, verify=tls)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200 and r.json().get("health") == "true"
+
+
+def etcd_tls(layout: Layout) -> ssl.SSLContext:
+    """A client of the cluster's etcd as its root (the CA and root's certificate)."""
+    context = ssl.create_default_context(cafile=str(layout.certs / "ca.crt"))
+    context.load_cert_chain(layout.certs / "root" / "client.crt", layout.certs / "root" / "client.key")
+    return context
+
+
+def private_dir(path: Path) -> None:
+    """A directory of the cluster's: 0700, and refused if another user owns it or one of its
+    parents (one made in /var/tmp before the first `up` would stay its maker's)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        datadir.check_owned(path)
+    except datadir.UnsafeDirectory as exc:
+        raise ClusterError(str(exc)) from None
+    os.chmod(path, 0o700)
+
+
+def secure_layout(layout: Layout) -> None:
+    """The cluster dir and what the script keeps in it, owner-only (a previous version left its
+    logs 0644). The nodes' data dirs are the nodes' to keep (they tighten them at start)."""
+    private_dir(layout.dir)
+    for sub in (layout.logs, layout.dir / "nodes", layout.dir / "etcd"):
+        if sub.exists():
+            private_dir(sub)
+    files = [layout.state, layout.dir / "api-key"]
+    files += list(layout.logs.glob("*")) if layout.logs.is_dir() else []
+    for path in files:
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o600)
 
 
 def gateway_sees(url: str, nodes: int) -> bool:
@@ -221,164 +282,6 @@ def api_key(layout: Layout) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
     return key
-
-
-# -- up --------------------------------------------------------------------------------------------------
-
-
-def up(layout: Layout, nodes: int, gateways: int, say: Callable[[str], None]) -> dict[str, Any]:
-    if not 1 <= nodes <= MAX_NODES or not 1 <= gateways <= MAX_GATEWAYS:
-        raise ClusterError(f"--nodes must be 1-{MAX_NODES} and --gateways 1-{MAX_GATEWAYS}")
-    if shutil.which("etcd") is None:
-        raise ClusterError("etcd is not installed (Debian: apt-get install etcd-server; ./scripts/cluster does it)")
-    layout.dir.mkdir(parents=True, exist_ok=True)
-    previous = read_state(layout)
-    if previous is not None:
-        running = [p for p in processes(previous) if alive(p[1]["pid"], p[2])]
-        if len(running) == len(processes(previous)):
-            if len(previous["nodes"]) != nodes or len(previous["gateways"]) != gateways:
-                raise ClusterError(
-                    f"a cluster of {len(previous['nodes'])} nodes and {len(previous['gateways'])} gateways is already "
-                    f"up in {layout.dir}: ./scripts/cluster down first"
-                )
-            say(f"already up ({layout.state})")
-            return previous
-        say(f"a previous cluster in {layout.dir} is partly down ({len(running)} processes left): stopping it first")
-        down(layout, say)
-    check_ports(layout, nodes, gateways)
-    key = api_key(layout)
-    state: dict[str, Any] = {"apiKey": key, "gateways": [], "gatewayProcesses": [], "nodes": [], "etcd": []}
-    try:
-        start_etcd(layout, state, say)
-        start_nodes(layout, state, nodes, key, say)
-        start_gateways(layout, state, gateways, nodes, key, say)
-    except BaseException:
-        say("starting failed: stopping what was started")
-        down(layout, say)
-        raise
-    return state
-
-
-def check_ports(layout: Layout, nodes: int, gateways: int) -> None:
-    wanted = [(f"gateway g{i}", layout.gateway_port(i)) for i in range(gateways)]
-    wanted += [(f"node n{i}", layout.node_port(i)) for i in range(nodes)]
-    for i in range(ETCD_MEMBERS):
-        client, peer = layout.etcd_ports(i)
-        wanted += [(f"etcd m{i} clients", client), (f"etcd m{i} peers", peer)]
-    if max(port for _, port in wanted) > 65535:
-        raise ClusterError(f"--base-port {layout.base_port} leaves no room for the cluster's ports (up to +205)")
-    taken = [f"{port} ({role})" for role, port in wanted if port_taken(port)]
-    if taken:
-        raise ClusterError(
-            f"ports already taken on {HOST}: {', '.join(taken)}; stop what holds them or choose another --base-port"
-        )
-
-
-def start_etcd(layout: Layout, state: dict[str, Any], say: Callable[[str], None]) -> None:
-    token = f"aenv-{uuid.uuid4().hex[:12]}"
-    initial = ",".join(f"m{i}=http://{HOST}:{layout.etcd_ports(i)[1]}" for i in range(ETCD_MEMBERS))
-    # A fresh cluster every time: what the directory said of the last one, the nodes say again.
-    shutil.rmtree(layout.dir / "etcd", ignore_errors=True)
-    for i in range(ETCD_MEMBERS):
-        client, peer = layout.etcd_ports(i)
-        data_dir = layout.dir / "etcd" / f"m{i}"
-        argv = [
-            "etcd",
-            f"--name=m{i}",
-            f"--data-dir={data_dir}",
-            f"--listen-client-urls=http://{HOST}:{client}",
-            f"--advertise-client-urls=http://{HOST}:{client}",
-            f"--listen-peer-urls=http://{HOST}:{peer}",
-            f"--initial-advertise-peer-urls=http://{HOST}:{peer}",
-            f"--initial-cluster={initial}",
-            f"--initial-cluster-token={token}",
-            "--initial-cluster-state=new",
-            "--logger=zap",
-            "--log-level=warn",
-        ]
-        pid = spawn(argv, layout.logs / f"etcd-m{i}.log", dict(os.environ))
-        state["etcd"].append({"url": f"http://{HOST}:{client}", "pid": pid, "dataDir": str(data_dir)})
-        write_state(layout, state)
-    for i, member in enumerate(state["etcd"]):
-        wait_until(
-            f"etcd member m{i}",
-            partial(etcd_healthy, member["url"]),
-            member["pid"],
-            etcd_marker(member["dataDir"]),
-            layout.logs / f"etcd-m{i}.log",
-            ETCD_START_TIMEOUT,
-        )
-    say(f"etcd: {len(state['etcd'])} members at {layout.etcd_url()}")
-
-
-def start_node(layout: Layout, state: dict[str, Any], i: int, key: str) -> dict[str, Any]:
-    node_id = f"n{i}"
-    port = layout.node_port(i)
-    url = f"http://{HOST}:{port}"
-    data_dir = layout.node_dir(node_id)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "aenv.cli.main", "server", "--host", HOST, "--port", str(port)]
-    argv += ["--data-dir", str(data_dir), "--repo", str(layout.repo), "--cluster", layout.etcd_url()]
-    argv += ["--advertise", url, "--node-id", node_id]
-    pid = spawn(argv, layout.logs / f"node-{node_id}.log", {**os.environ, "AENV_API_KEY": key})
-    node = {"nodeID": node_id, "url": url, "pid": pid, "dataDir": str(data_dir)}
-    state["nodes"].append(node)
-    write_state(layout, state)
-    return node
-
-
-def wait_node(layout: Layout, node: dict[str, Any], key: str, timeout: float) -> None:
-    def ready() -> bool:
-        health = get_json(f"{node['url']}/health") or {}
-        if "base" not in health.get("templates", []):
-            return False
-        repository = get_json(f"{node['url']}/repository", key) or {}
-        return repository.get("pending") == []  # `base` is in the shared repository for the others
-
-    wait_until(
-        f"node {node['nodeID']}",
-        ready,
-        node["pid"],
-        node_marker(node["dataDir"]),
-        layout.logs / f"node-{node['nodeID']}.log",
-        timeout,
-    )
-
-
-def start_nodes(layout: Layout, state: dict[str, Any], count: int, key: str, say: Callable[[str], None]) -> None:
-    # The first node builds `base` (or finds it) and commits it to the shared repository before
-    # the others start: they fetch it from there instead of each building its own.
-    layout.repo.mkdir(parents=True, exist_ok=True)
-    first = start_node(layout, state, 0, key)
-    say(f"node n0: starting (the first start builds `base`, a few minutes); log {layout.logs / 'node-n0.log'}")
-    wait_node(layout, first, key, BASE_BUILD_TIMEOUT)
-    rest = [start_node(layout, state, i, key) for i in range(1, count)]
-    for node in rest:
-        wait_node(layout, node, key, NODE_START_TIMEOUT)
-    say(f"nodes: {', '.join(n['url'] for n in state['nodes'])} (repository {layout.repo})")
-
-
-def start_gateways(
-    layout: Layout, state: dict[str, Any], count: int, nodes: int, key: str, say: Callable[[str], None]
-) -> None:
-    for i in range(count):
-        port = layout.gateway_port(i)
-        argv = [sys.executable, "-m", "aenv.cli.main", "gateway", "--cluster", layout.etcd_url()]
-        argv += ["--host", HOST, "--port", str(port)]
-        pid = spawn(argv, layout.logs / f"gateway-g{i}.log", {**os.environ, "AENV_API_KEY": key})
-        state["gateways"].append(f"http://{HOST}:{port}")
-        state["gatewayProcesses"].append({"url": f"http://{HOST}:{port}", "port": port, "pid": pid})
-        write_state(layout, state)
-    for i, gw in enumerate(state["gatewayProcesses"]):
-        wait_until(
-            f"gateway g{i}",
-            partial(gateway_sees, gw["url"], nodes),
-            gw["pid"],
-            gateway_marker(gw["port"]),
-            layout.logs / f"gateway-g{i}.log",
-            GATEWAY_START_TIMEOUT,
-        )
-    say(f"gateways: {', '.join(state['gateways'])}")
 
 
 # -- down ------------------------------------------------------------------------------------------------
@@ -472,10 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, help=f"cluster dir [default: $AENV_CLUSTER_DIR or {DEFAULT_DIR}]")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_up = sub.add_parser("up", help="start the cluster; prints export lines for eval")
-    p_up.add_argument("--nodes", type=int, default=3)
-    p_up.add_argument("--gateways", type=int, default=2)
-    p_up.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT)
+    p_up = sub.add_parser(
+        "up", help="start the cluster, or what of it is down; prints export lines for eval (the same each time)"
+    )
+    p_up.add_argument("--nodes", type=int, help=f"[default: {DEFAULT_NODES}, or the cluster's]")
+    p_up.add_argument("--gateways", type=int, help=f"[default: {DEFAULT_GATEWAYS}, or the cluster's]")
+    p_up.add_argument("--base-port", type=int, help=f"[default: {DEFAULT_BASE_PORT}, or the cluster's]")
     p_down = sub.add_parser("down", help="stop everything the cluster started")
     p_down.add_argument("--timeout", type=float, default=STOP_TIMEOUT, help="seconds nodes get to stop")
     sub.add_parser("status", help="cluster.json with each process alive or not (exit 1 when any is not)")
@@ -485,9 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     root = args.dir or cluster_dir()
+    os.umask(0o077)  # what the cluster's processes write, and its logs: owner-only
     try:
         if args.command == "up":
-            state = up(Layout(root, args.base_port), args.nodes, args.gateways, say)
+            from aenv.cluster.local_up import up
+
+            state = up(root, say, nodes=args.nodes, gateways=args.gateways, base_port=args.base_port)
             print("\n".join(env_lines(state)), flush=True)
         elif args.command == "down":
             if not down(Layout(root), say, args.timeout):
@@ -500,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             current.pop("apiKey", None)
             print(json.dumps(current, indent=2))
             return 0 if all(e["alive"] for _, e, _ in processes(current)) else 1
-    except ClusterError as exc:
+    except AenvError as exc:
         say(f"error: {exc}")
         return 1
     return 0

@@ -66,7 +66,7 @@ def aenv_commands() -> list[tuple[str, list[str]]]:
     """(where, argv) of every aenv invocation in deploy/."""
     found: list[tuple[str, list[str]]] = []
     for name, service in compose()["services"].items():
-        if str(service.get("image", "")).startswith("aenv:"):
+        if str(service.get("image", "")).startswith("aenv:") and service["command"][0] == "aenv":
             found.append((f"compose {name}", [str(a) for a in service["command"]]))
     for file, obj in k8s_objects():
         for c in pod_containers(obj):
@@ -174,13 +174,13 @@ def test_compose_matches_the_compose_spec() -> None:
     doc = compose()
     jsonschema.validate(doc, compose_schema())
     services = doc["services"]
-    assert sum(1 for s in services if s.startswith("etcd")) == 3
+    assert sum(1 for s in services if s.startswith("etcd") and s[4:].isdigit()) == 3
     assert sum(1 for s in services if s.startswith("gateway")) == 2
     for name, service in services.items():
         deps = service.get("depends_on", [])
         assert set(deps) <= set(services), name
         for volume in service.get("volumes", []):
-            source = volume.split(":")[0]
+            source = volume["source"] if isinstance(volume, dict) else volume.split(":")[0]
             assert source.startswith(("/", "$")) or source in doc["volumes"], (name, volume)
     nodes = [s for s in services.values() if s.get("command", [None, None])[1:2] == ["server"]]
     assert len(nodes) == 2 and all(n["privileged"] for n in nodes)
@@ -205,7 +205,7 @@ def test_systemd_units_verify(tmp_path: Path) -> None:
     assert aenv is not None
     for unit in (DEPLOY / "systemd").glob("*.service"):  # verify wants ExecStart's binary to exist
         (tmp_path / unit.name).write_text(unit.read_text().replace("/usr/local/bin/aenv", str(Path(aenv).resolve())))
-    names = ["aenv-node@main.service", "aenv-gateway@8080.service"]
+    names = ["aenv-node@main.service", "aenv-gateway@8080.service", "aenv-etcd-auth.service"]
     r = subprocess.run(["systemd-analyze", "verify", *names], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
     (tmp_path / "aenv-node@.service").write_text(
@@ -288,3 +288,66 @@ def test_k8s_etcd_speaks_tls_with_client_certificates_to_nodes_and_gateways() ->
     source = next(v for n, v in volumes.items() if Path(mounts[n]) == root_file.parent)
     assert (source["secretName"], source["items"][0]["key"]) == ("aenv-etcd-root", "password")
     assert "password" in objects[("Secret", "aenv-etcd-root")]["stringData"]
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Where a compose service mounts a part (subpath) of the etcd-tls volume: target -> part."""
+    return {
+        v["target"]: v.get("volume", {}).get("subpath", "")
+        for v in service.get("volumes", [])
+        if isinstance(v, dict) and v["source"] == "etcd-tls"
+    }
+
+
+def test_compose_etcd_speaks_tls_with_auth_and_each_part_mounts_its_own_key() -> None:
+    """compose ran etcd in plaintext without auth: any container on its network (or a published
+    port) read the cluster's token secret. Now as k8s: TLS for clients and peers with client
+    certificates, etcd's auth turned on, and each part mounting only its own certificate's key."""
+    doc = compose()
+    services = doc["services"]
+    members = {n: s for n, s in services.items() if n.startswith("etcd") and n[4:].isdigit()}
+    assert len(members) == 3
+    for name, member in members.items():
+        env = {**doc["x-etcd"]["environment"], **member.get("environment", {})}
+        assert env["ETCD_CLIENT_CERT_AUTH"] == "true" and env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true", name
+        urls = [env["ETCD_LISTEN_CLIENT_URLS"], env["ETCD_LISTEN_PEER_URLS"], *env["ETCD_INITIAL_CLUSTER"].split(",")]
+        urls += [a.split("=", 1)[1] for a in member["command"] if a.startswith("--advertise") or "-peer-urls" in a]
+        assert all("https://" in u for u in urls), (name, urls)
+        assert _mounts(member) == {"/tls": "member"}, name
+        assert all(env[k].startswith("/tls/") for k in env if k.endswith("_FILE")), env
+    assert services["etcd-tls"]["command"][:3] == ["python3", "-m", "aenv.cluster.pki"]
+    assert set(services["etcd-tls"]["command"][4:]) >= set(members)  # the members' names are in their certificate
+    auth = services["etcd-auth"]
+    ctx = parse_cli(auth["command"])
+    assert ctx.params["cluster"].startswith("etcds://") and _mounts(auth) == {"/etc/aenv/etcd": "root"}
+    assert Path(str(ctx.params["root_password_file"])).parent == Path("/etc/aenv/etcd")
+    parts = {"node0": "node", "node1": "node", "gateway0": "gateway", "gateway1": "gateway"}
+    for name, part in parts.items():
+        service = services[name]  # anchors and merge keys resolved
+        env = service["environment"]
+        assert env["AENV_CLUSTER"].startswith("etcds://"), name
+        assert _mounts(service) == {"/etc/aenv/etcd": part}, (name, service["volumes"])  # its own key only
+        for setting in ("AENV_CLUSTER_CA", "AENV_CLUSTER_CERT", "AENV_CLUSTER_KEY"):
+            assert Path(env[setting]).parent == Path("/etc/aenv/etcd"), (name, setting)
+        assert service["depends_on"]["etcd-auth"] == {"condition": "service_completed_successfully"}, name
+
+
+def test_systemd_etcd_speaks_tls_with_auth() -> None:
+    """The systemd files ran etcd as Debian's unit configured by hand: now an /etc/default/etcd
+    with TLS for clients and peers and client certificates, and a unit that turns etcd's auth on."""
+    env = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / "systemd" / "etcd.env").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert env["ETCD_CLIENT_CERT_AUTH"] == "true" and env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true"
+    for key in ("ETCD_LISTEN_CLIENT_URLS", "ETCD_ADVERTISE_CLIENT_URLS", "ETCD_LISTEN_PEER_URLS"):
+        assert env[key].startswith("https://"), key
+    assert all(u.split("=", 1)[1].startswith("https://") for u in env["ETCD_INITIAL_CLUSTER"].split(","))
+    for key in ("ETCD_TRUSTED_CA_FILE", "ETCD_CERT_FILE", "ETCD_KEY_FILE", "ETCD_PEER_TRUSTED_CA_FILE"):
+        assert env[key].startswith("/etc/etcd/tls/"), key
+    unit = (DEPLOY / "systemd" / "aenv-etcd-auth.service").read_text()
+    argv = next(shlex.split(line[len("ExecStart=") :]) for line in unit.splitlines() if line.startswith("ExecStart="))
+    ctx = parse_cli(argv)
+    assert argv[1] == "etcd-auth" and ctx.params["root_password_file"] is not None
+    assert "Type=oneshot" in unit and "EnvironmentFile=/etc/aenv/aenv.env" in unit
