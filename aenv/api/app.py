@@ -23,7 +23,7 @@ from starlette.requests import Request as StarletteRequest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aenv import __version__
-from aenv.api import e2b_templates, envd, proxy, repository
+from aenv.api import e2b_templates, envd, proxy, repository, signed
 from aenv.api.sandboxes import add_body_schemas, router
 from aenv.dashboard import pages as dashboard_pages
 from aenv.dashboard import routes as dashboard_routes
@@ -143,6 +143,14 @@ class SandboxRouter:
         self.app = app
         self.node = node
         self.api_key = api_key
+        self.signers = signed.Signers()
+
+    def _secure(self, sandbox_id: str) -> bool:
+        sb = self.node.sandboxes.get(sandbox_id)
+        return sb is not None and sb.rec.secure
+
+    def _secure_ids(self) -> list[str]:
+        return [sandbox_id for sandbox_id, sb in self.node.sandboxes.items() if sb.rec.secure]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -151,7 +159,14 @@ class SandboxRouter:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         target = sandbox_target(headers)
         if target is None and scope["path"] == "/files" and b"signature=" in scope.get("query_string", b""):
-            signer = envd.signed_for(StarletteRequest(scope), self.node)
+            # A signed URL that names no sandbox (the SDKs' through one E2B_SANDBOX_URL): the
+            # secure sandbox whose token signed it answers as envd would (an expired one is its 401).
+            request = StarletteRequest(scope)
+            too_long = signed.too_long(request)
+            if too_long is not None:
+                await _reply(scope, receive, send, too_long)
+                return
+            signer = await self.signers.find(request, self.node.token_secret.encode(), self._secure, self._secure_ids)
             target = (signer, envd.ENVD_PORT) if signer else None
         if isinstance(target, str):
             await _reply(scope, receive, send, JSONResponse({"code": 400, "message": target}, status_code=400))

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import hmac
 import logging
 import posixpath
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -21,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
-from aenv.api import connect, connections, uploads
+from aenv.api import connect, connections, signed, uploads
 from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, ConnectError, Message
 from aenv.api.proxy import not_woken, sandbox_gone
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError, end_error
@@ -313,64 +312,21 @@ def _file_error(request: Request, exc: BaseException) -> JSONResponse:
     return JSONResponse({"code": status, "message": err.message}, status_code=status)
 
 
-def signature(path: str, operation: str, username: str | None, token: str, expiration: int | None) -> str:
-    raw = f"{path}:{operation}:{username or ''}:{token}"
-    if expiration is not None:
-        raw += f":{expiration}"
-    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).decode().rstrip("=")
-
-
-def _signature_expiration(request: Request) -> int | None:
-    raw = request.query_params.get("signature_expiration")
-    return int(raw) if raw and raw.isascii() and raw.isdigit() and len(raw) <= 20 else None
-
-
-def _signed_by(request: Request, token: str, operation: str) -> bool:
-    """The URL's signature was made with ``token`` (whether or not it has expired since)."""
-    expected = signature(
-        request.query_params.get("path", ""),
-        operation,
-        request.query_params.get("username"),
-        token,
-        _signature_expiration(request),
-    )
-    return hmac.compare_digest(request.query_params.get("signature", "").encode(), expected.encode())
-
-
-def files_refusal(request: Request, token: str, operation: str) -> str | None:
+def files_refusal(request: Request, token: str) -> str | None:
     """Why envd would refuse this /files request to a secure sandbox (its words, for a 401), or None.
 
-    As envd: the access token header when one is given, else the signature, then its expiry."""
+    As envd: the access token header when one is given, else the signature (aenv/api/signed.py:
+    read for a GET, write for a POST), then its expiry."""
     given = request.headers.get("x-access-token")
     if given:
         return None if hmac.compare_digest(given.encode(), token.encode()) else TOKEN_MISMATCH
     if not request.query_params.get("signature"):
         return "missing signature query parameter"
-    if not _signed_by(request, token, operation):
+    if not signed.signed_by(request, token):
         return "invalid signature"
-    expiration = _signature_expiration(request)
+    expiration = signed.expiration_of(request)
     if expiration is not None and expiration < time.time():
         return "signature is already expired"
-    return None
-
-
-def signed_for(request: Request, node: NodeService) -> str | None:
-    """The secure sandbox whose token signed this /files URL.
-
-    Signed URLs from ``download_url()``/``upload_url()`` carry no sandbox id when the SDK's
-    sandbox URL is a single proxy (E2B_SANDBOX_URL): the signature itself names the sandbox, which
-    then answers as envd would (an expired signature is its 401, not the API's)."""
-    return signer_among(request, ((sb.rec.id, node.access_token(sb.rec.id)) for sb in node.list() if sb.rec.secure))
-
-
-def signer_among(request: Request, candidates: Iterable[tuple[str, str]]) -> str | None:
-    """Which of these (sandbox id, access token) pairs signed this /files URL, if any."""
-    if not request.query_params.get("signature"):
-        return None
-    operation = "write" if request.method == "POST" else "read"
-    for sandbox_id, token in candidates:
-        if _signed_by(request, token, operation):
-            return sandbox_id
     return None
 
 
@@ -579,7 +535,7 @@ def _paused(node: NodeService, sandbox_id: str, exc: AenvError) -> JSONResponse 
 
 def _refusal(request: Request, token: str) -> str | None:
     if request.url.path == "/files" and request.method in ("GET", "POST"):
-        return files_refusal(request, token, "read" if request.method == "GET" else "write")
+        return files_refusal(request, token)
     given = request.headers.get("x-access-token")
     return None if given is not None and hmac.compare_digest(given.encode(), token.encode()) else UNAUTHORIZED
 
@@ -598,6 +554,8 @@ async def handle(request: Request, node: NodeService, sandbox_id: str) -> Respon
         if sb.state.value != "running" or sb.link is None or sb.killer is not None:
             return sandbox_gone(sandbox_id)
         return Response(status_code=204)
+    if path == "/files" and (too_long := signed.too_long(request)) is not None:
+        return too_long  # before its signature is hashed
     refusal = _refusal(request, node.access_token(sandbox_id)) if sb.rec.secure else None
     if refusal is not None:
         code = 401 if path == "/files" else "unauthenticated"

@@ -17,7 +17,6 @@ from aenv.guest.agent import AGENT_VERSION
 from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxRecord, SnapshotRecord, TemplateRecord
 from aenv.templates.catalog import TEMPLATE_NAME
 
-
 # A create's labels and environment: a sandbox's metadata is listed, filtered on, kept in the
 # cluster's entries and shown on the dashboard; its env vars reach every process's environment,
 # where a NUL cuts a string short and "=" in a name splits it.

@@ -31,7 +31,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -44,6 +44,8 @@ from aenv.api import connections, envd, listing
 from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
 from aenv.api.listing import short_sandbox_id
 from aenv.api.proxy import TRAFFIC_TOKEN_HEADER, sandbox_gone
+from aenv.api.signed import Signers
+from aenv.api.signed import too_long as url_too_long
 from aenv.cluster import forks, lists
 from aenv.cluster.agent import OWNERSHIP_PATH
 from aenv.cluster.drain import DRAIN_PATH, UNDRAIN_PATH
@@ -194,7 +196,7 @@ class Gateway:
         self.made_on: dict[str, tuple[str, float]] = {}
         self.building: dict[str, tuple[str, float]] = {}  # template id -> the node building it
         self.config: ClusterConfig | None = None  # read once a node has joined (it writes it)
-        self._tokens: dict[str, str] = {}  # sandbox id -> envd access token (for signed URLs)
+        self.signers = Signers()  # who signed a /files URL that names no sandbox
         self._waking: dict[str, asyncio.Future[NodeEntry]] = {}  # auto-resumes on another node under way
         self.metrics = GatewayMetrics(mirror)
         # Set when this gateway's key turns out not to be the cluster's: it stops serving (exit 2).
@@ -276,6 +278,9 @@ class Gateway:
         target = sandbox_target(headers)
         signed = False
         if target is None and path == "/files":
+            too_long = url_too_long(request)
+            if too_long is not None:
+                return too_long  # before anything is hashed
             signer = await self.signer(request)
             target = (signer, envd.ENVD_PORT) if signer else None
             signed = signer is not None  # its URL's signature is the sandbox's token's
@@ -459,25 +464,19 @@ class Gateway:
 
     async def signer(self, request: Request) -> str | None:
         """The sandbox whose access token signed this /files URL, among every sandbox the gateway
-        knows (one hash each; tokens are cached, so the cost is one more hash per sandbox)."""
+        knows (aenv/api/signed.py: a short hash each, once; a URL found before costs one)."""
         if not request.query_params.get("signature"):
             return None
         config = await self.cluster_config()
         if config is None:
             return None
-        secret = config.secret.encode()
-        known = list(self.mirror.sandboxes) + [h for h in self.hints if h not in self.mirror.sandboxes]
-        if len(self._tokens) > 2 * len(known) + 1024:  # sandboxes come and go: drop the gone ones' tokens
-            self._tokens = {}
+        return await self.signers.find(request, config.secret.encode(), self._knows, self._known)
 
-        def pairs() -> Iterator[tuple[str, str]]:
-            for sandbox_id in known:
-                token = self._tokens.get(sandbox_id)
-                if token is None:
-                    token = self._tokens[sandbox_id] = tokens.access_token(secret, sandbox_id)
-                yield sandbox_id, token
+    def _knows(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.mirror.sandboxes or sandbox_id in self.hints
 
-        return envd.signer_among(request, pairs())
+    def _known(self) -> list[str]:
+        return list(self.mirror.sandboxes) + [h for h in self.hints if h not in self.mirror.sandboxes]
 
     # -- own routes ---------------------------------------------------------------------------------------
     def health(self) -> Response:

@@ -174,7 +174,7 @@ def test_empty_forms_of_unbuilt_features_and_sound_labels_are_accepted(api: http
         r = api.post("/v2/sandboxes", json={"templateID": TEMPLATE, "timeout": 60, **empty})
         assert r.status_code == 201, r.text
     sbx = Sandbox.connect(sid)
-    assert sbx.commands.run("printf %s \"$PEM\"").stdout == pem
+    assert sbx.commands.run('printf %s "$PEM"').stdout == pem
 
 
 def test_the_sdks_create_and_fork_with_every_option_they_send(api: httpx.Client, node: Server) -> None:
@@ -226,7 +226,12 @@ console.log(JSON.stringify({ out, children: children.map((c) => (c instanceof Er
     done = subprocess.run(
         [node_bin, "--input-type=module", "-e", script],
         cwd=JS,
-        env={**os.environ, "E2B_API_KEY": node.env["AENV_API_KEY"], "E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url},
+        env={
+            **os.environ,
+            "E2B_API_KEY": node.env["AENV_API_KEY"],
+            "E2B_API_URL": node.url,
+            "E2B_SANDBOX_URL": node.url,
+        },
         capture_output=True,
         text=True,
         timeout=120,
@@ -267,3 +272,25 @@ def test_fork_bodies_with_unknown_or_mistyped_fields_are_400_and_fork_nothing(ap
     assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
     r = api.post(f"/sandboxes/{sid}/fork", json={})  # E2B's default: one child
     assert r.status_code == 201 and len(r.json()) == 1, r.text
+
+
+def test_signed_urls_with_paths_no_file_can_have_are_414_and_sdk_urls_still_work(
+    api: httpx.Client, node: Server
+) -> None:
+    """A signed /files URL's path and username are bounded before its signature is hashed (a
+    node hashed the whole URL once per secure sandbox: aenv/api/signed.py); the SDK's own URLs,
+    naming no sandbox, still find theirs. The 414s were 401s after that search before."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(template=TEMPLATE, timeout=120)
+    sbx.files.write("/home/user/signed.txt", "signed")
+    assert httpx.get(sbx.download_url("/home/user/signed.txt", use_signature_expiration=60)).text == "signed"
+    upload = sbx.upload_url("/home/user/up.txt", use_signature_expiration=60)
+    assert httpx.post(upload, files={"file": ("up.txt", b"uploaded")}).status_code == 200
+    assert sbx.files.read("/home/user/up.txt") == "uploaded"
+    routed = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}
+    for path, user in (("/" + "a" * 60_000, "user"), ("/home/user/" + "b/" * 3_000, "user"), ("/x", "u" * 300)):
+        url = sbx.download_url(path, user, use_signature_expiration=60)
+        for headers in ({}, routed):
+            r = httpx.get(url, headers=headers)
+            assert r.status_code == 414 and r.json()["code"] == 414, (len(path), headers, r.text[:200])
