@@ -497,9 +497,11 @@ class NodeAgent:
     async def undrain(self) -> None:
         """Take new work again (``aenv nodes undrain``): a drain under way stops first (what it
         paused stays durably paused here), and the entry says so at once. Idempotent."""
-        drain, self._drain = self._drain, None
+        drain = self._drain
         if drain is not None:
-            await drain.stop()
+            await drain.stop()  # still this node's drain meanwhile: its moves' traffic is held as before
+            if self._drain is drain:
+                self._drain = None
         self.draining = False
         await self.store.put_node(self.entry(), self.lease_id)
 

@@ -193,7 +193,7 @@ def test_a_local_user_reads_nothing_and_reaches_no_etcd(local: Local, stranger: 
     secret = asyncio.run(read_config(local, local.tls("node"))).secret  # what they are after
     # the cluster's files: the dir and everything the script keeps there, owner-only
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
-    for path in [root / "logs", root / "certs", root / "etcd", root / "nodes"]:
+    for path in [root / "logs", root / "certs", root / "etcd", root / "nodes", root / "nodes" / "n0"]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
     for path in [root / "cluster.json", root / "api-key", *(root / "logs").iterdir(), *(root / "certs").rglob("*")]:
         mode = stat.S_IMODE(path.stat().st_mode)
