@@ -285,6 +285,16 @@ class AsyncSandbox:
         payload: dict[str, Any] = {"count": count}
         if timeout is not None:
             payload["timeout"] = timeout
+        # The node finishes a fork whoever is waiting: one cancelled here (a rollout's deadline)
+        # waits on for its answer and kills the children it names.
+        forking = asyncio.ensure_future(self._fork(payload, count))
+        try:
+            return await asyncio.shield(forking)
+        except asyncio.CancelledError:
+            forking.add_done_callback(_kill_when_made)
+            raise
+
+    async def _fork(self, payload: dict[str, Any], count: int) -> list[AsyncSandbox]:
         items = await self.client._post(f"/sandboxes/{self.sandbox_id}/fork", payload)
         children = [AsyncSandbox(self.client, it["sandbox"]) for it in items if _made(it)]
         try:
@@ -314,6 +324,17 @@ class AsyncSandbox:
 def _made(item: Any) -> bool:
     child = item.get("sandbox") if isinstance(item, dict) else None
     return isinstance(child, dict) and isinstance(child.get("sandboxID"), str)
+
+
+_CLEANUPS: set[asyncio.Task[None]] = set()  # kills of abandoned forks' children, held until done
+
+
+def _kill_when_made(forking: asyncio.Future[list[AsyncSandbox]]) -> None:
+    if forking.cancelled() or forking.exception() is not None:
+        return  # nothing made (or already killed by the fork's own cleanup)
+    cleanup = asyncio.ensure_future(kill_all(forking.result()))
+    _CLEANUPS.add(cleanup)
+    cleanup.add_done_callback(_CLEANUPS.discard)
 
 
 async def kill_all(sandboxes: list[AsyncSandbox]) -> None:

@@ -29,7 +29,12 @@ class _Loop:
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # interrupted (Ctrl-C): the call is cancelled, as an awaited one would be
+            raise
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -313,7 +318,9 @@ class Client(_Face):
         )
 
     def nodes(self) -> builtins.list[dict[str, Any]]:
-        """A cluster's nodes with their load (a gateway's ``GET /nodes``; a lone node has none)."""
+        """A cluster's nodes with their load (a gateway's ``GET /nodes``; a lone node has none):
+        E2B's node fields (``nodeID``, ``status``: ready, draining or unhealthy, ``sandboxCount``,
+        ``allocatedCPU``, ...) and aenv's (``address``, ``room``, ``maxSandboxes``, ...)."""
         return self._block(self._target.nodes())
 
     def node(self, node_id: str) -> dict[str, Any]:

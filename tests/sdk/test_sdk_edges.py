@@ -167,6 +167,9 @@ def test_the_api_says_paused_in_e2b_words(server: Server, e2b_env: Server, api: 
 @pytest.fixture(scope="module")
 def small_node() -> Iterator[Server]:
     srv = start_busybox_node(Path(f"{DATA_DIR}-sdk-forks"), {"AENV_MAX_SANDBOXES": "3"})
+    with srv.client() as api:  # the data dir outlives a run: what an earlier one left goes
+        for item in api.get("/v2/sandboxes").json():  # running and paused
+            api.delete(f"/sandboxes/{item['sandboxID']}")
     yield srv
     srv.stop()
 
@@ -212,3 +215,35 @@ async def test_an_async_fork_group_refuses_a_sync_with(small_node: Server) -> No
             assert {s.sandbox_id for s in await client.list()} == {sbx.sandbox_id}
         finally:
             await sbx.kill()
+
+
+async def test_a_fork_cancelled_midway_leaves_no_child(small_node: Server) -> None:
+    """A rollout's deadline cancels a fork the node is carrying out: the node finishes it, and the
+    SDK kills the children its answer names (they were left running, unknown to anyone)."""
+    async with AsyncClient(small_node.url, API_KEY) as client:
+        sbx = await client.create("bb", timeout=300)
+        try:
+            for _ in range(3):  # the children must be made, the answer not yet back
+                forking = asyncio.ensure_future(sbx.fork(2))
+                deadline = time.monotonic() + 30
+                while len(await client.list()) < 3 and not forking.done() and time.monotonic() < deadline:  # noqa: ASYNC110
+                    await asyncio.sleep(0.005)
+                if not forking.done():
+                    break
+                await kill_all_but(client, sbx)
+            assert not forking.done(), "the fork answered before its children were seen: no cancel midway"
+            forking.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await forking
+            deadline = time.monotonic() + 30
+            while {s.sandbox_id for s in await client.list()} != {sbx.sandbox_id} and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+            assert {s.sandbox_id for s in await client.list()} == {sbx.sandbox_id}
+        finally:
+            await sbx.kill()
+
+
+async def kill_all_but(client: AsyncClient, keep: AsyncSandbox) -> None:
+    for info in await client.list():
+        if info.sandbox_id != keep.sandbox_id:
+            await AsyncSandbox(client, {"sandboxID": info.sandbox_id}).kill()
