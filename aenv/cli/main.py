@@ -497,7 +497,10 @@ def pause(
 
 
 @app.command()
-def resume(sandbox_ids: list[str], timeout: int = typer.Option(None)) -> None:
+def resume(
+    sandbox_ids: list[str],
+    timeout: int = typer.Option(None, help="Seconds each then runs [default: its own, the one it was last given]"),
+) -> None:
     """Resume paused sandboxes."""
 
     async def go(c: AsyncClient) -> None:
