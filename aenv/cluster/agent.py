@@ -71,6 +71,7 @@ WRITES_IN_FLIGHT = 16  # directory writes one sync has outstanding (a burst of c
 HELD_REFRESH = 5.0  # seconds between looks at which templates and snapshots are on the node's disk
 MAX_TEMPLATE_NAMES = 8  # a sandbox entry's names of its template (id, name, aliases)
 ANNOUNCE_SECONDS = 2.0  # how long a create's answer waits for its sandbox's directory entry
+MOVED_SECONDS = 30.0  # how long traffic for a sandbox a drain moved away is told to look again
 SWEEP_BATCH = 64  # killed sandboxes' durable pauses one reconcile removes from the repository
 
 Scope = dict[str, Any]
@@ -118,6 +119,7 @@ class NodeAgent:
         self._recheck = False  # reconcile at the next tick (an entry could not be created: a tombstone?)
         self._swept: set[str] = set()  # tombstones whose sandbox's durable pause this node removed
         self._listing: dict[str, asyncio.Future[None]] = {}  # new sandboxes whose entry is awaited
+        self.moved: dict[str, float] = {}  # sandboxes a drain moved to another node -> when
 
     # -- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -198,12 +200,20 @@ class NodeAgent:
         if not self.draining and self.silent() is None:
             return None
         op, sandbox_id = _subject(method, path, headers)
-        sb = self.node.sandboxes.get(sandbox_id.split("-")[0]) if sandbox_id else None
+        sandbox_id = sandbox_id.split("-")[0] if sandbox_id else None
+        if op is None and sandbox_id is not None and sandbox_id not in self.node.sandboxes:
+            # traffic for a sandbox this node's drain moved a moment ago: a gateway whose mirror
+            # has not seen the move yet sends it again, to where the sandbox runs now (the control
+            # plane's 404 leads a gateway there too; a connect finds it by itself)
+            if self._just_moved(sandbox_id):
+                return f"node {self.node_id} is draining: sandbox {sandbox_id} moved to another node (through a gateway)"
+        sb = self.node.sandboxes.get(sandbox_id) if sandbox_id else None
         return self._refusal(op["op"] if op is not None else None, sb)
 
     def wake_refusal(self, sb: LiveSandbox) -> str | None:
-        """Why traffic may not wake ``sb`` here now, or None: asked once it came through, as what
-        it found running when it arrived may be paused by then (a drain's move)."""
+        """Why traffic that found ``sb`` not running may not be served (or wake it) here now, or
+        None: asked once it came through, as what it found running when it arrived may be paused
+        by then (a drain's move)."""
         return self._refusal(None, sb)
 
     def _refusal(self, op: str | None, sb: LiveSandbox | None) -> str | None:
@@ -215,18 +225,26 @@ class NodeAgent:
             return self._draining_refusal(op, sb)
         return None
 
+    def _just_moved(self, sandbox_id: str) -> bool:
+        moved = self.moved.get(sandbox_id)
+        return moved is not None and time.monotonic() - moved < MOVED_SECONDS
+
     def _draining_refusal(self, op: str | None, sb: LiveSandbox | None) -> str | None:
         """A draining node does not resume a sandbox paused durably, or being so (a connect, or
         traffic waking one with auto-resume): it may be moving to another node right then.
         Through a gateway the resume waits for the pause to be durable and goes to another node;
         asked directly, the client is told to go through one. A pause that stays here for good
-        (no repository, no memory) resumes here as before."""
+        (no repository, no memory) resumes here as before. Traffic to a sandbox the drain is
+        moving waits for the move whether it wakes the sandbox or not: the client sees a pause,
+        not a sandbox that is gone."""
         if op == "pause":
             return None
         pausing = (SandboxState.PAUSING, SandboxState.PAUSED)
         if sb is None or sb.state not in pausing or self.node.durable_reason(sb.rec):
             return None
-        if op is None and not sb.rec.auto_resume:
+        if op is None and self._drain is not None and self._drain.moving(sb.id):
+            return f"node {self.node_id} is draining: sandbox {sb.id} is moving to another node (through a gateway)"
+        if op is None and not (sb.rec.auto_resume and not sb.rec.filesystem_only):
             return None  # traffic that wakes nothing: the node's own answer (not running)
         return (
             f"node {self.node_id} is draining: sandbox {sb.id} is durably paused and resumes on another node "
@@ -241,6 +259,8 @@ class NodeAgent:
         timeouts and the node's own stop go on (their entries are written once etcd answers)."""
         if sb is None or sb.state == SandboxState.KILLED:
             return None  # the node's own answer (not found)
+        if op is None and sb.state != SandboxState.RUNNING and not sb.rec.auto_resume:
+            return None  # traffic that wakes nothing: the node's own answer (not running)
         if op == "pause":
             if sb.state != SandboxState.RUNNING:
                 return None
@@ -597,6 +617,8 @@ class NodeAgent:
         the paused copy here goes (its repository entry is the other node's to remove)."""
         self.written.pop(sandbox_id, None)
         self.foreign.add(sandbox_id)
+        now = time.monotonic()
+        self.moved = {k: t for k, t in self.moved.items() if now - t < MOVED_SECONDS} | {sandbox_id: now}
         await self.node.let_go(sandbox_id)
 
     # -- create ids (aenv.node.create_ids.Claims) -------------------------------------------------------

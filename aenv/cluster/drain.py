@@ -88,6 +88,7 @@ class Drain:
         self._tick = asyncio.Event()  # set (and replaced) at each change of the progress
         self._seen: set[str] = set()  # sandboxes the drain took on (one resumed here meanwhile is taken again)
         self._unpaused: set[str] = set()  # sandboxes whose pause failed: not tried again (they run on)
+        self._busy: set[str] = set()  # sandboxes being paused, committed or moved right now
         self.started = time.monotonic()
         self.stopped = False  # an undrain: no sandbox is taken on from then on
         self.task: asyncio.Task[None] = asyncio.ensure_future(self._run())
@@ -126,15 +127,22 @@ class Drain:
         quiet = (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.KILLED)
         return any(sb.state not in quiet for sb in list(self.node.sandboxes.values()))
 
+    def moving(self, sandbox_id: str) -> bool:
+        """Whether this drain moves ``sandbox_id`` and is not done with it: its pause is a move's,
+        which its clients should see as a pause only (NodeAgent holds their traffic back)."""
+        return self.progress.move and sandbox_id in self._busy
+
     async def _one(self, sb: LiveSandbox, gate: asyncio.Semaphore) -> None:
-        async with gate:
-            try:
+        self._busy.add(sb.id)  # from now: its traffic waits for the gate too (it is paused next)
+        try:
+            async with gate:
                 await self._drain_one(sb)
-            except AenvError as exc:  # etcd or the node failing on one sandbox: said, the drain goes on
-                if sb.state != SandboxState.KILLED:  # killed meanwhile: nothing to drain
-                    self._error(f"sandbox {sb.id}: {exc.message}")
-            finally:
-                await self._report()
+        except AenvError as exc:  # etcd or the node failing on one sandbox: said, the drain goes on
+            if sb.state != SandboxState.KILLED:  # killed meanwhile: nothing to drain
+                self._error(f"sandbox {sb.id}: {exc.message}")
+        finally:
+            self._busy.discard(sb.id)
+            await self._report()
 
     async def _drain_one(self, sb: LiveSandbox) -> None:
         if self.stopped:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
@@ -130,6 +130,10 @@ LIST_SETTLE = 2.0  # seconds one list waits for the directory to show such chang
 PRESENT, GONE = "present", "gone"
 TOMBSTONE_SECONDS = 30 * 86400  # how long a lost node has to come back and learn its sandbox was killed
 MAX_REPLAYED_BODY = 64 * 1024  # sandbox traffic's body kept to send again (an envd call's; not a stream)
+MAX_FOLLOWS = 2  # times a request about a sandbox follows it to the node it moved to
+KEEP_STREAM_SECONDS = 2.0  # how long a streamed body to a draining node's sandbox may take to be kept whole
+LOST_WAIT = 30.0  # how long a kill waits for a node that does not answer to be counted lost
+SILENT_SECONDS = 30.0  # a node that did not answer is placed on last for this long, unless it answers
 WAKE_SECONDS = 60.0  # how long traffic waits for its sandbox to be resumed on another node
 LIST_TIMEOUT = 30.0  # seconds the gateway waits for its first read of the directory
 
@@ -198,6 +202,8 @@ class Gateway:
         self.config: ClusterConfig | None = None  # read once a node has joined (it writes it)
         self.signers = Signers()  # who signed a /files URL that names no sandbox
         self._waking: dict[str, asyncio.Future[NodeEntry]] = {}  # auto-resumes on another node under way
+        # node id -> when it last did not answer: placed on last, until its lease runs out or it answers
+        self.silent: dict[str, float] = {}
         self.metrics = GatewayMetrics(mirror)
         # Set when this gateway's key turns out not to be the cluster's: it stops serving (exit 2).
         self.wrong_key = asyncio.Event()
@@ -342,17 +348,29 @@ class Gateway:
                 return await self.take_over(request, [node, *others], match["id"])
             if resume and _cluster_paused_at(self.mirror, match["id"], node):
                 return await self.resume_or_move(request, node, match["id"])
+            follow = match["id"]  # a drain may move it meanwhile: asked again where it went
             if method == "GET" and SANDBOX_INFO.match(path):
-                return await self.answered(request, node, _note_node)
+                try:
+                    return await self.answered(request, node, _note_node, follow=follow)
+                except NodeSilent:  # a durable pause is the cluster's: shown from its entry
+                    shown = await self.cluster_paused(match["id"], silent=True)
+                    if shown is None:
+                        raise
+                    return shown
             if method == "POST" and path.endswith("/fork"):
                 return await self.fork(request, node, short_sandbox_id(match["id"]))
             if method == "POST" and path.endswith("/snapshots"):
-                return await self.answered(request, node, self._note_snapshot)
+                return await self.answered(request, node, self._note_snapshot, follow=follow)
             if self.settings.domain and method == "POST" and SANDBOX_ANSWER.match(path):
                 answer = await self.answered(request, node)  # its "domain" is the gateway's
                 self._note_change(method, path, match["id"], answer.status_code)
                 return answer
-            relay = await self.forward(request, node)
+            try:
+                relay = await self.forward(request, node, follow=follow)
+            except NodeSilent as exc:
+                if not (method == "DELETE" and SANDBOX_INFO.match(path)):
+                    raise
+                return await self._kill_when_lost(request, match["id"], exc)
             self._note_change(method, path, match["id"], relay.upstream.status_code)
             return relay
         if method == "POST" and path in ("/sandboxes", "/v2/sandboxes"):
@@ -376,18 +394,45 @@ class Gateway:
         where the sandbox is, within WAKE_SECONDS, while etcd answers the gateway. Only a request
         whose body is small enough to keep (or has none) is sent twice; a stream goes once."""
         declared = request.headers.get("content-length", "")
-        replayable = "transfer-encoding" not in request.headers and (
-            not declared or (declared.isdecimal() and int(declared) <= MAX_REPLAYED_BODY)
-        )
+        replayable = _small_body(request, MAX_REPLAYED_BODY)
         body = await _read_bounded(request, MAX_REPLAYED_BODY) if replayable and declared else None
+        stream: AsyncIterator[bytes] | None = None
+        _, at = self.mirror.owner(sandbox_id)
+        if not replayable and at is not None and at.draining:
+            # A draining node's pause of it may be a move's, refused until it is done: a small
+            # streamed body (an E2B command's start) is kept too, to send where it went.
+            body, stream = await _kept_body(request, MAX_REPLAYED_BODY, KEEP_STREAM_SECONDS)
+            replayable = body is not None
         until = time.monotonic() + WAKE_SECONDS
+        woken: NodeEntry | None = None  # where the sandbox was just resumed (the mirror may lag)
         while True:
-            node = await self.owner(sandbox_id, request.scope, wake=traffic)
+            node = woken or await self.owner(sandbox_id, request.scope, wake=traffic)
+            woken = None
             request.scope[NODE_SCOPE] = node.node_id
-            upstream = await self._send(request, node, body=body, extra=extra, traffic=True)
+            try:
+                upstream = await self._send(request, node, body=body, extra=extra, traffic=True, stream=stream)
+            except NodeSilent as exc:
+                if not replayable or time.monotonic() >= until:
+                    raise
+                woken = await self._wake_from_silent(sandbox_id, traffic, exc)
+                continue
             answer = await self._unless_blip(upstream, node, until) if replayable else upstream
             if answer is not None:
                 return Relay(answer, node)
+
+    async def _wake_from_silent(self, sandbox_id: str, traffic: Traffic, silent: NodeSilent) -> NodeEntry:
+        """Traffic whose node did not answer: a durable pause it may wake (auto-resume, with
+        memory, and the traffic has the sandbox's token where one is asked) is resumed on another
+        node, as if that node were gone. Anything else is the silent node's: a sandbox that ran
+        there is unreachable with it (E2B's "not found"); a pause that wakes nothing is one too."""
+        entry, _ = self.mirror.owner(sandbox_id)
+        if entry is None or entry.node_id != silent.node_id:
+            raise silent  # moved meanwhile: the mirror's next look sends it there, once
+        if not (_cluster_paused(entry) and _wakes(entry) and await self._may_wake(entry, traffic)):
+            raise SandboxNotFound(
+                f"sandbox {sandbox_id} is on node {silent.node_id}, which does not answer", sandbox_id=sandbox_id
+            )
+        return await self.wake_elsewhere(sandbox_id, owner_full=True, avoid=silent.node_id)
 
     async def websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A WebSocket to a sandbox's port, relayed to the node that owns the sandbox (which
@@ -601,20 +646,21 @@ class Gateway:
             )
         return node
 
-    async def wake_elsewhere(self, sandbox_id: str, *, owner_full: bool = False) -> NodeEntry:
+    async def wake_elsewhere(self, sandbox_id: str, *, owner_full: bool = False, avoid: str = "") -> NodeEntry:
         """Auto-resume through the gateway: traffic to a sandbox with auto-resume, durably paused
         on a node that is gone, draining or full, resumes it on the best node with room (a connect, so
         it takes the sandbox over as a client's connect would) and then proceeds there, waiting
         up to WAKE_SECONDS. Concurrent traffic joins one wake; a node that lost the claim to
-        another (409, or 404 once it saw the move) sends the traffic to the winner."""
+        another (409, or 404 once it saw the move) sends the traffic to the winner. ``avoid``: its
+        node, which did not answer (``owner_full`` then says so to the node that takes it over)."""
         waking = self._waking.get(sandbox_id)
         if waking is None:
-            waking = asyncio.ensure_future(self._wake(sandbox_id, owner_full))
+            waking = asyncio.ensure_future(self._wake(sandbox_id, owner_full, avoid))
             self._waking[sandbox_id] = waking
             waking.add_done_callback(lambda _: self._waking.pop(sandbox_id, None))
         return await asyncio.shield(waking)
 
-    async def _wake(self, sandbox_id: str, owner_full: bool) -> NodeEntry:
+    async def _wake(self, sandbox_id: str, owner_full: bool, avoid: str = "") -> NodeEntry:
         headers = {"X-API-Key": self.settings.api_key or ""}
         if owner_full:
             headers[OWNER_FULL_HEADER] = "1"
@@ -623,11 +669,11 @@ class Gateway:
         entry, _ = self.mirror.owner(sandbox_id)
         source = (entry.template_id or None) if entry is not None else None  # its template's layers: fetched least
         runtime = entry.runtime if entry is not None else ""  # its memory image restores only there
-        ranked = self.candidates(source, runtime)
+        ranked = [n for n in self.candidates(source, runtime) if n.node_id != avoid]
         if owner_full and runtime:  # its owner is up: only where its memory image restores
             ranked = [n for n in ranked if n.runtime == runtime]
         owner = self.mirror.nodes.get(entry.node_id) if entry is not None else None
-        if owner_full and not ranked and owner is not None:
+        if owner_full and not ranked and owner is not None and owner.node_id != avoid:
             return owner  # nowhere else to go: its owner's answer (429 while it is full)
         for node in ranked[:MAX_CANDIDATES]:
             url = f"{node.address}/sandboxes/{sandbox_id}/connect"
@@ -665,12 +711,27 @@ class Gateway:
         self._expect(sandbox_id, GONE)
         return Response(status_code=204, headers={NODE_ID_HEADER: read.entry.node_id})
 
-    async def cluster_paused(self, sandbox_id: str) -> Response | None:
-        """``GET /sandboxes/{id}`` of a sandbox durably paused on a node that is gone: it belongs to
-        the cluster (any node resumes it), so it is shown paused, from its entry, naming the lost
-        node. None for anything else (the owner answers, or the lost node's 404)."""
+    async def _kill_when_lost(self, request: Request, sandbox_id: str, silent: NodeSilent) -> Response | Relay:
+        """A kill whose node did not answer (killed, perhaps, its lease not run out yet): once the
+        node is lost the kill is a tombstone, as for any lost node's sandbox. A node still
+        registered after LOST_WAIT is asked once more."""
+        node_id = silent.node_id
+        await self.mirror.wait_for(lambda m: node_id not in m.nodes, LOST_WAIT)
+        buried = await self.kill_lost(sandbox_id, request.scope)
+        if buried is not None:
+            return buried
+        _, node = self.mirror.owner(sandbox_id)
+        if node is None:
+            raise silent
+        return await self.forward(request, node)
+
+    async def cluster_paused(self, sandbox_id: str, *, silent: bool = False) -> Response | None:
+        """``GET /sandboxes/{id}`` of a sandbox durably paused on a node that is gone (or, with
+        ``silent``, did not answer): it belongs to the cluster (any node resumes it), so it is
+        shown paused, from its entry, naming its node. None for anything else (the owner
+        answers, or the lost node's 404)."""
         entry, node = self.mirror.owner(sandbox_id)
-        if entry is None or node is not None or not _cluster_paused(entry):
+        if entry is None or (node is not None and not silent) or not _cluster_paused(entry):
             return None
         config = await self.cluster_config()
         if config is None:
@@ -683,6 +744,10 @@ class Gateway:
         """Ready nodes with room, best first for a create from ``source`` (see placement.py),
         those running ``runtime`` only while any has room."""
         ranked = self.placement.rank(list(self.mirror.nodes.values()), source, runtime)
+        now = time.monotonic()
+        quiet = {node_id for node_id, at in self.silent.items() if now - at < SILENT_SECONDS}
+        if quiet:  # dead, perhaps, until its lease runs out: tried last
+            ranked = [n for n in ranked if n.node_id not in quiet] + [n for n in ranked if n.node_id in quiet]
         if not ranked:
             if not self.mirror.loaded.is_set():
                 raise ClusterUnavailable("the gateway has not read the cluster directory yet")
@@ -1025,7 +1090,10 @@ class Gateway:
         takes it over from the repository (the owner resumes only after taking the entry's
         durable mark off, the taker claims only while it is on: never both)."""
         body = await _read_bounded(request, MAX_CREATE_BODY)
-        upstream = await self._send(request, node, body=body)
+        try:
+            upstream = await self._send(request, node, body=body)
+        except NodeSilent as exc:
+            return await self._take_from_silent(request, exc, sandbox_id, body)
         entry, _ = self.mirror.owner(sandbox_id)
         if upstream.status_code == 429 and entry is not None and _cluster_paused(entry):
             others = self._takeover_candidates(entry, avoid=node.node_id, same_runtime=True)
@@ -1033,6 +1101,34 @@ class Gateway:
                 await upstream.aclose()
                 return await self.take_over(request, others, sandbox_id, body=body, owner_full=True)
         return await self._resumed(request, node, sandbox_id, upstream)
+
+    async def _take_from_silent(
+        self, request: Request, silent: NodeSilent, sandbox_id: str, body: bytes
+    ) -> Response | Relay:
+        """A resume of a durable pause whose node did not answer (killed, perhaps, with its lease
+        not run out yet): the best other node takes it over from the repository, as from a lost
+        node, rather than the client hearing the dead node's silence. The claim compares the
+        entry's durable mark, which a live owner takes off before it resumes: if the owner was
+        only slow, exactly one of the two has the sandbox, and the other answer leads to it."""
+        read = await self.mirror.store.get_sandbox(sandbox_id)
+        if read is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id=sandbox_id)
+        entry = read.entry
+        if entry.node_id != silent.node_id:  # taken over meanwhile (through another gateway)
+            winner = self.mirror.nodes.get(entry.node_id)
+            if winner is None:
+                raise silent
+            return await self._resumed(request, winner, sandbox_id, await self._send(request, winner, body=body))
+        if not _cluster_paused(entry):
+            raise silent  # its node began to resume it, then went silent: lost with that node
+        others = self._takeover_candidates(entry, avoid=silent.node_id)
+        if not others:
+            raise ClusterUnavailable(
+                f"node {silent.node_id} holding sandbox {sandbox_id} did not answer and no other node can take "
+                "it over now; try again"
+            )
+        log.warning("node %s did not answer: sandbox %s is taken over elsewhere", silent.node_id, sandbox_id)
+        return await self.take_over(request, others, sandbox_id, body=body, owner_full=True)
 
     def _takeover_candidates(self, entry: SandboxEntry, *, avoid: str, same_runtime: bool = False) -> list[NodeEntry]:
         """Nodes to take a durable pause over, best first: its memory image's runtime, then
@@ -1094,11 +1190,13 @@ class Gateway:
         note: Callable[[object, NodeEntry], None] | None = None,
         *,
         upstream: httpx.Response | None = None,
+        follow: str | None = None,
     ) -> Response:
         """Forward (unless sent already: ``upstream``), read the node's (small) answer whole, and
         let ``note`` learn from it what was made there (or add to it); in domain mode its
-        sandboxes name the gateway's domain."""
-        upstream = upstream or await self._send(request, node)
+        sandboxes name the gateway's domain. ``follow``: see ``_send``."""
+        upstream = upstream or await self._send(request, node, follow=follow)
+        node = self.mirror.nodes.get(request.scope.get(NODE_SCOPE, ""), node)
         try:
             content = await _read_upstream(upstream, MAX_FORK_BODY, node)
         finally:
@@ -1223,9 +1321,12 @@ class Gateway:
         if isinstance(snapshot_id, str):
             _note(self.made_on, snapshot_id, node.node_id, SNAPSHOT_HINT_SECONDS)
 
-    async def forward(self, request: Request, node: NodeEntry, extra: dict[str, str] | None = None) -> Relay:
+    async def forward(
+        self, request: Request, node: NodeEntry, extra: dict[str, str] | None = None, *, follow: str | None = None
+    ) -> Relay:
         request.scope[NODE_SCOPE] = node.node_id
-        return Relay(await self._send(request, node, extra=extra), node)
+        upstream = await self._send(request, node, extra=extra, follow=follow)
+        return Relay(upstream, self.mirror.nodes.get(request.scope[NODE_SCOPE], node))
 
     async def _send(
         self,
@@ -1237,22 +1338,47 @@ class Gateway:
         timeout: httpx.Timeout | None = None,
         path: str | None = None,
         traffic: bool = False,
+        follow: str | None = None,
+        stream: AsyncIterator[bytes] | None = None,
     ) -> httpx.Response:
         """The node's answer to ``request`` (streamed). A pause, resume or connect the node
         refused only because it missed etcd for a moment is sent again while etcd answers here
-        (within STORE_BLIP_SECONDS): the node refused before doing anything. Sandbox ``traffic``
-        is never one of those, whatever its path (the app in the sandbox chose it)."""
+        (within STORE_BLIP_SECONDS): the node refused before doing anything. A request about
+        sandbox ``follow`` (the control plane's) that its node answers 404 while etcd names
+        another node (it moved a moment ago: a drain, a takeover) goes there. Sandbox ``traffic``
+        is never one of those, whatever its path (the app in the sandbox chose it). ``stream``:
+        the request's body as read so far and the rest (sent once), where ``body`` is None."""
         patient = (
             not traffic and request.method == "POST" and OWNERSHIP_PATH.fullmatch(path or request.url.path) is not None
         )
-        if patient and body is None:
+        following = follow is not None and not traffic and stream is None and _small_body(request)
+        if (patient or following) and body is None:
             body = await _read_bounded(request, MAX_CREATE_BODY)  # small, and needed again for a retry
         until = time.monotonic() + STORE_BLIP_SECONDS
+        moves = 0
         while True:
-            upstream = await self._send_once(request, node, body, extra or {}, timeout, path)
+            upstream = await self._send_once(request, node, body, extra or {}, timeout, path, stream)
+            if following and follow is not None and upstream.status_code == 404 and moves < MAX_FOLLOWS:
+                moved_to = await self._moved_to(follow, node)
+                if moved_to is not None:
+                    await upstream.aclose()
+                    node, moves = moved_to, moves + 1
+                    request.scope[NODE_SCOPE] = node.node_id
+                    continue
             answer = await self._unless_blip(upstream, node, until) if patient else upstream
             if answer is not None:
                 return answer
+
+    async def _moved_to(self, sandbox_id: str, node: NodeEntry) -> NodeEntry | None:
+        """The node etcd says holds ``sandbox_id`` now, if another than ``node`` (which said it
+        has no such sandbox) and up."""
+        try:
+            read = await self.mirror.store.get_sandbox(short_sandbox_id(sandbox_id))
+        except (ClusterUnavailable, InvalidRequest):
+            return None
+        if read is None or read.entry.node_id == node.node_id:
+            return None
+        return self.mirror.nodes.get(read.entry.node_id)
 
     async def _unless_blip(self, upstream: httpx.Response, node: NodeEntry, until: float) -> httpx.Response | None:
         """``upstream`` to pass on (read whole and replayed if it was a 503), or None after a
@@ -1296,24 +1422,42 @@ class Gateway:
         extra: dict[str, str],
         timeout: httpx.Timeout | None,
         path: str | None,
+        stream: AsyncIterator[bytes] | None = None,
     ) -> httpx.Response:
         # As received (bytes: a value that is not ASCII passes as it came, for the node to judge).
         # Sandbox traffic keeps the client's Host: the sandbox's port sees it (or its mask).
         # The gateway's own word to a node is never a client's.
         dropped = (HOP_HEADERS - ({"host"} if "e2b-sandbox-id" in extra else set())) | set(extra) | {OWNER_FULL_HEADER}
-        headers = [(k, v) for k, v in request.scope["headers"] if k.decode("latin-1").lower() not in dropped]
+        # Names as the client wrote them: a sandbox's server sees its request as sent.
+        headers = [(k, v) for k, v in connections.as_sent(request.scope) if k.decode("latin-1").lower() not in dropped]
         headers += [(k.encode(), v.encode()) for k, v in extra.items()]
         url = node.address + (path or request.url.path) + (f"?{request.url.query}" if request.url.query else "")
-        content: bytes | AsyncIterator[bytes] | None = body
-        if body is None and ("content-length" in request.headers or "transfer-encoding" in request.headers):
+        content: bytes | AsyncIterator[bytes] | None = body if stream is None else stream
+        if content is None and ("content-length" in request.headers or "transfer-encoding" in request.headers):
             content = _body(request)  # streamed as it arrives; httpx keeps the client's Content-Length
         outgoing = self.client.build_request(
             request.method, url, headers=headers, content=content, timeout=timeout or self.client.timeout
         )
+        sent = {k.lower() for k, _ in headers}
+        for name in (b"accept", b"accept-encoding", b"user-agent"):  # httpx's defaults, not the client's
+            if name not in sent:
+                outgoing.headers.pop(name.decode(), None)
         try:
-            return await self.client.send(outgoing, stream=True)
+            upstream = await self.client.send(outgoing, stream=True)
         except httpx.TransportError as exc:
-            raise UpstreamError(f"node {node.node_id} at {node.address} did not answer: {exc!r}"[:300]) from None
+            self.silent[node.node_id] = time.monotonic()
+            raise NodeSilent(f"node {node.node_id} at {node.address} did not answer: {exc!r}"[:300], node.node_id) from None
+        self.silent.pop(node.node_id, None)
+        return upstream
+
+
+class NodeSilent(UpstreamError):
+    """A node did not answer a request sent to it (refused, reset, cut off mid-way or too slow):
+    dead, perhaps, while its lease has not run out yet."""
+
+    def __init__(self, message: str, node_id: str) -> None:
+        super().__init__(message)
+        self.node_id = node_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -1452,6 +1596,48 @@ def _parsed(content: bytes) -> object:
         return json.loads(content)
     except ValueError:
         return None
+
+
+def _small_body(request: Request, limit: int = MAX_CREATE_BODY) -> bool:
+    """Whether the request's body (if any) says it is small enough to keep for sending again."""
+    declared = request.headers.get("content-length", "")
+    return "transfer-encoding" not in request.headers and (
+        not declared or (declared.isdecimal() and int(declared) <= limit)
+    )
+
+
+async def _kept_body(request: Request, limit: int, within: float) -> tuple[bytes | None, AsyncIterator[bytes] | None]:
+    """A streamed body (no length given) read whole, if it ends within ``limit`` bytes and
+    ``within`` seconds: (it, None). Else (None, the body as a stream: what was read, then the
+    rest), for a client that streams for longer (its request goes once, as it comes)."""
+    data = bytearray()
+    more = True
+    deadline = time.monotonic() + within
+    while more and len(data) <= limit:
+        try:  # a receive given up on keeps what arrives for the next one (uvicorn's cycle)
+            message = await asyncio.wait_for(request.receive(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            break
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        data += message.get("body", b"")
+        more = bool(message.get("more_body", False))
+    if not more:
+        return bytes(data), None
+
+    async def rest() -> AsyncIterator[bytes]:
+        if data:
+            yield bytes(data)
+        while True:
+            message = await request.receive()
+            if message["type"] != "http.request":
+                raise ClientDisconnect()
+            if message.get("body"):
+                yield message["body"]
+            if not message.get("more_body", False):
+                return
+
+    return None, rest()
 
 
 def _replay(upstream: httpx.Response, content: bytes) -> httpx.Response:

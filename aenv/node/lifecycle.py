@@ -438,6 +438,9 @@ class Lifecycle:
             if sb.state != S.RUNNING and not _traffic_wakes(sb):
                 break
         sb = self.get(sandbox_id)
+        refusal = self.wake_refusal(sb) if self.wake_refusal is not None and sb.state != S.KILLED else None
+        if refusal is not None:  # not running for now: a drain is moving it (its traffic is held back)
+            raise ClusterUnavailable(refusal)
         if sb.state == S.PAUSED and sb.rec.filesystem_only:
             message = f"sandbox {sandbox_id} is paused without its memory; resume it explicitly (connect)"
             raise WrongState(message, sandbox_id=sandbox_id)
