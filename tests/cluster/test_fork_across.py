@@ -141,6 +141,22 @@ def test_a_fork_the_node_refuses_is_answered_as_the_node_answered(
         assert direct.get(f"/sandboxes/{sandbox_id}").json()["state"] == "running"
 
 
+def test_a_create_the_node_refuses_is_answered_as_the_node_answered(cluster: Cluster, gateway: httpx.Client) -> None:
+    """What a fork elsewhere sends is a create: one a node refuses (an unknown field, a label with
+    a NUL, a feature not built) is that node's 400 through the gateway too, and makes nothing."""
+    bodies = [
+        {"templateId": "base"},
+        {"templateID": "base", "metadata": {"a\x00": "b"}},
+        {"templateID": "base", "volumeMounts": [{"name": "v", "path": "/mnt"}]},
+    ]
+    with cluster.nodes["node-b"].client() as direct:
+        for body in bodies:
+            through, own = gateway.post("/v2/sandboxes", json=body), direct.post("/v2/sandboxes", json=body)
+            assert through.status_code == 400, through.text
+            assert through.json() == own.json()
+    assert gateway.get("/v2/sandboxes").json() == []
+
+
 def test_a_node_creates_from_a_snapshot_committed_elsewhere_a_moment_ago(
     cluster: Cluster, gateway: httpx.Client
 ) -> None:
