@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from aenv.cluster import local
+from aenv.cluster import local, local_up
 from aenv.cluster.entries import SandboxEntry
 from aenv.cluster.mirror import Mirror
 from aenv.cluster.store import ClusterStore
@@ -148,7 +149,8 @@ def fresh_gateway(layout: local.Layout, key: str, port: int, want: int) -> tuple
     argv = [sys.executable, "-m", "aenv.cli.main", "gateway", "--cluster", layout.etcd_url(), "--port", str(port)]
     start = time.perf_counter()
     with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "AENV_API_KEY": key})
+        env = {**os.environ, **layout.tls_env("gateway"), "AENV_API_KEY": key}  # etcd: TLS, by certificate
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         while True:
             health = local.get_json(f"http://{local.HOST}:{port}/health") or {}
@@ -163,7 +165,8 @@ def fresh_gateway(layout: local.Layout, key: str, port: int, want: int) -> tuple
 
 
 async def mirror_bench(layout: local.Layout, key: str, entries: int) -> dict[str, Any]:
-    store = ClusterStore.from_url(layout.etcd_url())
+    # the bench's own bulk writes: 64 at a time, on a machine the cluster shares
+    store = ClusterStore.from_url(layout.etcd_url(), tls=layout.client_tls("node"), timeout=10)
     port = layout.gateway_port(99)  # past the cluster's own gateways
     try:
         empty_s, empty_rss = fresh_gateway(layout, key, port, 0)
@@ -172,7 +175,7 @@ async def mirror_bench(layout: local.Layout, key: str, entries: int) -> dict[str
         ids = await write_entries(store, entries)
         write_s = time.perf_counter() - start
         load_s, rss = fresh_gateway(layout, key, port, entries)
-        mirror = Mirror(ClusterStore.from_url(layout.etcd_url()))
+        mirror = Mirror(ClusterStore.from_url(layout.etcd_url(), tls=layout.client_tls("gateway")))
         start = time.perf_counter()
         await mirror.start(wait=120)
         mirror_load = time.perf_counter() - start
@@ -325,7 +328,8 @@ async def durable_bench(state: dict[str, Any], args: argparse.Namespace) -> dict
     """Durable pauses, resumes on the origin and elsewhere, a drain with move (see the module doc)."""
     key, gw = state["apiKey"], state["gateways"][0]
     first, second = state["nodes"][0], state["nodes"][1]
-    store = ClusterStore.from_url(local.Layout(args.dir, args.base_port).etcd_url())
+    layout = local.Layout(args.dir, args.base_port)
+    store = ClusterStore.from_url(layout.etcd_url(), tls=layout.client_tls("node"))
     out: dict[str, Any] = {}
     async with (
         AsyncClient(first["url"], key) as direct,
@@ -469,7 +473,8 @@ def render_durable(d: dict[str, Any]) -> None:
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     layout = local.Layout(args.dir, args.base_port)
-    state = await asyncio.to_thread(local.up, layout, args.nodes, args.gateways, say)
+    up = partial(local_up.up, args.dir, say, nodes=args.nodes, gateways=args.gateways, base_port=args.base_port)
+    state = await asyncio.to_thread(up)
     try:
         if args.only == "durable":
             results = {"durable": await durable_bench(state, args)}

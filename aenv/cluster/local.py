@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from aenv.cluster.store import EtcdTls
 from aenv.errors import AenvError
 from aenv.storage import datadir
 
@@ -84,6 +85,11 @@ class Layout:
     @property
     def certs(self) -> Path:
         return self.dir / "certs"
+
+    def client_tls(self, part: str) -> EtcdTls:
+        """A store's TLS files as ``part`` (node, gateway, root): its certificate is its etcd user."""
+        d = self.certs / part
+        return EtcdTls(str(d / "ca.crt"), str(d / "client.crt"), str(d / "client.key"))
 
     def tls_env(self, part: str) -> dict[str, str]:
         """What a node (``node``) or gateway (``gateway``) needs to log in to etcd."""
