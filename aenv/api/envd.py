@@ -28,11 +28,13 @@ from aenv.errors import (
     AenvError,
     AgentTimeout,
     AgentUnavailable,
+    ClusterUnavailable,
     InsufficientStorage,
     InvalidRequest,
     RequestTimeout,
     WrongState,
     error_body,
+    error_headers,
 )
 from aenv.guest import metadata
 from aenv.node.service import AgentLink, CommandRecord, LiveSandbox, NodeService, SandboxState
@@ -516,13 +518,18 @@ def _endpoint(request: Request) -> Handler | None:
 def _paused(node: NodeService, sandbox_id: str, exc: AenvError) -> JSONResponse | None:
     """E2B's edge's answer for a paused sandbox its traffic did not resume (409 "The sandbox is
     paused", ``canAutoResume``), saying how to resume it; "was not found" would send a client
-    looking for a sandbox that is there. None when it is not paused."""
+    looking for a sandbox that is there. An auto-resume that failed (a full node) is its error's
+    answer, saying so. None when it is not paused, or the cluster must answer (503)."""
     try:
         sb = node.get(sandbox_id)
     except AenvError:
         return None
-    if not isinstance(exc, WrongState) or sb.state != SandboxState.PAUSED:
+    if sb.state != SandboxState.PAUSED or isinstance(exc, ClusterUnavailable):
         return None
+    if not isinstance(exc, WrongState):
+        body = {**error_body(exc), "message": f"The sandbox is paused and its auto-resume failed: {exc.message}"}
+        headers = error_headers(exc)
+        return JSONResponse({**body, "sandboxId": sandbox_id}, status_code=exc.status, headers=headers)
     why = " without its memory: only a connect resumes it" if sb.rec.filesystem_only else ""
     how = "" if sb.rec.filesystem_only or sb.rec.auto_resume else " (or create it with autoResume: its use resumes it)"
     message = (

@@ -217,6 +217,24 @@ async def test_an_async_fork_group_refuses_a_sync_with(small_node: Server) -> No
             await sbx.kill()
 
 
+def test_an_auto_resume_that_fails_says_why(small_node: Server) -> None:
+    """Traffic to a paused sandbox with auto-resume on a full node: the answer is the resume's
+    refusal (429, saying the sandbox is paused), not "not found" (a 502 before)."""
+    with Client(small_node.url, API_KEY) as client:
+        sleepy = client.create("bb", timeout=300, auto_resume=True)
+        sleepy.pause()
+        others = [client.create("bb", timeout=300) for _ in range(3)]  # the node is full
+        try:
+            with pytest.raises(LimitExceeded, match="paused and its auto-resume failed"):
+                sleepy.exec([*SH, "true"])
+            assert sleepy.info().state == "paused"
+            others.pop().kill()
+            assert sleepy.exec([*SH, "echo back"]).stdout == "back\n"  # room again: its use resumes it
+        finally:
+            for sandbox in [sleepy, *others]:
+                sandbox.kill()
+
+
 async def test_a_fork_cancelled_midway_leaves_no_child(small_node: Server) -> None:
     """A rollout's deadline cancels a fork the node is carrying out: the node finishes it, and the
     SDK kills the children its answer names (they were left running, unknown to anyone)."""
