@@ -425,3 +425,18 @@ def test_scripts_cluster_says_how_to_install_instead_of_installing(tmp_path: Pat
     assert done.returncode == 1 and "./scripts/install" in done.stderr and "pip install -e ." in done.stderr
     assert "pip" not in calls.read_text()
     assert not (tmp_path / "cluster").exists()
+
+
+def test_a_cluster_dir_another_user_made_is_refused(stranger: str) -> None:
+    """A local user who makes the cluster dir first (in /var/tmp, before root's first `up`) would
+    own the keys written there: `up` refuses it, writing nothing."""
+    planted = Path(tempfile.mkdtemp(prefix="aenv-planted-", dir="/var/tmp"))
+    try:
+        who = pwd.getpwnam(stranger)
+        os.chown(planted, who.pw_uid, who.pw_gid)
+        env = {**os.environ, "PYTHON": sys.executable, "AENV_CLUSTER_DIR": str(planted)}
+        done = run("up", "--nodes", "1", "--gateways", "1", "--base-port", str(free_base_port()), env=env, timeout=60)
+        assert done.returncode == 1 and "belongs to another user" in done.stderr, done.stderr
+        assert list(planted.iterdir()) == []
+    finally:
+        shutil.rmtree(planted, ignore_errors=True)
