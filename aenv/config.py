@@ -115,6 +115,16 @@ class Settings(BaseSettings):
     # may take, and seconds a body may go without a byte (control-plane bodies: to arrive whole).
     http_head_timeout: float = Field(30.0, gt=0)
     http_body_timeout: float = Field(60.0, gt=0)
+    # A request's head (request line and header lines), bounded while it arrives (431): signed
+    # envd URLs carry a path of up to 4 KiB percent-encoded three times; Go's servers take 1 MiB.
+    http_max_head_kb: int = Field(64, ge=1, le=1024)
+    http_max_headers: int = Field(256, ge=16, le=10_000)
+    # Connections still sending a head, in all and per client address, and kept-alive connections
+    # idle between requests: past one, its oldest stalled connection is closed (a flood of half-sent
+    # heads costs the flood, not the health check that comes next). Nodes and gateways alike.
+    http_max_pending: int = Field(1024, ge=1)
+    http_max_pending_per_ip: int = Field(256, ge=1)
+    http_max_idle: int = Field(4096, ge=1)
 
     # The snapshot repository templates and snapshots are committed to: "" = <data-dir>/repo,
     # a path or file:// URL (e.g. a shared mount), s3://bucket/prefix, or "none" (node-local only).

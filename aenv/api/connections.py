@@ -1,11 +1,20 @@
-"""The node's HTTP/1.1 connections: uvicorn's httptools protocol, plus two things uvicorn has not.
+"""The node's and gateway's HTTP/1.1 connections: uvicorn's httptools protocol, plus what uvicorn has not.
 
-- A deadline on each request head. A client that sent half a head, or a byte now and then, kept
+- Bounds on each request head. A client that sent half a head, or a byte now and then, kept
   its connection and a file descriptor for as long as it liked, without an API key (enough of them
-  leave the node without descriptors). The deadline runs from a connection's start (a client
+  leave the node without descriptors): a head has a deadline, from a connection's start (a client
   connects to send a request) and from the first byte of each later head; an idle kept-alive
   connection between requests is bounded by uvicorn's keep-alive timeout instead, which clients'
-  pools rely on.
+  pools rely on. A head is bounded in bytes and in header lines while it arrives (httptools buffers
+  a header, and uvicorn the URL and every header, until the head is complete: one connection
+  grew a node by 900 MB with header lines): past either, 431 and the connection is closed.
+- Bounds on the connections waiting for a head, per client address and in all, and on those idle
+  between requests: a flood of half-sent heads (thousands per client) closes the flood's own
+  oldest connections, so a new one (a health check from the same address) is still served.
+- The header names as the client wrote them (uvicorn lowercases the scope's), for the port proxy
+  and the gateway to pass on: a sandbox's server sees the request as it was sent.
+- One ``date`` and one ``server`` header per answer: uvicorn's are added only where the app's
+  answer (a sandbox's server's, relayed) has none.
 - The connection a request came on, so that an answer can be dropped as a reset. E2B's edge speaks
   HTTP/2 and drops the stream of a sandbox that went away with a stream reset; the SDKs take a
   reset (a read error), not a body that merely stops, as "the connection was lost" and then ask
@@ -16,65 +25,430 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import fcntl
+import json
+import logging
+import resource
 import socket
 import ssl
 import struct
+import termios
+import time
+from dataclasses import dataclass
+from email.utils import formatdate
 from pathlib import Path
+from typing import ClassVar
 
+import httptools
 from starlette.responses import Response
-from starlette.types import Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from aenv.config import Settings
 from aenv.errors import InvalidRequest
+
+log = logging.getLogger("aenv.http")
 
 _TRANSPORT: contextvars.ContextVar[asyncio.BaseTransport | None] = contextvars.ContextVar(
     "aenv_client_transport", default=None
 )
 
 
+# Feeding the parser at most this much of a head at a time: a head is counted to within these bytes
+# when it shares a read with the end of the request before it (pipelining).
+HEAD_STEP = 4096
+HEADER_NAMES = "aenv.header_names"  # scope["extensions"]: lowercased name -> the name as sent
+# A connection that has sent nothing is not closed for a bound on waiting connections for this
+# long (its client may be busy opening thousands), unless they number HARD_FACTOR times the bound.
+SILENT_GRACE = 10.0
+HARD_FACTOR = 8
+SWEEP_EVERY = 0.5  # seconds between two thinnings of waiting connections past their bound
+LINGER = 1.0  # seconds a refused connection is still read from (and what comes dropped) before it is closed
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What a client's connections may hold before a request reaches the app (AENV_HTTP_*)."""
+
+    head_timeout: float = 30.0  # seconds to send a request's head, from the connection or the head's first byte
+    max_head_bytes: int = 64 * 1024  # request line and header lines together
+    max_headers: int = 256  # header lines (a chunked body's trailer lines count too)
+    max_pending: int = 1024  # connections waiting for a head, in all ...
+    max_pending_per_ip: int = 256  # ... and from one client address
+    max_idle: int = 4096  # kept-alive connections idle between requests
+
+    @classmethod
+    def of(cls, settings: Settings) -> HttpLimits:
+        return cls(
+            head_timeout=settings.http_head_timeout,
+            max_head_bytes=settings.http_max_head_kb * 1024,
+            max_headers=settings.http_max_headers,
+            max_pending=settings.http_max_pending,
+            max_pending_per_ip=settings.http_max_pending_per_ip,
+            max_idle=settings.http_max_idle,
+        )
+
+
+class _TooLarge(Exception):
+    """Raised in a parser callback: the head (or a body's trailers) went past a bound."""
+
+
+class _Waiting:
+    """Connections waiting for a request's head, oldest first (dicts keep insertion order), with
+    when they began to: all of them, and those that have sent bytes (a head begun and stalled, the
+    shape of a slow-head flood)."""
+
+    def __init__(self) -> None:
+        self.all: dict[NodeHTTPProtocol, float] = {}
+        self.heard: dict[NodeHTTPProtocol, None] = {}
+
+    def remove(self, conn: NodeHTTPProtocol) -> None:
+        del self.all[conn]
+        self.heard.pop(conn, None)
+
+
+class ConnectionGate:
+    """One server's connections that wait for a request's head, and those idle between requests.
+    Past a bound, the oldest connections of the kind are closed, not the newest: a flood of
+    half-sent heads from one address ends up closing its own connections, while a new one (a health
+    check, a gateway's next request) is served. A connection with bytes unread in its socket is
+    never closed for a bound (it is about to be read), nor one that has sent nothing for less than
+    SILENT_GRACE (a client opening thousands at once may take seconds to write on each: 6000 at
+    once from one client lost 96% to a 2 s grace), unless the connections waiting number
+    HARD_FACTOR times their bound (or half the process's file descriptors)."""
+
+    def __init__(self, limits: HttpLimits) -> None:
+        self.limits = limits
+        self.pending = _Waiting()
+        self.pending_by_ip: dict[str, _Waiting] = {}
+        self.idle: dict[NodeHTTPProtocol, None] = {}
+        self._sweep: asyncio.TimerHandle | None = None
+
+    def waiting(self, conn: NodeHTTPProtocol) -> None:
+        now = conn.loop.time()
+        mine = self.pending_by_ip.setdefault(conn.peer, _Waiting())
+        for group in (self.pending, mine):
+            group.all[conn] = now
+            if conn.heard:
+                group.heard[conn] = None
+        over = self._shed(mine, self.limits.max_pending_per_ip, now, most=2)
+        over |= self._shed(self.pending, self.limits.max_pending, now, most=2)
+        if over and self._sweep is None:
+            self._sweep = conn.loop.call_later(SWEEP_EVERY, self._sweep_over, conn.loop)
+
+    def spoke(self, conn: NodeHTTPProtocol) -> None:
+        """``conn``'s first bytes came while it waits for a head."""
+        if conn in self.pending.all:
+            self.pending.heard[conn] = None
+            self.pending_by_ip[conn.peer].heard[conn] = None
+
+    def arrived(self, conn: NodeHTTPProtocol) -> None:
+        if conn in self.pending.all:
+            self.pending.remove(conn)
+            mine = self.pending_by_ip[conn.peer]
+            mine.remove(conn)
+            if not mine.all:
+                del self.pending_by_ip[conn.peer]
+
+    def resting(self, conn: NodeHTTPProtocol) -> None:
+        self.idle[conn] = None
+        if len(self.idle) > self.limits.max_idle:
+            oldest = next(iter(self.idle))
+            del self.idle[oldest]
+            oldest.transport.close()
+
+    def woke(self, conn: NodeHTTPProtocol) -> None:
+        self.idle.pop(conn, None)
+
+    def _sweep_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Thin out the groups still past their bound (a flood that stopped: no newcomer thins it)."""
+        self._sweep = None
+        now, over = loop.time(), False
+        for group in list(self.pending_by_ip.values()):
+            over |= self._shed(group, self.limits.max_pending_per_ip, now)
+        over |= self._shed(self.pending, self.limits.max_pending, now)
+        if over:
+            self._sweep = loop.call_later(SWEEP_EVERY, self._sweep_over, loop)
+
+    def _shed(self, group: _Waiting, bound: int, now: float, most: int | None = None) -> bool:
+        """Close the group's oldest connections that may go, down to its bound (or ``most`` of
+        them): whether it is still past its bound."""
+        excess = len(group.all) - bound
+        if excess <= 0:
+            return False
+        goal = excess if most is None else min(excess, most)
+        victims: list[NodeHTTPProtocol] = []
+        for conn in group.heard:  # those that began a head and stopped: any age
+            if len(victims) == goal:
+                break
+            if conn.stalled():
+                victims.append(conn)
+        descriptors = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        hard = min(HARD_FACTOR * self.limits.max_pending, descriptors // 2)
+        too_many = len(self.pending.all) - len(victims) - hard  # past it, silent ones go whatever their age
+        for conn, since in group.all.items():  # then the silent ones, oldest first
+            if len(victims) == goal or (too_many <= 0 and now - since < SILENT_GRACE):
+                break
+            if conn not in group.heard and conn.stalled():
+                victims.append(conn)
+                too_many -= 1
+        for conn in victims:
+            self.arrived(conn)
+            conn.transport.close()
+        return len(group.all) > bound
+
+
 class NodeHTTPProtocol(HttpToolsProtocol):
     transport: asyncio.Transport
-    head_timeout = 30.0  # seconds a client has to send a request's head, from its connection or its first byte
+    limits: ClassVar[HttpLimits] = HttpLimits()
+    gate: ClassVar[ConnectionGate] = ConnectionGate(limits)
+    peer = ""  # the client's address
+    heard = False  # bytes came on this connection
     _head_timer: asyncio.TimerHandle | None = None
+    # Bytes given to the parser that it or uvicorn may be holding: the head's so far, or a body's
+    # framing (chunk lines, trailers) since its last data.
+    _held = 0
+    _fields = 0  # header lines of the current request
+    _in_body = False
+    _refusal: bytes | None = None  # the answer to a head past a bound, once the answers before it are out
+    _cased: dict[bytes, bytes] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.peer = self.client[0] if self.client else ""
         self._await_head()
 
     def data_received(self, data: bytes) -> None:
         # A request's task copies the context it was created in, which is inside this call.
         token = _TRANSPORT.set(self.transport)
         try:
-            super().data_received(data)
+            if not self.heard:
+                self.heard = True
+                self.gate.spoke(self)
+            self.gate.woke(self)
+            self._unset_keepalive_if_required()
+            self._take(memoryview(data))
         finally:
             _TRANSPORT.reset(token)
 
+    def _take(self, data: memoryview) -> None:
+        """Give ``data`` to the parser in pieces no larger than the room left under the head bound."""
+        while data:
+            if self._refusal is not None or self.transport.is_closing() or self.transport.get_protocol() is not self:
+                return  # refused, closing, or upgraded to a WebSocket
+            room = self.limits.max_head_bytes - self._held
+            if room <= 0:
+                self._refuse(431, self._too_large_message())
+                return
+            step = room if self._in_body else min(room, HEAD_STEP)
+            piece, data = data[:step], data[step:]
+            self._held += len(piece)
+            try:
+                self.parser.feed_data(piece)
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+                return  # what follows an upgrade's head is not read (as uvicorn does)
+            except httptools.HttpParserError as exc:
+                if isinstance(exc.__context__, _TooLarge):
+                    self._refuse(431, str(exc.__context__))
+                else:
+                    self._refuse(400, "Invalid HTTP request received.")
+                return
+
+    def _too_large_message(self) -> str:
+        if self._in_body:
+            return f"the body's trailers are larger than {self.limits.max_head_bytes} bytes"
+        return f"the request's head is larger than {self.limits.max_head_bytes} bytes"
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, msg)
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` with a JSON error and close: at once if no answer of this connection is
+        under way, else after the answers to the requests before this one."""
+        self._head_in()
+        answer = error_answer(status, message)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if not self._in_body or self.pipeline or cycle.response_started:
+                # Requests before this one are being answered (pipelined): after them.
+                self._refusal = answer
+                if self._in_body:  # this request's own answer started: it cannot be answered
+                    self.transport.close()
+                return
+            cycle.disconnected = True  # the app's answer to this request goes nowhere
+        self._refusal = answer
+        self._answer_and_close(answer)
+
+    def _answer_and_close(self, answer: bytes) -> None:
+        """Send ``answer`` and close, reading (and dropping) what the client still sends for a
+        moment: closing with unread bytes resets the connection, and the client may lose the answer."""
+        self.transport.write(answer)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(LINGER, self.transport.close)
+        else:
+            self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing():
+            return
+        if self._refusal is not None:
+            if not self.pipeline and (self.cycle is None or self.cycle.response_complete):
+                self._unset_keepalive_if_required()
+                self._answer_and_close(self._refusal)
+        elif self.timeout_keep_alive_task is not None:
+            self.gate.resting(self)  # idle until its next request
+
+    # Parser callbacks
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._fields = 0
+        self._cased = None
         if self._head_timer is None:
             self._await_head()
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields += 1
+        if self._fields > self.limits.max_headers:
+            raise _TooLarge(f"the request has more than {self.limits.max_headers} header lines")
+        lower = name.lower()
+        if lower != name:
+            if self._cased is None:
+                self._cased = {}
+            self._cased.setdefault(lower, name)
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         self._head_in()  # what follows (the body) is the route's to bound
+        self._in_body = True
+        self._held = 0
+        if self._cased:
+            extensions: dict[str, object] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
+            extensions[HEADER_NAMES] = self._cased
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._held = 0
+        super().on_body(body)
+
+    def on_chunk_header(self) -> None:
+        self._held = 0
+
+    def on_chunk_complete(self) -> None:
+        self._held = 0
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        self._held = 0
+        super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._head_in()
+        self.gate.woke(self)
         super().connection_lost(exc)
+
+    def stalled(self) -> bool:
+        """Nothing of this connection waits unread in its socket (a flood's half-sent head has been read)."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        try:
+            unread = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        except OSError:
+            return True
+        return bool(struct.unpack("i", unread)[0] == 0)
 
     def _await_head(self) -> None:
         self._head_in()
-        self._head_timer = self.loop.call_later(self.head_timeout, self.transport.close)
+        self._head_timer = self.loop.call_later(self.limits.head_timeout, self.transport.close)
+        self.gate.waiting(self)
 
     def _head_in(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+            self.gate.arrived(self)
 
 
-def protocol_with(head_timeout: float) -> type[NodeHTTPProtocol]:
-    """The protocol class given to uvicorn, with this server's deadline on heads (AENV_HTTP_HEAD_TIMEOUT)."""
-    return type("NodeHTTPProtocol", (NodeHTTPProtocol,), {"head_timeout": head_timeout})
+def protocol_with(limits: HttpLimits) -> type[NodeHTTPProtocol]:
+    """The protocol class given to uvicorn: this server's bounds, and its own gate."""
+    return type("NodeHTTPProtocol", (NodeHTTPProtocol,), {"limits": limits, "gate": ConnectionGate(limits)})
+
+
+def error_answer(status: int, message: str) -> bytes:
+    """A whole HTTP answer with a JSON error, that closes the connection."""
+    body = json.dumps({"code": status, "message": message}).encode()
+    head = [STATUS_LINE[status], b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body)]
+    head += [b"%s: %s\r\n" % pair for pair in _own_headers()]
+    return b"".join([*head, b"connection: close\r\n\r\n", body])
+
+
+_date: tuple[int, bytes] = (0, b"")
+
+
+def _own_headers() -> list[tuple[bytes, bytes]]:
+    global _date
+    now = int(time.time())
+    if _date[0] != now:
+        _date = (now, formatdate(now, usegmt=True).encode())
+    return [(b"date", _date[1]), (b"server", b"uvicorn")]
+
+
+class OwnHeaders:
+    """Adds ``date`` and ``server`` to an answer that has none of its own. Given to uvicorn with its
+    own turned off: it added both to every answer, and a sandbox's server's answer, relayed, then
+    had two of each."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+
+        async def with_own(message: Message) -> None:
+            if message["type"] in ("http.response.start", "websocket.http.response.start"):
+                headers = list(message.get("headers", []))
+                names = {name.lower() for name, _ in headers}
+                headers += [(name, value) for name, value in _own_headers() if name not in names]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, with_own)
+
+
+def as_sent(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """A request's headers with their names as the client wrote them (the scope's are lowercased)."""
+    cased: dict[bytes, bytes] | None = scope.get("extensions", {}).get(HEADER_NAMES)
+    if not cased:
+        return list(scope["headers"])
+    return [(cased.get(name, name), value) for name, value in scope["headers"]]
+
+
+def raise_open_files_limit() -> int:
+    """The process's soft limit on open files raised to its hard limit (every connection is a file
+    descriptor; systemd's default soft limit is 1024): the soft limit it then has."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            return soft
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        log.warning("could not raise the open files limit from %d to %d", soft, target)
+        return soft
+    return target
 
 
 def reset_on_close() -> None:

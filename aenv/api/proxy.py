@@ -22,7 +22,7 @@ from websockets.protocol import State
 from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
-from aenv.api.connections import refuse_websocket
+from aenv.api.connections import as_sent, refuse_websocket
 from aenv.channel import DATA, END, EOF, Item, Stream
 from aenv.errors import AenvError, AgentTimeout, ClusterUnavailable, RequestTimeout, error_body, error_headers, snippet
 from aenv.node.service import NodeService, SandboxRecord
@@ -100,12 +100,13 @@ def masked_host(rec: SandboxRecord | None, port: int) -> str | None:
 
 
 def _host_headers(headers: list[tuple[bytes, bytes]], mask: str | None) -> list[tuple[bytes, bytes]]:
-    """The client's headers with the masked Host, and the client's Host as X-Forwarded-Host."""
+    """The client's headers with the masked Host, and the client's Host as X-Forwarded-Host (named
+    as E2B's proxy names them: ports that read the raw request see `Host:`)."""
     if mask is None:
         return headers
     original = next((v for k, v in headers if k.lower() == b"host"), b"")
     kept = [(k, v) for k, v in headers if k.lower() not in (b"host", b"x-forwarded-host")]
-    return [(b"host", mask.encode()), *kept, *([(b"x-forwarded-host", original)] if original else [])]
+    return [(b"Host", mask.encode()), *kept, *([(b"X-Forwarded-Host", original)] if original else [])]
 
 
 def not_woken(sandbox_id: str, exc: AenvError) -> JSONResponse:
@@ -161,15 +162,16 @@ async def proxy_http(request: Request, node: NodeService, sandbox_id: str, port:
     # h11 bounds what it buffers of an incomplete response head (16 KiB): a longer head is an error.
     conn = h11.Connection(our_role=h11.CLIENT)
     target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    client_headers = [(k, v) for k, v in request.headers.raw if k.lower() not in HOP_BY_HOP | ROUTING]
+    # Header names as the client wrote them (h11 sends names as given): the port sees the request as sent.
+    client_headers = [(k, v) for k, v in as_sent(request.scope) if k.lower() not in HOP_BY_HOP | ROUTING]
     headers = _host_headers(client_headers, masked_host(rec, port))
     # The body is streamed through as it arrives, framed as the client framed it.
     length = request.headers.get("content-length")
     if length is not None:
-        headers.append((b"content-length", length.encode()))
+        headers.append((b"Content-Length", length.encode()))
     elif "chunked" in request.headers.get("transfer-encoding", "").lower():
-        headers.append((b"transfer-encoding", b"chunked"))
-    headers.append((b"connection", b"close"))
+        headers.append((b"Transfer-Encoding", b"chunked"))
+    headers.append((b"Connection", b"close"))
     head = h11.Request(method=request.method, target=target, headers=headers)
     try:
         response = await _exchange(request, conn, tunnel, head, patience)

@@ -85,7 +85,7 @@ async def serve(
             agent = await start_agent(node, settings, api_key)
             app = leaving_with(serving_drain(refusing_without_quorum(app, agent), agent, api_key), agent)
         config = uvicorn.Config(
-            app,
+            connections.OwnHeaders(app),  # one date and server header per answer
             host=settings.host,
             port=settings.port,
             ssl_certfile=settings.tls_cert,
@@ -94,10 +94,13 @@ async def serve(
             access_log=False,
             timeout_graceful_shutdown=5,
             timeout_keep_alive=settings.http_keepalive,
-            http=connections.protocol_with(settings.http_head_timeout),
+            http=connections.protocol_with(connections.HttpLimits.of(settings)),
+            date_header=False,
+            server_header=False,
             ws_max_size=settings.port_ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
         )
         logging.getLogger("uvicorn.error").addFilter(envd.DroppedStreamsAreNotErrors())
+        connections.raise_open_files_limit()  # every connection is a file descriptor
         server = uvicorn.Server(config)
         if agent is not None and settings.drain_timeout > 0 and settings.repo.strip().lower() != "none":
             from aenv.cluster.drain import DrainFirst

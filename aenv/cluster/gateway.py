@@ -1772,13 +1772,19 @@ def build_gateway(settings: GatewaySettings) -> Gateway:
 async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keepalive: int = 610) -> None:
     import uvicorn
 
+    from aenv.config import Settings
+
     gateway = build_gateway(settings)
+    limits = connections.HttpLimits.of(Settings())  # AENV_HTTP_*, read as a node reads them
+    connections.raise_open_files_limit()  # every connection is a file descriptor
     config = uvicorn.Config(
-        gateway,
+        connections.OwnHeaders(gateway),  # one date and server header per answer (the node's, relayed)
         ssl_certfile=settings.tls_cert,
         ssl_keyfile=settings.tls_key,
         ws_max_size=settings.ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
-        http=connections.NodeHTTPProtocol,  # a deadline on request heads; resets as the nodes do
+        http=connections.protocol_with(limits),  # bounds on request heads; resets as the nodes do
+        date_header=False,
+        server_header=False,
         host=host,
         port=port,
         lifespan="on",

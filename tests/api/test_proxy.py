@@ -210,3 +210,92 @@ def test_pausing_an_epoll_server(sandbox: Sandbox, server: Server, api: httpx.Cl
         Sandbox.connect(sandbox.sandbox_id)
     assert httpx.get(f"{server.url}/", headers=routed).text == "async"
     assert sandbox.commands.run("echo alive").stdout == "alive\n"
+
+
+# Answers each request with its head as the port received it, and a Date and a Server of its own.
+RAW_HEAD_SERVER = """
+import socket, threading
+def serve(conn):
+    head = b""
+    while b"\\r\\n\\r\\n" not in head:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        head += chunk
+    conn.sendall(b"HTTP/1.1 200 OK\\r\\nDate: Thu, 01 Jan 1970 00:00:00 GMT\\r\\nServer: raw-head\\r\\n"
+                 + b"Content-Length: %d\\r\\nConnection: close\\r\\n\\r\\n" % len(head) + head)
+    conn.close()
+listener = socket.create_server(("127.0.0.1", 8084))
+while True:
+    threading.Thread(target=serve, args=(listener.accept()[0],)).start()
+"""
+
+
+def raw_request(server: Server, head: bytes) -> tuple[list[str], bytes]:
+    """``head`` sent as is on a socket: the answer's header lines as they came, and its body."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+        conn.sendall(head)
+        raw = b""
+        while chunk := conn.recv(65536):
+            raw += chunk
+    head_part, _, body = raw.partition(b"\r\n\r\n")
+    return head_part.decode("latin-1").split("\r\n"), body
+
+
+def serve_raw_heads(sandbox: Sandbox, server: Server) -> dict[str, str]:
+    sandbox.files.write("/home/user/rawhead.py", RAW_HEAD_SERVER)
+    sandbox.commands.run("python3 /home/user/rawhead.py", background=True)
+    routed = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8084"}
+    wait_for_port(f"{server.url}/", routed)
+    return routed
+
+
+def test_a_port_sees_header_names_as_the_client_sent_them(sandbox: Sandbox, server: Server) -> None:
+    """uvicorn lowercases header names; the port proxy passes on those the client wrote (a port's
+    server that reads the raw request, as E2B's SDK tests do with netcat, sees `Host:`)."""
+    serve_raw_heads(sandbox, server)
+    routing = f"E2b-Sandbox-Id: {sandbox.sandbox_id}\r\nE2b-Sandbox-Port: 8084\r\n"
+    head = f"POST /raw HTTP/1.1\r\nHost: example.test\r\n{routing}X-MiXeD-Case: a\r\nx-lower: b\r\n"
+    _, body = raw_request(server, (head + "Content-Length: 2\r\nConnection: close\r\n\r\nhi").encode())
+    seen = body.decode().split("\r\n")
+    assert seen[0] == "POST /raw HTTP/1.1"
+    for line in ("Host: example.test", "X-MiXeD-Case: a", "x-lower: b", "Content-Length: 2"):
+        assert line in seen, seen
+    # and the E2B SDK's own request, by host name (httpx writes Host, Accept, User-Agent so)
+    host = sandbox.get_host(8084).split(".")[0] + ".localhost"
+    echoed = httpx.get(f"{server.url}/sdk", headers={"Host": host, "X-Custom": "1"}).text.split("\r\n")
+    assert f"Host: {host}" in echoed and "X-Custom: 1" in echoed and "User-Agent" in "\n".join(echoed), echoed
+
+
+def test_a_masked_host_is_written_as_e2b_writes_it(e2b_env: Server) -> None:
+    """E2B's maskRequestHost test reads the raw request with netcat and looks for `Host:`."""
+    from e2b import SandboxNetworkOpts
+
+    masked = Sandbox.create(
+        timeout=120, network=SandboxNetworkOpts(mask_request_host="custom-host.example.com:${PORT}")
+    )
+    try:
+        routed = serve_raw_heads(masked, e2b_env)
+        seen = httpx.get(f"{e2b_env.url}/", headers=routed).text.split("\r\n")
+        assert "Host: custom-host.example.com:8084" in seen, seen
+        assert f"X-Forwarded-Host: {httpx.URL(e2b_env.url).netloc.decode()}" in seen, seen
+    finally:
+        masked.kill()
+
+
+def test_a_ports_answer_has_one_date_and_one_server(sandbox: Sandbox, server: Server) -> None:
+    """The port's own Date and Server, once each (uvicorn added its own before them: two of each)."""
+    serve_raw_heads(sandbox, server)
+    routing = f"E2b-Sandbox-Id: {sandbox.sandbox_id}\r\nE2b-Sandbox-Port: 8084\r\n"
+    lines, _ = raw_request(server, f"GET / HTTP/1.1\r\nHost: x\r\n{routing}Connection: close\r\n\r\n".encode())
+    assert lines[0] == "HTTP/1.1 200 OK"
+    dates = [line for line in lines if line.lower().startswith("date:")]
+    servers = [line for line in lines if line.lower().startswith("server:")]
+    assert dates == ["date: Thu, 01 Jan 1970 00:00:00 GMT"] and servers == ["server: raw-head"], lines
+    # the node's own answers, errors among them, have one of each too
+    for path in ("/health", "/sandboxes", "/no/such/route"):
+        lines, _ = raw_request(server, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        assert sum(line.lower().startswith("date:") for line in lines) == 1, lines
+        assert sum(line.lower().startswith("server:") for line in lines) == 1, lines
