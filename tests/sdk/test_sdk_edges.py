@@ -163,6 +163,16 @@ def test_the_api_says_paused_in_e2b_words(server: Server, e2b_env: Server, api: 
         api.delete(f"/sandboxes/{sid}")
 
 
+def test_a_sync_terminal(server: Server) -> None:
+    """The sync face's pty is a sync terminal (it handed back the async session, unusable there)."""
+    with Client(server.url, API_KEY) as client, client.create(timeout=120) as sbx:
+        terminal = sbx.pty(cols=100, rows=30)
+        terminal.send(b"stty size; echo pty-$((40+2)); exit 3\n")
+        seen = b"".join(terminal.output())
+        assert b"30 100" in seen and b"pty-42" in seen and terminal.exit_code == 3
+        terminal.close()
+
+
 # -- fork groups, on a node with room for three -----------------------------------------------------
 @pytest.fixture(scope="module")
 def small_node() -> Iterator[Server]:
