@@ -119,7 +119,7 @@ def local(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         print(f"up in {time.monotonic() - started:.1f}s")
         yield Local(root, env, base, exports(up.stdout), pip_log)
     finally:
-        run("down", env=env)
+        run("down", "--timeout", "60", env=env)
 
 
 def test_up_prints_what_the_e2b_sdk_needs(local: Local) -> None:
@@ -385,7 +385,7 @@ def test_down_leaves_nothing(local: Local) -> None:
         assert orphan.commands.run("true").exit_code == 0
     os.kill(state["nodes"][1]["pid"], signal.SIGKILL)  # type: ignore[index]
     time.sleep(0.5)
-    down = run("down", env=env)
+    down = run("down", "--timeout", "60", env=env)  # a node not stopped by then is killed, and cleaned up after
     assert down.returncode == 0, down.stderr
     nothing_left(root, state)
     assert run("status", env=env).returncode == 3
