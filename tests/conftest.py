@@ -184,6 +184,22 @@ def sandbox(e2b_env: Server) -> Iterator[object]:
     yield from e2b_sandbox()
 
 
+@pytest.fixture(scope="session")
+def small_node() -> Iterator[Server]:
+    """A busybox node (template `bb`) with room for three sandboxes, emptied of what an earlier run
+    left: fork groups that fill it (tests/sdk), counters read as deltas (tests/dashboard)."""
+    if not _have_runtime():
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the sandbox tests: need root, runsc and debootstrap")
+        pytest.skip("needs root, runsc and debootstrap (the CI machine has them)")
+    srv = start_busybox_node(Path(f"{DATA_DIR}-small"), {"AENV_MAX_SANDBOXES": "3"})
+    with srv.client() as api:
+        for item in api.get("/v2/sandboxes").json():  # running and paused
+            api.delete(f"/sandboxes/{item['sandboxID']}")
+    yield srv
+    srv.stop()
+
+
 def e2b_sandbox() -> Iterator[object]:
     """A sandbox of the deployment the E2B_* variables name, killed after (if it still lives)."""
     from e2b import Sandbox

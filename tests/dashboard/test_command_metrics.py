@@ -1,13 +1,11 @@
-"""Commands run in sandboxes, counted by how they ended and timed to their start, on a node of this
-module's own (its counters move only with what the test does): /metrics, the dashboard's stats,
-``aenv top``'s table and a gateway's sum of its nodes. Seen failing before the counters existed
-(no aenv_commands_total, no ``commands`` in the stats)."""
+"""Commands run in sandboxes, counted by how they ended and timed to their start, on the session's
+small busybox node (its counters move only with what the test does): /metrics, the dashboard's
+stats, ``aenv top``'s table and a gateway's sum of its nodes. Seen failing before the counters
+existed (no aenv_commands_total, no ``commands`` in the stats)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -16,18 +14,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from aenv.cli.top import Reading, command_row
 from aenv.dashboard.cluster import merge_stats
 from aenv.sdk import AenvError, Client, OperationTimeout
-from tests.conftest import API_KEY, DATA_DIR, Server, start_busybox_node
+from tests.conftest import API_KEY, Server
 
 pytestmark = pytest.mark.sandbox
 SH = ["/bin/sh", "-c"]
 OUTCOMES = ("ok", "nonzero", "timeout", "error", "detached")
 
 
-@pytest.fixture(scope="module")
-def node() -> Iterator[Server]:
-    srv = start_busybox_node(Path(f"{DATA_DIR}-command-metrics"))
-    yield srv
-    srv.stop()
+@pytest.fixture()
+def node(small_node: Server) -> Server:
+    return small_node
 
 
 def scrape(node: Server) -> dict[str, float]:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from datetime import datetime
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +26,7 @@ from aenv.sdk import (
     WrongState,
     fork_group,
 )
-from tests.conftest import API_KEY, DATA_DIR, Server, start_busybox_node
+from tests.conftest import API_KEY, Server
 
 pytestmark = pytest.mark.sandbox
 SH = ["/bin/sh", "-c"]
@@ -173,17 +171,7 @@ def test_a_sync_terminal(server: Server) -> None:
         terminal.close()
 
 
-# -- fork groups, on a node with room for three -----------------------------------------------------
-@pytest.fixture(scope="module")
-def small_node() -> Iterator[Server]:
-    srv = start_busybox_node(Path(f"{DATA_DIR}-sdk-forks"), {"AENV_MAX_SANDBOXES": "3"})
-    with srv.client() as api:  # the data dir outlives a run: what an earlier one left goes
-        for item in api.get("/v2/sandboxes").json():  # running and paused
-            api.delete(f"/sandboxes/{item['sandboxID']}")
-    yield srv
-    srv.stop()
-
-
+# -- fork groups, on a node with room for three (small_node) ---------------------------------------
 def _ids(client: Client) -> set[str]:
     return {s.sandbox_id for s in client.list()}
 
