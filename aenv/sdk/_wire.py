@@ -54,12 +54,12 @@ def raise_for_envd(response: httpx.Response, sandbox_id: str) -> None:
         return
     body = _body(response)
     if response.status_code == 409 and isinstance(body, dict) and "canAutoResume" in body:
-        raise WrongState(
-            f"sandbox {sandbox_id} is paused: resume it first (await sandbox.resume(), or client.connect(id)), "
-            f"or create it with auto_resume=True so that its use resumes it ({body.get('message', '')})",
-            sandbox_id=sandbox_id,
-            status=409,
-        )
+        how = "resume it with sandbox.resume() or client.connect(id)"
+        if "without its memory" in str(body.get("message")):
+            message = f"sandbox {sandbox_id} is paused without its memory: {how} (its use does not resume it)"
+        else:
+            message = f"sandbox {sandbox_id} is paused: {how}, or create it with auto_resume=True to resume on use"
+        raise WrongState(message, sandbox_id=sandbox_id, status=409)
     if response.status_code == 502 and isinstance(body, dict) and "was not found" in str(body.get("message")):
         message = f"sandbox {sandbox_id} is not running: it was killed or its timeout ended"
         raise SandboxNotFound(message, sandbox_id=sandbox_id, status=502)
