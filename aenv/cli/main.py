@@ -26,7 +26,7 @@ from aenv.sdk import AenvError, AsyncClient, AsyncSandbox, BuildError
 
 app = typer.Typer(help="aenv: isolated, forkable sandboxes for agentic RL.", no_args_is_help=True)
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # an error is one line, whatever the width: logs and tests grep it
 T = TypeVar("T")
 _opts: dict[str, str | None] = {"url": None, "api_key": None}
 
