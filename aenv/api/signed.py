@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from aenv.api.connect import PATH_MAX
-from aenv.node import tokens
+from aenv.node.service import access_token
 
 MAX_USERNAME = 256  # bytes; Linux's user names are at most 32
 SIGNATURE_PREFIX = "v1_"
@@ -169,7 +169,7 @@ class Signers:
     def _token(self, sandbox_id: str) -> bytes:
         token = self._tokens.get(sandbox_id)
         if token is None:
-            token = self._tokens[sandbox_id] = tokens.access_token(self._secret, sandbox_id).encode()
+            token = self._tokens[sandbox_id] = access_token(self._secret, sandbox_id).encode()
         return token
 
     def _remembered(self, signed: Signed, known: Callable[[str], bool]) -> str | None:

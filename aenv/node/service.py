@@ -27,6 +27,7 @@ from aenv.node.create_ids import CREATE_ID_HEADER, CreateIds, create_id_of
 from aenv.node.sandbox import ForkResult, LiveSandbox
 from aenv.node.state import PUBLIC_STATE, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
+from aenv.node.tokens import access_token  # a secure sandbox's envd token, from the node's secret (signed URLs)
 from aenv.node.usage import Bucket, History, Sample, in_range
 from aenv.runtime.base import Driver, Limits, RootfsSpec
 from aenv.storage.layers import LayerStore
@@ -51,13 +52,15 @@ __all__ = [
     "SandboxState",
     "SnapshotRecord",
     "TemplateRecord",
+    "access_token",
     "create_id_of",
     "in_range",
 ]
 
 
 # A gateway's word to a node asked to resume a durable pause it does not hold: the sandbox's own
-# node (up) refused the resume for room, so this one may take it over (aenv/cluster/gateway.py).
+# node (up) refused the resume for room, or did not answer at all (killed, its lease not run out),
+# so this one may take it over (aenv/cluster/gateway.py).
 OWNER_FULL_HEADER = "x-aenv-owner-full"
 
 
