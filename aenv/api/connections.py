@@ -61,7 +61,7 @@ HEADER_NAMES = "aenv.header_names"  # scope["extensions"]: lowercased name -> th
 # A connection that has sent nothing is not closed for a bound on waiting connections for this
 # long (its client may be busy opening thousands), unless they number HARD_FACTOR times the bound.
 SILENT_GRACE = 10.0
-HARD_FACTOR = 8
+HARD_FACTOR = 4
 SWEEP_EVERY = 0.5  # seconds between two thinnings of waiting connections past their bound
 LINGER = 1.0  # seconds a refused connection is still read from (and what comes dropped) before it is closed
 
@@ -270,17 +270,15 @@ class NodeHTTPProtocol(HttpToolsProtocol):
         """Answer ``status`` with a JSON error and close: at once if no answer of this connection is
         under way, else after the answers to the requests before this one."""
         self._head_in()
-        answer = error_answer(status, message)
+        self._refusal = answer = error_answer(status, message)  # nothing more is read
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
-            if not self._in_body or self.pipeline or cycle.response_started:
-                # Requests before this one are being answered (pipelined): after them.
-                self._refusal = answer
-                if self._in_body:  # this request's own answer started: it cannot be answered
-                    self.transport.close()
+            if not self._in_body:
+                return  # a new head, after requests still being answered (pipelined): after them
+            if self.pipeline or cycle.response_started:
+                self.transport.close()  # this request's answer is under way, or queued: no room for another
                 return
             cycle.disconnected = True  # the app's answer to this request goes nowhere
-        self._refusal = answer
         self._answer_and_close(answer)
 
     def _answer_and_close(self, answer: bytes) -> None:

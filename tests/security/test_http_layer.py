@@ -37,6 +37,7 @@ MIB = 2**20
 MAX_HEAD = 64 * 1024  # AENV_HTTP_MAX_HEAD_KB's default
 MAX_HEADERS = 256  # AENV_HTTP_MAX_HEADERS's default
 PER_IP = 256  # AENV_HTTP_MAX_PENDING_PER_IP's default
+PENDING = 1024  # AENV_HTTP_MAX_PENDING's default
 MAX_IDLE = 200  # AENV_HTTP_MAX_IDLE, lowered for the module (default 4096)
 NODE_ID = "http-layer"
 PORT = 8080
@@ -188,14 +189,14 @@ def descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def settled_descriptors(pid: int) -> int:
-    """The server's descriptors once connections of an earlier test are gone (within 5 s)."""
-    deadline, last = time.monotonic() + 5, descriptors(pid)
-    while time.monotonic() < deadline:
-        time.sleep(0.3)
+def settled_descriptors(pid: int, limit: float = 5) -> int:
+    """The server's descriptors once they stop changing (the connections of an earlier test gone,
+    or a flood's all accepted and read), within ``limit`` seconds."""
+    deadline, last, same = time.monotonic() + limit, descriptors(pid), 0
+    while time.monotonic() < deadline and same < 3:
+        time.sleep(0.25)
         now = descriptors(pid)
-        if now == last:
-            return now
+        same = same + 1 if now == last else 0
         last = now
     return last
 
@@ -264,6 +265,20 @@ def test_heads_within_the_bounds_are_served(target: Target) -> None:
     assert exchange(target, GET + lines + b"Connection: close\r\n\r\n")[0][0] == 200
 
 
+def test_the_e2b_sdk_reaches_a_long_non_ascii_path(target: Target, stack: Stack) -> None:
+    """A file path of nearly 4 KiB of two-byte characters, as the E2B SDK sends it (percent-encoded
+    in the URL: 12 KiB), is well within the bound, through a node and through a gateway."""
+    path = "/tmp/" + "/".join(["\u00e9" * 120] * 16)
+    assert len(path.encode()) > 3800
+    url = f"http://127.0.0.1:{target.port}"
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"E2B_API_KEY": API_KEY, "E2B_API_URL": url, "E2B_SANDBOX_URL": url}.items():
+            mp.setenv(key, value)
+        sandbox = Sandbox.connect(stack.sandbox_id)
+        sandbox.files.write(path, f"via the {target.name}")
+        assert sandbox.files.read(path) == f"via the {target.name}"
+
+
 def test_each_pipelined_request_has_its_own_budget(target: Target) -> None:
     """Three heads of 50 KiB sent back to back are each served; the fourth, past the bound, is a
     431 after the three answers; then the connection closes."""
@@ -305,9 +320,7 @@ def test_a_flood_of_half_sent_heads_leaves_health_answering(target: Target, many
             conn = socket.create_connection(("127.0.0.1", target.port), timeout=10)
             conn.sendall(GET + b"X-Slow-%d: " % i)
             flood.append(conn)
-        deadline = time.monotonic() + 4  # the server reads the last ones' half heads (the deadline on heads: 8 s)
-        while (held := descriptors(target.pid) - before) >= PER_IP + 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        held = settled_descriptors(target.pid) - before  # within the deadline on heads (8 s here)
         assert held < PER_IP + 200, f"{held} more descriptors held for the flood"
         r = httpx.get(f"http://127.0.0.1:{target.port}/health", timeout=5)
         assert r.status_code == 200
@@ -319,6 +332,22 @@ def test_a_flood_of_half_sent_heads_leaves_health_answering(target: Target, many
             except (TimeoutError, ConnectionResetError):
                 pass
         assert closed > 1500, f"only {closed} of the 2000 oldest were closed"
+    finally:
+        for conn in flood:
+            conn.close()
+
+
+def test_a_flood_of_silent_connections_is_bounded_too(target: Target, many_files: None) -> None:
+    """Connections that send nothing may be a client opening thousands at once (it writes on each
+    within seconds), and are kept longer: past four times AENV_HTTP_MAX_PENDING the oldest go."""
+    before = settled_descriptors(target.pid)
+    flood = []
+    try:
+        for _ in range(4 * PENDING + 600):
+            flood.append(socket.create_connection(("127.0.0.1", target.port), timeout=10))
+        held = settled_descriptors(target.pid) - before  # within the deadline on heads (8 s here)
+        assert held < 4 * PENDING + 200, f"{held} more descriptors held for silent connections"
+        assert httpx.get(f"http://127.0.0.1:{target.port}/health", timeout=5).status_code == 200
     finally:
         for conn in flood:
             conn.close()
