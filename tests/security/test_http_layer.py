@@ -40,6 +40,7 @@ PER_IP = 256  # AENV_HTTP_MAX_PENDING_PER_IP's default
 PENDING = 1024  # AENV_HTTP_MAX_PENDING's default
 MAX_IDLE = 200  # AENV_HTTP_MAX_IDLE, lowered for the module (default 4096)
 NODE_ID = "http-layer"
+LOW_SOFT_LIMIT = 1024  # the open-files soft limit node and gateway are started with (systemd's default)
 PORT = 8080
 # A raw echo server for busybox: answers with the request's head as it arrived, and a Date and a
 # Server of its own.
@@ -79,11 +80,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         limits = {"AENV_HTTP_MAX_IDLE": str(MAX_IDLE)}
         env = {"AENV_CLUSTER": etcd.url, "AENV_NODE_ID": NODE_ID, "AENV_SPARE_UPPERS": "0", **limits}
-        node = start_busybox_node(tmp_path_factory.mktemp("httplayer") / "data", env)
-        with pytest.MonkeyPatch.context() as mp:
-            for key, value in limits.items():
-                mp.setenv(key, value)  # the gateway's environment is this one's
-            gateway = start_gateway(etcd.url)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (LOW_SOFT_LIMIT, hard))  # as systemd starts services
+        try:
+            node = start_busybox_node(tmp_path_factory.mktemp("httplayer") / "data", env)
+            with pytest.MonkeyPatch.context() as mp:
+                for key, value in limits.items():
+                    mp.setenv(key, value)  # the gateway's environment is this one's
+                gateway = start_gateway(etcd.url)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         wait_for_nodes(gateway, {NODE_ID})
         with pytest.MonkeyPatch.context() as mp:
             for _ in e2b_client(node, mp):
@@ -221,6 +227,14 @@ def many_files() -> Iterator[None]:
 
 
 GET = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+
+
+def test_the_servers_raise_their_open_files_limit(target: Target) -> None:
+    """Every connection is a descriptor: started with a soft limit of 1024 (which a flood of
+    half-sent heads filled before), node and gateway raise it to their hard limit."""
+    limits = Path(f"/proc/{target.pid}/limits").read_text().splitlines()
+    soft, hard = next(line.split()[3:5] for line in limits if line.startswith("Max open files"))
+    assert int(soft) > LOW_SOFT_LIMIT and soft == hard, limits
 
 
 # -- heads: bounded while they arrive ---------------------------------------------------------------
