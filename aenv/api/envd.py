@@ -22,7 +22,7 @@ from starlette.types import Send
 
 from aenv.api import connect, connections, signed, uploads
 from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, ConnectError, Message
-from aenv.api.proxy import not_woken, sandbox_gone
+from aenv.api.proxy import not_woken, sandbox_gone, sandbox_paused
 from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError, end_error
 from aenv.errors import (
     AenvError,
@@ -516,10 +516,11 @@ def _endpoint(request: Request) -> Handler | None:
 
 
 def _paused(node: NodeService, sandbox_id: str, exc: AenvError) -> JSONResponse | None:
-    """E2B's edge's answer for a paused sandbox its traffic did not resume (409 "The sandbox is
-    paused", ``canAutoResume``), saying how to resume it; "was not found" would send a client
-    looking for a sandbox that is there. An auto-resume that failed (a full node) is its error's
-    answer, saying so. None when it is not paused, or the cluster must answer (503)."""
+    """The answer for a paused sandbox its traffic did not resume: E2B's edge's 502 "The sandbox
+    was not found" (what the E2B SDKs read as "not running"), saying that it is paused and how to
+    resume it, with ``state: paused`` for clients that tell the two apart (aenv's SDK). An
+    auto-resume that failed (a full node) is its error's answer, saying so. None when it is not
+    paused, or the cluster must answer (503)."""
     try:
         sb = node.get(sandbox_id)
     except AenvError:
@@ -532,12 +533,7 @@ def _paused(node: NodeService, sandbox_id: str, exc: AenvError) -> JSONResponse 
         return JSONResponse({**body, "sandboxId": sandbox_id}, status_code=exc.status, headers=headers)
     why = " without its memory: only a connect resumes it" if sb.rec.filesystem_only else ""
     how = "" if sb.rec.filesystem_only or sb.rec.auto_resume else " (or create it with autoResume: its use resumes it)"
-    message = (
-        f"The sandbox is paused{why}; resume it with a connect (POST /sandboxes/{sandbox_id}/connect, "
-        f"the SDKs' connect or resume, aenv resume){how}"
-    )
-    body = {"sandboxId": sandbox_id, "message": message, "code": 409, "canAutoResume": False}
-    return JSONResponse({**body, "error_code": "wrong_state"}, status_code=409)
+    return sandbox_paused(sandbox_id, why, how)
 
 
 def _refusal(request: Request, token: str) -> str | None:

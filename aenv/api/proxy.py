@@ -53,6 +53,20 @@ def sandbox_gone(sandbox_id: str) -> JSONResponse:
     )
 
 
+def sandbox_paused(
+    sandbox_id: str, why: str = "", how: str = "", headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """A paused sandbox that traffic does not resume: E2B's 502 "was not found" (the SDKs' cue for
+    "not running"), saying it is paused and how to resume it, and ``state: paused`` for clients
+    that tell the two apart (aenv's SDK)."""
+    message = (
+        f"The sandbox was not found running: it is paused{why}; resume it with a connect "
+        f"(POST /sandboxes/{sandbox_id}/connect, the SDKs' connect or resume, aenv resume){how}"
+    )
+    body = {"sandboxId": sandbox_id, "message": message, "code": 502, "state": "paused", "canAutoResume": False}
+    return JSONResponse(body, status_code=502, headers=headers, media_type="application/json; charset=utf-8")
+
+
 def port_closed(sandbox_id: str, port: int) -> JSONResponse:
     return JSONResponse(
         {"sandboxId": sandbox_id, "message": "The sandbox is running but port is not open", "port": port, "code": 502},

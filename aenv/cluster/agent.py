@@ -206,7 +206,8 @@ class NodeAgent:
             # has not seen the move yet sends it again, to where the sandbox runs now (the control
             # plane's 404 leads a gateway there too; a connect finds it by itself)
             if self._just_moved(sandbox_id):
-                return f"node {self.node_id} is draining: sandbox {sandbox_id} moved to another node (through a gateway)"
+                moved = f"sandbox {sandbox_id} moved to another node (through a gateway)"
+                return f"node {self.node_id} is draining: {moved}"
         sb = self.node.sandboxes.get(sandbox_id) if sandbox_id else None
         return self._refusal(op["op"] if op is not None else None, sb)
 

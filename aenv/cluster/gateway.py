@@ -43,7 +43,7 @@ from starlette.types import Message, Receive, Scope, Send
 from aenv.api import connections, envd, listing
 from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
 from aenv.api.listing import short_sandbox_id
-from aenv.api.proxy import TRAFFIC_TOKEN_HEADER, sandbox_gone
+from aenv.api.proxy import TRAFFIC_TOKEN_HEADER, sandbox_gone, sandbox_paused
 from aenv.api.signed import Signers
 from aenv.api.signed import too_long as url_too_long
 from aenv.cluster import forks, lists
@@ -299,7 +299,7 @@ class Gateway:
             try:
                 return await self.traffic(request, sandbox_id, Traffic(port, headers, signed), extra)
             except SandboxNotFound as exc:
-                return traffic_gone(scope, sandbox_id, exc)
+                return traffic_gone(scope, sandbox_id, exc, paused=self._paused_here(sandbox_id))
         scope[ROUTE_SCOPE] = "own"
         if method in ("GET", "HEAD") and path == "/health":
             return self.health()
@@ -434,6 +434,12 @@ class Gateway:
             )
         return await self.wake_elsewhere(sandbox_id, owner_full=True, avoid=silent.node_id)
 
+    def _paused_here(self, sandbox_id: str) -> bool:
+        """Whether the cluster holds ``sandbox_id`` durably paused (its node lost or silent):
+        traffic it does not wake is told so, as its node would tell it."""
+        entry, _ = self.mirror.owner(sandbox_id)
+        return entry is not None and _cluster_paused(entry)
+
     async def websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A WebSocket to a sandbox's port, relayed to the node that owns the sandbox (which
         relays it to the port). The node's proxy is the only thing that upgrades."""
@@ -450,7 +456,8 @@ class Gateway:
             sandbox_id, port = target
             node = await self.owner(sandbox_id, scope, wake=Traffic(port, headers, signed=False))
         except SandboxNotFound as exc:
-            await refuse_websocket(scope, send, traffic_gone(scope, sandbox_id, exc))
+            gone = traffic_gone(scope, sandbox_id, exc, paused=self._paused_here(sandbox_id))
+            await refuse_websocket(scope, send, gone)
             return
         except AenvError as exc:
             await refuse_websocket(scope, send, error_response(scope, exc))
@@ -1446,7 +1453,8 @@ class Gateway:
             upstream = await self.client.send(outgoing, stream=True)
         except httpx.TransportError as exc:
             self.silent[node.node_id] = time.monotonic()
-            raise NodeSilent(f"node {node.node_id} at {node.address} did not answer: {exc!r}"[:300], node.node_id) from None
+            message = f"node {node.node_id} at {node.address} did not answer: {exc!r}"[:300]
+            raise NodeSilent(message, node.node_id) from None
         self.silent.pop(node.node_id, None)
         return upstream
 
@@ -1712,12 +1720,16 @@ async def _read_bounded(request: Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def traffic_gone(scope: Scope, sandbox_id: str, exc: SandboxNotFound) -> JSONResponse:
-    """Sandbox traffic for a sandbox the cluster does not have: the node's answer (E2B's edge's:
-    502, which the SDKs read as "not running"), naming the node when it was on one that left."""
+def traffic_gone(scope: Scope, sandbox_id: str, exc: SandboxNotFound, *, paused: bool = False) -> JSONResponse:
+    """Sandbox traffic for a sandbox the cluster does not have running: the node's answer (E2B's
+    edge's: 502, which the SDKs read as "not running"), naming the node when it was on one that
+    left; for a durable pause it does not wake, that it is paused and how to resume it (as a
+    node says of its own pauses)."""
     response = sandbox_gone(sandbox_id[:80])
     node_id = scope.get(NODE_SCOPE)
-    if node_id:
+    if paused:
+        response = sandbox_paused(sandbox_id[:80], headers={NODE_ID_HEADER: node_id} if node_id else None)
+    elif node_id:
         response = JSONResponse(
             {"sandboxId": sandbox_id, "message": f"The sandbox was not found: {exc.message}", "code": 502},
             status_code=502,

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aenv.images.local import DIGEST, LocalSource, is_local
-from aenv.images.reference import ImageRef
 from aenv.images.mirrors import MirroredClient
+from aenv.images.reference import ImageRef
 from aenv.images.registry import Image
 from aenv.images.unpack import LayerError, apply_layer
 from aenv.storage.confined import remove_tree
@@ -100,9 +100,8 @@ async def pull(
     if local is None:
         registry = ImageRef.parse(reference).registry
         logins = {registry: login} if login else {}
-        client = MirroredClient(
-            registry, node.settings.registry_mirrors, insecure=set(node.settings.insecure_registries), credentials=logins
-        )
+        insecure = set(node.settings.insecure_registries)
+        client = MirroredClient(registry, node.settings.registry_mirrors, insecure=insecure, credentials=logins)
     ensure_space(tmp, headroom(node.settings), 0, f"pulling {reference}")
     fetched, cached, ids = 0, 0, []
     try:

@@ -49,17 +49,17 @@ def raise_for(response: httpx.Response) -> None:
 
 def raise_for_envd(response: httpx.Response, sandbox_id: str) -> None:
     """An envd request's error answer. The node answers for the sandbox when it is not there to:
-    paused (409, E2B's "The sandbox is paused") or gone (502, "was not found")."""
+    paused (502 with ``state: paused``) or gone (502, E2B's "was not found")."""
     if response.status_code < 400:
         return
     body = _body(response)
-    if response.status_code == 409 and isinstance(body, dict) and "canAutoResume" in body:
+    if response.status_code == 502 and isinstance(body, dict) and body.get("state") == "paused":
         how = "resume it with sandbox.resume() or client.connect(id)"
         if "without its memory" in str(body.get("message")):
             message = f"sandbox {sandbox_id} is paused without its memory: {how} (its use does not resume it)"
         else:
             message = f"sandbox {sandbox_id} is paused: {how}, or create it with auto_resume=True to resume on use"
-        raise WrongState(message, sandbox_id=sandbox_id, status=409)
+        raise WrongState(message, sandbox_id=sandbox_id, status=502)
     if response.status_code == 502 and isinstance(body, dict) and "was not found" in str(body.get("message")):
         message = f"sandbox {sandbox_id} is not running: it was killed or its timeout ended"
         raise SandboxNotFound(message, sandbox_id=sandbox_id, status=502)

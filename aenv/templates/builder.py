@@ -404,7 +404,7 @@ def _log_tail(log_path: Path) -> str:
 
 
 def _headline(exc: AenvError) -> str:
-    """"debootstrap failed (exit 1)", "debootstrap ... timed out after 1800.0s": what hostexec
+    """ "debootstrap failed (exit 1)", "debootstrap ... timed out after 1800.0s": what hostexec
     said, without the stderr line it appends."""
     return exc.message.split(": ", 1)[0]
 
