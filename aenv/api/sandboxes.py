@@ -448,8 +448,12 @@ async def update_network(request: Request, sandbox_id: str) -> Response:
     # a running sandbox's ports were made private (or its Host masked) when they were not.
     if update.get("allowPublicTraffic") is False or update.get("maskRequestHost") is not None:
         raise InvalidRequest("network.allowPublicTraffic and network.maskRequestHost are set when a sandbox is created")
+    internet = update.pop("allow_internet_access", None)
     rules = egress_rules(update, field="egressProxy")
-    await node_of(request).set_network(sandbox_id, rules)
+    # The update replaces the whole egress configuration, internet access included: left out, it
+    # is the default again (Harbor's `{}` for a public phase after a no-network one).
+    node = node_of(request)
+    await node.set_network(sandbox_id, rules, node.settings.internet_by_default if internet is None else internet)
     return Response(status_code=204)
 
 

@@ -167,6 +167,8 @@ class NetworkUpdate(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
     allow_out: list[str] | None = Field(None, alias="allowOut")
     deny_out: list[str] | None = Field(None, alias="denyOut")
+    # Spelled so by both E2B SDKs in an update (not allowInternetAccess as in a create).
+    allow_internet_access: bool | None = None
 
 
 class ImageTemplate(BaseModel):
