@@ -97,6 +97,7 @@ class AenvDeployment(AbstractDeployment):
         self._client: AsyncClient | None = None
         self._sandbox: AsyncSandbox | None = None
         self._runtime: AenvRemoteRuntime | None = None
+        self._runtime_args: dict[str, Any] = {}
 
     @classmethod
     def from_config(cls, config: AenvDeploymentConfig) -> AenvDeployment:
@@ -117,6 +118,12 @@ class AenvDeployment(AbstractDeployment):
         if self._runtime is None:
             raise DeploymentNotStartedError()  # type: ignore[no-untyped-call]
         return self._runtime
+
+    def new_runtime(self) -> AenvRemoteRuntime:
+        """Another RemoteRuntime on this deployment's server (``runtime`` is one)."""
+        if not self._runtime_args:
+            raise DeploymentNotStartedError()  # type: ignore[no-untyped-call]
+        return AenvRemoteRuntime(logger=self.logger, **self._runtime_args)
 
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
         if self._runtime is None:
@@ -139,14 +146,14 @@ class AenvDeployment(AbstractDeployment):
                 timeout=30,
             )
             assert self._client is not None
-            self._runtime = AenvRemoteRuntime(
-                sandbox_id=self._sandbox.sandbox_id,
-                sandbox_port=cfg.port,
-                host=self._client.config.url,
-                auth_token=token,
-                timeout=cfg.runtime_timeout,
-                logger=self.logger,
-            )
+            self._runtime_args = {
+                "sandbox_id": self._sandbox.sandbox_id,
+                "sandbox_port": cfg.port,
+                "host": self._client.config.url,
+                "auth_token": token,
+                "timeout": cfg.runtime_timeout,
+            }
+            self._runtime = self.new_runtime()
             await _wait_until_alive(self._runtime.is_alive, timeout=cfg.startup_timeout, function_timeout=5)
         except BaseException:
             await self.stop()
@@ -205,7 +212,7 @@ class AenvDeployment(AbstractDeployment):
                 await self._runtime.close()
             except Exception:  # noqa: BLE001 - the sandbox is killed next in any case
                 pass
-            self._runtime = None
+            self._runtime, self._runtime_args = None, {}
         if self._sandbox is not None:
             await _kill(self._sandbox)
             self._sandbox = None

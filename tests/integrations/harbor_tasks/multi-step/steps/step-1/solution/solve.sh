@@ -1,0 +1,2 @@
+#!/bin/bash
+echo "deposit 5" >> "$LEDGER"

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo "withdraw 2" >> "$LEDGER"
