@@ -191,12 +191,13 @@ class ArtifactCache:
             self._dirty.discard(rec.id)
             await self._push_record(rec)
         log.info(
-            "committed %s %s: %.1f MiB logical, %.1f MiB uploaded in %d new chunks (%.2fs)",
+            "committed %s %s: %.1f MiB logical, %.2f MiB uploaded in %d new chunks, %d objects (%.2fs)",
             kind,
             rec.id,
             report.logical_bytes / 2**20,
             report.new_bytes / 2**20,
             report.new_chunks,
+            report.new_objects,
             report.seconds,
         )
 
@@ -341,15 +342,16 @@ class ArtifactCache:
             await self.forget_pause(sb.id)  # killed meanwhile
             return
         sb.rec.durable_at = time.time()
-        sb.events.note(f"durable: its pause is in the repository ({report.new_bytes / 2**20:.1f} MiB uploaded)")
+        sb.events.note(f"durable: its pause is in the repository ({report.new_bytes / 2**20:.2f} MiB uploaded)")
         await self.node.store.put_sandbox(sb.rec)
         for listener in self.node.state_listeners:  # the cluster agent writes the entry now, not at its next beat
             listener(sb)
         log.info(
-            "paused sandbox %s is durable: %.1f MiB uploaded in %d new chunks (%.2fs)",
+            "paused sandbox %s is durable: %.2f MiB uploaded in %d new chunks, %d objects (%.2fs)",
             sb.id,
             report.new_bytes / 2**20,
             report.new_chunks,
+            report.new_objects,
             report.seconds,
         )
 
@@ -672,8 +674,9 @@ class ArtifactCache:
             log.info("repository gc skipped: %s", report.skipped)
         else:
             log.info(
-                "repository gc: %d chunks and %d artifacts deleted, %.1f MiB freed",
+                "repository gc: %d chunks, %d packs and %d artifacts deleted, %.1f MiB freed",
                 report.deleted_chunks,
+                report.deleted_packs,
                 report.deleted_artifacts,
                 report.freed_bytes / 2**20,
             )

@@ -30,6 +30,10 @@ class _ConditionFailed(StorageError):
     """A conditional write that the store refused: its condition no longer held (always caught)."""
 
 
+class _RangeNotSatisfiable(StorageError):
+    """A range read starting past the object's end (S3's 416, always caught)."""
+
+
 class MissingObject(KeyError):
     """The key is not in the store."""
 
@@ -68,6 +72,15 @@ class Backend(Protocol):
         ...
 
     def exists(self, key: str) -> bool: ...
+
+    def size(self, key: str) -> int:
+        """The object's size in bytes; :class:`MissingObject` if there is none."""
+        ...
+
+    def get_range(self, key: str, start: int, length: int) -> tuple[bytes, int]:
+        """(at most ``length`` bytes of the object from ``start``, the object's whole size): fewer
+        bytes, or none, where the object ends before; :class:`MissingObject` if there is none."""
+        ...
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]: ...
 
@@ -152,7 +165,9 @@ class PosixBackend:
             raise ArtifactDamaged(f"repository object {key} cannot be read: {exc.strerror}") from None
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
-            data = f.read(MAX_OBJECT + 1) if stat.S_ISREG(st.st_mode) else b""
+            # Asks for what fstat says (plus one: a file growing meanwhile is not read past the limit);
+            # read(MAX_OBJECT + 1) took a 64 MiB buffer for every manifest.
+            data = f.read(min(st.st_size, MAX_OBJECT) + 1) if stat.S_ISREG(st.st_mode) else b""
             if not stat.S_ISREG(st.st_mode) or len(data) > MAX_OBJECT:
                 raise ArtifactDamaged(f"repository object {key} is not a file of at most {MAX_OBJECT >> 20} MiB")
             return data, st
@@ -216,6 +231,34 @@ class PosixBackend:
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    @contextlib.contextmanager
+    def _open_file(self, key: str) -> Iterator[tuple[int, os.stat_result]]:
+        """A regular file's descriptor, never through a link, never a FIFO or a device."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise MissingObject(key) from None
+        except OSError as exc:  # ELOOP: a symbolic link
+            raise ArtifactDamaged(f"repository object {key} cannot be read: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ArtifactDamaged(f"repository object {key} is not a regular file")
+            yield fd, st
+        finally:
+            os.close(fd)
+
+    def size(self, key: str) -> int:
+        with self._open_file(key) as (_, st):
+            return st.st_size
+
+    def get_range(self, key: str, start: int, length: int) -> tuple[bytes, int]:
+        if start < 0 or not 0 <= length <= MAX_OBJECT:
+            raise InvalidRequest(f"bad range {start}+{length} of {key}")
+        with self._open_file(key) as (fd, st):
+            data = os.pread(fd, length, start) if start < st.st_size else b""
+            return data, st.st_size
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         base = self._path(prefix.rstrip("/")) if prefix else self.root
@@ -301,6 +344,8 @@ class S3Backend:
                 raise _ConditionFailed(code) from None
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise MissingObject(kwargs.get("Key", "")) from None
+            if code == "InvalidRange":
+                raise _RangeNotSatisfiable(code) from None
             raise RepositoryUnavailable(f"{what} on {self.url} failed: {code or exc}") from exc
         except BotoCoreError as exc:
             raise RepositoryUnavailable(f"{what} on {self.url} failed: {exc}") from exc
@@ -348,6 +393,27 @@ class S3Backend:
             return False
         return True
 
+    def size(self, key: str) -> int:
+        return int(self._call("head", self._s3.head_object, Key=self._key(key))["ContentLength"])
+
+    def get_range(self, key: str, start: int, length: int) -> tuple[bytes, int]:
+        if start < 0 or not 0 < length <= MAX_OBJECT:
+            raise InvalidRequest(f"bad range {start}+{length} of {key}")
+        wanted = f"bytes={start}-{start + length - 1}"
+        try:
+            response = self._call("get", self._s3.get_object, Key=self._key(key), Range=wanted)
+        except _RangeNotSatisfiable:
+            return b"", self.size(key)  # the object ends before ``start``
+        body = response["Body"]
+        try:
+            total = _range_total(str(response.get("ContentRange") or ""))
+            data = bytes(body.read(length + 1))  # a server that sends more than asked is cut off, not believed
+            if total is None or len(data) > length:
+                raise ArtifactDamaged(f"repository object {key}: the store answered a range read with something else")
+            return data, total
+        finally:
+            body.close()
+
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         token: str | None = None
         while True:
@@ -369,6 +435,12 @@ class S3Backend:
             errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
             if errors:
                 raise RepositoryUnavailable(f"delete on {self.url} failed: {errors[0]}")
+
+
+def _range_total(content_range: str) -> int | None:
+    """The object's size from a ``Content-Range: bytes a-b/total`` header."""
+    _, _, total = content_range.rpartition("/")
+    return int(total) if total.isdigit() else None
 
 
 def open_backend(

@@ -21,9 +21,19 @@ import zstandard
 from aenv.errors import ArtifactDamaged
 from aenv.repo.backends import Backend, MissingObject
 
-CHUNK_MIN = 256 * 1024
-CHUNK_AVG = 1024 * 1024
-CHUNK_MAX = 4 * 1024 * 1024
+
+@dataclass(frozen=True)
+class Sizes:
+    """FastCDC's smallest, average and largest chunk."""
+
+    min: int
+    avg: int
+    max: int
+
+
+# Layers, uppers and guests: loose objects of ~1 MiB (files change whole; one request a chunk).
+FILE_SIZES = Sizes(256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+CHUNK_MIN, CHUNK_AVG, CHUNK_MAX = FILE_SIZES.min, FILE_SIZES.avg, FILE_SIZES.max
 WINDOW = 16 * 1024 * 1024  # bytes cut at a time; the tail carries over to the next window
 ZSTD_LEVEL = 3
 
@@ -34,7 +44,7 @@ def chunk_key(digest: str) -> str:
     return f"chunks/{digest[:2]}/{digest}"
 
 
-def cut(blocks: Iterable[bytes]) -> Iterator[bytes]:
+def cut(blocks: Iterable[bytes], sizes: Sizes = FILE_SIZES) -> Iterator[bytes]:
     """Split a stream, given as blocks of any size, into content-defined chunks."""
     buf = bytearray()
     for block in blocks:
@@ -42,14 +52,14 @@ def cut(blocks: Iterable[bytes]) -> Iterator[bytes]:
         if len(buf) < WINDOW:
             continue
         pending = bytes(buf)
-        pieces = list(fastcdc.fastcdc(pending, CHUNK_MIN, CHUNK_AVG, CHUNK_MAX))
+        pieces = list(fastcdc.fastcdc(pending, sizes.min, sizes.avg, sizes.max))
         for c in pieces[:-1]:
             yield pending[c.offset : c.offset + c.length]
         last = pieces[-1]  # cut by the window's end, not by content: decide it with more data
         buf = bytearray(pending[last.offset :])
     if buf:
         pending = bytes(buf)
-        for c in fastcdc.fastcdc(pending, CHUNK_MIN, CHUNK_AVG, CHUNK_MAX):
+        for c in fastcdc.fastcdc(pending, sizes.min, sizes.avg, sizes.max):
             yield pending[c.offset : c.offset + c.length]
 
 
@@ -59,12 +69,14 @@ class WriteStats:
     chunks: int = 0
     new_chunks: int = 0
     new_bytes: int = 0  # compressed bytes actually uploaded
+    new_objects: int = 0  # objects uploaded: loose chunks and packs
 
     def add(self, other: WriteStats) -> None:
         self.logical_bytes += other.logical_bytes
         self.chunks += other.chunks
         self.new_chunks += other.new_chunks
         self.new_bytes += other.new_bytes
+        self.new_objects += other.new_objects
 
 
 @dataclass
@@ -103,11 +115,22 @@ class ChunkWriter:
         with self._lock:
             self.stats.new_chunks += 1
             self.stats.new_bytes += len(data)
+            self.stats.new_objects += 1
 
     def flush(self) -> None:
         """Wait for every upload; the first failure is raised."""
         while self._in_flight:
             self._in_flight.popleft().result()
+
+
+def inflate(unzstd: zstandard.ZstdDecompressor, frame: bytes | memoryview, length: int) -> bytes:
+    """A zstd frame's content, never more than ``length`` bytes of memory: a frame whose header
+    says another size is refused before anything is allocated (zstd allocates what a header
+    says and ignores ``max_output_size``: a 2 KB frame claimed, and took, 64 MiB)."""
+    claimed = zstandard.frame_content_size(frame)
+    if claimed not in (-1, length):
+        raise zstandard.ZstdError(f"its frame says {claimed} bytes, not {length}")
+    return unzstd.decompress(frame, max_output_size=length)
 
 
 def read_chunk(backend: Backend, ref: ChunkRef, what: str) -> bytes:
@@ -119,7 +142,7 @@ def read_chunk(backend: Backend, ref: ChunkRef, what: str) -> bytes:
     except MissingObject:
         raise ArtifactDamaged(f"{what}: chunk {digest[:16]} is missing from the repository") from None
     try:
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=length)
+        raw = inflate(zstandard.ZstdDecompressor(), data, length)
     except zstandard.ZstdError as exc:
         raise ArtifactDamaged(f"{what}: chunk {digest[:16]} is corrupt ({exc})") from None
     if len(raw) != length or hashlib.sha256(raw).hexdigest() != digest:

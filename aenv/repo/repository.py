@@ -3,8 +3,12 @@
 Key space (the same on a POSIX directory and in an S3 bucket)::
 
     chunks/ab/<sha256>                 zstd of one content-defined chunk, named by its raw digest
+    packs/ab/<sha256>                  small chunks of checkpoint images, zstd each, one after the
+                                       other (see packs.py), named by the digest of the pack
     artifacts/<kind>/<id>.json         one layer, checkpoint image or guest bundle: its encoding
-                                       and the ordered chunk list (kind: layer | image | guest)
+                                       and the ordered chunk list (kind: layer | image | guest);
+                                       an image's (format 2) also where its chunks lie in packs,
+                                       stored as zstd of the JSON
     entries/<kind>s/<id>.json          one template or snapshot: its record and the digests of the
                                        artifact manifests it needs (kind: template | snapshot)
     locks/<commit|gc>-<uuid>.json      who is committing or collecting right now
@@ -17,7 +21,8 @@ reuses it without reading a byte: a second snapshot of a sandbox uploads its new
 its new checkpoint image, nothing else. Reads check every link of the chain: the entry names each
 manifest's digest, each manifest names its chunks' digests.
 
-Garbage collection marks from the entries and deletes the rest. It must never run while a commit
+Garbage collection marks from the entries and deletes the rest (a pack while no live manifest
+names it: packs.py says why that wastes at most so much). It must never run while a commit
 is between uploading chunks and writing its entry, so both take a lock object and then list the
 locks: a collector that sees a live commit lock backs off; a commit that sees a collector's lock
 waits for it to go. Whichever wrote second is guaranteed to see the first (S3 and POSIX listings
@@ -44,15 +49,29 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import zstandard
+
 from aenv.errors import ArtifactDamaged, InvalidRequest, RepositoryUnavailable, StorageError
 from aenv.repo import encodings
 from aenv.repo.backends import Backend, MissingObject, PosixBackend
-from aenv.repo.chunks import ChunkWriter, WriteStats, chunk_key, read_chunk, read_chunks
+from aenv.repo.chunks import ZSTD_LEVEL, ChunkWriter, WriteStats, chunk_key, read_chunk, read_chunks
+from aenv.repo.packs import (
+    PackIndex,
+    PackWriter,
+    check_packed,
+    image_sizes,
+    pack_key,
+    packs_of,
+    read_packed,
+    wants_of,
+)
 from aenv.storage.space import ensure_space
 
 log = logging.getLogger("aenv.repo")
 
-ARTIFACT_FORMAT = "aenv-artifact/1"
+ARTIFACT_FORMAT = "aenv-artifact/1"  # chunks as loose objects
+PACKED_FORMAT = "aenv-artifact/2"  # chunks in packs, the manifest zstd-compressed
+MANIFEST_MAX = 64 << 20  # the most a compressed manifest is inflated to
 ENTRY_FORMAT = "aenv-entry/1"
 ArtifactKind = Literal["layer", "image", "guest"]
 # A "sandbox" entry is a durably paused sandbox (its record, checkpoint image and sealed upper).
@@ -69,6 +88,7 @@ LOCK_STALE_S = 600.0  # a lock not refreshed for this long belongs to a process 
 CHANGE_TRIES = 5  # rereads of an entry that other nodes keep changing under a rewrite
 ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 DIGEST = re.compile(r"[0-9a-f]{64}")  # a chunk's name, and a part of its key
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +111,10 @@ class LocalArtifact:
 @dataclass
 class CommitReport:
     logical_bytes: int = 0  # what the entry restores to: every artifact's stream, reused or not
-    new_bytes: int = 0  # compressed bytes this commit uploaded
+    new_bytes: int = 0  # bytes this commit uploaded: compressed chunks, manifests, its entry
     chunks: int = 0
     new_chunks: int = 0
+    new_objects: int = 0  # objects it wrote: loose chunks, packs, manifests, its entry
     new_artifacts: list[str] = field(default_factory=list)
     reused_artifacts: int = 0
     seconds: float = 0.0
@@ -107,8 +128,10 @@ class GcReport:
     skipped: str = ""  # why nothing was collected (another commit or collection was running)
     entries: int = 0
     live_chunks: int = 0
+    live_packs: int = 0
     deleted_artifacts: int = 0
     deleted_chunks: int = 0
+    deleted_packs: int = 0
     freed_bytes: int = 0
     seconds: float = 0.0
 
@@ -139,9 +162,42 @@ def _is_digest(value: object) -> bool:
     return isinstance(value, str) and DIGEST.fullmatch(value) is not None
 
 
+def _load_manifest(data: bytes, what: str) -> dict[str, Any]:
+    """An artifact manifest's JSON, zstd-compressed (format 2) or not (format 1)."""
+    if data[:4] == ZSTD_MAGIC:
+        try:
+            claimed = zstandard.frame_content_size(data)
+            if claimed > MANIFEST_MAX:
+                raise zstandard.ZstdError(f"its frame says {claimed} bytes")
+            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=MANIFEST_MAX)
+        except zstandard.ZstdError as exc:
+            raise ArtifactDamaged(f"{what}: its manifest is corrupt ({exc})") from None
+    try:
+        manifest = json.loads(data)
+    except ValueError:
+        raise ArtifactDamaged(f"{what}: its manifest is not valid JSON") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactDamaged(f"{what}: its manifest is not a JSON object")
+    if manifest.get("format") not in (ARTIFACT_FORMAT, PACKED_FORMAT):
+        raise ArtifactDamaged(f"{what}: unknown artifact format {str(manifest.get('format'))[:100]!r}")
+    return manifest
+
+
+def is_packed(manifest: dict[str, Any]) -> bool:
+    return manifest.get("format") == PACKED_FORMAT
+
+
+def object_keys(manifest: dict[str, Any]) -> list[str]:
+    """The keys of the objects an artifact's chunks are in: its packs, or its loose chunks."""
+    if is_packed(manifest):
+        return [pack_key(d) for d in packs_of(manifest)]
+    return list(dict.fromkeys(chunk_key(d) for d, _ in manifest["chunks"]))
+
+
 def _check_manifest(manifest: dict[str, Any], what: str) -> None:
     """What a fetch relies on in a manifest another node may have written: a known encoding, chunk
-    lengths that add up to its size, a sparse file's extents inside it and holding that size."""
+    lengths that add up to its size, a sparse file's extents inside it and holding that size, a
+    packed one's places inside its packs."""
     chunks = manifest.get("chunks")
     if manifest.get("encoding") not in ("tar", "sparse") or not isinstance(chunks, list):
         raise ArtifactDamaged(f"{what}: malformed manifest (encoding or chunks)")
@@ -149,6 +205,8 @@ def _check_manifest(manifest: dict[str, Any], what: str) -> None:
         raise ArtifactDamaged(f"{what}: malformed manifest (chunks are sha256 digests and lengths)")
     if manifest.get("size") != sum(length for _, length in chunks):
         raise ArtifactDamaged(f"{what}: its manifest's size is not what its chunks hold")
+    if is_packed(manifest):
+        check_packed(manifest, what)
     if manifest["encoding"] == "sparse":
         extents = manifest.get("extents")
         size = manifest.get("file_size")
@@ -167,6 +225,7 @@ class Repository:
         self.url = backend.url
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="aenv-repo")
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self.index = PackIndex()  # where image chunks this process wrote or read lie in packs
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -177,7 +236,7 @@ class Repository:
             data = self.backend.get(artifact_key(kind, _check_id(artifact_id)))
         except MissingObject:
             return None
-        return ArtifactRef(kind, artifact_id, hashlib.sha256(data).hexdigest()), json.loads(data)
+        return ArtifactRef(kind, artifact_id, hashlib.sha256(data).hexdigest()), _load_manifest(data, artifact_id)
 
     def put_artifact(self, item: LocalArtifact, writer: ChunkWriter) -> tuple[ArtifactRef, int]:
         """Upload one artifact's chunks, then its manifest; returns (ref, logical bytes)."""
@@ -188,7 +247,18 @@ class Repository:
             "encoding": item.encoding,
             "created_at": time.time(),
         }
-        if item.encoding == "tar":
+        packer: PackWriter | None = None
+        if item.kind == "image" and item.encoding == "tar":
+            # Small chunks, packed: the pages two images of a sandbox share are stored once.
+            packer = PackWriter(writer.backend, writer.pool, self.index, writer.stats, f"image {item.id}")
+            try:
+                packer.write(encodings.tar_blocks(item.path), image_sizes(_bytes_under(item.path)))
+                manifest.update(format=PACKED_FORMAT, **packer.finish())
+            except BaseException:
+                packer.abandon()
+                raise
+            refs = [(d, n) for d, n in manifest["chunks"]]
+        elif item.encoding == "tar":
             refs = writer.write_stream(encodings.tar_blocks(item.path))
         elif item.encoding == "sparse":
             size, extents = encodings.data_extents(item.path)
@@ -198,14 +268,20 @@ class Repository:
             raise InvalidRequest(f"unknown encoding {item.encoding!r}")
         writer.flush()  # every chunk is in before the manifest names it
         manifest["size"] = sum(length for _, length in refs)
-        manifest["chunks"] = refs
+        manifest["chunks"] = [list(r) for r in refs]
         data = json.dumps(manifest, sort_keys=True).encode()
+        if packer is not None:
+            data = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)  # ~45 bytes a chunk, not ~95
+        writer.stats.new_bytes += len(data)
+        writer.stats.new_objects += 1
         if not self.backend.put_new(artifact_key(item.kind, item.id), data):
             # Another commit (another node) wrote this artifact meanwhile: its manifest is complete
             # and entries may already name its digest, so it stays; ours is garbage for the GC.
             found = self.find_artifact(item.kind, item.id)
             assert found is not None
             return found[0], int(found[1].get("size", 0))
+        if packer is not None:
+            self.index.add(manifest)
         return ArtifactRef(item.kind, item.id, hashlib.sha256(data).hexdigest()), manifest["size"]
 
     def read_manifest(self, ref: ArtifactRef, what: str) -> dict[str, Any]:
@@ -215,7 +291,7 @@ class Repository:
             raise ArtifactDamaged(f"{what}: the manifest of {ref.kind} {ref.id} is missing") from None
         if hashlib.sha256(data).hexdigest() != ref.manifest:
             raise ArtifactDamaged(f"{what}: the manifest of {ref.kind} {ref.id} does not match its digest")
-        return dict(json.loads(data))
+        return _load_manifest(data, what)
 
     def fetch_artifact(
         self, ref: ArtifactRef, dest: Path, what: str, headroom: int = 0, on_bytes: Callable[[int], None] | None = None
@@ -227,7 +303,7 @@ class Repository:
         manifest = self.read_manifest(ref, what)
         _check_manifest(manifest, what)
         ensure_space(dest.parent, headroom, manifest["size"], what)
-        chunks = read_chunks(self.backend, [tuple(c) for c in manifest["chunks"]], self.pool, what)  # type: ignore[misc]
+        chunks = self._chunks(manifest, what)
         if on_bytes is not None:
             chunks = _counted(chunks, on_bytes)
         if manifest["encoding"] == "tar":
@@ -236,7 +312,21 @@ class Repository:
         else:
             extents = [(a, b) for a, b in manifest["extents"]]
             encodings.write_sparse(chunks, dest, manifest["file_size"], extents, headroom)
+        if is_packed(manifest):
+            self.index.add(manifest)  # every chunk was read and verified: a later commit may name them
         return int(manifest["size"])
+
+    def _chunks(self, manifest: dict[str, Any], what: str) -> Iterator[bytes]:
+        """A checked manifest's chunks in order, verified."""
+        if is_packed(manifest):
+            return (raw for _, raw in read_packed(self.backend, wants_of(manifest), self.pool, what))
+        return read_chunks(self.backend, [(d, n) for d, n in manifest["chunks"]], self.pool, what)
+
+    def artifact_chunks(self, ref: ArtifactRef, what: str) -> Iterator[bytes]:
+        """An artifact's chunks in order, each verified (wherever they are stored)."""
+        manifest = self.read_manifest(ref, what)
+        _check_manifest(manifest, what)
+        return self._chunks(manifest, what)
 
     # -- entries ----------------------------------------------------------------------------------
     def commit(
@@ -263,6 +353,7 @@ class Repository:
             report.logical_bytes += stats.logical_bytes
             report.chunks += stats.chunks
             report.new_chunks, report.new_bytes = stats.new_chunks, stats.new_bytes
+            report.new_objects = stats.new_objects + 1  # and the entry
             report.seconds = round(time.monotonic() - started, 3)
             body = {
                 "format": ENTRY_FORMAT,
@@ -274,7 +365,9 @@ class Repository:
                 "commit": report.as_dict(),
             }
             self._still_holding(lock_key)
-            self.backend.put(entry_key(kind, _check_id(entry_id)), json.dumps(body, sort_keys=True).encode())
+            data = json.dumps(body, sort_keys=True).encode()
+            self.backend.put(entry_key(kind, _check_id(entry_id)), data)
+            report.new_bytes += len(data)
         return report
 
     def update_record(self, kind: EntryKind, entry_id: str, record: dict[str, Any]) -> bool:
@@ -420,23 +513,27 @@ class Repository:
                         continue
                     report.entries += 1
                     live_artifacts.update(artifact_key(r.kind, r.id) for r in self.artifact_refs(entry))
-            live_chunks: set[str] = set()
+            needed: set[str] = set()  # chunk and pack keys
             for akey in live_artifacts:
                 try:
-                    manifest = json.loads(self.backend.get(akey))
+                    manifest = _load_manifest(self.backend.get(akey), akey)
                 except MissingObject:
                     log.error("an entry names %s, which is missing", akey)
                     continue
-                live_chunks.update(chunk_key(d) for d, _ in manifest["chunks"])
-            report.live_chunks = len(live_chunks)
+                _check_manifest(manifest, akey)  # damaged: raise, collect nothing
+                needed.update(object_keys(manifest))
+            report.live_chunks = sum(1 for k in needed if k.startswith("chunks/"))
+            report.live_packs = len(needed) - report.live_chunks
             dead_artifacts = [i.key for i in self.backend.list("artifacts/") if i.key not in live_artifacts]
-            dead_chunks = [i for i in self.backend.list("chunks/") if i.key not in live_chunks]
+            dead_chunks = [i for i in self.backend.list("chunks/") if i.key not in needed]
+            dead_packs = [i for i in self.backend.list("packs/") if i.key not in needed]
             # Manifests first: a manifest left behind by a failed delete must never name a chunk
-            # that is already gone (a later commit would reuse it).
+            # or a pack that is already gone (a later commit would reuse it).
             self.backend.delete(dead_artifacts)
-            self.backend.delete([i.key for i in dead_chunks])
+            self.backend.delete([i.key for i in dead_chunks + dead_packs])
             report.deleted_artifacts, report.deleted_chunks = len(dead_artifacts), len(dead_chunks)
-            report.freed_bytes = sum(i.size for i in dead_chunks)
+            report.deleted_packs = len(dead_packs)
+            report.freed_bytes = sum(i.size for i in dead_chunks + dead_packs)
             if isinstance(self.backend, PosixBackend):
                 self.backend.sweep_partial_puts(older_than=LOCK_STALE_S)
         report.seconds = round(time.monotonic() - started, 3)
@@ -454,8 +551,12 @@ class Repository:
                     what = f"{kind} {entry['id']}"
                     try:
                         manifest = self.read_manifest(ref, what)
+                        _check_manifest(manifest, what)
                     except ArtifactDamaged as exc:
                         problems.append(exc.message)
+                        continue
+                    if is_packed(manifest):
+                        problems += self._check_packs(manifest, what, seen, deep)
                         continue
                     for digest, length in manifest["chunks"]:
                         if digest in seen:
@@ -469,6 +570,32 @@ class Repository:
                         except ArtifactDamaged as exc:
                             problems.append(exc.message)
         return problems
+
+    def _check_packs(self, manifest: dict[str, Any], what: str, seen: set[str], deep: bool) -> list[str]:
+        problems = []
+        for digest, size in manifest["packs"]:
+            if digest in seen:
+                continue
+            seen.add(digest)
+            try:
+                found = self.backend.size(pack_key(digest))
+            except MissingObject:
+                problems.append(f"{what}: pack {digest[:16]} is missing from the repository")
+                continue
+            if found != size:
+                problems.append(f"{what}: pack {digest[:16]} is {found} bytes where its manifest says {size}")
+        if deep and not problems:
+            try:
+                for _ in self._chunks(manifest, what):
+                    pass
+            except ArtifactDamaged as exc:
+                problems.append(exc.message)
+        return problems
+
+
+def _bytes_under(path: Path) -> int:
+    """Bytes of the regular files in a directory (a checkpoint image: a few files)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def _counted(chunks: Iterator[bytes], on_bytes: Callable[[int], None]) -> Iterator[bytes]:

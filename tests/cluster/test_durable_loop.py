@@ -20,8 +20,7 @@ import pytest
 from e2b import Sandbox
 
 from aenv.repo.backends import Backend, PosixBackend
-from aenv.repo.chunks import chunk_key
-from aenv.repo.repository import ENTRY_DIRS, Repository, artifact_key
+from aenv.repo.repository import ENTRY_DIRS, Repository, artifact_key, object_keys
 from tests.cluster.cluster import LEASE_TTL, Cluster, directory_entry, running_cluster, use_gateway, wait_for_nodes
 from tests.cluster.test_drain import drained
 from tests.conftest import DATA_DIR, Server
@@ -64,7 +63,7 @@ def seed_templates(source: Repository, target: Backend) -> None:
     for entry in source.entries("template"):
         for ref in source.artifact_refs(entry):
             keys.add(artifact_key(ref.kind, ref.id))
-            keys.update(chunk_key(digest) for digest, _ in source.read_manifest(ref, "seed")["chunks"])
+            keys.update(object_keys(source.read_manifest(ref, "seed")))  # loose chunks or packs
     each(sorted(keys), lambda key: target.put(key, source.backend.get(key)))
 
 

@@ -13,8 +13,7 @@ import pytest
 from e2b import Sandbox
 
 from aenv.repo.backends import Backend, PosixBackend
-from aenv.repo.chunks import chunk_key
-from aenv.repo.repository import Repository
+from aenv.repo.repository import Repository, object_keys
 from tests.conftest import Server, start_server
 from tests.images.oci import Registry, busybox_layer, start_registry
 from tests.repo.s3 import S3_KEY, S3Endpoint
@@ -121,9 +120,13 @@ def test_a_node_with_an_empty_data_dir_restores_from_the_repository(
         first_entry = repo.get_entry("snapshot", snap1["snapshotID"])
         assert entry is not None and first_entry is not None
         image_ref = next(r for r in repo.artifact_refs(entry) if r.kind == "image")
-        shared = {d for r in repo.artifact_refs(first_entry) for d, _ in repo.read_manifest(r, "test")["chunks"]}
-        own = [d for d, _ in repo.read_manifest(image_ref, "test")["chunks"] if d not in shared]
-        backend.put(chunk_key(own[0]), b"not what was stored")
+        shared = {k for r in repo.artifact_refs(first_entry) for k in object_keys(repo.read_manifest(r, "test"))}
+        image = repo.read_manifest(image_ref, "test")
+        own = [k for k in object_keys(image) if k not in shared]  # its pack: the pages that changed
+        assert own and all(k.startswith("packs/") for k in own), own
+        pack = bytearray(backend.get(own[0]))
+        pack[len(pack) // 2] ^= 0xFF  # a byte inside one of its chunks' frames
+        backend.put(own[0], bytes(pack))
         r = api.post("/sandboxes", json={"templateID": snap2["snapshotID"], "timeout": 60})
         assert r.status_code == 500, r.text
         assert r.json()["error_code"] == "artifact_damaged"
