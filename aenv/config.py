@@ -57,6 +57,25 @@ class Settings(BaseSettings):
     image_import_dirs: list[str] = []
     # Registries spoken to over plain HTTP (besides localhost / 127.0.0.1), "host:port" each.
     insecure_registries: list[str] = []
+    # Registry logins of the node (a Docker config.json: the JSON itself, or its path, read at each
+    # pull), used for every pull whose client gave none; unset: $DOCKER_CONFIG or ~/.docker's.
+    registry_auth: str | None = Field(None, repr=False)
+    # Seconds a registry may go without sending a byte of an answer (504 past it).
+    registry_read_timeout: float = Field(60.0, gt=0)
+
+    @field_validator("registry_auth")
+    @classmethod
+    def _registry_auth(cls, value: str | None) -> str | None:
+        import json
+
+        if value is not None and value.strip().startswith("{"):
+            try:
+                body = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"not valid JSON: {exc}") from None
+            if not isinstance(body, dict) or not isinstance(body.get("auths", {}), dict):
+                raise ValueError('must be a Docker config: {"auths": {"REGISTRY": {"auth": ...}}}')
+        return value
     # Mirrors asked before a registry, in order (aenv/images/mirrors.py): AENV_REGISTRY_MIRRORS is
     # "docker.io=http://127.0.0.1:5000,ghcr.io=https://m.lan" or a JSON object of URLs or URL lists.
     registry_mirrors: Annotated[dict[str, list[str]], NoDecode] = {}

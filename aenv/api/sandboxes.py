@@ -61,7 +61,7 @@ from aenv.node.service import (
     in_range,
 )
 from aenv.storage.confined import View, remove_tree
-from aenv.templates import build, catalog, images, uploads
+from aenv.templates import build, catalog, image_sources, images, uploads
 from aenv.templates.catalog import TEMPLATE_NAME
 
 router = APIRouter()
@@ -136,6 +136,16 @@ def _first_error(exc: ValueError) -> str:
     return f"invalid request body: {exc}"
 
 
+async def create_source(node: BuildHost, body: NewSandbox) -> str:
+    """The template or snapshot a create restores: ``templateID`` as it names one, or the template
+    made from the image it (or ``image``) names, built first if need be (image_sources)."""
+    if body.image is None:
+        return await image_sources.source_for(node, body.template_id)
+    if "template_id" in body.model_fields_set:
+        raise InvalidRequest("invalid request body: give templateID or image, not both")
+    return await image_sources.source_for(node, body.image, image=True)
+
+
 async def _create(request: Request) -> JSONResponse:
     node = node_of(request)
     body: NewSandbox = await _body(request, NewSandbox)
@@ -162,7 +172,7 @@ async def _create(request: Request) -> JSONResponse:
 
     async def create() -> str:
         rec = await node.create(
-            body.template_id,
+            await create_source(build_host_of(request), body),
             timeout=body.timeout,
             metadata=body.metadata,
             env_vars=body.env_vars,

@@ -111,7 +111,8 @@ class NewSandbox(BaseModel):
     other than the one asked for (``templateId`` would have been ``base``)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
-    template_id: str = Field("base", alias="templateID", min_length=1, max_length=200)
+    # a template or snapshot id, name or alias, or an OCI image reference (aenv/templates/image_sources.py)
+    template_id: str = Field("base", alias="templateID", min_length=1, max_length=512)
     timeout: int | None = Field(None, gt=0)
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(None, alias="envVars")
@@ -124,6 +125,8 @@ class NewSandbox(BaseModel):
     allow_internet_access: bool | None = None
     network: dict[str, Any] | None = None
     limits: Limits | None = None
+    # aenv's: an OCI image reference to create from, whatever templates there are (not with templateID)
+    image: str | None = Field(None, min_length=1, max_length=512)
     # E2B's API only records the MCP servers' names; its SDKs start the MCP gateway inside the
     # sandbox themselves (from an `mcp-gateway` template), which works here unchanged.
     mcp: dict[str, Any] | None = None

@@ -310,6 +310,9 @@ def create(
         True, "--keep-memory/--no-keep-memory", help="With --auto-pause: keep memory, or only the file system"
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the sandbox id"),
+    image: str = typer.Option(
+        None, "--image", help="An OCI image reference to create from (pulled and built on its first create)"
+    ),
 ) -> None:
     """Create a sandbox and print its id."""
 
@@ -321,8 +324,9 @@ def create(
             metadata=_pairs(meta, "--meta"),
             auto_pause=auto_pause,
             keep_memory=keep_memory,
+            image=image,
         )
-        return await _with_status(f"creating from {template}", work)
+        return await _with_status(f"creating from {image or template}", work)
 
     sbx = _run(go)
     if out.is_terminal or quiet:

@@ -177,13 +177,14 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
         return await super().handle_async_request(request)
 
 
-def guarded_client(registry_url: httpx.URL) -> httpx.AsyncClient:
-    """An HTTP client for one pull from the registry at ``registry_url``. Proxies from the
-    environment are not used: a proxy would make the connections the guard cannot check."""
+def guarded_client(registry_url: httpx.URL, read_timeout: float = READ_TIMEOUT) -> httpx.AsyncClient:
+    """An HTTP client for one pull from the registry at ``registry_url``: every read has
+    ``read_timeout`` (``AENV_REGISTRY_READ_TIMEOUT``). Proxies from the environment are not used:
+    a proxy would make the connections the guard cannot check."""
     guard = RegistryGuard(registry_url)
     return httpx.AsyncClient(
         transport=GuardedTransport(guard, httpx.create_ssl_context()),
-        timeout=httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT),
+        timeout=httpx.Timeout(read_timeout, connect=CONNECT_TIMEOUT),
         trust_env=False,
         headers={"Accept-Encoding": "identity"},
     )

@@ -16,6 +16,7 @@ mirror itself).
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import httpx
 
 from aenv.errors import AenvError
+from aenv.images.guard import READ_TIMEOUT
 from aenv.images.reference import COMPONENT, DOCKER_HUB, REGISTRY, ImageRef
 from aenv.images.registry import Image, RegistryClient
 
@@ -118,9 +120,14 @@ class MirroredClient:
         *,
         insecure: set[str] | None = None,
         credentials: dict[str, tuple[str, str]] | None = None,
+        auth: str | None = None,
+        read_timeout: float = READ_TIMEOUT,
     ) -> None:
         self.registry = registry
-        self.origin = RegistryClient(registry, insecure=insecure, credentials=credentials)
+        self.auth, self.read_timeout = auth, read_timeout
+        self.origin = RegistryClient(
+            registry, insecure=insecure, credentials=credentials, auth=auth, read_timeout=read_timeout
+        )
         self.mirrors = [Mirror.parse(url) for url in mirrors.get(registry_key(registry), [])]
         self._clients: list[RegistryClient] = []
         self.source = registry  # what served the image, once resolved (logs name it)
@@ -129,7 +136,8 @@ class MirroredClient:
     async def resolve(self, ref: ImageRef) -> Image:
         tried: list[str] = []
         for mirror in self.mirrors:
-            client = RegistryClient(mirror.host, scheme=mirror.scheme)  # no login of the client's
+            # the node's login for the mirror's own host, never one the client gave
+            client = RegistryClient(mirror.host, scheme=mirror.scheme, auth=self.auth, read_timeout=self.read_timeout)
             self._clients.append(client)
             try:
                 image = await client.resolve(mirror.ref_for(ref))
@@ -150,6 +158,12 @@ class MirroredClient:
         """From whichever served the manifest: the blobs of one image come from one place."""
         client, mirror = self._serving
         await client.fetch_blob(mirror.ref_for(ref) if mirror else ref, desc, dest, **kwargs)
+
+    async def stream_blob(
+        self, ref: ImageRef, desc: dict[str, Any], sink: Callable[[bytes], Awaitable[None]], **kwargs: Any
+    ) -> None:
+        client, mirror = self._serving
+        await client.stream_blob(mirror.ref_for(ref) if mirror else ref, desc, sink, **kwargs)
 
     async def close(self) -> None:
         for client in [self.origin, *self._clients]:

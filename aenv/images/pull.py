@@ -8,17 +8,23 @@ fetched again. A layer appears under its id only once it is complete and verifie
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import functools
+import os
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from aenv.images.local import DIGEST, LocalSource, is_local
 from aenv.images.mirrors import MirroredClient
 from aenv.images.reference import ImageRef
 from aenv.images.registry import Image
-from aenv.images.unpack import LayerError, apply_layer
+from aenv.images.unpack import LayerError, apply_layer, apply_layer_stream
 from aenv.storage.confined import remove_tree
 from aenv.storage.layers import new_id
 from aenv.storage.space import ensure_space, headroom
@@ -27,6 +33,11 @@ if TYPE_CHECKING:
     from aenv.node.service import BuildHost
 
 LogFn = Callable[[str], None]
+T = TypeVar("T")
+PARALLEL_LAYERS = 4  # layers of one image downloading and unpacking at once
+PIPE_SIZE = 1 << 20  # between a download and its unpack
+WRITE_BATCH = 256 << 10  # bytes of a download handed to its unpack at a time
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 def layer_id_of(diff_id: str) -> str:
@@ -80,6 +91,191 @@ class LayerProgress:
             self.on_progress(self.layer, self.layers, size, size)
 
 
+class ImagePull:
+    """One pull of ``reference`` into the layer store: :meth:`resolve` its manifest (the digest
+    is known before any layer moves), then :meth:`fetch_layers`; :meth:`close` at the end.
+
+    From a registry (``login`` = (user, password) for it, else the node's, ``AENV_REGISTRY_AUTH``
+    or the Docker config), or from a layout or archive on this node (``oci:``, ``oci-archive:``,
+    ``docker-archive:``). ``on_progress`` follows each layer's download."""
+
+    def __init__(
+        self,
+        node: BuildHost,
+        reference: str,
+        *,
+        login: tuple[str, str] | None = None,
+        on_log: LogFn | None = None,
+        on_progress: PullProgressFn | None = None,
+    ) -> None:
+        settings = node.settings
+        self.node, self.reference, self.on_progress = node, reference, on_progress
+        self.log = on_log or (lambda line: None)
+        roots = [settings.data_dir / "imports", *map(Path, settings.image_import_dirs)]
+        self.tmp = node.files.root / "tmp"
+        self.tmp.mkdir(exist_ok=True)
+        self.local = LocalSource(reference, roots, self.tmp, node.uploads.limits) if is_local(reference) else None
+        self.client: MirroredClient | None = None
+        if self.local is None:
+            registry = ImageRef.parse(reference).registry
+            self.client = MirroredClient(
+                registry,
+                settings.registry_mirrors,
+                insecure=set(settings.insecure_registries),
+                credentials={registry: login} if login else {},
+                auth=settings.registry_auth,
+                read_timeout=settings.registry_read_timeout,
+            )
+        self.ref: ImageRef | None = None
+        self.image: Image | None = None
+
+    async def __aenter__(self) -> ImagePull:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+        if self.local is not None:
+            self.local.close()
+
+    async def resolve(self) -> Image:
+        """The image's manifest and config (for this host's platform), checked."""
+        ensure_space(self.tmp, headroom(self.node.settings), 0, f"pulling {self.reference}")
+        if self.local is not None:
+            image = await asyncio.to_thread(self.local.resolve)
+            ref = image.ref
+        else:
+            assert self.client is not None
+            ref = ImageRef.parse(self.reference)
+            image = await self.client.resolve(ref)
+        _check_layers(image)
+        client = self.client
+        source = f" from {client.source}" if client is not None and client.source != ref.registry else ""
+        self.log(f"{ref}{source}: {len(image.layers)} layers, manifest {image.digest[:19]}")
+        self.ref, self.image = ref, image
+        return image
+
+    async def fetch_layers(self) -> Pulled:
+        """Every layer of the image in the layer store, PARALLEL_LAYERS at a time, each unpacked
+        as it downloads; a layer another pull is fetching is waited for, not fetched twice."""
+        image = self.image or await self.resolve()
+        assert self.ref is not None
+        ids = [layer_id_of(diff_id) for diff_id in image.diff_ids]
+        self.node.artifacts.pin(ids)  # not garbage while the template is being made
+        slots = asyncio.Semaphore(PARALLEL_LAYERS)
+        count = len(image.layers)
+
+        async def one(i: int, desc: dict[str, Any], diff_id: str) -> tuple[int, bool]:
+            async with slots:
+                return await self._layer(i, count, desc, diff_id)
+
+        try:
+            pairs = zip(image.layers, image.diff_ids, strict=True)
+            got = await _all([asyncio.ensure_future(one(i, desc, d)) for i, (desc, d) in enumerate(pairs, 1)])
+        except BaseException:
+            self.node.artifacts.unpin(ids)
+            raise
+        fetched = sum(size for size, _ in got)
+        return Pulled(self.ref, image.digest, ids, image.config, fetched, sum(1 for _, cached in got if cached))
+
+    async def _layer(self, i: int, count: int, desc: dict[str, Any], diff_id: str) -> tuple[int, bool]:
+        """(bytes fetched, whether it was here already) of layer ``i``."""
+        layer_id = layer_id_of(diff_id)
+        final = self.node.files.layers / layer_id
+        flights = _layer_flights(self.node)
+        joined = False
+        while True:
+            if final.exists():
+                self.node.files.touch(layer_id)
+                self.log(f"layer {i}/{count} {diff_id[:19]}: cached")
+                return 0, True
+            flight = flights.get(layer_id)
+            if flight is None or joined:
+                task = asyncio.ensure_future(self._fetch(i, count, desc, diff_id, final))
+                if flight is None:
+                    flights[layer_id] = task
+                    task.add_done_callback(functools.partial(_landed, flights, layer_id))
+                return await task, False  # cancelling this pull cancels its fetch
+            joined = True  # once: should the other pull fail, this one fetches it from its own source
+            self.log(f"layer {i}/{count} {diff_id[:19]}: being fetched by another pull")
+            try:
+                await asyncio.shield(flight)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+            except Exception:  # noqa: BLE001 - the other pull's failure, from its source
+                pass
+
+    async def _fetch(self, i: int, count: int, desc: dict[str, Any], diff_id: str, final: Path) -> int:
+        """Download and unpack one layer under a temporary name; it appears as ``final`` only once
+        whole and verified (the blob's digest and the tar's diff_id). Returns the blob's size."""
+        room = headroom(self.node.settings)
+        declared = desc.get("size")  # the manifest's word for it: refuses a pull that cannot fit
+        need = declared if isinstance(declared, int) else 0
+        ensure_space(self.tmp, room, need, f"layer {i} of {self.ref}")
+        started = time.monotonic()
+        progress = LayerProgress(self.on_progress, i, count, need)
+        work = self.tmp / f"{final.name}.{new_id()}"
+        try:
+            if self.local is not None:
+                blob = self.tmp / f"{new_id()}.blob"
+                try:
+                    await asyncio.to_thread(self.local.fetch, desc["digest"], blob)
+                    size = blob.stat().st_size
+                    progress.finish(size)
+                    got = await asyncio.to_thread(apply_layer, blob, work, room)
+                finally:
+                    blob.unlink(missing_ok=True)
+            else:
+                got = await self._stream(desc, work, progress, f"{i} of {self.ref}")
+                size = desc["size"]
+                progress.finish(size)
+            if got != diff_id:
+                raise LayerError(f"layer {i} of {self.ref} unpacks to {got}, not its diff_id {diff_id}")
+            if not final.exists():
+                work.rename(final)
+        finally:
+            if work.exists():
+                await asyncio.to_thread(remove_tree, work, ignore_errors=True)
+        took = time.monotonic() - started
+        self.log(f"layer {i}/{count} {diff_id[:19]}: {size / 2**20:.1f} MiB in {took:.1f}s")
+        return size
+
+    async def _stream(self, desc: dict[str, Any], work: Path, progress: LayerProgress, label: str) -> str:
+        """Unpack the blob into ``work`` while it downloads: the download writes into a pipe that
+        a thread of its own unpacks from. Returns the tar's digest; whether the blob was whole and
+        its own is known only at its end, so ``work`` is the caller's to keep or throw away."""
+        assert self.client is not None and self.ref is not None
+        loop = asyncio.get_running_loop()
+        read_end, write_end = os.pipe()
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(write_end, F_SETPIPE_SZ, PIPE_SIZE)
+        os.set_blocking(write_end, False)
+        room = headroom(self.node.settings)
+        unpack = _in_thread(_unpack_pipe, os.fdopen(read_end, "rb", buffering=0), work, room, label)
+        pending = bytearray()
+
+        async def sink(chunk: bytes) -> None:
+            pending.extend(chunk)
+            if len(pending) >= WRITE_BATCH:
+                await _write_all(loop, write_end, bytes(pending))
+                pending.clear()
+
+        try:
+            await self.client.stream_blob(self.ref, desc, sink, on_bytes=progress.add)
+            await _write_all(loop, write_end, bytes(pending))
+        except BrokenPipeError:
+            pass  # the unpack stopped reading: its own error says why
+        finally:
+            os.close(write_end)  # the unpack reads to the end now, or has stopped
+            await _settle(unpack)  # its thread is done with ``work`` before anyone removes it
+        return unpack.result()
+
+
 async def pull(
     node: BuildHost,
     reference: str,
@@ -88,79 +284,106 @@ async def pull(
     on_log: LogFn | None = None,
     on_progress: PullProgressFn | None = None,
 ) -> Pulled:
-    """Bring an image's layers into the layer store: from a registry (``login`` = (user, password)
-    for it, else the Docker config's), or from a layout or archive on this node (``oci:``,
-    ``oci-archive:``, ``docker-archive:``). ``on_progress`` follows each layer's download."""
-    log = on_log or (lambda line: None)
-    roots = [node.settings.data_dir / "imports", *map(Path, node.settings.image_import_dirs)]
-    tmp = node.files.root / "tmp"
-    tmp.mkdir(exist_ok=True)
-    local = LocalSource(reference, roots, tmp, node.uploads.limits) if is_local(reference) else None
-    client = None
-    if local is None:
-        registry = ImageRef.parse(reference).registry
-        logins = {registry: login} if login else {}
-        insecure = set(node.settings.insecure_registries)
-        client = MirroredClient(registry, node.settings.registry_mirrors, insecure=insecure, credentials=logins)
-    ensure_space(tmp, headroom(node.settings), 0, f"pulling {reference}")
-    fetched, cached, ids = 0, 0, []
+    """Resolve ``reference`` and bring its layers into the layer store (:class:`ImagePull`)."""
+    async with ImagePull(node, reference, login=login, on_log=on_log, on_progress=on_progress) as job:
+        await job.resolve()
+        return await job.fetch_layers()
+
+
+# Layers being fetched, per node: a layer two pulls need (a shared base) is downloaded once.
+_FLIGHTS: weakref.WeakKeyDictionary[Any, dict[str, asyncio.Task[int]]] = weakref.WeakKeyDictionary()
+
+
+def _layer_flights(node: BuildHost) -> dict[str, asyncio.Task[int]]:
+    return _FLIGHTS.setdefault(node, {})
+
+
+async def _all(tasks: list[asyncio.Future[T]]) -> list[T]:
+    """Every task's result; the first failure cancels the others (and is awaited with them)."""
     try:
-        if local is not None:
-            image = await asyncio.to_thread(local.resolve)
-            ref = image.ref
-        else:
-            assert client is not None
-            ref = ImageRef.parse(reference)
-            image = await client.resolve(ref)
-        _check_layers(image)
-        source = f" from {client.source}" if client is not None and client.source != ref.registry else ""
-        log(f"{ref}{source}: {len(image.layers)} layers, manifest {image.digest[:19]}")
-        for i, (desc, diff_id) in enumerate(zip(image.layers, image.diff_ids, strict=True), 1):
-            layer_id = layer_id_of(diff_id)
-            ids.append(layer_id)
-            node.artifacts.pin([layer_id])  # not garbage while the template is being made
-            final = node.files.layers / layer_id
-            if final.exists():
-                node.files.touch(layer_id)
-                cached += 1
-                log(f"layer {i}/{len(image.layers)} {diff_id[:19]}: cached")
-                continue
-            declared = desc.get("size")  # the manifest's word for it: refuses a pull that cannot fit
-            need = declared if isinstance(declared, int) else 0
-            ensure_space(tmp, headroom(node.settings), need, f"layer {i} of {ref}")
-            started = time.monotonic()
-            progress = LayerProgress(on_progress, i, len(image.layers), need)
-            blob = tmp / f"{new_id()}.blob"
-            work = tmp / f"{layer_id}.{new_id()}"
-            try:
-                if local is not None:
-                    await asyncio.to_thread(local.fetch, desc["digest"], blob)
-                else:
-                    assert client is not None
-                    await client.fetch_blob(ref, desc, blob, on_bytes=progress.add)
-                size = blob.stat().st_size
-                progress.finish(size)
-                got = await asyncio.to_thread(apply_layer, blob, work, headroom(node.settings))
-                if got != diff_id:
-                    raise LayerError(f"layer {i} of {ref} unpacks to {got}, not its diff_id {diff_id}")
-                if not final.exists():
-                    work.rename(final)
-            finally:
-                blob.unlink(missing_ok=True)
-                if work.exists():
-                    await asyncio.to_thread(remove_tree, work, ignore_errors=True)
-            fetched += size
-            took = time.monotonic() - started
-            log(f"layer {i}/{len(image.layers)} {diff_id[:19]}: {size / 2**20:.1f} MiB in {took:.1f}s")
-        return Pulled(ref, image.digest, ids, image.config, fetched, cached)
-    except BaseException:
-        node.artifacts.unpin(ids)
-        raise
+        pending: set[asyncio.Future[T]] = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if not task.cancelled() and (exc := task.exception()) is not None:
+                    raise exc
+        return [task.result() for task in tasks]
     finally:
-        if client is not None:
-            await client.close()
-        if local is not None:
-            local.close()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _unpack_pipe(reader: BinaryIO, work: Path, room: int, label: str) -> str:
+    try:
+        return apply_layer_stream(reader, work, room, label)
+    finally:
+        reader.close()  # a download still writing gets EPIPE rather than wait
+
+
+def _in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """``fn(*args)`` on a thread of its own: an unpack blocks on its pipe, and a few of them
+    must never hold the default pool's threads that the downloads feeding them may need."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as caught:  # noqa: BLE001 - handed to the loop
+            result, exc = None, caught
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=run, name="aenv-unpack", daemon=True).start()
+    return future
+
+
+async def _settle(future: asyncio.Future[Any]) -> None:
+    """Wait for ``future`` whatever happens meanwhile (a cancellation is raised once it is done)."""
+    interrupted = False
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            interrupted = True
+    if not future.cancelled():
+        future.exception()  # retrieved: the caller's own error may be the one that counts
+    if interrupted:
+        raise asyncio.CancelledError
+
+
+def _wake(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
+
+
+def _landed(flights: dict[str, asyncio.Task[int]], layer_id: str, task: asyncio.Task[int]) -> None:
+    if flights.get(layer_id) is task:
+        del flights[layer_id]
+
+
+async def _write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> None:
+    """Write ``data`` to a non-blocking pipe, waiting while it is full (the unpack is behind)."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            ready: asyncio.Future[None] = loop.create_future()
+            loop.add_writer(fd, _wake, ready)
+            try:
+                await ready
+            finally:
+                loop.remove_writer(fd)
 
 
 def release(node: BuildHost, pulled: Pulled) -> None:

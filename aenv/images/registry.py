@@ -16,7 +16,7 @@ import json
 import os
 import platform
 import re
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from aenv.errors import InvalidRequest, NotFound, UpstreamError, snippet
-from aenv.images.guard import guarded_client, read_bounded, send_following
+from aenv.images.guard import READ_TIMEOUT, guarded_client, read_bounded, send_following
 from aenv.images.reference import DIGEST, DOCKER_HUB, ImageRef
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -50,15 +50,31 @@ class RegistryError(UpstreamError):
 
 
 @contextmanager
-def _talking_to(registry: str) -> Iterator[None]:
-    """A registry out of reach (refused, no such host, TLS, timeout) is an error naming it."""
+def _talking_to(ref: ImageRef, read_timeout: float = READ_TIMEOUT) -> Iterator[None]:
+    """A registry out of reach (refused, no such host, TLS) is an error naming it (502); one that
+    stalls, a gateway timeout (504)."""
+    failed = f"failed to pull image '{ref}': registry {ref.registry}"
     try:
         yield
+    except httpx.TimeoutException as exc:
+        what = "connect" if isinstance(exc, httpx.ConnectTimeout) else f"send a byte within {read_timeout:g}s"
+        raise RegistryError(f"{failed} did not answer in time (did not {what})", status=504) from exc
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         reason = snippet(str(exc) or type(exc).__name__)
-        raise RegistryError(f"registry {registry} cannot be reached: {reason}", status=502) from exc
+        raise RegistryError(f"{failed} cannot be reached: {reason}", status=502) from exc
     except TimeoutError as exc:
-        raise RegistryError(f"registry {registry} did not answer within {DOCUMENT_DEADLINE:.0f}s", status=502) from exc
+        raise RegistryError(f"{failed} did not answer within {DOCUMENT_DEADLINE:.0f}s", status=504) from exc
+
+
+def access_denied(ref: ImageRef, why: str) -> RegistryError:
+    """As E2B words a registry's refusal (403: a 401 would read as the API key's own)."""
+    return RegistryError(
+        f"access denied to '{ref}': authentication required or insufficient permissions ({why})", status=403
+    )
+
+
+def image_not_found(ref: ImageRef, what: str) -> NotFound:
+    return NotFound(f"image '{ref}' not found: the image or tag does not exist in the registry ({what})")
 
 
 def _json_object(raw: bytes, what: str) -> dict[str, Any]:
@@ -86,25 +102,47 @@ def host_platform() -> tuple[str, str]:
     return "linux", {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine)
 
 
-def docker_credentials(registry: str) -> tuple[str, str] | None:
-    """(user, password) for ``registry`` from the Docker config, if any."""
-    config = Path(os.environ.get("DOCKER_CONFIG", Path.home() / ".docker")) / "config.json"
+def auth_config(value: str | None) -> dict[str, Any]:
+    """The Docker config logins come from: ``value`` (``AENV_REGISTRY_AUTH``: the JSON itself, or
+    the path of a file holding it, read at each pull so that a rotated login is used at once),
+    else ``$DOCKER_CONFIG/config.json`` or ``~/.docker/config.json``. Unreadable: no logins."""
+    text = (value or "").strip()
+    if text.startswith("{"):
+        raw = text
+    else:
+        path = Path(text) if text else Path(os.environ.get("DOCKER_CONFIG", Path.home() / ".docker")) / "config.json"
+        try:
+            raw = path.read_text()
+        except (OSError, ValueError):
+            return {}
     try:
-        auths = json.loads(config.read_text()).get("auths", {})
-    except (OSError, ValueError):
+        body = json.loads(raw)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def docker_credentials(registry: str, auth: str | None = None) -> tuple[str, str] | None:
+    """(user, password) for ``registry`` from the Docker config (see :func:`auth_config`), if any."""
+    auths = auth_config(auth).get("auths")
+    if not isinstance(auths, dict):
         return None
     keys = [registry, f"https://{registry}", f"http://{registry}"]
     if registry == DOCKER_HUB:
         keys += ["https://index.docker.io/v1/", "index.docker.io", "docker.io"]
     for key in keys:
         entry = auths.get(key)
-        if not entry:
+        if not entry or not isinstance(entry, dict):
             continue
-        if entry.get("auth"):
-            user, _, password = base64.b64decode(entry["auth"]).decode().partition(":")
+        if isinstance(entry.get("auth"), str) and entry["auth"]:
+            try:
+                user, _, password = base64.b64decode(entry["auth"]).decode().partition(":")
+            except ValueError:
+                continue
             return user, password
-        if entry.get("username"):
-            return entry["username"], entry.get("password", "")
+        if isinstance(entry.get("username"), str) and entry["username"]:
+            password = entry.get("password", "")
+            return entry["username"], password if isinstance(password, str) else ""
     return None
 
 
@@ -139,13 +177,17 @@ class RegistryClient:
         insecure: set[str] | None = None,
         credentials: dict[str, tuple[str, str]] | None = None,
         scheme: str | None = None,
+        auth: str | None = None,
+        read_timeout: float = READ_TIMEOUT,
     ) -> None:
         self.registry = registry
         plain = registry in (insecure or set()) or registry.split(":")[0] in ("localhost", "127.0.0.1")
         self.root = f"{scheme or ('http' if plain else 'https')}://{registry}"  # scheme: a mirror's, as configured
-        # registry -> (user, password) given with the request; before the Docker config's
+        # registry -> (user, password) given with the request; before the node's (AENV_REGISTRY_AUTH)
         self.credentials = credentials or {}
-        self.http = guarded_client(httpx.URL(self.root))
+        self.auth = auth
+        self.read_timeout = read_timeout
+        self.http = guarded_client(httpx.URL(self.root), read_timeout)
         self._tokens: dict[str, str] = {}  # repository -> Authorization
 
     async def close(self) -> None:
@@ -163,7 +205,7 @@ class RegistryClient:
         """GET from the registry, authorising once if it asks; the answer's body is still to be read."""
         url = self._url(ref, path)
         headers = dict(headers or {})
-        with _talking_to(ref.registry):
+        with _talking_to(ref, self.read_timeout):
             if token := self._tokens.get(ref.repository):
                 headers["Authorization"] = token
             response = await send_following(self.http, self.http.build_request("GET", url, headers=headers))
@@ -175,17 +217,17 @@ class RegistryClient:
                     self._tokens[ref.repository] = headers["Authorization"]
                     response = await send_following(self.http, self.http.build_request("GET", url, headers=headers))
                 if response.status_code in (401, 403):
-                    raise RegistryError(f"{ref}: the registry refused access ({response.status_code})", status=403)
+                    raise access_denied(ref, f"the registry refused access: {response.status_code}")
                 yield response
             finally:
                 await response.aclose()
 
     async def _authorize(self, ref: ImageRef, header: str) -> str:
         scheme, params = _challenge(header)
-        creds = self.credentials.get(ref.registry) or docker_credentials(ref.registry)
+        creds = self.credentials.get(ref.registry) or docker_credentials(ref.registry, self.auth)
         if scheme == "basic":
             if creds is None:
-                raise RegistryError(f"{ref.registry} wants a login; none given or in the Docker config", status=403)
+                raise access_denied(ref, f"{ref.registry} wants a login; none given or in the node's Docker config")
             return "Basic " + base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
         if scheme != "bearer" or "realm" not in params:
             raise RegistryError(f"{ref.registry}: unsupported auth challenge {snippet(header)!r}", status=403)
@@ -197,7 +239,7 @@ class RegistryClient:
             reply = await send_following(self.http, request, auth=creds)
             try:
                 if reply.status_code != 200:
-                    raise RegistryError(f"{ref.registry}: token request failed ({reply.status_code})", status=403)
+                    raise access_denied(ref, f"{ref.registry}: the token request was refused: {reply.status_code}")
                 raw = await read_bounded(reply, MAX_TOKEN_ANSWER, f"{ref.registry}: the token answer")
             finally:
                 await reply.aclose()
@@ -210,12 +252,16 @@ class RegistryClient:
     async def _document(self, ref: ImageRef, path: str, limit: int, what: str, **headers: str) -> tuple[bytes, str]:
         """A whole answer read (a manifest, an index, a config): bounded in size and in time.
         Returns the body and its content type."""
-        with _talking_to(ref.registry):  # outermost: the deadline's TimeoutError is the registry's too
+        # outermost: the deadline's TimeoutError is the registry's too
+        with _talking_to(ref, self.read_timeout):
             async with asyncio.timeout(DOCUMENT_DEADLINE), self._get(ref, path, headers) as response:
                 if response.status_code == 404:
-                    raise NotFound(f"image {ref} not found ({what})")
+                    raise image_not_found(ref, what)
                 if response.status_code != 200:
-                    raise RegistryError(f"{ref}: {what}: HTTP {response.status_code}", status=502)
+                    raise RegistryError(
+                        f"failed to pull image '{ref}': registry returned status code {response.status_code} ({what})",
+                        status=502,
+                    )
                 return await read_bounded(response, limit, f"{ref}: {what}"), response.headers.get("content-type", "")
 
     async def _manifest(self, ref: ImageRef, reference: str) -> tuple[str, dict[str, Any], str]:
@@ -224,7 +270,9 @@ class RegistryClient:
         )
         digest = "sha256:" + hashlib.sha256(raw).hexdigest()
         if reference.startswith("sha256:") and digest != reference:
-            raise RegistryError(f"{ref}: manifest digest mismatch ({digest} != {reference})", status=502)
+            raise RegistryError(
+                f"failed to pull image '{ref}': manifest digest mismatch ({digest} != {reference})", status=502
+            )
         body = _json_object(raw, f"{ref}: manifest {reference}")
         kind = body.get("mediaType") or content_type.split(";")[0]
         if kind not in INDEXES | MANIFESTS:
@@ -260,39 +308,63 @@ class RegistryClient:
             raise RegistryError(f"{ref}: {what} is {desc['size']} bytes, more than {MAX_DOCUMENT}", status=502)
         raw, _ = await self._document(ref, f"blobs/{digest}", desc["size"], what)
         if "sha256:" + hashlib.sha256(raw).hexdigest() != digest:
-            raise RegistryError(f"{ref}: blob {digest} does not match its digest", status=502)
+            raise RegistryError(f"failed to pull image '{ref}': blob {digest} does not match its digest", status=502)
         return raw
+
+    async def stream_blob(
+        self,
+        ref: ImageRef,
+        desc: dict[str, Any],
+        sink: Callable[[bytes], Awaitable[None]],
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        """Hand the blob ``desc`` describes to ``sink`` as it arrives; return once it came whole and
+        matched its digest. A blob larger than its descriptor says is refused as it arrives, a
+        shorter one or one of other bytes at its end: what the sink got must then be thrown away."""
+        digest, size = desc["digest"], desc["size"]
+        hasher = hashlib.sha256()
+        written = 0
+        async with self._get(ref, f"blobs/{digest}") as response:
+            if response.status_code != 200:
+                raise RegistryError(
+                    f"failed to pull image '{ref}': registry returned status code {response.status_code} "
+                    f"for blob {digest}",
+                    status=502,
+                )
+            too_large = RegistryError(
+                f"failed to pull image '{ref}': blob {digest} is larger than its descriptor's {size} bytes", status=502
+            )
+            declared = response.headers.get("content-length", "")
+            if declared.isdecimal() and int(declared) > size:
+                raise too_large
+            async for chunk in response.aiter_raw(CHUNK):
+                written += len(chunk)
+                if written > size:
+                    raise too_large
+                hasher.update(chunk)
+                await sink(chunk)
+                if on_bytes is not None:
+                    on_bytes(len(chunk))
+        if written < size:
+            raise RegistryError(
+                f"failed to pull image '{ref}': blob {digest} ended after {written} of its {size} bytes", status=502
+            )
+        if "sha256:" + hasher.hexdigest() != digest:
+            raise RegistryError(f"failed to pull image '{ref}': blob {digest} does not match its digest", status=502)
 
     async def fetch_blob(
         self, ref: ImageRef, desc: dict[str, Any], dest: Path, on_bytes: Callable[[int], None] | None = None
     ) -> None:
-        """Stream the blob ``desc`` describes to ``dest``, verifying its digest; a blob larger than
-        its descriptor says is refused as it arrives. A bad blob leaves no file."""
-        digest, size = desc["digest"], desc["size"]
-        hasher = hashlib.sha256()
+        """Stream the blob ``desc`` describes to ``dest``, verifying its digest (see
+        :meth:`stream_blob`). A bad blob leaves no file."""
         tmp = dest.with_name(dest.name + ".part")
-        written = 0
         try:
-            async with self._get(ref, f"blobs/{digest}") as response:
-                if response.status_code != 200:
-                    raise RegistryError(f"{ref}: blob {digest}: HTTP {response.status_code}", status=502)
-                too_large = RegistryError(
-                    f"{ref}: blob {digest} is larger than its descriptor's {size} bytes", status=502
-                )
-                declared = response.headers.get("content-length", "")
-                if declared.isdecimal() and int(declared) > size:
-                    raise too_large
-                with open(tmp, "wb") as out:
-                    async for chunk in response.aiter_raw(CHUNK):
-                        written += len(chunk)
-                        if written > size:
-                            raise too_large
-                        hasher.update(chunk)
-                        out.write(chunk)
-                        if on_bytes is not None:
-                            on_bytes(len(chunk))
-            if "sha256:" + hasher.hexdigest() != digest:
-                raise RegistryError(f"{ref}: blob {digest} does not match its digest", status=502)
+            with open(tmp, "wb") as out:
+
+                async def write(chunk: bytes) -> None:
+                    out.write(chunk)
+
+                await self.stream_blob(ref, desc, write, on_bytes)
             tmp.rename(dest)
         finally:
             tmp.unlink(missing_ok=True)

@@ -84,10 +84,36 @@ class _Hashing(io.RawIOBase):
         return n
 
 
+class _Prefixed(io.RawIOBase):
+    """A stream that cannot seek back, with the bytes read from its start put in front again."""
+
+    def __init__(self, head: bytes, inner: IO[bytes]) -> None:
+        self.head, self.inner = head, inner
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self.head:
+            n = min(len(buffer), len(self.head))
+            buffer[:n], self.head = self.head[:n], self.head[n:]
+            return n
+        data = self.inner.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
 def decompressed(raw: IO[bytes]) -> IO[bytes]:
-    """``raw`` (a seekable file), decompressed as its first bytes say: gzip, zstd, bzip2, xz, or none."""
-    head = raw.read(10)
-    raw.seek(0)
+    """``raw`` (a file, or a stream such as a pipe), decompressed as its first bytes say: gzip,
+    zstd, bzip2, xz, or none."""
+    if raw.seekable():
+        head = raw.read(10)
+        raw.seek(0)
+    else:
+        head = b""
+        while len(head) < 10 and (more := raw.read(10 - len(head))):
+            head += more
+        raw = io.BufferedReader(_Prefixed(head, raw), buffer_size=1 << 20)
     if head.startswith(GZIP_MAGIC):
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if head.startswith(ZSTD_MAGIC):
@@ -151,24 +177,30 @@ class TarStream:
 def apply_layer(blob: Path, dest: Path, headroom: int = 0) -> str:
     """Unpack ``blob`` into ``dest`` (created); return ``sha256:...`` of the uncompressed tar.
     Stops (507) when the disk gets within ``headroom`` bytes of full."""
+    with open(blob, "rb") as raw:
+        return apply_layer_stream(raw, dest, headroom, blob.name)
+
+
+def apply_layer_stream(raw: IO[bytes], dest: Path, headroom: int = 0, name: str = "") -> str:
+    """:func:`apply_layer` of a layer read as it arrives (a pipe from its download): read to its
+    end whatever it holds, so the writer is never left blocked."""
     dest.mkdir(parents=True, exist_ok=True)
     root = open_root(dest)
-    room = SpaceWatch(headroom, f"layer {blob.name}", every=SPACE_CHECK)
+    room = SpaceWatch(headroom, f"layer {name}", every=SPACE_CHECK)
     try:
-        with open(blob, "rb") as raw:
-            hashing = _Hashing(decompressed(raw))
-            stream = io.BufferedReader(hashing, buffer_size=1 << 20)
-            for tar, member in TarStream(stream, f"layer {blob.name}").members():
-                room.before(root, member.size if member.isreg() else 0)  # every entry takes an inode
-                _apply(tar, member, root)
-            while stream.read(1 << 20):  # tar padding after the end-of-archive blocks counts too
-                pass
+        hashing = _Hashing(decompressed(raw))
+        stream = io.BufferedReader(hashing, buffer_size=1 << 20)
+        for tar, member in TarStream(stream, f"layer {name}").members():
+            room.before(root, member.size if member.isreg() else 0)  # every entry takes an inode
+            _apply(tar, member, root)
+        while stream.read(1 << 20):  # tar padding after the end-of-archive blocks counts too
+            pass
     except PathRefused as exc:
-        raise LayerError(f"layer {blob.name}: {exc.message}") from exc
+        raise LayerError(f"layer {name}: {exc.message}") from exc
     except AenvError:
         raise  # a full disk (507), a layer too large (413): OSErrors too, but not the layer's fault
     except UNREADABLE as exc:
-        raise LayerError(f"cannot unpack layer {blob.name}: {exc}") from exc
+        raise LayerError(f"cannot unpack layer {name}: {exc}") from exc
     finally:
         os.close(root)
     return "sha256:" + hashing.sha.hexdigest()

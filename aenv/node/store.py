@@ -96,6 +96,10 @@ class TemplateRecord:
     start: dict[str, Any] = field(default_factory=dict)
     committed_at: float = 0.0  # when the snapshot repository got it; 0 = only on this node
     commit: dict[str, Any] = field(default_factory=dict)  # the commit's report (bytes, chunks, time)
+    # Made from an OCI image: the reference it was pulled as (registry/repository[:tag][@digest])
+    # and the digest of the manifest pulled (aenv/templates/image_sources.py finds it by either).
+    image_ref: str = ""
+    image_digest: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

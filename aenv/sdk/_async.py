@@ -385,6 +385,7 @@ class AsyncClient:
         keep_memory: bool = True,
         limits: Mapping[str, Any] | None = None,
         auto_resume: bool = False,
+        image: str | None = None,
     ) -> AsyncSandbox:
         """A new sandbox; with ``auto_pause`` its timeout pauses it (keeping only its file system
         unless ``keep_memory``) instead of killing it; with ``auto_resume`` its use (a command, a
@@ -401,6 +402,9 @@ class AsyncClient:
             body["autoPauseMemory"] = False
         if limits:
             body["limits"] = dict(limits)
+        if image is not None:  # an OCI image reference, pulled and built on its first create
+            del body["templateID"]
+            body["image"] = image
         return AsyncSandbox(self, await self._post("/v2/sandboxes", body))
 
     async def connect(self, sandbox_id: str, *, timeout: int | None = None) -> AsyncSandbox:

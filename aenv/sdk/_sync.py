@@ -233,6 +233,7 @@ class Client(_Face):
         keep_memory: bool = True,
         limits: Mapping[str, Any] | None = None,
         auto_resume: bool = False,
+        image: str | None = None,
     ) -> Sandbox:
         """A new sandbox; with ``auto_pause`` its timeout pauses it (keeping only its file system
         unless ``keep_memory``) instead of killing it; with ``auto_resume`` its use (a command, a
@@ -249,6 +250,7 @@ class Client(_Face):
                     keep_memory=keep_memory,
                     limits=limits,
                     auto_resume=auto_resume,
+                    image=image,
                 )
             ),
             self._loop,

@@ -12,7 +12,9 @@ import asyncio
 import stat
 from pathlib import Path
 
-from aenv.images.pull import Pulled, PullProgressFn, pull, release
+from aenv.images.local import is_local
+from aenv.images.pull import ImagePull, Pulled, PullProgressFn, release
+from aenv.images.reference import ImageRef
 from aenv.node.service import BuildHost, TemplateRecord
 from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
 from aenv.storage.confined import View, remove_tree
@@ -79,23 +81,56 @@ async def template_from_image(
     on_progress: PullProgressFn | None = None,
 ) -> TemplateRecord:
     """Pull ``reference`` and commit it as template ``name`` (its env and user conventions kept)."""
+    async with ImagePull(node, reference, login=login, on_log=on_log, on_progress=on_progress) as job:
+        return await commit_image(node, job, name, canonical_reference(reference), on_log=on_log)
+
+
+def canonical_reference(reference: str) -> str:
+    """How a reference is recorded and matched: Docker Hub's shorthand spelled out
+    (``python:3.12-slim`` is ``registry-1.docker.io/library/python:3.12-slim``), a local
+    import as written. A reference that is none is a 400."""
+    reference = reference.strip()
+    return reference if is_local(reference) else str(ImageRef.parse(reference))
+
+
+async def commit_image(
+    node: BuildHost,
+    job: ImagePull,
+    name: str,
+    reference: str,
+    *,
+    aliases: tuple[str, ...] = (),
+    on_log: LogFn | None = None,
+) -> TemplateRecord:
+    """Bring in the layers of the image ``job`` pulls, add the sandbox conventions and commit it
+    as template ``name``, recorded as made from ``reference`` (canonical) and the manifest's
+    digest, with ``aliases``. What a failure made is removed: the conventions layer, the build
+    sandbox, its upper and image (pulled layers stay: whole and verified, a cache)."""
     log = on_log or (lambda line: None)
     pulled: Pulled | None = None
     try:
-        pulled = await pull(node, reference, login=login, on_log=log, on_progress=on_progress)
+        pulled = await job.fetch_layers()
         extra = await asyncio.to_thread(conventions_layer, node, pulled.layers)
         config = pulled.config.get("config") or {}
         env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
         log(f"pulled {pulled.fetched_bytes / 2**20:.1f} MiB ({pulled.cached_layers} layers cached); committing")
-        return await commit_template(
-            node,
-            name=name,
-            layers=[*pulled.layers, extra],
-            steps=[],
-            env=env,
-            description=f"from {pulled.ref}@{pulled.digest}",
-            on_log=log,
-        )
+        try:
+            rec = await commit_template(
+                node,
+                name=name,
+                layers=[*pulled.layers, extra],
+                steps=[],
+                env=env,
+                description=f"from {pulled.ref}@{pulled.digest}",
+                on_log=log,
+            )
+        except BaseException:
+            await node.files.remove(extra)
+            raise
+        rec.image_ref, rec.image_digest = reference, pulled.digest
+        rec.aliases = sorted({*rec.aliases, *aliases} - {rec.name})
+        await node.save_template(rec)
+        return rec
     finally:
         if pulled is not None:
             release(node, pulled)

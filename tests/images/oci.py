@@ -105,7 +105,9 @@ class Registry:
         """Push a linux/amd64 image; returns its manifest digest."""
         descs = []
         for tar, compression in layers:
-            blob = {"gzip": gzip.compress, "zstd": zstandard.compress, "none": lambda b: b}[compression](tar)
+            # gzip without a time: one layer pushed twice is one blob, as a registry holds a shared base
+            gz = lambda b: gzip.compress(b, mtime=0)  # noqa: E731
+            blob = {"gzip": gz, "zstd": zstandard.compress, "none": lambda b: b}[compression](tar)
             media = (
                 "application/vnd.oci.image.layer.v1.tar" + {"gzip": "+gzip", "zstd": "+zstd", "none": ""}[compression]
             )
