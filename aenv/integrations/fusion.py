@@ -140,6 +140,13 @@ class Runner:
         self.client = client
         self.template = template
         self._slots = asyncio.Semaphore(max_concurrency)
+        self._killing: set[asyncio.Task[None]] = set()
+
+    def _dispose(self, sbx: AsyncSandbox) -> None:
+        """Kill ``sbx`` after the answer has gone: its kill is not the client's wait."""
+        task = asyncio.ensure_future(_kill(sbx))
+        self._killing.add(task)
+        task.add_done_callback(self._killing.discard)
 
     async def _sandbox(self, seconds: float, deadline: float) -> AsyncSandbox:
         """A new sandbox; a full node (429) is asked again until ``deadline``."""
@@ -194,7 +201,7 @@ class Runner:
                 ran = await self._exec(sbx, lang.run + stdin, req.run_timeout)
                 return _answer(compiled, ran, await self._fetch(sbx, req.fetch_files))
             finally:
-                await _kill(sbx)
+                self._dispose(sbx)
 
     async def run_jupyter(self, req: RunJupyterRequest) -> dict[str, Any]:
         for cell in req.cells:
@@ -215,7 +222,7 @@ class Runner:
                     cells = []
                 fetched = await self._fetch(sbx, req.fetch_files)
             finally:
-                await _kill(sbx)
+                self._dispose(sbx)
         ok = driver["status"] == "Finished" and driver["return_code"] == 0 and len(cells) == len(req.cells)
         ok = ok and not any(c["error"] for c in cells)
         return {

@@ -246,7 +246,10 @@ def test_verl_scores_code_through_the_fusion_facade(fusion_url: str, api: httpx.
     cpp = "#include <iostream>\nint main(){std::string s; std::cin>>s; std::cout<<s<<s<<std::endl;}"
     results, _ = verl.check_correctness(url, {"inputs": ["ab"], "outputs": ["abab\n"]}, cpp, language="cpp")
     assert results == [True]
-    # every request's sandbox is gone
+    # every request's sandbox is killed once its answer has gone (within seconds)
+    deadline = time.monotonic() + 20
+    while api.get("/sandboxes", params={"metadata": "aenv-fusion=run"}).json() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert api.get("/sandboxes", params={"metadata": "aenv-fusion=run"}).json() == []
 
 
