@@ -39,6 +39,7 @@ MAX_OUTPUT = 4 << 20  # characters kept of each stream
 MAX_TIMEOUT = 600.0
 WORKDIR = "/tmp/fusion"  # in the request's own sandbox
 FUSION_TAG = {"aenv-fusion": "run"}  # metadata of the sandboxes it makes
+EXEC_GRACE = 2.0  # seconds past a command's timeout before it counts as timed out here
 
 
 @dataclass(frozen=True)
@@ -163,8 +164,10 @@ class Runner:
     async def _exec(self, sbx: AsyncSandbox, cmd: str, timeout: float) -> dict[str, Any]:
         started = time.monotonic()
         try:
-            r = await sbx.exec(f"cd {WORKDIR} && {cmd}", timeout=timeout)
-        except OperationTimeout:
+            # The agent kills the command at ``timeout``; the answer does not wait much past it
+            # even when a loaded host is slow to say so (the sandbox is killed after anyway).
+            r = await asyncio.wait_for(sbx.exec(f"cd {WORKDIR} && {cmd}", timeout=timeout), timeout + EXEC_GRACE)
+        except (OperationTimeout, TimeoutError):
             return command_result("TimeLimitExceeded", time.monotonic() - started, None, None, None)
         return command_result("Finished", time.monotonic() - started, r.exit_code, r.stdout, r.stderr)
 
