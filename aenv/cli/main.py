@@ -920,24 +920,6 @@ def fusion(
     port: int = typer.Option(8080, help="Port"),
     template: str = typer.Option("base", help="Template each request's sandbox is created from"),
     concurrency: int = typer.Option(16, min=1, help="Requests running at once (more wait their turn)"),
-) -> None:
-    """Serve SandboxFusion's API (POST /run_code, /run_jupyter) on this node or cluster: point
-    SANDBOX_FUSION_URL at http://HOST:PORT/run_code (docs/integrations.md)."""
-    import uvicorn
-
-    from aenv.integrations.fusion import create_app
-
-    client = AsyncClient(_opts["url"], _opts["api_key"])
-    app_ = create_app(client, template=template, max_concurrency=concurrency)
-    uvicorn.run(app_, host=host, port=port, http="httptools", log_level="warning")
-
-
-@app.command()
-def fusion(
-    host: str = typer.Option("127.0.0.1", help="Address to listen on"),
-    port: int = typer.Option(8080, help="Port"),
-    template: str = typer.Option("base", help="Template each request's sandbox is created from"),
-    concurrency: int = typer.Option(16, min=1, help="Requests running at once (more wait their turn)"),
     warm: int = typer.Option(
         None, "--warm", min=0, help="Set the template's warm pool to this many sandboxes first (aenv warm)"
     ),
