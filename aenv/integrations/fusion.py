@@ -37,6 +37,7 @@ MAX_FILES = 64
 MAX_FILE_BYTES = 16 << 20  # all files of a request together, decoded
 MAX_OUTPUT = 4 << 20  # characters kept of each stream
 MAX_TIMEOUT = 600.0
+MAX_BODY = 32 << 20  # a request's JSON: its files base64 (4/3 of MAX_FILE_BYTES), code and stdin
 WORKDIR = "/tmp/fusion"  # in the request's own sandbox
 FUSION_TAG = {"aenv-fusion": "run"}  # metadata of the sandboxes it makes
 EXEC_GRACE = 2.0  # seconds past a command's timeout before it counts as timed out here
@@ -186,6 +187,8 @@ class Runner:
         if lang is None:
             raise FusionError(f"language {req.language[:32]!r} is not one of {', '.join(LANGUAGES)}")
         files = _decoded_files(req.files)
+        for path in req.fetch_files:
+            _relative(path)  # refused before anything runs
         files[lang.source] = req.code.encode()
         if req.stdin is not None:
             files[".stdin"] = req.stdin.encode()
@@ -211,6 +214,8 @@ class Runner:
             if len(cell) > MAX_CODE:
                 raise FusionError(f"a cell is longer than {MAX_CODE} characters")
         files = _decoded_files(req.files)
+        for path in req.fetch_files:
+            _relative(path)
         files[".cells.json"] = json.dumps({"cells": req.cells, "cell_timeout": req.cell_timeout}).encode()
         files[".driver.py"] = JUPYTER_DRIVER.encode()
         async with self._slots:
@@ -305,9 +310,13 @@ def create_app(client: AsyncClient, *, template: str = "base", max_concurrency: 
     app = FastAPI(title="aenv SandboxFusion", docs_url=None, redoc_url=None)
 
     async def handle(request: Request, model: type[_Request], run: Any) -> JSONResponse:
-        raw = await request.body()
-        if len(raw) > MAX_FILE_BYTES * 2:
-            return JSONResponse({"code": 413, "message": "request body too large"}, status_code=413)
+        chunks, size = [], 0
+        async for chunk in request.stream():  # bounded while it arrives, not after
+            size += len(chunk)
+            if size > MAX_BODY:
+                return JSONResponse({"code": 413, "message": f"body over {MAX_BODY >> 20} MiB"}, status_code=413)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
             req = model.model_validate_json(raw)
         except ValidationError as exc:

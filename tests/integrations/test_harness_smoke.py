@@ -270,7 +270,10 @@ def test_fusion_jupyter_and_client_mistakes(fusion_url: str) -> None:
         {"code": "1", "files": {"../../etc/passwd": "eA=="}},
         {"code": "1", "files": {"a": "not base64!"}},
         {"code": "1", "run_timeout": -1},
+        {"code": "1", "fetch_files": ["/etc/shadow"]},
     ):
         resp = httpx.post(f"{fusion_url}/run_code", json=bad, timeout=30)
         assert resp.status_code == 400 and resp.json()["code"] == 400, (bad, resp.text)
     assert httpx.post(f"{fusion_url}/run_code", content=b"{not json", timeout=30).status_code == 400
+    huge = httpx.post(f"{fusion_url}/run_code", content=b"x" * (33 << 20), timeout=60)  # refused while it arrives
+    assert huge.status_code == 413 and huge.json()["code"] == 413
