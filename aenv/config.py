@@ -39,6 +39,13 @@ class Settings(BaseSettings):
 
     default_timeout: int = DEFAULT_TIMEOUT
     max_timeout: int = 24 * 3600
+    # The longest grace period a create may ask for: seconds after its timeout a sandbox is held
+    # for scoring commands only (aenv/node/grace.py).
+    max_grace: int = Field(3600, ge=0)
+    # Rollout logs (aenv/node/rollout.py): the KiB each sandbox's log keeps (its oldest commands
+    # go first; 0 turns the logs off), and the KiB of each stream of each command kept in it.
+    rollout_log_kb: int = Field(1024, ge=0)
+    rollout_output_kb: int = Field(16, ge=0)
     max_fork: int = Field(DEFAULT_MAX_FORK, ge=1)
     max_sandboxes: int = 1000
     # A create is refused (429, Retry-After) while the host has less memory available than this:

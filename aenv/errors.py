@@ -8,6 +8,7 @@
     ├── RequestTimeout                       408 request_timeout (a body that does not arrive in time)
     ├── NotFound (LookupError)               404 not_found
     │   ├── SandboxNotFound                  404 sandbox_not_found
+    │   │   └── SandboxGone                  (the SDK's: a sandbox it held was killed, timed out or died)
     │   ├── TemplateNotFound                 404 template_not_found
     │   └── SnapshotNotFound                 404 snapshot_not_found
     ├── Conflict                             409 conflict
@@ -21,6 +22,7 @@
     │   ├── CheckpointRefused                422 checkpoint_refused (the runtime cannot save this sandbox now)
     │   ├── ImageIncompatible                422 image_incompatible (another runsc wrote the memory image)
     │   └── AgentUnavailable (ConnectionError)  500 agent_unavailable
+    ├── CommandFailed                        (the SDK's: a checked command exited non-zero)
     ├── OperationTimeout (TimeoutError)      500 operation_timeout
     │   └── AgentTimeout                     504 agent_timeout (the sandbox's agent did not answer)
     └── StorageError (OSError)               500 storage_error
@@ -88,6 +90,11 @@ class SandboxNotFound(NotFound):
     pass
 
 
+class SandboxGone(SandboxNotFound):
+    """The SDK's word for a sandbox it had a handle on that is no more: killed, past its timeout,
+    or gone while a command ran in it. Never a command's failure (that is ``CommandFailed``)."""
+
+
 class TemplateNotFound(NotFound):
     pass
 
@@ -146,6 +153,24 @@ class ImageIncompatible(SandboxError):
 
 class AgentUnavailable(SandboxError, ConnectionError):
     pass
+
+
+class CommandFailed(AenvError):
+    """A command the SDK was asked to check exited non-zero: the sandbox is fine, the command is
+    not. ``exit_code``, and the end of its ``stdout`` and ``stderr`` (``TAIL`` characters each)."""
+
+    TAIL = 4096
+
+    def __init__(self, cmd: str, exit_code: int, stdout: str, stderr: str, *, sandbox_id: str | None = None) -> None:
+        self.cmd = cmd
+        self.exit_code = exit_code
+        self.stdout = stdout[-self.TAIL :]
+        shown = snippet(stderr.strip().splitlines()[-1], 200) if stderr.strip() else ""
+        super().__init__(
+            f"command {snippet(cmd, 120)!r} exited with {exit_code}{': ' + shown if shown else ''}",
+            sandbox_id=sandbox_id,
+            stderr=stderr[-self.TAIL :],
+        )
 
 
 class OperationTimeout(AenvError, TimeoutError):

@@ -37,7 +37,16 @@ from aenv.errors import (
     error_headers,
 )
 from aenv.guest import metadata
-from aenv.node.service import AgentLink, CommandRecord, LiveSandbox, NodeService, SandboxState
+from aenv.node.service import (
+    SCORING_HEADER,
+    AgentLink,
+    CommandRecord,
+    LiveSandbox,
+    NodeService,
+    RolloutLogs,
+    SandboxState,
+    grace_refusal,
+)
 
 KEEPALIVE_DEFAULT = 90.0
 ENVD_PORT = 49983
@@ -214,7 +223,16 @@ async def process_start(request: Request, sb: LiveSandbox, user: str | None) -> 
         params["tag"] = msg["tag"]
     if "stdin" in msg:
         params["stdin"] = msg["stdin"]
-    record = sb.commands.start(proc, user=user or sb.rec.user or None, tag=msg.get("tag"))
+    scoring = request.headers.get(SCORING_HEADER, "").strip().lower() in ("1", "true")
+    refused = None if scoring else grace_refusal(sb)
+    if refused is not None:  # past its timeout: only scoring commands (aenv/node/grace.py)
+        return Response(
+            connect.end_stream(ConnectError("failed_precondition", refused)), media_type=connect.STREAM_CONTENT_TYPE
+        )
+    record = sb.commands.start(proc, user=user or sb.rec.user or None, tag=msg.get("tag"), scoring=scoring)
+    rollouts: RolloutLogs = request.state.rollouts
+    record.output = rollouts.tail()
+    record.on_end = lambda done: rollouts.append(sb.id, {"sandboxID": sb.id, **done.log_entry()})
     return await _server_stream(request, sb, "process.start", params, record)
 
 
@@ -573,6 +591,7 @@ async def handle(request: Request, node: NodeService, sandbox_id: str) -> Respon
     except AenvError as exc:
         return _paused(node, sandbox_id, exc) or not_woken(sandbox_id, exc)
     request.state.disk_mb = node.limits_of(sb.rec).disk_mb  # what a full disk's answer names
+    request.state.rollouts = node.rollouts  # where a command's entry goes when it ends
     try:
         return await endpoint(request, sb, _user(request))
     except RequestTimeout as exc:  # the client's body stopped coming (see aenv.api.app)

@@ -185,6 +185,7 @@ async def _create(request: Request) -> JSONResponse:
             secure=secure,
             public_traffic=public_traffic,
             mask_request_host=mask_request_host,
+            grace=body.grace or 0,
         )
         return rec.id
 
@@ -601,7 +602,11 @@ async def delete_snapshot(request: Request, snapshot_id: str) -> Response:
 async def fork(request: Request, sandbox_id: str) -> JSONResponse:
     node = node_of(request)
     body: ForkBody = await _body(request, ForkBody)
-    results = await node.fork(sandbox_id, count=body.count, timeout=body.timeout)
+    try:
+        metadata = body.children_metadata(node.get(sandbox_id).rec.metadata)
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid request body: {exc}") from None
+    results = await node.fork(sandbox_id, count=body.count, timeout=body.timeout, metadata=metadata)
     if node.announce is not None:
         await node.announce([r.sandbox.id for r in results if r.sandbox is not None])
     out: list[dict[str, Any]] = []

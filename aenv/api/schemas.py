@@ -73,6 +73,18 @@ def check_labels(
         raise ValueError(f"{size} bytes in all, more than {total}")
 
 
+def check_metadata(value: dict[str, str]) -> None:
+    """A sandbox's metadata within its bounds (ValueError saying which entry and why)."""
+    check_labels(
+        value,
+        noun="key",
+        entries=MAX_METADATA,
+        key=MAX_METADATA_KEY,
+        value=MAX_METADATA_VALUE,
+        total=MAX_METADATA_TOTAL,
+    )
+
+
 class Lifecycle(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     on_timeout: str | None = Field(None, alias="onTimeout")
@@ -114,6 +126,8 @@ class NewSandbox(BaseModel):
     # a template or snapshot id, name or alias, or an OCI image reference (aenv/templates/image_sources.py)
     template_id: str = Field("base", alias="templateID", min_length=1, max_length=512)
     timeout: int | None = Field(None, gt=0)
+    # aenv's: seconds after its timeout it is held for scoring commands only (aenv/node/grace.py)
+    grace: int | None = Field(None, ge=0)
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(None, alias="envVars")
     auto_pause: bool | None = Field(None, alias="autoPause")
@@ -137,14 +151,7 @@ class NewSandbox(BaseModel):
     @classmethod
     def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
         if value is not None:
-            check_labels(
-                value,
-                noun="key",
-                entries=MAX_METADATA,
-                key=MAX_METADATA_KEY,
-                value=MAX_METADATA_VALUE,
-                total=MAX_METADATA_TOTAL,
-            )
+            check_metadata(value)
         return value
 
     @field_validator("env_vars")
@@ -223,12 +230,35 @@ class SnapshotBody(BaseModel):
 
 
 class ForkBody(BaseModel):
-    """E2B's SandboxForkRequest. Unknown fields are a 400 (an ``n`` ignored was one child); the
-    node bounds ``count`` by AENV_MAX_FORK."""
+    """E2B's SandboxForkRequest, plus aenv's ``metadata`` for the children: one map added to the
+    source's metadata for every child, or a list of ``count`` maps, one per child. Unknown fields
+    are a 400 (an ``n`` ignored was one child); the node bounds ``count`` by AENV_MAX_FORK."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     count: int = Field(1, ge=1)
     timeout: int | None = Field(None, gt=0)
+    metadata: dict[str, str] | list[dict[str, str]] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | list[dict[str, str]] | None) -> Any:
+        for each in [value] if isinstance(value, dict) else value or []:
+            check_metadata(each)
+        return value
+
+    def children_metadata(self, source: dict[str, str]) -> list[dict[str, str]] | None:
+        """Each child's own metadata (None: the source's for all), checked merged with the source's."""
+        if self.metadata is None:
+            return None
+        each = [self.metadata] * self.count if isinstance(self.metadata, dict) else self.metadata
+        if len(each) != self.count:
+            raise ValueError(f"metadata names {len(each)} children, the fork makes {self.count}")
+        for i, extra in enumerate(each):
+            try:
+                check_metadata({**source, **extra})
+            except ValueError as exc:
+                raise ValueError(f"child {i}'s metadata with its source's: {exc}") from None
+        return [dict(extra) for extra in each]
 
 
 class RefreshBody(BaseModel):
@@ -291,6 +321,9 @@ def sandbox_detail(node: NodeService, sb: LiveSandbox, domain: str | None) -> di
         reason = node.durable_reason(rec)
         if reason:
             out["durableReason"] = reason
+    if rec.grace:
+        out["grace"] = rec.grace
+        out["graceEndAt"] = rfc3339(rec.end_at + rec.grace)
     if rec.parent_id:
         out["parentID"] = rec.parent_id
     if rec.snapshot_id:

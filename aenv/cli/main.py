@@ -310,6 +310,9 @@ def create(
         True, "--keep-memory/--no-keep-memory", help="With --auto-pause: keep memory, or only the file system"
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the sandbox id"),
+    grace: int = typer.Option(
+        None, "--grace", help="Seconds after its timeout it is held for scoring commands only (the SDK's scoring=True)"
+    ),
     image: str = typer.Option(
         None, "--image", help="An OCI image reference to create from (pulled and built on its first create)"
     ),
@@ -324,6 +327,7 @@ def create(
             metadata=_pairs(meta, "--meta"),
             auto_pause=auto_pause,
             keep_memory=keep_memory,
+            grace=grace,
             image=image,
         )
         return await _with_status(f"creating from {image or template}", work)
@@ -853,10 +857,29 @@ def repo_gc(as_json: bool = JSON_OPTION) -> None:
 
 
 @app.command()
-def logs(sandbox_id: str, as_json: bool = JSON_OPTION) -> None:
+def logs(
+    sandbox_id: str,
+    as_json: bool = JSON_OPTION,
+    output: Path = typer.Option(
+        None,
+        "--output",
+        "-o",
+        help="Write its rollout log to this file instead: every command it ran with the end of its output "
+        "and its exit code, one JSON object a line ('-': standard output)",
+    ),
+) -> None:
     """A sandbox's recent commands (with their exit codes) and its log (what the node did with it:
     created, paused, resumed, snapshots, forks, timeouts, each with how long it took; and what its
     agent wrote), as the node kept them."""
+    if output is not None:
+        entries = _run(lambda c: c.rollout_log(sandbox_id))
+        lines = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries)
+        if str(output) == "-":
+            sys.stdout.write(lines)
+        else:
+            output.write_text(lines, encoding="utf-8")
+            err.print(f"{len(entries)} commands written to {output}")
+        return
     found = _run(lambda c: c.logs(sandbox_id))
     if as_json or not out.is_terminal:
         print(json.dumps(found))

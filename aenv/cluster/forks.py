@@ -5,8 +5,9 @@ A node forks as many children as it has room for and answers the rest with a per
 ``limit_exceeded`` (or the whole fork with one, when it has no room at all, or is draining). The
 gateway then snapshots the source durably (committed to the shared repository) and creates the
 missing children on other nodes from that snapshot, with the source's metadata, lifecycle,
-network and ingress settings and the fork's timeout (the snapshot carries its env vars, limits,
-user and workdir). Pure functions here; the requests are the gateway's (aenv/cluster/gateway.py).
+network and ingress settings, grace period and the fork's timeout (the snapshot carries its env
+vars, limits, user and workdir), each with its own metadata of the fork's, as the node gives it.
+Pure functions here; the requests are the gateway's (aenv/cluster/gateway.py).
 """
 
 from __future__ import annotations
@@ -19,23 +20,35 @@ from typing import Any
 ROOM = "limit_exceeded"  # the error a node answers a child (or a fork) it has no room for
 
 
-FIELDS = frozenset({"count", "timeout"})  # E2B's SandboxForkRequest; a node refuses any other
+# E2B's SandboxForkRequest and aenv's per-child metadata; a node refuses any other
+FIELDS = frozenset({"count", "timeout", "metadata"})
 
 
-def asked(body: bytes, max_fork: int) -> tuple[int, int | None] | None:
-    """The fork's ``count`` and ``timeout`` as a node reads them, or None when the body is not one
-    this gateway spreads: one a node refuses (its answer goes back as it came), or a ``count``
-    past the gateway's own ``max_fork``, whatever a node configured otherwise answered."""
+def asked(body: bytes, max_fork: int) -> tuple[int, int | None, list[dict[str, str]] | None] | None:
+    """The fork's ``count``, ``timeout`` and each child's own ``metadata`` (None: none) as a node
+    reads them, or None when the body is not one this gateway spreads: one a node refuses (its
+    answer goes back as it came), or a ``count`` past the gateway's own ``max_fork``, whatever a
+    node configured otherwise answered."""
     try:
         parsed = json.loads(body) if body.strip() else {}
     except ValueError:
         return None
     if not isinstance(parsed, dict) or not FIELDS.issuperset(parsed):
         return None
-    count, timeout = parsed.get("count", 1), parsed.get("timeout")
+    count, timeout, metadata = parsed.get("count", 1), parsed.get("timeout"), parsed.get("metadata")
     if not _positive(count) or count > max_fork or not (timeout is None or _positive(timeout)):
         return None
-    return count, timeout
+    if isinstance(metadata, dict):
+        metadata = [metadata] * count
+    if metadata is not None and not (
+        isinstance(metadata, list) and len(metadata) == count and all(_labels(m) for m in metadata)
+    ):
+        return None
+    return count, timeout, metadata
+
+
+def _labels(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
 def _positive(value: object) -> bool:
@@ -57,15 +70,18 @@ def refused_for_room(result: dict[str, Any]) -> bool:
     return isinstance(error, dict) and error.get("error_code") == ROOM
 
 
-def child_body(source: dict[str, Any], snapshot_id: str, timeout: int | None) -> dict[str, Any]:
+def child_body(
+    source: dict[str, Any], snapshot_id: str, timeout: int | None, metadata: dict[str, str] | None = None
+) -> dict[str, Any]:
     """A create of one child from the source's snapshot with the source's settings (its
-    ``GET /sandboxes/{id}``): metadata, lifecycle, network and ingress, secure; the fork's
-    ``timeout``, else what is left of the source's (as the node gives its own children)."""
+    ``GET /sandboxes/{id}``): metadata (with the child's own ``metadata`` added), lifecycle,
+    network and ingress, secure, grace; the fork's ``timeout``, else what is left of the source's
+    (as the node gives its own children)."""
     lifecycle: dict[str, Any] = source["lifecycle"] if isinstance(source.get("lifecycle"), dict) else {}
     body: dict[str, Any] = {
         "templateID": snapshot_id,
         "timeout": timeout or _left(source.get("endAt")),
-        "metadata": source.get("metadata") or {},
+        "metadata": {**(source.get("metadata") or {}), **(metadata or {})},
         "secure": "envdAccessToken" in source,
         "network": source.get("network") or {},
         "lifecycle": {
@@ -76,6 +92,8 @@ def child_body(source: dict[str, Any], snapshot_id: str, timeout: int | None) ->
     }
     if isinstance(source.get("allowInternetAccess"), bool):
         body["allow_internet_access"] = source["allowInternetAccess"]
+    if _positive(source.get("grace")):
+        body["grace"] = source["grace"]
     return body
 
 

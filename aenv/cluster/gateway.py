@@ -1251,7 +1251,8 @@ class Gateway:
                 result["sandbox"]["nodeID"] = node.node_id
         refused = [i for i, result in enumerate(results) if forks.refused_for_room(result)]
         if refused and any(n.node_id != node.node_id for n in self.placement.rank(list(self.mirror.nodes.values()))):
-            made = await self._fork_elsewhere(request, node, sandbox_id, len(refused), fork[1])
+            extras = [fork[2][i] if fork[2] is not None else None for i in refused]
+            made = await self._fork_elsewhere(request, node, sandbox_id, extras, fork[1])
             for i, result in zip(refused, made, strict=True):
                 results[i] = result
         if upstream.status_code == 429 and not any("sandbox" in result for result in results):
@@ -1260,11 +1261,18 @@ class Gateway:
         return JSONResponse(results, status_code=201, headers={NODE_ID_HEADER: node.node_id})
 
     async def _fork_elsewhere(
-        self, request: Request, node: NodeEntry, sandbox_id: str, count: int, timeout: int | None
+        self,
+        request: Request,
+        node: NodeEntry,
+        sandbox_id: str,
+        extras: list[dict[str, str] | None],
+        timeout: int | None,
     ) -> list[dict[str, object]]:
-        """``count`` children of ``sandbox_id`` made on nodes other than ``node`` from a durable
-        snapshot of it, each as a create through the placement (``{"sandbox"}`` or ``{"error"}``).
-        The snapshot stays: the children's layers are its layers (see docs/cluster.md)."""
+        """Children of ``sandbox_id`` (one per ``extras``: each its own metadata) made on nodes
+        other than ``node`` from a durable snapshot of it, each as a create through the placement
+        (``{"sandbox"}`` or ``{"error"}``). The snapshot stays: the children's layers are its
+        layers (see docs/cluster.md)."""
+        count = len(extras)
         headers = {"x-api-key": request.headers.get("x-api-key", "")}
         try:
             source = (await self._node_response(node, f"/sandboxes/{sandbox_id}", [], headers)).json()
@@ -1288,8 +1296,8 @@ class Gateway:
             failed = UpstreamError(f"no room on node {node.node_id}; its snapshot for others failed: {message}"[:500])
             return [{"error": error_body(failed)} for _ in range(count)]
         _note(self.made_on, snapshot_id, node.node_id, SNAPSHOT_HINT_SECONDS)
-        child = json.dumps(forks.child_body(source, snapshot_id, timeout)).encode()
-        return list(await asyncio.gather(*(self._fork_child(request, child, node) for _ in range(count))))
+        bodies = [json.dumps(forks.child_body(source, snapshot_id, timeout, extra)).encode() for extra in extras]
+        return list(await asyncio.gather(*(self._fork_child(request, child, node) for child in bodies)))
 
     async def _fork_child(self, request: Request, body: bytes, source_node: NodeEntry) -> dict[str, object]:
         """One child made elsewhere. The snapshot is committed, but a node reads the repository's

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from aenv.channel import StreamError
 from aenv.errors import AenvError, SandboxNotFound, WrongState
-from aenv.node import metrics
+from aenv.node import grace, metrics, rollout
 from aenv.node.sandbox import LiveSandbox, log_failure
 from aenv.node.state import SandboxState as S
 from aenv.storage.confined import remove_tree
@@ -49,6 +49,7 @@ async def recover(node: Node) -> None:
             log.warning("sandbox %s was %s when the node stopped; removing it", rec.id, rec.state.value)
             node.files.remove_image(rec.image)
             await node.store.delete_sandbox(rec.id)
+    node.rollouts.sweep([*node.sandboxes, *(rollout.snapshot_key(s) for s in node.snapshots)])
     removed = await node.driver.cleanup_orphans(keep=set())
     if removed:
         log.info("removed %d orphaned instances", len(removed))
@@ -311,6 +312,17 @@ def expire_due(node: Node, expiring: set[str]) -> float:
         left = sb.rec.end_at - now
         if left > 0:
             wait = min(wait, left)
+            continue
+        if grace.in_grace(sb.rec, now):  # held for scoring until its grace period ends
+            wait = min(wait, grace.end_of(sb.rec) - now)
+            if sb.grace_of != sb.rec.end_at:
+                if sb.state != S.RUNNING or sb.lock.locked():
+                    wait = min(wait, EXPIRY_RECHECK)  # its commands stop once the operation is over
+                    continue
+                sb.grace_of = sb.rec.end_at
+                task = asyncio.ensure_future(grace.begin(node, sb))
+                node._background.add(task)
+                task.add_done_callback(log_failure(sb.id, node._background))
             continue
         if sb.rec.auto_pause and (sb.state != S.RUNNING or sb.lock.locked()):
             wait = min(wait, EXPIRY_RECHECK)  # paused once the operation in flight is over

@@ -31,7 +31,7 @@ from aenv.errors import (
     TemplateNotFound,
     WrongState,
 )
-from aenv.node import housekeeping, metrics
+from aenv.node import housekeeping, metrics, rollout
 from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
 from aenv.node.state import SETTLED, SandboxState
@@ -149,8 +149,11 @@ class Lifecycle:
         secure: bool = True,
         public_traffic: bool = True,
         mask_request_host: str = "",
+        grace: int = 0,
     ) -> SandboxRecord:
         timeout = self._check_timeout(timeout)
+        if isinstance(grace, bool) or not isinstance(grace, int) or not 0 <= grace <= self.settings.max_grace:
+            raise InvalidRequest(f"grace must be 0 to {self.settings.max_grace} seconds")
         _check_auto_pause(auto_pause, auto_resume, auto_pause_memory)
         if allow_internet_access is None:
             allow_internet_access = self.settings.internet_by_default
@@ -178,6 +181,7 @@ class Lifecycle:
             started_at=now,
             end_at=now + timeout,
             timeout=timeout,
+            grace=grace,
             auto_pause=auto_pause,
             auto_resume=auto_resume,
             auto_pause_memory=auto_pause_memory,
@@ -204,6 +208,8 @@ class Lifecycle:
         sb = LiveSandbox(rec)
         sb.events.note(f"restoring from {'snapshot' if snapshot_id else 'template'} {template[:100]}")
         self.sandboxes[rec.id] = sb
+        if snapshot_id:
+            self.rollouts.copy(rollout.snapshot_key(snapshot_id), rec.id)  # its commands are this one's past
 
         async def run() -> SandboxRecord:
             try:
@@ -533,6 +539,7 @@ class Lifecycle:
             )
             try:
                 await self.catalogue.put_snapshot(snap)
+                self.rollouts.copy(sb.id, rollout.snapshot_key(snap.id))
             except BaseException:  # its record could not be written: the snapshot is not, the source runs on
                 self.catalogue.snapshots.pop(snap.id, None)
                 if not leaves_running:
@@ -559,14 +566,26 @@ class Lifecycle:
         await self.catalogue.remove_snapshot(snap)
         await self.artifacts.forget(snap)
         self.files.remove_image(snap.image)
+        self.rollouts.remove(rollout.snapshot_key(snap.id))
         await housekeeping.gc_files(self, min_age=60)
 
-    async def fork(self, sandbox_id: str, *, count: int = 1, timeout: int | None = None) -> list[ForkResult]:
+    async def fork(
+        self,
+        sandbox_id: str,
+        *,
+        count: int = 1,
+        timeout: int | None = None,
+        metadata: list[dict[str, str]] | None = None,
+    ) -> list[ForkResult]:
+        """``count`` children of a running sandbox; ``metadata``, one map per child, is added to
+        the source's metadata for that child."""
         sb = self.get(sandbox_id)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise InvalidRequest("count must be a positive integer")
         if count > self.settings.max_fork:
             raise InvalidRequest(f"count may be at most {self.settings.max_fork}")
+        if metadata is not None and len(metadata) != count:
+            raise InvalidRequest(f"metadata names {len(metadata)} children, the fork makes {count}")
         child_timeout = self._check_timeout(timeout) if timeout is not None else None
         self._admit()
         self._check_room()  # no room for any child: the whole fork is refused, nothing checkpointed
@@ -579,12 +598,14 @@ class Lifecycle:
             ttl = child_timeout if child_timeout is not None else max(1, int(sb.rec.end_at - now))
             children: list[LiveSandbox] = []
             try:
-                for _ in range(min(count, self._room()[0])):
-                    children.append(await self._child_of(sb, layers, now, ttl, child_timeout))
+                for i in range(min(count, self._room()[0])):
+                    extra = metadata[i] if metadata is not None else {}
+                    children.append(await self._child_of(sb, layers, now, ttl, child_timeout, extra))
                 # From the count to the entries nothing awaits: concurrent creates and forks cannot
                 # overfill the node. Children past its room are answered with the limit instead.
                 room, limit = self._room()
                 for child in children[room:]:
+                    self.rollouts.remove(child.id)
                     await self.files.remove(child.rec.upper)
                 children = children[:room]
                 for child in children:
@@ -624,7 +645,13 @@ class Lifecycle:
         return await self._operate(sb, "fork", run, join=False)
 
     async def _child_of(
-        self, sb: LiveSandbox, layers: list[str], now: float, ttl: int, timeout: int | None
+        self,
+        sb: LiveSandbox,
+        layers: list[str],
+        now: float,
+        ttl: int,
+        timeout: int | None,
+        metadata: dict[str, str] | None = None,
     ) -> LiveSandbox:
         """A child runs for what its source has left (``ttl``) unless the fork names a ``timeout``;
         its own timeout, for its resumes, is the one named, else its source's."""
@@ -636,10 +663,11 @@ class Lifecycle:
             started_at=now,
             end_at=now + ttl,
             timeout=timeout if timeout is not None else self._own_timeout(src),
+            grace=src.grace,
             auto_pause=src.auto_pause,
             auto_resume=src.auto_resume,
             auto_pause_memory=src.auto_pause_memory,
-            metadata=dict(src.metadata),
+            metadata={**src.metadata, **(metadata or {})},
             env_vars=dict(src.env_vars),
             limits=dict(src.limits),
             layers=list(layers),
@@ -657,6 +685,7 @@ class Lifecycle:
         )
         child = LiveSandbox(rec)
         child.events.note(f"forked from {src.id}")
+        self.rollouts.copy(src.id, rec.id)  # its source's commands are its past too
         return child
 
     def _start_child(self, child: LiveSandbox, image: str) -> asyncio.Task[None]:
@@ -737,6 +766,7 @@ class Lifecycle:
             self.files.remove_image(image)
 
         self._stop_instance(sb, f"sandbox {sb.id} was killed", then=release)
+        self.rollouts.remove(sb.id)
         if sb.rec.durable_at:
             self.spawn(self.artifacts.forget_pause(sb.id))
         await self._set_state(sb, S.KILLED, persist=False)

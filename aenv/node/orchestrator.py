@@ -32,6 +32,7 @@ from aenv.node.doze import Dozer
 from aenv.node.instances import Instances
 from aenv.node.lifecycle import Lifecycle
 from aenv.node.records import Records
+from aenv.node.rollout import RolloutLogs
 from aenv.node.sandbox import LiveSandbox
 from aenv.node.service import CachedArtifacts
 from aenv.node.state import SandboxState
@@ -102,6 +103,11 @@ class Node(Lifecycle, Instances, Records):
         self._teardown_of: dict[str, asyncio.Task[None]] = {}  # upper id -> its instance's teardown
         self.contained: dict[str, int] = {}  # instance id -> its host tasks when last contained
         self.usage_history = UsageHistory(settings.metrics_interval, settings.metrics_history)
+        self.rollouts = RolloutLogs(
+            settings.data_dir / "rollout",
+            log_bytes=settings.rollout_log_kb * 1024,
+            output_bytes=settings.rollout_output_kb * 1024,
+        )
         self.started_at = time.time()
         # Called (synchronously; they must not block or raise) after every state change of a
         # sandbox, KILLED included: the cluster agent keeps the directory from them.

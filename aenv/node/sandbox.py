@@ -45,6 +45,7 @@ class LiveSandbox:
     # all passed on while the tunnel has not ended): a pause lets them finish first, for a while.
     exchanges: weakref.WeakSet[Stream] = field(default_factory=weakref.WeakSet)
     opening: int = 0  # such requests that found it running and are opening their tunnel
+    grace_of: float = 0.0  # the endAt whose grace period began (its commands but scoring ones stopped)
 
     def exchanging(self) -> bool:
         # Once the port's END is in, what it sent is all on the host: a pause cannot cut it short.

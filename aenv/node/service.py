@@ -24,6 +24,9 @@ from aenv.node.agentlink import AgentLink
 from aenv.node.artifacts import ArtifactCache
 from aenv.node.commands import CommandRecord
 from aenv.node.create_ids import CREATE_ID_HEADER, CreateIds, create_id_of
+from aenv.node.grace import SCORING_HEADER
+from aenv.node.grace import refusal as grace_refusal
+from aenv.node.rollout import RolloutLogs
 from aenv.node.sandbox import ForkResult, LiveSandbox
 from aenv.node.state import PUBLIC_STATE, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
@@ -36,6 +39,9 @@ from aenv.templates.uploads import UploadCache
 __all__ = [
     "CREATE_ID_HEADER",
     "PUBLIC_STATE",
+    "SCORING_HEADER",
+    "RolloutLogs",
+    "grace_refusal",
     "AgentLink",
     "BuildHost",
     "Bucket",
@@ -111,6 +117,7 @@ class NodeService(Protocol):
         secure: bool = True,
         public_traffic: bool = True,
         mask_request_host: str = "",
+        grace: int = 0,
     ) -> SandboxRecord: ...
 
     async def pause(self, sandbox_id: str, *, keep_memory: bool = True) -> SandboxRecord: ...
@@ -124,7 +131,12 @@ class NodeService(Protocol):
     async def snapshot(self, sandbox_id: str, *, name: str | None = None, durable: bool = False) -> SnapshotRecord: ...
 
     async def fork(
-        self, sandbox_id: str, *, count: int = 1, timeout: int | None = None
+        self,
+        sandbox_id: str,
+        *,
+        count: int = 1,
+        timeout: int | None = None,
+        metadata: builtins.list[dict[str, str]] | None = None,
     ) -> builtins.list[ForkResult]: ...
 
     async def kill(self, sandbox_id: str) -> None: ...
@@ -150,6 +162,11 @@ class NodeService(Protocol):
     def capacity(self) -> Capacity: ...
 
     def observe_metrics(self) -> None: ...
+
+    @property
+    def rollouts(self) -> RolloutLogs:
+        """The sandboxes' rollout logs: their commands with output and exit codes (aenv/node/rollout.py)."""
+        ...
 
     def runtime_info(self) -> dict[str, str]:
         """The sandbox runtime this node runs: driver, runsc version, platform."""

@@ -35,6 +35,8 @@ class SandboxRecord:
     # The lease it was last given, in seconds (its create, a set_timeout, a resume naming one): what
     # a resume that names none gives it again (0: a record from before, the node's default).
     timeout: int = 0
+    # Seconds after its timeout it is held for scoring commands only (aenv/node/grace.py); 0: none.
+    grace: int = 0
     # A new sandbox is being created; every later change is Node._set_state's (checked).
     state: SandboxState = SandboxState.CREATING
     auto_pause: bool = False

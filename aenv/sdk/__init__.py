@@ -14,12 +14,14 @@ async with AsyncClient() as c:
 
 from aenv.errors import (
     AenvError,
+    CommandFailed,
     Conflict,
     InvalidRequest,
     LimitExceeded,
     NotFound,
     OperationTimeout,
     SandboxError,
+    SandboxGone,
     SandboxNotFound,
     SnapshotNotFound,
     TemplateNotFound,
@@ -27,7 +29,8 @@ from aenv.errors import (
     WrongState,
 )
 from aenv.sdk._async import AsyncClient, AsyncSandbox, SandboxInfo
-from aenv.sdk._rl import fork_group
+from aenv.sdk._rl import best_of_n, fork_group, tree_search
+from aenv.sdk._rollout import BestOfN, Branch, TreeSearch
 from aenv.sdk._sync import Client, Pty, Sandbox
 from aenv.sdk._templates import BuildError
 from aenv.sdk._wire import DEFAULT_EXEC_TIMEOUT, CommandResult, PtySession
@@ -36,8 +39,11 @@ __all__ = [
     "AenvError",
     "AsyncClient",
     "AsyncSandbox",
+    "BestOfN",
+    "Branch",
     "BuildError",
     "Client",
+    "CommandFailed",
     "CommandResult",
     "Conflict",
     "DEFAULT_EXEC_TIMEOUT",
@@ -49,11 +55,15 @@ __all__ = [
     "PtySession",
     "Sandbox",
     "SandboxError",
+    "SandboxGone",
     "SandboxInfo",
     "SandboxNotFound",
     "SnapshotNotFound",
     "TemplateNotFound",
+    "TreeSearch",
     "Unauthenticated",
     "WrongState",
+    "best_of_n",
     "fork_group",
+    "tree_search",
 ]

@@ -8,14 +8,14 @@ import builtins
 import json
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, TypeVar
 
 import httpx
 
-from aenv.errors import AenvError, from_body
+from aenv.errors import AenvError, CommandFailed, SandboxGone, SandboxNotFound, WrongState, from_body
 from aenv.sdk._config import ClientConfig
 from aenv.sdk._templates import ProgressFn, _chunks_of, _pack_context, _recipe_in, _template_stream
 from aenv.sdk._wire import (
@@ -29,7 +29,11 @@ from aenv.sdk._wire import (
 from aenv.sdk._wire import connect_error as _connect_error
 from aenv.sdk._wire import envelope as _envelope
 from aenv.sdk._wire import envelopes as _envelopes
+from aenv.sdk._wire import gone as _gone
 from aenv.sdk._wire import raise_for as _raise_for
+
+T = TypeVar("T")
+SCORING_HEADER = "Aenv-Scoring"  # a scoring command may run in the grace period after a timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +105,55 @@ class AsyncSandbox:
         timeout: float | None = DEFAULT_EXEC_TIMEOUT,
         on_stdout: OutputFn | None = None,
         on_stderr: OutputFn | None = None,
+        check: bool = False,
+        scoring: bool = False,
     ) -> CommandResult:
         """Run a command (a shell string through `bash -l -c`, or an argv list) and wait for it.
 
         ``timeout``: seconds the command may run, 60 by default (``DEFAULT_EXEC_TIMEOUT``); past
         it the sandbox's agent kills it and this raises ``OperationTimeout``. ``None`` or 0: no
-        limit. A non-zero exit is no error: see ``exit_code``. On a paused sandbox this raises
-        ``WrongState`` (resume it first) unless it was created with ``auto_resume``."""
+        limit. A non-zero exit is no error (see ``exit_code``) unless ``check``: then it raises
+        ``CommandFailed`` with the exit code and the end of the output. ``scoring``: a scoring
+        command, which may still run in the grace period after the sandbox's timeout
+        (``create(grace=...)``). A sandbox that is gone, or goes while the command runs (killed,
+        timed out, died), raises ``SandboxGone``. On a paused sandbox this raises ``WrongState``
+        (resume it first) unless it was created with ``auto_resume``."""
+        try:
+            result = await self._exec(cmd, user, cwd, envs, timeout, on_stdout, on_stderr, scoring)
+        except httpx.TransportError as exc:  # the node dropped the stream: is the sandbox gone?
+            await self._raise_if_gone(exc)
+            raise
+        except AenvError as exc:
+            if "unavailable" in exc.message and "not found" in exc.message:
+                await self._raise_if_gone(exc)
+            raise
+        if check and result.exit_code != 0:
+            shown = cmd if isinstance(cmd, str) else " ".join(cmd)
+            raise CommandFailed(shown, result.exit_code, result.stdout, result.stderr, sandbox_id=self.sandbox_id)
+        return result
+
+    async def _raise_if_gone(self, cause: BaseException) -> None:
+        """Raise ``SandboxGone`` (from ``cause``) if the sandbox is no more, ``WrongState`` if paused."""
+        try:
+            r = await self.client._http.get(f"/sandboxes/{self.sandbox_id}", headers=self.client._auth)
+        except httpx.HTTPError:
+            return
+        if r.status_code == 404:
+            raise _gone(self.sandbox_id) from cause
+        if r.status_code == 200 and r.json().get("state") == "paused":
+            raise WrongState(f"sandbox {self.sandbox_id} was paused", sandbox_id=self.sandbox_id) from cause
+
+    async def _exec(
+        self,
+        cmd: str | list[str],
+        user: str | None,
+        cwd: str | None,
+        envs: Mapping[str, str] | None,
+        timeout: float | None,
+        on_stdout: OutputFn | None,
+        on_stderr: OutputFn | None,
+        scoring: bool,
+    ) -> CommandResult:
         argv = ["/bin/bash", "-l", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         process: dict[str, Any] = {"cmd": argv[0], "args": argv[1:]}
         if envs:
@@ -119,6 +165,8 @@ class AsyncSandbox:
             headers["Connect-Timeout-Ms"] = str(int(timeout * 1000))
         if user:
             headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
+        if scoring:
+            headers[SCORING_HEADER] = "1"
         out: list[str] = []
         err: list[str] = []
         exit_code, error = -1, None
@@ -253,21 +301,38 @@ class AsyncSandbox:
         await self._rpc("filesystem.Filesystem/Remove", {"path": path})
 
     # -- control plane ---------------------------------------------------------------------------------
+    async def _control(self, call: Awaitable[T]) -> T:
+        """A control-plane call on this sandbox: its 404 says the sandbox is gone (``SandboxGone``)."""
+        try:
+            return await call
+        except SandboxNotFound as exc:
+            if isinstance(exc, SandboxGone):
+                raise
+            raise SandboxGone(exc.message, sandbox_id=self.sandbox_id) from exc
+
     async def info(self) -> SandboxInfo:
         """Its state, template, metadata and times (``end_at``: when its timeout ends it)."""
-        return SandboxInfo.from_json(await self.client._get(f"/sandboxes/{self.sandbox_id}"))
+        return SandboxInfo.from_json(await self._control(self.client._get(f"/sandboxes/{self.sandbox_id}")))
+
+    async def rollout_log(self) -> builtins.list[dict[str, Any]]:
+        """Its rollout log: each command it ran (exec, E2B's commands, a terminal) that has ended,
+        oldest first, with ``exitCode``, the end of its ``stdout`` and ``stderr`` (their sizes in
+        ``stdoutBytes`` / ``stderrBytes``), ``seq`` and the ``sandboxID`` that ran it: a fork
+        child's log begins with its source's commands. Kept by its node while it lives, paused or
+        running (``AENV_ROLLOUT_LOG_KB`` of it, oldest commands dropped first)."""
+        return await self._control(self.client.rollout_log(self.sandbox_id))
 
     async def pause(self, *, keep_memory: bool = True) -> None:
         """Pause; without ``keep_memory`` only the file system is kept: processes end, and the
         resume boots the sandbox fresh (a new boot id, the template's start command again)."""
-        await self.client._post(f"/sandboxes/{self.sandbox_id}/pause", {"memory": keep_memory})
+        await self._control(self.client._post(f"/sandboxes/{self.sandbox_id}/pause", {"memory": keep_memory}))
 
     async def resume(self, *, timeout: int | None = None) -> None:
         """Resume a paused sandbox (a running one is left running). Without ``timeout`` it runs
         for its own timeout again (the one it was created with, or last given by ``set_timeout``
         or a resume); with one, that becomes its timeout. A running sandbox's is only extended."""
-        body = await self.client._post(
-            f"/v2/sandboxes/{self.sandbox_id}/connect", {"timeout": timeout} if timeout else {}
+        body = await self._control(
+            self.client._post(f"/v2/sandboxes/{self.sandbox_id}/connect", {"timeout": timeout} if timeout else {})
         )
         self._token = body.get("envdAccessToken", self._token)
 
@@ -277,14 +342,26 @@ class AsyncSandbox:
         payload: dict[str, Any] = {"durable": durable}
         if name:
             payload["name"] = name
-        body = await self.client._post(f"/sandboxes/{self.sandbox_id}/snapshots", payload)
+        body = await self._control(self.client._post(f"/sandboxes/{self.sandbox_id}/snapshots", payload))
         return str(body["snapshotID"])
 
-    async def fork(self, count: int = 1, *, timeout: int | None = None) -> list[AsyncSandbox]:
-        """N children from this sandbox's exact state; raises if any child failed (others are killed)."""
+    async def fork(
+        self,
+        count: int = 1,
+        *,
+        timeout: int | None = None,
+        metadata: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+    ) -> list[AsyncSandbox]:
+        """N children from this sandbox's exact state; raises if any child failed (others are killed).
+        ``metadata`` is added to this sandbox's metadata for the children: one map for all, or a
+        list of ``count`` maps, one per child (e.g. ``[{"child": str(i)} for i in range(n)]``)."""
         payload: dict[str, Any] = {"count": count}
         if timeout is not None:
             payload["timeout"] = timeout
+        if isinstance(metadata, Mapping):
+            payload["metadata"] = dict(metadata)
+        elif metadata is not None:
+            payload["metadata"] = [dict(m) for m in metadata]
         # The node finishes a fork whoever is waiting: one cancelled here (a rollout's deadline)
         # waits on for its answer and kills the children it names.
         forking = asyncio.ensure_future(self._fork(payload, count))
@@ -295,7 +372,7 @@ class AsyncSandbox:
             raise
 
     async def _fork(self, payload: dict[str, Any], count: int) -> list[AsyncSandbox]:
-        items = await self.client._post(f"/sandboxes/{self.sandbox_id}/fork", payload)
+        items = await self._control(self.client._post(f"/sandboxes/{self.sandbox_id}/fork", payload))
         children = [AsyncSandbox(self.client, it["sandbox"]) for it in items if _made(it)]
         try:
             if len(children) != len(items) or not children:
@@ -310,7 +387,7 @@ class AsyncSandbox:
     async def set_timeout(self, seconds: int) -> None:
         """The sandbox ends (is paused or killed) ``seconds`` from now; a later resume without a
         timeout gives it ``seconds`` again."""
-        await self.client._post(f"/sandboxes/{self.sandbox_id}/timeout", {"timeout": seconds})
+        await self._control(self.client._post(f"/sandboxes/{self.sandbox_id}/timeout", {"timeout": seconds}))
 
     async def kill(self) -> bool:
         """Kill it; False if it was already gone."""
@@ -385,15 +462,20 @@ class AsyncClient:
         keep_memory: bool = True,
         limits: Mapping[str, Any] | None = None,
         auto_resume: bool = False,
+        grace: int | None = None,
         image: str | None = None,
     ) -> AsyncSandbox:
         """A new sandbox; with ``auto_pause`` its timeout pauses it (keeping only its file system
         unless ``keep_memory``) instead of killing it; with ``auto_resume`` its use (a command, a
         file, its ports) resumes it when paused with its memory. ``timeout``: seconds it runs
-        (the node's default, 300, when None), and again after each resume that names none."""
+        (the node's default, 300, when None), and again after each resume that names none.
+        ``grace``: seconds it is held after its timeout for scoring: its commands stop at the
+        timeout, only ``exec(..., scoring=True)`` runs until the grace period ends it."""
         body: dict[str, Any] = {"templateID": template, "metadata": dict(metadata or {}), "envVars": dict(envs or {})}
         if timeout is not None:
             body["timeout"] = timeout
+        if grace:
+            body["grace"] = grace
         if auto_pause:
             body["autoPause"] = True
         if auto_resume:
@@ -593,6 +675,14 @@ class AsyncClient:
 
         result: dict[str, Any] = await self._get(f"/sandboxes/{quote(sandbox_id, safe='')}/logs")
         return result
+
+    async def rollout_log(self, sandbox_id: str) -> builtins.list[dict[str, Any]]:
+        """A sandbox's rollout log by id (see the sandbox's ``rollout_log``), without resuming it."""
+        from urllib.parse import quote
+
+        r = await self._http.get(f"/sandboxes/{quote(sandbox_id, safe='')}/rollout-log", headers=self._auth)
+        _raise_for(r)
+        return [json.loads(line) for line in r.text.splitlines() if line.strip()]
 
     async def overview(self) -> dict[str, Any]:
         """What the dashboard shows of a node or a cluster: ``nodes`` (state, load, capacity,

@@ -9,7 +9,7 @@ import asyncio
 import builtins
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 from aenv.sdk._async import AsyncClient, AsyncSandbox, SandboxInfo, kill_all
@@ -111,16 +111,30 @@ class Sandbox(_Face):
         timeout: float | None = DEFAULT_EXEC_TIMEOUT,
         on_stdout: OutputFn | None = None,
         on_stderr: OutputFn | None = None,
+        check: bool = False,
+        scoring: bool = False,
     ) -> CommandResult:
         """Run a command (a shell string through `bash -l -c`, or an argv list) and wait for it.
 
         ``timeout``: seconds the command may run, 60 by default (``DEFAULT_EXEC_TIMEOUT``); past
         it the sandbox's agent kills it and this raises ``OperationTimeout``. ``None`` or 0: no
-        limit. A non-zero exit is no error: see ``exit_code``. On a paused sandbox this raises
-        ``WrongState`` (resume it first) unless it was created with ``auto_resume``."""
+        limit. A non-zero exit is no error (see ``exit_code``) unless ``check``: then it raises
+        ``CommandFailed`` with the exit code and the end of the output. ``scoring``: a scoring
+        command, which may still run in the grace period after the sandbox's timeout
+        (``create(grace=...)``). A sandbox that is gone, or goes while the command runs (killed,
+        timed out, died), raises ``SandboxGone``. On a paused sandbox this raises ``WrongState``
+        (resume it first) unless it was created with ``auto_resume``."""
         return self._block(
             self._target.exec(
-                cmd, user=user, cwd=cwd, envs=envs, timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr
+                cmd,
+                user=user,
+                cwd=cwd,
+                envs=envs,
+                timeout=timeout,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+                check=check,
+                scoring=scoring,
             )
         )
 
@@ -167,6 +181,14 @@ class Sandbox(_Face):
         """Its state, template, metadata and times (``end_at``: when its timeout ends it)."""
         return self._block(self._target.info())
 
+    def rollout_log(self) -> builtins.list[dict[str, Any]]:
+        """Its rollout log: each command it ran (exec, E2B's commands, a terminal) that has ended,
+        oldest first, with ``exitCode``, the end of its ``stdout`` and ``stderr`` (their sizes in
+        ``stdoutBytes`` / ``stderrBytes``), ``seq`` and the ``sandboxID`` that ran it: a fork
+        child's log begins with its source's commands. Kept by its node while it lives, paused or
+        running (``AENV_ROLLOUT_LOG_KB`` of it, oldest commands dropped first)."""
+        return self._block(self._target.rollout_log())
+
     def pause(self, *, keep_memory: bool = True) -> None:
         """Pause; without ``keep_memory`` only the file system is kept: processes end, and the
         resume boots the sandbox fresh (a new boot id, the template's start command again)."""
@@ -183,9 +205,18 @@ class Sandbox(_Face):
         snapshot repository holds it."""
         return self._block(self._target.snapshot(name, durable=durable))
 
-    def fork(self, count: int = 1, *, timeout: int | None = None) -> list[Sandbox]:
-        """N children from this sandbox's exact state; raises if any child failed (others are killed)."""
-        return [Sandbox(child, self._loop) for child in self._block(self._target.fork(count, timeout=timeout))]
+    def fork(
+        self,
+        count: int = 1,
+        *,
+        timeout: int | None = None,
+        metadata: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+    ) -> list[Sandbox]:
+        """N children from this sandbox's exact state; raises if any child failed (others are killed).
+        ``metadata`` is added to this sandbox's metadata for the children: one map for all, or a
+        list of ``count`` maps, one per child (e.g. ``[{"child": str(i)} for i in range(n)]``)."""
+        children = self._block(self._target.fork(count, timeout=timeout, metadata=metadata))
+        return [Sandbox(child, self._loop) for child in children]
 
     def set_timeout(self, seconds: int) -> None:
         """The sandbox ends (is paused or killed) ``seconds`` from now; a later resume without a
@@ -233,12 +264,15 @@ class Client(_Face):
         keep_memory: bool = True,
         limits: Mapping[str, Any] | None = None,
         auto_resume: bool = False,
+        grace: int | None = None,
         image: str | None = None,
     ) -> Sandbox:
         """A new sandbox; with ``auto_pause`` its timeout pauses it (keeping only its file system
         unless ``keep_memory``) instead of killing it; with ``auto_resume`` its use (a command, a
         file, its ports) resumes it when paused with its memory. ``timeout``: seconds it runs
-        (the node's default, 300, when None), and again after each resume that names none."""
+        (the node's default, 300, when None), and again after each resume that names none.
+        ``grace``: seconds it is held after its timeout for scoring: its commands stop at the
+        timeout, only ``exec(..., scoring=True)`` runs until the grace period ends it."""
         return Sandbox(
             self._block(
                 self._target.create(
@@ -250,6 +284,7 @@ class Client(_Face):
                     keep_memory=keep_memory,
                     limits=limits,
                     auto_resume=auto_resume,
+                    grace=grace,
                     image=image,
                 )
             ),
@@ -341,6 +376,10 @@ class Client(_Face):
         """A sandbox's recent commands (newest first, with their exit codes) and its log (the node's
         events for it and its agent's lines, oldest first)."""
         return self._block(self._target.logs(sandbox_id))
+
+    def rollout_log(self, sandbox_id: str) -> builtins.list[dict[str, Any]]:
+        """A sandbox's rollout log by id (see the sandbox's ``rollout_log``), without resuming it."""
+        return self._block(self._target.rollout_log(sandbox_id))
 
     def overview(self) -> dict[str, Any]:
         """What the dashboard shows of a node or a cluster: ``nodes`` (state, load, capacity,

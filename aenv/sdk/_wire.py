@@ -17,7 +17,7 @@ from aenv.errors import (
     InvalidRequest,
     OperationTimeout,
     SandboxError,
-    SandboxNotFound,
+    SandboxGone,
     WrongState,
     from_body,
 )
@@ -61,9 +61,14 @@ def raise_for_envd(response: httpx.Response, sandbox_id: str) -> None:
             message = f"sandbox {sandbox_id} is paused: {how}, or create it with auto_resume=True to resume on use"
         raise WrongState(message, sandbox_id=sandbox_id, status=502)
     if response.status_code == 502 and isinstance(body, dict) and "was not found" in str(body.get("message")):
-        message = f"sandbox {sandbox_id} is not running: it was killed or its timeout ended"
-        raise SandboxNotFound(message, sandbox_id=sandbox_id, status=502)
+        raise gone(sandbox_id)
     raise from_body(response.status_code, body)
+
+
+def gone(sandbox_id: str) -> SandboxGone:
+    return SandboxGone(
+        f"sandbox {sandbox_id} is not running: it was killed or its timeout ended", sandbox_id=sandbox_id
+    )
 
 
 def _body(response: httpx.Response) -> Any:
@@ -97,6 +102,8 @@ def connect_error(body: Mapping[str, Any]) -> AenvError:
         return OperationTimeout(message)
     if code in ("invalid_argument", "not_found", "already_exists"):
         return InvalidRequest(f"{code}: {message}")
+    if code == "failed_precondition":  # e.g. a command that is not a scoring one in a grace period
+        return WrongState(message)
     return SandboxError(f"{code}: {message}")
 
 

@@ -177,12 +177,17 @@ def test_a_node_creates_from_a_snapshot_committed_elsewhere_a_moment_ago(
 
 
 def test_what_the_gateway_reads_of_a_fork_and_asks_for_its_children() -> None:
-    assert forks.asked(b"", 16) == (1, None) and forks.asked(b'{"count": 3, "timeout": 60}', 16) == (3, 60)
+    assert forks.asked(b"", 16) == (1, None, None)
+    assert forks.asked(b'{"count": 3, "timeout": 60}', 16) == (3, 60, None)
+    # per-child metadata (aenv's): one map for all, or one per child
+    assert forks.asked(b'{"count": 2, "metadata": {"k": "v"}}', 16) == (2, None, [{"k": "v"}, {"k": "v"}])
+    assert forks.asked(b'{"count": 2, "metadata": [{"i": "0"}, {}]}', 16) == (2, None, [{"i": "0"}, {}])
     bad = (b"[1]", b'{"count": true}', b'{"count": 0}', b'{"timeout": "1"}', b"{", b'{"count": 2, "n": 9}', b'{"n": 9}')
+    bad += (b'{"count": 2, "metadata": [{}]}', b'{"metadata": {"k": 1}}', b'{"metadata": "x"}', b'{"metadata": [1]}')
     for body in bad:
         assert forks.asked(body, 16) is None  # the node answered those itself
     # past the gateway's own bound, whatever a node configured otherwise answered: never spread
-    assert forks.asked(b'{"count": 16}', 16) == (16, None) and forks.asked(b'{"count": 17}', 16) is None
+    assert forks.asked(b'{"count": 16}', 16) == (16, None, None) and forks.asked(b'{"count": 17}', 16) is None
     full = {"code": 429, "message": "this node runs at most 3 sandboxes", "error_code": "limit_exceeded"}
     assert forks.results_of(429, full, 2) == [{"error": full}, {"error": full}]
     assert forks.results_of(429, {**full, "error_code": "cluster_unavailable"}, 2) is None
@@ -203,3 +208,5 @@ def test_what_the_gateway_reads_of_a_fork_and_asks_for_its_children() -> None:
     assert body["timeout"] > 10**9  # what is left of the source's
     assert forks.child_body({**source, "envdAccessToken": None} | {}, "snap_1", 60)["timeout"] == 60
     assert forks.child_body({k: v for k, v in source.items() if k != "envdAccessToken"}, "s", 5)["secure"] is False
+    mine = forks.child_body({**source, "grace": 30}, "snap_1", None, {"child": "3", "a": "c"})
+    assert mine["metadata"] == {"a": "c", "child": "3"} and mine["grace"] == 30 and "grace" not in body

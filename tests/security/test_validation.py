@@ -257,6 +257,13 @@ BAD_FORKS: list[Any] = [
     {"count": None},
     {"timeout": True},
     {"timeout": 0},
+    # aenv's per-child metadata: one map, or one per child, of strings within a create's bounds
+    {"count": 1, "metadata": [{"a": "b"}, {"c": "d"}]},
+    {"count": 2, "metadata": [{"a": "b"}]},
+    {"metadata": {"k": 1}},
+    {"metadata": [{"k": "v\x00"}]},
+    {"metadata": "k=v"},
+    {"metadata": {f"k{i}": "v" for i in range(129)}},
 ]
 
 
