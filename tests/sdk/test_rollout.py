@@ -502,6 +502,41 @@ async def _sleeps(child: AsyncSandbox, round_: int) -> None:
     await child.exec(SH + ["sleep 30"], timeout=None)
 
 
+def test_a_rollout_log_outlives_a_node_restart(node: Server, tag: str) -> None:
+    """A paused sandbox survives its node's restart, and so does its log (its numbering goes on);
+    a log whose sandbox is gone is removed at the start."""
+    with Client(node.url, API_KEY) as client:
+        sbx = client.create("bb", metadata={"t": tag})
+        sbx.exec(SH + ["echo before"])
+        sbx.pause()
+        stray = node.data_dir / "rollout" / "gonesandbox000000000.jsonl"
+        stray.write_text('{"seq": 0}\n')
+    node.restart()
+    with Client(node.url, API_KEY) as client:
+        sbx = client.connect(sbx.sandbox_id)
+        sbx.exec(SH + ["echo after"])
+        assert [(e["seq"], e["stdout"]) for e in sbx.rollout_log()] == [(0, "before\n"), (1, "after\n")]
+        assert not stray.exists()
+        sbx.kill()
+
+
+def test_e2b_commands_are_in_the_rollout_log(server: Server, e2b_env: Server) -> None:
+    """What a harness runs through E2B's SDK (commands.run, as root, in the background) is logged too."""
+    from e2b import Sandbox as E2BSandbox
+
+    sbx = E2BSandbox.create(timeout=120)
+    try:
+        sbx.commands.run("echo from-e2b; exit 0")
+        handle = sbx.commands.run("echo background >&2", background=True, user="root")
+        handle.wait()
+        with Client(server.url, API_KEY) as client:
+            log = client.rollout_log(sbx.sandbox_id)
+        assert [(e["stdout"], e["exitCode"]) for e in log[:1]] == [("from-e2b\n", 0)]
+        assert log[1]["stderr"] == "background\n" and log[1]["user"] == "root"
+    finally:
+        sbx.kill()
+
+
 # -- the examples ----------------------------------------------------------------------------------
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
