@@ -5,6 +5,11 @@ On the `base` template and a sandbox made from it:
   artifacts written as one plain tar.zst in the same run (no chunking, no dedup, no manifests);
 - commit of a first snapshot of a sandbox (20 MiB written, a process running), and of a second
   snapshot after a small change: bytes uploaded against the logical size each restores to;
+- two durable pauses of that sandbox, idle (a resume between): bytes and objects uploaded;
+- incremental memory: the checkpoint images of those snapshots and pauses committed one after the
+  other into fresh repositories as packs of ~4 KiB chunks, as loose 1 MiB chunks (images before
+  packs) and each as one whole zstd object: bytes and objects each uploads, objects an image is
+  made of, and fetch of the last one (p50) by a node that knows nothing of it;
 - create from that snapshot with its files in the node's cache, with its own files (image and
   upper layers) evicted, and on a cold cache (everything, the Debian layer included, fetched),
   each against the raw `runsc restore` inside the same operation.
@@ -34,7 +39,7 @@ from aenv.node import housekeeping, metrics
 from aenv.node.orchestrator import Node
 from aenv.repo import encodings
 from aenv.repo.backends import open_backend
-from aenv.repo.repository import Repository
+from aenv.repo.repository import LocalArtifact, Repository, object_keys
 from aenv.templates.builder import ensure_base, run_in
 from bench.__main__ import _install_timer, mark, pct, runsc_since
 from tests.repo.s3 import REGION, S3_KEY, start_moto
@@ -186,12 +191,43 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "chunks": snap.commit["chunks"],
             }
             snaps.append(snap)
+        console.print("[bold]durable pauses[/bold] of the idle sandbox, a resume between")
+        assert node.artifacts.repo is not None
+        images = [node.files.image(s.image) for s in snaps]
+        for label in ("first", "second"):
+            await asyncio.sleep(1)
+            await node.pause(rec.id)
+            await node.artifacts.wait_pause_committed(rec.id)
+            entry = await asyncio.to_thread(node.artifacts.repo.get_entry, "sandbox", rec.id)
+            assert entry is not None, "the pause was not committed"
+            paused = node.get(rec.id).rec
+            kept = work / f"pause-{label}"
+            await asyncio.to_thread(shutil.copytree, node.files.image(paused.image), kept)
+            images.append(kept)
+            results[f"pause_{label}"] = {
+                "uploaded_mib": entry["commit"]["new_bytes"] / MiB,
+                "new_objects": entry["commit"].get("new_objects", 0),
+                "new_chunks": entry["commit"]["new_chunks"],
+            }
+            await node.resume(rec.id)
         await node.kill(rec.id)
-        snap = snaps[-1]
-        own_layers = [x for x in snap.layers if x not in base.layers]
+        console.print(f"[bold]incremental memory[/bold]: {len(images)} images as packs, loose chunks, whole")
+        results["images"] = await asyncio.to_thread(image_layouts, images, work, args, repo_settings)
 
-        async def creates(label: str, evict: str) -> None:
+        # The same create with the snapshot's image in loose 1 MiB chunks (the layout before packs).
+        rec = await node.create(snaps[-1].id, timeout=3600)
+        node.artifacts.repo.pack_images = False
+        try:
+            loose_snap = await node.snapshot(rec.id, durable=True)
+        finally:
+            node.artifacts.repo.pack_images = True
+        await node.kill(rec.id)
+        snaps.append(loose_snap)
+        snap = snaps[-2]
+
+        async def creates(label: str, evict: str, snap: Any = snap) -> None:
             times, raw, fetched_mib, plain = [], [], [], []
+            own_layers = [x for x in snap.layers if x not in base.layers]
             for _ in range(args.rounds):
                 await node.settle()  # a killed sandbox's overlay pins its layers until it is gone
                 if evict == "own":
@@ -227,6 +263,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         console.print(f"[bold]create from the snapshot[/bold] x{args.rounds}: cached, own files evicted, cold")
         await creates("create_cached", "none")
         await creates("create_own_fetched", "own")
+        await creates("create_own_fetched_loose", "own", snaps[-1])
         args.rounds = min(args.rounds, 3)  # each cold round writes the whole Debian layer again
         await creates("create_cold", "all")
         for s in snaps:
@@ -238,6 +275,59 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             moto.terminate()
         shutil.rmtree(work, ignore_errors=True)
     return results
+
+
+def image_layouts(images: list[Path], work: Path, args: argparse.Namespace, s3: dict[str, Any]) -> dict[str, Any]:
+    """Each image committed in turn into a fresh repository per layout; then the last one fetched
+    by a repository that has seen none of them, the layouts taking turns round after round (the
+    machine's load drifts): wall time and this process's CPU time (tar's excluded)."""
+    out: dict[str, Any] = {"images": len(images)}
+    layouts = ("packed", "loose", "whole")
+    urls, lasts = {}, {}
+    for layout in layouts:
+        urls[layout] = f"s3://bench/layout-{layout}" if args.backend == "s3" else str(work / f"layout-{layout}")
+        backend = open_backend(urls[layout], **s3_args(s3))
+        repo = Repository(backend, pack_images=layout == "packed")
+        uploads, objects = [], []
+        for n, image in enumerate(images):
+            before = {i.key for i in backend.list("")}
+            if layout == "whole":
+                lasts[layout] = f"whole/{n}.tar.zst"
+                data = zstandard.ZstdCompressor(level=3).compress(b"".join(encodings.tar_blocks(image)))
+                backend.put(lasts[layout], data)
+            else:
+                repo.commit("snapshot", f"s{n}", {}, [LocalArtifact("image", f"img{n}", image, "tar")])
+                entry = repo.get_entry("snapshot", f"s{n}")
+                assert entry is not None
+                lasts[layout] = repo.artifact_refs(entry)[0]
+            made = [i for i in backend.list("") if i.key not in before and not i.key.startswith("locks/")]
+            uploads.append(sum(i.size for i in made) / MiB)
+            objects.append(len(made))
+        made_of = 1 if layout == "whole" else 1 + len(object_keys(repo.read_manifest(lasts[layout], "bench")))
+        repo.close()
+        out[layout] = {"uploaded_mib": uploads, "objects_uploaded": objects, "objects_per_image": made_of}
+    times: dict[str, list[float]] = {x: [] for x in layouts}
+    cpu: dict[str, list[float]] = {x: [] for x in layouts}
+    for r in range(max(args.rounds, 10)):
+        for layout in layouts:
+            backend = open_backend(urls[layout], **s3_args(s3))
+            reader = Repository(backend, pack_images=layout == "packed")
+            dest = work / f"fetch-{layout}-{r}"
+            subprocess.run(["sync"], check=True)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            if layout == "whole":
+                data = zstandard.ZstdDecompressor().decompress(backend.get(lasts[layout]))
+                dest.mkdir()
+                encodings.untar([data], dest)
+            else:
+                reader.fetch_artifact(lasts[layout], dest, "bench")
+            times[layout].append(time.perf_counter() - start)
+            cpu[layout].append(time.process_time() - start_cpu)
+            reader.close()
+            shutil.rmtree(dest)
+    for layout in layouts:
+        out[layout].update(fetch_p50_ms=pct(times[layout], 0.5) * 1000, fetch_cpu_p50_ms=pct(cpu[layout], 0.5) * 1000)
+    return out
 
 
 def render(results: dict[str, Any]) -> None:
@@ -260,9 +350,46 @@ def render(results: dict[str, Any]) -> None:
             f"{100 * s['uploaded_mib'] / s['logical_mib']:.2f}% of logical; its memory image "
             f"({s['image_mib']:.0f} MiB) whole as zstd: {s['image_whole_zst_mib']:.1f} MiB",
         )
+    for label in ("first", "second"):
+        p = results[f"pause_{label}"]
+        table.add_row(
+            f"durable pause, idle ({label})",
+            "",
+            f"{p['uploaded_mib']:.2f} MiB uploaded, {p['new_objects']} objects",
+            "",
+        )
+    im = results["images"]
+    for label, n in (("first", 0), ("second", 1)):
+        versus = "; ".join(
+            f"{name} {im[name]['uploaded_mib'][n]:.2f} MiB in {im[name]['objects_uploaded'][n]} objects"
+            for name in ("loose", "whole")
+        )
+        table.add_row(
+            f"image of the {label} snapshot, packed",
+            "",
+            f"{im['packed']['uploaded_mib'][n]:.2f} MiB in {im['packed']['objects_uploaded'][n]} objects",
+            f"loose 1 MiB chunks / whole: {versus}",
+        )
+    later = im["packed"]["uploaded_mib"][2:]
+    if later:
+        table.add_row(
+            "images of the pauses, packed",
+            "",
+            " / ".join(f"{x:.2f}" for x in later) + " MiB",
+            "loose: " + " / ".join(f"{x:.2f}" for x in im["loose"]["uploaded_mib"][2:]) + " MiB",
+        )
+    table.add_row(
+        "fetch of an image (the last), p50",
+        f"{im['packed']['fetch_p50_ms']:.0f} ms ({im['packed']['fetch_cpu_p50_ms']:.0f} ms CPU)",
+        f"made of {im['packed']['objects_per_image']} objects",
+        f"loose {im['loose']['fetch_p50_ms']:.0f} ms ({im['loose']['fetch_cpu_p50_ms']:.0f} CPU, "
+        f"{im['loose']['objects_per_image']} objects); whole {im['whole']['fetch_p50_ms']:.0f} ms "
+        f"({im['whole']['fetch_cpu_p50_ms']:.0f} CPU, 1 object)",
+    )
     for key, what in (
         ("create_cached", "create from snapshot, files cached"),
         ("create_own_fetched", "create, its image + upper fetched"),
+        ("create_own_fetched_loose", "the same, image in loose 1 MiB chunks"),
         ("create_cold", "create, cold cache (all fetched)"),
     ):
         r = results[key]

@@ -277,7 +277,8 @@ def test_the_index_of_known_chunks_is_bounded() -> None:
     for n in range(10):
         digest = f"{n:02d}" * 32
         chunks = [[hashlib.sha256(f"{n}-{i}".encode()).hexdigest(), 10] for i in range(30)]
-        index.add({"chunks": chunks, "packs": [[digest, 30 * 20]], "where": [[0, 20 * i, 20] for i in range(30)]})
+        where = [[0, 20 * i, 20, 10, 0] for i in range(30)]
+        index.add({"chunks": chunks, "packs": [[digest, 30 * 20]], "where": where})
         assert len(index) <= 100
     assert index.find(hashlib.sha256(b"9-0").hexdigest()) is not None  # the newest stay
     assert index.find(hashlib.sha256(b"0-0").hexdigest()) is None  # the oldest went
@@ -356,32 +357,41 @@ def _truncated(repo: Repository, m: dict[str, Any]) -> None:
 
 def _flipped(repo: Repository, m: dict[str, Any]) -> None:
     key, data = pack_bytes(repo, m)
-    _, offset, stored = m["where"][7]
+    _, offset, stored, _, _ = m["where"][7]
     data[offset + stored - 6] ^= 0xFF
     repo.backend.put(key, bytes(data))
 
 
 def _other_content(repo: Repository, m: dict[str, Any]) -> None:
-    """A frame replaced by a valid frame of other bytes of the same length: only the digest tells."""
+    """A frame replaced by a valid frame of other bytes of the same length: only digests tell."""
     key, data = pack_bytes(repo, m)
-    digest, length = m["chunks"][9]
-    frame = zstandard.ZstdCompressor(level=1).compress(b"x" * length)
-    _, offset, stored = m["where"][9]
+    _, offset, stored, raw, _ = m["where"][9]
+    frame = zstandard.ZstdCompressor(level=1).compress(b"x" * raw)
     data[offset : offset + stored] = frame
     m["packs"][0][1] = len(data)
     for place in m["where"]:
-        place[1] += len(frame) - stored if place[1] > offset else 0
-    m["where"][9][2] = len(frame)
+        if place[1] == offset:
+            place[2] = len(frame)
+        elif place[1] > offset:
+            place[1] += len(frame) - stored
     repo.backend.put(key, bytes(data))
 
 
 def _bomb(repo: Repository, m: dict[str, Any]) -> None:
-    """A frame that inflates far past its chunk's length."""
+    """A frame that inflates far past what its place says."""
     key, data = pack_bytes(repo, m)
     frame = zstandard.ZstdCompressor().compress(bytes(64 * MiB))
-    m["where"][0] = [0, len(data), len(frame)]
+    m["where"][0] = [0, len(data), len(frame), m["chunks"][0][1], 0]
     m["packs"][0][1] = len(data) + len(frame)
     repo.backend.put(key, bytes(data) + frame)
+
+
+def _huge_frame(repo: Repository, m: dict[str, Any]) -> None:
+    m["where"][0][3] = 1 << 30
+
+
+def _chunk_past_its_frame(repo: Repository, m: dict[str, Any]) -> None:
+    m["where"][0][4] = m["where"][0][3]
 
 
 def _missing(repo: Repository, m: dict[str, Any]) -> None:
@@ -403,7 +413,9 @@ def _unknown_format(repo: Repository, m: dict[str, Any]) -> None:
 
 HOSTILE = {
     "wrong offset": (_wrong_offset, "corrupt"),
-    "swapped places": (_swapped, ("corrupt", "take at most")),
+    "swapped places": (_swapped, ("corrupt", "take at most", "of a frame of")),
+    "frame larger than a frame may be": (_huge_frame, "of a frame of"),
+    "chunk past its frame's end": (_chunk_past_its_frame, "of a frame of"),
     "place past the pack's end": (_past_the_end, "outside its pack"),
     "huge stored length": (_huge_stored, "take at most"),
     "huge chunk length": (_huge_length, "at most"),
@@ -501,3 +513,36 @@ def test_a_frame_claiming_more_than_its_chunk_is_refused_before_memory_is_taken(
         tracemalloc.stop()
     assert "corrupt" in err.value.message
     assert peak < 16 * MiB, peak
+
+
+def test_frames_named_again_and_again_stop_the_read(backend: Backend) -> None:
+    """A manifest whose 2000 identical chunks each name one of 20 large frames in turn (each frame
+    inflated again: the read keeps 16): the read stops at 3x the artifact's size instead of
+    inflating 2000 frames of 128 KiB (250 MiB for 8 MiB)."""
+    repo = Repository(backend)
+    zero = bytes(4096)
+    frame = zstandard.ZstdCompressor().compress(bytes(packs.FRAME_MAX))
+    pack = frame * 20
+    digest = hashlib.sha256(pack).hexdigest()
+    backend.put(packs.pack_key(digest), pack)
+    count = 2000
+    body = {
+        "format": "aenv-artifact/2",
+        "kind": "image",
+        "id": "spin",
+        "encoding": "tar",
+        "size": count * len(zero),
+        "chunks": [[hashlib.sha256(zero).hexdigest(), len(zero)]] * count,
+        "packs": [[digest, len(pack)]],
+        "where": [[0, (i % 20) * len(frame), len(frame), packs.FRAME_MAX, 0] for i in range(count)],
+        "created_at": 0,
+    }
+    data = zstandard.ZstdCompressor().compress(json.dumps(body).encode())
+    backend.put(artifact_key("image", "spin"), data)
+    ref = ArtifactRef("image", "spin", hashlib.sha256(data).hexdigest())
+    given = 0
+    with pytest.raises(ArtifactDamaged) as err:
+        for chunk in repo.artifact_chunks(ref, "snapshot spin"):
+            given += len(chunk)
+    assert "inflate to more than" in err.value.message
+    assert given < count * len(zero)
