@@ -30,9 +30,12 @@ class Catalogue:
         self.snapshots.update((s.id, s) for s in await self.store.snapshots())
 
     def find_template(self, ref: str) -> TemplateRecord:
-        for t in self.templates.values():
-            if ref in (t.id, t.name) or ref in t.aliases:
-                return t
+        # Names are stored lowercased (an E2B build's "My-Env" is "my-env"), and found so as E2B
+        # finds them: a create or an alias check by the name as the client spelled it works too.
+        for key in dict.fromkeys((ref, ref.lower())):
+            for t in self.templates.values():
+                if key in (t.id, t.name) or key in t.aliases:
+                    return t
         raise TemplateNotFound(f"template '{ref}' not found")
 
     def find_snapshot(self, ref: str) -> SnapshotRecord:
