@@ -236,37 +236,46 @@ def read_packed(
         ahead.append((window, fetching))
 
     unzstd = zstandard.ZstdDecompressor()
-    kept: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+    kept: OrderedDict[tuple[str, int], memoryview] = OrderedDict()
+    sha256 = hashlib.sha256
+
+    def frame_of(w: Want, fetching: Fetching) -> memoryview:
+        nonlocal budget
+        key = (w.pack, w.offset)
+        found = kept.get(key)
+        if found is not None:
+            kept.move_to_end(key)
+            return found
+        budget -= w.raw
+        if budget < 0:
+            raise ArtifactDamaged(f"{what}: its frames inflate to more than {INFLATE_MAX}x its size")
+        start, data = fetching[key].result()
+        try:
+            frame = inflate(unzstd, memoryview(data)[w.offset - start : w.offset - start + w.stored], w.raw)
+        except zstandard.ZstdError as exc:
+            message = f"a frame in pack {w.pack[:16]} is corrupt ({exc})"
+            raise ArtifactDamaged(f"{what}: chunk {w.digest[:16]}: {message}") from None
+        if len(frame) != w.raw:
+            raise ArtifactDamaged(f"{what}: a frame in pack {w.pack[:16]} is corrupt (its length)")
+        kept[key] = found = memoryview(frame)
+        if len(kept) > KEPT_FRAMES:
+            kept.popitem(last=False)
+        return found
+
     try:
         submit()
         while ahead:
             submit()  # the next window is read while this one is given back
             window, fetching = ahead.popleft()
+            current: tuple[str, int] | None = None
+            frame = memoryview(b"")
             for w in window:
-                frame = kept.get(w.frame)
-                if frame is None:
-                    budget -= w.raw
-                    if budget < 0:
-                        raise ArtifactDamaged(f"{what}: its frames inflate to more than {INFLATE_MAX}x its size")
-                    start, data = fetching[w.frame].result()
-                    try:
-                        frame = inflate(unzstd, memoryview(data)[w.offset - start : w.offset - start + w.stored], w.raw)
-                    except zstandard.ZstdError as exc:
-                        message = f"a frame in pack {w.pack[:16]} is corrupt ({exc})"
-                        raise ArtifactDamaged(f"{what}: chunk {w.digest[:16]}: {message}") from None
-                    if len(frame) != w.raw:
-                        raise ArtifactDamaged(f"{what}: a frame in pack {w.pack[:16]} is corrupt (its length)")
-                    kept[w.frame] = frame
-                    if len(kept) > KEPT_FRAMES:
-                        kept.popitem(last=False)
-                else:
-                    kept.move_to_end(w.frame)
-                raw = memoryview(frame)[w.inner : w.inner + w.length]  # not copied: the caller joins them
-                if hashlib.sha256(raw).hexdigest() != w.digest:
-                    message = (
-                        f"chunk {w.digest[:16]} in pack {w.pack[:16]} is corrupt (content does not match its digest)"
-                    )
-                    raise ArtifactDamaged(f"{what}: {message}")
+                if (w.pack, w.offset) != current:  # chunks of one frame mostly come in a row
+                    frame, current = frame_of(w, fetching), (w.pack, w.offset)
+                raw = frame[w.inner : w.inner + w.length]  # not copied: the caller joins them
+                if sha256(raw).hexdigest() != w.digest:
+                    where = f"chunk {w.digest[:16]} in pack {w.pack[:16]}"
+                    raise ArtifactDamaged(f"{what}: {where} is corrupt (content does not match its digest)")
                 yield w, raw
     finally:
         for _, fetching in ahead:
