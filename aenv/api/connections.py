@@ -89,7 +89,7 @@ class HttpLimits:
         )
 
 
-class _TooLarge(Exception):
+class _TooLarge(InvalidRequest):
     """Raised in a parser callback: the head (or a body's trailers) went past a bound."""
 
 

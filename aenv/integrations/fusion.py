@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from aenv.errors import AenvError, LimitExceeded, OperationTimeout
+from aenv.errors import AenvError, InvalidRequest, LimitExceeded, OperationTimeout
 from aenv.sdk import AsyncClient, AsyncSandbox
 
 MAX_CODE = 1 << 20  # bytes of code, stdin, or one cell
@@ -94,7 +94,7 @@ class RunJupyterRequest(_Request):
     kernel: Literal["python3"] = "python3"
 
 
-class FusionError(Exception):
+class FusionError(InvalidRequest):
     """A request the service cannot run: a 400 with this message."""
 
 
@@ -175,8 +175,9 @@ class Runner:
     async def _fetch(self, sbx: AsyncSandbox, paths: list[str]) -> dict[str, str]:
         out: dict[str, str] = {}
         for path in paths:
+            where = posixpath.join(WORKDIR, _relative(path))  # a path not of the run directory is a 400
             try:
-                data = await sbx.read(posixpath.join(WORKDIR, _relative(path)))
+                data = await sbx.read(where)
             except AenvError:
                 continue  # SandboxFusion leaves out what is not there
             out[path] = base64.b64encode(data).decode()

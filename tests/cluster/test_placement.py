@@ -189,4 +189,5 @@ def test_an_entry_too_large_for_its_list_item_still_shows_what_it_says() -> None
         "durable": True,
         "metadata": {},
         "domain": "example.test",
+        "nodeID": "gone",  # the node it was on (the dashboard's column)
     }
