@@ -81,10 +81,17 @@ class ArtifactCache:
     def items_of(self, rec: Entry | SandboxRecord) -> list[LocalArtifact]:
         files = self.node.files
         items = []
+        # A snapshot's or paused sandbox's layers above its template's are sealed uppers: small
+        # chunks in packs, the blocks one shares with the upper before it stored once.
+        below: set[str] = set()
+        if not isinstance(rec, TemplateRecord):  # its template_id is the template's name (or id)
+            named = [t for t in self.node.templates.values() if rec.template_id in (t.id, t.name)]
+            below = {x for t in named for x in t.layers}
         for layer_id in rec.layers:
             img = files.layers / f"{layer_id}.img"
             if img.exists():
-                items.append(LocalArtifact("layer", layer_id, img, "sparse"))
+                upper = not isinstance(rec, TemplateRecord) and layer_id not in below
+                items.append(LocalArtifact("layer", layer_id, img, "sparse", packed=upper))
             else:
                 items.append(LocalArtifact("layer", layer_id, files.layers / layer_id, "tar"))
         items.append(LocalArtifact("image", rec.image, files.image(rec.image), "tar"))
@@ -323,7 +330,8 @@ class ArtifactCache:
             layer = new_id()
             body = json.loads(sb.rec.to_json())
             body.update(layers=[*sb.rec.layers, layer], upper="", instance_id="")
-            items = [*self.items_of(sb.rec), LocalArtifact("layer", layer, files.layers / f"{upper}.img", "sparse")]
+            sealed = LocalArtifact("layer", layer, files.layers / f"{upper}.img", "sparse", packed=True)
+            items = [*self.items_of(sb.rec), sealed]
             self.pin(sb.rec.layers)
             try:
                 await files.remount(upper, writable=False)

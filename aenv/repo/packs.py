@@ -4,7 +4,7 @@ A checkpoint's page file keeps its pages at stable offsets, and between two snap
 pauses) of an idle sandbox only a few scattered pages change. Cut in ~1 MiB chunks, every chunk of
 it is new again; cut small, most chunks are shared, but as loose objects an image would be hundreds
 of them (a request each to upload, to ask about and to fetch). So an image is cut small
-(`image_sizes`) and the chunks its commit did not find elsewhere go into one object, a pack
+(`chunk_sizes`) and the chunks its commit did not find elsewhere go into one object, a pack
 (``packs/ab/<sha256 of the pack>``; a bounded few for a large image): zstd frames one after the
 other, each of a run of new chunks up to `FRAME_TARGET` (a frame a chunk cost more to compress and
 to inflate than all else of a fetch). The artifact's manifest (format ``aenv-artifact/2``) keeps
@@ -49,10 +49,13 @@ from aenv.repo.backends import Backend, MissingObject
 from aenv.repo.chunks import CHUNK_MAX, FILE_SIZES, ZSTD_LEVEL, ChunkRef, Sizes, WriteStats, cut, inflate
 
 # Chunks of a checkpoint image: ~4 KiB (a page) while the image is small, twice as large for each
-# doubling past IMAGE_CHUNKS of them (a manifest lists every chunk: ~45 bytes each, compressed).
-# Measured on images of an idle sandbox (docs/architecture.md, "Incremental memory").
+# doubling past PACKED_CHUNKS of them (a manifest lists every chunk: ~45 bytes each, compressed).
+# A sealed upper's: ~32 KiB (ext4 changes a few blocks between two pauses; 4 KiB chunks of a
+# 21 MiB upper shared as much but listed 5285 chunks). Measured on an idle sandbox's images and
+# uppers (docs/architecture.md, "Incremental memory").
 IMAGE_AVG = 4 * 1024
-IMAGE_CHUNKS = 8192
+UPPER_AVG = 32 * 1024
+PACKED_CHUNKS = 8192
 FRAME_TARGET = 64 << 10  # new chunks compressed together until a frame holds this much
 FRAME_MAX = 128 << 10  # the most a frame of several chunks holds (a larger chunk is a frame alone)
 PACK_TARGET = 32 << 20  # a pack is sealed and uploaded once it holds this much
@@ -63,7 +66,7 @@ KEPT_FRAMES = 16  # inflated frames a read keeps (the chunks of one are seldom a
 INFLATE_MAX = 3  # a read inflates at most this many times the artifact's size (+ a window)
 COMPRESS_AHEAD = 8  # frames compressed in parallel while a commit cuts
 REUSE_MIN = 0.25  # share of an older pack's bytes a commit must use to reference it
-MAX_REUSED = 16  # older packs one artifact references
+MAX_REUSED = 16  # older packs one artifact references (more for one of more than 32 MiB)
 INDEX_CHUNKS = 65536  # chunk places a repository remembers (~256 MiB of images at 4 KiB a chunk)
 
 DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -71,11 +74,11 @@ DIGEST = re.compile(r"[0-9a-f]{64}")
 Place = tuple[str, int, int, int, int, int]
 
 
-def image_sizes(stream_bytes: int) -> Sizes:
-    """The chunk sizes of an image of about ``stream_bytes``: two images of one sandbox a small
-    change apart get the same ones (unless their sizes straddle a doubling)."""
-    avg = IMAGE_AVG
-    while stream_bytes > IMAGE_CHUNKS * avg and avg < FILE_SIZES.avg:
+def chunk_sizes(kind: str, stream_bytes: int) -> Sizes:
+    """The chunk sizes of a packed image (or upper) of about ``stream_bytes``: two of one sandbox
+    a small change apart get the same ones (unless their sizes straddle a doubling)."""
+    avg = IMAGE_AVG if kind == "image" else UPPER_AVG
+    while stream_bytes > PACKED_CHUNKS * avg and avg < FILE_SIZES.avg:
         avg *= 2
     return Sizes(avg // 2, avg, avg * 4)
 
@@ -460,7 +463,9 @@ class PackWriter:
         for (older, _), stored in self._frames_used.items():
             use[older] += stored
         ranked = sorted(use.items(), key=lambda kv: (-kv[1], kv[0]))
-        kept = sorted(p for n, (p, used) in enumerate(ranked) if n < MAX_REUSED and used >= REUSE_MIN * self._older[p])
+        # A large image or upper spans many packs of its own: as many older ones may be its base.
+        most = MAX_REUSED + 2 * (sum(n for _, n in self._refs) // PACK_TARGET)
+        kept = sorted(p for n, (p, used) in enumerate(ranked) if n < most and used >= REUSE_MIN * self._older[p])
         moved = [
             Want(d, self._lengths[d], older, self._older[older], *place)
             for d, (older, *place) in self._places.items()

@@ -59,7 +59,7 @@ from aenv.repo.packs import (
     PackIndex,
     PackWriter,
     check_packed,
-    image_sizes,
+    chunk_sizes,
     pack_key,
     packs_of,
     read_packed,
@@ -107,6 +107,9 @@ class LocalArtifact:
     id: str
     path: Path
     encoding: Encoding
+    # Small chunks in packs (images always): a sealed upper, which the next one of its sandbox
+    # repeats but for a few blocks. Other layers keep loose 1 MiB chunks.
+    packed: bool = False
 
 
 @dataclass
@@ -248,11 +251,19 @@ class Repository:
             "created_at": time.time(),
         }
         packer: PackWriter | None = None
-        if item.kind == "image" and item.encoding == "tar" and self.pack_images:
-            # Small chunks, packed: the pages two images of a sandbox share are stored once.
-            packer = PackWriter(writer.backend, writer.pool, self.index, writer.stats, f"image {item.id}")
+        if item.encoding not in ("tar", "sparse"):
+            raise InvalidRequest(f"unknown encoding {item.encoding!r}")
+        if self.pack_images and (item.kind == "image" or item.packed):
+            # Small chunks, packed: the pages (or blocks) two images of a sandbox share are stored once.
+            packer = PackWriter(writer.backend, writer.pool, self.index, writer.stats, f"{item.kind} {item.id}")
             try:
-                packer.write(encodings.tar_blocks(item.path), image_sizes(_bytes_under(item.path)))
+                if item.encoding == "tar":
+                    packer.write(encodings.tar_blocks(item.path), chunk_sizes(item.kind, _bytes_under(item.path)))
+                else:
+                    size, extents = encodings.data_extents(item.path)
+                    manifest.update(file_size=size, extents=extents)
+                    stream = sum(n for _, n in extents)
+                    packer.write(encodings.sparse_blocks(item.path, extents), chunk_sizes(item.kind, stream))
                 manifest.update(format=PACKED_FORMAT, **packer.finish())
             except BaseException:
                 packer.abandon()
@@ -264,8 +275,6 @@ class Repository:
             size, extents = encodings.data_extents(item.path)
             manifest.update(file_size=size, extents=extents)
             refs = writer.write_stream(encodings.sparse_blocks(item.path, extents))
-        else:
-            raise InvalidRequest(f"unknown encoding {item.encoding!r}")
         writer.flush()  # every chunk is in before the manifest names it
         manifest["size"] = sum(length for _, length in refs)
         manifest["chunks"] = [list(r) for r in refs]

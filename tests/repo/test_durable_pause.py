@@ -117,6 +117,8 @@ def test_a_second_pause_of_an_idle_sandbox_uploads_its_changed_pages_in_one_pack
         assert len(own) == 1 and len(second["packs"]) <= 4, second["packs"]  # a pack of its own, a few shared
         assert len(second["chunks"]) > 1000  # ~4 KiB chunks of a ~10 MiB image
         assert uploads[1] < 1.2 * 2**20, uploads  # the changed pages, the upper, the manifests
+        sealed = next(r for r in repo.artifact_refs(entry) if r.id == entry["record"]["layers"][-1])
+        assert "packs" in repo.read_manifest(sealed, "test")  # its upper's blocks shared too
         assert sbx.commands.run("echo ok").stdout.strip() == "ok"
     finally:
         sbx.kill()
