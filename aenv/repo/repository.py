@@ -55,13 +55,19 @@ from aenv.errors import ArtifactDamaged, InvalidRequest, RepositoryUnavailable, 
 from aenv.repo import encodings
 from aenv.repo.backends import Backend, MissingObject, PosixBackend
 from aenv.repo.chunks import ZSTD_LEVEL, ChunkWriter, WriteStats, chunk_key, read_chunk, read_chunks
+from aenv.repo.manifests import (
+    ARTIFACT_FORMAT,
+    PACKED_FORMAT,
+    check_manifest,
+    is_packed,
+    load_manifest,
+    object_keys,
+)
 from aenv.repo.packs import (
     PackIndex,
     PackWriter,
-    check_packed,
     chunk_sizes,
     pack_key,
-    packs_of,
     read_packed,
     wants_of,
 )
@@ -69,9 +75,6 @@ from aenv.storage.space import ensure_space
 
 log = logging.getLogger("aenv.repo")
 
-ARTIFACT_FORMAT = "aenv-artifact/1"  # chunks as loose objects
-PACKED_FORMAT = "aenv-artifact/2"  # chunks in packs, the manifest zstd-compressed
-MANIFEST_MAX = 64 << 20  # the most a compressed manifest is inflated to
 ENTRY_FORMAT = "aenv-entry/1"
 ArtifactKind = Literal["layer", "image", "guest"]
 # A "sandbox" entry is a durably paused sandbox (its record, checkpoint image and sealed upper).
@@ -87,9 +90,6 @@ LOCK_REFRESH_S = 30.0
 LOCK_STALE_S = 600.0  # a lock not refreshed for this long belongs to a process that died
 CHANGE_TRIES = 5  # rereads of an entry that other nodes keep changing under a rewrite
 ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
-DIGEST = re.compile(r"[0-9a-f]{64}")  # a chunk's name, and a part of its key
-DIGESTS = re.compile(r"(?:[0-9a-f]{64})*")
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,65 +162,6 @@ def _check_id(value: str) -> str:
     return value
 
 
-def _load_manifest(data: bytes, what: str) -> dict[str, Any]:
-    """An artifact manifest's JSON, zstd-compressed (format 2) or not (format 1)."""
-    if data[:4] == ZSTD_MAGIC:
-        try:
-            claimed = zstandard.frame_content_size(data)
-            if claimed > MANIFEST_MAX:
-                raise zstandard.ZstdError(f"its frame says {claimed} bytes")
-            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=MANIFEST_MAX)
-        except zstandard.ZstdError as exc:
-            raise ArtifactDamaged(f"{what}: its manifest is corrupt ({exc})") from None
-    try:
-        manifest = json.loads(data)
-    except ValueError:
-        raise ArtifactDamaged(f"{what}: its manifest is not valid JSON") from None
-    if not isinstance(manifest, dict):
-        raise ArtifactDamaged(f"{what}: its manifest is not a JSON object")
-    if manifest.get("format") not in (ARTIFACT_FORMAT, PACKED_FORMAT):
-        raise ArtifactDamaged(f"{what}: unknown artifact format {str(manifest.get('format'))[:100]!r}")
-    return manifest
-
-
-def is_packed(manifest: dict[str, Any]) -> bool:
-    return manifest.get("format") == PACKED_FORMAT
-
-
-def object_keys(manifest: dict[str, Any]) -> list[str]:
-    """The keys of the objects an artifact's chunks are in: its packs, or its loose chunks."""
-    if is_packed(manifest):
-        return [pack_key(d) for d in packs_of(manifest)]
-    return list(dict.fromkeys(chunk_key(d) for d, _ in manifest["chunks"]))
-
-
-def _check_manifest(manifest: dict[str, Any], what: str) -> None:
-    """What a fetch relies on in a manifest another node may have written: a known encoding, chunk
-    lengths that add up to its size, a sparse file's extents inside it and holding that size, a
-    packed one's places inside its packs."""
-    chunks = manifest.get("chunks")
-    if manifest.get("encoding") not in ("tar", "sparse") or not isinstance(chunks, list):
-        raise ArtifactDamaged(f"{what}: malformed manifest (encoding or chunks)")
-    if not all(type(c) is list and len(c) == 2 and type(c[0]) is str and type(c[1]) is int for c in chunks):
-        raise ArtifactDamaged(f"{what}: malformed manifest (chunks are sha256 digests and lengths)")
-    if not DIGESTS.fullmatch("".join(c[0] for c in chunks)):  # one match, not one a chunk
-        raise ArtifactDamaged(f"{what}: malformed manifest (chunks are sha256 digests and lengths)")
-    if manifest.get("size") != sum(length for _, length in chunks):
-        raise ArtifactDamaged(f"{what}: its manifest's size is not what its chunks hold")
-    if is_packed(manifest):
-        check_packed(manifest, what)
-    if manifest["encoding"] == "sparse":
-        extents = manifest.get("extents")
-        size = manifest.get("file_size")
-        if not isinstance(size, int) or not isinstance(extents, list):
-            raise ArtifactDamaged(f"{what}: malformed manifest (file size or extents)")
-        if not all(isinstance(e, list) and len(e) == 2 and all(isinstance(n, int) for n in e) for e in extents):
-            raise ArtifactDamaged(f"{what}: malformed manifest (extents)")
-        encodings.check_extents(size, [(a, b) for a, b in extents])
-        if sum(b for _, b in extents) != manifest["size"]:
-            raise ArtifactDamaged(f"{what}: its extents do not hold what its chunks hold")
-
-
 class Repository:
     def __init__(self, backend: Backend, *, workers: int = 8, pack_images: bool = True) -> None:
         self.backend = backend
@@ -239,7 +180,7 @@ class Repository:
             data = self.backend.get(artifact_key(kind, _check_id(artifact_id)))
         except MissingObject:
             return None
-        return ArtifactRef(kind, artifact_id, hashlib.sha256(data).hexdigest()), _load_manifest(data, artifact_id)
+        return ArtifactRef(kind, artifact_id, hashlib.sha256(data).hexdigest()), load_manifest(data, artifact_id)
 
     def put_artifact(self, item: LocalArtifact, writer: ChunkWriter) -> tuple[ArtifactRef, int]:
         """Upload one artifact's chunks, then its manifest; returns (ref, logical bytes)."""
@@ -300,7 +241,7 @@ class Repository:
             raise ArtifactDamaged(f"{what}: the manifest of {ref.kind} {ref.id} is missing") from None
         if hashlib.sha256(data).hexdigest() != ref.manifest:
             raise ArtifactDamaged(f"{what}: the manifest of {ref.kind} {ref.id} does not match its digest")
-        return _load_manifest(data, what)
+        return load_manifest(data, what)
 
     def fetch_artifact(
         self, ref: ArtifactRef, dest: Path, what: str, headroom: int = 0, on_bytes: Callable[[int], None] | None = None
@@ -310,7 +251,7 @@ class Repository:
         (507) if it would leave less than ``headroom`` bytes free on its filesystem.
         ``on_bytes(n)`` follows the chunks as they arrive (called on this thread)."""
         manifest = self.read_manifest(ref, what)
-        _check_manifest(manifest, what)
+        check_manifest(manifest, what)
         ensure_space(dest.parent, headroom, manifest["size"], what)
         chunks = self._chunks(manifest, what)
         if on_bytes is not None:
@@ -334,7 +275,7 @@ class Repository:
     def artifact_chunks(self, ref: ArtifactRef, what: str) -> Iterator[bytes]:
         """An artifact's chunks in order, each verified (wherever they are stored)."""
         manifest = self.read_manifest(ref, what)
-        _check_manifest(manifest, what)
+        check_manifest(manifest, what)
         return self._chunks(manifest, what)
 
     # -- entries ----------------------------------------------------------------------------------
@@ -525,11 +466,11 @@ class Repository:
             needed: set[str] = set()  # chunk and pack keys
             for akey in live_artifacts:
                 try:
-                    manifest = _load_manifest(self.backend.get(akey), akey)
+                    manifest = load_manifest(self.backend.get(akey), akey)
                 except MissingObject:
                     log.error("an entry names %s, which is missing", akey)
                     continue
-                _check_manifest(manifest, akey)  # damaged: raise, collect nothing
+                check_manifest(manifest, akey)  # damaged: raise, collect nothing
                 needed.update(object_keys(manifest))
             report.live_chunks = sum(1 for k in needed if k.startswith("chunks/"))
             report.live_packs = len(needed) - report.live_chunks
@@ -560,7 +501,7 @@ class Repository:
                     what = f"{kind} {entry['id']}"
                     try:
                         manifest = self.read_manifest(ref, what)
-                        _check_manifest(manifest, what)
+                        check_manifest(manifest, what)
                     except ArtifactDamaged as exc:
                         problems.append(exc.message)
                         continue
