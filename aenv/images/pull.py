@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import fcntl
 import functools
+import json
 import os
+import sys
 import threading
 import time
 import weakref
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
+from aenv.errors import AenvError, InsufficientStorage, InvalidRequest, PayloadTooLarge, RuntimeFailure
 from aenv.images.local import DIGEST, LocalSource, is_local
 from aenv.images.mirrors import MirroredClient
 from aenv.images.reference import ImageRef
@@ -38,6 +41,11 @@ PARALLEL_LAYERS = 4  # layers of one image downloading and unpacking at once
 PIPE_SIZE = 1 << 20  # between a download and its unpack
 WRITE_BATCH = 256 << 10  # bytes of a download handed to its unpack at a time
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+UNPACK_APART = 4 << 20  # a layer this large (compressed) unpacks in a process of its own, a smaller one on a thread
+# What the unpacking process may answer, as it raised it (anything else: an AenvError of its status).
+UNPACK_ERRORS: dict[str, type[AenvError]] = {
+    cls.__name__: cls for cls in (LayerError, PayloadTooLarge, InsufficientStorage, InvalidRequest)
+}
 
 
 def layer_id_of(diff_id: str) -> str:
@@ -247,8 +255,9 @@ class ImagePull:
 
     async def _stream(self, desc: dict[str, Any], work: Path, progress: LayerProgress, label: str) -> str:
         """Unpack the blob into ``work`` while it downloads: the download writes into a pipe that
-        a thread of its own unpacks from. Returns the tar's digest; whether the blob was whole and
-        its own is known only at its end, so ``work`` is the caller's to keep or throw away."""
+        a process of its own (a thread for a small layer) unpacks from. Returns the tar's digest;
+        whether the blob was whole and its own is known only at its end, so ``work`` is the
+        caller's to keep or throw away once the unpacking has stopped."""
         assert self.client is not None and self.ref is not None
         loop = asyncio.get_running_loop()
         read_end, write_end = os.pipe()
@@ -256,7 +265,18 @@ class ImagePull:
             fcntl.fcntl(write_end, F_SETPIPE_SZ, PIPE_SIZE)
         os.set_blocking(write_end, False)
         room = headroom(self.node.settings)
-        unpack = _in_thread(_unpack_pipe, os.fdopen(read_end, "rb", buffering=0), work, room, label)
+        try:
+            if desc["size"] >= UNPACK_APART:
+                unpack: asyncio.Future[str] = await _in_process(read_end, work, room, label)
+            else:
+                unpack = _in_thread(_unpack_pipe, os.fdopen(read_end, "rb", buffering=0), work, room, label)
+                read_end = -1  # the thread's file has it
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            if read_end >= 0:
+                os.close(read_end)  # the unpacking process has its own
         pending = bytearray()
 
         async def sink(chunk: bytes) -> None:
@@ -312,6 +332,46 @@ async def _all(tasks: list[asyncio.Future[T]]) -> list[T]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _in_process(read_end: int, work: Path, room: int, label: str) -> asyncio.Future[str]:
+    """Unpack the layer ``read_end`` carries in a process of its own (``python -m
+    aenv.images.unpack``): it holds no lock the node's event loop needs, and layers unpack on as
+    many cores as there are. The future: the tar's digest, or the process's error."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "aenv.images.unpack",
+            str(work),
+            str(room),
+            label,
+            stdin=read_end,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot start the unpacking of layer {label}: {exc}") from exc
+    return asyncio.ensure_future(_unpacked(proc, label))
+
+
+async def _unpacked(proc: asyncio.subprocess.Process, label: str) -> str:
+    out, err = await proc.communicate()  # its input ends when the download ends, whatever happened
+    lines = out.decode(errors="replace").strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and proc.returncode == 0 and isinstance(answer.get("digest"), str):
+        return str(answer["digest"])
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        kind = UNPACK_ERRORS.get(str(error.get("type")), AenvError)
+        status = error.get("status")
+        raise kind(error["message"], status=status if isinstance(status, int) else None)
+    said = err.decode(errors="replace").strip().splitlines()
+    raise RuntimeFailure(f"unpacking layer {label} failed (exit {proc.returncode}): {said[-1] if said else ''}")
 
 
 def _unpack_pipe(reader: BinaryIO, work: Path, room: int, label: str) -> str:

@@ -15,13 +15,16 @@ import bz2
 import gzip
 import hashlib
 import io
+import json
 import logging
 import lzma
 import os
 import re
 import stat
+import sys
 import tarfile
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -36,6 +39,7 @@ from aenv.storage.confined import (
     PathRefused,
     dir_at,
     entry_parts,
+    lstat_at,
     open_root,
     parent_at,
     remove_at,
@@ -182,17 +186,18 @@ def apply_layer(blob: Path, dest: Path, headroom: int = 0) -> str:
 
 
 def apply_layer_stream(raw: IO[bytes], dest: Path, headroom: int = 0, name: str = "") -> str:
-    """:func:`apply_layer` of a layer read as it arrives (a pipe from its download): read to its
-    end whatever it holds, so the writer is never left blocked."""
+    """:func:`apply_layer` of a layer read as it arrives (a pipe from its download). Whoever
+    writes the pipe learns of a failure from its reader closing it (EPIPE)."""
     dest.mkdir(parents=True, exist_ok=True)
     root = open_root(dest)
+    parents = _Parents(root)
     room = SpaceWatch(headroom, f"layer {name}", every=SPACE_CHECK)
     try:
         hashing = _Hashing(decompressed(raw))
         stream = io.BufferedReader(hashing, buffer_size=1 << 20)
         for tar, member in TarStream(stream, f"layer {name}").members():
             room.before(root, member.size if member.isreg() else 0)  # every entry takes an inode
-            _apply(tar, member, root)
+            _apply(tar, member, root, parents)
         while stream.read(1 << 20):  # tar padding after the end-of-archive blocks counts too
             pass
     except PathRefused as exc:
@@ -202,11 +207,51 @@ def apply_layer_stream(raw: IO[bytes], dest: Path, headroom: int = 0, name: str 
     except UNREADABLE as exc:
         raise LayerError(f"cannot unpack layer {name}: {exc}") from exc
     finally:
+        parents.close()
         os.close(root)
     return "sha256:" + hashing.sha.hexdigest()
 
 
-def _apply(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int) -> None:
+class _Parents:
+    """The directories recent entries went into, by path, as fds: a layer of many files in a few
+    directories is not walked from its root for each file (the walk checks every component; it is
+    made once per directory). An entry that removes or replaces a path drops the fds of it and of
+    what is below it first, so a cached fd is always what the walk would find again."""
+
+    KEEP = 64
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.fds: OrderedDict[tuple[str, ...], int] = OrderedDict()
+
+    def of(self, parts: list[str]) -> int:
+        """The directory holding ``parts[-1]`` (the cache's: not to be closed)."""
+        key = tuple(parts[:-1])
+        fd = self.fds.get(key)
+        if fd is not None:
+            self.fds.move_to_end(key)
+            return fd
+        fd = parent_at(self.root, parts, WHAT, create=True)
+        self.fds[key] = fd
+        if len(self.fds) > self.KEEP:
+            os.close(self.fds.popitem(last=False)[1])
+        return fd
+
+    def remove(self, parent: int, parts: tuple[str, ...]) -> None:
+        """``remove_at`` of the entry ``parts`` (in ``parent``), forgetting what was below it."""
+        if lstat_at(parent, parts[-1]) is None:
+            return
+        for key in [k for k in self.fds if k[: len(parts)] == parts]:
+            os.close(self.fds.pop(key))
+        remove_at(parent, parts[-1])
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _apply(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int, parents: _Parents) -> None:
     parts = entry_parts(member.name, WHAT, absolute_ok=True)
     if not parts:
         return  # the layer's root: an overlay takes its attributes from the top layer
@@ -214,27 +259,30 @@ def _apply(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int) -> None:
         return  # AUFS bookkeeping (.wh..wh.plnk/ holds hardlinks' originals): skipped, as Docker does
     if any(part.startswith(WHITEOUT) for part in parts[:-1]):  # the prefix is reserved for whiteouts
         raise PathRefused(f"{WHAT} {member.name!r} is inside a whiteout")
-    parent = parent_at(root, parts, WHAT, create=True)
-    try:
-        _entry(tar, member, root, parent, parts[-1])
-    finally:
-        os.close(parent)
+    _entry(tar, member, root, parents.of(parts), tuple(parts), parents)
 
 
-def _entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int, parent: int, name: str) -> None:
+def _entry(
+    tar: tarfile.TarFile, member: tarfile.TarInfo, root: int, parent: int, path: tuple[str, ...], parents: _Parents
+) -> None:
+    name = path[-1]
     if name == OPAQUE:
         os.setxattr(parent, OPAQUE_XATTR, b"y")
         return
     if name.startswith(AUFS_META):
         return
     if name.startswith(WHITEOUT):
-        _whiteout(parent, name[len(WHITEOUT) :], member.name)
+        hidden = name[len(WHITEOUT) :]
+        if hidden not in ("", ".", ".."):
+            parents.remove(parent, (*path[:-1], hidden))
+        _whiteout(parent, hidden, member.name)
         return
     if member.ischr() or member.isblk():
         # Device nodes in images are normal (an exported /dev), but the host must never hold a
         # node that opens one of its own devices: a sandbox gets its /dev from the runtime, so
         # they are skipped. A 0/0 character device already is an overlay whiteout: kept as one.
         if member.ischr() and member.devmajor == 0 and member.devminor == 0:
+            parents.remove(parent, path)
             _whiteout(parent, name, member.name)
         else:
             log.info("layer entry %s: device node %d:%d skipped", member.name, member.devmajor, member.devminor)
@@ -246,15 +294,19 @@ def _entry(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int, parent: int
         finally:
             os.close(fd)
         return
-    remove_at(parent, name)  # a later entry replaces an earlier one, as tar does
+    parents.remove(parent, path)  # a later entry replaces an earlier one, as tar does
     if member.isreg():
         source = tar.extractfile(member)
         assert source is not None
-        with os.fdopen(os.open(name, NEW_FILE_FLAGS, 0o600, dir_fd=parent), "wb") as out:
+        fd = os.open(name, NEW_FILE_FLAGS, 0o600, dir_fd=parent)
+        try:
             while chunk := source.read(1 << 20):
-                out.write(chunk)
-            out.flush()
-            _attributes(out.fileno(), member)
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+            _attributes(fd, member)
+        finally:
+            os.close(fd)
     elif member.issym():
         os.symlink(member.linkname, name, dir_fd=parent)
         os.chown(name, member.uid, member.gid, dir_fd=parent, follow_symlinks=False)
@@ -293,3 +345,23 @@ def _attributes(fd: int, member: tarfile.TarInfo) -> None:
                 os.setxattr(fd, attribute, value.encode("latin-1"))
             except (OSError, ValueError):  # ValueError: a NUL byte in its name
                 pass  # an attribute this filesystem does not take is not worth the layer
+
+
+def main(argv: list[str]) -> int:
+    """``python -m aenv.images.unpack DEST HEADROOM NAME``: unpack the layer on stdin into DEST
+    (a pull's unpack in a process of its own: the node's interpreter lock is not shared with the
+    download, and layers unpack on several cores). Prints ``{"digest"}`` or ``{"error": {type,
+    message, status}}`` as one JSON line."""
+    dest, room, name = Path(argv[0]), int(argv[1]), argv[2]
+    try:
+        with open(0, "rb", buffering=0, closefd=False) as raw:
+            digest = apply_layer_stream(raw, dest, room, name)
+    except AenvError as exc:
+        print(json.dumps({"error": {"type": type(exc).__name__, "message": exc.message, "status": exc.status}}))
+        return 1
+    print(json.dumps({"digest": digest}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -23,6 +23,7 @@ no template record; nothing is remembered of it, so the next create tries again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import weakref
@@ -172,14 +173,15 @@ async def _build(
     """Resolve the manifest; the template of its digest if there is one (or being made), else
     pull, convert and commit it."""
     aliases = tuple(dict.fromkeys([reference, canonical]))
-    async with ImagePull(node, reference) as job:
+    said = functools.partial(_said, reference)  # the build's log lines, for an operator who asks (debug)
+    async with ImagePull(node, reference, on_log=said) as job:
         digest = (await job.resolve()).digest
         rec = by_digest(node, digest)
         other = builds.by_digest.get(digest)
         if rec is None and other is None:
             builds.by_digest[digest] = done
             try:
-                return await commit_image(node, job, digest_name(digest), canonical, aliases=aliases)
+                return await commit_image(node, job, digest_name(digest), canonical, aliases=aliases, on_log=said)
             finally:
                 if builds.by_digest.get(digest) is done:
                     del builds.by_digest[digest]
@@ -204,6 +206,10 @@ async def _wait(build: asyncio.Future[TemplateRecord], deadline: float, referenc
             status=504,
         )
     return waiting.result()
+
+
+def _said(reference: str, line: str) -> None:
+    log.info("image %s: %s", reference, line)
 
 
 def _fail(done: asyncio.Future[TemplateRecord], exc: BaseException) -> None:

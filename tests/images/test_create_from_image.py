@@ -325,7 +325,8 @@ def test_a_registry_that_misbehaves_fails_every_waiter_and_leaves_nothing(
     the same clear error, the registry was asked once, and nothing is left half-made: no layer,
     no scratch file, no template, no mount. Once the registry behaves, a create makes it."""
     task = f"broken__broken-{abs(hash(fault)) % 10000}"
-    unique = LayerTar().file("unique.bin", os.urandom(2 * MiB)).bytes()  # large enough to be on the wire a while
+    # past UNPACK_APART: unpacked by a process of its own while it downloads (BASE, on a thread)
+    unique = LayerTar().file("unique.bin", os.urandom(5 * MiB)).bytes()
     name = f"swebench/sweb.eval.x86_64.{task}"
     digest = setup.registry.push_image(name, "latest", [(BASE, "gzip"), (unique, "gzip")])
     spoiled = blobs_of(setup.registry, name, digest)[1]

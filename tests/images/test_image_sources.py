@@ -91,7 +91,9 @@ def stand(monkeypatch: pytest.MonkeyPatch) -> Stand:
                 raise NotFound(f"image '{self.reference}' not found")
             return SimpleNamespace(digest=stand.digests[self.reference])
 
-    async def commit(node: Node, job: Pull, name: str, reference: str, *, aliases: tuple[str, ...] = ()) -> Any:
+    async def commit(
+        node: Node, job: Pull, name: str, reference: str, *, aliases: tuple[str, ...] = (), **_: Any
+    ) -> Any:
         stand.builds.append(name)
         stand.running += 1
         stand.most = max(stand.most, stand.running)

@@ -60,6 +60,39 @@ def test_nothing_lands_outside_the_layer(tmp_path: Path, hostile: LayerTar) -> N
     assert not Path("/escape").exists()
 
 
+@pytest.mark.parametrize(
+    "replaced",
+    [
+        lambda layer: layer.symlink("d", "/"),  # the directory becomes a link out
+        lambda layer: layer.file("d", b"now a file"),
+        lambda layer: layer.file(".wh.d", b""),  # whited out in its own layer
+    ],
+    ids=["link", "file", "whiteout"],
+)
+def test_a_directory_an_entry_replaced_is_never_written_through(tmp_path: Path, replaced) -> None:  # type: ignore[no-untyped-def]
+    """The unpack keeps the directories it wrote into open; an entry that replaces one must not
+    leave a later entry below that path going into the old directory (or through a link)."""
+    layer = LayerTar().dir("d").dir("d/sub").file("d/sub/a", b"a")
+    layer = replaced(layer).file("d/sub/b", b"b")
+    dest = tmp_path / "deep" / "layer"
+    with pytest.raises(LayerError, match="non-directory"):
+        apply_layer(write(tmp_path, layer.bytes()), dest)
+    assert not Path("/sub").exists() and not (tmp_path / "deep" / "sub").exists()
+
+
+def test_many_files_in_few_directories(tmp_path: Path) -> None:
+    layer = LayerTar()
+    for d in range(5):
+        layer.dir(f"d{d}")
+        for f in range(300):
+            layer.file(f"d{d}/f{f}", f"{d}/{f}".encode(), 0o600 + d)
+    tar = layer.bytes()
+    dest = tmp_path / "layer"
+    assert apply_layer(write(tmp_path, gzip.compress(tar)), dest) == sha(tar)
+    assert sorted(os.listdir(dest)) == [f"d{d}" for d in range(5)]
+    assert (dest / "d3/f299").read_bytes() == b"3/299" and stat.S_IMODE(os.stat(dest / "d4/f0").st_mode) == 0o604
+
+
 def test_corrupt_layer_is_a_clear_error(tmp_path: Path) -> None:
     good = gzip.compress(LayerTar().file("a", b"x" * 10000).bytes())
     with pytest.raises(LayerError):
