@@ -352,9 +352,10 @@ def test_a_registry_that_misbehaves_fails_every_waiter_and_leaves_nothing(
         Sandbox.create(template=ref, timeout=60).kill()
 
 
-def test_private_registries_take_the_nodes_logins(setup: Setup, api: httpx.Client) -> None:
+def test_private_registries_take_the_nodes_logins_or_one_given_once(setup: Setup, api: httpx.Client) -> None:
     """A registry that wants a login: E2B's "access denied" (403, not a 401 that would read as the
-    API key's) until AENV_REGISTRY_AUTH (a Docker config, read at each pull) has one for it."""
+    API key's) until AENV_REGISTRY_AUTH (a Docker config, read at each pull) has one for it; or a
+    client pulls the image once with its own login, and creates by the reference use that."""
     setup.locked.push_image("team/app", "1", [(BASE, "gzip"), (LayerTar().file("secret", b"inside\n").bytes(), "gzip")])
     ref = f"{setup.locked.host}/team/app:1"
     r = api.post("/sandboxes", json={"templateID": ref})
@@ -371,6 +372,20 @@ def test_private_registries_take_the_nodes_logins(setup: Setup, api: httpx.Clien
     finally:
         setup.auth_file.unlink()
     assert "s3cret" not in json.dumps(api.get("/templates").json())
+
+    # A client's own login, given once to the from-image API (for that pull only, never kept): the
+    # template it makes is what creates by the reference restore, with no login.
+    setup.locked.push_image("team/tool", "2", [(BASE, "gzip"), (LayerTar().file("tool", b"tool\n").bytes(), "gzip")])
+    tool = f"{setup.locked.host}/team/tool:2"
+    made = api.post(
+        "/templates/from-image", json={"name": "tool", "image": tool, "username": "alice", "password": "s3cret-pw"}
+    )
+    assert made.status_code == 201, made.text
+    sbx = Sandbox.create(template=tool, timeout=60)
+    try:
+        assert sbx.commands.run("cat /tool").stdout == "tool\n" and sbx.get_info().template_id == "tool"
+    finally:
+        sbx.kill()
 
 
 def test_the_template_is_listed_deleted_and_made_again(setup: Setup, api: httpx.Client) -> None:
