@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -20,6 +21,8 @@ from hypothesis import HealthCheck, settings
 from schemathesis import Case, GenerationMode
 from schemathesis.checks import not_a_server_error
 
+from aenv.errors import InvalidRequest
+from aenv.images.reference import ImageRef
 from tests.conftest import API_KEY, Server
 
 pytestmark = pytest.mark.sandbox
@@ -28,6 +31,7 @@ EXAMPLES = int(os.environ.get("AENV_FUZZ_EXAMPLES", "50"))
 # arbitrary hosts. Their bodies are covered by test_api_hostile against a loopback address.
 LEAVES_THE_MACHINE = ["/templates/from-image", "/v2/templates/{template_id}/builds/{build_id}"]
 CREATES = {"/sandboxes", "/v2/sandboxes"}
+NOWHERE = "127.0.0.1:9"  # a registry of this machine that refuses at once (discard's port, closed)
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +112,18 @@ def test_no_input_is_a_server_error(case: Case, server: Server, existing: set[st
     if _touches(case, existing):
         return  # never rename, retag or delete what the rest of the session relies on
     target.take(case)
+    pulls = False
     if case.method == "POST" and case.path in CREATES and isinstance(case.body, dict):
         # each new disk size makes the node format a pool of spare uppers: keep to the default one
         limits = case.body.get("limits")
         if isinstance(limits, dict) and "diskSizeMB" in limits:
             limits["diskSizeMB"] = 2048
+        pulls = _kept_on_the_machine(case.body)
     response = case.call(base_url=server.url, headers={"X-API-Key": API_KEY}, timeout=120)
     if case.method == "POST" and case.path in CREATES and response.status_code == 201:
         httpx.delete(f"{server.url}/sandboxes/{response.json()['sandboxID']}", headers={"X-API-Key": API_KEY})
+    if pulls and response.status_code == 502 and response.json().get("error_code") == "upstream_error":
+        return  # the registry it names refused the connection: the registry's failure, said as such
     case.validate_response(response, checks=[not_a_server_error])
     if response.status_code >= 400:
         try:
@@ -125,6 +133,24 @@ def test_no_input_is_a_server_error(case: Case, server: Server, existing: set[st
         assert isinstance(error, dict) and error.get("code") and error.get("message"), (
             f"{case.method} {case.formatted_path}: {response.status_code} {response.text!r}"
         )
+
+
+def _kept_on_the_machine(body: dict[str, Any]) -> bool:
+    """A create may name an image (its `image`, or a `templateID` that is a reference): pulled from
+    the registry it names, which a fuzzer must not choose. A reference is sent to a closed port of
+    this machine instead, the rest of it as generated. Whether the create may pull."""
+    pulls = False
+    for key in ("templateID", "image"):
+        value = body.get(key)
+        if not isinstance(value, str) or (key == "templateID" and not any(m in value for m in "/:@")):
+            continue
+        try:
+            ref = ImageRef.parse(value)
+        except InvalidRequest:
+            continue  # a 400, asking no one
+        body[key] = str(replace(ref, registry=NOWHERE))
+        pulls = True
+    return pulls
 
 
 def _touches(case: Case, names: set[str]) -> bool:
