@@ -404,3 +404,16 @@ def test_the_template_is_listed_deleted_and_made_again(setup: Setup, api: httpx.
     rebuilt = api.get(f"/templates/{digest.replace(':', '-')}").json()
     assert rebuilt["templateID"] != template["templateID"] and ref in rebuilt["aliases"]
     assert all(setup.proxy.count(f"blobs/{b}") == 1 for b in blobs[:-1])  # its layers stayed as a cache
+
+
+def test_a_malformed_registry_auth_stops_the_server_at_once(tmp_path: Path) -> None:
+    """Inline AENV_REGISTRY_AUTH that is no Docker config: exit code 2 naming it, no secret echoed."""
+    import subprocess
+    import sys
+
+    for value in ('{"auths": {"r:5000": {"auth": "c2VjcmV0"}}', '{"auths": ["r:5000"]}'):
+        env = {"AENV_REGISTRY_AUTH": value, "PATH": "/usr/bin:/bin"}
+        argv = [sys.executable, "-m", "aenv.cli.main", "server", "--data-dir", str(tmp_path), "--port", "1"]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "AENV_REGISTRY_AUTH" in done.stderr, done.stderr
+        assert "c2VjcmV0" not in done.stderr
