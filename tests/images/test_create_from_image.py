@@ -151,11 +151,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         "AENV_REGISTRY_AUTH": str(auth_file),
         "AENV_SPARE_UPPERS": "0",  # no blank uppers mounted behind the tests' backs: mounts are compared
     }
-    node = start_busybox_node(tmp_path_factory.mktemp("node") / "data", env)
-    try:
+    node = None
+    try:  # the registries stop with the module, and when the node does not start
+        node = start_busybox_node(tmp_path_factory.mktemp("node") / "data", env)
         yield Setup(node, registry, proxy, locked, auth_file)
     finally:
-        node.stop()
+        if node is not None:
+            node.stop()
         proxy.close()
         for gen in (registry_gen, locked_gen):
             next(gen, None)
