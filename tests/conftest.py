@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import disk
+
 API_KEY = "e2b_" + "0" * 40
 DATA_DIR = Path(os.environ.get("AENV_TEST_DATA_DIR", "/var/tmp/aenv-test"))
 SLOW_CLIENT_DEADLINES = {"AENV_HTTP_HEAD_TIMEOUT": "8", "AENV_HTTP_BODY_TIMEOUT": "10"}
@@ -79,6 +81,8 @@ def start_server(
     env = dict(os.environ)
     # Shorter slow-client deadlines than the defaults (30 s, 60 s): the tests that wait them out stay quick.
     env.update({"AENV_API_KEY": API_KEY, "AENV_REAPER_INTERVAL": "0.5"} | SLOW_CLIENT_DEADLINES)
+    # The CI machine may have a few GB free: the default 4 GiB kept free would refuse (507) the suite
+    env.setdefault("AENV_DISK_HEADROOM_MB", "512")
     env.update(extra_env or {})
     log = data_dir.parent / f"{data_dir.name}-server-{port}.log"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -210,3 +214,56 @@ def e2b_sandbox() -> Iterator[object]:
         sbx.kill()
     except Exception:
         pass
+
+
+# What tests leave on disk goes as soon as it may (tests/disk.py): a passed test's tmp_path after its
+# teardown, a module's tmp_path_factory directories after its last test. A failed test's are kept
+# (its servers' logs) while the disk has room.
+KEEP_FAILED_ABOVE_GIB = 15
+_failed = pytest.StashKey[bool]()
+_tmp = pytest.StashKey[Path]()
+_module: dict[str, object] = {"name": None, "before": set(), "failed": False}
+
+
+def _basetemp(config: pytest.Config) -> Path:
+    return config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> object:
+    if _module["name"] != item.nodeid.split("::")[0]:  # before its module fixtures are made
+        _module.update(name=item.nodeid.split("::")[0], failed=False, before=set(_basetemp(item.config).iterdir()))
+    try:
+        return (yield)
+    finally:
+        tmp = getattr(item, "funcargs", {}).get("tmp_path")
+        if isinstance(tmp, Path):
+            item.stash[_tmp] = tmp
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    report: pytest.TestReport = yield
+    if report.failed:
+        item.stash[_failed] = True
+        _module["failed"] = True
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    try:
+        return (yield)
+    finally:
+        base = _basetemp(item.config)
+        roomy = disk.free_gib(base) > KEEP_FAILED_ABOVE_GIB
+        tmp = item.stash.get(_tmp, None)
+        if tmp is not None and not (item.stash.get(_failed, False) and roomy):
+            disk.release(tmp)
+        if nextitem is None or nextitem.nodeid.split("::")[0] != _module["name"]:
+            if not (_module["failed"] and roomy):  # the module's fixtures are torn down by now
+                before = _module["before"]
+                assert isinstance(before, set)
+                for path in set(base.iterdir()) - before:
+                    if path.is_dir():
+                        disk.release(path)
