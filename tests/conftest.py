@@ -267,3 +267,4 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
                 for path in set(base.iterdir()) - before:
                     if path.is_dir():
                         disk.release(path)
+                disk.dispose_now()

@@ -62,6 +62,21 @@ def release(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+_disposable: set[Path] = set()
+
+
+def dispose_after_module(path: Path) -> None:
+    """``path`` (outside pytest's temporary directories: a named node's data dir) goes once the
+    module using it is done."""
+    _disposable.add(path)
+
+
+def dispose_now() -> None:
+    for path in sorted(_disposable):
+        release(path)
+    _disposable.clear()
+
+
 def free_gib(path: Path) -> float:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize / (1 << 30)

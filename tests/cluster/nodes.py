@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests import disk
 from tests.conftest import DATA_DIR, Server, free_port, start_server
+
+KEPT = ("node-a", "node-b")  # the nodes of most cluster tests: their data dirs last the session
 
 
 def node_data_dir(name: str) -> Path:
@@ -14,6 +17,8 @@ def node_data_dir(name: str) -> Path:
 
 
 def start_node(etcd_url: str, name: str, *, lease_ttl: int = 3, extra_env: dict[str, str] | None = None) -> Server:
+    if name not in KEPT:
+        disk.dispose_after_module(node_data_dir(name))  # ~1 GB each once it has fetched `base`
     port = free_port()
     env = {
         "AENV_CLUSTER": etcd_url,

@@ -34,6 +34,7 @@ from aenv.cluster.local import ClusterError, Layout, alive, etcd_tls, loops_unde
 from aenv.cluster.local_up import check_ports
 from aenv.cluster.store import ClusterStore, EtcdTls
 from aenv.errors import ClusterUnavailable
+from tests import disk
 from tests.cluster.conftest import require_etcd
 from tests.conftest import DATA_DIR, Server
 
@@ -91,6 +92,7 @@ def exports(stdout: str) -> dict[str, str]:
 def local(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local]:
     require_etcd()
     root = DATA_DIR.parent / f"{DATA_DIR.name}-local-cluster"
+    disk.dispose_after_module(root)  # three nodes' data dirs, after `down`
     bin_dir = tmp_path_factory.mktemp("python")
     pip_log = bin_dir / "calls"
     wrapper = bin_dir / "python"  # records what scripts/cluster asks of Python

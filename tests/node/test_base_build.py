@@ -155,7 +155,7 @@ async def test_a_layer_removed_later_loses_its_mounts(shim: Path) -> None:
     node = fake_node(shim / "data")
     layer_id, path = node.files.new_layer_dir()
     (path / "proc").mkdir()
-    subprocess.run(["mount", "-t", "proc", "proc", str(path / "proc")], check=True)
+    await asyncio.to_thread(subprocess.run, ["mount", "-t", "proc", "proc", str(path / "proc")], check=True)
     await node.files.remove(layer_id)
     assert mounted_under(shim / "data") == []
     assert not path.exists()
