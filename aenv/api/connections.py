@@ -266,6 +266,15 @@ class NodeHTTPProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, msg)
 
+    def handle_websocket_upgrade(self) -> None:
+        cased = self._cased
+        super().handle_websocket_upgrade()
+        # uvicorn's WebSocket protocol (websockets' sans-I/O one) made the upgrade's scope from the
+        # head just handed to it, whose names are lowercased; the app's task has not run yet
+        scope = getattr(self.transport.get_protocol(), "scope", None)
+        if cased and isinstance(scope, dict) and scope.get("type") == "websocket":
+            scope.setdefault("extensions", {})[HEADER_NAMES] = cased
+
     def _refuse(self, status: int, message: str) -> None:
         """Answer ``status`` with a JSON error and close: at once if no answer of this connection is
         under way, else after the answers to the requests before this one."""

@@ -39,9 +39,12 @@ HOP_BY_HOP = {
     b"content-length",
 }
 TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
+# A gateway relaying an upgrade opens its own WebSocket to the node (Host: the node's address) and
+# names the client's Host in this: what the port sees is what the client sent
+CLIENT_HOST_HEADER = "aenv-client-host"
 # Headers for the proxy, never passed on to the port: routing, and the traffic token (a credential
 # of the proxy's, which E2B's proxy forwards; a port has no use for it).
-ROUTING = {b"e2b-sandbox-id", b"e2b-sandbox-port", TRAFFIC_TOKEN_HEADER.encode()}
+ROUTING = {b"e2b-sandbox-id", b"e2b-sandbox-port", TRAFFIC_TOKEN_HEADER.encode(), CLIENT_HOST_HEADER.encode()}
 PORT_PLACEHOLDER = "${PORT}"
 
 
@@ -285,16 +288,19 @@ async def proxy_websocket(scope: Any, receive: Any, send: Any, node: NodeService
     handshake = upstream.connect()
     mask = masked_host(rec, port)
     own = WS_OWN_HEADERS | ({"x-forwarded-host"} if mask is not None else set())
-    for key, value in scope["headers"]:
-        name = key.decode("latin-1").lower()
-        if name not in own and key not in ROUTING:
+    for key, value in as_sent(scope):  # names as the client wrote them
+        name = key.decode("latin-1")
+        if name.lower() not in own and key.lower() not in ROUTING:
             handshake.headers[name] = value.decode("latin-1")
-    if mask is not None:  # in place of the protocol object's own Host, 127.0.0.1:<port>
-        original = next((v for k, v in scope["headers"] if k == b"host"), b"")
+    # In place of the protocol object's own Host (127.0.0.1:<port>): the client's, as an HTTP
+    # request's is passed on, or the sandbox's mask of it
+    hosts = dict((k, v) for k, v in scope["headers"] if k in (b"host", CLIENT_HOST_HEADER.encode()))
+    original = hosts.get(CLIENT_HOST_HEADER.encode(), hosts.get(b"host", b""))
+    if mask is not None or original:
         del handshake.headers["Host"]
-        handshake.headers["Host"] = mask
-        if original:
-            handshake.headers["X-Forwarded-Host"] = original.decode("latin-1")
+        handshake.headers["Host"] = mask if mask is not None else original.decode("latin-1")
+    if mask is not None and original:
+        handshake.headers["X-Forwarded-Host"] = original.decode("latin-1")
     upstream.send_request(handshake)
     bridge = _Bridge(send, upstream, tunnel, patience)
     try:
@@ -315,7 +321,8 @@ async def proxy_websocket(scope: Any, receive: Any, send: Any, node: NodeService
         await bridge.release()
         refusal: Response = port_closed(sandbox_id, port)
         if answer is not None and answer.status_code != 101:  # the port refused the upgrade: pass that on
-            refusal = Response(answer.body or b"", status_code=answer.status_code)
+            kept = {k: v for k, v in answer.headers.raw_items() if k.lower() == "content-type"}
+            refusal = Response(bytes(answer.body or b""), status_code=answer.status_code, headers=kept)
         elif answer is not None:  # it agreed, but to something the client did not ask for
             message = f"bad WebSocket handshake from port {port}: {snippet(str(upstream.handshake_exc))}"
             refusal = JSONResponse({"code": 502, "message": message}, status_code=502)

@@ -43,7 +43,7 @@ from starlette.types import Message, Receive, Scope, Send
 from aenv.api import connections, envd, listing
 from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, sandbox_target
 from aenv.api.listing import short_sandbox_id
-from aenv.api.proxy import TRAFFIC_TOKEN_HEADER, sandbox_gone, sandbox_paused
+from aenv.api.proxy import CLIENT_HOST_HEADER, TRAFFIC_TOKEN_HEADER, sandbox_gone, sandbox_paused
 from aenv.api.signed import Signers
 from aenv.api.signed import too_long as url_too_long
 from aenv.cluster import forks, lists
@@ -463,6 +463,8 @@ class Gateway:
             await refuse_websocket(scope, send, error_response(scope, exc))
             return
         routing = {"e2b-sandbox-id": sandbox_id, "e2b-sandbox-port": str(port)}
+        if host := headers.get("host"):
+            routing[CLIENT_HOST_HEADER] = host
         await relay_websocket(scope, receive, send, node, routing, self.settings.ws_max_message_mb * 2**20)
 
     async def artifact_node(self, request: Request) -> NodeEntry:

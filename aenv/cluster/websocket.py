@@ -20,7 +20,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.frames import EXTERNAL_CLOSE_CODES
 from websockets.typing import Subprotocol
 
-from aenv.api.connections import refuse_websocket
+from aenv.api.connections import as_sent, refuse_websocket
 from aenv.cluster.entries import NodeEntry
 
 log = logging.getLogger("aenv.gateway")
@@ -44,6 +44,7 @@ NOT_FORWARDED = frozenset(
         "sec-websocket-accept",
         "e2b-sandbox-id",
         "e2b-sandbox-port",
+        "aenv-client-host",  # the gateway's own, in its routing headers
     }
 )
 # The node's proxy waits up to its port_response_timeout (300 s) for the port's handshake.
@@ -60,7 +61,7 @@ async def relay_websocket(
     uri = "ws" + node.address.removeprefix("http") + path + (f"?{query}" if query else "")
     headers = [
         (k.decode("latin-1"), v.decode("latin-1"))
-        for k, v in scope["headers"]
+        for k, v in as_sent(scope)  # names as the client wrote them
         if k.decode("latin-1").lower() not in NOT_FORWARDED
     ]
     offered = [Subprotocol(p) for p in scope.get("subprotocols", [])] or None

@@ -417,6 +417,24 @@ def test_a_port_sees_header_names_as_the_client_wrote_them(target: Target, stack
     assert names == {"host", "x-mixed-case", "accept", "user-agent", "connection"}, seen
 
 
+def test_a_port_sees_a_websocket_upgrade_s_header_names_as_sent(target: Target, stack: Stack) -> None:
+    """An upgrade goes through uvicorn's WebSocket protocol, whose scope had lowercased names (seen
+    failing: `x-mixed-case: 1` reached the port). The echo server refuses the upgrade with the head
+    it saw as the body, which the proxy passes on."""
+    through_the_port(target, stack)  # the echo server is up
+    upgrade = (
+        b"GET /echo HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + f"E2b-Sandbox-Id: {stack.sandbox_id}\r\nE2b-Sandbox-Port: {PORT}\r\n".encode()
+        + b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+        + b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nx-MiXeD-Case: 1\r\nUser-Agent: ws-raw\r\n\r\n"
+    )
+    got = exchange(target, upgrade)
+    assert got and got[0][0] == 200, got
+    seen = got[0][2].decode().split("\r\n")
+    assert "x-MiXeD-Case: 1" in seen and "User-Agent: ws-raw" in seen, "\n".join(seen)
+    assert "Host: 127.0.0.1" in seen, "\n".join(seen)  # the client's, as for any request
+
+
 def test_answers_carry_one_date_and_one_server(target: Target, stack: Stack) -> None:
     """The port's own Date and Server are the only ones (uvicorn added its own: two of each, three
     through a gateway); the server's own answers, errors included, carry one of each."""
