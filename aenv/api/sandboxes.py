@@ -9,6 +9,7 @@ import re
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -136,14 +137,15 @@ def _first_error(exc: ValueError) -> str:
     return f"invalid request body: {exc}"
 
 
-async def create_source(node: BuildHost, body: NewSandbox) -> str:
+def create_source(node: BuildHost, body: NewSandbox) -> AbstractAsyncContextManager[str]:
     """The template or snapshot a create restores: ``templateID`` as it names one, or the template
-    made from the image it (or ``image``) names, built first if need be (image_sources)."""
+    made from the image it (or ``image``) names, built first if need be (image_sources); held
+    (never evicted) until the block ends."""
     if body.image is None:
-        return await image_sources.source_for(node, body.template_id)
+        return image_sources.held_source(node, body.template_id)
     if "template_id" in body.model_fields_set:
         raise InvalidRequest("invalid request body: give templateID or image, not both")
-    return await image_sources.source_for(node, body.image, image=True)
+    return image_sources.held_source(node, body.image, image=True)
 
 
 async def _create(request: Request) -> JSONResponse:
@@ -171,8 +173,12 @@ async def _create(request: Request) -> JSONResponse:
     public_traffic, mask_request_host = ingress_options(body.network, secure=secure)
 
     async def create() -> str:
+        async with create_source(build_host_of(request), body) as source:
+            return await created(source)
+
+    async def created(source: str) -> str:
         rec = await node.create(
-            await create_source(build_host_of(request), body),
+            source,
             timeout=body.timeout,
             metadata=body.metadata,
             env_vars=body.env_vars,

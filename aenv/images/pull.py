@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
@@ -28,6 +28,7 @@ from aenv.images.mirrors import MirroredClient
 from aenv.images.reference import ImageRef
 from aenv.images.registry import Image
 from aenv.images.unpack import LayerError, apply_layer, apply_layer_stream
+from aenv.node import metrics
 from aenv.storage.confined import remove_tree
 from aenv.storage.layers import new_id
 from aenv.storage.space import ensure_space, headroom
@@ -77,6 +78,7 @@ class Pulled:
     config: dict[str, Any]
     fetched_bytes: int
     cached_layers: int
+    sizes: dict[str, int] = field(default_factory=dict)  # layer id -> its blob's size (compressed)
 
 
 class LayerProgress:
@@ -187,7 +189,9 @@ class ImagePull:
             self.node.artifacts.unpin(ids)
             raise
         fetched = sum(size for size, _ in got)
-        return Pulled(self.ref, image.digest, ids, image.config, fetched, sum(1 for _, cached in got if cached))
+        sizes = {x: _declared(desc, size) for x, desc, (size, _) in zip(ids, image.layers, got, strict=True)}
+        cached = sum(1 for _, hit in got if hit)
+        return Pulled(self.ref, image.digest, ids, image.config, fetched, cached, sizes)
 
     async def _layer(self, i: int, count: int, desc: dict[str, Any], diff_id: str) -> tuple[int, bool]:
         """(bytes fetched, whether it was here already) of layer ``i``."""
@@ -286,7 +290,7 @@ class ImagePull:
                 pending.clear()
 
         try:
-            await self.client.stream_blob(self.ref, desc, sink, on_bytes=progress.add)
+            await self.client.stream_blob(self.ref, desc, sink, on_bytes=functools.partial(_arrived, progress))
             await _write_all(loop, write_end, bytes(pending))
         except BrokenPipeError:
             pass  # the unpack stopped reading: its own error says why
@@ -308,6 +312,17 @@ async def pull(
     async with ImagePull(node, reference, login=login, on_log=on_log, on_progress=on_progress) as job:
         await job.resolve()
         return await job.fetch_layers()
+
+
+def _arrived(progress: LayerProgress, count: int) -> None:
+    progress.add(count)
+    metrics.IMAGE_PULLED.inc(count)
+
+
+def _declared(desc: dict[str, Any], fetched: int) -> int:
+    """A layer's compressed size: its descriptor's (a `docker save` archive gives none: what was read)."""
+    size = desc.get("size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else fetched
 
 
 # Layers being fetched, per node: a layer two pulls need (a shared base) is downloaded once.

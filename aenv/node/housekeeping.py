@@ -4,16 +4,18 @@ nobody references, and the TTL reaper."""
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import logging
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aenv.channel import StreamError
 from aenv.errors import AenvError, SandboxNotFound, WrongState
-from aenv.node import grace, metrics, rollout
+from aenv.node import grace, imagecache, metrics, rollout
 from aenv.node.sandbox import LiveSandbox, log_failure
 from aenv.node.state import SandboxState as S
 from aenv.storage.confined import remove_tree
@@ -92,7 +94,19 @@ def sandbox_layers(node: Node) -> set[str]:
 async def gc_files(node: Node, min_age: float = 0.0) -> None:
     """Remove layers, uppers and images that no record names (and older than ``min_age``,
     so that an operation still building them is never raced), then keep the cache in budget and
-    remove E2B uploads unused for their TTL."""
+    remove E2B uploads unused for their TTL. One pass at a time (the reaper's, a delete's, an
+    image build's): two would evict against the same total."""
+    lock = _GC_LOCKS.get(node)
+    if lock is None:
+        lock = _GC_LOCKS[node] = asyncio.Lock()
+    async with lock:
+        await _gc_files(node, min_age)
+
+
+_GC_LOCKS: weakref.WeakKeyDictionary[Any, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+async def _gc_files(node: Node, min_age: float) -> None:
     now = time.time()
 
     def old(path: Path) -> bool:
@@ -117,19 +131,27 @@ async def gc_files(node: Node, min_age: float = 0.0) -> None:
             await asyncio.to_thread(node.driver.remove_guest, key)
     cache, in_use = cache_items(node, build_cache)
     await evict_cache(node, cache, in_use, build_cache)
+    await imagecache.observe(node)
     node.uploads.collect()
 
 
 def cache_items(node: Node, build_cache: dict[str, str]) -> tuple[list[tuple[str, str]], set[str]]:
     """What the local cache holds, as (kind, id), and the ids it must not evict now.
 
-    The cache is pulled image layers, Dockerfile step layers, and the layers and images that only
-    committed records name (the repository gives those back on demand)."""
+    The cache is pulled image layers, Dockerfile step layers, the layers and images that only
+    committed records name (the repository gives those back on demand), and on a node without a
+    repository the image templates creates made, each whole ("template": aenv/node/imagecache.py)."""
     present = node.files.layer_ids()
     backed_layers, backed_images = node.artifacts.evictable()
-    in_use = (referenced_layers(node) - backed_layers) | busy_now(node)
+    busy = busy_now(node)
+    in_use = (referenced_layers(node) - backed_layers) | busy
     cache = [("layer", x) for x in (cached_layers(present, build_cache) | backed_layers) & present]
     cache += [("image", x) for x in backed_images & node.files.image_ids()]
+    for t in node.templates.values():
+        if node.artifacts.repo is None and imagecache.is_image_template(t):
+            cache.append(("template", t.id))
+            if imagecache.in_use(node, t, busy):
+                in_use.add(t.id)
     return cache, in_use
 
 
@@ -144,7 +166,11 @@ def busy_now(node: Node) -> set[str]:
 
 
 def _size(node: Node, item: tuple[str, str]) -> int:
-    return node.files.sealed_size(item[1]) if item[0] == "layer" else node.files.image_size(item[1])
+    kind, item_id = item
+    if kind == "template":
+        rec = node.templates.get(item_id)
+        return imagecache.unit_size(node, rec) if rec is not None else 0
+    return node.files.sealed_size(item_id) if kind == "layer" else node.files.image_size(item_id)
 
 
 async def cache_bytes(node: Node) -> int:
@@ -156,32 +182,52 @@ async def cache_bytes(node: Node) -> int:
 async def evict_cache(node: Node, cache: list[tuple[str, str]], in_use: set[str], build_cache: dict[str, str]) -> None:
     """Keep the node-local cache within its budget.
 
-    The cache is pulled image layers, Dockerfile step layers, and the layers and images of
-    committed templates and snapshots. Over the high watermark, unused entries go, least
-    recently used first, until the cache is under the low one. Nothing a sandbox, a restore or a
-    build in progress, or an uncommitted record needs is ever evicted (it still counts)."""
+    The cache is pulled image layers, Dockerfile step layers, the layers and images of
+    committed templates and snapshots, and (no repository) image templates whole. Over the high
+    watermark, unused entries go, least recently used first, until the cache is under the low
+    one. Nothing a sandbox, a restore or a build in progress, or an uncommitted record needs is
+    ever evicted (it still counts); a pulled layer an evicted image template held joins the
+    candidates once no other record names it."""
     files = node.files
     high = node.settings.layer_cache_mb * 2**20
     low = high * node.settings.layer_cache_low_ratio
 
     def last_used(item: tuple[str, str]) -> float:
-        return files.last_used(item[1]) if item[0] == "layer" else files.image_last_used(item[1])
+        kind, item_id = item
+        if kind == "template":
+            rec = node.templates.get(item_id)
+            return imagecache.last_used(node, rec) if rec is not None else 0.0
+        return files.last_used(item_id) if kind == "layer" else files.image_last_used(item_id)
 
     sizes = {item: await asyncio.to_thread(_size, node, item) for item in cache}
     total = sum(sizes.values())
     metrics.LAYER_CACHE.set(total)
     if total <= high:
         return
-    for item in sorted((i for i in cache if i[1] not in in_use), key=last_used):
-        if total <= low:
-            break
+    whole = imagecache.plan(node, busy_now(node))
+    candidates = [
+        (last_used(i), i) for i in cache if i[1] not in in_use and (i[0] != "template" or i[1] in whole.templates)
+    ]
+    heapq.heapify(candidates)
+    while candidates and total > low:
+        _, item = heapq.heappop(candidates)
         kind, item_id = item
         # Looked at again right before it goes (the awaits above let restores start), and taken
         # out of use with one rename before the next await: a restore either pinned it first or
         # finds it missing and fetches it again.
-        if item_id in busy_now(node):
+        busy = busy_now(node)
+        if item_id in busy:
             continue
-        if kind == "layer":
+        if kind == "template":
+            rec = whole.templates[item_id]
+            if not await imagecache.evict(node, rec, busy):
+                continue
+            for layer_id in rec.image_layers.keys() & set(rec.layers):
+                whole.held[layer_id] -= 1
+                freed = ("layer", layer_id)
+                if whole.held[layer_id] <= 0 and layer_id not in whole.kept and freed in sizes:
+                    heapq.heappush(candidates, (last_used(freed), freed))
+        elif kind == "layer":
             token = files.evicting(item_id)
             await files.finish_eviction(item_id, token)
         else:

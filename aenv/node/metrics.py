@@ -43,6 +43,21 @@ OPERATION_FAILURES = Counter(
     ["op", "reason"],
 )
 LAYER_CACHE_BUDGET = Gauge("aenv_layer_cache_budget_bytes", "The layer cache's budget (AENV_LAYER_CACHE_MB)")
+# Images as templates (aenv/node/imagecache.py): what was pulled, what is stored, what the images add up to.
+IMAGE_PULLED = Counter("aenv_image_pull_bytes_total", "Bytes of image layers downloaded from registries and mirrors")
+IMAGE_STORED = Gauge(
+    "aenv_image_layer_stored_bytes",
+    "Disk held by the image layers on this node, each stored once however many images share it",
+)
+IMAGE_SIZES = Gauge(
+    "aenv_image_size_bytes",
+    "The sizes of the images this node holds as templates, added up (each image's compressed layers, shared ones "
+    "counted in every image): against aenv_image_layer_stored_bytes, what sharing saves",
+)
+IMAGES = Gauge("aenv_images", "Images this node knows as templates, by state (local, evicted)", ["state"])
+IMAGE_EVICTIONS = Counter(
+    "aenv_image_evictions_total", "Image templates evicted from this node to keep its cache budget"
+)
 REPO_PENDING = Gauge(
     "aenv_repo_pending",
     "Templates, durable snapshots and paused sandboxes not committed to the repository yet (the commit backlog)",

@@ -24,7 +24,7 @@ from typing import Any
 
 from aenv.config import Settings
 from aenv.errors import AenvError, Conflict, InvalidRequest
-from aenv.node import housekeeping, metrics
+from aenv.node import housekeeping, imagecache, metrics
 from aenv.node.artifacts import ArtifactCache
 from aenv.node.catalogue import Catalogue
 from aenv.node.create_ids import CreateIds
@@ -265,6 +265,9 @@ class Node(Lifecycle, Instances, Records):
 
     async def collect_garbage(self, *, min_age: float = 0.0) -> None:
         await housekeeping.gc_files(self, min_age=min_age)
+
+    async def images(self) -> list[dict[str, Any]]:
+        return await imagecache.report(self, housekeeping.busy_now(self))
 
     def cached_artifacts(self) -> CachedArtifacts:
         return CachedArtifacts(

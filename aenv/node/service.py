@@ -197,6 +197,11 @@ class NodeService(Protocol):
 
     def cached_artifacts(self) -> CachedArtifacts: ...
 
+    async def images(self) -> builtins.list[dict[str, Any]]:
+        """The images this node holds as templates (or evicted), with their sizes against what it
+        stores, last use (epoch seconds), use and state (aenv/node/imagecache.py)."""
+        ...
+
     def warm_pool(self, ref: str) -> dict[str, Any]:
         """A template's warm pool: its size, target now, members ready, recent creates."""
         ...

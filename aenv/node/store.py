@@ -102,6 +102,9 @@ class TemplateRecord:
     # and the digest of the manifest pulled (aenv/templates/image_sources.py finds it by either).
     image_ref: str = ""
     image_digest: str = ""
+    # Its image's layers as pulled: layer id -> compressed bytes (the manifest's sizes); the
+    # image's size is their sum (GET /images reports it against what the node stores).
+    image_layers: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

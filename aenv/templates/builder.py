@@ -259,9 +259,11 @@ async def commit_template(
     user: str = "",
     workdir: str = "",
     on_log: LogFn | None = None,
+    template_id: str = "",
 ) -> TemplateRecord:
     """Boot ``layers``, run ``steps`` as root, start ``start`` (it runs on in every sandbox made
-    from the template: it is in the snapshot), checkpoint and commit a template named ``name``."""
+    from the template: it is in the snapshot), checkpoint and commit a template named ``name``
+    (with the id ``template_id``: an evicted image's template made again keeps its id)."""
     log = on_log or (lambda line: None)
     async with build_instance(node, layers, f"build-{name}") as (link, instance, upper):
         for i, step in enumerate(steps, 1):
@@ -280,7 +282,7 @@ async def commit_template(
             raise
     sealed = await seal(node, upper)
     rec = TemplateRecord(
-        id=new_id(16),
+        id=template_id or new_id(16),
         name=name,
         layers=[*layers, *([sealed] if sealed else [])],
         image=image,

@@ -27,6 +27,8 @@ import functools
 import logging
 import time
 import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,7 @@ from aenv.errors import OperationTimeout, SnapshotNotFound, TemplateNotFound
 from aenv.images.local import is_local
 from aenv.images.pull import ImagePull
 from aenv.images.reference import ImageRef
+from aenv.node.imagecache import Evicted, digest_name, evicted_images
 from aenv.node.service import BuildHost, TemplateRecord
 from aenv.templates.images import canonical_reference, commit_image
 
@@ -42,9 +45,27 @@ REFERENCE_MARKS = ("/", ":", "@")
 BUILDS_AT_ONCE = 4  # image builds (pull, conversion, boot) a node runs at once; the others queue
 
 
-def digest_name(digest: str) -> str:
-    """The name of the template made from the manifest ``digest``: ``sha256-<hex>``."""
-    return digest.replace(":", "-", 1)
+__all__ = ["digest_name", "held_source", "pull_progress", "source_for"]
+SOURCE_ATTEMPTS = 3  # a template evicted between its build and the create's pin is made again, this often
+
+
+@dataclass
+class PullMeter:
+    """Bytes of an image build's layers downloaded so far, and of its layers in all (as they are known)."""
+
+    done: dict[int, int] = field(default_factory=dict)  # layer index -> bytes
+    total: dict[int, int] = field(default_factory=dict)
+
+    def seen(self, layer: int, layers: int, done: int, total: int) -> None:
+        self.done[layer], self.total[layer] = done, total
+
+    @property
+    def bytes_done(self) -> int:
+        return sum(self.done.values())
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(self.total.values())
 
 
 @dataclass
@@ -53,6 +74,7 @@ class _Builds:
 
     by_reference: dict[str, asyncio.Future[TemplateRecord]] = field(default_factory=dict)
     by_digest: dict[str, asyncio.Future[TemplateRecord]] = field(default_factory=dict)
+    meters: dict[str, PullMeter] = field(default_factory=dict)  # by canonical reference, while it pulls
     # a burst of creates naming new images must not boot as many build sandboxes at once
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(BUILDS_AT_ONCE))
 
@@ -66,9 +88,15 @@ async def source_for(node: BuildHost, ref: str, *, image: bool = False) -> str:
     made from the image ``ref`` names, pulled and built first if this node has none. ``image``:
     ``ref`` is an image reference whatever templates there are (the native API's ``image``)."""
     if not image:
-        if _known(node, ref) or not any(mark in ref for mark in REFERENCE_MARKS):
+        if _known(node, ref):
             return ref
-        _not_a_missing_tag(node, ref)
+        evicted = await evicted_images(node).find(ref.strip())
+        if evicted is not None:  # its template was evicted: made again from the same image, same id
+            ref, image = _pinned(evicted), True
+        elif not any(mark in ref for mark in REFERENCE_MARKS):
+            return ref
+        else:
+            _not_a_missing_tag(node, ref)
     reference = ref.strip()
     canonical = canonical_reference(reference)  # a malformed one: 400
     builds = _BUILDS.setdefault(node, _Builds())
@@ -83,6 +111,50 @@ async def source_for(node: BuildHost, ref: str, *, image: bool = False) -> str:
     if build is None:
         build = _start(node, builds, reference, canonical)
     return (await _wait(build, node.settings.operation_timeout, reference)).id
+
+
+@asynccontextmanager
+async def held_source(node: BuildHost, ref: str, *, image: bool = False) -> AsyncIterator[str]:
+    """:func:`source_for`, with the template or snapshot it names pinned until the block ends
+    (the create's restore): the cache never evicts it meanwhile. One evicted between its build
+    and this pin is made again."""
+    for _ in range(SOURCE_ATTEMPTS):
+        source = await source_for(node, ref, image=image)
+        found = _record(node, source)
+        if found is not None or not (image or source != ref):
+            break
+    held = [*found.layers, found.image] if found is not None else []
+    node.artifacts.pin(held)  # no await between the lookup and the pin
+    try:
+        yield source
+    finally:
+        node.artifacts.unpin(held)
+
+
+def _record(node: BuildHost, ref: str) -> Any:
+    try:
+        return node.find_template(ref)
+    except TemplateNotFound:
+        pass
+    try:
+        return node.find_snapshot(ref)
+    except SnapshotNotFound:
+        return None
+
+
+def pull_progress(node: BuildHost, reference: str) -> PullMeter | None:
+    """The bytes the build of ``reference`` (canonical) has pulled so far, while it runs."""
+    builds = _BUILDS.get(node)
+    return builds.meters.get(reference) if builds is not None else None
+
+
+def _pinned(evicted: Evicted) -> str:
+    """The reference an evicted image is pulled again by: its own digest (the same image, whatever
+    its tag names now)."""
+    if is_local(evicted.reference):
+        return evicted.reference
+    ref = ImageRef.parse(evicted.reference)
+    return str(ImageRef(ref.registry, ref.repository, ref.tag, evicted.digest))
 
 
 def _known(node: BuildHost, ref: str) -> bool:
@@ -112,7 +184,7 @@ def _not_a_missing_tag(node: BuildHost, ref: str) -> None:
 def made_from(node: BuildHost, reference: str, canonical: str) -> TemplateRecord | None:
     """The template this node made from the image ``reference`` (as written, or ``canonical``),
     or from the manifest a digest-pinned reference names."""
-    pinned = _pinned(canonical)
+    pinned = _pinned_digest(canonical)
     for t in node.templates.values():
         if not t.image_digest:
             continue
@@ -123,7 +195,7 @@ def made_from(node: BuildHost, reference: str, canonical: str) -> TemplateRecord
     return None
 
 
-def _pinned(canonical: str) -> str | None:
+def _pinned_digest(canonical: str) -> str | None:
     if is_local(canonical):
         return None
     return ImageRef.parse(canonical).digest
@@ -138,6 +210,7 @@ def _start(node: BuildHost, builds: _Builds, reference: str, canonical: str) -> 
     done: asyncio.Future[TemplateRecord] = asyncio.get_running_loop().create_future()
     done.add_done_callback(_retrieved)
     builds.by_reference[canonical] = done
+    meter = builds.meters[canonical] = PullMeter()
     deadline = node.settings.operation_timeout
 
     async def run() -> None:
@@ -145,7 +218,7 @@ def _start(node: BuildHost, builds: _Builds, reference: str, canonical: str) -> 
         timer = asyncio.timeout(deadline)
         try:
             async with timer, builds.slots:
-                rec = await _build(node, builds, reference, canonical, done)
+                rec = await _build(node, builds, reference, canonical, done, meter)
         except TimeoutError as exc:
             late = f"failed to pull image '{reference}': not ready within {deadline:g}s (AENV_OPERATION_TIMEOUT)"
             _fail(done, OperationTimeout(late, status=504) if timer.expired() else exc)
@@ -159,32 +232,49 @@ def _start(node: BuildHost, builds: _Builds, reference: str, canonical: str) -> 
             log.info("image %s is template %s (%.1f s)", reference, rec.name, time.monotonic() - started)
             if not done.done():
                 done.set_result(rec)
+            node.spawn(node.collect_garbage(min_age=60))  # one image more: the cache keeps its budget
         finally:
             if builds.by_reference.get(canonical) is done:
                 del builds.by_reference[canonical]
+            if builds.meters.get(canonical) is meter:
+                del builds.meters[canonical]
 
     node.spawn(run())
     return done
 
 
 async def _build(
-    node: BuildHost, builds: _Builds, reference: str, canonical: str, done: asyncio.Future[TemplateRecord]
+    node: BuildHost,
+    builds: _Builds,
+    reference: str,
+    canonical: str,
+    done: asyncio.Future[TemplateRecord],
+    meter: PullMeter | None = None,
 ) -> TemplateRecord:
     """Resolve the manifest; the template of its digest if there is one (or being made), else
-    pull, convert and commit it."""
+    pull, convert and commit it (an image this node evicted: under its old id and references)."""
     aliases = tuple(dict.fromkeys([reference, canonical]))
     said = functools.partial(_said, reference)  # the build's log lines, for an operator who asks (debug)
-    async with ImagePull(node, reference, on_log=said) as job:
+    on_progress = meter.seen if meter is not None else None
+    async with ImagePull(node, reference, on_log=said, on_progress=on_progress) as job:
         digest = (await job.resolve()).digest
         rec = by_digest(node, digest)
         other = builds.by_digest.get(digest)
         if rec is None and other is None:
             builds.by_digest[digest] = done
+            evicted = await evicted_images(node).by(digest)
+            template_id = evicted.id if evicted is not None else ""
+            if evicted is not None:
+                aliases = tuple(dict.fromkeys([*aliases, *evicted.aliases]))
             try:
-                return await commit_image(node, job, digest_name(digest), canonical, aliases=aliases, on_log=said)
+                made = await commit_image(
+                    node, job, digest_name(digest), canonical, aliases=aliases, on_log=said, template_id=template_id
+                )
             finally:
                 if builds.by_digest.get(digest) is done:
                     del builds.by_digest[digest]
+            await evicted_images(node).forget(digest)
+            return made
     # Another reference to the same image: its template, with this reference as an alias too.
     if rec is None:
         assert other is not None

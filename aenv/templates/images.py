@@ -101,11 +101,13 @@ async def commit_image(
     *,
     aliases: tuple[str, ...] = (),
     on_log: LogFn | None = None,
+    template_id: str = "",
 ) -> TemplateRecord:
     """Bring in the layers of the image ``job`` pulls, add the sandbox conventions and commit it
-    as template ``name``, recorded as made from ``reference`` (canonical) and the manifest's
-    digest, with ``aliases``. What a failure made is removed: the conventions layer, the build
-    sandbox, its upper and image (pulled layers stay: whole and verified, a cache)."""
+    as template ``name`` (id ``template_id``, else a new one), recorded as made from
+    ``reference`` (canonical) and the manifest's digest, with ``aliases``. What a failure made is
+    removed: the conventions layer, the build sandbox, its upper and image (pulled layers stay:
+    whole and verified, a cache)."""
     log = on_log or (lambda line: None)
     pulled: Pulled | None = None
     try:
@@ -123,11 +125,13 @@ async def commit_image(
                 env=env,
                 description=f"from {pulled.ref}@{pulled.digest}",
                 on_log=log,
+                template_id=template_id,
             )
         except BaseException:
             await node.files.remove(extra)
             raise
         rec.image_ref, rec.image_digest = reference, pulled.digest
+        rec.image_layers = pulled.sizes
         rec.aliases = sorted({*rec.aliases, *aliases} - {rec.name})
         await node.save_template(rec)
         return rec

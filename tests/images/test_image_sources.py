@@ -28,11 +28,23 @@ class Node:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     artifacts: Any = None
 
+    meta: dict[str, str] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
         async def refresh_catalogue(ref: str = "") -> int:
             return 0
 
+        async def get_meta(key: str) -> str | None:
+            return self.meta.get(key)
+
+        async def set_meta(key: str, value: str) -> None:
+            self.meta[key] = value
+
         self.artifacts = SimpleNamespace(refresh_catalogue=refresh_catalogue)
+        self.store = SimpleNamespace(get_meta=get_meta, set_meta=set_meta)
+
+    async def collect_garbage(self, *, min_age: float = 0.0) -> None:
+        pass
 
     def __hash__(self) -> int:
         return id(self)
