@@ -32,7 +32,9 @@ class Settings(BaseSettings):
     tls_cert: Path | None = None
     tls_key: Path | None = None
 
-    driver: Literal["gvisor"] = "gvisor"
+    # "fake" runs sandboxes as host processes with no isolation, without runsc or root: for tests
+    # (./scripts/test --fast), never a default (aenv/runtime/fake.py).
+    driver: Literal["gvisor", "fake"] = "gvisor"
     runsc: str = "runsc"
     runsc_platform: str = "ptrace"
     runsc_debug: bool = False

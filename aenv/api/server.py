@@ -40,6 +40,11 @@ def check_settings(settings: Settings) -> None:
     its TLS files, and for a cluster its etcd URL, etcd TLS files and advertised URL. Without a
     cluster, etcd TLS files are a mistake, not something to ignore."""
     connections.check_tls(settings.tls_cert, settings.tls_key)
+    if settings.driver == "fake" and not _loopback(settings.host):
+        raise InvalidRequest(
+            f"AENV_DRIVER=fake isolates nothing (its sandboxes are host processes): it serves on a loopback "
+            f"address only, not {settings.host}"
+        )
     if settings.cluster:
         from aenv.cluster.agent import advertise_of, cluster_store
 
@@ -49,6 +54,15 @@ def check_settings(settings: Settings) -> None:
         raise InvalidRequest("AENV_CLUSTER_CA, _CERT and _KEY are for a cluster: --cluster etcds://... is missing")
     elif settings.cluster_user or settings.cluster_password_file or settings.cluster_password:
         raise InvalidRequest("AENV_CLUSTER_USER and its password are for a cluster: --cluster etcd://... is missing")
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 async def serve(

@@ -331,6 +331,8 @@ class ArtifactCache:
             body = json.loads(sb.rec.to_json())
             body.update(layers=[*sb.rec.layers, layer], upper="", instance_id="")
             sealed = LocalArtifact("layer", layer, files.layers / f"{upper}.img", "sparse", packed=True)
+            if not sealed.path.exists():  # a plain upper (the fake runtime's): a directory layer
+                sealed = LocalArtifact("layer", layer, files.layers / upper, "tar")
             items = [*self.items_of(sb.rec), sealed]
             self.pin(sb.rec.layers)
             try:

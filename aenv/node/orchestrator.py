@@ -65,6 +65,10 @@ def make_driver(settings: Settings) -> Driver:
             debug=settings.runsc_debug,
             max_sandboxes=settings.max_sandboxes,
         )
+    if settings.driver == "fake":  # no isolation: for tests only, chosen explicitly (aenv/runtime/fake.py)
+        from aenv.runtime.fake import FakeDriver
+
+        return FakeDriver(state_dir=settings.data_dir / "runtime")
     raise InvalidRequest(f"unknown driver {settings.driver!r}")
 
 
@@ -89,6 +93,7 @@ class Node(Lifecycle, Instances, Records):
         self.store = Store(settings.data_dir / "aenv.db")
         self.files = LayerStore(settings.data_dir / "fs")
         self.driver = driver or make_driver(settings)
+        self.files.plain_uppers = getattr(self.driver, "plain_uppers", False)
         self.artifacts = ArtifactCache(self, make_repository(settings))
         self.uploads = UploadCache(self.files.root / "build-files", settings)
         self.sandboxes: dict[str, LiveSandbox] = {}

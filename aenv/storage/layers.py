@@ -22,6 +22,7 @@ import logging
 import os
 import secrets
 import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +67,10 @@ class LayerStore:
         self._last_take = 0.0
         self._refill: asyncio.Task[None] | None = None
         self._idle: Callable[[], bool] = lambda: True
+        # Uppers as plain directories, no disk image (the fake runtime, which runs without root:
+        # no mkfs, no loop mount, and so no disk quota). Such an upper is its own root directory
+        # (``upper/`` and ``work/`` are the runtime's business) and, sealed, a directory layer.
+        self.plain_uppers = False
 
     # -- paths --------------------------------------------------------------------------------------
     def _img(self, layer_id: str) -> Path:
@@ -107,6 +112,9 @@ class LayerStore:
     async def _make_upper(self, size_mb: int, upper_id: str) -> str:
         mnt = self.layers / upper_id
         mnt.mkdir(parents=True)
+        if self.plain_uppers:
+            datadir.sandbox_dir(mnt)
+            return upper_id
         disk = self._img(upper_id)
         try:
             with open(disk, "wb") as f:
@@ -212,7 +220,7 @@ class LayerStore:
             await self._remove_spares(size)
 
     def is_empty(self, upper_id: str) -> bool:
-        upper = self.upper(upper_id) / "upper"
+        upper = self.upper(upper_id) / ("upper" if self._img(upper_id).exists() else "")
         return not upper.is_dir() or not any(os.scandir(upper))
 
     # -- mounts -------------------------------------------------------------------------------------
@@ -245,6 +253,13 @@ class LayerStore:
         written out whole and consistent, writes wait), so call it while nothing in the sandbox
         runs; only its data extents are copied, as the sparse file it is."""
         copy_id = new_id()
+        if not self._img(upper_id).exists():  # a plain upper: its tree, as it is (the instance is stopped)
+            try:
+                copy_tree(self.layers / upper_id, self.layers / copy_id)
+            except BaseException:
+                remove_tree(self.layers / copy_id, ignore_errors=True)
+                raise
+            return copy_id
         (self.layers / copy_id).mkdir()
         mnt = os.open(self.layers / upper_id, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -437,3 +452,11 @@ def _copy_sparse(source: Path, target: Path) -> None:
             os.close(dst)
     finally:
         os.close(src)
+
+
+def copy_tree(source: Path, target: Path) -> None:
+    """A copy of a directory layer with owners, modes, links, extended attributes and overlayfs
+    whiteouts (0/0 character devices, which any user may make) as they are: cp -a does it all."""
+    done = subprocess.run(["cp", "-a", "--", str(source), str(target)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise OSError(errno.EIO, f"copying {source.name}: {done.stderr.strip()[-500:]}")

@@ -303,10 +303,24 @@ async def commit_template(
 async def build_base(node: BuildHost, *, on_log: LogFn | None = None) -> TemplateRecord:
     """debootstrap a Debian root filesystem and commit it as the `base` template."""
     log = on_log or (lambda line: None)
+    if _fake(node):  # no debootstrap: the host's system, bound read-only
+        from aenv.runtime.fake import FAKE_BASE_DESCRIPTION, host_base_layer
+
+        layer_id, path = node.files.new_layer_dir()
+        await asyncio.to_thread(host_base_layer, path)
+        return await commit_template(
+            node, name="base", layers=[layer_id], steps=[], description=FAKE_BASE_DESCRIPTION, on_log=log
+        )
     started = time.monotonic()
     layer_id = await debootstrap(node, log)
     log(f"root filesystem ready in {time.monotonic() - started:.0f}s")
     return await _commit_base(node, layer_id, log)
+
+
+def _fake(node: BuildHost) -> bool:
+    """Whether the node runs the fake runtime (aenv/runtime/fake.py), which needs no debootstrap."""
+    driver = getattr(node, "driver", None)  # (a build host without a driver: only debootstrap)
+    return driver is not None and driver.name == "fake"
 
 
 async def debootstrap(node: BuildHost, log: LogFn) -> str:
@@ -459,8 +473,14 @@ async def ensure_base(node: BuildHost, *, on_log: LogFn | None = None) -> Templa
     except AenvError:
         return await build_base(node, on_log=on_log)
     runs_here = await _image_runs_here(node, current)
-    if runs_here and current.guest == node.driver.guest_key() and current.description == BASE_DESCRIPTION:
+    from aenv.runtime.fake import FAKE_BASE_DESCRIPTION
+
+    fake = _fake(node)
+    wanted = FAKE_BASE_DESCRIPTION if fake else BASE_DESCRIPTION
+    if runs_here and current.guest == node.driver.guest_key() and current.description == wanted:
         return current
+    if fake or current.description == FAKE_BASE_DESCRIPTION:  # the fake one is made anew (no debootstrap)
+        return await build_base(node, on_log=on_log)
     if not runs_here:
         changed = "runtime (runsc)"
     else:
