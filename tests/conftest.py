@@ -25,7 +25,10 @@ import pytest
 from tests import disk
 
 API_KEY = "e2b_" + "0" * 40
-DATA_DIR = Path(os.environ.get("AENV_TEST_DATA_DIR", "/var/tmp/aenv-test"))
+# The fast tier (./scripts/test --fast): every node the tests start runs the fake runtime (no runsc,
+# no root, no isolation: aenv/runtime/fake.py); AENV_DRIVER reaches them through the environment.
+FAKE_RUNTIME = os.environ.get("AENV_DRIVER") == "fake"
+DATA_DIR = Path(os.environ.get("AENV_TEST_DATA_DIR", "/var/tmp/aenv-test") + ("-fake" if FAKE_RUNTIME else ""))
 SLOW_CLIENT_DEADLINES = {"AENV_HTTP_HEAD_TIMEOUT": "8", "AENV_HTTP_BODY_TIMEOUT": "10"}
 BASE_BUILD_TIMEOUT = 900
 
@@ -153,7 +156,22 @@ def start_busybox_node(data_dir: Path, extra_env: dict[str, str] | None = None) 
     return srv
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The fast tier (`-m fast`): tests that start no sandbox, and the sandbox tests of API or
+    protocol behaviour marked `fake` (but not those of them marked `runsc`), which it runs on the
+    fake runtime. Under the fake runtime the others are skipped: they test what only runsc does."""
+    for item in items:
+        runsc = item.get_closest_marker("runsc") is not None
+        sandbox = item.get_closest_marker("sandbox") is not None
+        if not runsc and (not sandbox or item.get_closest_marker("fake") is not None):
+            item.add_marker(pytest.mark.fast)
+        elif FAKE_RUNTIME and not os.environ.get("AENV_TEST_FAKE_ALL"):  # =1: try them there all the same
+            item.add_marker(pytest.mark.skip(reason="needs runsc (not in the fast tier): AENV_DRIVER=fake is set"))
+
+
 def _have_runtime() -> bool:
+    if FAKE_RUNTIME:
+        return True
     return os.geteuid() == 0 and shutil.which("runsc") is not None and shutil.which("debootstrap") is not None
 
 
