@@ -23,7 +23,7 @@ from starlette.requests import Request as StarletteRequest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aenv import __version__
-from aenv.api import e2b_templates, envd, proxy, repository, rollout, signed
+from aenv.api import e2b_templates, envd, images, proxy, repository, rollout, signed
 from aenv.api.sandboxes import add_body_schemas, router
 from aenv.dashboard import pages as dashboard_pages
 from aenv.dashboard import routes as dashboard_routes
@@ -83,6 +83,7 @@ def create_app(node: NodeService, *, start_node: bool = True) -> FastAPI:
     app.include_router(e2b_templates.router)  # first: /templates/tags before /templates/{id:path}
     app.include_router(router)
     app.include_router(repository.router)
+    app.include_router(images.router)
     app.include_router(rollout.router)
     app.include_router(dashboard_routes.router)
     generate_openapi = app.openapi

@@ -807,6 +807,59 @@ def snapshots(as_json: bool = JSON_OPTION) -> None:
     )
 
 
+images_app = typer.Typer(
+    help="Images this node holds as templates (made by creates that name an image), and prefetches."
+)
+app.add_typer(images_app, name="images")
+
+
+@images_app.callback(invoke_without_command=True)
+def images(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
+    """Each image: reference, digest, template, size (its compressed layers), bytes stored on the
+    node, last use, in use, local or evicted; then what they add up to against their distinct layers."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from aenv.cli import images as view
+
+    rows = _run(lambda c: c.images())
+    if as_json or not out.is_terminal:
+        print(json.dumps(rows))
+        return
+    out.print(view.table(rows))
+
+
+@images_app.command("prefetch")
+def images_prefetch(
+    file: Path = typer.Argument(..., exists=True, dir_okay=False, help="one image reference a line; # comments"),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Pull images and make them templates ahead of their first creates, with progress; exits 1
+    if any failed (each failure said in E2B's words)."""
+    from aenv.cli import images as view
+
+    started = time.monotonic()
+
+    def begun(job: dict[str, Any]) -> None:
+        if not as_json and err.is_terminal:
+            err.print(f"prefetch {job['prefetchID']}: {len(job['images'])} images", highlight=False)
+
+    async def go(c: AsyncClient) -> dict[str, Any]:
+        refs = view.references(file)
+        if not refs:
+            raise AenvError(f"{file}: no image reference in it", status=400)
+        console = err if err.is_terminal and not as_json else None
+        return await view.follow(c, refs, console, begun)
+
+    job = _run(go)
+    if as_json or not out.is_terminal:
+        print(json.dumps(job))
+    else:
+        for line in view.summary(job, started):
+            out.print(line, highlight=False)
+    if job["counts"]["failed"]:
+        raise typer.Exit(1)
+
+
 repo_app = typer.Typer(help="The snapshot repository templates and snapshots are committed to.")
 app.add_typer(repo_app, name="repo")
 

@@ -312,8 +312,8 @@ def _observe(node: Node, records: list[TemplateRecord], evicted: int) -> None:
     files = node.files
     present = files.layer_ids()
     images = files.image_ids()
-    pulled = {x for x in present if x.startswith("oci-")}
     local = [t for t in records if t.image in images and all(x in present for x in t.layers)]
+    pulled = {x for t in local for x in t.image_layers}
     metrics.IMAGE_STORED.set(sum(files.sealed_size(x) for x in pulled))
     metrics.IMAGE_SIZES.set(sum(sum(t.image_layers.values()) for t in local))
     metrics.IMAGES.labels(state="local").set(len(local))

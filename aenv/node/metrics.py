@@ -47,7 +47,7 @@ LAYER_CACHE_BUDGET = Gauge("aenv_layer_cache_budget_bytes", "The layer cache's b
 IMAGE_PULLED = Counter("aenv_image_pull_bytes_total", "Bytes of image layers downloaded from registries and mirrors")
 IMAGE_STORED = Gauge(
     "aenv_image_layer_stored_bytes",
-    "Disk held by the image layers on this node, each stored once however many images share it",
+    "Disk held by the layers of the images this node holds as templates, each stored once however many share it",
 )
 IMAGE_SIZES = Gauge(
     "aenv_image_size_bytes",

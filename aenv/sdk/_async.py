@@ -691,6 +691,25 @@ class AsyncClient:
         nodes, stats = await asyncio.gather(self._get("/dashboard/api/nodes"), self._get("/dashboard/api/stats"))
         return {"nodes": nodes, "stats": stats}
 
+    async def images(self) -> builtins.list[dict[str, Any]]:
+        """The images the node holds as templates, or evicted: reference, digest, template id,
+        size (its compressed layers), bytes stored here, last use, in use, state (local or evicted)."""
+        result: builtins.list[dict[str, Any]] = await self._get("/images")
+        return result
+
+    async def prefetch_images(self, images: Sequence[str]) -> dict[str, Any]:
+        """Start pulling ``images`` and making them templates ahead of their first creates; the
+        job (``prefetchID``, each image's ``state``: pending, pulling, ready or failed)."""
+        result: dict[str, Any] = await self._post("/images/prefetch", {"images": list(images)})
+        return result
+
+    async def prefetch_status(self, prefetch_id: str) -> dict[str, Any]:
+        """A prefetch's progress: each image's state, bytes pulled, template id or error."""
+        from urllib.parse import quote
+
+        result: dict[str, Any] = await self._get(f"/images/prefetch/{quote(prefetch_id, safe='')}")
+        return result
+
     async def repository(self) -> dict[str, Any]:
         """Where the node commits templates and snapshots, and what is not committed yet."""
         result: dict[str, Any] = await self._get("/repository")

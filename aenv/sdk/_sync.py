@@ -387,6 +387,20 @@ class Client(_Face):
         and their start latency, since start)."""
         return self._block(self._target.overview())
 
+    def images(self) -> builtins.list[dict[str, Any]]:
+        """The images the node holds as templates, or evicted: reference, digest, template id,
+        size (its compressed layers), bytes stored here, last use, in use, state (local or evicted)."""
+        return self._block(self._target.images())
+
+    def prefetch_images(self, images: Sequence[str]) -> dict[str, Any]:
+        """Start pulling ``images`` and making them templates ahead of their first creates; the
+        job (``prefetchID``, each image's ``state``: pending, pulling, ready or failed)."""
+        return self._block(self._target.prefetch_images(images))
+
+    def prefetch_status(self, prefetch_id: str) -> dict[str, Any]:
+        """A prefetch's progress: each image's state, bytes pulled, template id or error."""
+        return self._block(self._target.prefetch_status(prefetch_id))
+
     def repository(self) -> dict[str, Any]:
         """Where the node commits templates and snapshots, and what is not committed yet."""
         return self._block(self._target.repository())

@@ -104,7 +104,14 @@ def stand(monkeypatch: pytest.MonkeyPatch) -> Stand:
             return SimpleNamespace(digest=stand.digests[self.reference])
 
     async def commit(
-        node: Node, job: Pull, name: str, reference: str, *, aliases: tuple[str, ...] = (), **_: Any
+        node: Node,
+        job: Pull,
+        name: str,
+        reference: str,
+        *,
+        aliases: tuple[str, ...] = (),
+        template_id: str = "",
+        **_: Any,
     ) -> Any:
         stand.builds.append(name)
         stand.running += 1
@@ -115,7 +122,7 @@ def stand(monkeypatch: pytest.MonkeyPatch) -> Stand:
             stand.running -= 1
         if stand.fail is not None:
             raise stand.fail
-        rec = TemplateRecord(id=f"id-{name}", name=name, layers=[], image="i", created_at=time.time())
+        rec = TemplateRecord(id=template_id or f"id-{name}", name=name, layers=[], image="i", created_at=time.time())
         rec.aliases, rec.image_ref, rec.image_digest = (
             sorted(set(aliases) - {name}),
             reference,
@@ -210,3 +217,38 @@ async def test_a_burst_of_new_images_builds_a_few_at_a_time(stand: Stand) -> Non
         stand.digests[ref] = f"sha256:{i:064x}"
     got = await asyncio.gather(*(image_sources.source_for(node, r) for r in refs))  # type: ignore[arg-type]
     assert len(set(got)) == 10 and stand.most == image_sources.BUILDS_AT_ONCE
+
+
+async def test_an_evicted_image_is_made_again_under_its_id_by_any_of_its_names(stand: Stand) -> None:
+    """What the cache evicted whole (aenv/node/imagecache.py) is pulled again by its digest, whatever
+    its tag names now, and keeps its template id and references; seen failing before: a 404."""
+    from aenv.node.imagecache import Evicted, evicted_images
+
+    node = Node()
+    ref = "registry:5000/swe/task:latest"
+    entry = Evicted(id="kept-id", name="sha256-" + "ab" * 32, digest=DIGEST, reference=ref, aliases=[ref, "task:1"])
+    await evicted_images(node).remember(entry)  # type: ignore[arg-type]
+    stand.digests[f"{ref}@{DIGEST}"] = DIGEST
+    assert await image_sources.source_for(node, "kept-id") == "kept-id"  # type: ignore[arg-type]
+    assert stand.resolves == [f"{ref}@{DIGEST}"]  # by digest: the tag may have moved since
+    rec = node.templates["kept-id"]
+    assert {ref, "task:1"} <= set(rec.aliases) and rec.name == entry.name
+    assert await evicted_images(node).entries() == {}  # type: ignore[arg-type]  # a template again
+
+
+async def test_a_prefetch_runs_a_few_at_a_time_and_says_what_failed(stand: Stand) -> None:
+    from aenv.templates import prefetch
+
+    node = Node()
+    refs = [f"registry:5000/pre/img{i}:1" for i in range(10)]
+    for i, ref in enumerate(refs):
+        stand.digests[ref] = f"sha256:{i:064x}"
+    job = prefetch.start(node, [*refs, "registry:5000/pre/missing:1", refs[0]])  # type: ignore[arg-type]
+    assert [i.state for i in job.items] == ["pending"] * 11  # the duplicate once
+    await asyncio.gather(*node.tasks)
+    body = job.as_json()
+    assert body["state"] == "done" and body["counts"] == {"pending": 0, "pulling": 0, "ready": 10, "failed": 1}
+    assert stand.most <= prefetch.AT_ONCE
+    missing = body["images"][10]
+    assert missing["error"] == {"code": 404, "message": "image 'registry:5000/pre/missing:1' not found"}
+    assert prefetch.get(node, job.id) is job  # type: ignore[arg-type]

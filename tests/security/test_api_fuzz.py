@@ -29,7 +29,11 @@ pytestmark = pytest.mark.sandbox
 EXAMPLES = int(os.environ.get("AENV_FUZZ_EXAMPLES", "50"))
 # These pull images from a registry named in the request: the fuzzer would send the node to
 # arbitrary hosts. Their bodies are covered by test_api_hostile against a loopback address.
-LEAVES_THE_MACHINE = ["/templates/from-image", "/v2/templates/{template_id}/builds/{build_id}"]
+LEAVES_THE_MACHINE = [
+    "/templates/from-image",
+    "/v2/templates/{template_id}/builds/{build_id}",
+    "/images/prefetch",  # its bodies: tests/images/test_image_cache.py, against loopback registries
+]
 CREATES = {"/sandboxes", "/v2/sandboxes"}
 NOWHERE = "127.0.0.1:9"  # a registry of this machine that refuses at once (discard's port, closed)
 
