@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
-from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -88,9 +88,9 @@ async def follow(
             await asyncio.sleep(POLL_SECONDS)
             job = await client.prefetch_status(job["prefetchID"])
         return job
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[amount]}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        overall = progress.add_task(f"{len(job['images'])} images", total=len(job["images"]))
+        overall = progress.add_task(f"{len(job['images'])} images", total=len(job["images"]), amount="")
         bars: dict[str, TaskID] = {}
         while True:
             show(progress, overall, bars, job)
@@ -104,14 +104,16 @@ def show(progress: Progress, overall: TaskID, bars: dict[str, TaskID], job: dict
     counts = job["counts"]
     finished = counts["ready"] + counts["failed"]
     described = f"{finished}/{len(job['images'])} images ({counts['failed']} failed)"
-    progress.update(overall, completed=finished, description=described)
+    pulled = f"{mib(sum(item['bytesDone'] for item in job['images']))} pulled"
+    progress.update(overall, completed=finished, description=described, amount=pulled)
     for item in job["images"]:
         ref, state = item["reference"], item["state"]
         if state == "pulling" and ref not in bars:
-            bars[ref] = progress.add_task(f"  {ref[-60:]}", total=None)
+            bars[ref] = progress.add_task(f"  {ref[-60:]}", total=None, amount="")
         if ref in bars:
-            total = item["bytesTotal"] or None
-            progress.update(bars[ref], completed=item["bytesDone"], total=total)
+            done, total = item["bytesDone"], item["bytesTotal"]
+            amount = f"{mib(done)} of {mib(total)}" if total else ""
+            progress.update(bars[ref], completed=done, total=total or None, amount=amount)
             if state in ("ready", "failed"):
                 progress.remove_task(bars.pop(ref))
 
