@@ -212,3 +212,17 @@ class Settings(BaseSettings):
     debian_mirror: str | None = None  # None = the host's apt sources
     debian_suite: str = "bookworm"
     build_base: bool = True  # build the `base` template on start if it is missing
+    # A template build's RUN steps reach public addresses (apt-get, pip install: as docker build
+    # and E2B's builds do), never private ones or the node's own; false = no network in builds
+    build_internet: bool = True
+    # What builds may reach besides (a private package mirror): allowOut entries as a sandbox's
+    # (CIDRs, addresses, domains), JSON, e.g. ["10.0.0.5/32", "pypi.internal"]
+    build_allow_out: list[str] = []
+
+    @field_validator("build_allow_out")
+    @classmethod
+    def _build_allow_out(cls, value: list[str]) -> list[str]:
+        from aenv.node.egress import Rules  # the rules a sandbox's allowOut is read by
+
+        Rules.parse(value, what="AENV_BUILD_ALLOW_OUT", domains_allowed=True)
+        return value

@@ -345,6 +345,14 @@ async def serve_connect(
 Connections = dict[asyncio.Event, tuple[str, Address]]
 
 
+def build_guest(label: str, internet: bool, allow_out: Collection[str] = ()) -> Guest:
+    """The egress of a template build's sandbox: public addresses when ``internet`` (a RUN step's
+    apt-get or pip install) and what ``allow_out`` names (a private mirror), under the same checks
+    as a sandbox's (never a private address or one of the node's own otherwise)."""
+    policy = EgressPolicy.of(internet, {"allowOut": list(allow_out)})
+    return Guest(label, lambda: policy)
+
+
 class Guest:
     """The handler of the streams one sandbox's agent opens (its egress connections); ``policy_of``
     reads the current policy, so a changed policy applies to the next connection, and

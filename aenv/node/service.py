@@ -24,6 +24,7 @@ from aenv.node.agentlink import AgentLink
 from aenv.node.artifacts import ArtifactCache
 from aenv.node.commands import CommandRecord
 from aenv.node.create_ids import CREATE_ID_HEADER, CreateIds, create_id_of
+from aenv.node.egress import build_guest
 from aenv.node.grace import SCORING_HEADER
 from aenv.node.grace import refusal as grace_refusal
 from aenv.node.rollout import RolloutLogs
@@ -59,6 +60,7 @@ __all__ = [
     "SnapshotRecord",
     "TemplateRecord",
     "access_token",
+    "build_guest",
     "create_id_of",
     "in_range",
 ]
@@ -237,6 +239,7 @@ class NodeService(Protocol):
     resume_guard: Callable[[str], Awaitable[None]] | None
     wake_refusal: Callable[[LiveSandbox], str | None] | None
     announce: Callable[[builtins.list[str]], Awaitable[None]] | None
+    team_room: Callable[[SandboxRecord, int], tuple[int, str]] | None
 
     def is_dozing(self, sb: LiveSandbox) -> bool:
         """A running sandbox is frozen on the host while idle (aenv/node/doze.py)."""

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from aenv.channel import END, MSG, end_error
 from aenv.errors import AenvError, OperationTimeout, RuntimeFailure
-from aenv.node.service import AgentLink, BuildHost, TemplateRecord
+from aenv.node.service import AgentLink, BuildHost, TemplateRecord, build_guest
 from aenv.runtime import hostexec
 from aenv.runtime.base import Instance, Limits
 from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
@@ -225,7 +225,8 @@ async def build_instance(
         upper = await node.files.new_upper(BUILD_LIMITS.disk_mb)
         rootfs = node.rootfs(layers, upper)
         instance = await node.driver.boot(instance_id=new_id(), rootfs=rootfs, limits=BUILD_LIMITS)
-        link = AgentLink(label)
+        egress = build_guest(label, node.settings.build_internet, node.settings.build_allow_out)
+        link = AgentLink(label, serve=egress)
         try:
             await link.booted(instance)
             yield link, instance, upper
