@@ -1,4 +1,5 @@
-"""Image and build benchmarks: `python -m bench.images [--layer-mib N]` (root, runsc, docker-registry).
+"""Image and build benchmarks: `python -m bench.images [--layer-mib N]` (root, runsc, docker-registry);
+`python -m bench.images --tasks 50` measures a task image per rollout instead (bench/image_tasks.py).
 
 Pull throughput of a made-up image from a registry on loopback (baseline in the same run: the
 same blobs downloaded with plain HTTP, nothing unpacked), a pull of the same image once its layers
@@ -26,6 +27,7 @@ from aenv.config import Settings
 from aenv.images.pull import pull, release
 from aenv.node.orchestrator import Node
 from aenv.templates import build
+from bench import image_tasks
 from tests.images.oci import LayerTar, busybox_layer, start_registry
 
 console = Console()
@@ -131,7 +133,11 @@ def main() -> None:
     parser.add_argument("--layer-mib", type=int, default=64)
     parser.add_argument("--data-dir", type=Path, default=Path("/var/tmp/aenv-bench-images"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/images.json"))
+    image_tasks.add_arguments(parser)
     args = parser.parse_args()
+    if args.tasks:  # a task image per rollout (bench/image_tasks.py)
+        image_tasks.main(args)
+        return
     results = asyncio.run(run(args))
     render(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -238,6 +238,7 @@ async def evict_cache(node: Node, cache: list[tuple[str, str]], in_use: set[str]
             del build_cache[key]
     metrics.LAYER_CACHE.set(total)
     await node.store.set_meta(BUILD_CACHE, json.dumps(build_cache))
+    await imagecache.evicted_images(node).save()
 
 
 async def reap_forever(node: Node) -> None:

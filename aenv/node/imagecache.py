@@ -95,6 +95,7 @@ class EvictedImages:
         self.node = node
         self.by_digest: dict[str, Evicted] | None = None
         self.lock = asyncio.Lock()
+        self.dirty = False  # changed since last written
 
     async def entries(self) -> dict[str, Evicted]:
         if self.by_digest is None:
@@ -114,21 +115,29 @@ class EvictedImages:
     async def by(self, digest: str) -> Evicted | None:
         return (await self.entries()).get(digest)
 
-    async def remember(self, entry: Evicted) -> None:
+    async def remember(self, entry: Evicted, *, save: bool = True) -> None:
+        """Add ``entry``; written to the store now, or with the next :meth:`save` (an eviction
+        pass writes once, not once per image)."""
         entries = await self.entries()
         entries[entry.digest] = entry
-        for old in sorted(entries.values(), key=lambda e: e.evicted_at)[: max(0, len(entries) - EVICTED_KEPT)]:
-            del entries[old.digest]
-        await self._save()
+        if len(entries) > EVICTED_KEPT:
+            for old in sorted(entries.values(), key=lambda e: e.evicted_at)[: len(entries) - EVICTED_KEPT]:
+                del entries[old.digest]
+        self.dirty = True
+        if save:
+            await self.save()
 
     async def forget(self, digest: str) -> None:
         """The image is a template again (made anew), or its template was deleted."""
         entries = await self.entries()
         if entries.pop(digest, None) is not None:
-            await self._save()
+            self.dirty = True
+            await self.save()
 
-    async def _save(self) -> None:
-        assert self.by_digest is not None
+    async def save(self) -> None:
+        if self.by_digest is None or not self.dirty:
+            return
+        self.dirty = False
         body = {d: asdict(e) for d, e in self.by_digest.items()}
         await self.node.store.set_meta(EVICTED_KEY, json.dumps(body))
 
@@ -223,7 +232,7 @@ async def evict(node: Node, rec: TemplateRecord, busy: set[str]) -> bool:
     own = own_items(rec)[:-1]
     tokens = [(x, files.evicting(x)) for x in own]
     await node.drop_template(rec)
-    await evicted_images(node).remember(Evicted.of(rec, used))
+    await evicted_images(node).remember(Evicted.of(rec, used), save=False)  # written once the pass is over
     await files.finish_image_eviction(image_token)
     for layer_id, token in tokens:
         await files.finish_eviction(layer_id, token)
