@@ -15,6 +15,7 @@
     │   ├── WrongState                       409 wrong_state
     │   └── CreateElsewhere                  409 create_elsewhere (another node holds this create id)
     ├── LimitExceeded                        429 limit_exceeded  (Should-Retry: false, Retry-After: 1)
+    │   └── QuotaExceeded                    429 quota_exceeded (a team's quota; Retry-After: when to try again)
     ├── UpstreamError                        502 upstream_error (a registry failed or is out of reach)
     ├── ClusterUnavailable                   503 cluster_unavailable (etcd has no quorum or is out of reach)
     ├── SandboxError                         500 sandbox_error
@@ -119,6 +120,14 @@ class LimitExceeded(AenvError):
     pass
 
 
+class QuotaExceeded(LimitExceeded):
+    """A team's quota (aenv/teams/quotas.py); ``retry_after``: seconds until trying again may work."""
+
+    def __init__(self, message: str, *, retry_after: int = 1, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.retry_after = max(1, int(retry_after))
+
+
 class UpstreamError(AenvError):
     """A service the node talks to for the client (an image registry) failed or could not be reached."""
 
@@ -214,6 +223,7 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     WrongState: (409, "wrong_state"),
     CreateElsewhere: (409, "create_elsewhere"),
     LimitExceeded: (429, "limit_exceeded"),
+    QuotaExceeded: (429, "quota_exceeded"),
     UpstreamError: (502, "upstream_error"),
     ClusterUnavailable: (503, "cluster_unavailable"),
     SandboxError: (500, "sandbox_error"),
@@ -259,7 +269,7 @@ def error_headers(exc: AenvError) -> dict[str, str]:
     ``Retry-After`` where trying again later is the answer (a full node, a cluster out of reach)."""
     headers = {"Should-Retry": "false"} if exc.status in (429, 502, 503, 504) else {}
     if exc.status in (429, 503):
-        headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        headers["Retry-After"] = str(getattr(exc, "retry_after", RETRY_AFTER_SECONDS))
     return headers
 
 

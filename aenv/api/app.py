@@ -7,14 +7,13 @@ are sandbox traffic; everything else is the control plane, which needs the API k
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -29,6 +28,10 @@ from aenv.dashboard import pages as dashboard_pages
 from aenv.dashboard import routes as dashboard_routes
 from aenv.errors import AenvError, PayloadTooLarge, RequestTimeout, error_body, error_headers
 from aenv.node.service import NodeService
+from aenv.teams import guard as team_guard
+from aenv.teams.model import PRINCIPAL
+from aenv.teams.routes import router as teams_router
+from aenv.teams.tenancy import Tenancy
 
 log = logging.getLogger("aenv.api")
 HOST_ROUTE = re.compile(r"^(\d+)-([a-z0-9]+)$")
@@ -60,32 +63,41 @@ def sandbox_target(headers: dict[str, str]) -> tuple[str, int] | None | str:
     return sid, int(port)
 
 
-def create_app(node: NodeService, *, start_node: bool = True) -> FastAPI:
+def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy | None = None) -> FastAPI:
     """The control plane. The node stops with the app (pausing running sandboxes): this must
-    happen inside the server's shutdown, before uvicorn re-raises the signal that stopped it."""
+    happen inside the server's shutdown, before uvicorn re-raises the signal that stopped it.
+    Every route first passes the team check (aenv/teams/guard.py)."""
+    teams = tenancy if tenancy is not None else Tenancy(node, None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if start_node:
             await node.start()
         try:
+            await teams.start()
             yield
         finally:
-            await node.stop()
+            try:
+                await teams.stop()
+            finally:
+                await node.stop()
 
     app = FastAPI(
         title="aenv",
         version=__version__,
         summary="Isolated, stateful sandboxes for agentic RL: create, exec, pause, snapshot, fork.",
         lifespan=lifespan,
+        dependencies=[Depends(team_guard.check_route)],
     )
     app.state.node = node
+    teams.install(app)
     app.include_router(e2b_templates.router)  # first: /templates/tags before /templates/{id:path}
     app.include_router(router)
     app.include_router(repository.router)
     app.include_router(images.router)
     app.include_router(rollout.router)
     app.include_router(dashboard_routes.router)
+    app.include_router(teams_router)
     generate_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -141,10 +153,11 @@ def create_app(node: NodeService, *, start_node: bool = True) -> FastAPI:
 class SandboxRouter:
     """Pure ASGI front: sandbox traffic goes to envd or the port proxy; the rest needs the API key."""
 
-    def __init__(self, app: ASGIApp, node: NodeService, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, node: NodeService, api_key: str | None, tenancy: Tenancy | None = None) -> None:
         self.app = app
         self.node = node
         self.api_key = api_key
+        self.tenancy = tenancy if tenancy is not None else Tenancy(node, api_key)
         self.signers = signed.Signers()
 
     def _secure(self, sandbox_id: str) -> bool:
@@ -193,14 +206,11 @@ class SandboxRouter:
             await response(scope, receive, send)
             return
         if self.api_key and not _open_without_key(scope, self.node):
-            key = headers.get("x-api-key")
-            if key is None or not hmac.compare_digest(key.encode(), self.api_key.encode()):
-                body = {
-                    "code": 401,
-                    "message": "invalid or missing API key (X-API-Key header)",
-                    "error_code": "unauthenticated",
-                }
-                await _reply(scope, receive, send, JSONResponse(body, status_code=401))
+            try:  # the key's team: what the routes may see and make (aenv/teams)
+                PRINCIPAL.set(await self.tenancy.authenticate(headers))
+            except AenvError as exc:
+                answer = JSONResponse(error_body(exc), status_code=exc.status, headers=error_headers(exc))
+                await _reply(scope, receive, send, answer)
                 return
         if scope["type"] == "http" and not _streams_its_body(scope):
             limit = self.node.settings.max_body_kb * 1024
@@ -284,4 +294,5 @@ async def _reply(scope: Scope, receive: Receive, send: Send, response: Response)
 
 def build(node: NodeService, api_key: str | None, *, start_node: bool = True) -> ASGIApp:
     """The whole node application: router in front of the FastAPI control plane."""
-    return SandboxRouter(create_app(node, start_node=start_node), node, api_key)
+    tenancy = Tenancy(node, api_key)
+    return SandboxRouter(create_app(node, start_node=start_node, tenancy=tenancy), node, api_key, tenancy)

@@ -32,6 +32,8 @@ from aenv.errors import AenvError, InvalidRequest, NotFound, Unauthenticated
 from aenv.node.service import BuildHost, NodeService
 from aenv.storage.confined import remove_tree
 from aenv.storage.space import ensure_space, headroom
+from aenv.teams import guard as team_guard
+from aenv.teams.model import team_of_new
 from aenv.templates import build, catalog, uploads
 from aenv.templates import dockerfile as df
 from aenv.templates.catalog import TEMPLATE_NAME
@@ -77,6 +79,7 @@ class Build:
     status: str = "waiting"
     logs: list[dict[str, Any]] = field(default_factory=list)
     reason: dict[str, Any] | None = None
+    team: str = field(default_factory=team_of_new)  # whose build: another team's is not found
 
     def log(self, message: str, level: str = "info") -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() % 1 * 1000):03d}Z"
@@ -119,6 +122,7 @@ def _split_name(name: str) -> tuple[str, str | None]:
 async def new_template(request: Request) -> JSONResponse:
     body: NewTemplate = await _body(request, NewTemplate)
     name, tag = _split_name(body.name)
+    team_guard.claim_template_name(request.app.state.node, name)  # never a rebuild of another team's
     tags = sorted({*body.tags, *([tag] if tag else [])})
     entry = Build(template_id=name, build_id=str(uuid.uuid4()), name=name, tags=tags)
     builds_of(build_host_of(request))[entry.build_id] = entry
@@ -154,7 +158,7 @@ async def upload_files(request: Request, template_id: str, files_hash: str, toke
 async def start_build(request: Request, template_id: str, build_id: str) -> Response:
     node = build_host_of(request)
     entry = builds_of(node).get(build_id)
-    if entry is None or entry.template_id != template_id:
+    if entry is None or entry.template_id != template_id or not team_guard.visible_team(entry.team):
         raise NotFound(f"build {build_id} of template {template_id} not found")
     if entry.status != "waiting":
         raise InvalidRequest(f"build {build_id} was started already")
@@ -292,7 +296,7 @@ async def _run(
 @router.get("/templates/{template_id}/builds/{build_id}/status", summary="E2B template build status and logs")
 async def build_status(request: Request, template_id: str, build_id: str, logsOffset: int = 0) -> dict[str, Any]:  # noqa: N803
     entry = builds_of(build_host_of(request)).get(build_id)
-    if entry is None or entry.template_id != template_id:
+    if entry is None or entry.template_id != template_id or not team_guard.visible_team(entry.team):
         raise NotFound(f"build {build_id} of template {template_id} not found")
     window = entry.logs[max(0, logsOffset) : max(0, logsOffset) + 100]
     out: dict[str, Any] = {

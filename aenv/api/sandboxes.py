@@ -62,6 +62,8 @@ from aenv.node.service import (
     in_range,
 )
 from aenv.storage.confined import View, remove_tree
+from aenv.teams import guard as team_guard
+from aenv.teams.quotas import NodeQuotas
 from aenv.templates import build, catalog, image_sources, images, uploads
 from aenv.templates.catalog import TEMPLATE_NAME
 
@@ -72,14 +74,19 @@ LATEST_METRICS_TIME = 10_413_791_999  # E2B's (its metrics store's latest date, 
 
 
 def node_of(request: Request) -> NodeService:
-    node: NodeService = request.app.state.node
-    return node
+    """The node as the request's team sees it (aenv/teams/guard.py)."""
+    return team_guard.view_of(request.app.state.node)
 
 
 def build_host_of(request: Request) -> BuildHost:
-    """The node, for the routes that build or edit templates on it."""
-    node: BuildHost = request.app.state.node
+    """The node, for the routes that build or edit templates on it (as the request's team sees it)."""
+    node: BuildHost = team_guard.view_of(request.app.state.node)  # type: ignore[assignment]
     return node
+
+
+def quotas_of(request: Request) -> NodeQuotas:
+    quotas: NodeQuotas = request.app.state.quotas
+    return quotas
 
 
 def domain_of(request: Request) -> str | None:
@@ -198,7 +205,9 @@ async def _create(request: Request) -> JSONResponse:
     # A create sent again with its id (a gateway whose connection broke, an SDK's retry with its
     # Idempotency-Key) gets the first one's sandbox.
     create_id = create_id_of(request.headers)
-    sandbox_id = await node.create_ids.once(create_id, create) if create_id is not None else await create()
+    sandbox_id = await quotas_of(request).admitted(  # the team's rate, and ?wait for room
+        request, lambda: node.create_ids.once(create_id, create) if create_id is not None else create()
+    )
     if node.announce is not None:
         await node.announce([sandbox_id])
     return JSONResponse(sandbox_json(node, node.get(sandbox_id), domain_of(request)), status_code=201)
@@ -496,7 +505,8 @@ async def refresh(request: Request, sandbox_id: str) -> Response:
 )
 async def pause(request: Request, sandbox_id: str) -> Response:
     body: PauseBody = await _body(request, PauseBody)
-    await node_of(request).pause(sandbox_id, keep_memory=body.memory)
+    async with quotas_of(request).pausing_one(sandbox_id):  # the team's paused quota
+        await node_of(request).pause(sandbox_id, keep_memory=body.memory)
     return Response(status_code=204)
 
 
@@ -612,6 +622,8 @@ async def fork(request: Request, sandbox_id: str) -> JSONResponse:
         metadata = body.children_metadata(node.get(sandbox_id).rec.metadata)
     except ValueError as exc:
         raise InvalidRequest(f"invalid request body: {exc}") from None
+    if isinstance(body.count, int) and 1 <= body.count <= node.settings.max_fork:
+        quotas_of(request).check_fork(node.get(sandbox_id).rec, body.count)  # the team's fork size and room
     results = await node.fork(sandbox_id, count=body.count, timeout=body.timeout, metadata=metadata)
     if node.announce is not None:
         await node.announce([r.sandbox.id for r in results if r.sandbox is not None])
@@ -673,6 +685,7 @@ async def template_from_image(request: Request) -> Response:
     lines as the build's: ``{"log"}``, ``{"progress": {layer, layers, done, total}}`` as each
     layer downloads, then ``{"template"}`` or ``{"error"}``."""
     body: ImageTemplate = await _body(request, ImageTemplate)
+    team_guard.claim_template_name(request.app.state.node, body.name)
     node = build_host_of(request)
     login = (body.username, body.password or "") if body.username else None
     if "application/x-ndjson" in request.headers.get("accept", ""):
@@ -741,6 +754,7 @@ async def build_template(
 ) -> StreamingResponse:
     """The body is the build context as a tar (gzip or not). Each response line is
     ``{"log": ...}``, then ``{"template": ...}`` or ``{"error": {code, message, step?, output?}}``."""
+    team_guard.claim_template_name(request.app.state.node, name)  # never another team's template
     node = build_host_of(request)
     args = dict(arg.split("=", 1) for arg in build_arg if "=" in arg)
     limits = node.uploads.limits
@@ -809,7 +823,15 @@ async def delete_template(request: Request, template_id: str, force: bool = Fals
 async def patch_template(request: Request, template_id: str) -> dict[str, Any]:
     body: TemplatePatch = await _body(request, TemplatePatch)
     node = build_host_of(request)
-    return template_json(await catalog.set_aliases(node, template_id, body.aliases), node)
+    template = node.find_template(template_id)
+    if body.aliases is not None:
+        for alias in body.aliases:
+            team_guard.claim_template_name(request.app.state.node, alias)
+        template = await catalog.set_aliases(node, template_id, body.aliases)
+    if body.public is not None and body.public != template.public:  # E2B's TemplateUpdateRequest
+        template.public = body.public
+        await node.save_template(template)
+    return template_json(template, node)
 
 
 @router.get("/templates/{template_id}/warm-pool", summary="A template's warm pool")

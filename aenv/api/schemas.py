@@ -191,8 +191,11 @@ class ImageTemplate(BaseModel):
 
 
 class TemplatePatch(BaseModel):
+    """aenv's ``aliases`` (replaced) and E2B's ``public`` (every team may use it), either or both."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
-    aliases: list[str] = Field(..., max_length=64)
+    aliases: list[str] | None = Field(None, max_length=64)
+    public: bool | None = None
 
 
 class WarmPoolSize(BaseModel):
@@ -380,5 +383,6 @@ def template_json(t: TemplateRecord, node: NodeService) -> dict[str, Any]:
         "description": t.description,
         "sandboxes": sum(1 for sb in node.sandboxes.values() if sb.rec.template_id in (t.id, t.name)),
         "envdVersion": AGENT_VERSION,
+        "public": t.public or t.name == "base",  # every team may use it (aenv/teams)
         **repository_json(t),
     }

@@ -1013,6 +1013,11 @@ def fusion(
     uvicorn.run(app_, host=host, port=port, http="httptools", log_level="warning")
 
 
+from aenv.cli.teams import register as _register_teams  # noqa: E402 - its commands use the helpers above
+
+_register_teams(app, run=_run, emit=_emit, out=out, err=err)
+
+
 def main() -> None:
     app()
 

@@ -687,6 +687,7 @@ class NodeAgent:
                 template_names=self._template_names(rec.template_id),
                 durable=durable,
                 runtime=runtime,
+                team=rec.team,
             )
             out[sb.id] = entry if _fits(entry) else replace(entry, listed={})  # routing needs the entry
         return out

@@ -8,7 +8,8 @@ reach its keys, each with what its part does and no more:
   once, its sandboxes' entries, takeovers, create ids; drops tombstones it obeyed);
 - ``aenv-gateway``: read everything under /aenv/ (the directory it mirrors and the secret its
   signed URLs and wake tokens need), write only sandbox entries and tombstones (the kill of a lost
-  node's sandbox). It cannot register a node, rewrite the configuration or claim a create;
+  node's sandbox) and the teams' create reservations (/aenv/teams/q/, aenv/teams/gateway.py). It
+  cannot register a node, rewrite the configuration, claim a create or make a team or key;
 - ``root`` (etcd's own): only for this set-up and for operators.
 
 A node or gateway logs in with AENV_CLUSTER_USER and AENV_CLUSTER_PASSWORD_FILE; over TLS with
@@ -27,6 +28,7 @@ import aetcd.rpc
 from aenv.cluster.entries import PREFIX, SANDBOXES_PREFIX, TOMBSTONES_PREFIX
 from aenv.cluster.store import ClusterStore, EtcdTls, EtcdUser
 from aenv.errors import ClusterUnavailable
+from aenv.teams.cluster import QUOTA_PREFIX
 
 ROOT = "root"
 NODE_USER = "aenv-node"
@@ -35,7 +37,7 @@ READ, WRITE, READWRITE = aetcd.rpc.Permission.READ, aetcd.rpc.Permission.WRITE, 
 # role (and user) -> (permission, key prefix)
 ROLES: dict[str, list[tuple[int, str]]] = {
     NODE_USER: [(READWRITE, PREFIX)],
-    GATEWAY_USER: [(READ, PREFIX), (WRITE, SANDBOXES_PREFIX), (WRITE, TOMBSTONES_PREFIX)],
+    GATEWAY_USER: [(READ, PREFIX), (WRITE, SANDBOXES_PREFIX), (WRITE, TOMBSTONES_PREFIX), (WRITE, QUOTA_PREFIX)],
 }
 
 

@@ -186,7 +186,7 @@ class Drain:
                     r = await client.post(
                         f"{target.address}/sandboxes/{sb.id}/connect",
                         json={"timeout": timeout},
-                        headers={"X-API-Key": self.api_key},
+                        headers={"X-API-Key": self.api_key, "X-Team-ID": "*"},  # whichever team's it is
                     )
                 except httpx.HTTPError as exc:
                     failures.append(f"{target.node_id}: {exc!r}"[:200])

@@ -169,6 +169,7 @@ class SandboxEntry:
     # The runtime of the node that holds it ("runsc <version> <platform>", as NodeEntry.runtime):
     # its memory image restores only under that runtime, so a takeover goes to a node that has it.
     runtime: str = ""
+    team: str = ""  # the team it belongs to ("": the default team's; aenv/teams)
 
     @property
     def listable(self) -> bool:

@@ -62,12 +62,12 @@ from aenv.dashboard import cluster as dashboard
 from aenv.errors import (
     AenvError,
     ClusterUnavailable,
+    Forbidden,
     InvalidRequest,
     LimitExceeded,
     NotFound,
     PayloadTooLarge,
     SandboxNotFound,
-    Unauthenticated,
     UpstreamError,
     error_body,
     error_headers,
@@ -76,6 +76,9 @@ from aenv.errors import (
 from aenv.node import tokens
 from aenv.node.create_ids import CREATE_ID_HEADER, create_id_of
 from aenv.node.service import OWNER_FULL_HEADER
+from aenv.teams import guard as team_guard
+from aenv.teams.gateway import GatewayTeams
+from aenv.teams.model import ALL_TEAMS, DEFAULT_TEAM, Principal
 
 log = logging.getLogger("aenv.gateway")
 
@@ -209,6 +212,7 @@ class Gateway:
         self.wrong_key = asyncio.Event()
         self._config_check: asyncio.Task[None] | None = None
         self._quorum: tuple[float, asyncio.Task[bool]] | None = None  # the last check that etcd answers
+        self.teams = GatewayTeams(mirror.store, mirror, settings.api_key)  # keys, isolation, quotas (aenv/teams)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -245,6 +249,7 @@ class Gateway:
             if message["type"] == "lifespan.startup":
                 try:
                     await self.mirror.start(wait=STARTUP_WAIT)
+                    await self.teams.start()
                     await self.cluster_config()
                 except ClusterUnavailable as exc:
                     if self.wrong_key.is_set():
@@ -258,6 +263,7 @@ class Gateway:
             elif message["type"] == "lifespan.shutdown":
                 if self._config_check is not None:
                     self._config_check.cancel()
+                await self.teams.stop()
                 await self._close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -310,10 +316,13 @@ class Gateway:
         # The control plane needs the key here already: a lookup must not tell a stranger which
         # sandboxes exist. What the nodes open without it stays open (a signed upload's token is
         # the node's to check).
+        who: Principal | None = None
         if (method, path) not in PUBLIC_ROUTES and not (method == "PUT" and SIGNED_UPLOAD.fullmatch(path)):
-            self.check_key(headers)
+            who = await self.check_key(headers)
         if path == "/nodes" or path.startswith("/nodes/"):
             scope[ROUTE_SCOPE] = "nodes"
+            if who is None or not who.admin:
+                raise Forbidden("the cluster's nodes are the admin key's (AENV_API_KEY)")
             drained = NODE_DRAIN.fullmatch(path)
             if drained is not None and method == "POST":
                 return await self.drain(request, drained["id"])
@@ -332,6 +341,7 @@ class Gateway:
         match = SANDBOX_PATH.match(path)
         if match:
             scope[ROUTE_SCOPE] = "sandbox"
+            self.teams.check_sandbox(match["id"])  # another team's: as one the gateway does not know
             if method == "GET" and SANDBOX_INFO.match(path):
                 shown = await self.cluster_paused(match["id"])
                 if shown is not None:
@@ -599,10 +609,11 @@ class Gateway:
         timeout = httpx.Timeout(self.settings.connect_timeout, read=None, write=60.0, pool=10.0)
         return Relay(await self._send(request, node, body=body, path=DRAIN_PATH, timeout=timeout), node)
 
-    def check_key(self, headers: dict[str, str]) -> None:
-        key = self.settings.api_key
-        if key and not hmac.compare_digest(headers.get("x-api-key", "").encode(), key.encode()):
-            raise Unauthenticated("invalid or missing API key (X-API-Key header)")
+    async def check_key(self, headers: dict[str, str]) -> Principal:
+        """The request's team (aenv/teams/gateway.py), or 401."""
+        if not self.settings.api_key:
+            return Principal(DEFAULT_TEAM, admin=True, all_teams=True)
+        return await self.teams.authenticate(headers)
 
     # -- where a request goes -------------------------------------------------------------------------
     async def owner(
@@ -670,7 +681,7 @@ class Gateway:
         return await asyncio.shield(waking)
 
     async def _wake(self, sandbox_id: str, owner_full: bool, avoid: str = "") -> NodeEntry:
-        headers = {"X-API-Key": self.settings.api_key or ""}
+        headers = {"X-API-Key": self.settings.api_key or "", "X-Team-ID": ALL_TEAMS}  # whoever's it is
         if owner_full:
             headers[OWNER_FULL_HEADER] = "1"
         timeout = httpx.Timeout(self.settings.connect_timeout, read=WAKE_SECONDS, write=10.0, pool=10.0)
@@ -793,7 +804,11 @@ class Gateway:
     def _listable_entries(self) -> list[SandboxEntry] | None:
         """The live nodes' sandboxes' entries and the durable pauses of lost nodes (they belong to
         the cluster), if each can be listed from its entry alone."""
-        live = [e for e in self.mirror.sandboxes.values() if e.node_id in self.mirror.nodes or _cluster_paused(e)]
+        live = [
+            e
+            for e in self.mirror.sandboxes.values()
+            if (e.node_id in self.mirror.nodes or _cluster_paused(e)) and team_guard.visible_team(e.team)
+        ]
         return live if all(e.listable for e in live) else None
 
     def _expect(self, sandbox_id: str, outcome: str) -> None:
@@ -872,7 +887,11 @@ class Gateway:
         return [
             lists.listed_item(e, secret, domain)
             for e in self.mirror.sandboxes.values()
-            if e.node_id not in self.mirror.nodes and _cluster_paused(e) and e.listable and query.matches(e)
+            if e.node_id not in self.mirror.nodes
+            and _cluster_paused(e)
+            and e.listable
+            and query.matches(e)
+            and team_guard.visible_team(e.team)
         ]
 
     async def list_snapshots(self, request: Request) -> Response:
@@ -974,7 +993,11 @@ class Gateway:
         create_id = create_id_of(request.headers) or uuid.uuid4().hex
         if not ID_PATTERN.fullmatch(create_id):
             raise InvalidRequest(f"{CREATE_ID_HEADER} must be 1-63 characters of A-Z a-z 0-9 . _ -")
-        upstream, content, node = await self._place_create(request, body, create_id)
+        async with self.teams.admitted(request.query_params) as made:  # the team's quotas, cluster-wide
+            upstream, content, node = await self._place_create(request, body, create_id)
+            answer = _json_answer(upstream, content) if 200 <= upstream.status_code < 300 else None
+            if isinstance(answer, dict) and isinstance(answer.get("sandboxID"), str):
+                made["sandbox"] = answer["sandboxID"]
         if 200 <= upstream.status_code < 300:
             answer = _json_answer(upstream, content) if self.settings.domain else None
             if answer is not None:
@@ -1022,6 +1045,8 @@ class Gateway:
                 continue
             finally:
                 self.placement.done(node.node_id, made=made, entry=self.mirror.nodes.get(node.node_id))
+            if upstream.status_code == 429 and _error_code(content) == "quota_exceeded":
+                return upstream, content, node  # the team's quota: the same on every node
             if upstream.status_code == 429:
                 failures.append(f"{node.node_id}: at its limit")
                 continue

@@ -406,6 +406,11 @@ class ClusterStore:
                     raise
             await asyncio.sleep(ELECTION_PAUSE)
 
+    async def call(self, what: str, make: Callable[[Any], Awaitable[T]], *, again: bool = False) -> T:
+        """``make(client)``, an aetcd call, with this store's deadline, logins and retries: for the
+        cluster's other keys (teams and keys, aenv/teams/cluster.py)."""
+        return await self._call(what, make, again=again)
+
     async def _call_once(self, what: str, make: Callable[[_Client], Awaitable[T]]) -> T:
         """``make(client)``'s answer within the deadline. A call etcd refused for its login token
         (tokens live in one member's memory: a restart or a move to another member forgets them;

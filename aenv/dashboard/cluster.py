@@ -35,7 +35,7 @@ async def route(gateway: Gateway, request: Request) -> Response:
     response = pages.page(path) if pages.is_page(request.method, path) else None
     if response is not None:
         return response
-    gateway.check_key({k.lower(): v for k, v in request.headers.items()})
+    await gateway.check_key({k.lower(): v for k, v in request.headers.items()})
     if request.method != "GET":
         raise _not_found(path)
     nodes = sorted(gateway.mirror.nodes.values(), key=lambda n: n.node_id)

@@ -27,6 +27,7 @@ from aenv.errors import (
     InvalidRequest,
     LimitExceeded,
     OperationTimeout,
+    QuotaExceeded,
     SandboxNotFound,
     TemplateNotFound,
     WrongState,
@@ -38,6 +39,7 @@ from aenv.node.state import SETTLED, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, TemplateRecord
 from aenv.node.warmpool import Member, memory_available_mb
 from aenv.storage.layers import new_id
+from aenv.teams.model import team_of_new
 
 log = logging.getLogger("aenv.node")
 S = SandboxState
@@ -199,9 +201,10 @@ class Lifecycle:
             mask_request_host=mask_request_host,
             guest=guest,
             start=start,
+            team=team_of_new(),
         )
         # From the check to the sandbox's entry nothing awaits: a burst cannot overfill the node.
-        self._check_room()
+        self._check_room(rec)
         member = self.warm.take(source, self.limits_of(rec)) if isinstance(source, TemplateRecord) else None
         if member is not None:
             return await self._claim(member, rec, timeout)
@@ -256,10 +259,19 @@ class Lifecycle:
 
         return await self._operate(sb, "create", run, join=False)
 
-    def _check_room(self) -> None:
+    def _check_room(self, rec: SandboxRecord | None = None) -> None:
+        """Room for one more running sandbox, and for ``rec`` in its team's quota (429 if not)."""
         room, limit = self._room()
         if room == 0:
             raise LimitExceeded(limit)
+        if rec is not None and self._team_room(rec, 1)[0] < 1:
+            raise QuotaExceeded(self._team_room(rec, 1)[1], retry_after=1)
+
+    def _team_room(self, rec: SandboxRecord, wanted: int) -> tuple[int, str]:
+        """How many sandboxes like ``rec`` its team's quotas let start now (aenv/teams/quotas.py)."""
+        if self.team_room is None:
+            return wanted, ""
+        return self.team_room(rec, wanted)
 
     def _room(self) -> tuple[int, str]:
         """How many more sandboxes this node may run now, and the limit that stops the next one."""
@@ -356,10 +368,10 @@ class Lifecycle:
                 return sb.rec, False
             # A resume takes a running sandbox's room, as a create does (429: a gateway takes a
             # durable pause elsewhere); checked before the guard, which makes it no longer movable.
-            self._check_room()
+            self._check_room(sb.rec)
             if sb.rec.durable_at and self.resume_guard is not None:
                 await self.resume_guard(sb.id)  # raises if another node took it over: it stays paused here
-                self._check_room()  # taken meanwhile: it stays paused (the agent marks it durable again)
+                self._check_room(sb.rec)  # taken meanwhile: it stays paused (the agent marks it durable again)
             await self._set_state(sb, S.RESUMING, persist=False)
             try:
                 await self.artifacts.release_pause(sb)
@@ -536,6 +548,7 @@ class Lifecycle:
                 user=sb.rec.user,
                 workdir=sb.rec.workdir,
                 start=dict(sb.rec.start),
+                team=sb.rec.team,
             )
             try:
                 await self.catalogue.put_snapshot(snap)
@@ -588,7 +601,7 @@ class Lifecycle:
             raise InvalidRequest(f"metadata names {len(metadata)} children, the fork makes {count}")
         child_timeout = self._check_timeout(timeout) if timeout is not None else None
         self._admit()
-        self._check_room()  # no room for any child: the whole fork is refused, nothing checkpointed
+        self._check_room(sb.rec)  # no room for any child: the whole fork is refused, nothing checkpointed
 
         async def run() -> list[ForkResult]:
             leaves_running = self.driver.leaves_running
@@ -604,6 +617,10 @@ class Lifecycle:
                 # From the count to the entries nothing awaits: concurrent creates and forks cannot
                 # overfill the node. Children past its room are answered with the limit instead.
                 room, limit = self._room()
+                team_room, over_quota = self._team_room(sb.rec, len(children))
+                over: type[LimitExceeded] = LimitExceeded  # the node's room, or the team's quota
+                if team_room < min(room, len(children)):
+                    room, limit, over = team_room, over_quota, QuotaExceeded
                 for child in children[room:]:
                     self.rollouts.remove(child.id)
                     await self.files.remove(child.rec.upper)
@@ -627,7 +644,7 @@ class Lifecycle:
                 raise outcomes[0]
             await self._set_state(sb, S.RUNNING)
             if not children:
-                raise LimitExceeded(limit)  # the room went to others while the source was checkpointed
+                raise over(limit)  # the room went to others while the source was checkpointed
             results = []
             for child, outcome in zip(children, outcomes[len(restart) :], strict=True):
                 if isinstance(outcome, BaseException):
@@ -637,7 +654,7 @@ class Lifecycle:
                 else:
                     results.append(ForkResult(sandbox=child.rec))
             refused = f"{limit}: no room for this child ({len(children)} of the fork's {count} fit)"
-            results += [ForkResult(error=LimitExceeded(refused)) for _ in range(count - len(children))]
+            results += [ForkResult(error=over(refused)) for _ in range(count - len(children))]
             made = [r.sandbox.id for r in results if r.sandbox is not None]
             sb.events.note(f"fork of {count}: {len(made)} children made ({', '.join(made[:8])})")
             return results
@@ -682,6 +699,7 @@ class Lifecycle:
             user=src.user,
             workdir=src.workdir,
             start=dict(src.start),
+            team=src.team,
         )
         child = LiveSandbox(rec)
         child.events.note(f"forked from {src.id}")

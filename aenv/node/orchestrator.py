@@ -136,6 +136,9 @@ class Node(Lifecycle, Instances, Records):
         # In a cluster: waits, a moment at most, until the directory lists new sandboxes (a
         # create's or a fork's answer then names only sandboxes every gateway can find).
         self.announce: Callable[[list[str]], Awaitable[None]] | None = None
+        # Teams' quotas (aenv/teams/quotas.py): how many sandboxes like a record its team may start
+        # now, of those wanted, and why not more. Called with nothing awaited before the entry.
+        self.team_room: Callable[[SandboxRecord, int], tuple[int, str]] | None = None
         self.warm = WarmPools(self)  # idle sandboxes restored ahead of creates
         self.dozer = Dozer(self)  # freezes idle sandboxes on the host
 

@@ -66,6 +66,7 @@ class SandboxRecord:
     user: str = ""  # default user of commands and files ("" = `user`), from the template
     workdir: str = ""  # default working directory ("" = the default user's home)
     start: dict[str, Any] = field(default_factory=dict)  # the template's start command (StartCommand.record)
+    team: str = ""  # the team it belongs to ("": the default team's; aenv/teams)
 
     def to_json(self) -> str:
         body = asdict(self)
@@ -102,6 +103,8 @@ class TemplateRecord:
     # and the digest of the manifest pulled (aenv/templates/image_sources.py finds it by either).
     image_ref: str = ""
     image_digest: str = ""
+    team: str = ""  # the team that made it ("": the default team's); others use it only when public
+    public: bool = False  # usable by every team (E2B's template `public`; `base` always is)
     # Its image's layers as pulled: layer id -> compressed bytes (the manifest's sizes); the
     # image's size is their sum (GET /images reports it against what the node stores).
     image_layers: dict[str, int] = field(default_factory=dict)
@@ -133,6 +136,7 @@ class SnapshotRecord:
     start: dict[str, Any] = field(default_factory=dict)
     committed_at: float = 0.0
     commit: dict[str, Any] = field(default_factory=dict)
+    team: str = ""  # its sandbox's team
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

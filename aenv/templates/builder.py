@@ -29,6 +29,7 @@ from aenv.runtime.base import Instance, Limits
 from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
 from aenv.storage.layers import new_id
 from aenv.storage.mounts import unmount_under
+from aenv.teams.model import team_of_new
 from aenv.templates.catalog import retire_builds
 
 LogFn = Callable[[str], None]
@@ -294,6 +295,7 @@ async def commit_template(
         user=user,
         workdir=workdir,
         start=start.record() if start is not None else {},
+        team=team_of_new(),
     )
     await retire_builds(node, name)
     await node.add_template(rec)

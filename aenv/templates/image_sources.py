@@ -268,7 +268,14 @@ async def _build(
                 aliases = tuple(dict.fromkeys([*aliases, *evicted.aliases]))
             try:
                 made = await commit_image(
-                    node, job, digest_name(digest), canonical, aliases=aliases, on_log=said, template_id=template_id
+                    node,
+                    job,
+                    digest_name(digest),
+                    canonical,
+                    aliases=aliases,
+                    on_log=said,
+                    template_id=template_id,
+                    public=True,  # pulled with the node's logins: every team may use it
                 )
             finally:
                 if builds.by_digest.get(digest) is done:

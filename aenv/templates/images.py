@@ -102,6 +102,7 @@ async def commit_image(
     aliases: tuple[str, ...] = (),
     on_log: LogFn | None = None,
     template_id: str = "",
+    public: bool = False,
 ) -> TemplateRecord:
     """Bring in the layers of the image ``job`` pulls, add the sandbox conventions and commit it
     as template ``name`` (id ``template_id``, else a new one), recorded as made from
@@ -133,6 +134,7 @@ async def commit_image(
         rec.image_ref, rec.image_digest = reference, pulled.digest
         rec.image_layers = pulled.sizes
         rec.aliases = sorted({*rec.aliases, *aliases} - {rec.name})
+        rec.public = public  # pulled with the node's own logins: any team could make it (aenv/teams)
         await node.save_template(rec)
         return rec
     finally:

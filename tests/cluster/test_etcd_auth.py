@@ -53,7 +53,7 @@ def auth_etcd(secrets_dir: Path) -> Iterator[EtcdCluster]:
         assert report["enabledNow"] is True
         assert {r["user"]: r["may"] for r in report["users"]} == {
             NODE_USER: "readwrite /aenv/",
-            GATEWAY_USER: "read /aenv/, write /aenv/sandboxes/, write /aenv/tombstones/",
+            GATEWAY_USER: "read /aenv/, write /aenv/sandboxes/, write /aenv/tombstones/, write /aenv/teams/q/",
         }
         yield cluster
     finally:
