@@ -486,6 +486,35 @@ function templatesView(main) {
   };
 }
 
+function teamsView(main) {
+  // The teams this key sees (its own; every team for the admin key) with what each used so far.
+  const list = h("div");
+  main.replaceChildren(h("h1", {}, "Teams and usage"), list);
+  const fixed = (n, digits = 1) => (Number(n) || 0).toFixed(digits);
+  return async () => {
+    const { body: teams } = await api("/teams");
+    const usage = await Promise.all(teams.map((t) => api(`/teams/${encodeURIComponent(t.teamID)}/usage`).then((r) => r.body)));
+    const rows = teams.map((t, i) => ({ ...t, usage: usage[i] }));
+    const quota = (q) => Object.entries(q || {}).filter(([, v]) => v).map(([k, v]) => `${k} ${v}`).join(", ") || "none";
+    list.replaceChildren(
+      table(
+        [
+          { title: "Team", cell: (t) => h("span", {}, t.name, " ", h("span", { class: "mono muted" }, t.teamID)) },
+          { title: "Running", num: true, cell: (t) => t.usage.runningSandboxes },
+          { title: "Paused", num: true, cell: (t) => t.usage.pausedSandboxes },
+          { title: "Sandbox-hours", num: true, cell: (t) => fixed(t.usage.sandboxSeconds / 3600, 2) },
+          { title: "CPU-seconds", num: true, cell: (t) => fixed(t.usage.cpuSeconds) },
+          { title: "Memory GiB-hours", num: true, cell: (t) => fixed(t.usage.memoryGiBSeconds / 3600, 2) },
+          { title: "Storage GiB-hours", num: true, cell: (t) => fixed(t.usage.storageGiBSeconds / 3600, 2) },
+          { title: "Quotas", cell: (t) => quota(t.quotas) },
+        ],
+        rows,
+        (t) => ({ "data-team-id": t.teamID }),
+      ),
+    );
+  };
+}
+
 // -- routing --------------------------------------------------------------------------------------
 function route() {
   const [path, query] = (location.hash.slice(1) || "/").split("?");
@@ -493,6 +522,7 @@ function route() {
   if (path.startsWith("/sandbox/")) return ["sandboxes", (main) => sandboxView(main, decodeURIComponent(path.slice(9)))];
   if (path === "/sandboxes") return ["sandboxes", (main) => sandboxesView(main, params)];
   if (path === "/templates") return ["templates", templatesView];
+  if (path === "/teams") return ["teams", teamsView];
   return ["overview", overviewView];
 }
 
