@@ -33,11 +33,18 @@ class Settings(BaseSettings):
     tls_key: Path | None = None
 
     # "fake" runs sandboxes as host processes with no isolation, without runsc or root: for tests
-    # (./scripts/test --fast), never a default (aenv/runtime/fake.py).
-    driver: Literal["gvisor", "fake"] = "gvisor"
+    # (./scripts/test --fast), never a default (aenv/runtime/fake.py). "qemu" boots each sandbox
+    # as a QEMU microvm: a skeleton that boots and runs commands, no checkpoints (aenv/runtime/qemu.py).
+    driver: Literal["gvisor", "fake", "qemu"] = "gvisor"
+    # The gVisor driver's alone.
     runsc: str = "runsc"
     runsc_platform: str = "ptrace"
     runsc_debug: bool = False
+    # The qemu driver's alone: its QEMU, the kernel it boots ("": the newest that scripts/install
+    # unpacked, else of /boot) and its accelerator (auto: KVM where it boots, TCG elsewhere).
+    qemu: str = "qemu-system-x86_64"
+    qemu_kernel: str = ""
+    qemu_accel: Literal["auto", "kvm", "tcg"] = "auto"
 
     default_timeout: int = DEFAULT_TIMEOUT
     max_timeout: int = 24 * 3600

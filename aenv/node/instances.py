@@ -54,7 +54,9 @@ class Instances:
         return config
 
     def rootfs(self, layers: list[str], upper: str, guest: str = "") -> RootfsSpec:
-        return RootfsSpec(tuple(self.files.layer(x) for x in layers), self.files.upper(upper), guest)
+        files = self.files
+        disks = tuple(files.disk(x) for x in layers)
+        return RootfsSpec(tuple(files.layer(x) for x in layers), files.upper(upper), guest, disks, files.disk(upper))
 
     async def _restore_into(
         self, sb: LiveSandbox, *, image: str, layers: list[str], upper: str, fresh: bool, hold_heap: bool = False

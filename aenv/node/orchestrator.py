@@ -69,6 +69,15 @@ def make_driver(settings: Settings) -> Driver:
         from aenv.runtime.fake import FakeDriver
 
         return FakeDriver(state_dir=settings.data_dir / "runtime")
+    if settings.driver == "qemu":  # a skeleton: boots and runs commands, no checkpoints yet
+        from aenv.runtime.qemu import QemuDriver
+
+        return QemuDriver(
+            state_dir=settings.data_dir / "runtime",
+            qemu=settings.qemu,
+            kernel=settings.qemu_kernel,
+            accel=settings.qemu_accel,
+        )
     raise InvalidRequest(f"unknown driver {settings.driver!r}")
 
 

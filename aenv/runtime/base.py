@@ -3,7 +3,9 @@
 Pause = checkpoint (stopping) ; snapshot = checkpoint that leaves the source running (or, on a
 runtime that cannot, checkpoint + restore of the source) ; fork = that checkpoint + N restores ;
 create-from-template = restore of the template's image.
-Nothing above this module knows which driver runs.
+Nothing above this module knows which driver runs: gvisor.py (runsc, the default), fake.py (host
+processes, for tests) and qemu.py (a QEMU microvm; boots only, a skeleton) implement it, each
+chosen by AENV_DRIVER; runsc's settings (AENV_RUNSC*) concern gvisor.py alone.
 """
 
 from __future__ import annotations
@@ -27,13 +29,21 @@ class Limits:
 
 @dataclass(frozen=True, slots=True)
 class RootfsSpec:
-    """A root filesystem: read-only layers (lowest first) under one writable upper directory."""
+    """A root filesystem described, not made: read-only layers (lowest first) under one writable
+    upper, and the guest bundle as one more read-only layer at /.aenv. Each driver materialises it
+    its own way: gVisor and the fake runtime overlay the directories on the host and bind the
+    bundle's directory; a VM attaches the layers' and the upper's disk images as block devices
+    (a plain-directory layer gets an image made from it) and overlays them inside the guest."""
 
-    layers: tuple[Path, ...]
+    layers: tuple[Path, ...]  # each layer's directory (an overlayfs lower)
     upper: Path  # the directory that holds ``upper/`` and ``work/``
     # The guest bundle the instance's agent was started from. A restored agent is that very
     # process, so it must see the same bundle at /.aenv; "" means the current one.
     guest: str = ""
+    # The ext4 image each layer is the ``upper/`` directory of (None: a plain directory), and the
+    # upper's: what a VM attaches. Empty when the node did not say (a driver must then not need them).
+    layer_disks: tuple[Path | None, ...] = ()
+    upper_disk: Path | None = None
 
 
 @dataclass(slots=True)
@@ -51,6 +61,10 @@ class Instance:
     """A running sandbox instance as its driver sees it."""
 
     id: str
+    # The agent's channel (aenv/channel): any byte stream the runtime carries into the guest. Two
+    # host pipes that are the agent's stdin and stdout under gVisor and the fake runtime; a Unix
+    # socket to a virtio-serial port, which the guest's init makes the agent's stdin and stdout,
+    # under QEMU. The agent is the same on all of them.
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     rootfs: RootfsSpec

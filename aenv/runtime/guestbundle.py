@@ -98,8 +98,9 @@ def loader_name() -> str:
     return "ld-linux-x86-64.so.2" if os.uname().machine == "x86_64" else "ld-linux-aarch64.so.1"
 
 
-def agent_argv() -> list[str]:
-    """How the runtime starts the agent inside the sandbox."""
+def agent_argv(module: str = "aenv.guest") -> list[str]:
+    """How the runtime starts the agent inside the sandbox (or another of the bundle's modules:
+    a microVM's init, aenv.guest.vminit, on the same interpreter)."""
     return [
         f"{GUEST_MOUNT}/lib/{loader_name()}",
         "--library-path",
@@ -108,7 +109,7 @@ def agent_argv() -> list[str]:
         "-s",
         "-B",
         "-m",
-        "aenv.guest",
+        module,
     ]
 
 

@@ -82,6 +82,12 @@ class LayerStore:
             return self.layers / layer_id / "upper"
         return self.layers / layer_id
 
+    def disk(self, layer_id: str) -> Path | None:
+        """The ext4 image a layer or upper lives in (the layer is its ``upper/``), None for a
+        directory layer: what a VM driver attaches as a block device."""
+        img = self._img(layer_id)
+        return img if img.exists() else None
+
     def upper(self, upper_id: str) -> Path:
         """The directory holding ``upper/`` and ``work/`` (the mounted disk image)."""
         return self.layers / upper_id
