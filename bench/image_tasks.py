@@ -273,7 +273,8 @@ async def rollouts(node: Node, images: list[TaskImage], args: argparse.Namespace
         units.append(row["storedBytes"] - sum(x["storedBytes"] for x in row["layers"]) + task_layer)
     shared = sum({x["id"]: x["storedBytes"] for row in rows.values() for x in row["layers"][:-1]}.values())
     unit = statistics.mean(units)  # what one more image costs: its snapshot, conventions and task layer
-    high, low = shared + (args.hold + 0.5) * unit, shared + (args.hold - 0.5) * unit
+    # hold images fit under both marks, one more does not: each miss evicts about one image
+    high, low = shared + (args.hold + 0.9) * unit, shared + (args.hold + 0.1) * unit
     node.settings.layer_cache_mb = max(1, round(high / MiB))
     node.settings.layer_cache_low_ratio = low / (node.settings.layer_cache_mb * MiB)  # one image out at a time
     await node.collect_garbage()

@@ -147,10 +147,11 @@ def cache_items(node: Node, build_cache: dict[str, str]) -> tuple[list[tuple[str
     in_use = (referenced_layers(node) - backed_layers) | busy
     cache = [("layer", x) for x in (cached_layers(present, build_cache) | backed_layers) & present]
     cache += [("image", x) for x in backed_images & node.files.image_ids()]
+    made_from = imagecache.sources(node)
     for t in node.templates.values():
         if node.artifacts.repo is None and imagecache.is_image_template(t):
             cache.append(("template", t.id))
-            if imagecache.in_use(node, t, busy):
+            if imagecache.in_use(node, t, busy, made_from):
                 in_use.add(t.id)
     return cache, in_use
 

@@ -183,8 +183,9 @@ def plan(node: Node, busy: set[str]) -> Plan:
     by one and come back from it), given the ids ``busy`` now (sandboxes' layers, pins)."""
     found = Plan()
     if node.artifacts.repo is None:
+        made_from = sources(node)
         for t in node.templates.values():
-            if is_image_template(t) and not in_use(node, t, busy):
+            if is_image_template(t) and not in_use(node, t, busy, made_from):
                 found.templates[t.id] = t
     for t in node.templates.values():
         if t.id in found.templates:
@@ -197,15 +198,18 @@ def plan(node: Node, busy: set[str]) -> Plan:
     return found
 
 
-def in_use(node: Node, rec: TemplateRecord, busy: set[str]) -> bool:
+def in_use(node: Node, rec: TemplateRecord, busy: set[str], made_from: set[str] | None = None) -> bool:
     """A sandbox or snapshot made from it, a restore or build pinning what only it holds, or a
-    warm pool an operator set for it."""
-    names = (rec.id, rec.name)
+    warm pool an operator set for it. ``made_from``: :func:`sources` (once for many templates)."""
     if any(x in busy for x in own_items(rec)) or node.warm.sizes.get(rec.name, 0) > 0:
         return True
-    if any(sb.rec.template_id in names for sb in node.sandboxes.values()):
-        return True
-    return any(s.template_id in names for s in node.snapshots.values())
+    made_from = sources(node) if made_from is None else made_from
+    return rec.id in made_from or rec.name in made_from
+
+
+def sources(node: Node) -> set[str]:
+    """The templates (names or ids) the node's sandboxes and snapshots were made from."""
+    return {sb.rec.template_id for sb in node.sandboxes.values()} | {s.template_id for s in node.snapshots.values()}
 
 
 def unit_size(node: Node, rec: TemplateRecord) -> int:
@@ -249,7 +253,8 @@ async def report(node: Node, busy: set[str]) -> list[dict[str, Any]]:
     evicted = list((await evicted_images(node).entries()).values())
     records = [t for t in node.templates.values() if t.image_digest]
     pinned = {t.id: not is_image_template(t) or node.warm.sizes.get(t.name, 0) > 0 for t in records}
-    using = {t.id: in_use(node, t, busy) for t in records}
+    made_from = sources(node)
+    using = {t.id: in_use(node, t, busy, made_from) for t in records}
     rows = await asyncio.to_thread(_rows, node, records, evicted)
     for row in rows:
         row["pinned"] = pinned.get(row["templateID"], False)
