@@ -119,6 +119,7 @@ class QemuDriver:
         self._making: dict[Path, asyncio.Lock] = {}
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._consoles: dict[str, deque[bytes]] = {}
+        self._tails: dict[str, asyncio.Future[None]] = {}  # the readers of QEMU's output
         self.wakes = 0
 
     def info(self) -> dict[str, str]:
@@ -265,7 +266,7 @@ class QemuDriver:
         (bundle / "pid").write_text(f"{proc.pid} {_start_time(proc.pid)}")
         console: deque[bytes] = deque()
         self._consoles[instance_id] = console
-        asyncio.ensure_future(_keep_tail(proc, console))
+        self._tails[instance_id] = asyncio.ensure_future(_keep_tail(proc, console))
         reader, writer = await asyncio.open_unix_connection(sock=host_end, limit=2**22)
         return Instance(instance_id, reader, writer, rootfs, limits, bundle, {"pid": str(proc.pid)})
 
@@ -341,6 +342,9 @@ class QemuDriver:
         if proc is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.wait(), KILL_TIMEOUT)
+        tail = self._tails.pop(instance_id, None)
+        if tail is not None:
+            tail.cancel()
         await asyncio.to_thread(shutil.rmtree, bundle, True)
 
     async def usage(self, instance: Instance) -> Usage:
