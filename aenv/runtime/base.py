@@ -118,7 +118,8 @@ class Driver(Protocol):
         ...
 
     async def checkpoint(self, instance: Instance, *, image_dir: Path, leave_running: bool) -> None:
-        """Save the instance's memory and process state to ``image_dir``."""
+        """Save the instance's memory and process state to ``image_dir``. A driver that cannot
+        raises CheckpointRefused (422 to clients, the instance left as it was)."""
         ...
 
     async def checkpoint_running(
@@ -129,7 +130,9 @@ class Driver(Protocol):
         ...
 
     async def restore(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits, image_dir: Path) -> Instance:
-        """Start an instance from ``image_dir``; one image may be restored any number of times."""
+        """Start an instance from ``image_dir``; one image may be restored any number of times.
+        An image this driver cannot restore (another runtime's, or none it can read) raises
+        ImageIncompatible before anything starts."""
         ...
 
     async def kill(self, instance: Instance) -> None:
