@@ -337,6 +337,7 @@ class TagsRemove(BaseModel):
 )
 async def assign_tags(request: Request) -> JSONResponse:
     body: TagsAssign = await _body(request, TagsAssign)
+    team_guard.check_owned_template(build_host_of(request), body.target)  # base's tags are not another team's
     template = await catalog.assign_tags(build_host_of(request), body.target, body.tags)
     return JSONResponse({"buildID": catalog.build_id_of(template), "tags": body.tags}, status_code=201)
 
@@ -349,6 +350,7 @@ async def assign_tags(request: Request) -> JSONResponse:
 )
 async def remove_tags(request: Request) -> Response:
     body: TagsRemove = await _body(request, TagsRemove)
+    team_guard.check_owned_template(build_host_of(request), body.name)
     await catalog.remove_tags(build_host_of(request), body.name, body.tags)
     return Response(status_code=204)
 

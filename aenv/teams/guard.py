@@ -58,6 +58,9 @@ BUILD_ROUTES = frozenset(
         "/templates/{template_id}/builds/{build_id}/status",
     }
 )
+READ_METHODS = frozenset({"GET", "HEAD"})
+# Routes that only read a template (or bring its files here) whatever their method.
+READS_A_TEMPLATE = frozenset({("POST", "/templates/{template_id}/fetch")})
 # Routes only the admin key may use: the node's own machinery, whose answers name every team's work.
 ADMIN_ROUTES = frozenset(
     {
@@ -106,6 +109,8 @@ async def check_route(request: Request) -> None:
         elif name in TEMPLATE_PARAMS:
             if path not in BUILD_ROUTES:
                 _check_template(node, value)
+                if request.method not in READ_METHODS and (request.method, path) not in READS_A_TEMPLATE:
+                    check_owned_template(node, value)
         elif name not in SCOPED_PARAMS and not who.admin:
             log.error("route %s %s has a path parameter %r no team check knows: refused", request.method, path, name)
             raise NotFound(f"no route {request.method} {request.url.path[:100]}")
@@ -149,6 +154,20 @@ def _check_template(node: NodeService, value: str) -> None:
         return
     if not visible(template):
         raise TemplateNotFound(f"template '{value}' not found")
+
+
+def check_owned_template(node: NodeService, ref: str) -> None:
+    """A change to a template (delete, aliases, tags, public, warm pool) is its team's: another
+    team may use a public one (``base``), never change it (403: that it exists is no secret)."""
+    who = restricted()
+    if who is None:
+        return
+    try:
+        template = node.find_template(ref)
+    except TemplateNotFound:
+        return
+    if visible(template) and not who.sees(template.team):  # one it cannot see: its 404 elsewhere
+        raise Forbidden(f"template '{template.name}' is another team's (public): only its team may change it")
 
 
 def _find_snapshot(node: NodeService, ref: str) -> SnapshotRecord | None:

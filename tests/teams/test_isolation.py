@@ -45,3 +45,29 @@ def test_every_route_without_an_id_is_classified_and_holds(
 
 def test_envd_traffic_and_tokens_do_not_cross_teams(two_teams: tuple[Owned, TeamKey]) -> None:
     envd_traffic(*two_teams)
+
+
+def test_a_public_template_is_used_by_every_team_and_changed_by_its_own_only(
+    two_teams: tuple[Owned, TeamKey], teams_node: Server
+) -> None:
+    """`bb` is the default team's, public. Seen failing without the ownership check: team B
+    deleted it (204)."""
+    _, b = two_teams
+    with b.client() as client:
+        made = client.post("/sandboxes", json={"templateID": "bb", "timeout": 30})
+        assert made.status_code == 201
+        client.delete(f"/sandboxes/{made.json()['sandboxID']}")
+        for method, path, body in (
+            ("DELETE", "/templates/bb", None),
+            ("PATCH", "/templates/bb", {"public": False}),
+            ("PATCH", "/templates/bb", {"aliases": ["bb:stolen"]}),
+            ("PUT", "/templates/bb/warm-pool", {"size": 3}),
+            ("POST", "/templates/tags", {"target": "bb", "tags": ["stolen"]}),
+            ("DELETE", "/templates/tags", {"name": "bb", "tags": ["latest"]}),
+        ):
+            r = client.request(method, path, json=body)
+            assert r.status_code == 403, (method, path, r.status_code, r.text[:200])
+    with teams_node.client() as admin:
+        bb = admin.get("/templates/bb").json()
+        assert bb["public"] is True and bb["aliases"] == ["bb"]
+        assert admin.get("/templates/bb/warm-pool").json()["size"] in (None, 0)
