@@ -217,3 +217,25 @@ async def team_usage(request: Request, team_id: str) -> dict[str, Any]:
     team = await visible_team(request, team_id)
     result: dict[str, Any] = await request.app.state.team_usage(team.id)
     return result
+
+
+@router.get("/teams/{team_id}/metrics/max", summary="The team's highest concurrent sandboxes or start rate (E2B's)")
+async def team_metrics_max(
+    request: Request,
+    team_id: str,
+    metric: str = Query(...),
+    start: int | None = Query(None, ge=0, le=10_413_791_999),
+    end: int | None = Query(None, ge=0, le=10_413_791_999),
+) -> dict[str, Any]:
+    """E2B's MaxTeamMetric: the highest ``concurrent_sandboxes`` or ``sandbox_start_rate`` in the
+    range, and when (0 at the range's start when nothing was counted)."""
+    field = {"concurrent_sandboxes": "concurrentSandboxes", "sandbox_start_rate": "sandboxStartRate"}.get(metric)
+    if field is None:
+        raise InvalidRequest("metric must be concurrent_sandboxes or sandbox_start_rate")
+    team = await visible_team(request, team_id)
+    if start is not None and end is not None and start > end:
+        raise InvalidRequest("Invalid time range for metrics")
+    points: list[dict[str, Any]] = await request.app.state.team_metrics(team.id, start, end)
+    best = max(points, key=lambda p: p[field], default=None)
+    at = best["timestampUnix"] if best is not None else (start or 0)
+    return {"timestamp": rfc3339(at), "timestampUnix": at, "value": best[field] if best is not None else 0}

@@ -64,6 +64,9 @@ def test_usage_is_counted_per_team(admin: httpx.Client) -> None:
                 p["timestampUnix"] >= start
                 for p in client.get(f"/teams/{team.team_id}/metrics", params={"start": start}).json()
             )
+            top = client.get(f"/teams/{team.team_id}/metrics/max", params={"metric": "concurrent_sandboxes"}).json()
+            assert top["value"] == 1 and top["timestampUnix"] > 0  # E2B's MaxTeamMetric
+            assert client.get(f"/teams/{team.team_id}/metrics/max", params={"metric": "cpu"}).status_code == 400
             assert client.get(f"/teams/{idle.team_id}/usage").status_code == 404  # another team's
         with idle.client() as client:
             assert _usage(client, idle)["sandboxSeconds"] == 0
