@@ -157,16 +157,16 @@ def start_busybox_node(data_dir: Path, extra_env: dict[str, str] | None = None) 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The fast tier (`-m fast`): tests that start no sandbox, and the sandbox tests of API or
-    protocol behaviour marked `fake` (but not those of them marked `runsc`), which it runs on the
-    fake runtime. Under the fake runtime the others are skipped: they test what only runsc does."""
+    """Two tiers, each test in one: the fast tier (`-m "fast and not runsc and not slow"`: tests of the
+    API, node, gateway, SDK and CLI marked `fast`, their nodes on the fake runtime) and the rest
+    (`-m "not fast or runsc or slow"`, on runsc). Under the fake runtime the rest is skipped: much of
+    it tests what only runsc does (AENV_TEST_FAKE_ALL=1 runs it there all the same, to see what could
+    join the tier)."""
+    if not FAKE_RUNTIME or os.environ.get("AENV_TEST_FAKE_ALL"):
+        return
     for item in items:
-        runsc = item.get_closest_marker("runsc") is not None
-        sandbox = item.get_closest_marker("sandbox") is not None
-        if not runsc and (not sandbox or item.get_closest_marker("fake") is not None):
-            item.add_marker(pytest.mark.fast)
-        elif FAKE_RUNTIME and not os.environ.get("AENV_TEST_FAKE_ALL"):  # =1: try them there all the same
-            item.add_marker(pytest.mark.skip(reason="needs runsc (not in the fast tier): AENV_DRIVER=fake is set"))
+        if not item.get_closest_marker("fast") or item.get_closest_marker("runsc") or item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.skip(reason="not in the fast tier: needs runsc, or is slow"))
 
 
 def _have_runtime() -> bool:

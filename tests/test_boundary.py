@@ -7,9 +7,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import aenv
 from aenv.node.orchestrator import Node
 from tests.source import parse
+
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
 
 ROOT = Path(aenv.__file__).parent
 COMPOSITION_ROOTS = {"api/server.py"}  # makes the Node it serves

@@ -11,6 +11,8 @@ from aenv import errors
 from aenv.errors import ERROR_TABLE, AenvError, error_body, from_body
 from tests.source import parse
 
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
+
 
 @pytest.mark.parametrize("cls", list(ERROR_TABLE))
 def test_each_row_round_trips(cls: type[AenvError]) -> None:

@@ -6,8 +6,12 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 import aenv
 from tests.source import parse
+
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
 
 ROOT = Path(aenv.__file__).parent
 

@@ -139,6 +139,7 @@ def become_agent(config: dict[str, object]) -> None:
         socket.sethostname("sandbox")
         os.chroot(root)
         os.chdir("/")
+        os.umask(0o022)  # as runsc starts a container's first process, not the node's 077
         uid = int(config["uid"])  # type: ignore[call-overload]
         if uid:  # no root in this namespace: the agent runs as the one id it has
             os.setresgid(uid, uid, uid)

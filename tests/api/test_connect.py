@@ -8,6 +8,8 @@ from aenv.api import connect
 from aenv.api.sandboxes import parse_metadata_query
 from aenv.errors import InvalidRequest
 
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
+
 
 def test_envelopes_round_trip() -> None:
     body = connect.message_envelope({"a": 1}) + connect.message_envelope({"b": 2}) + connect.end_stream()

@@ -10,7 +10,7 @@ from e2b import Sandbox
 
 from tests.conftest import Server, modern_runsc
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
 ECHO_SERVER = """
 import http.server, json
@@ -125,6 +125,7 @@ def test_a_pause_lets_a_proxied_request_in_flight_finish(
     assert api.get(f"/sandboxes/{sandbox.sandbox_id}").json()["state"] == "paused"
 
 
+@pytest.mark.runsc  # its server keeps running through pause
 def test_traffic_that_meets_a_pause_wakes_the_sandbox_again(e2b_env: Server, api: httpx.Client) -> None:
     """Requests to the port of a sandbox with auto-resume (and calls of its envd), sent while it
     is being paused, one round after another: each is answered, never with a 502. One that came first is
@@ -169,6 +170,7 @@ def test_traffic_that_meets_a_pause_wakes_the_sandbox_again(e2b_env: Server, api
         api.delete(f"/sandboxes/{sandbox_id}")
 
 
+@pytest.mark.runsc  # its server keeps running through pause
 def test_pause_with_a_proxied_connection_open(sandbox: Sandbox, server: Server) -> None:
     from websockets.sync.client import connect as ws_connect
 
@@ -192,6 +194,7 @@ def test_pause_with_a_proxied_connection_open(sandbox: Sandbox, server: Server) 
     assert again.get_info().state.value == "running"
 
 
+@pytest.mark.runsc  # runsc's checkpoint of sockets
 def test_pausing_an_epoll_server(sandbox: Sandbox, server: Server, api: httpx.Client) -> None:
     """runsc 20221219 cannot checkpoint a TCP socket held in an epoll set (a failed save stops the
     sandbox), so on it the pause fails with a clear error and leaves the sandbox serving; the runsc

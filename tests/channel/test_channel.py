@@ -10,6 +10,8 @@ import pytest
 
 from aenv.channel import DATA, END, EOF, MSG, Channel, ChannelClosed, Stream, StreamError
 
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
+
 
 async def pipe_pair() -> tuple[
     tuple[asyncio.StreamReader, asyncio.StreamWriter], tuple[asyncio.StreamReader, asyncio.StreamWriter]

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from aenv.cli.main import app
 from tests.conftest import API_KEY, Server
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
 
 @pytest.fixture()

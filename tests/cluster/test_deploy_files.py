@@ -28,6 +28,8 @@ import yaml
 from aenv.cli.main import app
 from aenv.config import Settings
 
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_VERSION = "1.30"
 SETTINGS = {f"AENV_{name.upper()}" for name in Settings.model_fields}

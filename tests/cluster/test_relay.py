@@ -7,9 +7,12 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
+import pytest
 
 from aenv.cluster.entries import NodeEntry
 from aenv.cluster.gateway import Relay
+
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
 
 
 class QuietStream(httpx.AsyncByteStream):

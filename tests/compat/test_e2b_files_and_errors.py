@@ -36,7 +36,7 @@ from aenv.guest import metadata
 from aenv.templates import builder
 from tests.compat.conftest import Deployment
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
 HOME = "/home/user"
 
@@ -154,6 +154,7 @@ def test_metadata_follows_moves_and_goes_with_removals(sbx: Sandbox) -> None:
     assert sbx.files.get_info("tree/sub/f.txt").metadata is None
 
 
+@pytest.mark.runsc  # gVisor's tmpfs and the compat shim
 def test_metadata_in_tmpfs_is_the_real_xattrs(sbx: Sandbox) -> None:
     """Where the sandbox's file system keeps xattrs (runsc's tmpfs), metadata is them, both ways."""
     sbx.files.write("/tmp/x.txt", "x", metadata={"k": "v"})
@@ -263,6 +264,7 @@ print(repr([
 """
 
 
+@pytest.mark.runsc  # gVisor's xattrs through the compat shim
 @pytest.mark.parametrize("place", ["/home/user/x.txt", "/tmp/x.txt"], ids=["root-fs", "tmpfs"])
 def test_programs_user_xattrs_work_as_the_kernel_does(sbx: Sandbox, place: str) -> None:
     """On the root file system runsc refuses every xattr call; the preloaded shim has the agent
@@ -286,6 +288,7 @@ def test_programs_user_xattrs_work_as_the_kernel_does(sbx: Sandbox, place: str) 
     assert sbx.files.get_info(f"{place}.copy").metadata == {"new": "1"}
 
 
+@pytest.mark.runsc  # gVisor's xattrs through the compat shim
 def test_programs_user_xattrs_are_kept_through_pause_and_fork(sbx: Sandbox, deployment: Deployment) -> None:
     sbx.files.write("kept.txt", "x")
     sbx.commands.run("python3 -c \"import os; os.setxattr('kept.txt', 'user.e2b.by', b'program')\"")
@@ -321,6 +324,7 @@ print("done", len(held))
 """
 
 
+@pytest.mark.runsc  # the compat shim's xattr server
 def test_hostile_xattr_callers_do_not_harm_the_agent(sbx: Sandbox) -> None:
     sbx.files.write(f"{HOME}/hostile.py", HOSTILE_CALLERS)
     assert sbx.commands.run(f"python3 {HOME}/hostile.py", timeout=60).stdout.startswith("done")
@@ -608,6 +612,7 @@ def test_commands_as_an_unknown_user_are_refused_as_envd_does(sbx: Sandbox) -> N
 
 
 # -- the base template ------------------------------------------------------------------------------------
+@pytest.mark.runsc  # Debian's `base`
 def test_base_has_python_as_e2bs_does(sbx: Sandbox) -> None:
     for command in ("python", "python3"):
         version = sbx.commands.run(f"{command} --version").stdout
@@ -615,6 +620,7 @@ def test_base_has_python_as_e2bs_does(sbx: Sandbox) -> None:
     assert sbx.commands.run("python -c 'import sys; print(sys.version_info[0])'", user="root").stdout == "3\n"
 
 
+@pytest.mark.runsc  # Debian's `base` and its setup
 @pytest.mark.parametrize(
     ("guest", "description", "runs_here", "recommitted"),
     [

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.sandbox
 JS = Path(__file__).parent / "js"
 
 
+@pytest.mark.slow  # npm's start and install check: 10-80 s, kept out of the fast tier (it runs through a gateway too)
 def test_npm_sdk_smoke(deployment: Deployment) -> None:
     node = shutil.which("node")
     if node is None or not (JS / "node_modules" / "e2b").is_dir():

@@ -15,7 +15,7 @@ from e2b import Sandbox, SandboxQuery, SandboxState
 
 from tests.compat.conftest import Deployment
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
 
 @pytest.fixture()

@@ -22,7 +22,7 @@ from tests.compat.conftest import Deployment
 from tests.compat.servers import WEBSOCKET_SERVER
 from tests.conftest import Server
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
 TOKEN = "e2b-traffic-access-token"
 # Answers every GET with the request's path and headers, as the port received them.
@@ -145,6 +145,7 @@ def test_a_token_opens_only_its_own_sandbox(private: Sandbox, deployment: Deploy
         public.kill()
 
 
+@pytest.mark.runsc  # its server keeps running through pause and fork
 def test_the_token_survives_pause_resume_and_fork(private: Sandbox, deployment: Deployment, api: httpx.Client) -> None:
     token = private.traffic_access_token or ""
     sid = private.sandbox_id
@@ -224,6 +225,7 @@ def test_websockets_carry_the_token_and_the_mask(deployment: Deployment) -> None
         sandbox.kill()
 
 
+@pytest.mark.runsc  # its server keeps running through a restart's pause
 def test_the_token_survives_a_node_restart(server: Server, deployment: Deployment) -> None:
     if deployment.url != server.url:
         pytest.skip("restarts the test session's own node")

@@ -10,7 +10,7 @@ import pytest
 from e2b import AsyncSandbox, CommandExitException, NotFoundException, PtySize, SandboxState
 from e2b.sandbox.filesystem.watch_handle import FilesystemEvent, FilesystemEventType
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
 CONCURRENT = 50
 

@@ -30,7 +30,7 @@ from websockets.sync.client import connect as ws_connect
 from tests.compat.conftest import Deployment
 from tests.compat.servers import HTTP_SERVER, WEBSOCKET_SERVER
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
 
 @pytest.fixture()
@@ -199,6 +199,7 @@ def test_timeouts(sbx: Sandbox) -> None:
         Sandbox.connect(short.sandbox_id)
 
 
+@pytest.mark.runsc  # a background command keeps running through pause
 def test_pause_connect_and_kill(sbx: Sandbox) -> None:
     sbx.commands.run("n=0; while true; do n=$((n+1)); echo $n > /tmp/count; sleep 0.1; done", background=True)
     time.sleep(0.5)
@@ -306,6 +307,7 @@ def test_errors_are_the_sdk_exceptions(sbx: Sandbox) -> None:
     assert info.value.exit_code == 127
 
 
+@pytest.mark.runsc  # its server keeps running through pause
 def test_paused_sandbox_wakes_on_traffic_only_with_auto_resume(deployment: Deployment) -> None:
     sleepy = Sandbox.create(timeout=300, lifecycle={"on_timeout": "pause", "auto_resume": True})
     plain = Sandbox.create(timeout=300)

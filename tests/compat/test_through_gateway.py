@@ -43,7 +43,7 @@ from tests.compat.test_python_sync import (  # noqa: F401  (collected here again
 )
 from tests.conftest import API_KEY
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from aenv.dashboard.cluster import merge_stats
 from aenv.sdk import AenvError, Client, OperationTimeout
 from tests.conftest import API_KEY, Server
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 SH = ["/bin/sh", "-c"]
 OUTCOMES = ("ok", "nonzero", "timeout", "error", "detached")
 

@@ -13,7 +13,7 @@ from aenv.errors import SandboxNotFound
 from aenv.node import commands, metrics
 from tests.conftest import Server
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 DATA_ROUTES = ["/dashboard/api/nodes", "/dashboard/api/stats", "/dashboard/api/artifacts"]
 
 

@@ -20,6 +20,8 @@ import yaml
 from aenv.cluster.metrics import GatewayMetrics
 from tests.conftest import Server
 
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULES = DEPLOY / "prometheus" / "aenv-rules.yml"
 METRIC = re.compile(r"\b(aenv_[a-z0-9_]+)\b")

@@ -17,7 +17,7 @@ from aenv.errors import NotFound, OperationTimeout, TemplateNotFound
 from aenv.node.store import TemplateRecord
 from aenv.templates import image_sources
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.fast]  # the fast tier (./scripts/test --fast)
 DIGEST = "sha256:" + "ab" * 32
 
 

@@ -15,6 +15,8 @@ from aenv.images.reference import ImageRef
 from aenv.images.unpack import LayerError, apply_layer
 from tests.images.oci import LayerTar, sha
 
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
+
 
 def write(tmp: Path, data: bytes) -> Path:
     blob = tmp / "blob"

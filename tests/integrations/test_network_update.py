@@ -17,7 +17,7 @@ from e2b import ALL_TRAFFIC, Sandbox
 from tests.conftest import Server
 from tests.node.test_egress import host_address
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from e2b import Sandbox, Template
 
 from tests.conftest import Server
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
 
 def test_a_mixed_case_build_name_is_found_by_it(e2b_env: Server) -> None:

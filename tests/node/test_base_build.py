@@ -26,6 +26,8 @@ from aenv.storage.layers import LayerStore
 from aenv.storage.mounts import mounts_under
 from aenv.templates import builder
 
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
+
 # Writes to stdout only, as debootstrap's "I:" lines; the details are in the target's own log.
 SHIM = r"""#!/bin/bash
 target="$4"

@@ -9,6 +9,8 @@ import pytest
 from aenv.errors import InvalidRequest
 from aenv.node.egress import EgressPolicy
 
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
+
 PUBLIC = ipaddress.ip_address("8.8.8.8")
 PRIVATE = ipaddress.ip_address("10.1.2.3")
 

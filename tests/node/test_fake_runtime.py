@@ -19,6 +19,8 @@ from aenv.config import Settings
 from aenv.sdk import Client
 from tests.conftest import Server, free_port, start_server
 
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
+
 FAKE = {"AENV_DRIVER": "fake", "AENV_REPO": "none"}
 
 

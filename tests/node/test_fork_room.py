@@ -17,7 +17,7 @@ from e2b import Sandbox
 
 from tests.conftest import Server, e2b_client, start_busybox_node
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
 MAX = 3
 

@@ -10,7 +10,7 @@ import aenv.sdk
 from aenv.sdk import AsyncClient, Client, SandboxNotFound, fork_group
 from tests.conftest import API_KEY, Server
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
 
 def test_exported_names_are_sorted_and_complete() -> None:

@@ -28,7 +28,7 @@ from aenv.sdk import (
 )
 from tests.conftest import API_KEY, Server
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 SH = ["/bin/sh", "-c"]
 
 

@@ -21,6 +21,8 @@ from aenv.sdk import (
     fork_group,
 )
 
+pytestmark = pytest.mark.fast  # the fast tier (./scripts/test --fast)
+
 # the async name -> the sync name, where they differ
 RENAMED = {"aclose": "close"}
 FACES = [(AsyncSandbox, Sandbox), (AsyncClient, Client), (PtySession, Pty)]

@@ -23,7 +23,7 @@ from websockets.sync.client import connect as ws_connect
 
 from tests.conftest import API_KEY, Server
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 ENVD_PORT = 49983
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
@@ -498,6 +498,7 @@ class TempWatch:
             self.peak = max(self.peak, held)
 
 
+@pytest.mark.runsc  # a disk quota (an ext4 upper)
 def test_an_upload_past_the_disk_quota_is_507_and_spools_nothing(
     api: httpx.Client, server: Server, e2b_env: Server
 ) -> None:

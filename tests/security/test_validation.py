@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import Server, e2b_client, start_busybox_node
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 TEMPLATE = "bb"
 JS = Path(__file__).parent.parent / "compat" / "js"
 
