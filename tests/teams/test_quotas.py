@@ -1,6 +1,7 @@
 """Per-team quotas on one node: running and paused sandboxes, creates per second, fork size, disk.
 Every refusal is a 429 with Retry-After and E2B's words, never a 5xx or a dropped connection;
-``?wait=`` makes a burst queue. Seen failing before the quotas: the burst of 200 made 200 sandboxes."""
+``?wait=`` makes a burst queue. Seen failing with the node's count off (``NodeQuotas.team_room``
+always giving room): the bounded-wait, fork and disk tests got 201s where the 429s belong."""
 
 from __future__ import annotations
 
