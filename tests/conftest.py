@@ -165,6 +165,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not FAKE_RUNTIME or os.environ.get("AENV_TEST_FAKE_ALL"):
         return
     for item in items:
+        if item.get_closest_marker("root") and os.geteuid() != 0:
+            item.add_marker(pytest.mark.skip(reason="needs root: without it the fake runtime has one id, `user`"))
         if not item.get_closest_marker("fast") or item.get_closest_marker("runsc") or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.skip(reason="not in the fast tier: needs runsc, or is slow"))
 

@@ -122,6 +122,10 @@ async def serve(
             server = DrainFirst(config, agent, settings.drain_timeout)  # SIGTERM drains the node first
         url = f"{'https' if settings.tls_cert else 'http'}://{settings.host}:{settings.port}"
         say(f"aenv listening on {url} (API key in {settings.data_dir / 'api-key'})")
+        if settings.driver == "fake":  # said again where an operator looks last: this node isolates nothing
+            from aenv.runtime.fake import WARNING
+
+            log.warning("%s", WARNING)
         if ready_file is not None:
             ready_file.write_text(f"{url}\n")
     except BaseException as exc:

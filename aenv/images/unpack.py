@@ -37,6 +37,7 @@ from aenv.storage.confined import (
     OPAQUE_XATTR,
     XATTR_PREFIXES,
     PathRefused,
+    chown_at,
     dir_at,
     entry_parts,
     lstat_at,
@@ -309,7 +310,7 @@ def _entry(
             os.close(fd)
     elif member.issym():
         os.symlink(member.linkname, name, dir_fd=parent)
-        os.chown(name, member.uid, member.gid, dir_fd=parent, follow_symlinks=False)
+        chown_at(parent, name, member.uid, member.gid)
     elif member.islnk():
         # The link's metadata is its target's: nothing to set (and nothing followed to set it).
         target = entry_parts(member.linkname, WHAT, absolute_ok=True)
@@ -322,7 +323,7 @@ def _entry(
             os.close(holder)
     elif member.isfifo():
         os.mkfifo(name, 0o600, dir_fd=parent)
-        os.chown(name, member.uid, member.gid, dir_fd=parent, follow_symlinks=False)
+        chown_at(parent, name, member.uid, member.gid)
         os.chmod(name, member.mode & 0o7777, dir_fd=parent)  # made just now by us: no link there
     # sparse or exotic entries: not in images we take
 
@@ -335,7 +336,7 @@ def _whiteout(parent: int, hidden: str, entry: str) -> None:
 
 
 def _attributes(fd: int, member: tarfile.TarInfo) -> None:
-    os.fchown(fd, member.uid, member.gid)
+    chown_at(None, fd, member.uid, member.gid)
     os.fchmod(fd, member.mode & 0o7777)  # after the chown, which clears set-id bits
     os.utime(fd, (member.mtime, member.mtime))
     for key, value in (member.pax_headers or {}).items():

@@ -39,6 +39,21 @@ MAX_READ = 16 << 20
 WILDCARDS = "*?["
 
 
+# Without root (a node on the fake runtime, aenv/runtime/fake.py) nothing can be given another
+# owner: what the node writes stays its user's, whom that runtime maps to the sandbox's `user`.
+AS_ROOT = os.geteuid() == 0
+
+
+def chown_at(dir_fd: int | None, name: str | int, uid: int, gid: int) -> None:
+    """Give an entry (``name`` in ``dir_fd``, never followed; or the fd ``name``) its owner."""
+    if not AS_ROOT:
+        return
+    if isinstance(name, int):
+        os.fchown(name, uid, gid)
+    else:
+        os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+
+
 class PathRefused(InvalidRequest):
     """A path in an untrusted tree that cannot be used as asked."""
 
@@ -474,10 +489,10 @@ class View:
             new = walk.track(open_dir_at(fd, name))
             if here is not None:
                 below = os.fstat(here.fds[0][1])
-                os.fchown(new, below.st_uid, below.st_gid)
+                chown_at(None, new, below.st_uid, below.st_gid)
                 os.fchmod(new, stat.S_IMODE(below.st_mode))
             else:
-                os.fchown(new, *owner)
+                chown_at(None, new, *owner)
                 os.fchmod(new, 0o755)
             chain[k] = _Dir([(0, new), *(here.fds if here is not None else [])])
             fd = new
@@ -492,7 +507,7 @@ class View:
                 raise PathRefused(f"{path} exists and is not a directory")
             fd = self._top_dirs(walk, parts, chain, owner)
             if attrs is not None and parts:
-                os.fchown(fd, attrs[1], attrs[2])
+                chown_at(None, fd, attrs[1], attrs[2])
                 os.fchmod(fd, attrs[0])
         return "/" + "/".join(parts)
 
@@ -516,11 +531,11 @@ class View:
                 out.write(source)
             else:
                 shutil.copyfileobj(source, out, 1 << 20)
-            os.fchown(out.fileno(), *owner)
+            chown_at(None, out.fileno(), *owner)
             os.fchmod(out.fileno(), mode)  # after the chown, which clears set-id bits
 
     def symlink(self, path: str, target: str, owner: tuple[int, int] = (0, 0)) -> None:
         with self._walk() as walk:
             parent, name = self._place(walk, path, owner)
             os.symlink(target, name, dir_fd=parent)
-            os.chown(name, *owner, dir_fd=parent, follow_symlinks=False)
+            chown_at(parent, name, *owner)

@@ -28,7 +28,7 @@ SANDBOX_DIR = 0o755
 # What sandboxes see keeps the modes their users need inside: the layers (and the uppers mounted
 # there) and the guest bundles mounted at /.aenv. Only what the node keeps beside them (disk
 # images, use markers) is tightened there.
-SANDBOX_TREES = ("fs/layers", "runtime/guest")
+SANDBOX_TREES = ("fs/layers", "runtime/guest", "runtime/fake-instances")  # (the last: overlayfs's work dirs)
 NODE_ONLY_BESIDE_THEM = (".used",)
 
 

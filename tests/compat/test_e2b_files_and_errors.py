@@ -603,6 +603,7 @@ def test_failed_template_steps_are_worded_as_e2b_does(steps: Callable[[Template]
     assert any(level == "error" and expected in message for level, message in logs), logs
 
 
+@pytest.mark.root  # commands as root
 def test_commands_as_an_unknown_user_are_refused_as_envd_does(sbx: Sandbox) -> None:
     with pytest.raises(AuthenticationException, match="invalid username: 'root123'"):
         sbx.commands.run("whoami", user="root123")

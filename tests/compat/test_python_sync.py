@@ -55,6 +55,7 @@ def start_server(sandbox: Sandbox, deployment: Deployment, script: str, port: in
     raise AssertionError(f"nothing listens on {port} inside the sandbox")
 
 
+@pytest.mark.root  # commands as root
 def test_commands_stream_and_report_exit_codes(sbx: Sandbox) -> None:
     seen: list[tuple[str, float]] = []
     result = sbx.commands.run(

@@ -24,6 +24,7 @@ def write(tmp: Path, data: bytes) -> Path:
     return blob
 
 
+@pytest.mark.root  # owners as the layer says
 @pytest.mark.parametrize("compress", [lambda b: b, gzip.compress, zstandard.compress])
 def test_files_links_and_the_diff_id(tmp_path: Path, compress) -> None:  # type: ignore[no-untyped-def]
     tar = LayerTar().dir("etc").file("etc/motd", b"hi\n", 0o640, uid=7).symlink("etc/link", "motd").bytes()
@@ -35,6 +36,7 @@ def test_files_links_and_the_diff_id(tmp_path: Path, compress) -> None:  # type:
     assert os.readlink(dest / "etc/link") == "motd"
 
 
+@pytest.mark.root  # owners as the layer says
 def test_whiteouts_become_overlay_whiteouts(tmp_path: Path) -> None:
     tar = LayerTar().dir("data").file("data/.wh.gone", b"").dir("opq").file("opq/.wh..wh..opq", b"").bytes()
     dest = tmp_path / "layer"

@@ -49,6 +49,7 @@ async def test_async_lifecycle_and_fork_group(server: Server) -> None:
             await sbx.info()
 
 
+@pytest.mark.root  # commands as root
 def test_sync_face(server: Server) -> None:
     with Client(server.url, API_KEY) as client:
         with client.create() as sbx:
