@@ -2,14 +2,14 @@
 
 **It isolates nothing.** A sandbox is the real guest agent (aenv/guest, from the same bundle the
 gVisor driver mounts) started as a host process by aenv/runtime/fakeinit.py, in namespaces of its
-own (user, mount, PID, network, IPC, UTS) and chrooted into an overlayfs of the sandbox's layers
-under its upper directory. The namespaces keep sandboxes from seeing each other's files, ports,
-processes and abstract sockets, and from signalling host processes; they are no security boundary:
-the host kernel serves every system call, on the machine's root the sandbox's root is the host's
-uid 0 (its files' owners are the host's own ids), and the host's system directories are bound into
-the fake `base` template. Never run untrusted code on it. It is chosen only by setting
-AENV_DRIVER=fake, serves on a loopback address only, logs a warning at start, and /health's
-``runtime`` says ``"driver": "fake"`` and ``"isolation": "none"``.
+own (user, mount, PID, network, IPC, UTS), its root pivoted to an overlayfs of the sandbox's layers
+under its upper directory, with runsc's capabilities (no CAP_SYS_ADMIN). The namespaces keep
+sandboxes from seeing each other's files, ports, processes and abstract sockets, and from signalling
+host processes; they are no security boundary: the host kernel serves every system call, on the
+machine's root the sandbox's root is the host's uid 0 (its files' owners are the host's own ids),
+and the host's system directories are bound into the fake `base` template. Never run untrusted code
+on it. It is chosen only by setting AENV_DRIVER=fake, serves on a loopback address only, logs a
+warning at start, and /health's ``runtime`` says ``"driver": "fake"`` and ``"isolation": "none"``.
 
 What is real: the agent and everything it serves (commands, PTYs, files, watches, tunnels to
 ports, egress through its proxy, which has the sandbox's only network), the node above it (states,

@@ -7,7 +7,8 @@ what follows), a child (C) that unshares the user, mount, PID, network, IPC and 
 while P writes its id maps (only a process outside a user namespace may map more than one id),
 and C's child (G), PID 1 of the new PID namespace, which mounts the root (overlayfs of the
 layers under the upper), /proc, /dev, /.aenv and the host directories a layer asks for, brings
-up loopback, chroots and becomes the agent. C exits at once; G, a child of P's subreaper, is
+up loopback, pivots its root there (the host's is detached), keeps runsc's capabilities only and
+becomes the agent. C exits at once; G, a child of P's subreaper, is
 reaped by P, which exits with G's status. SIGKILL to G ends every process of the instance (the
 kernel kills a PID namespace's processes with its init) and with it every mount (the mount
 namespace goes with its last process): nothing of an instance stays mounted on the host.
@@ -28,7 +29,12 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
-PR_SET_CHILD_SUBREAPER = 36
+PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP = 36, 24
+MNT_DETACH = 2
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # syscall numbers: glibc has no wrapper
+# The capabilities runsc gives a sandbox's processes (aenv/runtime/gvisor.py CAPS); every other one
+# (CAP_SYS_ADMIN above all: mounts) leaves the bounding set before the agent starts.
+KEPT_CAPS = {0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31}
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 OPTIONS_MAX = 4000  # of the page mount(2) takes
@@ -129,6 +135,28 @@ def loopback_up() -> None:
         fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | IFF_UP, b""))
 
 
+def enter_root(root: str) -> None:
+    """pivot_root into ``root`` and detach the old root: unlike a chroot, nothing of the host's
+    file system is left in the instance's mount namespace to climb back to."""
+    os.chdir(root)
+    number = PIVOT_ROOT.get(os.uname().machine)
+    if number is None or libc.syscall(number, b".", b".") != 0:
+        raise OSError(ctypes.get_errno(), f"pivot_root: {os.strerror(ctypes.get_errno())}")
+    _check(libc.umount2(b".", MNT_DETACH), "detach the old root")  # it was stacked over the new one
+    os.chdir("/")
+
+
+def drop_capabilities() -> None:
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read())
+    except (OSError, ValueError):
+        last = 40
+    for cap in range(last + 1):
+        if cap not in KEPT_CAPS:
+            _check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
+
+
 def become_agent(config: dict[str, object]) -> None:
     """G: PID 1 of the instance. Never returns."""
     try:
@@ -137,8 +165,8 @@ def become_agent(config: dict[str, object]) -> None:
         populate(root, config)
         loopback_up()
         socket.sethostname("sandbox")
-        os.chroot(root)
-        os.chdir("/")
+        enter_root(root)
+        drop_capabilities()
         os.umask(0o022)  # as runsc starts a container's first process, not the node's 077
         uid = int(config["uid"])  # type: ignore[call-overload]
         if uid:  # no root in this namespace: the agent runs as the one id it has

@@ -45,8 +45,8 @@ def sdk(node: Server) -> Iterator[Client]:
         yield client
 
 
-def run(sdk: Client, sandbox_id: str, cmd: str, *, check: bool = True) -> str:
-    result = sdk.connect(sandbox_id).exec(cmd, timeout=30)  # as `user`: without root, the one id there is
+def run(sdk: Client, sandbox_id: str, cmd: str, *, check: bool = True, user: str | None = None) -> str:
+    result = sdk.connect(sandbox_id).exec(cmd, user=user, timeout=30)  # `user`: without root, the one id there is
     assert result.exit_code == 0 or not check, (result.stdout, result.stderr)
     return str(result.stdout)
 
@@ -136,3 +136,35 @@ def test_images_of_another_runtime_are_refused(node: Server, api: httpx.Client) 
         for mark, text in saved.items():
             mark.write_text(text)
     create(api)
+
+
+ESCAPE = """
+import os, sys
+os.makedirs("/tmp/jail", exist_ok=True)
+os.chroot("/tmp/jail")  # the classic way out of a chroot: chroot below, then climb past the old root
+for _ in range(64):
+    os.chdir("..")
+os.chroot(".")
+print(os.path.exists(sys.argv[1]))
+"""
+
+
+@pytest.mark.root  # root in the sandbox
+def test_root_in_a_sandbox_can_neither_mount_nor_climb_out_of_its_root(
+    api: httpx.Client, sdk: Client, tmp_path: Path
+) -> None:
+    """Not isolation, but no accident either: the instance's root is pivoted to and the host's is
+    detached (seen failing with a chroot: the climb found the host's files), and it has runsc's
+    capabilities only, no CAP_SYS_ADMIN (seen failing before: it mounted a tmpfs), so the host's
+    directories bound read-only stay so."""
+    marker = tmp_path / "host-only"
+    marker.write_text("x")
+    sid = create(api)
+    sdk.connect(sid).write("/tmp/escape.py", ESCAPE)
+    assert run(sdk, sid, f"python3 /tmp/escape.py {marker}", user="root") == "False\n"
+    mounted = run(
+        sdk, sid, "mkdir -p /m; mount -t tmpfs none /m 2>&1; grep ' /m ' /proc/mounts", user="root", check=False
+    )
+    assert "tmpfs" not in mounted, mounted
+    out = run(sdk, sid, "mount -o remount,rw /usr 2>&1; touch /usr/aenv-probe 2>&1; echo done", user="root")
+    assert not Path("/usr/aenv-probe").exists(), out
