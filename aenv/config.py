@@ -92,6 +92,7 @@ class Settings(BaseSettings):
             if not isinstance(body, dict) or not isinstance(body.get("auths", {}), dict):
                 raise ValueError('must be a Docker config: {"auths": {"REGISTRY": {"auth": ...}}}')
         return value
+
     # Mirrors asked before a registry, in order (aenv/images/mirrors.py): AENV_REGISTRY_MIRRORS is
     # "docker.io=http://127.0.0.1:5000,ghcr.io=https://m.lan" or a JSON object of URLs or URL lists.
     registry_mirrors: Annotated[dict[str, list[str]], NoDecode] = {}

@@ -157,4 +157,3 @@ def test_bad_mirror_settings_stop_the_server_at_once(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "aenv.cli.main", "server", "--data-dir", str(tmp_path), "--port", "1"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "AENV_REGISTRY_MIRRORS" in done.stderr and "http://" in done.stderr, done.stderr
-
