@@ -31,7 +31,8 @@ def aenv(url: str, *args: str, key: str = API_KEY, terminal: bool = False) -> su
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_nodes_json_when_piped_table_on_a_terminal(cluster: Cluster) -> None:  # noqa: F811
+def test_nodes_json_when_piped_table_on_a_terminal(cluster: Cluster, one_on_each: dict[str, str]) -> None:  # noqa: F811
+    """(A sandbox on each: a node whose data dir is new has no build of `base` cached until then.)"""
     gw = cluster.gateway.url
     piped = aenv(gw, "nodes")
     assert piped.returncode == 0, piped.stderr
