@@ -30,12 +30,12 @@ from typing import Any
 
 from aenv.cluster.mirror import Mirror
 from aenv.cluster.store import TXN, Change, ClusterStore
-from aenv.errors import ClusterUnavailable, QuotaExceeded, SandboxNotFound
+from aenv.errors import ClusterUnavailable, QuotaExceeded, SandboxNotFound, Unauthenticated
 from aenv.teams import guard
 from aenv.teams.cluster import KEY_PREFIX, QUOTA_PREFIX, TEAM_PREFIX, ClusterTeams
 from aenv.teams.model import DEFAULT_TEAM, PRINCIPAL, Principal
 from aenv.teams.quotas import RATE_MESSAGE, rate_window, running_message
-from aenv.teams.registry import Teams
+from aenv.teams.registry import UNAUTHENTICATED, Teams
 from aenv.teams.tenancy import max_create_wait
 
 log = logging.getLogger("aenv.teams")
@@ -81,6 +81,8 @@ class GatewayTeams:
             self.cluster._apply(change.key, change.value if change.kind == "put" else b"")
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal:
+        if not any(headers.get(name) for name in ("x-api-key", "authorization", "x-admin-token")):
+            raise Unauthenticated(UNAUTHENTICATED)  # no key: the API's 401, with no read of etcd
         if not self.teams.started:
             await self.teams.start()
         who = await self.teams.authenticate(headers)

@@ -42,7 +42,7 @@ STATES = ("pending", "pulling", "ready", "failed")
 class Item:
     reference: str
     canonical: str
-    state: str = "pending"
+    phase: str = "pending"  # pending, pulling, ready or failed (its "state" in the API)
     template_id: str = ""
     digest: str = ""
     error: dict[str, Any] | None = None
@@ -53,11 +53,11 @@ class Item:
     meter: image_sources.PullMeter | None = None
 
     def as_json(self) -> dict[str, Any]:
-        if self.meter is not None and self.state == "pulling":
+        if self.meter is not None and self.phase == "pulling":
             self.bytes_done, self.bytes_total = self.meter.bytes_done, self.meter.bytes_total
         body: dict[str, Any] = {
             "reference": self.reference,
-            "state": self.state,
+            "state": self.phase,
             "bytesDone": self.bytes_done,
             "bytesTotal": self.bytes_total,
         }
@@ -65,7 +65,7 @@ class Item:
             body["templateID"], body["digest"] = self.template_id, self.digest
         if self.error is not None:
             body["error"] = self.error
-        if self.state in ("ready", "failed"):
+        if self.phase in ("ready", "failed"):
             body["seconds"] = round(self.seconds, 3)
         return body
 
@@ -79,11 +79,11 @@ class Job:
 
     @property
     def done(self) -> bool:
-        return all(item.state in ("ready", "failed") for item in self.items)
+        return all(item.phase in ("ready", "failed") for item in self.items)
 
     def as_json(self) -> dict[str, Any]:
         images = [item.as_json() for item in self.items]
-        counts = {state: sum(1 for i in self.items if i.state == state) for state in STATES}
+        counts = {state: sum(1 for i in self.items if i.phase == state) for state in STATES}
         return {
             "prefetchID": self.id,
             "state": "done" if self.done else "running",
@@ -170,25 +170,25 @@ async def _run(node: BuildHost, job: Job) -> None:
         await asyncio.gather(*(one(item) for item in job.items))
     finally:
         job.done_at = time.time()
-        failed = [i for i in job.items if i.state == "failed"]
+        failed = [i for i in job.items if i.phase == "failed"]
         log.info("prefetch %s: %d images, %d failed", job.id, len(job.items), len(failed))
 
 
 async def _fetch(node: BuildHost, item: Item) -> None:
-    item.state, item.started_at = "pulling", time.monotonic()
+    item.phase, item.started_at = "pulling", time.monotonic()
     work = asyncio.ensure_future(image_sources.source_for(node, item.reference, image=True))
     await asyncio.sleep(0)  # the build starts (or is joined): its meter is there to follow
     item.meter = image_sources.pull_progress(node, item.canonical)
     try:
         item.template_id = await work
         item.digest = _digest_of(node, item.template_id)
-        item.state = "ready"
+        item.phase = "ready"
     except asyncio.CancelledError:
         work.cancel()
-        item.state, item.error = "failed", {"code": 503, "message": "the node stopped before the image was ready"}
+        item.phase, item.error = "failed", {"code": 503, "message": "the node stopped before the image was ready"}
         raise
     except Exception as exc:  # noqa: BLE001 - told to the client in E2B's words
-        item.state, item.error = "failed", _error(exc)
+        item.phase, item.error = "failed", _error(exc)
     finally:
         if item.meter is not None:
             item.bytes_done, item.bytes_total = item.meter.bytes_done, item.meter.bytes_total

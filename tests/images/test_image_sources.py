@@ -244,7 +244,7 @@ async def test_a_prefetch_runs_a_few_at_a_time_and_says_what_failed(stand: Stand
     for i, ref in enumerate(refs):
         stand.digests[ref] = f"sha256:{i:064x}"
     job = prefetch.start(node, [*refs, "registry:5000/pre/missing:1", refs[0]])  # type: ignore[arg-type]
-    assert [i.state for i in job.items] == ["pending"] * 11  # the duplicate once
+    assert [i.phase for i in job.items] == ["pending"] * 11  # the duplicate once
     await asyncio.gather(*node.tasks)
     body = job.as_json()
     assert body["state"] == "done" and body["counts"] == {"pending": 0, "pulling": 0, "ready": 10, "failed": 1}
