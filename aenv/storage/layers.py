@@ -59,6 +59,7 @@ class LayerStore:
         for d in (self.layers, self.images, self.used, self.tmp):
             d.mkdir(parents=True, exist_ok=True)
         self._sealed_sizes: dict[str, int] = {}
+        self._mounting: dict[str, asyncio.Lock] = {}  # one mount of a layer at a time
         self._spares: dict[int, list[str]] = {}  # size in MiB -> blank, mounted uppers
         self._making: set[str] = set()
         self._wanted: dict[int, float] = {}  # size in MiB -> last time one was taken
@@ -235,9 +236,14 @@ class LayerStore:
         img, mnt = self._img(layer_id), self.layers / layer_id
         if not img.exists() or os.path.ismount(mnt):
             return
-        mnt.mkdir(exist_ok=True)
-        opts = ",".join(("loop", "noatime", *hostexec.UNTRUSTED_FLAGS, *(() if writable else ("ro",))))
-        await hostexec.run(["mount", "-o", opts, str(img), str(mnt)], timeout=60)
+        # Two creates needing the same fetched layer both find it unmounted; the second mount of
+        # one image would fail ("already mounted"), so they take turns and the second finds it done.
+        async with self._mounting.setdefault(layer_id, asyncio.Lock()):
+            if os.path.ismount(mnt):
+                return
+            mnt.mkdir(exist_ok=True)
+            opts = ",".join(("loop", "noatime", *hostexec.UNTRUSTED_FLAGS, *(() if writable else ("ro",))))
+            await hostexec.run(["mount", "-o", opts, str(img), str(mnt)], timeout=60)
 
     async def secure_mounts(self) -> None:
         """Give the untrusted flags to layer mounts that lack them: a restart keeps what is
@@ -313,6 +319,7 @@ class LayerStore:
             await unmount_under(mnt)
             await asyncio.to_thread(remove_tree, mnt, ignore_errors=True)
         self._sealed_sizes.pop(layer_id, None)
+        self._mounting.pop(layer_id, None)
         (self.used / layer_id).unlink(missing_ok=True)
 
     def evicting(self, layer_id: str) -> str:
@@ -326,6 +333,7 @@ class LayerStore:
         elif (self.layers / layer_id).is_dir():
             os.rename(self.layers / layer_id, self.layers / token)
         self._sealed_sizes.pop(layer_id, None)
+        self._mounting.pop(layer_id, None)
         (self.used / layer_id).unlink(missing_ok=True)
         return token
 

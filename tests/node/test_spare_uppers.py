@@ -81,3 +81,17 @@ async def test_stopping_while_spares_are_made_leaves_nothing_behind(store: Layer
     assert leftovers == [] and not any(os.path.ismount(p) for p in leftovers)
     with open("/proc/mounts") as f:
         assert str(store.layers) not in f.read()
+
+
+async def test_concurrent_mounts_of_one_layer_image_mount_it_once(store: LayerStore) -> None:
+    """Creates that need the same just-fetched layer each find it unmounted and mount it; the
+    second mount of one image failed ("already mounted", seen in a fork spread over two nodes)."""
+    upper_id = await store.new_upper(16)
+    (store.upper(upper_id) / "upper" / "f").write_text("data")
+    await store.unmount_all()
+    assert not os.path.ismount(store.upper(upper_id))
+    await asyncio.gather(*(store.mount(upper_id, writable=False) for _ in range(6)))
+    mnt = store.upper(upper_id)
+    assert os.path.ismount(mnt) and (mnt / "upper" / "f").read_text() == "data"
+    stacked = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {mnt} " in line]
+    assert len(stacked) == 1, stacked
