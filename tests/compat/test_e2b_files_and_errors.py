@@ -639,7 +639,9 @@ async def test_base_is_recommitted_when_its_setup_changes(
     Debian layer: without this, only a new guest agent would ever bring it. So does a `base`
     whose memory image this node's runsc cannot restore."""
     record = SimpleNamespace(guest=guest, description=description, layers=["debian", "setup"])
-    node = SimpleNamespace(find_template=lambda name: record, driver=SimpleNamespace(name="runsc", guest_key=lambda: "current"))
+    node = SimpleNamespace(
+        find_template=lambda name: record, driver=SimpleNamespace(name="runsc", guest_key=lambda: "current")
+    )
     commits: list[str] = []
 
     async def commit(node: object, debian_layer: str, log: object) -> object:
