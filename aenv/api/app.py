@@ -12,6 +12,7 @@ import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import unquote
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +43,10 @@ PUBLIC_ROUTES = frozenset(
     for method in ("GET", "HEAD")
 )
 # E2B's SDK uploads template files without its API key: a PUT there needs the URL's own token instead.
+# Node-wide requests naming a template or snapshot, and their lists: a gateway sends them to any
+# node, which may not have learned yet what another node committed to the shared repository.
+CATALOGUE_REF = re.compile(r"^/(?:v\d+/)?(?:templates|snapshots)(?:/aliases)?/(?P<ref>[^/]+)")
+CATALOGUE_LISTS = frozenset({"/templates", "/snapshots", "/v2/templates"})
 SIGNED_UPLOAD = re.compile(r"/templates/(?P<template>[^/]+)/files/(?P<files_hash>[^/]+)/upload")
 
 
@@ -212,6 +217,8 @@ class SandboxRouter:
                 answer = JSONResponse(error_body(exc), status_code=exc.status, headers=error_headers(exc))
                 await _reply(scope, receive, send, answer)
                 return
+        if scope["type"] == "http":
+            await _learn_catalogue(self.node, scope)
         if scope["type"] == "http" and not _streams_its_body(scope):
             limit = self.node.settings.max_body_kb * 1024
             declared = headers.get("content-length", "")
@@ -220,6 +227,31 @@ class SandboxRouter:
                 return
             receive = _bounded(receive, limit, self.node.settings.http_body_timeout)
         await self.app(scope, receive, send)
+
+
+async def _learn_catalogue(node: NodeService, scope: Scope) -> None:
+    """Before a request names a template or snapshot this node does not know, or lists them, the
+    node learns what the shared repository holds (a named entry at once, the whole catalogue at
+    most every few seconds): through a gateway, a template made on one node is found on any.
+    Seen failing: a public template made on one node was a 404 from the other."""
+    path = scope["path"]
+    if path in CATALOGUE_LISTS:
+        if scope["method"] == "GET":
+            await node.artifacts.refresh_catalogue()
+        return
+    named = CATALOGUE_REF.match(path)
+    if named is None:
+        return
+    ref = unquote(named["ref"])
+    try:
+        node.find_template(ref)
+        return
+    except AenvError:
+        pass
+    try:
+        node.find_snapshot(ref)
+    except AenvError:
+        await node.artifacts.refresh_catalogue(ref)
 
 
 def _streams_its_body(scope: Scope) -> bool:

@@ -190,6 +190,7 @@ async def _server_stream(
         return Response(connect.end_stream(error), media_type=connect.STREAM_CONTENT_TYPE)
     if record is not None:
         record.started(first)
+    sb.streams.add(stream)
     events = _stream_events(request, link, stream, first=first, record=record)
     return DroppableStream(events, media_type=connect.STREAM_CONTENT_TYPE)
 
@@ -367,6 +368,7 @@ async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Resp
         stream, first = await _open_first(link, "fs.read", {"path": path, "user": user})
     except Exception as exc:
         return _file_error(request, exc)
+    sb.exchanges.add(stream)  # a pause lets the download finish first, a while
     entry = first.get("entry") if isinstance(first, dict) else None
     entry = entry if isinstance(entry, dict) else {}  # what the agent says is only a hint
 
@@ -592,6 +594,7 @@ async def handle(request: Request, node: NodeService, sandbox_id: str) -> Respon
         return _paused(node, sandbox_id, exc) or not_woken(sandbox_id, exc)
     request.state.disk_mb = node.limits_of(sb.rec).disk_mb  # what a full disk's answer names
     request.state.rollouts = node.rollouts  # where a command's entry goes when it ends
+    sb.opening += 1  # no await since it was found running: a pause from now on waits for it, a while
     try:
         return await endpoint(request, sb, _user(request))
     except RequestTimeout as exc:  # the client's body stopped coming (see aenv.api.app)
@@ -599,3 +602,5 @@ async def handle(request: Request, node: NodeService, sandbox_id: str) -> Respon
         return _file_error(request, exc) if path == "/files" else connect.unary_error(error)
     except ConnectError as exc:
         return _file_error(request, exc) if path == "/files" else connect.unary_error(exc)
+    finally:
+        sb.opening -= 1

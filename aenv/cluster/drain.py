@@ -149,7 +149,7 @@ class Drain:
             return
         left = max(1, int(sb.rec.end_at - time.time()))  # what is left of its timeout goes with it
         try:
-            await self.node.pause(sb.id)
+            await self.node.pause(sb.id, settle_streams=self.progress.move)  # a move: clients see a pause only
         except AenvError:
             if sb.state == SandboxState.RUNNING:
                 self._unpaused.add(sb.id)

@@ -304,16 +304,17 @@ class Lifecycle:
         own = rec.timeout
         return own if type(own) is int and 0 < own <= self.settings.max_timeout else self.settings.default_timeout
 
-    async def pause(self, sandbox_id: str, *, keep_memory: bool = True) -> SandboxRecord:
+    async def pause(self, sandbox_id: str, *, keep_memory: bool = True, settle_streams: bool = False) -> SandboxRecord:
         """Pause a running sandbox. Without ``keep_memory`` only its file system is kept (E2B's
-        filesystem-only pause): its processes end and the resume boots it fresh."""
+        filesystem-only pause): its processes end and the resume boots it fresh. With
+        ``settle_streams`` (a drain's move) its commands' output streams may end first as well."""
         sb = self.get(sandbox_id)
 
         async def run() -> SandboxRecord:
             if sb.state == S.PAUSED:
                 raise WrongState(f"sandbox {sb.id} is already paused", sandbox_id=sb.id)
             await self._set_state(sb, S.PAUSING, persist=False)
-            await self._exchanges_finish(sb)
+            await self._exchanges_finish(sb, streams=settle_streams)
             upper = sb.rec.upper
             try:
                 image = await self._checkpoint_stopped(sb) if keep_memory else await self._halt(sb)
@@ -337,12 +338,12 @@ class Lifecycle:
         return await self._operate(sb, "pause" if keep_memory else "pause_filesystem", run, join=True)
 
     @staticmethod
-    async def _exchanges_finish(sb: LiveSandbox) -> None:
-        """Let the HTTP requests being relayed to its ports finish (new ones wait: it is pausing),
-        for at most EXCHANGE_GRACE: a pause cut them short, and a client saw a response end before
-        its Content-Length (a drain's move pauses with traffic going on)."""
+    async def _exchanges_finish(sb: LiveSandbox, *, streams: bool = False) -> None:
+        """Let the HTTP requests being relayed to its ports and envd's finish (new ones wait: it is
+        pausing), for at most EXCHANGE_GRACE: a pause cut them short, and a client saw a response
+        end before its Content-Length (a drain's move pauses with traffic going on)."""
         deadline = time.monotonic() + EXCHANGE_GRACE
-        while sb.exchanging() and time.monotonic() < deadline:  # noqa: ASYNC110 - no one event for their ends
+        while sb.exchanging(streams=streams) and time.monotonic() < deadline:  # noqa: ASYNC110 - no one event for their ends
             await asyncio.sleep(EXCHANGE_POLL)
 
     async def resume(

@@ -44,12 +44,16 @@ class LiveSandbox:
     # The tunnels of the HTTP requests to its ports that the node relays (request sent, answer not
     # all passed on while the tunnel has not ended): a pause lets them finish first, for a while.
     exchanges: weakref.WeakSet[Stream] = field(default_factory=weakref.WeakSet)
-    opening: int = 0  # such requests that found it running and are opening their tunnel
+    opening: int = 0  # such requests (and envd's) that found it running and have not got their stream
+    # Its commands' output streams (envd's process Start and Connect): a drain's move lets them end
+    # too, for a while, as its clients are promised a pause only; a plain pause does not wait for them.
+    streams: weakref.WeakSet[Stream] = field(default_factory=weakref.WeakSet)
     grace_of: float = 0.0  # the endAt whose grace period began (its commands but scoring ones stopped)
 
-    def exchanging(self) -> bool:
+    def exchanging(self, *, streams: bool = False) -> bool:
         # Once the port's END is in, what it sent is all on the host: a pause cannot cut it short.
-        return self.opening > 0 or any(not (tunnel.ended or tunnel.remote_ended) for tunnel in list(self.exchanges))
+        waited = [*self.exchanges, *(self.streams if streams else ())]
+        return self.opening > 0 or any(not (s.ended or s.remote_ended) for s in waited)
 
     @property
     def id(self) -> str:

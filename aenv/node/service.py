@@ -122,7 +122,9 @@ class NodeService(Protocol):
         grace: int = 0,
     ) -> SandboxRecord: ...
 
-    async def pause(self, sandbox_id: str, *, keep_memory: bool = True) -> SandboxRecord: ...
+    async def pause(
+        self, sandbox_id: str, *, keep_memory: bool = True, settle_streams: bool = False
+    ) -> SandboxRecord: ...
 
     async def resume(
         self, sandbox_id: str, *, timeout: int | None = None, memory: bool = True, owner_full: bool = False

@@ -125,6 +125,37 @@ def test_a_pause_lets_a_proxied_request_in_flight_finish(
     assert api.get(f"/sandboxes/{sandbox.sandbox_id}").json()["state"] == "paused"
 
 
+def test_a_pause_lets_a_file_download_in_flight_finish(sandbox: Sandbox, api: httpx.Client) -> None:
+    """A file the E2B SDK is downloading when a pause comes arrives whole, then the pause happens.
+    Seen failing before envd's requests counted as exchanges: the download was reset ("killed or
+    reached its end of life"), as an SDK client saw in a drain's move."""
+    import hashlib
+    import threading
+
+    sandbox.commands.run("head -c 6000000 /dev/urandom > /home/user/big")
+    want = sandbox.commands.run("sha256sum /home/user/big").stdout.split()[0]
+    got: list[str] = []
+    started = threading.Event()
+
+    def download() -> None:
+        digest, size = hashlib.sha256(), 0
+        for chunk in sandbox.files.read("/home/user/big", format="stream"):
+            digest.update(chunk)
+            size += len(chunk)
+            started.set()
+            time.sleep(0.002)  # a slow reader: the pause comes while the file is on its way
+        got.append(f"{digest.hexdigest()} {size}")
+
+    reader = threading.Thread(target=download)
+    reader.start()
+    assert started.wait(15)
+    r = api.post(f"/sandboxes/{sandbox.sandbox_id}/pause")
+    reader.join(30)
+    assert r.status_code == 204, r.text
+    assert got == [f"{want} 6000000"]
+    assert api.get(f"/sandboxes/{sandbox.sandbox_id}").json()["state"] == "paused"
+
+
 @pytest.mark.runsc  # its server keeps running through pause
 def test_traffic_that_meets_a_pause_wakes_the_sandbox_again(e2b_env: Server, api: httpx.Client) -> None:
     """Requests to the port of a sandbox with auto-resume (and calls of its envd), sent while it

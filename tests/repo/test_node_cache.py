@@ -180,6 +180,60 @@ async def test_a_running_node_learns_what_another_committed(tmp_path: Path) -> N
         await b.stop(pause_running=False)
 
 
+async def test_the_api_of_any_node_finds_what_another_committed(tmp_path: Path) -> None:
+    """A gateway sends a request naming a template or snapshot (and their lists) to any node: one
+    that has not learned it yet looks in the repository first, by id or by name, and answers as
+    the node that made it would. Seen failing: a public template made on one node was a 404 from
+    the other until a create there named it."""
+    import httpx
+
+    from aenv.api.app import build
+    from aenv.node.store import SnapshotRecord
+
+    settings = dict(build_base=False, repo=str(tmp_path / "repo"), repo_gc_interval=0)
+    a, b = Node(Settings(data_dir=tmp_path / "a", **settings)), Node(Settings(data_dir=tmp_path / "b", **settings))
+    await a.start()
+    await b.start()
+    key = "e2b_" + "1" * 40
+    try:
+        rec = await fake_template(a, "made-on-a")
+        snap = SnapshotRecord(
+            id="snap_" + "ab" * 8,
+            name="snap-on-a",
+            layers=rec.layers,
+            image=rec.image,
+            created_at=time.time(),
+            guest=rec.guest,
+            sandbox_id="gone" + "0" * 16,
+            template_id=rec.id,
+        )
+        a.catalogue.snapshots[snap.id] = snap
+        await a.store.put_snapshot(snap)
+        await a.artifacts.wait_committed(rec)
+        await a.artifacts.wait_committed(snap)
+        app = build(b, key, start_node=False)
+        headers = {"X-API-Key": key}
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://b", headers=headers
+        ) as api:
+            # By id even just after a full listing (the entry is read), by name at the next listing.
+            for ref, listed_at in ((rec.id, time.monotonic()), ("made-on-a", 0.0)):
+                b.artifacts._refreshed = listed_at
+                got = await api.get(f"/templates/{ref}")
+                assert got.status_code == 200 and got.json()["templateID"] == rec.id, got.text
+                b.catalogue.templates.pop(rec.id)  # forgotten again, for the next way of naming it
+            b.artifacts._refreshed = 0.0
+            listed = await api.get("/templates")
+            assert rec.id in [t["templateID"] for t in listed.json()], listed.text
+            got = await api.get(f"/snapshots/{snap.id}")
+            assert got.status_code == 200 and got.json()["snapshotID"] == snap.id, got.text
+            missing = await api.get("/templates/never-made")
+            assert missing.status_code == 404 and missing.json()["code"] == 404, missing.text
+    finally:
+        await a.stop(pause_running=False)
+        await b.stop(pause_running=False)
+
+
 async def test_a_record_lost_everywhere_is_removed_not_kept_broken(tmp_path: Path) -> None:
     settings = dict(build_base=False, layer_cache_mb=0, repo_gc_interval=0)
     node = Node(Settings(data_dir=tmp_path / "a", repo=str(tmp_path / "repo-1"), **settings))

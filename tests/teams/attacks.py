@@ -281,4 +281,5 @@ def untouched(a: Owned) -> None:
         team = client.get(f"/teams/{a.team.team_id}").json()
         assert team["name"] == "iso-a"
         assert [k["name"] for k in client.get("/api-keys").json()] == ["default"]
-        assert client.get("/templates/bb").status_code == 200
+        bb = client.get("/templates/bb")
+        assert bb.status_code == 200, bb.text
