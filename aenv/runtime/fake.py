@@ -86,7 +86,7 @@ def user_namespaces_work() -> str:
     return ""
 
 
-class FakeDriver:
+class FakeDriver(guestbundle.BundledGuests):
     name = NAME
     saves_epoll_tcp = True  # nothing is saved: nothing to refuse
     leaves_running = True
@@ -100,10 +100,8 @@ class FakeDriver:
             raise RuntimeFailure(f"the fake runtime needs user namespaces: {why}")
         self.state_dir = state_dir
         self.bundles = state_dir / "fake-instances"
-        self.guest_dir = state_dir / "guest"
-        for d in (self.bundles, self.guest_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        self._guest: Path | None = None
+        self.bundles.mkdir(parents=True, exist_ok=True)
+        self._init_guests(state_dir / "guest")  # the gVisor driver's bundles, built the same way
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._init: dict[str, int] = {}  # instance id -> host pid of its PID 1
         self.wakes = 0
@@ -111,34 +109,6 @@ class FakeDriver:
 
     def info(self) -> dict[str, str]:
         return {"driver": NAME, "runsc": "none", "platform": "host processes", "isolation": "none"}
-
-    # -- guest bundles: the gVisor driver's, built the same way ---------------------------------------
-    def guest_bundle(self, key: str = "") -> Path:
-        if self._guest is None:
-            self._guest = guestbundle.ensure_bundle(self.guest_dir, statx_shim=False)
-        if key and key != self._guest.name:
-            path = self.guest_dir / key
-            if not (path / ".complete").exists():
-                raise RuntimeFailure(f"guest bundle {key} is missing; the image needs the agent it was made with")
-            return path
-        return self._guest
-
-    def guest_key(self) -> str:
-        return self.guest_bundle().name
-
-    def guest_path(self, key: str) -> Path:
-        return self.guest_dir / key
-
-    def guest_keys(self) -> set[str]:
-        return {p.name for p in self.guest_dir.iterdir() if not p.name.startswith(".")}
-
-    def remove_guest(self, key: str) -> None:
-        doomed = self.guest_dir / f".evict-{key}-{os.getpid()}"
-        try:
-            os.rename(self.guest_dir / key, doomed)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(doomed, ignore_errors=True)
 
     def image_compatible(self, image_dir: Path) -> bool:
         return image_mark(image_dir) == MARK

@@ -16,6 +16,7 @@ import sysconfig
 from pathlib import Path
 
 import aenv
+from aenv.errors import RuntimeFailure
 
 GUEST_MOUNT = "/.aenv"
 # What the agent never uses: every bundle sits on each node (and once in the repository).
@@ -181,3 +182,48 @@ def ensure_bundle(cache_dir: Path, *, statx_shim: bool = True) -> Path:
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+class BundledGuests:
+    """The guest-bundle half of the Driver contract, alike for every driver: the bundle this
+    node's agent code makes (built on first use), and those older images were made with, kept
+    under ``guest_dir`` by key. A driver calls :meth:`_init_guests` in its ``__init__``."""
+
+    guest_dir: Path
+    _guest: Path | None
+    _statx_shim: bool
+
+    def _init_guests(self, directory: Path, *, statx_shim: bool = False) -> None:
+        self.guest_dir = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self._guest = None
+        self._statx_shim = statx_shim
+
+    def guest_bundle(self, key: str = "") -> Path:
+        if self._guest is None:
+            self._guest = ensure_bundle(self.guest_dir, statx_shim=self._statx_shim)
+        if key and key != self._guest.name:
+            path = self.guest_dir / key
+            if not (path / ".complete").exists():
+                raise RuntimeFailure(f"guest bundle {key} is missing; the image needs the agent it was made with")
+            return path
+        return self._guest
+
+    def guest_key(self) -> str:
+        return self.guest_bundle().name
+
+    def guest_path(self, key: str) -> Path:
+        return self.guest_dir / key
+
+    def guest_keys(self) -> set[str]:
+        return {p.name for p in self.guest_dir.iterdir() if not p.name.startswith(".")}  # not builds/fetches
+
+    def remove_guest(self, key: str) -> None:
+        # Out of sight in one rename, so nothing boots a half-removed bundle; leftovers of a crash
+        # are swept at start with the other evictions.
+        doomed = self.guest_dir / f".evict-{key}-{os.getpid()}"
+        try:
+            os.rename(self.guest_dir / key, doomed)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(doomed, ignore_errors=True)

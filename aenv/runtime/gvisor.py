@@ -226,7 +226,7 @@ def image_mark(image_dir: Path) -> str:
     return snippet(text, 120) if text else LEGACY_RUNSC
 
 
-class GVisorDriver:
+class GVisorDriver(guestbundle.BundledGuests):
     name = "gvisor"
 
     def __init__(
@@ -257,10 +257,10 @@ class GVisorDriver:
         self.image_mark = f"{self.version.mark} {platform}"
         self.runsc_root = state_dir / "runsc"
         self.bundles = state_dir / "instances"
-        self.guest_dir = state_dir / "guest"
-        for d in (self.runsc_root, self.bundles, self.guest_dir):
+        for d in (self.runsc_root, self.bundles):
             d.mkdir(parents=True, exist_ok=True)
-        self._guest: Path | None = None
+        # runsc 20221219 refuses statx(AT_NO_AUTOMOUNT): its bundles' shim drops the flag.
+        self._init_guests(state_dir / "guest", statx_shim=not self.version.modern)
         self._pids_max: dict[str, int] = {}  # instance id -> its pids cgroup's limit
         self._dozing: set[str] = set()  # instances frozen while idle (see doze)
         self.wakes = 0  # how many times a dozing instance was thawed
@@ -279,36 +279,6 @@ class GVisorDriver:
         if self.debug and instance_id:
             argv += ["--debug", f"--debug-log={self.bundles / instance_id / 'runsc.log'}"]
         return argv
-
-    def guest_bundle(self, key: str = "") -> Path:
-        if self._guest is None:
-            # runsc 20221219 refuses statx(AT_NO_AUTOMOUNT): its bundles' shim drops the flag.
-            self._guest = guestbundle.ensure_bundle(self.guest_dir, statx_shim=not self.version.modern)
-        if key and key != self._guest.name:
-            path = self.guest_dir / key
-            if not (path / ".complete").exists():
-                raise RuntimeFailure(f"guest bundle {key} is missing; the image needs the agent it was made with")
-            return path
-        return self._guest
-
-    def guest_key(self) -> str:
-        return self.guest_bundle().name
-
-    def guest_path(self, key: str) -> Path:
-        return self.guest_dir / key
-
-    def guest_keys(self) -> set[str]:
-        return {p.name for p in self.guest_dir.iterdir() if not p.name.startswith(".")}  # not builds/fetches
-
-    def remove_guest(self, key: str) -> None:
-        # Out of sight in one rename, so nothing boots a half-removed bundle; leftovers of a crash
-        # are swept at start with the other evictions.
-        doomed = self.guest_dir / f".evict-{key}-{os.getpid()}"
-        try:
-            os.rename(self.guest_dir / key, doomed)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(doomed, ignore_errors=True)
 
     def _spec(self, instance_id: str, limits: Limits, guest: str) -> dict[str, Any]:
         nproc = max(limits.nproc, 64)

@@ -87,7 +87,7 @@ def _drive(path: Path) -> str:
     return str(path).replace(",", ",,")  # QEMU's option syntax doubles a comma in a value
 
 
-class QemuDriver:
+class QemuDriver(guestbundle.BundledGuests):
     name = NAME
     saves_epoll_tcp = True  # nothing is saved: nothing for the node to ask the agent first
     leaves_running = False
@@ -111,11 +111,10 @@ class QemuDriver:
         self.tsc_khz = _host_tsc_khz()
         self.state_dir = state_dir
         self.bundles = state_dir / "qemu-instances"
-        self.guest_dir = state_dir / "guest"
         self.disks = state_dir / "qemu-disks"  # images of plain-directory layers and of guest bundles
-        for d in (self.bundles, self.guest_dir, self.disks):
+        for d in (self.bundles, self.disks):
             d.mkdir(parents=True, exist_ok=True)
-        self._guest: Path | None = None
+        self._init_guests(state_dir / "guest")  # built as for every driver, attached as a disk
         self._making: dict[Path, asyncio.Lock] = {}
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._consoles: dict[str, deque[bytes]] = {}
@@ -131,34 +130,9 @@ class QemuDriver:
             "kernel": self.release,
         }
 
-    # -- guest bundles: built as for every driver, attached as a disk -------------------------------
-    def guest_bundle(self, key: str = "") -> Path:
-        if self._guest is None:
-            self._guest = guestbundle.ensure_bundle(self.guest_dir, statx_shim=False)
-        if key and key != self._guest.name:
-            path = self.guest_dir / key
-            if not (path / ".complete").exists():
-                raise RuntimeFailure(f"guest bundle {key} is missing; the image needs the agent it was made with")
-            return path
-        return self._guest
-
-    def guest_key(self) -> str:
-        return self.guest_bundle().name
-
-    def guest_path(self, key: str) -> Path:
-        return self.guest_dir / key
-
-    def guest_keys(self) -> set[str]:
-        return {p.name for p in self.guest_dir.iterdir() if not p.name.startswith(".")}
-
     def remove_guest(self, key: str) -> None:
-        doomed = self.guest_dir / f".evict-{key}-{os.getpid()}"
-        try:
-            os.rename(self.guest_dir / key, doomed)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(doomed, ignore_errors=True)
-        (self.disks / f"guest-{key}.img").unlink(missing_ok=True)
+        super().remove_guest(key)
+        (self.disks / f"guest-{key}.img").unlink(missing_ok=True)  # the bundle as the disk it was attached as
 
     def image_compatible(self, image_dir: Path) -> bool:
         return False  # it writes none and restores none yet
