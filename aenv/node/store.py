@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
-import aiosqlite
-
 from aenv.node.state import SandboxState
+from aenv.storage.sqlite import SqliteFile
 
 log = logging.getLogger("aenv.node")
 
@@ -186,27 +184,9 @@ def _kept(records: list[T]) -> list[T]:
     return [rec for rec in records if well_typed(rec)]
 
 
-class Store:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._db: aiosqlite.Connection | None = None
-
-    async def open(self) -> None:
-        self._db = await aiosqlite.connect(self.path)
-        await self._db.execute("PRAGMA journal_mode=WAL")
-        await self._db.execute("PRAGMA synchronous=NORMAL")
-        await self._db.executescript(SCHEMA)
-        await self._db.commit()
-
-    async def close(self) -> None:
-        if self._db is not None:
-            await self._db.close()
-            self._db = None
-
-    @property
-    def db(self) -> aiosqlite.Connection:
-        assert self._db is not None, "store is not open"
-        return self._db
+class Store(SqliteFile):
+    schema = SCHEMA
+    label = "store"
 
     # -- sandboxes --------------------------------------------------------------------------------
     async def put_sandbox(self, rec: SandboxRecord) -> None:

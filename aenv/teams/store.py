@@ -5,12 +5,9 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any, Protocol
 
-import aiosqlite
-
+from aenv.storage.sqlite import SqliteFile
 from aenv.teams.model import ApiKey, Team
 
 SCHEMA = """
@@ -51,32 +48,11 @@ class TeamStore(Protocol):
     async def put_usage(self, usage: dict[str, dict[str, float]]) -> None: ...
 
 
-class SqliteTeamStore:
+class SqliteTeamStore(SqliteFile):
     shared = False
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._db: aiosqlite.Connection | None = None
-
-    async def open(self) -> None:
-        if self._db is not None:
-            return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)  # digests only, still nobody else's
-        os.close(fd)
-        self._db = await aiosqlite.connect(self.path)
-        await self._db.execute("PRAGMA journal_mode=WAL")
-        await self._db.executescript(SCHEMA)
-        await self._db.commit()
-
-    async def close(self) -> None:
-        if self._db is not None:
-            await self._db.close()
-            self._db = None
-
-    @property
-    def db(self) -> aiosqlite.Connection:
-        assert self._db is not None, "team store is not open"
-        return self._db
+    schema = SCHEMA
+    synchronous = "FULL"  # a key made or deleted is one on disk when the API says so
+    label = "team store"
 
     async def load(self) -> tuple[list[Team], list[ApiKey]]:
         async with self.db.execute("SELECT body FROM teams") as cur:
