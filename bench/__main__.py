@@ -25,6 +25,7 @@ from rich.table import Table
 from aenv.channel import END
 from aenv.config import Settings
 from aenv.node.orchestrator import Node
+from aenv.node.spec import SandboxSpec
 from aenv.runtime import hostexec
 from aenv.templates.builder import ensure_base, run_in
 
@@ -155,7 +156,7 @@ async def bench(node: Node, rounds: int) -> dict[str, Any]:
     for _ in range(rounds):
         m = mark()
         await node.settle()
-        dt, rec = await timed(lambda: node.create("base", timeout=3600))
+        dt, rec = await timed(lambda: node.create("base", SandboxSpec(timeout=3600)))
         creates.append(dt)
         runsc_restore += runsc_since(m, "restore")
         sandboxes.append(rec.id)

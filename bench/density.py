@@ -28,6 +28,7 @@ from rich.table import Table
 
 from aenv.config import Settings
 from aenv.node.orchestrator import Node
+from aenv.node.spec import SandboxSpec
 from aenv.runtime import hostexec
 from aenv.templates.builder import ensure_base
 from bench.__main__ import exec_true, pct, pss_of, timed
@@ -156,7 +157,7 @@ async def first_exec_ms(node: Node, ids: list[str]) -> list[float]:
 async def bench(node: Node, count: int, parallel: int, doze_after: float = 10.0) -> dict[str, Any]:
     node.settings.doze_after = 0  # awake first: what an idle sentry costs, then what dozing saves
     results: dict[str, Any] = {"sandboxes_asked": count}
-    first = await node.create("base", timeout=7200)
+    first = await node.create("base", SandboxSpec(timeout=7200))
     await asyncio.sleep(IDLE_SETTLE)
     results["one"] = {
         "exec_p50_ms": await exec_p50(node, first.id),
@@ -171,7 +172,7 @@ async def bench(node: Node, count: int, parallel: int, doze_after: float = 10.0)
         while len(ids) < count:
             try:
                 batch = await asyncio.gather(
-                    *(node.create("base", timeout=7200) for _ in range(min(parallel, count - len(ids))))
+                    *(node.create("base", SandboxSpec(timeout=7200)) for _ in range(min(parallel, count - len(ids))))
                 )
             except Exception as exc:
                 failure = repr(exc)[:500]

@@ -35,6 +35,7 @@ from aenv.api.app import build
 from aenv.channel import END
 from aenv.config import Settings
 from aenv.node.orchestrator import Node
+from aenv.node.spec import SandboxSpec
 from aenv.templates.builder import ensure_base, run_in
 from bench.__main__ import pct
 
@@ -120,7 +121,7 @@ def bench(host: NodeThread, rounds: int, blocks: int) -> dict[str, list[float]]:
 
     from aenv.sdk import Client
 
-    rec = host.call(host.node.create("base", timeout=3600))
+    rec = host.call(host.node.create("base", SandboxSpec(timeout=3600)))
     bare_script = f"python3 - <<'EOF'\n{BARE.replace('ROUNDS', str(rounds))}\nEOF"
     samples: dict[str, list[float]] = {}
     try:

@@ -40,6 +40,7 @@ from rich.table import Table
 
 from aenv.config import Settings
 from aenv.node.orchestrator import Node
+from aenv.node.spec import SandboxSpec
 from aenv.templates import image_sources
 from tests.images.oci import LayerTar, Registry, busybox_layer, start_registry
 
@@ -154,7 +155,7 @@ async def create(node: Node, ref: str) -> tuple[float, str]:
     """Seconds for a create naming ``ref`` as the API makes it (image or template); the sandbox id."""
     started = time.perf_counter()
     async with image_sources.held_source(node, ref) as source:
-        rec = await node.create(source, timeout=600)
+        rec = await node.create(source, SandboxSpec(timeout=600))
     return time.perf_counter() - started, rec.id
 
 

@@ -27,6 +27,7 @@ from rich.table import Table
 
 from aenv.config import Settings
 from aenv.node.orchestrator import Node
+from aenv.node.spec import SandboxSpec
 from aenv.templates.builder import ensure_base, run_in
 from bench.__main__ import exec_round_trips, summary, timed
 
@@ -147,7 +148,7 @@ async def on_platform(args: argparse.Namespace, name: str) -> dict[str, Any]:
         creates, ids = [], []
         for _ in range(args.rounds):
             await node.settle()
-            dt, rec = await timed(lambda: node.create("base", timeout=3600))
+            dt, rec = await timed(lambda: node.create("base", SandboxSpec(timeout=3600)))
             creates.append(dt)
             ids.append(rec.id)
         results["create"] = summary(creates)

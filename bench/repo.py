@@ -37,6 +37,7 @@ from rich.table import Table
 from aenv.config import Settings
 from aenv.node import housekeeping, metrics
 from aenv.node.orchestrator import Node
+from aenv.node.spec import SandboxSpec
 from aenv.repo import encodings
 from aenv.repo.backends import open_backend
 from aenv.repo.repository import LocalArtifact, Repository, object_keys
@@ -114,7 +115,7 @@ async def create_timed(node: Node, ref: str) -> tuple[float, float, str]:
     await node.settle()
     m = mark()
     start = time.perf_counter()
-    rec = await node.create(ref, timeout=600)
+    rec = await node.create(ref, SandboxSpec(timeout=600))
     dt = time.perf_counter() - start
     return dt, sum(runsc_since(m, "restore")), rec.id
 
@@ -160,7 +161,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         }
 
         console.print("[bold]snapshots[/bold]: first, then second after a small change")
-        rec = await node.create("base", timeout=3600)
+        rec = await node.create("base", SandboxSpec(timeout=3600))
         link = node.get(rec.id).link
         assert link is not None
         await run_in(link, "head -c 20M /dev/urandom > /home/user/data.bin; sleep 100000 > /dev/null 2>&1 & sync")
@@ -215,7 +216,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         results["images"] = await asyncio.to_thread(image_layouts, images, work, args, repo_settings)
 
         # The same create with the snapshot's image in loose 1 MiB chunks (the layout before packs).
-        rec = await node.create(snaps[-1].id, timeout=3600)
+        rec = await node.create(snaps[-1].id, SandboxSpec(timeout=3600))
         node.artifacts.repo.pack_images = False
         try:
             loose_snap = await node.snapshot(rec.id, durable=True)

@@ -56,6 +56,7 @@ from aenv.node.service import (
     LiveSandbox,
     NodeService,
     Sample,
+    SandboxSpec,
     SnapshotRecord,
     TemplateRecord,
     create_id_of,
@@ -179,28 +180,28 @@ async def _create(request: Request) -> JSONResponse:
     network = egress_rules(body.network, known=CREATE_NETWORK_FIELDS)
     public_traffic, mask_request_host = ingress_options(body.network, secure=secure)
 
+    spec = SandboxSpec(
+        timeout=body.timeout,
+        metadata=dict(body.metadata or {}),
+        env_vars=dict(body.env_vars or {}),
+        auto_pause=auto_pause,
+        auto_resume=auto_resume,
+        auto_pause_memory=auto_pause_memory is not False,
+        limits=limits or {},
+        allow_internet_access=body.allow_internet_access,
+        network=network or {},
+        secure=secure,
+        public_traffic=public_traffic,
+        mask_request_host=mask_request_host,
+        grace=body.grace or 0,
+    )
+
     async def create() -> str:
         async with create_source(build_host_of(request), body) as source:
             return await created(source)
 
     async def created(source: str) -> str:
-        rec = await node.create(
-            source,
-            timeout=body.timeout,
-            metadata=body.metadata,
-            env_vars=body.env_vars,
-            auto_pause=auto_pause,
-            auto_resume=auto_resume,
-            auto_pause_memory=auto_pause_memory is not False,
-            limits=limits,
-            allow_internet_access=body.allow_internet_access,
-            network=network,
-            secure=secure,
-            public_traffic=public_traffic,
-            mask_request_host=mask_request_host,
-            grace=body.grace or 0,
-        )
-        return rec.id
+        return (await node.create(source, spec)).id
 
     # A create sent again with its id (a gateway whose connection broke, an SDK's retry with its
     # Idempotency-Key) gets the first one's sandbox.

@@ -35,6 +35,7 @@ from aenv.errors import (
 from aenv.node import housekeeping, metrics, rollout
 from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import ForkResult, LiveSandbox, log_failure, new_sandbox_id
+from aenv.node.spec import DEFAULT_SPEC, SandboxSpec
 from aenv.node.state import SETTLED, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, TemplateRecord
 from aenv.node.warmpool import Member, memory_available_mb
@@ -138,28 +139,17 @@ class Lifecycle:
     async def create(
         self,
         template: str = "base",
-        *,
-        timeout: int | None = None,
-        metadata: dict[str, str] | None = None,
-        env_vars: dict[str, str] | None = None,
-        auto_pause: bool = False,
-        auto_resume: bool = False,
-        auto_pause_memory: bool = True,
-        limits: dict[str, Any] | None = None,
-        allow_internet_access: bool | None = None,
-        network: dict[str, Any] | None = None,
-        secure: bool = True,
-        public_traffic: bool = True,
-        mask_request_host: str = "",
-        grace: int = 0,
+        spec: SandboxSpec = DEFAULT_SPEC,
     ) -> SandboxRecord:
-        timeout = self._check_timeout(timeout)
+        timeout = self._check_timeout(spec.timeout)
+        grace = spec.grace
         if isinstance(grace, bool) or not isinstance(grace, int) or not 0 <= grace <= self.settings.max_grace:
             raise InvalidRequest(f"grace must be 0 to {self.settings.max_grace} seconds")
-        _check_auto_pause(auto_pause, auto_resume, auto_pause_memory)
+        _check_auto_pause(spec.auto_pause, spec.auto_resume, spec.auto_pause_memory)
+        allow_internet_access = spec.allow_internet_access
         if allow_internet_access is None:
             allow_internet_access = self.settings.internet_by_default
-        EgressPolicy.of(allow_internet_access, network)  # bad rules are the caller's 400, before any work
+        EgressPolicy.of(allow_internet_access, spec.network)  # bad rules are the caller's 400, before any work
         self._admit()
         self._check_room()
         source = self.catalogue.source(template)
@@ -174,8 +164,8 @@ class Lifecycle:
         layers, image, guest = list(source.layers), source.image, source.guest
         base_env, base_limits = dict(source.env_vars), dict(source.limits)
         user, workdir, start = source.user, source.workdir, dict(source.start)
-        base_env.update(env_vars or {})
-        base_limits.update(limits or {})
+        base_env.update(spec.env_vars)
+        base_limits.update(spec.limits)
         now = time.time()
         rec = SandboxRecord(
             id=new_sandbox_id(),
@@ -184,10 +174,10 @@ class Lifecycle:
             end_at=now + timeout,
             timeout=timeout,
             grace=grace,
-            auto_pause=auto_pause,
-            auto_resume=auto_resume,
-            auto_pause_memory=auto_pause_memory,
-            metadata=dict(metadata or {}),
+            auto_pause=spec.auto_pause,
+            auto_resume=spec.auto_resume,
+            auto_pause_memory=spec.auto_pause_memory,
+            metadata=dict(spec.metadata),
             env_vars=base_env,
             limits=base_limits,
             layers=layers,
@@ -195,10 +185,10 @@ class Lifecycle:
             user=user,
             workdir=workdir,
             allow_internet_access=allow_internet_access,
-            network=dict(network or {}),
-            secure=secure,
-            public_traffic=public_traffic,
-            mask_request_host=mask_request_host,
+            network=dict(spec.network),
+            secure=spec.secure,
+            public_traffic=spec.public_traffic,
+            mask_request_host=spec.mask_request_host,
             guest=guest,
             start=start,
             team=team_of_new(),

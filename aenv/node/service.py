@@ -29,6 +29,7 @@ from aenv.node.grace import SCORING_HEADER
 from aenv.node.grace import refusal as grace_refusal
 from aenv.node.rollout import RolloutLogs
 from aenv.node.sandbox import ForkResult, LiveSandbox
+from aenv.node.spec import DEFAULT_SPEC, SandboxSpec
 from aenv.node.state import PUBLIC_STATE, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.node.tokens import access_token  # a secure sandbox's envd token, from the node's secret (signed URLs)
@@ -55,7 +56,9 @@ __all__ = [
     "LiveSandbox",
     "NodeService",
     "Sample",
+    "DEFAULT_SPEC",
     "SandboxRecord",
+    "SandboxSpec",
     "SandboxState",
     "SnapshotRecord",
     "TemplateRecord",
@@ -106,20 +109,7 @@ class NodeService(Protocol):
     async def create(
         self,
         template: str = "base",
-        *,
-        timeout: int | None = None,
-        metadata: dict[str, str] | None = None,
-        env_vars: dict[str, str] | None = None,
-        auto_pause: bool = False,
-        auto_resume: bool = False,
-        auto_pause_memory: bool = True,
-        limits: dict[str, Any] | None = None,
-        allow_internet_access: bool | None = None,
-        network: dict[str, Any] | None = None,
-        secure: bool = True,
-        public_traffic: bool = True,
-        mask_request_host: str = "",
-        grace: int = 0,
+        spec: SandboxSpec = DEFAULT_SPEC,
     ) -> SandboxRecord: ...
 
     async def pause(

@@ -26,7 +26,15 @@ from typing import Any
 from fastapi import Request
 
 from aenv.errors import Conflict, Forbidden, NotFound, SandboxNotFound, SnapshotNotFound, TemplateNotFound
-from aenv.node.service import LiveSandbox, NodeService, SandboxRecord, SnapshotRecord, TemplateRecord
+from aenv.node.service import (
+    DEFAULT_SPEC,
+    LiveSandbox,
+    NodeService,
+    SandboxRecord,
+    SandboxSpec,
+    SnapshotRecord,
+    TemplateRecord,
+)
 from aenv.teams.model import Principal, current, template_visible
 
 log = logging.getLogger("aenv.teams")
@@ -256,14 +264,14 @@ class TeamView:
             raise SnapshotNotFound(f"snapshot '{ref}' not found")
         return found
 
-    async def create(self, template: str, **kwargs: Any) -> SandboxRecord:
+    async def create(self, template: str, spec: SandboxSpec = DEFAULT_SPEC) -> SandboxRecord:
         source = _source(self.node, template)
         artifacts = getattr(self.node, "artifacts", None)
         if source is None and artifacts is not None and await artifacts.refresh_catalogue(template):
             source = _source(self.node, template)  # committed to the repository by another node
         if source is not None and not visible(source):
             raise TemplateNotFound(f"no template or snapshot named '{template}'")
-        return await self.node.create(template, **kwargs)
+        return await self.node.create(template, spec)
 
     async def delete_snapshot(self, ref: str) -> None:
         self.find_snapshot(ref)

@@ -1,0 +1,29 @@
+"""What a create asks of its sandbox, beyond the template: one value from the API to the node."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """A create's settings, as the API checked their shapes; the node checks their values
+    (timeout and grace bounds, egress rules, lifecycle combinations) against its settings."""
+
+    timeout: int | None = None  # seconds; None: the node's default
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)  # over the template's
+    auto_pause: bool = False  # E2B's lifecycle onTimeout "pause"
+    auto_resume: bool = False  # traffic wakes it when paused
+    auto_pause_memory: bool = True  # a timeout's pause keeps memory (else files only)
+    limits: dict[str, Any] = field(default_factory=dict)  # over the template's
+    allow_internet_access: bool | None = None  # None: the node's default
+    network: dict[str, Any] = field(default_factory=dict)  # egress rules (E2B's network object)
+    secure: bool = True  # envd calls need the sandbox's access token
+    public_traffic: bool = True  # its ports answer without the traffic token
+    mask_request_host: str = ""  # the Host its ports see (E2B's maskRequestHost)
+    grace: int = 0  # seconds after the timeout when only scoring commands run
+
+
+DEFAULT_SPEC = SandboxSpec()  # (frozen: safe as a shared default)
