@@ -493,6 +493,9 @@ class ArtifactCache:
         through a committed record that names them."""
         self.pin(layers)
         try:
+            for x in layers:  # an image layer that is here but not mounted (yet) only needs mounting
+                if not self._is_local("layer", x) and self._is_present("layer", x):
+                    await self.node.files.mount(x, writable=False)
             missing = [x for x in layers if not self._is_local("layer", x)]
             owners = {x: self._owner_of(x) for x in missing}
             orphan = next((x for x, owner in owners.items() if owner is None), None)
@@ -503,6 +506,11 @@ class ArtifactCache:
             yield
         finally:
             self.unpin(layers)
+
+    def layer_available(self, layer_id: str) -> bool:
+        """On this node's disk, or fetchable through a committed record that names it: what a build
+        cache hit needs (a layer the cache evicted that no record names is built again)."""
+        return bool(layer_id) and (self._is_present("layer", layer_id) or self._owner_of(layer_id) is not None)
 
     def pin(self, held: list[str]) -> None:
         self.pins.update(held)

@@ -190,7 +190,7 @@ async def _from(
     state.cmd = list(config.get("Cmd") or [])
     key = state.chain(CONVENTIONS_VERSION)
     layer = cache.get(key)
-    if not layer or not (node.files.layers / layer).exists():
+    if not layer or not node.artifacts.layer_available(layer):
         layer = await asyncio.to_thread(conventions_layer, node, state.layers)
         cache[key] = layer
     state.layers.append(layer)
@@ -280,7 +280,7 @@ async def _step(
     env = {**state.args, **state.env}
     key = state.chain("RUN", argv, env, state.user, state.workdir)
     hit = cache.get(key)
-    if hit is not None and (hit == "" or (node.files.layers / hit).exists()):
+    if hit is not None and (hit == "" or node.artifacts.layer_available(hit)):
         announce(True)
         if hit:
             node.files.touch(hit)
@@ -298,7 +298,7 @@ async def _layer(
     node: BuildHost, state: State, key: str, cache: dict[str, str], announce: Callable[[bool], None], write: Any
 ) -> bool:
     hit = cache.get(key)
-    if hit and (node.files.layers / hit).exists():
+    if hit and node.artifacts.layer_available(hit):
         announce(True)
         node.files.touch(hit)
         state.layers.append(hit)
