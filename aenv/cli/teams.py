@@ -52,11 +52,7 @@ def keys_list(team: str = TEAM_OPTION, as_json: bool = cli.JSON_OPTION) -> None:
 def keys_create(name: str, team: str = TEAM_OPTION, as_json: bool = cli.JSON_OPTION) -> None:
     """Make a key; prints it (only now: the server keeps a digest)."""
     made = cli.run(lambda c: _call(c, "POST", "/api-keys", {"name": name}, team=team))
-    if as_json or not cli.out.is_terminal:
-        print(cli.json.dumps(made))
-    else:
-        cli.out.print(f"key {made['id']} ({made['name']}): {made['key']}", highlight=False)
-        cli.err.print("Keep it now: it is not shown again.")
+    _show_once(made, f"key {made['id']} ({made['name']}): {made['key']}", as_json)
 
 
 @keys_app.command("delete")
@@ -64,6 +60,16 @@ def keys_delete(key_id: str, team: str = TEAM_OPTION) -> None:
     """Delete a key: it stops working (on every gateway of a cluster within seconds)."""
     cli.run(lambda c: _call(c, "DELETE", f"/api-keys/{key_id}", team=team))
     cli.err.print(f"key {key_id} deleted")
+
+
+def _show_once(made: dict[str, Any], line: str, as_json: bool) -> None:
+    """What holds a new key: JSON when asked or piped, else ``line`` and a warning that the key is
+    shown this once (the server keeps a digest)."""
+    if as_json or not cli.out.is_terminal:
+        print(cli.json.dumps(made))
+    else:
+        cli.out.print(line, highlight=False)
+        cli.err.print("Keep the key now: it is not shown again.")
 
 
 def _quotas(
@@ -110,11 +116,7 @@ def teams_create(
     if team_id:
         body["teamID"] = team_id
     made = cli.run(lambda c: _call(c, "POST", "/teams", body))
-    if as_json or not cli.out.is_terminal:
-        print(cli.json.dumps(made))
-    else:
-        cli.out.print(f"team {made['teamID']} ({made['name']}), API key: {made['apiKey']}", highlight=False)
-        cli.err.print("Keep the key now: it is not shown again.")
+    _show_once(made, f"team {made['teamID']} ({made['name']}), API key: {made['apiKey']}", as_json)
 
 
 @teams_app.command("quota")
