@@ -7,7 +7,7 @@ gateway then snapshots the source durably (committed to the shared repository) a
 missing children on other nodes from that snapshot, with the source's metadata, lifecycle,
 network and ingress settings, grace period and the fork's timeout (the snapshot carries its env
 vars, limits, user and workdir), each with its own metadata of the fork's, as the node gives it.
-Pure functions here; the requests are the gateway's (aenv/cluster/gateway.py).
+Pure functions here; the requests are the gateway's (aenv/cluster/gateway/forking.py).
 """
 
 from __future__ import annotations
