@@ -71,7 +71,7 @@ __all__ = [
 
 # A gateway's word to a node asked to resume a durable pause it does not hold: the sandbox's own
 # node (up) refused the resume for room, or did not answer at all (killed, its lease not run out),
-# so this one may take it over (aenv/cluster/gateway.py).
+# so this one may take it over (aenv/cluster/gateway/).
 OWNER_FULL_HEADER = "x-aenv-owner-full"
 
 
