@@ -55,7 +55,9 @@ def test_creates_pauses_and_resumes_wait_out_a_node_s_blip(cluster: Cluster) -> 
         waited = time.monotonic() - started
         thread.join()
         assert r.status_code == 201, r.text
-        assert OUTAGE * 0.5 < waited < STORE_BLIP_SECONDS + 5, waited  # it waited for the node, not failed
+        # It waited for the node instead of failing; the upper bound is liveness only (the create
+        # itself took 17 s more on a loaded CI machine).
+        assert OUTAGE * 0.5 < waited < STORE_BLIP_SECONDS + 50, waited
         sid = r.json()["sandboxID"]
         try:
             thread = cut_off(cluster)

@@ -61,7 +61,7 @@ RUN echo "$MSG" > built.txt && id -un > who.txt
 USER user
 RUN echo "as $(id -un)" > /app/files/user.txt
 EXPOSE 8080
-CMD ["/bin/sh", "-c", "while true; do date +%s > /tmp/heartbeat; sleep 0.2; done"]
+CMD ["/bin/sh", "-c", "while true; do date +%s > /tmp/hb.new && mv /tmp/hb.new /tmp/heartbeat; sleep 0.2; done"]
 """
 
 
