@@ -32,11 +32,17 @@ def aenv(url: str, *args: str, key: str = API_KEY, terminal: bool = False) -> su
 
 
 def test_nodes_json_when_piped_table_on_a_terminal(cluster: Cluster, one_on_each: dict[str, str]) -> None:  # noqa: F811
-    """(A sandbox on each: a node whose data dir is new has no build of `base` cached until then.)"""
+    """(A sandbox on each: a node whose data dir is new has no build of `base` cached until then,
+    and says so in its entry at its next heartbeat: seen failing when listed at once.)"""
     gw = cluster.gateway.url
-    piped = aenv(gw, "nodes")
-    assert piped.returncode == 0, piped.stderr
-    listed = json.loads(piped.stdout)
+    deadline = time.monotonic() + 20
+    while True:
+        piped = aenv(gw, "nodes")
+        assert piped.returncode == 0, piped.stderr
+        listed = json.loads(piped.stdout)
+        if all("base" in n.get("cachedBuilds", []) for n in listed) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert [n["nodeID"] for n in listed] == ["node-a", "node-b"]
     assert {n["address"] for n in listed} == {s.url for s in cluster.nodes.values()}
     assert all(n["room"] > 0 and n["status"] == "ready" and not n["draining"] for n in listed)
