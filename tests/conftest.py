@@ -7,6 +7,7 @@ The server's data dir persists between local runs (AENV_TEST_DATA_DIR, default
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -33,8 +34,34 @@ SLOW_CLIENT_DEADLINES = {"AENV_HTTP_HEAD_TIMEOUT": "8", "AENV_HTTP_BODY_TIMEOUT"
 BASE_BUILD_TIMEOUT = 900
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port for a test's server: below the kernel's ephemeral range, so no outgoing
+    connection takes it before the server binds it (one did: an etcd member failed 'address
+    already in use' in a CI run), never handed out twice in a run, and free when checked."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _GIVEN_PORTS:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN_PORTS.add(port)
+        return port
+    with socket.socket() as s:  # (that range all taken: the kernel's choice)
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

@@ -7,7 +7,6 @@ import hashlib
 import io
 import json
 import shutil
-import socket
 import subprocess
 import tarfile
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import zstandard
+
+from tests.conftest import free_port
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -160,9 +161,7 @@ def start_registry(root: Path, login: tuple[str, str] | None = None) -> Iterator
     """Debian's docker-registry on loopback; with ``login``, behind htpasswd (basic) auth."""
     binary = shutil.which("docker-registry")
     assert binary, "docker-registry is installed by scripts/install"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = root / "config.yml"
     auth = ""
     if login is not None:

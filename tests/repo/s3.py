@@ -3,7 +3,6 @@ implementation; no real S3 is reachable from CI)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from aenv.repo.backends import S3Backend
+from tests.conftest import free_port
 
 S3_KEY = {"access_key_id": "testing", "secret_access_key": "testing"}
 REGION = "us-east-1"
@@ -42,9 +42,7 @@ class S3Endpoint:
 
 def start_moto(log: Path) -> tuple[subprocess.Popen[bytes], S3Endpoint]:
     """Start a moto server on a free port; its output goes to ``log``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
