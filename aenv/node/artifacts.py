@@ -493,9 +493,7 @@ class ArtifactCache:
         through a committed record that names them."""
         self.pin(layers)
         try:
-            for x in layers:  # an image layer that is here but not mounted (yet) only needs mounting
-                if not self._is_local("layer", x) and self._is_present("layer", x):
-                    await self.node.files.mount(x, writable=False)
+            await self._mount_present(layers)
             missing = [x for x in layers if not self._is_local("layer", x)]
             owners = {x: self._owner_of(x) for x in missing}
             orphan = next((x for x, owner in owners.items() if owner is None), None)
@@ -582,10 +580,14 @@ class ArtifactCache:
         return rec
 
     async def _missing(self, items: list[LocalArtifact]) -> list[LocalArtifact]:
-        for item in items:  # an image layer that is here but not mounted (yet) only needs mounting
-            if item.kind == "layer" and item.encoding == "sparse" and not self._is_local("layer", item.id):
-                await self.node.files.mount(item.id, writable=False)
+        await self._mount_present([i.id for i in items if i.kind == "layer" and i.encoding == "sparse"])
         return [i for i in items if not self._is_local(i.kind, i.id)]
+
+    async def _mount_present(self, layer_ids: list[str]) -> None:
+        """An image layer that is here but not mounted (yet) only needs mounting, not a fetch."""
+        for layer_id in layer_ids:
+            if not self._is_local("layer", layer_id) and self._is_present("layer", layer_id):
+                await self.node.files.mount(layer_id, writable=False)
 
     async def _fetch_all(
         self,
