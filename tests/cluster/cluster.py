@@ -102,12 +102,14 @@ def running_cluster(
     gateways: int = 2,
     node_env: dict[str, dict[str, str]] | None = None,
     node_member: dict[str, int] | None = None,
+    etcd_args: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
-    """etcd x3, the nodes (sharing the session server's repository: request `server` first; each
-    with its settings in ``node_env``, e.g. an S3 repository; one named in ``node_member`` knows
-    only that etcd member), and the gateways; everything stopped after."""
+    """etcd x3 (with more flags ``etcd_args``), the nodes (sharing the session server's
+    repository: request `server` first; each with its settings in ``node_env``, e.g. an S3
+    repository; one named in ``node_member`` knows only that etcd member), and the gateways;
+    everything stopped after."""
     require_etcd()
-    etcd = EtcdCluster(3)
+    etcd = EtcdCluster(3, args=etcd_args)
     nodes: dict[str, Server] = {}
     started: list[Gateway] = []
     try:

@@ -73,9 +73,10 @@ class EtcdCluster:
     """``size`` etcd members on free loopback ports, data in a temp dir (tmpfs when there is one:
     fsyncs on a shared disk make elections slow)."""
 
-    def __init__(self, size: int = 3, *, tls: Certificates | None = None) -> None:
+    def __init__(self, size: int = 3, *, tls: Certificates | None = None, args: tuple[str, ...] = ()) -> None:
         """With ``tls`` (a certificate for localhost, good for clients too), the members serve
-        clients over TLS only and ask for a client certificate of the same CA."""
+        clients over TLS only and ask for a client certificate of the same CA; ``args``: more of
+        etcd's flags for every member."""
         root = "/dev/shm" if Path("/dev/shm").is_dir() else None
         self.dir = Path(tempfile.mkdtemp(prefix="aenv-etcd-", dir=root))
         token = uuid.uuid4().hex
@@ -99,6 +100,7 @@ class EtcdCluster:
                 "--initial-cluster-state=new",
                 "--logger=zap",
                 "--log-level=warn",
+                *args,
             ]
             if tls is not None:
                 m.argv += [
@@ -134,6 +136,34 @@ class EtcdCluster:
     def restart(self, member: Member) -> None:
         member.start()
         self.wait_healthy([member])
+
+    def _v3(self, member: Member, path: str, body: dict[str, object]) -> dict[str, object]:
+        # etcd's JSON gateway to its gRPC API (ids are decimal strings in it)
+        r = httpx.post(f"{member.client_url}/v3/{path}", json=body, timeout=5, verify=member._trust())
+        r.raise_for_status()
+        answer: dict[str, object] = r.json()
+        return answer
+
+    def leader(self) -> Member:
+        """The member that leads now (as a member that is up sees it)."""
+        up = next(m for m in self.members if m.proc is not None and m.healthy())
+        leader_id = self._v3(up, "maintenance/status", {})["leader"]
+        for m in self.members:
+            if m.proc is not None and self._v3(m, "maintenance/status", {})["header"]["member_id"] == leader_id:  # type: ignore[index]
+                return m
+        raise RuntimeError(f"no member is leader {leader_id}")
+
+    def make_leader(self, member: Member, timeout: float = 15) -> None:
+        """Hand the leadership to ``member`` (etcd's MoveLeader, asked of the leader)."""
+        target = self._v3(member, "maintenance/status", {})["header"]["member_id"]  # type: ignore[index]
+        deadline = time.monotonic() + timeout
+        while (leader := self.leader()) is not member:
+            try:
+                self._v3(leader, "maintenance/transfer-leadership", {"targetID": target})
+            except httpx.HTTPError:
+                pass  # an election meanwhile: ask the new leader
+            assert time.monotonic() < deadline, f"{member.name} did not become leader"
+            time.sleep(0.2)
 
     def stop(self) -> None:
         for m in self.members:

@@ -14,10 +14,13 @@ from aenv.api.listing import short_sandbox_id
 from aenv.cluster.entries import ClusterConfig, NodeEntry, SandboxEntry, key_matches
 from aenv.cluster.gateway.helpers import SANDBOX_INFO, cluster_paused, note
 from aenv.cluster.gateway.settings import (
+    ELECTION_RETRY,
+    ELECTION_SECONDS,
     GONE,
     HINT_SECONDS,
     LIST_SETTLE,
     MAX_CANDIDATES,
+    MEMBER_CONNECT_TIMEOUT,
     PRESENT,
     QUORUM_CHECK_KEEP,
     SETTLE_SECONDS,
@@ -72,13 +75,36 @@ class Directory:
         return await asyncio.shield(self._quorum[1])
 
     async def _read_config_answers(self) -> bool:
-        try:
-            await self.mirror.store.get_config()
-        except ClusterUnavailable:
-            return False
-        except Exception:  # noqa: BLE001 - etcd answered, with what this gateway cannot read
-            log.warning("reading the cluster configuration", exc_info=True)
-        return True
+        """One read, again and again while etcd is electing: a read fails for the second or more
+        an election takes (the member that was leader went), and a client must not get "no quorum"
+        for that. Without a quorum most members refuse connections and the answer is False at once."""
+        deadline = time.monotonic() + ELECTION_SECONDS
+        while True:
+            try:
+                await self.mirror.store.get_config()
+                return True
+            except ClusterUnavailable:
+                if time.monotonic() + ELECTION_RETRY >= deadline or not await self._most_members_listen():
+                    return False
+            except Exception:  # noqa: BLE001 - etcd answered, with what this gateway cannot read
+                log.warning("reading the cluster configuration", exc_info=True)
+                return True
+            await asyncio.sleep(ELECTION_RETRY)
+
+    async def _most_members_listen(self) -> bool:
+        """Whether more than half of the members this gateway knows accept a connection now."""
+
+        async def listens(host: str, port: int) -> bool:
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), MEMBER_CONNECT_TIMEOUT)
+            except (OSError, TimeoutError):
+                return False
+            writer.close()
+            return True
+
+        endpoints = self.mirror.store.endpoints
+        up = await asyncio.gather(*(listens(ep.host, ep.port) for ep in endpoints))
+        return 2 * sum(up) > len(endpoints)
 
     async def moved_to(self, sandbox_id: str, node: NodeEntry) -> NodeEntry | None:
         """The node etcd says holds ``sandbox_id`` now, if another than ``node`` (which said it

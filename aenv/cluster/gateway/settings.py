@@ -24,6 +24,11 @@ CREATE_RETRY_PAUSE = 0.5
 # this long. When etcd does not answer the gateway either (no quorum), the 503 goes out at once.
 STORE_BLIP_SECONDS = 10.0
 QUORUM_CHECK_KEEP = 0.5  # seconds one check that etcd answers serves every request that asks
+# A read that failed while most members take connections is an election under way (the leader
+# went): read again for this long, every ELECTION_RETRY, before counting etcd out of quorum.
+ELECTION_SECONDS = 6.0
+ELECTION_RETRY = 0.3
+MEMBER_CONNECT_TIMEOUT = 0.5
 # Sandboxes this gateway created, known from the create's answer until the node's entry arrives.
 MAX_HINTS = 100_000
 HINT_SECONDS = 60.0
