@@ -30,6 +30,10 @@ API_KEY = "e2b_" + "0" * 40
 # no root, no isolation: aenv/runtime/fake.py); AENV_DRIVER reaches them through the environment.
 FAKE_RUNTIME = os.environ.get("AENV_DRIVER") == "fake"
 DATA_DIR = Path(os.environ.get("AENV_TEST_DATA_DIR", "/var/tmp/aenv-test") + ("-fake" if FAKE_RUNTIME else ""))
+# The session server's snapshot repository: its own, or (AENV_TEST_REPO, tests/parallel.py) the one
+# another pytest process's server shares with it, where `base` is already committed.
+SHARED_REPO = os.environ.get("AENV_TEST_REPO")
+REPO_DIR = Path(SHARED_REPO) if SHARED_REPO else DATA_DIR / "repo"
 SLOW_CLIENT_DEADLINES = {"AENV_HTTP_HEAD_TIMEOUT": "8", "AENV_HTTP_BODY_TIMEOUT": "10"}
 BASE_BUILD_TIMEOUT = 900
 
@@ -44,14 +48,25 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _port_range() -> tuple[int, int]:
+    """Below the kernel's ephemeral range; with AENV_TEST_PORTS=i/n (n pytest processes at once,
+    tests/parallel.py) the i-th of n slices, so two processes never pick the same port."""
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    index, _, count = os.environ.get("AENV_TEST_PORTS", "0/1").partition("/")
+    i, n = int(index), max(1, int(count or 1))
+    span = (high - low) // n
+    return low + i * span, low + (i + 1) * span
+
+
 def free_port() -> int:
     """A loopback port for a test's server: below the kernel's ephemeral range, so no outgoing
     connection takes it before the server binds it (one did: an etcd member failed 'address
     already in use' in a CI run), never handed out twice in a run, and free when checked."""
-    low = _ephemeral_low()
+    low, high = _port_range()
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
+        port = rng.randrange(low, high)
         if port in _GIVEN_PORTS:
             continue
         with socket.socket() as s:
@@ -79,6 +94,11 @@ class Server:
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"X-API-Key": API_KEY}, timeout=120)
+
+    @property
+    def repo_dir(self) -> Path:
+        """Its snapshot repository (a directory: the tests' servers use no other kind here)."""
+        return Path((self.extra_env or {}).get("AENV_REPO") or self.data_dir / "repo")
 
     def restart(self, sig: int = signal.SIGTERM) -> None:
         """Stop the server (SIGTERM: graceful; SIGKILL: a crash) and start it again in place."""
@@ -210,9 +230,26 @@ def server() -> Iterator[Server]:
         if os.environ.get("CI"):
             pytest.fail("CI must run the sandbox tests: need root, runsc and debootstrap")
         pytest.skip("needs root, runsc and debootstrap (the CI machine has them)")
-    srv = start_server(DATA_DIR)
+    # A repository shared with another process's server: that one collects its garbage.
+    shared = {"AENV_REPO": str(REPO_DIR), "AENV_REPO_GC_INTERVAL": "0"} if SHARED_REPO else None
+    srv = start_server(DATA_DIR, extra_env=shared)
     yield srv
     srv.stop()
+
+
+def prepare_base(data_dir: Path = DATA_DIR, timeout: float = BASE_BUILD_TIMEOUT) -> None:
+    """A server on ``data_dir`` until `base` is built and committed to its repository (where
+    other servers, and another pytest process's, fetch it from), then stopped."""
+    srv = start_server(data_dir, timeout=timeout)
+    try:
+        deadline = time.monotonic() + timeout
+        with srv.client() as api:
+            while not api.get("/templates/base").json().get("committed"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("`base` was not committed to the repository in time")
+                time.sleep(1)
+    finally:
+        srv.stop()
 
 
 @pytest.fixture()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests import disk
-from tests.conftest import DATA_DIR, Server, free_port, start_server
+from tests.conftest import DATA_DIR, REPO_DIR, Server, free_port, start_server
 
 KEPT = ("node-a", "node-b")  # the nodes of most cluster tests: their data dirs last the session
 
@@ -25,7 +25,7 @@ def start_node(etcd_url: str, name: str, *, lease_ttl: int = 3, extra_env: dict[
         "AENV_NODE_ID": name,
         "AENV_ADVERTISE": f"http://127.0.0.1:{port}",
         "AENV_CLUSTER_LEASE_TTL": str(lease_ttl),
-        "AENV_REPO": str(DATA_DIR / "repo"),
+        "AENV_REPO": str(REPO_DIR),
         "AENV_SPARE_UPPERS": "1",  # two cores shared by every node of the test
         "AENV_REPO_GC_INTERVAL": "0",  # the repository is the session server's too
         **(extra_env or {}),

@@ -27,7 +27,7 @@ from tests.cluster.domain import (
 )
 from tests.cluster.etcd import EtcdCluster
 from tests.cluster.nodes import node_data_dir, start_node
-from tests.conftest import API_KEY, DATA_DIR, Server, start_server
+from tests.conftest import API_KEY, REPO_DIR, Server, start_server
 
 pytestmark = pytest.mark.sandbox
 
@@ -110,7 +110,7 @@ def test_a_single_node_in_domain_mode_with_its_own_tls(server: Server, tmp_path:
     address = loopback_address()
     dns = WildcardDNS(address, DOMAIN, address)
     tls = {"AENV_DOMAIN": DOMAIN, "AENV_TLS_CERT": str(certs.cert), "AENV_TLS_KEY": str(certs.key)}
-    env = {"AENV_HOST": address, "AENV_REPO": str(DATA_DIR / "repo"), "AENV_REPO_GC_INTERVAL": "0", **tls}
+    env = {"AENV_HOST": address, "AENV_REPO": str(REPO_DIR), "AENV_REPO_GC_INTERVAL": "0", **tls}
     node = start_server(node_data_dir("node-b"), port=443, extra_env=env, verify=_by_address(certs))
     try:
         extra = {"E2B_DOMAIN": DOMAIN, "E2B_API_KEY": API_KEY, "SSL_CERT_FILE": str(certs.ca)}

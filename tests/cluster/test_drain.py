@@ -28,7 +28,7 @@ from aenv.repo.backends import PosixBackend
 from aenv.repo.repository import Repository
 from tests.cluster.cluster import LEASE_TTL, Cluster, directory_entry, running_cluster, use_gateway, wait_for_nodes
 from tests.cluster.nodes import start_node
-from tests.conftest import API_KEY, DATA_DIR, Server
+from tests.conftest import API_KEY, REPO_DIR, Server
 from tests.durable import COUNTER, count, wait_for
 
 pytestmark = pytest.mark.sandbox
@@ -293,7 +293,7 @@ def test_a_sandbox_killed_while_its_node_was_lost_stays_dead(cluster: Cluster) -
     leaves tombstones: the node restarted with its id kills its copies instead of writing them
     back, and the durable pause is neither shown nor taken over; its state leaves the repository
     even while the node stays away (a live node sweeps it)."""
-    repo = Repository(PosixBackend(DATA_DIR / "repo"))
+    repo = Repository(PosixBackend(REPO_DIR))
     with extra_node(cluster, "node-dead") as node:
         with node.client() as direct:
             made = [direct.post("/sandboxes", json={"templateID": "base", "timeout": 600}) for _ in range(2)]

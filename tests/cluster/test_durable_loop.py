@@ -23,7 +23,7 @@ from aenv.repo.backends import Backend, PosixBackend
 from aenv.repo.repository import ENTRY_DIRS, Repository, artifact_key, object_keys
 from tests.cluster.cluster import LEASE_TTL, Cluster, directory_entry, running_cluster, use_gateway, wait_for_nodes
 from tests.cluster.test_drain import drained
-from tests.conftest import DATA_DIR, Server
+from tests.conftest import REPO_DIR, Server
 from tests.durable import COUNTER, count, wait_for
 from tests.repo.conftest import s3  # noqa: F401 - the session's moto server, a fixture here too
 from tests.repo.s3 import REGION, S3_KEY, S3Endpoint
@@ -74,7 +74,7 @@ def cluster(request: pytest.FixtureRequest, server: Server) -> Iterator[Cluster]
         endpoint: S3Endpoint = request.getfixturevalue("s3")
         bucket = endpoint.new_bucket()
         started = time.monotonic()
-        seed_templates(Repository(PosixBackend(DATA_DIR / "repo")), endpoint.backend(bucket, "loop"))
+        seed_templates(Repository(PosixBackend(REPO_DIR)), endpoint.backend(bucket, "loop"))
         print(f"seeded S3 with the templates in {time.monotonic() - started:.1f}s")
         node_env = {
             "AENV_REPO": f"s3://{bucket}/loop",

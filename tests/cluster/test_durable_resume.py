@@ -19,7 +19,7 @@ from aenv.repo.backends import PosixBackend
 from aenv.repo.repository import Repository
 from tests.cluster.cluster import LEASE_TTL, Cluster, directory_entry, running_cluster, use_gateway, wait_for_nodes
 from tests.cluster.nodes import start_node
-from tests.conftest import DATA_DIR, Server
+from tests.conftest import REPO_DIR, Server
 from tests.durable import COUNTER, count, wait_for
 
 pytestmark = pytest.mark.sandbox
@@ -33,7 +33,7 @@ def cluster(server: Server) -> Iterator[Cluster]:
 
 def test_a_durable_pause_outlives_its_node(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     lost = start_node(cluster.etcd.url, "node-gone", lease_ttl=LEASE_TTL)
-    repo = Repository(PosixBackend(DATA_DIR / "repo"))
+    repo = Repository(PosixBackend(REPO_DIR))
     sandbox_id = ""
     try:
         for gateway in cluster.gateways:

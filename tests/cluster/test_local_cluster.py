@@ -36,7 +36,7 @@ from aenv.cluster.store import ClusterStore, EtcdTls
 from aenv.errors import ClusterUnavailable
 from tests import disk
 from tests.cluster.conftest import require_etcd
-from tests.conftest import DATA_DIR, Server
+from tests.conftest import DATA_DIR, REPO_DIR, Server
 
 pytestmark = pytest.mark.sandbox
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +111,7 @@ def local(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     # is the session server's, where `base` is committed, so no node builds it.
     root.mkdir(exist_ok=True)
     (root / "repo").unlink(missing_ok=True)
-    (root / "repo").symlink_to(DATA_DIR / "repo")
+    (root / "repo").symlink_to(REPO_DIR)
     (root / "api-key").unlink(missing_ok=True)
     base = free_base_port()
     try:

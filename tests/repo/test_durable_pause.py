@@ -39,7 +39,7 @@ def upper_file(repo: Repository, ref: ArtifactRef, path: str, tmp: Path) -> str:
 
 
 def test_a_pause_becomes_durable_and_resumes_on_its_node(e2b_env: Server, api: httpx.Client, tmp_path: Path) -> None:
-    repo = Repository(PosixBackend(e2b_env.data_dir / "repo"))
+    repo = Repository(PosixBackend(e2b_env.repo_dir))
     sbx = Sandbox.create(timeout=300)
     try:
         sbx.commands.run(COUNTER, background=True)
@@ -97,7 +97,7 @@ def test_a_second_pause_of_an_idle_sandbox_uploads_its_changed_pages_in_one_pack
     """Incremental memory: the second durable pause of an idle sandbox shares the pages its first
     image has and uploads the rest as one pack (seen failing before: 2.7 MiB, its image in 1 MiB
     chunks that all changed). A fresh node (the entry's manifests, the packs' ranges) reads it."""
-    repo = Repository(PosixBackend(e2b_env.data_dir / "repo"))
+    repo = Repository(PosixBackend(e2b_env.repo_dir))
     sbx = Sandbox.create(timeout=300)
     try:
         uploads, images = [], []
@@ -127,7 +127,7 @@ def test_a_second_pause_of_an_idle_sandbox_uploads_its_changed_pages_in_one_pack
 def test_a_resume_right_after_the_pause_does_not_wait_for_durability(e2b_env: Server, api: httpx.Client) -> None:
     """Pause and resume in a loop, faster than the commits: every resume works, files persist and
     the repository never keeps the state of a sandbox that runs."""
-    repo = Repository(PosixBackend(e2b_env.data_dir / "repo"))
+    repo = Repository(PosixBackend(e2b_env.repo_dir))
     sbx = Sandbox.create(timeout=300)
     try:
         for i in range(4):
@@ -170,7 +170,7 @@ def test_a_node_without_a_repository_says_its_pause_is_not_durable(no_repo: Serv
 
 
 def test_a_pause_without_memory_says_it_stays_on_the_node(e2b_env: Server, api: httpx.Client) -> None:
-    repo = Repository(PosixBackend(e2b_env.data_dir / "repo"))
+    repo = Repository(PosixBackend(e2b_env.repo_dir))
     sbx = Sandbox.create(timeout=120)
     try:
         r = api.post(f"/sandboxes/{sbx.sandbox_id}/pause", json={"memory": False})
@@ -190,7 +190,7 @@ def test_a_resume_at_any_point_of_the_commit_keeps_everything(e2b_env: Server, a
     commit waiting for the instance's teardown, uploading, done): a waiting commit is abandoned,
     an upload is waited for, and the sandbox's files and processes are as they were each time;
     the repository does not keep the state of a running sandbox."""
-    repo = Repository(PosixBackend(e2b_env.data_dir / "repo"))
+    repo = Repository(PosixBackend(e2b_env.repo_dir))
     sbx = Sandbox.create(timeout=300)
     try:
         sbx.commands.run(COUNTER, background=True)

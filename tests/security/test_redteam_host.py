@@ -613,7 +613,7 @@ def test_ill_typed_repository_records_are_not_imported(api: httpx.Client, server
     """Records are imported by field names, not types: one whose aliases were a number made every
     template lookup (every create, every build FROM a template) a 500 on every node sharing the
     repository, and one with odd types broke the template listing."""
-    repo = Repository(PosixBackend(server.data_dir / "repo"))
+    repo = Repository(PosixBackend(server.repo_dir))
     base = base_entry(api, repo)
     names = [put_entry(repo, base, **fields) for fields in ILL_TYPED]
     after_a_while()

@@ -623,7 +623,7 @@ def test_repository_records_naming_paths_are_never_imported(api: httpx.Client, s
     (its files readable inside). Such records, and malformed ones, are not imported, and the node
     goes on learning good ones."""
     secret = (canary / "secret").read_text()
-    repo = Repository(PosixBackend(server.data_dir / "repo"))
+    repo = Repository(PosixBackend(server.repo_dir))
     base = base_entry(api, repo)
     layers = base["record"]["layers"]
     fs = server.data_dir / "fs"
@@ -669,7 +669,7 @@ def test_a_hostile_layer_from_the_repository_stays_in_its_directory(
     kernel attribute and a set-uid file (fetched and booted: no device on the host, the attribute
     dropped, the rest as a sandbox expects)."""
     secret = (canary / "secret").read_text()
-    repo = Repository(PosixBackend(server.data_dir / "repo"))
+    repo = Repository(PosixBackend(server.repo_dir))
     base = base_entry(api, repo)
     layers_dir = server.data_dir / "fs" / "layers"
     escaping = [part for case in escapes(canary) for part in case]
@@ -727,7 +727,7 @@ def test_a_snapshot_with_fifos_links_and_devices_commits_without_reading_the_hos
     assert time.monotonic() - started < 120
     snap = r.json()["snapshotID"]
     try:
-        repo = Repository(PosixBackend(server.data_dir / "repo"))
+        repo = Repository(PosixBackend(server.repo_dir))
         found = repo.get_entry("snapshot", snap)
         assert found is not None
         base = base_entry(api, repo)

@@ -1,0 +1,109 @@
+"""The runsc suite as two pytest processes at once: `./scripts/test --parallel [pytest args]`.
+
+Most of the suite's time is spent waiting (sandboxes booting, etcd elections, leases running out,
+deliberate outages), about half of one CPU: a second process on another half of the suite nearly
+halves the wall time on two cores. Each half has its own session server and data dir, its own
+slice of loopback ports (AENV_TEST_PORTS) and its own pytest temp dir; they share one snapshot
+repository, the first half's, where `base` is committed before either starts (so it is built
+once). The tests that look at the whole host (processes, mounts, loop devices) look under their
+own paths only, so a half never sees the other's.
+
+The second half's output goes to a file and is printed when both are done; the exit status is the
+first failing half's. Arguments naming tests (paths, node ids) run one pytest as usual.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.conftest import DATA_DIR, prepare_base
+
+# About half of the runsc tier's time (CI's JUnit times): cluster 17 min, images 4, the rest 2.
+SECOND_HALF = ("tests/cluster", "tests/images", "tests/teams", "tests/sdk", "tests/integrations")
+NOTHING_COLLECTED = 5  # pytest's exit status
+STOP_GRACE = 120  # seconds a half has to tear down its servers after an interrupt
+
+
+def names_tests(args: list[str]) -> bool:
+    return any(not a.startswith("-") and (a.startswith("tests") or "::" in a or a.endswith(".py")) for a in args)
+
+
+def with_junit(args: list[str], suffix: str) -> list[str]:
+    """``args`` with any ``--junitxml=PATH`` report renamed ``PATH-<suffix>.xml``."""
+    out = []
+    for a in args:
+        if a.startswith("--junitxml=") and suffix:
+            path = a.removeprefix("--junitxml=")
+            stem = path.removesuffix(".xml")
+            a = f"--junitxml={stem}-{suffix}.xml"
+        out.append(a)
+    return out
+
+
+def pytest(args: list[str], env: dict[str, str], **kwargs: object) -> subprocess.Popen[bytes]:
+    temp = tempfile.mkdtemp(prefix="aenv-pytest-")
+    return subprocess.Popen([sys.executable, "-m", "pytest", f"--basetemp={temp}", *args], env=env, **kwargs)  # type: ignore[call-overload]
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # pytest tears its fixtures down: servers, etcd, sandboxes
+        try:
+            proc.wait(STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main(args: list[str]) -> int:
+    if names_tests(args):
+        return subprocess.call([sys.executable, "-m", "pytest", *args])
+    try:
+        prepare_base(DATA_DIR)
+    except RuntimeError as exc:
+        print(f"`base` is not ready ({exc}); running the suite in one process", flush=True)
+        return subprocess.call([sys.executable, "-m", "pytest", *args])
+    second_dir = Path(f"{DATA_DIR}-b")
+    log = Path(f"{second_dir}-pytest.log")
+    env_first = {**os.environ, "AENV_TEST_PORTS": "0/2"}
+    env_second = {
+        **os.environ,
+        "AENV_TEST_PORTS": "1/2",
+        "AENV_TEST_DATA_DIR": str(second_dir),
+        "AENV_TEST_REPO": str(DATA_DIR / "repo"),
+    }
+    ignore = [f"--ignore={d}" for d in SECOND_HALF]
+    print(f"second half ({', '.join(SECOND_HALF)}) in another process; its output: {log}", flush=True)
+    with open(log, "wb") as out:
+        second = pytest([*with_junit(args, "b"), *SECOND_HALF], env_second, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            first = pytest([*args, *ignore], env_first)
+            try:
+                first_rc = first.wait()
+            finally:
+                stop(first)
+            second_rc = second.wait()
+        finally:
+            stop(second)
+    print(f"\n===== second half: {' '.join(SECOND_HALF)} =====", flush=True)
+    sys.stdout.write(log.read_text(errors="replace"))
+    print(f"\nfirst half: exit {first_rc}; second half: exit {second_rc}", flush=True)
+    return ran(first_rc) or ran(second_rc)
+
+
+def ran(rc: int) -> int:
+    return 0 if rc == NOTHING_COLLECTED else rc  # a half the -m expression left empty did no harm
+
+
+def interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # the halves are stopped (and their servers torn down) on the way out
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, interrupted)
+    sys.exit(main(sys.argv[1:]))
