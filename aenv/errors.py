@@ -253,7 +253,7 @@ def snippet(text: str, limit: int = 120) -> str:
 def lookup(cls: type[BaseException]) -> tuple[int, str]:
     for klass in cls.__mro__:
         if klass in ERROR_TABLE:
-            return ERROR_TABLE[klass]  # type: ignore[index]
+            return ERROR_TABLE[klass]
     return ERROR_TABLE[AenvError]
 
 

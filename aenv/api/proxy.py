@@ -17,7 +17,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Send
 from websockets.client import ClientProtocol
-from websockets.frames import EXTERNAL_CLOSE_CODES, Opcode
+from websockets.frames import EXTERNAL_CLOSE_CODES, Frame, Opcode
+from websockets.http11 import Response as Handshake
 from websockets.protocol import State
 from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
@@ -271,9 +272,9 @@ async def proxy_websocket(scope: Any, receive: Any, send: Any, node: NodeService
     if (await receive())["type"] != "websocket.connect":
         return
     rec = _record(node, sandbox_id)
-    refusal = traffic_refusal(node, rec, scope["headers"])
-    if refusal is not None:
-        await refuse_websocket(scope, send, refusal)
+    denied = traffic_refusal(node, rec, scope["headers"])
+    if denied is not None:
+        await refuse_websocket(scope, send, denied)
         return
     tunnel = await open_tunnel(node, sandbox_id, port)
     if isinstance(tunnel, Response):
@@ -294,7 +295,7 @@ async def proxy_websocket(scope: Any, receive: Any, send: Any, node: NodeService
             handshake.headers[name] = value.decode("latin-1")
     # In place of the protocol object's own Host (127.0.0.1:<port>): the client's, as an HTTP
     # request's is passed on, or the sandbox's mask of it
-    hosts = dict((k, v) for k, v in scope["headers"] if k in (b"host", CLIENT_HOST_HEADER.encode()))
+    hosts: dict[bytes, bytes] = {k: v for k, v in scope["headers"] if k in (b"host", CLIENT_HOST_HEADER.encode())}
     original = hosts.get(CLIENT_HOST_HEADER.encode(), hosts.get(b"host", b""))
     if mask is not None or original:
         del handshake.headers["Host"]
@@ -354,13 +355,14 @@ async def _feed(upstream: ClientProtocol, tunnel: Stream) -> Item:
     return item
 
 
-async def _upstream_handshake(upstream: ClientProtocol, tunnel: Stream) -> Any:
+async def _upstream_handshake(upstream: ClientProtocol, tunnel: Stream) -> Handshake | None:
     """The port's handshake response, or None if it closed without one."""
     while True:
         item = await _feed(upstream, tunnel)
         events = upstream.events_received()
         if events:
-            return events[0]
+            # a client's parser makes the response its first event
+            return events[0] if isinstance(events[0], Handshake) else None
         if item.kind != DATA:
             return None
 
@@ -437,11 +439,14 @@ class _Bridge:
 
     async def _port_to_client(self) -> None:
         upstream = self.upstream
-        parts: list[bytes] = []  # bounded: the protocol object refuses a message past its max_size
+        # bounded: the protocol object refuses a message past its max_size
+        parts: list[bytes | bytearray | memoryview] = []
         text = False
         while True:
             item = await _feed(upstream, self.tunnel)
             for frame in upstream.events_received():
+                if not isinstance(frame, Frame):
+                    continue  # after the handshake a client receives only frames
                 if frame.opcode is Opcode.CLOSE:
                     close = upstream.close_rcvd
                     await self.close_client(*((close.code, close.reason) if close else (1000, "")))

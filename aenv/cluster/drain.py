@@ -25,7 +25,7 @@ import json
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -34,6 +34,7 @@ import httpx
 import uvicorn
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aenv.cluster.nodes import node_json
 from aenv.cluster.placement import Placement
@@ -53,10 +54,6 @@ MOVE_TARGETS = 3  # nodes a move tries
 MOVE_TIMEOUT = 120.0  # seconds a target has to fetch and resume one sandbox
 MAX_ERRORS = 20  # errors a progress report keeps (the newest)
 BUSY = (SandboxState.RUNNING,)
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 
 
 @dataclass
@@ -232,9 +229,7 @@ def serving_drain(app: ASGIApp, agent: NodeAgent, api_key: str) -> ASGIApp:
     starting or joining the node's drain and streaming its progress, and ``POST /cluster/undrain``
     (no body) making it take new work again, answered with the node as it is then."""
 
-    async def wrapped(
-        scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
-    ) -> None:
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in (DRAIN_PATH, UNDRAIN_PATH):
             await app(scope, receive, send)
             return

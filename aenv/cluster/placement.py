@@ -56,7 +56,9 @@ class Placement:
     def pending(self, node: NodeEntry) -> int:
         """Creates on ``node`` that its entry does not show yet."""
         now = time.monotonic()
-        recent = [(e, t) for e, t in self.answered.get(node.node_id, []) if e is node and now - t < ANSWERED_MEMORY]
+        recent: list[tuple[NodeEntry | None, float]] = [
+            (e, t) for e, t in self.answered.get(node.node_id, []) if e is node and now - t < ANSWERED_MEMORY
+        ]
         if recent:
             self.answered[node.node_id] = recent
         else:

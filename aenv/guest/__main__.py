@@ -14,4 +14,4 @@ sys.modules.setdefault("ssl", None)  # type: ignore[arg-type]
 
 from aenv.guest.agent import main  # noqa: E402
 
-sys.exit(main())
+main()

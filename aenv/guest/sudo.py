@@ -263,9 +263,8 @@ def plan(req: Request, base_env: Callable[[User], dict[str, str]]) -> Plan:
 
 def _command_path(cmd: str, cwd: str, path: str) -> str:
     if "/" in cmd:
-        found: str | None = cmd if cmd.startswith("/") else os.path.join(cwd, cmd)
-        if not (os.path.isfile(found) and os.access(found, os.X_OK)):
-            found = None
+        given = cmd if cmd.startswith("/") else os.path.join(cwd, cmd)
+        found = given if os.path.isfile(given) and os.access(given, os.X_OK) else None
     else:
         found = _which(cmd, path)
     if found is None:

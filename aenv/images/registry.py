@@ -285,7 +285,7 @@ class RegistryClient:
         kind, body, digest = await self._manifest(ref, ref.reference)
         if kind in INDEXES:
             entries = [m for m in body.get("manifests") or [] if isinstance(m, dict)]
-            platforms = [m.get("platform") if isinstance(m.get("platform"), dict) else {} for m in entries]
+            platforms: list[dict[str, Any]] = [p if isinstance(p := m.get("platform"), dict) else {} for m in entries]
             pairs = zip(entries, platforms, strict=True)
             chosen = [m for m, p in pairs if (p.get("os"), p.get("architecture")) == (want_os, want_arch)]
             if not chosen:

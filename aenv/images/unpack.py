@@ -27,7 +27,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import zstandard
 
@@ -120,9 +120,10 @@ def decompressed(raw: IO[bytes]) -> IO[bytes]:
             head += more
         raw = io.BufferedReader(_Prefixed(head, raw), buffer_size=1 << 20)
     if head.startswith(GZIP_MAGIC):
-        return gzip.GzipFile(fileobj=raw, mode="rb")
+        # a file object like BZ2File, which typeshed declares an IO[bytes] but not GzipFile
+        return cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))
     if head.startswith(ZSTD_MAGIC):
-        return zstandard.ZstdDecompressor().stream_reader(raw)  # type: ignore[return-value]
+        return zstandard.ZstdDecompressor().stream_reader(raw)
     if BZIP2_MAGIC.match(head):
         return bz2.BZ2File(raw)
     if head.startswith(XZ_MAGIC):
@@ -132,7 +133,7 @@ def decompressed(raw: IO[bytes]) -> IO[bytes]:
         reader = _compression.DecompressReader(
             raw, lzma.LZMADecompressor, trailing_error=lzma.LZMAError, memlimit=XZ_MEMORY
         )
-        return io.BufferedReader(reader)  # type: ignore[arg-type]
+        return io.BufferedReader(reader)
     return raw
 
 
@@ -175,7 +176,7 @@ class TarStream:
                     return
                 tar.members.clear()
                 if "\0" in member.name or "\0" in member.linkname:  # a pax header can say so; no file can
-                    raise tarfile.InvalidHeaderError(f"entry {member.name!r} has a NUL byte in its name or link")
+                    raise tarfile.HeaderError(f"entry {member.name!r} has a NUL byte in its name or link")
                 yield tar, member
 
 

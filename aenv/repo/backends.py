@@ -12,7 +12,7 @@ import os
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -84,7 +84,7 @@ class Backend(Protocol):
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]: ...
 
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: Sequence[str]) -> None:
         """Remove objects; keys that are already gone are not an error."""
         ...
 
@@ -275,7 +275,7 @@ class PosixBackend:
                     continue
                 yield ObjectInfo(os.path.relpath(path, self.root), st.st_size, st.st_mtime)
 
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: Sequence[str]) -> None:
         for key in keys:
             try:
                 self._path(key).unlink()
@@ -428,7 +428,7 @@ class S3Backend:
                 return
             token = page.get("NextContinuationToken")
 
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: Sequence[str]) -> None:
         for i in range(0, len(keys), 1000):  # the API's batch limit
             batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
             out = self._call("delete", self._s3.delete_objects, Delete={"Objects": batch, "Quiet": True})

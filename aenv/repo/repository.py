@@ -389,7 +389,8 @@ class Repository:
         lock's time in the same listing: the store's clock, so node clocks do not matter."""
         infos = list(self.backend.list("locks/"))
         now = next((i.modified for i in infos if i.key == own), time.time())
-        live, stale = [], []
+        live: list[str] = []
+        stale: list[str] = []
         for info in infos:
             if info.key != own:
                 (stale if now - info.modified > LOCK_STALE_S else live).append(info.key)

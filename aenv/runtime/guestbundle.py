@@ -168,8 +168,8 @@ def ensure_bundle(cache_dir: Path, *, statx_shim: bool = True) -> Path:
     # child never enters the dynamic linker.
     _compile(SPAWN_SOURCE, tmp / "compat" / "libaenv_spawn.so", "-shared", "-fPIC", "-Wl,-z,now")
     # sudo runs in any image on the bundle's own loader and glibc (dynamically: see aenv_sudo.c).
-    loader = f"-Wl,--dynamic-linker={GUEST_MOUNT}/lib/{loader_name()}"
-    _compile(SUDO_SOURCE, tmp / "bin" / "sudo", loader, f"-Wl,-rpath,{GUEST_MOUNT}/lib")
+    linker = f"-Wl,--dynamic-linker={GUEST_MOUNT}/lib/{loader_name()}"
+    _compile(SUDO_SOURCE, tmp / "bin" / "sudo", linker, f"-Wl,-rpath,{GUEST_MOUNT}/lib")
     # Precompile so every sandbox starts without writing bytecode.
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(tmp / "pkg")], check=False)
     (tmp / ".complete").write_text(key)

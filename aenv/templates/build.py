@@ -103,9 +103,11 @@ async def build(
                     node.artifacts.pin(pinned)
                 continue
             before = list(state.layers)
-            cached = await _step(
-                node, state, instr, context, build_args, cache, log, lambda hit, w=where: log(_say(w, hit))
-            )
+
+            def announce(hit: bool, w: str = where) -> None:
+                log(_say(w, hit))
+
+            cached = await _step(node, state, instr, context, build_args, cache, log, announce)
             if not cached:
                 await node.store.set_meta(CACHE_KEY, json.dumps(cache))
             for layer_id in state.layers[len(before) :]:

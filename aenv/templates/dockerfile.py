@@ -115,7 +115,7 @@ def env_pairs(instr: Instruction, env: dict[str, str]) -> dict[str, str]:
     if words and "=" not in words[0]:
         name, _, value = text.strip().partition(" ")
         return {name: substitute(value.strip(), env)}
-    out = {}
+    out: dict[str, str] = {}
     for word in words:
         name, eq, value = word.partition("=")
         if not eq:
