@@ -28,7 +28,7 @@ from aenv.cluster.gateway.owners import Owners
 from aenv.cluster.gateway.relay import ROUTE_SCOPE, Relay, error_response
 from aenv.cluster.gateway.routes import ADMIN, OPEN, find, table
 from aenv.cluster.gateway.sandboxes import SandboxRoutes
-from aenv.cluster.gateway.settings import STARTUP_WAIT, GatewaySettings
+from aenv.cluster.gateway.settings import STARTUP_DEADLINE, STARTUP_WAIT, GatewaySettings
 from aenv.cluster.gateway.takeover import TakeOvers
 from aenv.cluster.gateway.traffic import SandboxTraffic
 from aenv.cluster.gateway.upstream import Upstream
@@ -124,15 +124,23 @@ class Gateway:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    await self.mirror.start(wait=STARTUP_WAIT)
-                    await self.teams.start()
-                    await self.directory.cluster_config()
-                except ClusterUnavailable as exc:
+                    # One deadline for all of it: each read is bounded, but on a saturated host
+                    # their sum held a gateway at "waiting for application startup" for 90 s.
+                    async with asyncio.timeout(STARTUP_DEADLINE):
+                        await self.mirror.start(wait=STARTUP_WAIT)
+                        await self.teams.start()
+                        await self.directory.cluster_config()
+                except (ClusterUnavailable, TimeoutError) as exc:
+                    why = (
+                        exc.message
+                        if isinstance(exc, ClusterUnavailable)
+                        else f"the cluster store was not read within {STARTUP_DEADLINE:g} s"
+                    )
                     if self.wrong_key.is_set():
                         await self._close()  # an open watch and channel would hold the exit up
-                        await send({"type": "lifespan.startup.failed", "message": exc.message})
+                        await send({"type": "lifespan.startup.failed", "message": why})
                         return
-                    log.warning("%s; serving once it can be read", exc.message)
+                    log.warning("%s; serving once it can be read", why)
                 if self.config is None:  # etcd slow, or no node has joined yet: checked once it can be
                     self._config_check = asyncio.ensure_future(self._check_config())
                 await send({"type": "lifespan.startup.complete"})
