@@ -42,8 +42,8 @@ def test_one_exception_root_in_the_package() -> None:
     assert sorted(roots) == sorted(
         [
             "errors.py:AenvError",
-            "__init__.py:StreamError",
-            "__init__.py:ProtocolViolation",
+            "frames.py:StreamError",
+            "frames.py:ProtocolViolation",
             "files.py:FileError",
             "processes.py:ProcessError",
             "egress.py:Refusal",
