@@ -79,7 +79,7 @@ def node_imports(path: Path) -> list[str]:
 
 def test_no_private_member_of_a_node_is_reached_from_outside() -> None:
     private = node_private_names()
-    assert {"_set_state", "_operate", "_stop_instance"} <= private  # the scan sees the node's insides
+    assert {"_kill", "_within_deadline", "_teardown_later"} <= private  # the scan sees the node's insides
     found = [reach for path in outside_node() for reach in private_reaches(path, private)]
     assert found == []
 

@@ -67,8 +67,9 @@ class AgentLink:
 
     async def _await(self, fut: asyncio.Future[dict[str, Any]], what: str, timeout: float) -> dict[str, Any]:
         closed = asyncio.ensure_future(self.channel.closed.wait())
+        waiting: set[asyncio.Future[Any]] = {fut, closed}
         try:
-            done, _ = await asyncio.wait({fut, closed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             closed.cancel()
         if fut in done:

@@ -21,10 +21,10 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from aenv.errors import AenvError, ArtifactDamaged
 from aenv.node import metrics
@@ -36,8 +36,12 @@ from aenv.storage.layers import new_id
 from aenv.storage.space import headroom
 
 if TYPE_CHECKING:
-    from aenv.node.orchestrator import Node
+    from aenv.config import Settings
+    from aenv.node.catalogue import Catalogue
     from aenv.node.sandbox import LiveSandbox
+    from aenv.node.store import Store
+    from aenv.runtime.base import Driver
+    from aenv.storage.layers import LayerStore
 
 log = logging.getLogger("aenv.repo")
 Entry = TemplateRecord | SnapshotRecord
@@ -51,8 +55,42 @@ def kind_of(rec: Entry | SandboxRecord) -> EntryKind:
     return "template" if isinstance(rec, TemplateRecord) else "snapshot"
 
 
+class ArtifactHost(Protocol):
+    """The node as its artifact cache sees it (``Node`` is one)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def driver(self) -> Driver: ...
+
+    @property
+    def files(self) -> LayerStore: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def catalogue(self) -> Catalogue: ...
+
+    @property
+    def templates(self) -> Mapping[str, TemplateRecord]: ...
+
+    @property
+    def snapshots(self) -> Mapping[str, SnapshotRecord]: ...
+
+    @property
+    def sandboxes(self) -> Mapping[str, LiveSandbox]: ...
+
+    @property
+    def state_listeners(self) -> list[Callable[[LiveSandbox], None]]: ...
+
+    async def settled(self, layers: list[str]) -> None:
+        """Until no instance being torn down still writes one of ``layers``."""
+
+
 class ArtifactCache:
-    def __init__(self, node: Node, repo: Repository | None) -> None:
+    def __init__(self, node: ArtifactHost, repo: Repository | None) -> None:
         self.node = node
         self.repo = repo
         self.pins: Counter[str] = Counter()  # layer and image ids a restore or build is using
@@ -73,6 +111,10 @@ class ArtifactCache:
             await asyncio.wait(tasks, timeout=10)
         if self.repo is not None:
             self.repo.close()
+
+    def _entries(self) -> list[Entry]:
+        """The node's templates and snapshots."""
+        return [*self.node.templates.values(), *self.node.snapshots.values()]
 
     # -- what a record is made of -------------------------------------------------------------------
     def guest_key(self, rec: Entry | SandboxRecord) -> str:
@@ -104,7 +146,7 @@ class ArtifactCache:
         snapshots whose every layer, image and guest is on this node's disk: at most ``limit``
         names of at most ``longest`` characters, after looking at no more than 4 x ``limit``
         records (each costs a few stats)."""
-        records: list[Entry] = [*self.node.templates.values(), *self.node.snapshots.values()]
+        records: list[Entry] = self._entries()
         records.sort(key=lambda r: r.created_at, reverse=True)
         names: list[str] = []
         for rec in records[: 4 * limit]:
@@ -261,7 +303,7 @@ class ArtifactCache:
         """Commit every record not committed yet (after a start, or after a failed commit)."""
         if self.repo is None:
             return
-        for rec in [*self.node.templates.values(), *self.node.snapshots.values()]:
+        for rec in self._entries():
             if rec.committed_at or getattr(rec, "ephemeral", False):
                 continue
             if all(self._is_present(i.kind, i.id) for i in self.items_of(rec)):
@@ -393,7 +435,7 @@ class ArtifactCache:
             return
         await self._import(entries)
         in_repo = {e["id"] for kind in entries for e in entries[kind]}
-        for rec in [*self.node.templates.values(), *self.node.snapshots.values()]:
+        for rec in self._entries():
             if rec.id in in_repo:
                 continue
             kind, name = kind_of(rec), getattr(rec, "name", "") or "-"
@@ -519,7 +561,7 @@ class ArtifactCache:
             self.pins.pop(key, None)
 
     def _owner_of(self, layer_id: str) -> Entry | None:
-        for rec in [*self.node.templates.values(), *self.node.snapshots.values()]:
+        for rec in self._entries():
             if rec.committed_at and layer_id in rec.layers:
                 return rec
         return None
@@ -670,7 +712,7 @@ class ArtifactCache:
         images: set[str] = set()
         needed_layers: set[str] = set()
         needed_images: set[str] = set()
-        for rec in [*self.node.templates.values(), *self.node.snapshots.values()]:
+        for rec in self._entries():
             if rec.committed_at:
                 layers.update(rec.layers)
                 images.add(rec.image)

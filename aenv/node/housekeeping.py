@@ -23,6 +23,7 @@ from aenv.storage.confined import remove_tree
 if TYPE_CHECKING:
     from aenv.node.agentlink import AgentLink
     from aenv.node.orchestrator import Node
+    from aenv.node.store import SandboxRecord, SnapshotRecord, TemplateRecord
 
 log = logging.getLogger("aenv.node")
 BUILD_CACHE = "build-cache"  # node meta written by aenv.templates.build: step key -> layer id
@@ -43,7 +44,7 @@ async def recover(node: Node) -> None:
         if rec.state in (S.PAUSED, S.RESUMING) and kept:
             sb = LiveSandbox(rec)
             if rec.state != S.PAUSED:  # a resume the stop interrupted: its image is still there
-                await node._set_state(sb, S.PAUSED, persist=False)
+                await node.records.set_state(sb, S.PAUSED, persist=False)
             rec.instance_id = ""
             await node.store.put_sandbox(rec)
             node.sandboxes[rec.id] = sb
@@ -121,7 +122,8 @@ async def _gc_files(node: Node, min_age: float) -> None:
     for layer_id in present - referenced_layers(node) - busy - cached_layers(present, build_cache):
         if old(node.files.layers / layer_id):
             await node.files.remove(layer_id)
-    records = [sb.rec for sb in node.sandboxes.values()] + [*node.templates.values(), *node.snapshots.values()]
+    records: list[SandboxRecord | TemplateRecord | SnapshotRecord] = [sb.rec for sb in node.sandboxes.values()]
+    records += [*node.templates.values(), *node.snapshots.values()]
     for image_id in node.files.image_ids() - {r.image for r in records} - busy:
         if old(node.files.image(image_id)):
             node.files.remove_image(image_id)
@@ -163,7 +165,7 @@ def cached_layers(present: set[str], build_cache: dict[str, str]) -> set[str]:
 
 def busy_now(node: Node) -> set[str]:
     """Ids in use this moment: sandboxes' layers, uppers being torn down, and pins."""
-    return sandbox_layers(node) | node._pending_layers | set(node.artifacts.pins)
+    return sandbox_layers(node) | node.instances.pending_layers | set(node.artifacts.pins)
 
 
 def _size(node: Node, item: tuple[str, str]) -> int:
@@ -281,8 +283,8 @@ async def contain_runaways(node: Node) -> None:
         if pids_limit and pids > max(pids_limit * CONTAIN_AT, since):
             node.contained[instance.id] = pids
             task = asyncio.ensure_future(_contain(sb.id, link, pids, pids_limit))
-            node._background.add(task)
-            task.add_done_callback(log_failure(sb.id, node._background))
+            node.background.add(task)
+            task.add_done_callback(log_failure(sb.id, node.background))
 
 
 async def _contain(sandbox_id: str, link: AgentLink, pids: int, limit: int) -> None:
@@ -369,8 +371,8 @@ def expire_due(node: Node, expiring: set[str]) -> float:
                     continue
                 sb.grace_of = sb.rec.end_at
                 task = asyncio.ensure_future(grace.begin(node, sb))
-                node._background.add(task)
-                task.add_done_callback(log_failure(sb.id, node._background))
+                node.background.add(task)
+                task.add_done_callback(log_failure(sb.id, node.background))
             continue
         if sb.rec.auto_pause and (sb.state != S.RUNNING or sb.lock.locked()):
             wait = min(wait, EXPIRY_RECHECK)  # paused once the operation in flight is over
@@ -384,7 +386,11 @@ def expire_due(node: Node, expiring: set[str]) -> float:
         task = asyncio.ensure_future(
             _expire(node, sb.id, pause=sb.rec.auto_pause, keep_memory=sb.rec.auto_pause_memory)
         )
-        node._background.add(task)
-        task.add_done_callback(log_failure(sb.id, node._background))
-        task.add_done_callback(lambda _, sandbox_id=sb.id: expiring.discard(sandbox_id))
+        node.background.add(task)
+        task.add_done_callback(log_failure(sb.id, node.background))
+
+        def expired(_: asyncio.Task[None], sandbox_id: str = sb.id) -> None:
+            expiring.discard(sandbox_id)
+
+        task.add_done_callback(expired)
     return max(wait, 0.0)

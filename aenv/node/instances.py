@@ -1,8 +1,11 @@
 """A sandbox's instance: starting it (restore from a checkpoint image, or a fresh boot), wiring its
 agent, noticing when it dies on its own, checkpointing it, and tearing it down in the background.
 
-The ``Instances`` part of ``Node`` (aenv/node/orchestrator.py); the operations that use it are in
-aenv/node/lifecycle.py.
+``Node`` (aenv/node/orchestrator.py) makes one ``Instances`` and hands it to the operations that
+use it (aenv/node/creation.py, aenv/node/checkpoints.py, aenv/node/runner.py) and to the warm pools.
+It is given the node's runtime, layer store, artifact cache (to pin the layers an instance mounts),
+records (limits and egress rules) and background tasks, and ``died``: what to do with a sandbox
+whose instance stopped on its own (the node kills it).
 """
 
 from __future__ import annotations
@@ -13,13 +16,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aenv.channel import PROTOCOL_VIOLATION, StreamError, Unsendable
+from aenv.config import Settings
 from aenv.errors import CHECKPOINT_REFUSAL, AenvError, CheckpointRefused
 from aenv.node import egress
 from aenv.node.agentlink import AgentLink
+from aenv.node.artifacts import ArtifactCache
+from aenv.node.records import Records
 from aenv.node.sandbox import LiveSandbox, log_failure
 from aenv.node.store import SandboxRecord
-from aenv.runtime.base import Instance, RootfsSpec
-from aenv.storage.layers import new_id
+from aenv.runtime.base import Driver, Instance, RootfsSpec
+from aenv.storage.layers import LayerStore, new_id
 from aenv.storage.space import ensure_space, headroom
 
 log = logging.getLogger("aenv.node")
@@ -27,6 +33,28 @@ DEFAULT_USER = "user"
 
 
 class Instances:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        driver: Driver,
+        files: LayerStore,
+        artifacts: ArtifactCache,
+        records: Records,
+        background: set[asyncio.Task[Any]],
+        died: Callable[[str], Awaitable[None]],
+    ) -> None:
+        self.settings = settings
+        self.driver = driver
+        self.files = files
+        self.artifacts = artifacts
+        self.records = records
+        self.background = background  # the node's: a stopping node cancels and awaits them
+        self.died = died
+        self.pending_layers: set[str] = set()  # uppers of instances still being torn down
+        self._teardowns: set[asyncio.Task[None]] = set()
+        self._teardown_of: dict[str, asyncio.Task[None]] = {}  # upper id -> its instance's teardown
+
     async def settle(self, timeout: float = 60) -> None:
         """Wait for background teardowns of old instances to finish."""
         if self._teardowns:
@@ -39,7 +67,7 @@ class Instances:
         if tasks:
             await asyncio.wait(tasks)
 
-    def _agent_config(self, rec: SandboxRecord) -> dict[str, Any]:
+    def agent_config(self, rec: SandboxRecord) -> dict[str, Any]:
         env = dict(rec.env_vars)
         env.update({"E2B_SANDBOX": "true", "E2B_SANDBOX_ID": rec.id, "E2B_TEMPLATE_ID": rec.template_id})
         env.update({"AENV_SANDBOX_ID": rec.id})
@@ -47,7 +75,7 @@ class Instances:
             "env": env,
             "user": rec.user or DEFAULT_USER,
             "workdir": rec.workdir or None,
-            "nproc": self.limits_of(rec).nproc,
+            "nproc": self.records.limits_of(rec).nproc,
         }
         if not self.driver.restore_leaves_garbage:
             config["hold_heap"] = True  # nothing to give back: the agent's churn would only add
@@ -58,7 +86,7 @@ class Instances:
         disks = tuple(files.disk(x) for x in layers)
         return RootfsSpec(tuple(files.layer(x) for x in layers), files.upper(upper), guest, disks, files.disk(upper))
 
-    async def _restore_into(
+    async def restore_into(
         self, sb: LiveSandbox, *, image: str, layers: list[str], upper: str, fresh: bool, hold_heap: bool = False
     ) -> None:
         """Start an instance of ``sb`` from a checkpoint image and wire up its agent (``hold_heap``:
@@ -67,12 +95,12 @@ class Instances:
         instance = await self.driver.restore(
             instance_id=instance_id,
             rootfs=self.rootfs(layers, upper, sb.rec.guest),
-            limits=self.limits_of(sb.rec),
+            limits=self.records.limits_of(sb.rec),
             image_dir=self.files.image(image),
         )
         link = sb.link if (sb.link is not None and not fresh) else self._new_link(sb)
         try:
-            config = {**self._agent_config(sb.rec), **({"hold_heap": True} if hold_heap else {})}
+            config = {**self.agent_config(sb.rec), **({"hold_heap": True} if hold_heap else {})}
             await link.restored(instance, fresh=fresh, config=config)
         except BaseException:
             await self.driver.kill(instance)
@@ -80,9 +108,9 @@ class Instances:
         sb.instance, sb.link = instance, link
         sb.rec.instance_id = instance_id
         if link.watcher is None:
-            link.watcher = asyncio.ensure_future(self._watch(sb, link))
+            link.watcher = asyncio.ensure_future(self.watch(sb, link))
 
-    async def _boot_into(self, sb: LiveSandbox) -> None:
+    async def boot_into(self, sb: LiveSandbox) -> None:
         """Boot a fresh instance of ``sb`` on its layers and upper (a resume after a pause that kept
         no memory): a new agent from the current bundle, the sandbox's settings, and the template's
         start command started again, as in every sandbox made from the template."""
@@ -90,12 +118,12 @@ class Instances:
         instance = await self.driver.boot(
             instance_id=instance_id,
             rootfs=self.rootfs(sb.rec.layers, sb.rec.upper, guest),
-            limits=self.limits_of(sb.rec),
+            limits=self.records.limits_of(sb.rec),
         )
         link = self._new_link(sb)
         try:
             await link.booted(instance)
-            await link.call("sys.configure", self._agent_config(sb.rec))
+            await link.call("sys.configure", self.agent_config(sb.rec))
             await self._start_again(sb, link)
         except BaseException:
             link.close("the sandbox could not boot")
@@ -103,7 +131,7 @@ class Instances:
             raise
         sb.instance, sb.link = instance, link
         sb.rec.instance_id, sb.rec.guest = instance_id, guest
-        link.watcher = asyncio.ensure_future(self._watch(sb, link))
+        link.watcher = asyncio.ensure_future(self.watch(sb, link))
 
     async def _start_again(self, sb: LiveSandbox, link: AgentLink) -> None:
         """The template's start command, in a sandbox that booted fresh. Its record may come from a
@@ -122,10 +150,10 @@ class Instances:
             log.warning("sandbox %s: the start command did not start again: %s", sb.id, failure[:200])
 
     def _new_link(self, sb: LiveSandbox) -> AgentLink:
-        sb.egress = egress.Guest(sb.id, lambda: self.policy_of(sb.id))
+        sb.egress = egress.Guest(sb.id, lambda: self.records.policy_of(sb.id))
         return AgentLink(sb.id, serve=sb.egress, call_timeout=self.settings.agent_timeout, wake=self.driver.wake)
 
-    async def _watch(self, sb: LiveSandbox, link: AgentLink) -> None:
+    async def watch(self, sb: LiveSandbox, link: AgentLink) -> None:
         """Notice a sandbox that died on its own (e.g. its memory limit was hit) or broke the channel
         protocol (root in it can write to the agent's pipe) and remove it."""
         while True:
@@ -147,12 +175,12 @@ class Instances:
                 reason = "exited"
             log.warning("sandbox %s stopped on its own (%s); removing it", sb.id, reason)
             try:
-                await self.kill(sb.id)
+                await self.died(sb.id)
             except AenvError:
                 pass
             return
 
-    def _stop_instance(
+    def stop_instance(
         self,
         sb: LiveSandbox,
         reason: str,
@@ -179,14 +207,14 @@ class Instances:
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(log_failure("background", self._background))
+        self.background.add(task)
+        task.add_done_callback(log_failure("background", self.background))
 
     def _teardown_later(
         self, instance: Instance, then: Callable[[], Awaitable[None]] | None, *, lowers: list[str]
     ) -> None:
         layer = instance.rootfs.upper.name
-        self._pending_layers.add(layer)
+        self.pending_layers.add(layer)
         self.artifacts.pin(lowers)  # its overlay is mounted until the teardown: not evictable
 
         async def teardown() -> None:
@@ -196,7 +224,7 @@ class Instances:
                     await then()
             finally:
                 self.artifacts.unpin(lowers)
-                self._pending_layers.discard(layer)
+                self.pending_layers.discard(layer)
                 self._teardowns.discard(task)
                 if self._teardown_of.get(layer) is task:
                     del self._teardown_of[layer]
@@ -204,10 +232,10 @@ class Instances:
         task = asyncio.ensure_future(teardown())
         self._teardowns.add(task)
         self._teardown_of[layer] = task
-        self._background.add(task)
-        task.add_done_callback(log_failure(instance.id, self._background))
+        self.background.add(task)
+        task.add_done_callback(log_failure(instance.id, self.background))
 
-    async def _checkpoint_stopped(self, sb: LiveSandbox) -> str:
+    async def checkpoint_stopped(self, sb: LiveSandbox) -> str:
         """Freeze the agent, checkpoint and stop the instance; return the image id.
 
         On failure the sandbox is left running and answering, never frozen."""
@@ -224,7 +252,7 @@ class Instances:
             raise  # the checkpoint's own error: it says what went wrong
         return image
 
-    async def _checkpoint_running(self, sb: LiveSandbox) -> tuple[str, str | None]:
+    async def checkpoint_running(self, sb: LiveSandbox) -> tuple[str, str | None]:
         """Freeze the agent, checkpoint the instance leaving it running, copy its upper while it is
         stopped, thaw the agent on the same pipe; return (image id, the copy's layer id, None when
         the upper is empty). Its open streams never notice. On failure the sandbox is left running
@@ -267,7 +295,7 @@ class Instances:
             if not saved:
                 await self._unfreeze_after_failure(sb)
             elif not thawed and isinstance(exc, AenvError):  # saved, but its agent did not come back
-                self._stop_instance(sb, "the sandbox's agent did not come back from a checkpoint")
+                self.stop_instance(sb, "the sandbox's agent did not come back from a checkpoint")
             raise
         return image, copy
 
@@ -281,7 +309,7 @@ class Instances:
             await sb.link.unfreeze()
         except AenvError:
             log.error("sandbox %s died in a failed checkpoint", sb.id)
-            self._stop_instance(sb, "the sandbox died during a failed checkpoint")
+            self.stop_instance(sb, "the sandbox died during a failed checkpoint")
 
     async def _refuse_unsaveable(self, sb: LiveSandbox) -> None:
         """Refuse up front what the runtime could not save: a failed save would kill the instance."""
@@ -297,7 +325,7 @@ class Instances:
             message = f"{CHECKPOINT_REFUSAL}: {who}; the sandbox keeps running"
             raise CheckpointRefused(message, sandbox_id=sb.id)
 
-    async def _halt(self, sb: LiveSandbox) -> str:
+    async def halt(self, sb: LiveSandbox) -> str:
         """Ready the instance to be stopped keeping only its file system: the agent ends every other
         process, saves what it keeps on disk and syncs, then writes nothing. If the agent does not
         answer, the sandbox keeps running. Returns "" (no checkpoint image)."""

@@ -1,47 +1,59 @@
 """The node: one data dir's sandboxes, templates and snapshots, started and stopped as one.
 
-``Node`` is the facade that implements the node's service (aenv/node/service.py) out of its parts:
-  - aenv/node/lifecycle.py: the operations (create, pause, resume, snapshot, fork, kill, ...) and
-    the runner they go through;
-  - aenv/node/instances.py: a sandbox's instance: restore, boot, checkpoint, teardown;
-  - aenv/node/records.py: the sandboxes' records: lookups, the checked state change, limits,
-    tokens, usage and capacity;
-  - aenv/node/catalogue.py: templates and snapshots; aenv/node/artifacts.py: their files and the
-    repository; aenv/node/housekeeping.py: recovery, garbage collection and the reaper.
-This module builds them, starts and stops the node, and answers for the catalogue.
+``Node`` implements the node's service (aenv/node/service.py) by composing separate parts, each an
+object made here and given, in its constructor, the other parts it uses (no part reaches the node
+through ``self``; those that need a narrow view of it get a Protocol):
+  - ``Records`` (aenv/node/records.py): the table of live sandboxes, lookups, the checked state
+    change, limits, timeout, network rules, tokens, usage and capacity;
+  - ``Instances`` (aenv/node/instances.py): a sandbox's instance: restore, boot, checkpoint,
+    teardown, its agent link and watcher;
+  - ``Runner`` (aenv/node/runner.py): the runner every operation goes through, and the kill;
+  - ``Admission`` (aenv/node/admission.py): room, quotas and timeouts, reading the cluster agent's
+    hooks through ``Hooks`` (the node itself, narrowed);
+  - ``Checkpoints`` (aenv/node/checkpoints.py): pause, resume, snapshot, takeovers, wakes;
+  - ``Creation`` (aenv/node/creation.py): create and fork;
+  - ``Catalogue`` (aenv/node/catalogue.py): templates and snapshots; ``ArtifactCache``
+    (aenv/node/artifacts.py): their files and the repository, seeing the node as an
+    ``ArtifactHost``; aenv/node/housekeeping.py: recovery, garbage collection and the reaper.
+This module builds them, starts and stops the node, answers for the catalogue, and delegates the
+rest of the service to the part that owns it (thin methods at the end of ``Node``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import fcntl
 import logging
 import os
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aenv.config import Settings
 from aenv.errors import AenvError, Conflict, InvalidRequest
-from aenv.node import housekeeping, imagecache, metrics
+from aenv.node import housekeeping, imagecache, metrics, rollout
+from aenv.node.admission import Admission
 from aenv.node.artifacts import ArtifactCache
 from aenv.node.catalogue import Catalogue
+from aenv.node.checkpoints import Checkpoints
 from aenv.node.create_ids import CreateIds
+from aenv.node.creation import Creation
 from aenv.node.doze import Dozer
 from aenv.node.instances import Instances
-from aenv.node.lifecycle import Lifecycle
 from aenv.node.records import Records
 from aenv.node.rollout import RolloutLogs
-from aenv.node.sandbox import LiveSandbox
-from aenv.node.service import CachedArtifacts
+from aenv.node.runner import Runner
+from aenv.node.sandbox import ForkResult, LiveSandbox
+from aenv.node.service import CachedArtifacts, Capacity
+from aenv.node.spec import DEFAULT_SPEC, SandboxSpec
 from aenv.node.state import SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
-from aenv.node.usage import UsageHistory
+from aenv.node.usage import History, UsageHistory
 from aenv.node.warmpool import WarmPools
 from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
-from aenv.runtime.base import Driver
+from aenv.runtime.base import Driver, Limits, RootfsSpec
 from aenv.storage import datadir
 from aenv.storage.layers import LayerStore
 from aenv.templates.uploads import UploadCache
@@ -95,7 +107,7 @@ def make_repository(settings: Settings) -> Repository | None:
     return Repository(backend)
 
 
-class Node(Lifecycle, Instances, Records):
+class Node:
     def __init__(self, settings: Settings, driver: Driver | None = None) -> None:
         self.settings = settings
         datadir.secure(settings.data_dir)
@@ -105,16 +117,11 @@ class Node(Lifecycle, Instances, Records):
         self.files.plain_uppers = getattr(self.driver, "plain_uppers", False)
         self.artifacts = ArtifactCache(self, make_repository(settings))
         self.uploads = UploadCache(self.files.root / "build-files", settings)
-        self.sandboxes: dict[str, LiveSandbox] = {}
         self.catalogue = Catalogue(self.store)
         self._housekeepers: list[asyncio.Task[None]] = []  # the reaper, expiry and usage sampling
-        self._background: set[asyncio.Task[Any]] = set()
-        self._secret = b""
+        self.background: set[asyncio.Task[Any]] = set()  # a stopping node cancels and awaits them
         self._stopped = False
         self._lock_fd: int | None = None
-        self._teardowns: set[asyncio.Task[None]] = set()
-        self._pending_layers: set[str] = set()  # uppers of instances still being torn down
-        self._teardown_of: dict[str, asyncio.Task[None]] = {}  # upper id -> its instance's teardown
         self.contained: dict[str, int] = {}  # instance id -> its host tasks when last contained
         self.usage_history = UsageHistory(settings.metrics_interval, settings.metrics_history)
         self.rollouts = RolloutLogs(
@@ -123,9 +130,9 @@ class Node(Lifecycle, Instances, Records):
             output_bytes=settings.rollout_output_kb * 1024,
         )
         self.started_at = time.time()
-        # Called (synchronously; they must not block or raise) after every state change of a
-        # sandbox, KILLED included: the cluster agent keeps the directory from them.
-        self.state_listeners: list[Callable[[LiveSandbox], None]] = []
+        self.records = Records(settings, self.store, self.usage_history)
+        self.sandboxes = self.records.sandboxes
+        self.state_listeners = self.records.state_listeners  # see Records
         # Called before a create or a fork starts (new sandboxes): each may refuse by raising
         # (the cluster agent refuses while the node cannot write the directory).
         self.admission_checks: list[Callable[[], None]] = []
@@ -150,16 +157,58 @@ class Node(Lifecycle, Instances, Records):
         self.team_room: Callable[[SandboxRecord, int], tuple[int, str]] | None = None
         self.warm = WarmPools(self)  # idle sandboxes restored ahead of creates
         self.dozer = Dozer(self)  # freezes idle sandboxes on the host
+        # The operations' parts, each given what it uses; the hooks above are read at each call.
+        self.instances = Instances(
+            settings=settings,
+            driver=self.driver,
+            files=self.files,
+            artifacts=self.artifacts,
+            records=self.records,
+            background=self.background,
+            died=self.kill,
+        )
+        self.runner = Runner(
+            settings=settings,
+            records=self.records,
+            instances=self.instances,
+            files=self.files,
+            artifacts=self.artifacts,
+            rollouts=self.rollouts,
+            background=self.background,
+        )
+        self.admission = Admission(settings, self.sandboxes, hooks=self)
+        self.checkpoints = Checkpoints(
+            records=self.records,
+            instances=self.instances,
+            runner=self.runner,
+            admission=self.admission,
+            hooks=self,
+            driver=self.driver,
+            files=self.files,
+            artifacts=self.artifacts,
+            catalogue=self.catalogue,
+            rollouts=self.rollouts,
+        )
+        self.creation = Creation(
+            settings=settings,
+            records=self.records,
+            instances=self.instances,
+            runner=self.runner,
+            admission=self.admission,
+            checkpoints=self.checkpoints,
+            driver=self.driver,
+            files=self.files,
+            artifacts=self.artifacts,
+            catalogue=self.catalogue,
+            rollouts=self.rollouts,
+            warm=self.warm,
+        )
 
     # -- start and stop ---------------------------------------------------------------------------
     async def start(self) -> None:
         self._lock_data_dir()
         await self.store.open()
-        secret = await self.store.get_meta("token_secret")
-        if secret is None:
-            secret = secrets.token_hex(32)
-            await self.store.set_meta("token_secret", secret)
-        self._secret = secret.encode()
+        await self.records.load_token_secret()
         await self.catalogue.load()
         self.artifacts.sweep_partial_fetches()
         await self.artifacts.sync_catalogue()
@@ -215,7 +264,7 @@ class Node(Lifecycle, Instances, Records):
         stuck = [sb.id for sb in self.sandboxes.values() if sb.state != S.PAUSED]
         await asyncio.gather(*(self.kill(x) for x in stuck), return_exceptions=True)
         await self.settle()
-        background = list(self._background)
+        background = list(self.background)
         for task in background:
             task.cancel()
         if background:  # builds among them kill their instances on the way out
@@ -280,6 +329,14 @@ class Node(Lifecycle, Instances, Records):
         self.warm.forget(rec)
         await self.artifacts.forget(rec)
 
+    async def delete_snapshot(self, ref: str) -> None:
+        snap = self.find_snapshot(ref)
+        await self.catalogue.remove_snapshot(snap)
+        await self.artifacts.forget(snap)
+        self.files.remove_image(snap.image)
+        self.rollouts.remove(rollout.snapshot_key(snap.id))
+        await housekeeping.gc_files(self, min_age=60)
+
     async def collect_garbage(self, *, min_age: float = 0.0) -> None:
         await housekeeping.gc_files(self, min_age=min_age)
 
@@ -341,3 +398,91 @@ class Node(Lifecycle, Instances, Records):
         if self.artifacts.repo is None:
             raise InvalidRequest("this node has no snapshot repository (AENV_REPO=none)")
         return await self.artifacts.gc_repository()
+
+    # -- the rest of the service, answered by the part that owns it ---------------------------------
+    async def create(self, template: str = "base", spec: SandboxSpec = DEFAULT_SPEC) -> SandboxRecord:
+        return await self.creation.create(template, spec)
+
+    async def fork(
+        self,
+        sandbox_id: str,
+        *,
+        count: int = 1,
+        timeout: int | None = None,
+        metadata: builtins.list[dict[str, str]] | None = None,
+    ) -> builtins.list[ForkResult]:
+        return await self.creation.fork(sandbox_id, count=count, timeout=timeout, metadata=metadata)
+
+    async def pause(self, sandbox_id: str, *, keep_memory: bool = True, settle_streams: bool = False) -> SandboxRecord:
+        return await self.checkpoints.pause(sandbox_id, keep_memory=keep_memory, settle_streams=settle_streams)
+
+    async def resume(
+        self, sandbox_id: str, *, timeout: int | None = None, memory: bool = True, owner_full: bool = False
+    ) -> tuple[SandboxRecord, bool]:
+        return await self.checkpoints.resume(sandbox_id, timeout=timeout, memory=memory, owner_full=owner_full)
+
+    async def ensure_running(self, sandbox_id: str) -> LiveSandbox:
+        return await self.checkpoints.ensure_running(sandbox_id)
+
+    async def snapshot(self, sandbox_id: str, *, name: str | None = None, durable: bool = False) -> SnapshotRecord:
+        return await self.checkpoints.snapshot(sandbox_id, name=name, durable=durable)
+
+    async def adopt_paused(self, sandbox_id: str) -> None:
+        await self.checkpoints.adopt_paused(sandbox_id)
+
+    async def let_go(self, sandbox_id: str) -> None:
+        await self.checkpoints.let_go(sandbox_id)
+
+    async def forget_durable_pause(self, sandbox_id: str) -> bool:
+        return await self.checkpoints.forget_durable_pause(sandbox_id)
+
+    async def kill(self, sandbox_id: str) -> None:
+        await self.runner.kill(sandbox_id)
+
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
+        return await self.records.set_timeout(sandbox_id, timeout)
+
+    async def set_network(self, sandbox_id: str, network: dict[str, Any], internet: bool | None = None) -> None:
+        await self.records.set_network(sandbox_id, network, internet)
+
+    def get(self, sandbox_id: str) -> LiveSandbox:
+        return self.records.get(sandbox_id)
+
+    def limits_of(self, rec: SandboxRecord) -> Limits:
+        return self.records.limits_of(rec)
+
+    def usage_of(self, sandbox_id: str) -> History | None:
+        return self.records.usage_of(sandbox_id)
+
+    def capacity(self) -> Capacity:
+        return self.records.capacity()
+
+    def access_token(self, sandbox_id: str) -> str:
+        return self.records.access_token(sandbox_id)
+
+    def traffic_token(self, sandbox_id: str) -> str:
+        return self.records.traffic_token(sandbox_id)
+
+    @property
+    def token_secret(self) -> str:
+        return self.records.token_secret
+
+    async def use_token_secret(self, secret: str) -> None:
+        await self.records.use_token_secret(secret)
+
+    async def settle(self, timeout: float = 60) -> None:
+        await self.instances.settle(timeout)
+
+    async def settled(self, layers: builtins.list[str]) -> None:
+        await self.instances.settled(layers)
+
+    def rootfs(self, layers: builtins.list[str], upper: str, guest: str = "") -> RootfsSpec:
+        return self.instances.rootfs(layers, upper, guest)
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        self.instances.spawn(coro)
+
+    def list(
+        self, *, states: set[str] | None = None, metadata: dict[str, str] | None = None
+    ) -> builtins.list[LiveSandbox]:
+        return self.records.list(states=states, metadata=metadata)

@@ -1,28 +1,44 @@
 """The node's sandboxes as records: lookups and lists, the one checked state change (which persists
-the record and tells the listeners), each sandbox's limits, credentials and usage, and the node's
-load (capacity).
+the record and tells the listeners), each sandbox's limits, timeout, network rules, credentials and
+usage, and the node's load (capacity).
 
-The ``Records`` part of ``Node`` (aenv/node/orchestrator.py).
+``Records`` owns the table of live sandboxes (``sandboxes``) and the state listeners; ``Node``
+(aenv/node/orchestrator.py) makes it and hands it to the parts that look sandboxes up.
 """
 
 from __future__ import annotations
 
+import secrets
+import time
+from collections.abc import Callable
 from typing import Any
 
+from aenv.config import Settings
 from aenv.errors import SandboxNotFound
 from aenv.node import tokens
+from aenv.node.admission import check_timeout
 from aenv.node.egress import EgressPolicy
 from aenv.node.sandbox import LiveSandbox
 from aenv.node.service import Capacity
 from aenv.node.state import PUBLIC_STATE, SandboxState, check_transition
-from aenv.node.store import SandboxRecord
-from aenv.node.usage import History
+from aenv.node.store import SandboxRecord, Store
+from aenv.node.usage import History, UsageHistory
 from aenv.runtime.base import Limits
 
 S = SandboxState
 
 
 class Records:
+    def __init__(self, settings: Settings, store: Store, usage_history: UsageHistory) -> None:
+        self.settings = settings
+        self.store = store
+        self.usage_history = usage_history
+        self.sandboxes: dict[str, LiveSandbox] = {}
+        # Called (synchronously; they must not block or raise) after every state change of a
+        # sandbox, KILLED included: the cluster agent keeps the directory from them.
+        self.state_listeners: list[Callable[[LiveSandbox], None]] = []
+        self._secret = b""
+
     def get(self, sandbox_id: str) -> LiveSandbox:
         sb = self.sandboxes.get(sandbox_id)
         if sb is None or sb.state == S.KILLED:
@@ -30,7 +46,7 @@ class Records:
         return sb
 
     def list(self, *, states: set[str] | None = None, metadata: dict[str, str] | None = None) -> list[LiveSandbox]:
-        out = []
+        out: list[LiveSandbox] = []
         for sb in self.sandboxes.values():
             if sb.state == S.KILLED:
                 continue
@@ -41,7 +57,7 @@ class Records:
             out.append(sb)
         return sorted(out, key=lambda s: s.rec.started_at, reverse=True)
 
-    async def _set_state(self, sb: LiveSandbox, target: SandboxState, *, persist: bool = True) -> None:
+    async def set_state(self, sb: LiveSandbox, target: SandboxState, *, persist: bool = True) -> None:
         check_transition(sb.id, sb.state, target)
         sb.events.transition(sb.state, target)
         sb.rec.state = target
@@ -51,17 +67,44 @@ class Records:
             listener(sb)
 
     def limits_of(self, rec: SandboxRecord) -> Limits:
-        return self._limits_from(rec.limits)
+        return self.limits_from(rec.limits)
 
-    def _limits_from(self, overrides: dict[str, Any]) -> Limits:
+    def limits_from(self, overrides: dict[str, Any]) -> Limits:
         s = self.settings
-        base = {"cpu_count": s.cpu_count, "memory_mb": s.memory_mb, "nproc": s.nproc, "disk_mb": s.disk_mb}
+        base: dict[str, Any] = {
+            "cpu_count": s.cpu_count,
+            "memory_mb": s.memory_mb,
+            "nproc": s.nproc,
+            "disk_mb": s.disk_mb,
+        }
         base.update({k: v for k, v in overrides.items() if k in base and v is not None})
         return Limits(**base)
 
     def policy_of(self, sandbox_id: str) -> EgressPolicy:
         rec = self.get(sandbox_id).rec
         return EgressPolicy.of(rec.allow_internet_access, rec.network)
+
+    async def set_network(self, sandbox_id: str, network: dict[str, Any], internet: bool | None = None) -> None:
+        """Replace a sandbox's egress rules: connections made from now on follow them, and open
+        connections they no longer allow are ended."""
+        sb = self.get(sandbox_id)
+        internet = sb.rec.allow_internet_access if internet is None else internet
+        EgressPolicy.of(internet, network)
+        sb.rec.network, sb.rec.allow_internet_access = dict(network), internet
+        await self.store.put_sandbox(sb.rec)
+        if sb.egress is not None:
+            sb.egress.recheck()
+
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
+        """The sandbox expires ``timeout`` seconds from now; 0 expires it now (E2B's minimum), so
+        the reaper pauses or kills it at its next round."""
+        sb = self.get(sandbox_id)
+        timeout = 0 if type(timeout) is int and timeout == 0 else check_timeout(self.settings, timeout)
+        sb.rec.end_at = time.time() + timeout
+        if timeout:  # 0 ends this run; its resumes get the lease it had
+            sb.rec.timeout = timeout
+        await self.store.put_sandbox(sb.rec)
+        return sb.rec
 
     def usage_of(self, sandbox_id: str) -> History | None:
         """The sandbox's sampled resource usage (None before its first sample)."""
@@ -98,6 +141,14 @@ class Records:
     def token_secret(self) -> str:
         """The secret every sandbox's tokens derive from (64 hex digits)."""
         return self._secret.decode()
+
+    async def load_token_secret(self) -> None:
+        """The secret kept in the store, made at a node's first start."""
+        secret = await self.store.get_meta("token_secret")
+        if secret is None:
+            secret = secrets.token_hex(32)
+            await self.store.set_meta("token_secret", secret)
+        self._secret = secret.encode()
 
     async def use_token_secret(self, secret: str) -> None:
         """Derive tokens from ``secret`` from now on (the cluster's), kept for later starts too."""

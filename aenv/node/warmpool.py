@@ -401,7 +401,7 @@ class WarmPools:
 
     async def _make(self, rec: TemplateRecord) -> Member:
         node = self.node
-        limits = node._limits_from(rec.limits)
+        limits = node.records.limits_from(rec.limits)
         upper = await node.files.new_upper(limits.disk_mb)
         now = time.time()
         pool_rec = SandboxRecord(
@@ -423,7 +423,7 @@ class WarmPools:
         node.artifacts.pin(held)
         try:
             async with node.artifacts.using(rec):
-                await node._restore_into(
+                await node.instances.restore_into(
                     sb, image=rec.image, layers=list(rec.layers), upper=upper, fresh=True, hold_heap=True
                 )
         except BaseException:
@@ -474,7 +474,7 @@ class WarmPools:
         async def release() -> None:
             await self.node.files.remove(upper)
 
-        self.node._stop_instance(sb, reason, then=release)
+        self.node.instances.stop_instance(sb, reason, then=release)
 
     def _observe(self) -> None:
         WARM_MEMBERS.clear()

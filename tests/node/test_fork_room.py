@@ -1,4 +1,4 @@
-"""A fork takes the node's room into account (aenv/node/lifecycle.py ``fork``): it makes as many
+"""A fork takes the node's room into account (aenv/node/creation.py ``fork``): it makes as many
 children as the node has room for (AENV_MAX_SANDBOXES) and answers the rest with a per-child 429
 in the same 201 list; with no room at all the whole fork is a 429. Concurrent forks never overfill
 the node: the room check and the children's entries happen with nothing awaited between.

@@ -134,6 +134,6 @@ def test_the_agent_churns_the_sentry_s_heap_only_where_a_restore_leaves_garbage(
     from aenv.node.store import SandboxRecord
 
     node = Node(Settings(data_dir=tmp_path / "data"))
-    config = node._agent_config(SandboxRecord(id="s1", template_id="base", started_at=0.0, end_at=60.0))
+    config = node.instances.agent_config(SandboxRecord(id="s1", template_id="base", started_at=0.0, end_at=60.0))
     assert node.driver.restore_leaves_garbage is (not node.driver.version.modern)
     assert config.get("hold_heap", False) is (not node.driver.restore_leaves_garbage)

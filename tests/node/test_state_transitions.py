@@ -1,4 +1,4 @@
-"""Every sandbox state change goes through the one checked transition, Node._set_state.
+"""Every sandbox state change goes through the one checked transition, Records.set_state (aenv/node/records.py).
 
 A scan of the source finds any other write of a `.state`; behaviour tests record the transitions
 a node makes through each operation and through each failed operation's fallback, on real
@@ -95,7 +95,7 @@ def test_only_set_state_writes_a_state() -> None:
         for path in sorted(root.rglob("*.py"))
         for function, line in state_writes(path.read_text())
     ]
-    assert [(path, function) for path, function, _ in writes] == [("aenv/node/records.py", "_set_state")], writes
+    assert [(path, function) for path, function, _ in writes] == [("aenv/node/records.py", "set_state")], writes
 
 
 def test_the_table() -> None:
@@ -226,6 +226,6 @@ async def test_an_illegal_change_is_refused_and_changes_nothing(tiny: tuple[Node
     await node.pause(rec.id)
     sb = node.get(rec.id)
     with pytest.raises(WrongState):
-        await node._set_state(sb, S.RUNNING)  # paused -> running skips the restore
+        await node.records.set_state(sb, S.RUNNING)  # paused -> running skips the restore
     assert sb.state == S.PAUSED and await stored_state(node, rec.id) == S.PAUSED
     await node.kill(rec.id)
