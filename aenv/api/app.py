@@ -28,7 +28,7 @@ from aenv.api.sandboxes import add_body_schemas, router
 from aenv.dashboard import pages as dashboard_pages
 from aenv.dashboard import routes as dashboard_routes
 from aenv.errors import AenvError, PayloadTooLarge, RequestTimeout, error_body, error_headers
-from aenv.node.service import NodeService
+from aenv.node.service import BuildHost, NodeService
 from aenv.teams import guard as team_guard
 from aenv.teams.model import PRINCIPAL
 from aenv.teams.routes import router as teams_router
@@ -156,9 +156,10 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
 
 
 class SandboxRouter:
-    """Pure ASGI front: sandbox traffic goes to envd or the port proxy; the rest needs the API key."""
+    """Pure ASGI front: sandbox traffic goes to envd or the port proxy; the rest needs the API key.
+    ``node`` as builds use it: its artifact cache learns the repository's catalogue."""
 
-    def __init__(self, app: ASGIApp, node: NodeService, api_key: str | None, tenancy: Tenancy | None = None) -> None:
+    def __init__(self, app: ASGIApp, node: BuildHost, api_key: str | None, tenancy: Tenancy | None = None) -> None:
         self.app = app
         self.node = node
         self.api_key = api_key
@@ -229,7 +230,7 @@ class SandboxRouter:
         await self.app(scope, receive, send)
 
 
-async def _learn_catalogue(node: NodeService, scope: Scope) -> None:
+async def _learn_catalogue(node: BuildHost, scope: Scope) -> None:
     """Before a request names a template or snapshot this node does not know, or lists them, the
     node learns what the shared repository holds (a named entry at once, the whole catalogue at
     most every few seconds): through a gateway, a template made on one node is found on any.
@@ -324,7 +325,7 @@ async def _reply(scope: Scope, receive: Receive, send: Send, response: Response)
     await response(scope, receive, send)
 
 
-def build(node: NodeService, api_key: str | None, *, start_node: bool = True) -> ASGIApp:
+def build(node: BuildHost, api_key: str | None, *, start_node: bool = True) -> ASGIApp:
     """The whole node application: router in front of the FastAPI control plane."""
     tenancy = Tenancy(node, api_key)
     return SandboxRouter(create_app(node, start_node=start_node, tenancy=tenancy), node, api_key, tenancy)

@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY
 from aenv import __version__
 from aenv.api.schemas import rfc3339
 from aenv.node import metrics
-from aenv.node.service import LiveSandbox, NodeService, SandboxState, SnapshotRecord, TemplateRecord
+from aenv.node.service import BuildHost, LiveSandbox, NodeService, SandboxState, SnapshotRecord, TemplateRecord
 
 MAX_FAMILY = 200  # sandboxes a family lists (a fork of 100 children, twice)
 MAX_ANCESTORS = 32  # parents walked up from a sandbox
@@ -60,7 +60,7 @@ def node_summary(node: NodeService) -> dict[str, Any]:
 
 
 def stats(node: NodeService) -> dict[str, Any]:
-    metrics.observe_node(node)
+    node.observe_metrics()
     return {"at": time.time(), "nodes": 1, **registry_stats()}
 
 
@@ -108,7 +108,7 @@ def _histogram_sample(hist: dict[str, Any], sample: Any) -> None:
         hist["sum"] = sample.value
 
 
-def artifacts(node: NodeService) -> list[dict[str, Any]]:
+def artifacts(node: BuildHost) -> list[dict[str, Any]]:
     here = node_id(node)
     records: list[TemplateRecord | SnapshotRecord] = [
         *node.templates.values(),
@@ -117,7 +117,7 @@ def artifacts(node: NodeService) -> list[dict[str, Any]]:
     return [_artifact(node, rec, here) for rec in records]
 
 
-def _artifact(node: NodeService, rec: TemplateRecord | SnapshotRecord, here: str) -> dict[str, Any]:
+def _artifact(node: BuildHost, rec: TemplateRecord | SnapshotRecord, here: str) -> dict[str, Any]:
     local = all(item.path.exists() for item in node.artifacts.items_of(rec))
     logical = rec.commit.get("logical_bytes") if rec.committed_at else None
     return {

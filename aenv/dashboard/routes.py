@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
-from aenv.api.sandboxes import node_of
+from aenv.api.sandboxes import build_host_of, node_of
 from aenv.api.schemas import rfc3339
 from aenv.dashboard import data, pages
 from aenv.errors import NotFound
@@ -46,7 +46,7 @@ async def stats(request: Request) -> dict[str, Any]:
 
 @router.get("/dashboard/api/artifacts", summary="Templates and snapshots: size, commit state, where cached")
 async def artifacts(request: Request) -> list[dict[str, Any]]:
-    return data.artifacts(node_of(request))
+    return data.artifacts(build_host_of(request))  # which are on this node's disk
 
 
 @router.get("/sandboxes/{sandbox_id}/logs", summary="A sandbox's recent commands and its log")
