@@ -133,3 +133,70 @@ def test_the_node_has_every_member_of_the_service() -> None:
     }
     assert {"create", "kill", "capacity", "cached_artifacts", "templates"} <= members
     assert sorted(m for m in members if not hasattr(Node, m) and m not in Node.__init__.__code__.co_names) == []
+
+
+def module_imports(package: Path) -> dict[str, set[str]]:
+    """Each module of ``package`` -> the modules of it that it imports when loaded: its top-level
+    imports (those under ``if TYPE_CHECKING:`` and inside functions are not run at load)."""
+    modules = {p.stem for p in package.glob("*.py")}
+    prefix = f"aenv.{package.name}"
+    graph = {}
+    for path in package.glob("*.py"):
+        found: set[str] = set()
+        statements = list(parse(path.read_text()).body)
+        while statements:
+            item = statements.pop()
+            if isinstance(item, ast.If):
+                statements += item.orelse if "TYPE_CHECKING" in ast.unparse(item.test) else item.body + item.orelse
+            elif isinstance(item, ast.Try):
+                statements += item.body + item.orelse + item.finalbody + [s for h in item.handlers for s in h.body]
+            elif isinstance(item, ast.ImportFrom) and item.module == prefix:
+                found |= {a.name for a in item.names}
+            elif isinstance(item, ast.ImportFrom) and (item.module or "").startswith(prefix + "."):
+                found.add((item.module or "").split(".")[2])
+            elif isinstance(item, ast.Import):
+                found |= {a.name.split(".")[2] for a in item.names if a.name.startswith(prefix + ".")}
+        graph[path.stem] = found & modules
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph``, each once, starting at its least module."""
+    cycles: set[tuple[str, ...]] = set()
+
+    def walk(path: list[str]) -> None:
+        for nxt in sorted(graph[path[-1]]):
+            if nxt in path:
+                cycle = path[path.index(nxt) :]
+                start = cycle.index(min(cycle))
+                cycles.add(tuple(cycle[start:] + cycle[:start]))
+            else:
+                walk([*path, nxt])
+
+    for module in sorted(graph):
+        walk([module])
+    return [list(c) for c in sorted(cycles)]
+
+
+def test_no_import_cycle_inside_the_node() -> None:
+    """The node is composed of parts given what they use, not mixins reaching each other: no module
+    of aenv/node needs another one that needs it back to load."""
+    graph = module_imports(ROOT / "node")
+    assert {"orchestrator", "records", "instances", "runner", "creation"} <= graph.keys()
+    assert "records" in graph["instances"] and "instances" in graph["runner"]  # the scan sees imports
+    assert import_cycles(graph) == []
+    assert Node.__bases__ == (object,)  # no mixins
+
+
+def test_the_cycle_scan_finds_cycles(tmp_path: Path) -> None:
+    package = tmp_path / "node"
+    package.mkdir()
+    (package / "a.py").write_text("from aenv.node import b\n")
+    checked_only = "if TYPE_CHECKING:\n    from aenv.node import d\n"
+    (package / "b.py").write_text("from typing import TYPE_CHECKING\nimport aenv.node.c\n" + checked_only)
+    (package / "c.py").write_text("from aenv.node.a import f\n")
+    (package / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from aenv.node import a\n")
+    (package / "e.py").write_text("def f():\n    from aenv.node import e\n")
+    graph = module_imports(package)
+    assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set(), "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
