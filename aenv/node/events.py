@@ -40,7 +40,7 @@ class SandboxEvents:
         self._began = time.monotonic()  # when the operation in flight began (a sandbox is born creating)
 
     def transition(self, old: S, new: S) -> None:
-        """A state change (``Node._set_state``): an operation's start, or its end with its duration."""
+        """A state change (``Records.set_state``): an operation's start, or its end with its duration."""
         if new in TRANSITIONAL:
             self._began = time.monotonic()
             return

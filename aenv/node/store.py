@@ -35,7 +35,7 @@ class SandboxRecord:
     timeout: int = 0
     # Seconds after its timeout it is held for scoring commands only (aenv/node/grace.py); 0: none.
     grace: int = 0
-    # A new sandbox is being created; every later change is Node._set_state's (checked).
+    # A new sandbox is being created; every later change is Records.set_state's (checked).
     state: SandboxState = SandboxState.CREATING
     auto_pause: bool = False
     auto_resume: bool = False
