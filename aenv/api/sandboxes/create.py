@@ -1,0 +1,107 @@
+"""Creating a sandbox (``POST /sandboxes``, ``/v2/sandboxes``): E2B's create body read into one
+:class:`SandboxSpec`, from a template, a snapshot or an image, within the team's quotas, once per
+create id.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from aenv.api.sandboxes.network import CREATE_NETWORK_FIELDS, egress_rules, ingress_options, unbuilt_features
+from aenv.api.sandboxes.requests import _body, build_host_of, domain_of, json_body, node_of, quotas_of
+from aenv.api.schemas import NewSandbox, sandbox_json
+from aenv.errors import InvalidRequest
+from aenv.node.service import BuildHost, SandboxSpec, create_id_of
+from aenv.templates import image_sources
+
+router = APIRouter()
+
+
+def create_source(node: BuildHost, body: NewSandbox) -> AbstractAsyncContextManager[str]:
+    """The template or snapshot a create restores: ``templateID`` as it names one, or the template
+    made from the image it (or ``image``) names, built first if need be (image_sources); held
+    (never evicted) until the block ends."""
+    if body.image is None:
+        return image_sources.held_source(node, body.template_id)
+    if "template_id" in body.model_fields_set:
+        raise InvalidRequest("invalid request body: give templateID or image, not both")
+    return image_sources.held_source(node, body.image, image=True)
+
+
+async def _create(request: Request) -> JSONResponse:
+    node = node_of(request)
+    body: NewSandbox = await _body(request, NewSandbox)
+    auto_pause = bool(body.auto_pause)
+    if body.lifecycle is not None and body.lifecycle.on_timeout is not None:
+        if body.lifecycle.on_timeout not in ("pause", "kill"):
+            raise InvalidRequest("lifecycle.onTimeout must be 'pause' or 'kill'")
+        auto_pause = body.lifecycle.on_timeout == "pause"
+    auto_resume = False
+    if isinstance(body.auto_resume, bool):
+        auto_resume = body.auto_resume
+    elif body.auto_resume is not None:
+        auto_resume = body.auto_resume.on
+    if body.lifecycle is not None and body.lifecycle.auto_resume is not None:
+        auto_resume = body.lifecycle.auto_resume
+    auto_pause_memory = body.auto_pause_memory
+    if auto_pause_memory is None and body.lifecycle is not None:
+        auto_pause_memory = body.lifecycle.keep_memory
+    unbuilt_features(body)
+    secure = body.secure is not False
+    limits = body.limits.model_dump(exclude_none=True) if body.limits else None
+    network = egress_rules(body.network, known=CREATE_NETWORK_FIELDS)
+    public_traffic, mask_request_host = ingress_options(body.network, secure=secure)
+
+    spec = SandboxSpec(
+        timeout=body.timeout,
+        metadata=dict(body.metadata or {}),
+        env_vars=dict(body.env_vars or {}),
+        auto_pause=auto_pause,
+        auto_resume=auto_resume,
+        auto_pause_memory=auto_pause_memory is not False,
+        limits=limits or {},
+        allow_internet_access=body.allow_internet_access,
+        network=network or {},
+        secure=secure,
+        public_traffic=public_traffic,
+        mask_request_host=mask_request_host,
+        grace=body.grace or 0,
+    )
+
+    async def create() -> str:
+        async with create_source(build_host_of(request), body) as source:
+            return await created(source)
+
+    async def created(source: str) -> str:
+        return (await node.create(source, spec)).id
+
+    # A create sent again with its id (a gateway whose connection broke, an SDK's retry with its
+    # Idempotency-Key) gets the first one's sandbox.
+    create_id = create_id_of(request.headers)
+    sandbox_id = await quotas_of(request).admitted(  # the team's rate, and ?wait for room
+        request, lambda: node.create_ids.once(create_id, create) if create_id is not None else create()
+    )
+    if node.announce is not None:
+        await node.announce([sandbox_id])
+    return JSONResponse(sandbox_json(node, node.get(sandbox_id), domain_of(request)), status_code=201)
+
+
+router.add_api_route(
+    "/sandboxes",
+    _create,
+    methods=["POST"],
+    status_code=201,
+    summary="Create a sandbox",
+    openapi_extra=json_body(NewSandbox),
+)
+router.add_api_route(
+    "/v2/sandboxes",
+    _create,
+    methods=["POST"],
+    status_code=201,
+    summary="Create a sandbox (v2)",
+    openapi_extra=json_body(NewSandbox),
+)
