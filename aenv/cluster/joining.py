@@ -1,0 +1,84 @@
+"""How a node joins a cluster: its id (kept in its data dir), the address gateways reach it at, its
+cluster store from its settings, and the cluster's one token secret and API key.
+
+Apart from the agent (:mod:`aenv.cluster.agent`) because the server and the teams' store need these
+without an agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from aenv.cluster.entries import ClusterConfig, api_key_digest, check_id, key_matches
+from aenv.cluster.store import ClusterStore, EtcdTls, EtcdUser
+from aenv.config import Settings
+from aenv.errors import InvalidRequest
+
+log = logging.getLogger("aenv.cluster.agent")
+
+
+def node_id_of(settings: Settings) -> str:
+    """AENV_NODE_ID, else one made once from the host name and kept in the data dir (a restart
+    keeps its id, so it takes its directory entries back)."""
+    if settings.node_id:
+        return check_id(settings.node_id, "node id")
+    path: Path = settings.data_dir / "node-id"
+    try:
+        return check_id(path.read_text().strip(), "node id")
+    except FileNotFoundError:
+        pass
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40].strip("-._") or "node"
+    node_id = f"{host}-{secrets.token_hex(3)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(node_id + "\n")
+    return node_id
+
+
+def advertise_of(settings: Settings) -> str:
+    """The URL gateways reach this node at: AENV_ADVERTISE, else the listening address (refused
+    when that is a wildcard, which names no host)."""
+    if settings.advertise:
+        parts = urlsplit(settings.advertise)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+            raise InvalidRequest(f"--advertise must be http(s)://HOST:PORT, not {settings.advertise[:200]!r}")
+        return settings.advertise.rstrip("/")
+    if settings.host in ("0.0.0.0", "::", ""):
+        raise InvalidRequest("--advertise http://ADDRESS:PORT is needed when listening on every address")
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return f"http://{host}:{settings.port}"
+
+
+async def join_cluster(store: ClusterStore, node: Any, api_key: str) -> ClusterConfig:
+    """Take the cluster's one token secret, or give it this node's when it is the first to join
+    (so a node's sandboxes keep their tokens when it becomes a cluster's first node). A node
+    started with another API key than the cluster's is refused: half the requests would be 401."""
+    proposed = ClusterConfig(node.token_secret, api_key_digest(node.token_secret, api_key), round(time.time(), 3))
+    config = await store.ensure_config(proposed)
+    if not key_matches(config, api_key):
+        raise InvalidRequest("this node's API key (AENV_API_KEY) is not the one the cluster was started with")
+    if config.secret != node.token_secret:
+        held = len(node.sandboxes)
+        if held:
+            log.warning(
+                "this node's %d sandboxes get new envd and traffic tokens: the cluster has its own secret",
+                held,
+            )
+        await node.use_token_secret(config.secret)
+    return config
+
+
+def cluster_store(settings: Settings) -> ClusterStore:
+    """The store for a node's cluster settings (URL, TLS files, etcd user), checked; not connected."""
+    assert settings.cluster
+    tls = EtcdTls(settings.cluster_ca, settings.cluster_cert, settings.cluster_key)
+    user = EtcdUser.load(settings.cluster_user, settings.cluster_password_file, settings.cluster_password)
+    return ClusterStore.from_url(settings.cluster, tls=tls, user=user)
