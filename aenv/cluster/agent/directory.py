@@ -6,8 +6,9 @@ which compares what the directory should say with what was last written and writ
 change (a new timeout), is caught up on. :meth:`Directory.reconcile` reads the entries back: one
 another node owns (the directory gave the sandbox away: a higher epoch) is never overwritten; the
 node's instance of it is stale, and is killed, as is one killed through a gateway while this node
-was lost (a tombstone). Apart from the agent (:mod:`aenv.cluster.agent`: membership, heartbeat,
-refusals) because this is the part that owns what the node last wrote.
+was lost (a tombstone). Apart from the membership (:mod:`aenv.cluster.agent.membership`: heartbeat,
+refusals) because this is the part that owns what the node last wrote. The gateway's side, which
+reads every node's entries, is :mod:`aenv.cluster.gateway.directory`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How a node joins a cluster: its id (kept in its data dir), the address gateways reach it at, its
 cluster store from its settings, and the cluster's one token secret and API key.
 
-Apart from the agent (:mod:`aenv.cluster.agent`) because the server and the teams' store need these
+Apart from the membership (:mod:`aenv.cluster.agent.membership`) because the server and the teams' store need these
 without an agent.
 """
 

@@ -18,7 +18,7 @@ from aenv.api.app import sandbox_target
 from aenv.errors import ClusterUnavailable, error_body
 
 if TYPE_CHECKING:
-    from aenv.cluster.agent import NodeAgent
+    from aenv.cluster.agent.membership import NodeAgent
 
 log = logging.getLogger("aenv.cluster.agent")
 # A request that would pause or resume a sandbox (E2B's routes; a connect resumes a paused one).

@@ -13,10 +13,10 @@ An entry another node owns (the directory gave the sandbox away: a higher epoch)
 overwritten; the node's instance of it is stale, and is killed.
 
 This module is the membership (register, heartbeat, the tick), what the node refuses while etcd is
-silent or it drains, and the drain; its parts: :mod:`aenv.cluster.directory` (the sandboxes'
-entries), :mod:`aenv.cluster.takeover` (durable takeovers), :mod:`aenv.cluster.create_claims`
-(create ids), :mod:`aenv.cluster.joining` (a node's id, address and store from its settings) and
-:mod:`aenv.cluster.node_app` (the node's app wrapped for all this).
+silent or it drains, and the drain; the other parts of :mod:`aenv.cluster.agent`: ``directory``
+(the sandboxes' entries), ``takeover`` (durable takeovers), ``create_claims`` (create ids),
+``joining`` (a node's id, address and store from its settings) and ``node_app`` (the node's app
+wrapped for all this).
 """
 
 from __future__ import annotations
@@ -29,29 +29,19 @@ from collections.abc import Callable
 from typing import Any
 
 from aenv import __version__
-from aenv.cluster.create_claims import CreateClaims
-from aenv.cluster.directory import Directory, runtime_of
+from aenv.cluster.agent.create_claims import CreateClaims
+from aenv.cluster.agent.directory import Directory, runtime_of
+from aenv.cluster.agent.joining import advertise_of, cluster_store, join_cluster, node_id_of
+from aenv.cluster.agent.node_app import subject
+from aenv.cluster.agent.takeover import Takeovers
 from aenv.cluster.drain import Drain
 from aenv.cluster.entries import MAX_CACHED_NAME, MAX_CACHED_NAMES, NodeEntry, check_id
-from aenv.cluster.joining import advertise_of, cluster_store, join_cluster, node_id_of
-from aenv.cluster.node_app import OWNERSHIP_PATH, leaving_with, refusing_without_quorum, subject
 from aenv.cluster.store import ClusterStore
-from aenv.cluster.takeover import Takeovers
 from aenv.config import Settings
 from aenv.errors import ClusterUnavailable, LimitExceeded
 from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxState
 
-__all__ = [
-    "OWNERSHIP_PATH",
-    "NodeAgent",
-    "advertise_of",
-    "cluster_store",
-    "join_cluster",
-    "leaving_with",
-    "node_id_of",
-    "refusing_without_quorum",
-    "start_agent",
-]
+__all__ = ["NodeAgent", "start_agent"]
 
 log = logging.getLogger("aenv.cluster.agent")
 HELD_REFRESH = 5.0  # seconds between looks at which templates and snapshots are on the node's disk

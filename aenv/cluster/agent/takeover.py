@@ -4,7 +4,7 @@ another node, and exactly one node ends up holding it.
 A taker fetches first and claims after (a compare-and-swap that needs the entry's durable mark
 still on); a live owner takes the mark off (its own compare-and-swap) before it resumes such a
 sandbox, so of the two exactly one wins, and the loser's copy is stale. A drain's move hands a
-sandbox over the same way. Apart from the directory writes (:mod:`aenv.cluster.directory`) because
+sandbox over the same way. Apart from the directory writes (:mod:`aenv.cluster.agent.directory`) because
 this is where two nodes race for one sandbox.
 """
 
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from aenv.cluster.directory import Directory
+from aenv.cluster.agent.directory import Directory
 from aenv.cluster.entries import EntryError
 from aenv.cluster.store import CLAIM_ATTEMPTS, ClusterStore
 from aenv.errors import ClusterUnavailable, WrongState
