@@ -13,6 +13,7 @@ import asyncio
 import base64
 import json
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -77,7 +78,14 @@ class CountingProxy:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                # A client (the node) that gives up on a connection is no error of the proxy's; and
+                # a traceback on stderr lands in the output of a CLI run at the same moment.
+                if not isinstance(sys.exc_info()[1], ConnectionError):
+                    super().handle_error(request, client_address)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.host = f"127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()

@@ -158,7 +158,7 @@ def test_images_metrics_and_the_cli_show_what_sharing_saves(setup: Setup, api: h
 
     result = CliRunner().invoke(app, ["--url", setup.node.url, "--api-key", API_KEY, "images"])
     assert result.exit_code == 0, result.output
-    listed = json.loads(result.output)  # piped: JSON, as `aenv nodes`
+    listed = json.loads(result.stdout)  # piped: JSON, as `aenv nodes`
     assert {r["digest"] for r in listed} == set(images_by_digest(api))
     from aenv.cli.images import totals
 
@@ -180,7 +180,7 @@ def test_a_prefetch_makes_images_ahead_with_progress_and_e2b_errors(
         app, ["--url", setup.node.url, "--api-key", API_KEY, "images", "prefetch", str(listing)]
     )
     assert result.exit_code == 1, result.output  # one failed
-    job = json.loads(result.output)
+    job = json.loads(result.stdout)
     assert job["state"] == "done" and job["counts"] == {"pending": 0, "pulling": 0, "ready": 2, "failed": 1}, job
     by_ref = {item["reference"]: item for item in job["images"]}
     assert len(by_ref) == 3  # the duplicate once

@@ -298,7 +298,7 @@ def _failing_run(child_to_fail: str, exc: BaseException) -> Any:
     async def run(child: AsyncSandbox) -> None:
         if (await child.info()).metadata["child"] == child_to_fail:
             raise exc
-        await child.exec(SH + ["sleep 30"], timeout=None)  # the others are cancelled, not waited for
+        await child.exec(SH + ["sleep 120"], timeout=None)  # the others are cancelled, not waited for
 
     return run
 
@@ -357,7 +357,7 @@ async def test_best_of_n_cancelled_leaves_no_child_behind(node: Server, tag: str
 
         async def run(child: AsyncSandbox) -> None:
             running.append(child.sandbox_id)
-            await child.exec(SH + ["sleep 30"], timeout=None)
+            await child.exec(SH + ["sleep 120"], timeout=None)
 
         task = asyncio.ensure_future(best_of_n(src, 3, run, "true"))
         deadline = time.monotonic() + 30
@@ -404,7 +404,7 @@ def test_best_of_n_interrupted_in_the_sync_face_leaves_no_child_behind(node: Ser
 
         def run(child: Sandbox) -> None:
             running.append(child.sandbox_id)
-            child.exec(SH + ["sleep 30"], timeout=None)
+            child.exec(SH + ["sleep 120"], timeout=None)
 
         def interrupt() -> None:
             wait_for(lambda: len(running) == 3, "the runs")
@@ -499,7 +499,7 @@ async def test_tree_search_cancelled_leaves_nothing_behind(node: Server, tag: st
 
 
 async def _sleeps(child: AsyncSandbox, round_: int) -> None:
-    await child.exec(SH + ["sleep 30"], timeout=None)
+    await child.exec(SH + ["sleep 120"], timeout=None)
 
 
 def test_a_rollout_log_outlives_a_node_restart(node: Server, tag: str) -> None:
