@@ -12,6 +12,7 @@ from aenv.node.state import SandboxState
 
 if TYPE_CHECKING:
     from aenv.node.orchestrator import Node
+    from aenv.node.service import NodeService
     from aenv.node.store import SnapshotRecord, TemplateRecord
 
 SANDBOXES = Gauge("aenv_sandboxes", "Sandboxes on this node by state", ["state"])
@@ -132,23 +133,23 @@ def observe_node(node: Node) -> None:
         CHANNEL_STREAMS.labels(method=method).set(n)
 
 
-def pending_commits(node: Node) -> list[str]:
+def pending_commits(node: NodeService) -> list[str]:
     """Ids of the templates, durable snapshots and paused sandboxes the repository does not have
     yet: the commit backlog."""
     return [*pending_records(node), *pending_pauses(node)]
 
 
-def pending_records(node: Node) -> list[str]:
+def pending_records(node: NodeService) -> list[str]:
     """Ids of the templates and durable snapshots the repository does not have yet."""
     return [r.id for r in committable(node) if not r.committed_at]
 
 
-def committable(node: Node) -> list[TemplateRecord | SnapshotRecord]:
+def committable(node: NodeService) -> list[TemplateRecord | SnapshotRecord]:
     """The templates and snapshots a node commits to its repository (not a fork's own image)."""
     return [*node.templates.values(), *(s for s in node.snapshots.values() if not s.ephemeral)]
 
 
-def pending_pauses(node: Node) -> list[str]:
+def pending_pauses(node: NodeService) -> list[str]:
     """Ids of the sandboxes paused with their memory whose pause is not in the repository yet (it
     is committed, to be durable, on a node that has one)."""
     return [
