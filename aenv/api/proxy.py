@@ -306,7 +306,8 @@ async def proxy_websocket(scope: Any, receive: Any, send: Any, node: NodeService
     bridge = _Bridge(send, upstream, tunnel, patience)
     try:
         await bridge.flush()
-        answer = await _unless_client_leaves(receive, asyncio.wait_for(_upstream_handshake(upstream, tunnel), patience))
+        handshake_answer = asyncio.wait_for(_upstream_handshake(upstream, tunnel, bridge), patience)
+        answer = await _unless_client_leaves(receive, handshake_answer)
     except ConnectionError:
         answer = None
     except BaseException as exc:
@@ -355,13 +356,15 @@ async def _feed(upstream: ClientProtocol, tunnel: Stream) -> Item:
     return item
 
 
-async def _upstream_handshake(upstream: ClientProtocol, tunnel: Stream) -> Handshake | None:
-    """The port's handshake response, or None if it closed without one."""
+async def _upstream_handshake(upstream: ClientProtocol, tunnel: Stream, bridge: _Bridge) -> Handshake | None:
+    """The port's handshake response, or None if it closed without one. Frames the port sent in
+    the same read as its 101 (a greeting right after the upgrade) are the bridge's first."""
     while True:
         item = await _feed(upstream, tunnel)
         events = upstream.events_received()
         if events:
             # a client's parser makes the response its first event
+            bridge.early = [e for e in events[1:] if isinstance(e, Frame)]
             return events[0] if isinstance(events[0], Handshake) else None
         if item.kind != DATA:
             return None
@@ -378,6 +381,7 @@ class _Bridge:
         self.tunnel = tunnel
         self.patience = patience
         self.client_closed = False
+        self.early: list[Frame] = []  # frames that came with the port's handshake
 
     async def flush(self) -> None:
         """Send what the protocol object has for the port; a port that takes nothing for
@@ -442,9 +446,16 @@ class _Bridge:
         # bounded: the protocol object refuses a message past its max_size
         parts: list[bytes | bytearray | memoryview] = []
         text = False
+        early, self.early = self.early, []
         while True:
-            item = await _feed(upstream, self.tunnel)
-            for frame in upstream.events_received():
+            item: Item | None = None
+            if early:
+                events: list[object] = list(early)
+                early = []
+            else:
+                item = await _feed(upstream, self.tunnel)
+                events = list(upstream.events_received())
+            for frame in events:
                 if not isinstance(frame, Frame):
                     continue  # after the handshake a client receives only frames
                 if frame.opcode is Opcode.CLOSE:
@@ -471,7 +482,7 @@ class _Bridge:
                 failed = upstream.close_sent
                 await self.close_client(*((failed.code, failed.reason) if failed else (1011, "")))
                 return
-            if item.kind != DATA or upstream.state is State.CLOSED:
+            if (item is not None and item.kind != DATA) or upstream.state is State.CLOSED:
                 if upstream.close_rcvd is None:
                     await self.close_client(1011)  # the port went away without a close
                 return

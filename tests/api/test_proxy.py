@@ -333,3 +333,43 @@ def test_a_ports_answer_has_one_date_and_one_server(sandbox: Sandbox, server: Se
         lines, _ = raw_request(server, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
         assert sum(line.lower().startswith("date:") for line in lines) == 1, lines
         assert sum(line.lower().startswith("server:") for line in lines) == 1, lines
+
+
+GREETING_SERVER = """
+import base64, hashlib, socket, sys
+GUID = b'258EAFA5-E914-47DA-95CA-C5AB0DC85B11'
+listener = socket.socket(); listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind(('127.0.0.1', int(sys.argv[1]))); listener.listen(8)
+while True:
+    conn, _ = listener.accept()
+    head = b''
+    while b'\\r\\n\\r\\n' not in head:
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        head += chunk
+    lines = head.split(b'\\r\\n')
+    key = next((x.split(b':', 1)[1].strip() for x in lines if x.lower().startswith(b'sec-websocket-key:')), None)
+    if key is None:  # a plain HTTP probe
+        conn.sendall(b'HTTP/1.1 200 OK\\r\\nContent-Length: 2\\r\\nConnection: close\\r\\n\\r\\nok')
+        conn.close()
+        continue
+    accept = base64.b64encode(hashlib.sha1(key + GUID).digest())
+    upgrade = b'HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\nConnection: Upgrade\\r\\n'
+    upgrade += b'Sec-WebSocket-Accept: ' + accept + b'\\r\\n\\r\\n'
+    conn.sendall(upgrade + b'\\x81\\x05hello' + b'\\x81\\x05again')  # the greeting in the 101's own write
+"""
+
+
+def test_a_greeting_sent_with_the_upgrade_reaches_the_client(sandbox: Sandbox, server: Server) -> None:
+    """A port that writes its first messages in the same packet as its 101: the proxy's handshake
+    read took the 101 and dropped what came with it (seen failing before the fix)."""
+    from websockets.sync.client import connect as ws_connect
+
+    sandbox.files.write("/home/user/greet.py", GREETING_SERVER)
+    sandbox.commands.run("python3 /home/user/greet.py 8766", background=True)
+    routed = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8766"}
+    wait_for_port(f"{server.url}/", routed)
+    with ws_connect(server.url.replace("http", "ws", 1) + "/", additional_headers=routed) as ws:
+        assert ws.recv(timeout=10) == "hello"
+        assert ws.recv(timeout=10) == "again"
