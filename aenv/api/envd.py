@@ -2,14 +2,14 @@
 host and carried out by the guest agent over the channel.
 
 Requests reach this module already routed to one sandbox (by ``E2b-Sandbox-Id`` or by host name).
+Reaching the agent and streaming its answers back (keepalives, a stream dropped when the sandbox
+goes away) is aenv/api/envd_streams.py's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hmac
-import logging
 import posixpath
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,13 +17,20 @@ from typing import Any
 from urllib.parse import quote
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Send
+from starlette.responses import JSONResponse, Response
 
-from aenv.api import connect, connections, signed, uploads
+from aenv.api import connect, signed, uploads
 from aenv.api.connect import BOOL, BYTES, ENUM, PATH, STRING, UINT16, UINT32, ConnectError, Message
+from aenv.api.envd_streams import (
+    DroppableStream,
+    StreamDropped,
+    agent_link,
+    connect_error,
+    open_first,
+    server_stream,
+)
 from aenv.api.proxy import not_woken, sandbox_gone, sandbox_paused
-from aenv.channel import DATA, END, MSG, ChannelClosed, Stream, StreamError, end_error
+from aenv.channel import DATA, END, ChannelClosed, Stream, end_error
 from aenv.errors import (
     AenvError,
     AgentTimeout,
@@ -40,7 +47,6 @@ from aenv.guest import metadata
 from aenv.node.service import (
     SCORING_HEADER,
     AgentLink,
-    CommandRecord,
     LiveSandbox,
     NodeService,
     RolloutLogs,
@@ -48,39 +54,12 @@ from aenv.node.service import (
     grace_refusal,
 )
 
-KEEPALIVE_DEFAULT = 90.0
 ENVD_PORT = 49983
 UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"
 TOKEN_MISMATCH = "access token present in header but does not match"
 METADATA_HEADER = "x-metadata-"  # envd's X-Metadata-<key> upload headers
 
 Handler = Callable[[Request, LiveSandbox, str | None], Awaitable[Response]]
-UNFINISHED = "ASGI callable returned without completing response."  # uvicorn's words for a dropped one
-
-
-class StreamDropped(AgentUnavailable):
-    """The sandbox went away (killed, paused, died) while an answer streamed."""
-
-
-class DroppableStream(StreamingResponse):
-    """A streamed answer that, when its sandbox goes away, is dropped rather than ended: the body
-    is left unfinished and the connection reset, as E2B's proxy resets the stream of a sandbox that
-    is gone. The SDKs read that as a lost connection, probe the sandbox's health and report it
-    killed ("killed or reached its end of life"); an error message ending the stream would be
-    reported as that error instead."""
-
-    async def stream_response(self, send: Send) -> None:
-        try:
-            await super().stream_response(send)
-        except StreamDropped:
-            connections.reset_on_close()
-
-
-class DroppedStreamsAreNotErrors(logging.Filter):
-    """uvicorn logs an unfinished response as an error; a dropped stream is one on purpose."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != UNFINISHED
 
 
 def _user(request: Request) -> str | None:
@@ -95,106 +74,7 @@ def _user(request: Request) -> str | None:
     return None
 
 
-def _connect_error(exc: BaseException) -> ConnectError:
-    if isinstance(exc, ConnectError):
-        return exc
-    if isinstance(exc, StreamError):
-        return ConnectError(exc.code, exc.message)
-    if isinstance(exc, AgentTimeout):
-        return ConnectError("deadline_exceeded", exc.message)
-    if isinstance(exc, ChannelClosed | AenvError):
-        return ConnectError("unavailable", f"The sandbox was not found: {exc}")
-    return ConnectError("internal", str(exc))
-
-
 # -- process.Process -------------------------------------------------------------------------------
-async def _stream_events(
-    request: Request, link: AgentLink, stream: Stream, *, first: Any = None, record: CommandRecord | None = None
-) -> AsyncIterator[bytes]:
-    """Forward a guest stream of JSON messages as Connect envelopes, with keepalives.
-
-    A quiet stream is normal (a command that prints nothing); a quiet agent is not: at each
-    keepalive the agent is pinged, and a ping it has not answered ends the stream with an error."""
-    interval = connect.keepalive_interval(request, KEEPALIVE_DEFAULT)
-    finished = False
-    ping: asyncio.Future[None] | None = None
-    try:
-        if first is not None:
-            yield connect.message_envelope(first)
-        while True:
-            try:
-                item = await asyncio.wait_for(stream.recv(), timeout=interval)
-            except TimeoutError:
-                if ping is not None and ping.done() and ping.exception() is not None:
-                    if record is not None:
-                        record.failed(str(ping.exception()))
-                    yield connect.end_stream(_connect_error(ping.exception()))  # type: ignore[arg-type]
-                    return
-                yield connect.message_envelope({"event": {"keepalive": {}}})
-                if ping is None or ping.done():
-                    ping = asyncio.ensure_future(link.ping())
-                    ping.add_done_callback(lambda t: t.cancelled() or t.exception())  # read above, or dropped
-                continue
-            if item.kind == MSG:
-                if record is not None:
-                    record.message(item.data)
-                yield connect.envelope(item.data)
-            elif item.kind == END:
-                finished = True
-                error = end_error(item.msg)
-                if record is not None:
-                    record.ended(error)
-                if error is not None and link.channel.closed.is_set():
-                    raise StreamDropped(error.message)
-                yield connect.end_stream(_connect_error(error) if error else None)
-                return
-    finally:
-        if ping is not None:
-            ping.cancel()
-        if not finished:  # the client left (or the agent is gone): stop following, the process keeps running
-            stream.cancel()
-            if record is not None:
-                record.detached()
-
-
-def _link(sb: LiveSandbox) -> AgentLink:
-    if sb.link is None:  # paused or killed since the request was routed
-        raise AgentUnavailable(f"sandbox {sb.id} is {sb.state.value}", sandbox_id=sb.id)
-    return sb.link
-
-
-async def _open_first(link: AgentLink, method: str, params: dict[str, Any]) -> tuple[Stream, Any]:
-    """Open a stream and wait (within the agent deadline) for its first message, so errors
-    before it become a proper error answer."""
-    stream = await link.open(method, params)
-    try:
-        item = await link.within(stream.recv(), method)
-    except BaseException:
-        stream.cancel()
-        raise
-    if item.kind == END:
-        raise _connect_error(end_error(item.msg) or StreamError("internal", "stream ended early"))
-    return stream, item.msg
-
-
-async def _server_stream(
-    request: Request, sb: LiveSandbox, method: str, params: dict[str, Any], record: CommandRecord | None = None
-) -> Response:
-    try:
-        link = _link(sb)
-        stream, first = await _open_first(link, method, params)
-    except Exception as exc:
-        error = _connect_error(exc)
-        if record is not None:
-            record.failed(error.message)
-        return Response(connect.end_stream(error), media_type=connect.STREAM_CONTENT_TYPE)
-    if record is not None:
-        record.started(first)
-    sb.streams.add(stream)
-    events = _stream_events(request, link, stream, first=first, record=record)
-    return DroppableStream(events, media_type=connect.STREAM_CONTENT_TYPE)
-
-
 # The messages of envd's services as aenv reads them (proto3 JSON; see connect.checked).
 SELECTOR: Message = {"pid": UINT32, "tag": STRING}
 PTY: Message = {"size": {"cols": UINT16, "rows": UINT16}}
@@ -234,19 +114,19 @@ async def process_start(request: Request, sb: LiveSandbox, user: str | None) -> 
     rollouts: RolloutLogs = request.state.rollouts
     record.output = rollouts.tail()
     record.on_end = lambda done: rollouts.append(sb.id, {"sandboxID": sb.id, **done.log_entry()})
-    return await _server_stream(request, sb, "process.start", params, record)
+    return await server_stream(request, sb, "process.start", params, record)
 
 
 async def process_connect(request: Request, sb: LiveSandbox, user: str | None) -> Response:
     msg = await connect.read_request(request, {"process": SELECTOR})
-    return await _server_stream(request, sb, "process.connect", {"process": msg.get("process") or {}})
+    return await server_stream(request, sb, "process.connect", {"process": msg.get("process") or {}})
 
 
 async def _unary(sb: LiveSandbox, method: str, params: dict[str, Any], disk_mb: int | None = None) -> Response:
     try:
-        result = await _link(sb).call(method, params)
+        result = await agent_link(sb).call(method, params)
     except Exception as exc:
-        err = _connect_error(exc)
+        err = connect_error(exc)
         if err.code == "resource_exhausted" and method.startswith("fs."):
             # A full disk: envd answers a filesystem RPC that meets one with internal (the SDKs
             # read resource_exhausted as rate limiting, which a full disk is not).
@@ -280,9 +160,9 @@ async def process_stream_input(request: Request, sb: LiveSandbox, user: str | No
                 selector = msg["start"].get("process") or {}
             elif "data" in msg and selector is not None:
                 data = msg["data"].get("input") or {}
-                await _link(sb).call("process.input", {"process": selector, "input": data})
+                await agent_link(sb).call("process.input", {"process": selector, "input": data})
     except Exception as exc:
-        return Response(connect.end_stream(_connect_error(exc)), media_type=connect.STREAM_CONTENT_TYPE)
+        return Response(connect.end_stream(connect_error(exc)), media_type=connect.STREAM_CONTENT_TYPE)
     return Response(connect.message_envelope({}) + connect.end_stream(), media_type=connect.STREAM_CONTENT_TYPE)
 
 
@@ -294,7 +174,7 @@ async def fs_watch_dir(request: Request, sb: LiveSandbox, user: str | None) -> R
         "includeEntry": msg.get("includeEntry", False),
         "user": user,
     }
-    return await _server_stream(request, sb, "fs.watch", params)
+    return await server_stream(request, sb, "fs.watch", params)
 
 
 # Client streams: their requests' bodies are what a client types, and may pause for as long as it likes.
@@ -325,7 +205,7 @@ def _file_error(request: Request, exc: BaseException) -> JSONResponse:
     """A failed /files request as envd answers it: ``{code: <HTTP status>, message}``."""
     if isinstance(exc, AenvError) and exc.status < 500:  # the client's mistake, found on the host
         return JSONResponse(error_body(exc), status_code=exc.status)
-    err = _connect_error(exc)
+    err = connect_error(exc)
     if err.code == "resource_exhausted":
         full = InsufficientStorage(_disk_full(err.message, request.state.disk_mb))
         return JSONResponse(error_body(full), status_code=full.status)
@@ -364,8 +244,8 @@ def _query_user(request: Request, user: str | None) -> str | None:
 async def files_get(request: Request, sb: LiveSandbox, user: str | None) -> Response:
     try:
         path, user = _query_path(request) or "", _query_user(request, user)
-        link = _link(sb)
-        stream, first = await _open_first(link, "fs.read", {"path": path, "user": user})
+        link = agent_link(sb)
+        stream, first = await open_first(link, "fs.read", {"path": path, "user": user})
     except Exception as exc:
         return _file_error(request, exc)
     sb.exchanges.add(stream)  # a pause lets the download finish first, a while
@@ -426,7 +306,7 @@ async def _write_file(
     """Write ``chunks`` into the sandbox as they come; the channel's credit window is all that is
     ever buffered. If the agent gives up (a full disk), its reason is what this raises. The file's
     metadata becomes ``meta`` (none clears it, as envd)."""
-    link = _link(sb)
+    link = agent_link(sb)
     stream = await link.open("fs.write", {"path": path, "user": user, "metadata": meta})
     try:
         try:

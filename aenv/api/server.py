@@ -10,7 +10,7 @@ from pathlib import Path
 
 import uvicorn
 
-from aenv.api import connections, envd, listen
+from aenv.api import connections, envd_streams, listen
 from aenv.api.app import build
 from aenv.config import Settings
 from aenv.errors import InvalidRequest
@@ -113,7 +113,7 @@ async def serve(
             server_header=False,
             ws_max_size=settings.port_ws_max_message_mb * 2**20,  # what a client may send a sandbox's port
         )
-        logging.getLogger("uvicorn.error").addFilter(envd.DroppedStreamsAreNotErrors())
+        logging.getLogger("uvicorn.error").addFilter(envd_streams.DroppedStreamsAreNotErrors())
         connections.raise_open_files_limit()  # every connection is a file descriptor
         server = uvicorn.Server(config)
         if agent is not None and settings.drain_timeout > 0 and settings.repo.strip().lower() != "none":
