@@ -412,10 +412,16 @@ def test_best_of_n_interrupted_in_the_sync_face_leaves_no_child_behind(node: Ser
             signal.pthread_kill(main, signal.SIGINT)
 
         interrupter = threading.Thread(target=interrupt)
-        interrupter.start()
-        with pytest.raises(KeyboardInterrupt):
-            best_of_n(src, 3, run, "true")
-        interrupter.join()
+        # Ctrl-C as Python handles it by default: a run started in the background (`cmd &`)
+        # inherits SIGINT ignored, and the interrupt would never come (seen in a CI run).
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            interrupter.start()
+            with pytest.raises(KeyboardInterrupt):
+                best_of_n(src, 3, run, "true")
+            interrupter.join()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         assert alive(api, tag) == {src.sandbox_id}
 
 
