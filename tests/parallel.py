@@ -61,14 +61,18 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def one_process(args: list[str]) -> int:
+    return subprocess.call([sys.executable, "-m", "pytest", *args])
+
+
 def main(args: list[str]) -> int:
     if names_tests(args):
-        return subprocess.call([sys.executable, "-m", "pytest", *args])
+        return one_process(args)
     try:
         prepare_base(DATA_DIR)
     except RuntimeError as exc:
         print(f"`base` is not ready ({exc}); running the suite in one process", flush=True)
-        return subprocess.call([sys.executable, "-m", "pytest", *args])
+        return one_process(args)
     second_dir = Path(f"{DATA_DIR}-b")
     log = Path(f"{second_dir}-pytest.log")
     env_first = {**os.environ, "AENV_TEST_PORTS": "0/2"}

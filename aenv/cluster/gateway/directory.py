@@ -99,7 +99,7 @@ class Directory:
                 _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), MEMBER_CONNECT_TIMEOUT)
             except (OSError, TimeoutError):
                 return False
-            writer.close()
+            writer.close()  # a probe: nothing to say, and nothing to wait for on the way out
             return True
 
         endpoints = self.mirror.store.endpoints
