@@ -34,6 +34,7 @@ import ssl
 import struct
 import termios
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from email.utils import formatdate
 from pathlib import Path
@@ -420,7 +421,7 @@ class OwnHeaders:
             return
 
         async def with_own(message: Message) -> None:
-            if message["type"] in ("http.response.start", "websocket.http.response.start"):
+            if message["type"] in ("http.response.start", "websocket.http.response.start", "websocket.accept"):
                 headers = list(message.get("headers", []))
                 names = {name.lower() for name, _ in headers}
                 headers += [(name, value) for name, value in _own_headers() if name not in names]
@@ -428,6 +429,16 @@ class OwnHeaders:
             await send(message)
 
         await self.app(scope, receive, with_own)
+
+
+def dated_by(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    """The first Date and Server of an upstream's accepted upgrade (a port's 101, or a node's),
+    for the client's: OwnHeaders adds the server's own only where these are missing."""
+    kept: dict[bytes, bytes] = {}
+    for name, value in headers:
+        if name.lower() in ("date", "server"):
+            kept.setdefault(name.lower().encode("latin-1"), value.encode("latin-1"))
+    return list(kept.items())
 
 
 def as_sent(scope: Scope) -> list[tuple[bytes, bytes]]:

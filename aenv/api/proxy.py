@@ -23,7 +23,7 @@ from websockets.protocol import State
 from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
-from aenv.api.connections import as_sent, refuse_websocket
+from aenv.api.connections import as_sent, dated_by, refuse_websocket
 from aenv.channel import DATA, END, EOF, Item, Stream
 from aenv.errors import AenvError, AgentTimeout, ClusterUnavailable, RequestTimeout, error_body, error_headers, snippet
 from aenv.node.service import NodeService, SandboxRecord
@@ -330,7 +330,9 @@ async def proxy_websocket(scope: Any, receive: Any, send: Any, node: NodeService
             refusal = JSONResponse({"code": 502, "message": message}, status_code=502)
         await refuse_websocket(scope, send, refusal)
         return
-    await send({"type": "websocket.accept", "subprotocol": answer.headers.get("Sec-WebSocket-Protocol")})
+    subprotocol = answer.headers.get("Sec-WebSocket-Protocol")
+    dated = dated_by(answer.headers.raw_items())  # the port's Date and Server, as for an HTTP answer
+    await send({"type": "websocket.accept", "subprotocol": subprotocol, "headers": dated})
     await bridge.run(receive)
 
 

@@ -20,7 +20,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.frames import EXTERNAL_CLOSE_CODES
 from websockets.typing import Subprotocol
 
-from aenv.api.connections import as_sent, refuse_websocket
+from aenv.api.connections import as_sent, dated_by, refuse_websocket
 from aenv.cluster.entries import NodeEntry
 
 log = logging.getLogger("aenv.gateway")
@@ -92,6 +92,8 @@ async def relay_websocket(
         await refuse_websocket(scope, send, refusal)
         return
     accept = [(NODE_ID_HEADER.encode(), node.node_id.encode())]
+    if upstream.response is not None:  # the node's Date and Server (the port's): one of each
+        accept += dated_by(upstream.response.headers.raw_items())
     await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol, "headers": accept})
     await _Bridge(receive, send, upstream).run()
 

@@ -445,3 +445,74 @@ def test_answers_carry_one_date_and_one_server(target: Target, stack: Stack) -> 
     for request in (GET, b"GET /sandboxes HTTP/1.1\r\nHost: x\r\n", b"GET /no/such/route HTTP/1.1\r\nHost: x\r\n"):
         status, headers, _ = exchange(target, request + b"Connection: close\r\n\r\n")[0]
         assert len(headers.get("date", [])) == 1 and len(headers.get("server", [])) == 1, (status, headers)
+
+
+# A WebSocket server for busybox: accepts the upgrade (the accept key made with sha1sum and
+# base64), with a Date and a Server of its own unless it runs as ws-bare.sh, then holds it open.
+WS_ACCEPT = r"""#!/bin/sh
+key=""
+while IFS= read -r line; do
+  case "$line" in
+    [Ss]ec-[Ww]eb[Ss]ocket-[Kk]ey:*) key=$(echo "$line" | /bin/busybox cut -d' ' -f2 | /bin/busybox tr -d '\r') ;;
+  esac
+  [ "$line" = "$(printf '\r')" ] && break
+done
+hex=$(printf '%s' "${key}258EAFA5-E914-47DA-95CA-C5AB0DC85B11" | /bin/busybox sha1sum | /bin/busybox cut -c1-40)
+accept=$(printf "$(echo "$hex" | /bin/busybox sed 's/../\\x&/g')" | /bin/busybox base64)
+own='Date: Thu, 01 Jan 1970 00:00:00 GMT\r\nServer: ws-in-sandbox\r\n'
+case "$0" in *bare*) own='' ;; esac
+printf "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+printf "Sec-WebSocket-Accept: %s\r\n$own\r\n" "$accept"
+/bin/busybox sleep 10
+"""
+WS_PORTS = {"own": 8091, "bare": 8092}
+
+
+@pytest.fixture(scope="module")
+def ws_ports(stack: Stack) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        for _ in e2b_client(stack.node, mp):
+            sandbox = Sandbox.connect(stack.sandbox_id)
+            for name in ("ws", "ws-bare"):
+                sandbox.files.write(f"/tmp/{name}.sh", WS_ACCEPT)
+                sandbox.commands.run(f"/bin/busybox chmod 755 /tmp/{name}.sh")
+            sandbox.commands.run(f"/bin/busybox nc -ll -p {WS_PORTS['own']} -e /tmp/ws.sh", background=True)
+            sandbox.commands.run(f"/bin/busybox nc -ll -p {WS_PORTS['bare']} -e /tmp/ws-bare.sh", background=True)
+
+
+def upgrade_head(target: Target, stack: Stack, port: int) -> list[str]:
+    """The head of the answer to a WebSocket upgrade for ``port`` (its lines), once the port is up."""
+    upgrade = (
+        b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + f"E2b-Sandbox-Id: {stack.sandbox_id}\r\nE2b-Sandbox-Port: {port}\r\n".encode()
+        + b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+        + b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        with connect(target) as conn:
+            conn.sendall(upgrade)
+            got = b""
+            while b"\r\n\r\n" not in got and (chunk := conn.recv(65536)):
+                got += chunk
+        head = got.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+        if not head[0].startswith("HTTP/1.1 502"):  # the server in the sandbox is up
+            return head
+        assert time.monotonic() < deadline, head
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("port", ["own", "bare"])
+def test_an_accepted_websocket_carries_one_date_and_one_server(
+    target: Target, stack: Stack, ws_ports: None, port: str
+) -> None:
+    """A 101 for a sandbox's port carries the port's own Date and Server, or one of each of the
+    node's when the port sent none (seen failing: the 101 had neither, on a node and through a
+    gateway, while every other answer had one of each)."""
+    head = upgrade_head(target, stack, WS_PORTS[port])
+    assert head[0].startswith("HTTP/1.1 101"), head
+    dates = [line.split(":", 1)[1].strip() for line in head if line.lower().startswith("date:")]
+    servers = [line.split(":", 1)[1].strip() for line in head if line.lower().startswith("server:")]
+    assert len(dates) == 1 and len(servers) == 1, head
+    if port == "own":
+        assert dates == ["Thu, 01 Jan 1970 00:00:00 GMT"] and servers == ["ws-in-sandbox"], head
