@@ -37,6 +37,7 @@ class with the same table.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -248,6 +249,16 @@ def snippet(text: str, limit: int = 120) -> str:
     characters, and few of them."""
     clean = "".join(ch if ch.isprintable() else "?" for ch in text[: limit + 1])
     return clean if len(clean) <= limit else clean[:limit] + "..."
+
+
+def parse_json(raw: str | bytes | bytearray) -> Any:
+    """``json.loads`` for JSON from outside (a client, a sandbox, a registry): nesting deeper than
+    Python's decoder recurses raises RecursionError, which no ``except ValueError`` caught (a body
+    of 5000 ``[`` was a 500); here it is a ValueError like any other malformed JSON."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def lookup(cls: type[BaseException]) -> tuple[int, str]:

@@ -18,6 +18,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from aenv.errors import parse_json
+
 STREAM_CONTENT_TYPE = "application/connect+json"
 ENVELOPE = struct.Struct("!BI")
 END_STREAM = 0x02
@@ -81,7 +83,7 @@ def decode_envelopes(data: bytes) -> list[Any]:
         off += length
         if flags & END_STREAM:
             break
-        out.append(json.loads(chunk) if chunk else {})
+        out.append(parse_json(chunk) if chunk else {})
     return out
 
 
@@ -91,7 +93,7 @@ def _too_large() -> ConnectError:
 
 def _decode(payload: bytes, schema: Message) -> dict[str, Any]:
     try:
-        msg = json.loads(payload) if payload.strip() else {}
+        msg = parse_json(payload) if payload.strip() else {}
     except ValueError as exc:
         raise ConnectError("invalid_argument", f"cannot decode request: {exc}") from exc
     return checked(msg, schema)

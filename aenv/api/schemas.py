@@ -231,6 +231,14 @@ class SnapshotBody(BaseModel):
     # Answer only once the snapshot is committed to the repository (else it is committed after).
     durable: bool = False
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        # listed, shown and named in creates as labels are: no NUL, line break or escape
+        if value is not None and (at := _control(value)) is not None:
+            raise ValueError(f"the name has a control character at offset {at}")
+        return value
+
 
 class ForkBody(BaseModel):
     """E2B's SandboxForkRequest, plus aenv's ``metadata`` for the children: one map added to the

@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aenv.cluster.nodes import node_json
 from aenv.cluster.placement import Placement
-from aenv.errors import AenvError, InvalidRequest, Unauthenticated, error_body, error_headers
+from aenv.errors import AenvError, InvalidRequest, Unauthenticated, error_body, error_headers, parse_json
 from aenv.node.service import LiveSandbox, SandboxState
 
 if TYPE_CHECKING:
@@ -271,7 +271,7 @@ async def _move_of(request: Request) -> bool:
         if len(body) > 1024:
             raise InvalidRequest('a drain\'s body is {"move": true|false}')
     try:
-        parsed = json.loads(body) if body.strip() else {}
+        parsed = parse_json(body) if body.strip() else {}
     except ValueError:
         raise InvalidRequest('a drain\'s body is JSON: {"move": true|false}') from None
     if not isinstance(parsed, dict) or set(parsed) - {"move"} or not isinstance(parsed.get("move", False), bool):

@@ -17,6 +17,8 @@ import json
 import math
 from typing import Any
 
+from aenv.errors import parse_json
+
 ROOM = "limit_exceeded"  # the error a node answers a child (or a fork) it has no room for
 
 
@@ -30,7 +32,7 @@ def asked(body: bytes, max_fork: int) -> tuple[int, int | None, list[dict[str, s
     answer goes back as it came), or a ``count`` past the gateway's own ``max_fork``, whatever a
     node configured otherwise answered."""
     try:
-        parsed = json.loads(body) if body.strip() else {}
+        parsed = parse_json(body) if body.strip() else {}
     except ValueError:
         return None
     if not isinstance(parsed, dict) or not FIELDS.issuperset(parsed):

@@ -11,14 +11,13 @@ PATH_MAX fools), in the node's work directory, bounded like one.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import stat
 from pathlib import Path
 from typing import IO, Any
 
-from aenv.errors import InvalidRequest, NotFound
+from aenv.errors import InvalidRequest, NotFound, parse_json
 from aenv.images.reference import ImageRef
 from aenv.images.registry import INDEXES, Image, RegistryError, host_platform
 from aenv.storage.confined import remove_tree
@@ -100,7 +99,7 @@ def _small(path: Path) -> tuple[str, bytes]:
 
 def _json(data: bytes, what: str) -> Any:
     try:
-        return json.loads(data)
+        return parse_json(data)
     except ValueError as exc:
         raise InvalidRequest(f"{what} is not JSON: {exc}") from exc
 

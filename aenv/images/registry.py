@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from aenv.errors import InvalidRequest, NotFound, UpstreamError, snippet
+from aenv.errors import InvalidRequest, NotFound, UpstreamError, parse_json, snippet
 from aenv.images.guard import READ_TIMEOUT, guarded_client, read_bounded, send_following
 from aenv.images.reference import DIGEST, DOCKER_HUB, ImageRef
 
@@ -79,7 +79,7 @@ def image_not_found(ref: ImageRef, what: str) -> NotFound:
 
 def _json_object(raw: bytes, what: str) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = parse_json(raw)
     except ValueError:
         body = None
     if not isinstance(body, dict):

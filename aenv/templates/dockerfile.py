@@ -6,12 +6,11 @@ never silently skipped (EXPOSE, LABEL and the like are kept as metadata).
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from dataclasses import dataclass, field
 
-from aenv.errors import InvalidRequest
+from aenv.errors import InvalidRequest, parse_json
 
 BUILT = {"FROM", "RUN", "ENV", "ARG", "WORKDIR", "USER", "COPY", "ADD", "CMD", "ENTRYPOINT"}
 METADATA = {"EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL", "HEALTHCHECK", "VOLUME", "SHELL", "ONBUILD"}
@@ -34,7 +33,7 @@ class Instruction:
         text = self.args.strip()
         if text.startswith("["):
             try:
-                value = json.loads(text)
+                value = parse_json(text)
             except ValueError:
                 return None
             if isinstance(value, list) and all(isinstance(v, str) for v in value):

@@ -3,7 +3,6 @@ undrained through the node itself (aenv/cluster/drain.py)."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import httpx
@@ -17,7 +16,7 @@ from aenv.cluster.gateway.settings import MAX_INFO_BODY, GatewaySettings
 from aenv.cluster.gateway.upstream import Upstream
 from aenv.cluster.nodes import node_json
 from aenv.cluster.websocket import NODE_ID_HEADER
-from aenv.errors import InvalidRequest
+from aenv.errors import InvalidRequest, parse_json
 
 
 class NodeRoutes:
@@ -47,7 +46,7 @@ class NodeRoutes:
         a drain without moves started and left to run (its progress: ``POST .../drain``)."""
         node = self.directory.node_named(match["id"])
         try:
-            status = json.loads(await read_bounded(request, 1024) or b"{}").get("status")
+            status = parse_json(await read_bounded(request, 1024) or b"{}").get("status")
         except (ValueError, AttributeError):
             status = None
         if status not in ("ready", "draining"):

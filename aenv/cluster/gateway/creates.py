@@ -28,7 +28,7 @@ from aenv.cluster.gateway.settings import (
     GatewaySettings,
 )
 from aenv.cluster.gateway.upstream import Upstream
-from aenv.errors import ClusterUnavailable, InvalidRequest, LimitExceeded, UpstreamError
+from aenv.errors import ClusterUnavailable, InvalidRequest, LimitExceeded, UpstreamError, parse_json
 from aenv.node.create_ids import CREATE_ID_HEADER, create_id_of
 from aenv.teams.gateway import GatewayTeams
 
@@ -152,7 +152,7 @@ class Creates:
         saw make the snapshot named, if any (its entry may not list it yet, nor the repository
         hold it)."""
         try:
-            source = json.loads(body).get("templateID")
+            source = parse_json(body).get("templateID")
         except (ValueError, AttributeError):
             source = None
         source = source if isinstance(source, str) else None
