@@ -164,3 +164,21 @@ def test_snapshot_names_carry_no_control_characters(api: httpx.Client) -> None:
     assert r.status_code == 201, r.text
     assert r.json()["names"] == [name]
     assert api.delete(f"/snapshots/{r.json()['snapshotID']}").status_code == 204
+
+
+def test_mcp_servers_need_the_mcp_gateway_template(api: httpx.Client, stack: Stack) -> None:
+    """E2B's API only records ``mcp``: its SDKs create from the ``mcp-gateway`` template and start
+    the gateway in it. A create with MCP servers from any other template was a 201 sandbox with no
+    MCP at all (seen failing); from a template named or aliased ``mcp-gateway`` it goes on."""
+    servers = {"duckduckgo": {}, "github": {"githubPersonalAccessToken": "t"}}
+    for path in ("/sandboxes", "/v2/sandboxes"):
+        r = api.post(path, json={"templateID": TEMPLATE, "timeout": 60, "mcp": servers})
+        assert r.status_code == 400 and "mcp-gateway" in r.json()["message"], r.text
+    assert sandboxes(api) == set()
+    with httpx.Client(base_url=stack.node.url, headers={"X-API-Key": API_KEY}, timeout=60) as node:
+        assert node.patch(f"/templates/{TEMPLATE}", json={"aliases": ["mcp-gateway"]}).status_code == 200
+        try:
+            r = api.post("/v2/sandboxes", json={"templateID": "mcp-gateway", "timeout": 60, "mcp": servers})
+            assert r.status_code == 201, r.text
+        finally:
+            assert node.patch(f"/templates/{TEMPLATE}", json={"aliases": []}).status_code == 200

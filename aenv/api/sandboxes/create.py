@@ -13,11 +13,14 @@ from fastapi.responses import JSONResponse
 from aenv.api.sandboxes.network import CREATE_NETWORK_FIELDS, egress_rules, ingress_options, unbuilt_features
 from aenv.api.sandboxes.requests import _body, build_host_of, domain_of, json_body, node_of, quotas_of
 from aenv.api.schemas import NewSandbox, sandbox_json
-from aenv.errors import InvalidRequest
-from aenv.node.service import BuildHost, SandboxSpec, create_id_of
+from aenv.errors import InvalidRequest, SnapshotNotFound, TemplateNotFound
+from aenv.node.service import BuildHost, NodeService, SandboxSpec, create_id_of
 from aenv.templates import image_sources
 
 router = APIRouter()
+# The template E2B's SDKs create from when given MCP servers; they start its gateway themselves
+# (E2B's API only records `mcp`). From any other template a create with MCP servers has none.
+MCP_TEMPLATE = "mcp-gateway"
 
 
 def create_source(node: BuildHost, body: NewSandbox) -> AbstractAsyncContextManager[str]:
@@ -76,6 +79,11 @@ async def _create(request: Request) -> JSONResponse:
             return await created(source)
 
     async def created(source: str) -> str:
+        if body.mcp and not _runs_mcp(node, source):
+            raise InvalidRequest(
+                f"MCP servers (mcp) need the {MCP_TEMPLATE} template, which runs their gateway: "
+                f"{body.template_id!r} is not it (the SDKs create from {MCP_TEMPLATE} when given mcp)"
+            )
         return (await node.create(source, spec)).id
 
     # A create sent again with its id (a gateway whose connection broke, an SDK's retry with its
@@ -87,6 +95,19 @@ async def _create(request: Request) -> JSONResponse:
     if node.announce is not None:
         await node.announce([sandbox_id])
     return JSONResponse(sandbox_json(node, node.get(sandbox_id), domain_of(request)), status_code=201)
+
+
+def _runs_mcp(node: NodeService, source: str) -> bool:
+    """Whether ``source`` (a template, or a snapshot of a sandbox of one) is the MCP gateway's:
+    named or aliased ``mcp-gateway`` (any tag)."""
+    try:
+        template = node.find_template(source)
+    except TemplateNotFound:
+        try:
+            template = node.find_template(node.find_snapshot(source).template_id)
+        except (TemplateNotFound, SnapshotNotFound):
+            return False
+    return any(name.split(":", 1)[0] == MCP_TEMPLATE for name in [template.name, *template.aliases])
 
 
 router.add_api_route(
