@@ -57,8 +57,9 @@ class Instances:
 
     async def settle(self, timeout: float = 60) -> None:
         """Wait for background teardowns of old instances to finish."""
-        if self._teardowns:
-            await asyncio.wait(list(self._teardowns), timeout=timeout)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._teardowns and (left := deadline - asyncio.get_running_loop().time()) > 0:
+            await asyncio.wait(list(self._teardowns), timeout=left)  # a halt's task leaves a kill's
 
     async def settled(self, layers: list[str]) -> None:
         """Wait until no instance being torn down still writes one of ``layers`` (a snapshot's
@@ -218,22 +219,29 @@ class Instances:
         self.artifacts.pin(lowers)  # its overlay is mounted until the teardown: not evictable
 
         async def teardown() -> None:
+            # Halted, the instance writes nothing and its overlay is gone: its upper may be sealed
+            # or removed, and whoever waits for it (settled) goes on. runsc's own teardown follows.
             try:
-                await self.driver.kill(instance)
+                await self.driver.halt(instance)
                 if then is not None:
                     await then()
             finally:
                 self.artifacts.unpin(lowers)
                 self.pending_layers.discard(layer)
-                self._teardowns.discard(task)
                 if self._teardown_of.get(layer) is task:
                     del self._teardown_of[layer]
+                self._track(asyncio.ensure_future(self.driver.kill(instance)), instance.id)
 
         task = asyncio.ensure_future(teardown())
-        self._teardowns.add(task)
         self._teardown_of[layer] = task
+        self._track(task, instance.id)
+
+    def _track(self, task: asyncio.Task[None], instance_id: str) -> None:
+        """A teardown's task: the node's stop waits for it (settle)."""
+        self._teardowns.add(task)
         self.background.add(task)
-        task.add_done_callback(log_failure(instance.id, self.background))
+        task.add_done_callback(self._teardowns.discard)
+        task.add_done_callback(log_failure(instance_id, self.background))
 
     async def checkpoint_stopped(self, sb: LiveSandbox) -> str:
         """Freeze the agent, checkpoint and stop the instance; return the image id.

@@ -139,6 +139,11 @@ class Driver(Protocol):
         """Stop the instance and release everything it held on the host. Idempotent."""
         ...
 
+    async def halt(self, instance: Instance) -> None:
+        """Stop the instance for good and release its root filesystem, as soon as can be: what it
+        wrote may be sealed then. The rest of its teardown is ``kill``'s, which must follow."""
+        ...
+
     async def usage(self, instance: Instance) -> Usage: ...
 
     def doze(self, instance: Instance) -> bool:

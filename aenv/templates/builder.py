@@ -232,12 +232,21 @@ async def build_instance(
             await link.booted(instance)
             yield link, instance, upper
         except BaseException:
-            await node.driver.kill(instance)
+            await _stop(node, instance)
             link.close(f"{label} failed")
             await node.files.remove(upper)
             raise
-        await node.driver.kill(instance)
+        await _stop(node, instance)
         link.close(f"{label} finished")
+
+
+async def _stop(node: BuildHost, instance: Instance) -> None:
+    """Stop a build sandbox so its upper can be sealed or removed now; runsc's own teardown (over
+    a second on a host whose init reaps orphans late) goes on in the background."""
+    try:
+        await node.driver.halt(instance)
+    finally:
+        node.spawn(node.driver.kill(instance))
 
 
 async def seal(node: BuildHost, upper: str) -> str | None:

@@ -114,7 +114,9 @@ def test_a_second_pause_of_an_idle_sandbox_uploads_its_changed_pages_in_one_pack
             wait_for(lambda: repo.get_entry("sandbox", sbx.sandbox_id) is None, 20)
         first, second = images
         own = [p for p in second["packs"] if p not in first["packs"]]
-        assert len(own) == 1 and len(second["packs"]) <= 4, second["packs"]  # a pack of its own, a few shared
+        # One pack of its own; the others are ones the first image references (how many varies:
+        # older packs, the template's, count once a quarter of their bytes is reused; seen 3 and 4).
+        assert len(own) == 1 and len(second["packs"]) <= len(first["packs"]) + 1, (first["packs"], second["packs"])
         assert len(second["chunks"]) > 1000  # ~4 KiB chunks of a ~10 MiB image
         assert uploads[1] < 1.2 * 2**20, uploads  # the changed pages, the upper, the manifests
         sealed = next(r for r in repo.artifact_refs(entry) if r.id == entry["record"]["layers"][-1])
