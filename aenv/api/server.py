@@ -12,6 +12,7 @@ import uvicorn
 
 from aenv.api import connections, envd_streams, listen
 from aenv.api.app import build
+from aenv.cluster.entries import EntryError, node_id_of
 from aenv.config import Settings
 from aenv.errors import InvalidRequest
 from aenv.node.orchestrator import Node
@@ -82,6 +83,14 @@ async def serve(
         await node.start()
     except BaseException:
         listen.close(sockets)
+        raise
+    try:  # alone as in a cluster: its lists and dashboard name it (nodeID), by the id it would join with
+        settings.node_id = node_id_of(settings)
+    except BaseException as exc:
+        await node.stop()
+        listen.close(sockets)
+        if isinstance(exc, EntryError):
+            raise InvalidRequest(str(exc)) from exc
         raise
     try:
         if settings.build_base:

@@ -19,9 +19,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import re
+import secrets
+import socket
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from aenv.config import Settings
 
 PREFIX = "/aenv/"
 NODES_PREFIX = PREFIX + "nodes/"
@@ -51,6 +58,25 @@ def check_id(value: str, what: str) -> str:
     if not ID_PATTERN.fullmatch(value):
         raise EntryError(f"invalid {what} {value[:80]!r}: 1-63 characters of A-Z a-z 0-9 . _ -")
     return value
+
+
+def node_id_of(settings: Settings) -> str:
+    """AENV_NODE_ID, else one made once from the host name and kept in the data dir (a restart
+    keeps its id, so it takes its directory entries back). A node alone has one too: its lists
+    and the dashboard name it."""
+    if settings.node_id:
+        return check_id(settings.node_id, "node id")
+    path: Path = settings.data_dir / "node-id"
+    try:
+        return check_id(path.read_text().strip(), "node id")
+    except FileNotFoundError:
+        pass
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40].strip("-._") or "node"
+    node_id = f"{host}-{secrets.token_hex(3)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(node_id + "\n")
+    return node_id
 
 
 def node_key(node_id: str) -> bytes:

@@ -21,7 +21,10 @@ router = APIRouter()
 @router.get("/sandboxes/{sandbox_id}", summary="Get a sandbox")
 async def get_sandbox(request: Request, sandbox_id: str) -> dict[str, Any]:
     node = node_of(request)
-    return sandbox_detail(node, node.get(sandbox_id), domain_of(request))
+    detail = sandbox_detail(node, node.get(sandbox_id), domain_of(request))
+    if node.settings.node_id:  # the node it runs on, as its list item and a gateway's answer say
+        detail["nodeID"] = node.settings.node_id
+    return detail
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204, summary="Kill a sandbox")

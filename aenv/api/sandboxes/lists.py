@@ -97,8 +97,8 @@ async def list_v1(request: Request, metadata: str | None = None) -> list[dict[st
 
 
 def listed_item(node: NodeService, sb: LiveSandbox, domain: str | None) -> dict[str, Any]:
-    """A list's item: the sandbox's detail, and the node it runs on when the node has an id
-    (AENV_NODE_ID; a cluster's nodes do), as a gateway's lists say (not in E2B's ListedSandbox)."""
+    """A list's item: the sandbox's detail, and the node it runs on (AENV_NODE_ID, else the id kept
+    in the data dir: every served node has one), as a gateway's lists say (not in E2B's ListedSandbox)."""
     item = sandbox_detail(node, sb, domain)
     if node.settings.node_id:
         item["nodeID"] = node.settings.node_id

@@ -8,39 +8,17 @@ without an agent.
 from __future__ import annotations
 
 import logging
-import os
-import re
-import secrets
-import socket
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from aenv.cluster.entries import ClusterConfig, api_key_digest, check_id, key_matches
+from aenv.cluster.entries import ClusterConfig, api_key_digest, key_matches
+from aenv.cluster.entries import node_id_of as node_id_of  # its home now: a node alone has an id too
 from aenv.cluster.store import ClusterStore, EtcdTls, EtcdUser
 from aenv.config import Settings
 from aenv.errors import InvalidRequest
 
 log = logging.getLogger("aenv.cluster.agent")
-
-
-def node_id_of(settings: Settings) -> str:
-    """AENV_NODE_ID, else one made once from the host name and kept in the data dir (a restart
-    keeps its id, so it takes its directory entries back)."""
-    if settings.node_id:
-        return check_id(settings.node_id, "node id")
-    path: Path = settings.data_dir / "node-id"
-    try:
-        return check_id(path.read_text().strip(), "node id")
-    except FileNotFoundError:
-        pass
-    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40].strip("-._") or "node"
-    node_id = f"{host}-{secrets.token_hex(3)}"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(node_id + "\n")
-    return node_id
 
 
 def advertise_of(settings: Settings) -> str:
