@@ -11,6 +11,21 @@ from pathlib import Path
 from aenv.errors import OperationTimeout, RuntimeFailure
 
 STDERR_KEPT = 64 * 1024  # enough for a Go panic and its stack
+# A tool run in namespaces of its own: setpriv makes the kernel kill unshare when this process dies
+# (even by SIGKILL), unshare then kills the namespace's first process, and with it the kernel ends
+# every other; the mount namespace, and what the tool mounted in it, goes with its last process.
+CONTAINED = (
+    "setpriv",
+    "--pdeathsig",
+    "KILL",
+    "unshare",
+    "--mount",
+    "--propagation",
+    "private",
+    "--pid",
+    "--kill-child=KILL",
+    "--",
+)
 
 
 async def run(
@@ -23,17 +38,21 @@ async def run(
     check: bool = True,
     stderr_file: Path | None = None,
     umask: int = -1,
+    contained: bool = False,
 ) -> str:
     """Run ``argv``; return stdout. Failures raise RuntimeFailure carrying argv and stderr.
 
     ``stderr_file`` sends stderr to a file instead of a pipe: `runsc run --detach` hands its
     stdio to the sandbox, so a pipe would never reach EOF. ``umask`` replaces the node's (077)
-    for a tool that makes files sandboxes see (debootstrap).
+    for a tool that makes files sandboxes see (debootstrap). ``contained`` runs it in mount and
+    PID namespaces of its own that die with this process (CONTAINED): what it mounts is never in
+    the host's mount table, and nothing of it outlives a node killed without a chance to clean up.
     """
     err_fd = os.open(stderr_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if stderr_file else None
     start = stderr_file.stat().st_size if stderr_file else 0
     try:
         proc = await asyncio.create_subprocess_exec(
+            *(CONTAINED if contained else ()),
             *argv,
             cwd=cwd,
             stdin=stdin,

@@ -368,6 +368,7 @@ async def debootstrap(node: BuildHost, log: LogFn) -> str:
                 stdout=out,
                 stderr_file=log_path,
                 umask=0o022,  # a root filesystem: its files are for every user of the sandbox
+                contained=True,  # its proc, sys and devices never in the host's table, nor it past a kill
             )
             await _unstoppable(unmount_under(path))  # it unmounts what it mounted; sure is sure
             return layer_id

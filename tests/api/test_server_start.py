@@ -25,7 +25,7 @@ import pytest
 
 from aenv.storage.mounts import mounts_under
 from tests.conftest import API_KEY, Server, free_port, start_server
-from tests.node.test_base_build import SHIM
+from tests.node.test_base_build import SHIM, ended
 
 pytestmark = pytest.mark.sandbox
 QUIET = {"AENV_BUILD_BASE": "false", "AENV_REPO": "none"}
@@ -103,7 +103,7 @@ def test_sigterm_during_the_base_build(shim: Path) -> None:
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        assert mounts_under(shim / "data")  # the fault is in place
+        assert shim_mounts(shim)  # the fault is in place
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass  # already listening while `base` builds
         proc.send_signal(signal.SIGTERM)
@@ -114,8 +114,45 @@ def test_sigterm_during_the_base_build(shim: Path) -> None:
             proc.wait()
     assert "SIGTERM: stopped before serving" in log.read_text()
     assert mounts_under(shim / "data") == []
-    with pytest.raises(ProcessLookupError):
-        os.kill(int((shim / "pid").read_text()), 0)  # debootstrap went with it
+    assert ended(int((shim / "pid").read_text()))  # debootstrap went with it
+
+
+def shim_mounts(shim: Path, mountinfo: Path | None = None) -> list[Path]:
+    """What the fake debootstrap mounted in its target (proc, sys, a device), as it sees them (in a
+    mount namespace of its own or not), or as ``mountinfo`` lists them."""
+    seen = mountinfo or Path(f"/proc/{int((shim / 'pid').read_text())}/mountinfo")
+    return [p for p in mounts_under(shim / "data", mountinfo=seen) if p.name in ("proc", "sys", "null")]
+
+
+def test_a_killed_server_leaves_no_mount_and_no_debootstrap(shim: Path) -> None:
+    """SIGKILL during the build (no cleanup can run): debootstrap goes with the server, and what it
+    mounted with it. Seen failing before: debootstrap ran on, orphaned, and proc, sys and a device
+    stayed mounted in the data dir (until it ended, or for good if it was killed too)."""
+    port = free_port()
+    log = shim / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            server_argv(port, shim / "data"), env=server_env(shim, "hang"), stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not (shim / "pid").exists():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while len(shim_mounts(shim)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(shim_mounts(shim)) == 3  # the fault is in place: proc, sys and the device
+    finally:
+        proc.kill()
+        proc.wait()
+    assert ended(int((shim / "pid").read_text())), "debootstrap outlived the server"  # the kernel ends it
+    here = Path("/proc/self/mountinfo")
+    deadline = time.monotonic() + 10
+    while shim_mounts(shim, here) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert shim_mounts(shim, here) == []  # (the node's own spare uppers wait for its next start)
 
 
 def test_ipv6_and_tls_through_the_early_socket(tmp_path: Path) -> None:
