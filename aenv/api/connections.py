@@ -226,8 +226,9 @@ class NodeHTTPProtocol(HttpToolsProtocol):
             if not self.heard:
                 self.heard = True
                 self.gate.spoke(self)
-            self.gate.woke(self)
-            self._unset_keepalive_if_required()
+            if not self._dropping():
+                self.gate.woke(self)
+                self._unset_keepalive_if_required()
             self._take(memoryview(data))
         finally:
             _TRANSPORT.reset(token)
@@ -258,6 +259,12 @@ class NodeHTTPProtocol(HttpToolsProtocol):
                 else:
                     self._refuse(400, "Invalid HTTP request received.")
                 return
+
+    def _dropping(self) -> bool:
+        """Whether what arrives is the rest of a body whose request has been answered (and is
+        dropped): the connection stays idle, under the keep-alive timeout and AENV_HTTP_MAX_IDLE
+        (a byte of it now and then, stopping the timer, held a connection for good)."""
+        return self._in_body and self.cycle is not None and self.cycle.response_complete
 
     def _too_large_message(self) -> str:
         if self._in_body:
@@ -314,6 +321,8 @@ class NodeHTTPProtocol(HttpToolsProtocol):
 
     # Parser callbacks
     def on_message_begin(self) -> None:
+        self.gate.woke(self)  # a new request: no longer idle (a dropped body's end came with it)
+        self._unset_keepalive_if_required()
         super().on_message_begin()
         self._fields = 0
         self._cased = None
