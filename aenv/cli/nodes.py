@@ -65,11 +65,9 @@ def nodes(
 
 def _undrain(node_id: str, *, as_json: bool) -> None:
     """A gateway's ``POST /nodes/{id}/undrain``: the node as it is after (JSON, or a line)."""
-    from urllib.parse import quote
 
     async def go(c: AsyncClient) -> dict[str, Any]:
-        result: dict[str, Any] = await c._post(f"/nodes/{quote(node_id, safe='')}/undrain", {})
-        return result
+        return await c.undrain_node(node_id)
 
     node = _run(go)
     if as_json:

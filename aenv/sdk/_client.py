@@ -273,6 +273,15 @@ class AsyncClient:
             raise AenvError("the drain's progress stream ended before the drain did")
         return last
 
+    async def undrain_node(self, node_id: str) -> dict[str, Any]:
+        """Take a drained (or draining) node back (a gateway's ``POST /nodes/{id}/undrain``): it
+        takes new work again and a drain under way stops; a node not draining is left as it is.
+        Returns the node as it is after (``status`` ready)."""
+        from urllib.parse import quote
+
+        result: dict[str, Any] = await self._post(f"/nodes/{quote(node_id, safe='')}/undrain", {})
+        return result
+
     async def logs(self, sandbox_id: str) -> dict[str, Any]:
         """A sandbox's recent commands (newest first, with their exit codes) and its log (the node's
         events for it and its agent's lines, oldest first)."""

@@ -372,6 +372,12 @@ class Client(_Face):
         progress report goes to ``on_progress``; returns the last one (``done``)."""
         return self._block(self._target.drain_node(node_id, move=move, on_progress=on_progress))
 
+    def undrain_node(self, node_id: str) -> dict[str, Any]:
+        """Take a drained (or draining) node back (a gateway's ``POST /nodes/{id}/undrain``): it
+        takes new work again and a drain under way stops; a node not draining is left as it is.
+        Returns the node as it is after (``status`` ready)."""
+        return self._block(self._target.undrain_node(node_id))
+
     def logs(self, sandbox_id: str) -> dict[str, Any]:
         """A sandbox's recent commands (newest first, with their exit codes) and its log (the node's
         events for it and its agent's lines, oldest first)."""

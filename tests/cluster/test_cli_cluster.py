@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from aenv.sdk import AenvError, Client
 from tests.cluster.test_gateway import Cluster, cluster  # noqa: F401  (the module's cluster fixture)
 from tests.conftest import API_KEY, Server
 
@@ -192,6 +193,14 @@ def test_undrain_takes_a_drained_node_back(cluster: Cluster) -> None:  # noqa: F
     assert httpx.post(f"{gw}/nodes/node-b/undrain").status_code == 401
     missing = aenv(gw, "nodes", "undrain", "node-zz")
     assert missing.returncode == 1 and "node-zz" in missing.stderr and "Traceback" not in missing.stderr
+
+    with Client(gw, API_KEY) as client:  # the SDK's twin of the CLI's (it had drain_node only)
+        assert client.drain_node("node-b")["done"]
+        assert node_shown(cluster, "node-b", "draining")
+        assert (client.undrain_node("node-b")["nodeID"], client.undrain_node("node-b")["status"]) == ("node-b", "ready")
+        assert node_shown(cluster, "node-b", "ready")
+        with pytest.raises(AenvError, match="node-zz"):
+            client.undrain_node("node-zz")
 
 
 def test_undrain_stops_a_drain_under_way(cluster: Cluster) -> None:  # noqa: F811
