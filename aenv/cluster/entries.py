@@ -161,6 +161,8 @@ class NodeEntry:
     # Names (ids, names, aliases) of templates and snapshots whose layers and image are on this
     # node's disk: a create from one starts here without a fetch. Bounded (MAX_CACHED_NAMES).
     cached: list[str] = field(default_factory=list)
+    create_successes: int = 0  # creates finished since the node started (E2B's createSuccesses)
+    create_fails: int = 0
 
     @property
     def room(self) -> int:

@@ -1,9 +1,10 @@
 """What a gateway says of a node (``GET /nodes``, ``GET /nodes/{id}``, an undrain's answer).
 
-E2B's ``Node`` / ``NodeDetail`` where they apply (``nodeID``, ``status``, ``sandboxCount``,
-``sandboxStartingCount``, ``allocatedCPU``, ``allocatedMemoryMiB``, ``version``, ``cachedBuilds``
-and its ``metrics``), then aenv's own, camelCase as the rest of the API: from the node's directory
-entry, which the node rewrites every second.
+E2B's ``Node`` / ``NodeDetail`` where they apply (``nodeID`` and ``id``, ``status``, ``sandboxCount``,
+``sandboxStartingCount``, ``createSuccesses``, ``createFails``, ``allocatedCPU``,
+``allocatedMemoryMiB``, ``version``, ``cachedBuilds`` and its ``metrics``), then aenv's own,
+camelCase as the rest of the API: from the node's directory entry, which the node rewrites every
+second.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ def node_json(node: NodeEntry, now: float | None = None) -> dict[str, object]:
     cpus = node.cpu_count or 1.0
     return {
         "nodeID": node.node_id,
+        "id": node.node_id,  # E2B's newer name for it
         "status": node_status(node, now),
         "sandboxCount": node.running,
         "sandboxStartingCount": node.starting,
+        "createSuccesses": node.create_successes,
+        "createFails": node.create_fails,
         "allocatedCPU": node.cpu_committed,
         "allocatedMemoryMiB": node.memory_committed_mb,
         "version": node.version,

@@ -92,6 +92,17 @@ COMMAND_START_SECONDS = Histogram(
 )
 
 
+def outcomes(op: str) -> tuple[int, int]:
+    """How many ``op`` operations this process finished well and how many failed (E2B's node
+    ``createSuccesses`` and ``createFails`` for ``create``)."""
+    done = {"ok": 0.0, "error": 0.0}
+    for family in OPERATIONS.collect():
+        for sample in family.samples:
+            if sample.name == "aenv_operations_total" and sample.labels["op"] == op:
+                done[sample.labels["outcome"]] = done.get(sample.labels["outcome"], 0.0) + sample.value
+    return int(done["ok"]), int(done["error"])
+
+
 def operation_failed(op: str, exc: BaseException) -> None:
     """Count a failed operation, with why: an aenv error's code, else what kind of failure it was."""
     if isinstance(exc, AenvError):

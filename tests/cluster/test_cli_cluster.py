@@ -41,7 +41,8 @@ def test_nodes_json_when_piped_table_on_a_terminal(cluster: Cluster, one_on_each
         piped = aenv(gw, "nodes")
         assert piped.returncode == 0, piped.stderr
         listed = json.loads(piped.stdout)
-        if all("base" in n.get("cachedBuilds", []) for n in listed) or time.monotonic() > deadline:
+        settled = all("base" in n.get("cachedBuilds", []) and n.get("createSuccesses", 0) >= 1 for n in listed)
+        if settled or time.monotonic() > deadline:  # (creates counted at the next heartbeat)
             break
         time.sleep(0.5)
     assert [n["nodeID"] for n in listed] == ["node-a", "node-b"]
@@ -49,6 +50,7 @@ def test_nodes_json_when_piped_table_on_a_terminal(cluster: Cluster, one_on_each
     assert all(n["room"] > 0 and n["status"] == "ready" and not n["draining"] for n in listed)
     for node in listed:  # E2B's node fields, then aenv's, all camelCase
         assert {"sandboxCount", "sandboxStartingCount", "allocatedCPU", "allocatedMemoryMiB", "metrics"} <= set(node)
+        assert node["id"] == node["nodeID"] and node["createSuccesses"] >= 1 and node["createFails"] >= 0
         assert {"maxSandboxes", "sandboxPausedCount", "cpuCount", "memoryMiB", "startedAt", "updatedAt"} <= set(node)
         assert not [key for key in node if "_" in key], node
         assert node["maxSandboxes"] > 0 and node["metrics"]["cpuCount"] == node["cpuCount"] > 0

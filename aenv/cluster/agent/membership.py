@@ -39,6 +39,7 @@ from aenv.cluster.entries import MAX_CACHED_NAME, MAX_CACHED_NAMES, NodeEntry, c
 from aenv.cluster.store import ClusterStore
 from aenv.config import Settings
 from aenv.errors import ClusterUnavailable, LimitExceeded
+from aenv.node import metrics
 from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxState
 
 __all__ = ["NodeAgent", "start_agent"]
@@ -319,6 +320,7 @@ class NodeAgent:
     def entry(self) -> NodeEntry:
         settings: Settings = self.node.settings
         load = self.node.capacity()
+        created = metrics.outcomes("create")
         return NodeEntry(
             node_id=self.node_id,
             address=self.address,
@@ -339,6 +341,8 @@ class NodeAgent:
             started_at=self.started_at,
             updated_at=round(time.time(), 3),
             cached=self.held(),
+            create_successes=created[0],
+            create_fails=created[1],
         )
 
     def held(self) -> list[str]:
