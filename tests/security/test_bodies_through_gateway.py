@@ -182,3 +182,20 @@ def test_mcp_servers_need_the_mcp_gateway_template(api: httpx.Client, stack: Sta
             assert r.status_code == 201, r.text
         finally:
             assert node.patch(f"/templates/{TEMPLATE}", json={"aliases": []}).status_code == 200
+
+
+def test_a_network_update_with_a_field_it_does_not_know_changes_nothing(api: httpx.Client) -> None:
+    """The update replaces the sandbox's egress rules: a misspelt field (``allowout``) was ignored
+    and the rest replaced, so a sandbox held to one address was opened to all (204; seen failing)."""
+    held = {"allowOut": ["1.1.1.1"], "denyOut": ["0.0.0.0/0"]}
+    r = api.post("/v2/sandboxes", json={"templateID": TEMPLATE, "timeout": 60, "network": held})
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    for body in ({"allowout": ["1.1.1.1"]}, {"allowOut": ["1.1.1.1"], "denyOUT": ["0.0.0.0/0"]}, {"egress": {}}):
+        r = api.put(f"/sandboxes/{sid}/network", json=body)
+        assert client_error(r) and "Extra inputs are not permitted" in r.json()["message"], (body, r.text)
+    assert api.get(f"/sandboxes/{sid}").json()["network"] == held
+    # what the SDKs send is taken: the rules, internet access, and an empty update
+    for body in ({"allowOut": ["8.8.8.8"], "denyOut": ["0.0.0.0/0"], "allow_internet_access": True}, {}):
+        assert api.put(f"/sandboxes/{sid}/network", json=body).status_code == 204, body
+    assert api.get(f"/sandboxes/{sid}").json()["network"] == {}

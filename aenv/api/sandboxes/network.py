@@ -23,6 +23,12 @@ router = APIRouter()
 CREATE_NETWORK_FIELDS = frozenset(
     {"allowOut", "denyOut", "allowPublicTraffic", "maskRequestHost", "rules", "egressProxy", "dnsServers", "httpsPorts"}
 )
+# What E2B's SandboxNetworkUpdateConfig has (allow_internet_access apart), and the ingress fields
+# refused unless left as they are: the update replaces every rule, so a misspelt one ignored would
+# open the sandbox (`allowout` cleared a denyOut of 0.0.0.0/0).
+UPDATE_NETWORK_FIELDS = frozenset(
+    {"allowOut", "denyOut", "rules", "egressProxy", "dnsServers", "allowPublicTraffic", "maskRequestHost"}
+)
 
 
 def unbuilt_features(body: NewSandbox) -> None:
@@ -135,7 +141,7 @@ async def update_network(request: Request, sandbox_id: str) -> Response:
     if update.get("allowPublicTraffic") is False or update.get("maskRequestHost") is not None:
         raise InvalidRequest("network.allowPublicTraffic and network.maskRequestHost are set when a sandbox is created")
     internet = update.pop("allow_internet_access", None)
-    rules = egress_rules(update, field="egressProxy")
+    rules = egress_rules(update, field="egressProxy", known=UPDATE_NETWORK_FIELDS)
     # The update replaces the whole egress configuration, internet access included: left out, it
     # is the default again (Harbor's `{}` for a public phase after a no-network one).
     node = node_of(request)
