@@ -326,7 +326,11 @@ async def build_base(node: BuildHost, *, on_log: LogFn | None = None) -> Templat
     started = time.monotonic()
     layer_id = await debootstrap(node, log)
     log(f"root filesystem ready in {time.monotonic() - started:.0f}s")
-    return await _commit_base(node, layer_id, log)
+    try:
+        return await _commit_base(node, layer_id, log)
+    except BaseException:  # no template holds it: the next start debootstraps anew
+        await _unstoppable(node.files.remove(layer_id))
+        raise
 
 
 def _fake(node: BuildHost) -> bool:

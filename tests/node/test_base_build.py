@@ -137,6 +137,23 @@ async def test_a_failure_then_a_success(shim: Path, monkeypatch: pytest.MonkeyPa
     assert node.files.layer_ids() == {layer_id}  # the failed attempt's target is gone
 
 
+async def test_a_failed_commit_leaves_no_layer(shim: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """debootstrap succeeds, the commit after it fails (a boot, a setup step): the Debian layer
+    goes too (seen failing before: it stayed, some 300 MB, until the next start collected it)."""
+    monkeypatch.setenv("SHIM_MODE", "fail-once")
+
+    async def commit(node: Any, layer_id: str, log: Any) -> str:
+        raise RuntimeFailure("step 1 failed: the setup broke")
+
+    monkeypatch.setattr(builder, "_commit_base", commit)
+    node = fake_node(shim / "data")
+    with pytest.raises(RuntimeFailure, match="the setup broke"):
+        await builder.build_base(node)
+    assert runs(shim) == 2
+    assert mounted_under(shim / "data") == []
+    assert node.files.layer_ids() == set()
+
+
 async def test_a_timeout_is_not_retried_and_unmounts(shim: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHIM_MODE", "hang")
     monkeypatch.setattr(builder, "DEBOOTSTRAP_TIMEOUT", 3.0, raising=False)
