@@ -530,6 +530,9 @@ class GVisorDriver(guestbundle.BundledGuests):
         instance.writer.close()
         self._wake(instance.id)  # frozen tasks die of SIGKILL only once thawed
         pidfds = [fd for pid in self._processes_of(instance.id) if (fd := _pidfd_of(pid, instance.id)) is not None]
+        if not pidfds:  # none left to stop (gone already) or none found: runsc's way
+            await self._teardown(instance.id)
+            return
         try:
             for fd in pidfds:
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
@@ -543,6 +546,8 @@ class GVisorDriver(guestbundle.BundledGuests):
         rootfs = self.bundles / instance.id / "rootfs"
         if os.path.ismount(rootfs):
             await hostexec.run(["umount", str(rootfs)], timeout=30, check=False)
+        if os.path.ismount(rootfs):  # something else holds it: runsc's way, then its own retries
+            await self._teardown(instance.id)
 
     def _processes_of(self, instance_id: str) -> list[int]:
         """The sandbox and gofer processes runsc's state file names (runsc writes it, on the host)."""

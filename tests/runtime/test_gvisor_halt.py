@@ -92,12 +92,19 @@ def bystanders() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 async def test_a_halt_signals_no_process_that_is_not_the_instances(
-    tiny: Node, bystanders: list[subprocess.Popen[bytes]]
+    tiny: Node, bystanders: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A state file naming other processes (a pid runsc named once and the host reused since, or
-    one runsc of another instance): the halt signals none of them, and still returns."""
+    one runsc of another instance): the halt signals none of them, and hands over to runsc's own
+    teardown (recorded here, not run: runsc would act on the forged state file)."""
     driver = tiny.driver
     assert isinstance(driver, GVisorDriver)
+    handed: list[str] = []
+
+    async def teardown(instance_id: str) -> None:
+        handed.append(instance_id)
+
+    monkeypatch.setattr(driver, "_teardown", teardown)
     await asyncio.sleep(0.2)  # the dressed ones have exec'd
     instance_id = "haltvictim01"
     path = driver.runsc_root / f"{instance_id}_sandbox:{instance_id}.state"
@@ -111,3 +118,4 @@ async def test_a_halt_signals_no_process_that_is_not_the_instances(
             path.unlink()
         assert [p.poll() for p in bystanders] == [None, None, None]
         assert all(state(p.pid) not in ("", "Z") for p in bystanders)
+    assert handed == [instance_id, instance_id]
