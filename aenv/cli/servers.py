@@ -126,7 +126,11 @@ def gateway(
         cluster_tls=cluster_tls,
         cluster_user=cluster_user,
     )
-    asyncio.run(serve_gateway(settings, host=host, port=port))
+    try:
+        asyncio.run(serve_gateway(settings, host=host, port=port))
+    except AenvError as exc:  # the port taken: one line, no traceback
+        err.print(f"[red]error:[/red] {exc.message}")
+        raise typer.Exit(1) from None
 
 
 @app.command("etcd-auth")

@@ -77,6 +77,19 @@ def test_a_taken_port_fails_at_once_without_building(first: Server, shim: Path) 
     assert httpx.get(f"{first.url}/health", timeout=10).status_code == 200
 
 
+def test_a_gateway_on_a_taken_port_fails_at_once(first: Server, tmp_path: Path) -> None:
+    """A gateway listens before it reads the cluster too (seen failing before: it tried etcd for
+    10 s, started, then uvicorn's bind failed with exit code 3)."""
+    nothing = f"etcd://127.0.0.1:{free_port()}"  # no etcd there: what a gateway would try first
+    argv = [sys.executable, "-m", "aenv.cli.main", "gateway", "--cluster", nothing, "--port", str(first.port)]
+    env = dict(os.environ, AENV_API_KEY=API_KEY)
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1, second.stderr
+    assert f"cannot listen on 127.0.0.1:{first.port}: the address is in use" in second.stderr
+    assert "Traceback" not in second.stderr and "did not answer" not in second.stderr, second.stderr
+    assert httpx.get(f"{first.url}/health", timeout=10).status_code == 200
+
+
 def test_a_taken_data_dir_fails_at_once(first: Server, shim: Path) -> None:
     port = free_port()
     second = subprocess.run(

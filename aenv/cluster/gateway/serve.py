@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from aenv.api import connections
+from aenv.api import connections, listen
 from aenv.cluster.gateway.app import Gateway
 from aenv.cluster.gateway.settings import GatewaySettings
 from aenv.cluster.mirror import Mirror
@@ -26,7 +26,14 @@ async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keep
 
     from aenv.config import Settings
 
-    gateway = build_gateway(settings)
+    # Listening before anything else (the cluster's directory takes up to 20 s to read): a port in
+    # use fails at once, as a node's does; connections wait in the backlog meanwhile.
+    sockets = listen.bind(host, port)
+    try:
+        gateway = build_gateway(settings)
+    except BaseException:
+        listen.close(sockets)
+        raise
     limits = connections.HttpLimits.of(Settings())  # AENV_HTTP_*, read as a node reads them
     connections.raise_open_files_limit()  # every connection is a file descriptor
     config = uvicorn.Config(
@@ -57,8 +64,9 @@ async def serve_gateway(settings: GatewaySettings, *, host: str, port: int, keep
 
     watch = asyncio.ensure_future(stop_on_wrong_key())
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         watch.cancel()
+        listen.close(sockets)
     if gateway.wrong_key.is_set():
         raise SystemExit(2)
