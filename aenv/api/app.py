@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aenv import __version__
 from aenv.api import e2b_templates, envd, images, proxy, repository, rollout, signed
+from aenv.api.connections import refuse_websocket
 from aenv.api.sandboxes import add_body_schemas, router
 from aenv.dashboard import pages as dashboard_pages
 from aenv.dashboard import routes as dashboard_routes
@@ -196,7 +197,7 @@ class SandboxRouter:
             sandbox_id, port = target
             if scope["type"] == "websocket":
                 if port == envd.ENVD_PORT:  # envd has no WebSocket endpoint: refused before any resume
-                    await send({"type": "websocket.close", "code": 1008})
+                    await _reply(scope, receive, send, _no_websocket("envd (port 49983) has no WebSocket endpoint"))
                     return
                 await proxy.proxy_websocket(scope, receive, send, self.node, sandbox_id, port)
                 return
@@ -218,6 +219,9 @@ class SandboxRouter:
                 answer = JSONResponse(error_body(exc), status_code=exc.status, headers=error_headers(exc))
                 await _reply(scope, receive, send, answer)
                 return
+        if scope["type"] == "websocket":  # the control plane has no WebSocket route
+            await _reply(scope, receive, send, _no_websocket(f"no WebSocket endpoint at {scope['path'][:200]}"))
+            return
         if scope["type"] == "http":
             await _learn_catalogue(self.node, scope)
         if scope["type"] == "http" and not _streams_its_body(scope):
@@ -319,10 +323,15 @@ def _open_without_key(scope: Scope, node: NodeService) -> bool:
 
 
 async def _reply(scope: Scope, receive: Receive, send: Send, response: Response) -> None:
-    if scope["type"] == "websocket":
-        await send({"type": "websocket.close", "code": 1008})
+    if scope["type"] == "websocket":  # the refusal as an HTTP answer (it was an empty 403)
+        await refuse_websocket(scope, send, response)
         return
     await response(scope, receive, send)
+
+
+def _no_websocket(message: str) -> JSONResponse:
+    hint = ": a sandbox's port takes WebSockets (E2b-Sandbox-Id and E2b-Sandbox-Port, or a <port>-<id> host)"
+    return JSONResponse({"code": 404, "message": message + hint}, status_code=404)
 
 
 def build(node: BuildHost, api_key: str | None, *, start_node: bool = True) -> ASGIApp:

@@ -406,6 +406,7 @@ def error_answer(status: int, message: str) -> bytes:
 
 
 _date: tuple[int, bytes] = (0, b"")
+JSON_HEAD = [(b"content-type", b"application/json")]
 
 
 def _own_headers() -> list[tuple[bytes, bytes]]:
@@ -429,13 +430,28 @@ class OwnHeaders:
             await self.app(scope, receive, send)
             return
 
+        answered = False
+
         async def with_own(message: Message) -> None:
-            if message["type"] in ("http.response.start", "websocket.http.response.start", "websocket.accept"):
-                headers = list(message.get("headers", []))
-                names = {name.lower() for name, _ in headers}
-                headers += [(name, value) for name, value in _own_headers() if name not in names]
-                message = {**message, "headers": headers}
+            nonlocal answered
+            kind = message["type"]
+            if kind == "websocket.close" and not answered and "websocket.http.response" in scope.get("extensions", {}):
+                # refused before any answer: JSON as every refusal, not uvicorn's empty 403
+                body = json.dumps({"code": 403, "message": "the WebSocket was refused"}).encode()
+                await send_headed({"type": "websocket.http.response.start", "status": 403, "headers": JSON_HEAD})
+                await send({"type": "websocket.http.response.body", "body": body})
+                return
+            if kind in ("http.response.start", "websocket.http.response.start", "websocket.accept"):
+                answered = True
+                await send_headed(message)
+                return
             await send(message)
+
+        async def send_headed(message: Message) -> None:
+            headers = list(message.get("headers", []))
+            names = {name.lower() for name, _ in headers}
+            headers += [(name, value) for name, value in _own_headers() if name not in names]
+            await send({**message, "headers": headers})
 
         await self.app(scope, receive, with_own)
 

@@ -551,3 +551,27 @@ def test_an_accepted_websocket_carries_one_date_and_one_server(
     assert len(dates) == 1 and len(servers) == 1, head
     if port == "own":
         assert dates == ["Thu, 01 Jan 1970 00:00:00 GMT"] and servers == ["ws-in-sandbox"], head
+
+
+@pytest.mark.parametrize("case", ["without a key", "on the control plane", "to envd"])
+def test_a_refused_websocket_is_json_with_one_date_and_one_server(target: Target, stack: Stack, case: str) -> None:
+    """An upgrade nothing takes is refused as any request is: a 4xx JSON ``{code, message}`` with one
+    date and one server (seen failing on a node: an empty 403 with a date and no server)."""
+    extra = {
+        "without a key": b"",
+        "on the control plane": f"X-API-Key: {API_KEY}\r\n".encode(),
+        "to envd": f"E2b-Sandbox-Id: {stack.sandbox_id}\r\nE2b-Sandbox-Port: 49983\r\n".encode(),
+    }[case]
+    upgrade = (
+        b"GET /sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + extra
+        + b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+        + b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    got = exchange(target, upgrade)
+    assert got, case
+    status, headers, body = got[0]
+    assert 400 <= status < 500, (status, headers, body)
+    assert len(headers.get("date", [])) == 1 and len(headers.get("server", [])) == 1, headers
+    error = json.loads(body)
+    assert error["code"] == status and error["message"], error
