@@ -94,7 +94,8 @@ def failure_rows(stats: dict[str, Any]) -> list[tuple[str, str, int]]:
 def frame(url: str, now: Reading, then: Reading | None) -> Group:
     nodes = Table(title="nodes", title_justify="left", show_edge=False, header_style="bold")
     for column in ("node", "state", "running", "paused", "busy", "capacity", "load1", "cache", "uncommitted"):
-        nodes.add_column(column, justify="left" if column in ("node", "state") else "right")
+        # a node's id whole (it is what `aenv nodes drain` takes); the numbers give way on a narrow terminal
+        nodes.add_column(column, justify="left" if column in ("node", "state") else "right", no_wrap=column == "node")
     for n in now.nodes:
         budget = n.get("cacheBudgetBytes") or 0
         cache = f"{_mib(n.get('cacheBytes'))} / {_mib(budget)} MiB" if budget else "-"
