@@ -117,6 +117,7 @@ async def commit_image(
         config = pulled.config.get("config") or {}
         env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
         log(f"pulled {pulled.fetched_bytes / 2**20:.1f} MiB ({pulled.cached_layers} layers cached); committing")
+        unpinned = ImageRef(pulled.ref.registry, pulled.ref.repository, pulled.ref.tag)  # its digest said once
         try:
             rec = await commit_template(
                 node,
@@ -124,7 +125,7 @@ async def commit_image(
                 layers=[*pulled.layers, extra],
                 steps=[],
                 env=env,
-                description=f"from {pulled.ref}@{pulled.digest}",
+                description=f"from {unpinned}@{pulled.digest}",
                 on_log=log,
                 template_id=template_id,
             )

@@ -112,6 +112,8 @@ def test_the_mirror_first_then_the_registry(setup: Setup, api: httpx.Client) -> 
     assert r.status_code == 201 and r.json()["description"].endswith(mirrored), r.text
     r = from_image(api, "app2", f"{setup.origin.host}/tests/app:2")  # not mirrored: from the registry
     assert r.status_code == 201 and r.json()["description"].endswith(only_origin), r.text
+    r = from_image(api, "app3", f"{setup.origin.host}/tests/app@{only_origin}")  # pinned: its digest said once
+    assert r.status_code == 201 and r.json()["description"] == f"from {setup.origin.host}/tests/app@{only_origin}"
 
 
 def test_an_unreachable_registry_is_not_needed(setup: Setup, api: httpx.Client) -> None:
