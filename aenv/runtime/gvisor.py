@@ -27,7 +27,7 @@ from typing import Any
 
 from aenv.config import MAX_NPROC
 from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, ImageIncompatible, RuntimeFailure, snippet
-from aenv.runtime import guestbundle, hostexec
+from aenv.runtime import guestbundle, hostexec, pidfds
 from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
 from aenv.storage.confined import View, dir_at, open_root
 from aenv.storage.datadir import SANDBOX_DIR, sandbox_dir
@@ -160,39 +160,11 @@ def _set_freezer(instance_id: str, *, frozen: bool) -> bool:
     return True
 
 
-def _pidfd_of(pid: int, instance_id: str) -> int | None:
-    """A pidfd of ``pid`` if it is still a runsc process of ``instance_id`` (its command line names
-    the instance), else None. The check follows the open: a pid reused after it cannot pass."""
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        return None
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = f.read().split(b"\0")
-    except OSError:
-        args = []
-    name = os.path.basename(args[0]) if args else b""
-    if not name.startswith(b"runsc") or not any(instance_id.encode() in a for a in args[1:]):
-        os.close(fd)
-        return None
-    return fd
-
-
-async def _exited(pidfd: int) -> None:
-    """Until the process behind ``pidfd`` has exited (a pidfd reads ready then, zombie or not)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-
-    def ready() -> None:
-        if not done.done():
-            done.set_result(None)
-
-    loop.add_reader(pidfd, ready)
-    try:
-        await done
-    finally:
-        loop.remove_reader(pidfd)
+def _runsc_of(instance_id: str) -> Callable[[list[bytes]], bool]:
+    """Whether a command line is a runsc process (sandbox, gofer) of ``instance_id``."""
+    return lambda args: (
+        os.path.basename(args[0]).startswith(b"runsc") and any(instance_id.encode() in a for a in args[1:])
+    )
 
 
 def _guest_mount_point(upper: Path, layers: Sequence[Path]) -> None:
@@ -529,19 +501,20 @@ class GVisorDriver(guestbundle.BundledGuests):
         pidfds opened after checking they are this instance's (a pid runsc names may be reused)."""
         instance.writer.close()
         self._wake(instance.id)  # frozen tasks die of SIGKILL only once thawed
-        pidfds = [fd for pid in self._processes_of(instance.id) if (fd := _pidfd_of(pid, instance.id)) is not None]
-        if not pidfds:  # none left to stop (gone already) or none found: runsc's way
+        ours = _runsc_of(instance.id)
+        held = [fd for pid in self._processes_of(instance.id) if (fd := pidfds.open_checked(pid, ours)) is not None]
+        if not held:  # none left to stop (gone already) or none found: runsc's way
             await self._teardown(instance.id)
             return
         try:
-            for fd in pidfds:
+            for fd in held:
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
-            await asyncio.wait_for(asyncio.gather(*(_exited(fd) for fd in pidfds)), HALT_TIMEOUT)
+            await asyncio.wait_for(asyncio.gather(*(pidfds.exited(fd) for fd in held)), HALT_TIMEOUT)
         except (OSError, TimeoutError):
             await self._teardown(instance.id)  # the slow way
             return
         finally:
-            for fd in pidfds:
+            for fd in held:
                 os.close(fd)
         rootfs = self.bundles / instance.id / "rootfs"
         if os.path.ismount(rootfs):
