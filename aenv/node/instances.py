@@ -230,11 +230,15 @@ class Instances:
                 self.pending_layers.discard(layer)
                 if self._teardown_of.get(layer) is task:
                     del self._teardown_of[layer]
-                self._track(asyncio.ensure_future(self.driver.kill(instance)), instance.id)
+                self.kill_later(instance)
 
         task = asyncio.ensure_future(teardown())
         self._teardown_of[layer] = task
         self._track(task, instance.id)
+
+    def kill_later(self, instance: Instance) -> None:
+        """runsc's own teardown of a halted instance, in the background (settle waits for it)."""
+        self._track(asyncio.ensure_future(self.driver.kill(instance)), instance.id)
 
     def _track(self, task: asyncio.Task[None], instance_id: str) -> None:
         """A teardown's task: the node's stop waits for it (settle)."""

@@ -53,7 +53,7 @@ from aenv.node.usage import History, UsageHistory
 from aenv.node.warmpool import WarmPools
 from aenv.repo.backends import open_backend
 from aenv.repo.repository import Repository
-from aenv.runtime.base import Driver, Limits, RootfsSpec
+from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
 from aenv.storage import datadir
 from aenv.storage.layers import LayerStore
 from aenv.templates.uploads import UploadCache
@@ -481,6 +481,9 @@ class Node:
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         self.instances.spawn(coro)
+
+    def kill_later(self, instance: Instance) -> None:
+        self.instances.kill_later(instance)
 
     def list(
         self, *, states: set[str] | None = None, metadata: dict[str, str] | None = None

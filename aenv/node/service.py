@@ -34,7 +34,7 @@ from aenv.node.state import PUBLIC_STATE, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.node.tokens import access_token  # a secure sandbox's envd token, from the node's secret (signed URLs)
 from aenv.node.usage import Bucket, History, Sample, in_range
-from aenv.runtime.base import Driver, Limits, RootfsSpec
+from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
 from aenv.storage.layers import LayerStore
 from aenv.templates.uploads import UploadCache
 
@@ -287,6 +287,10 @@ class BuildHost(NodeService, Protocol):
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         """Run ``coro`` as the node's background work: a stopping node cancels and awaits it."""
+
+    def kill_later(self, instance: Instance) -> None:
+        """Finish a halted instance's teardown (the driver's kill) in the background; the node's
+        settle waits for it."""
 
     def rootfs(self, layers: builtins.list[str], upper: str, guest: str = "") -> RootfsSpec: ...
 

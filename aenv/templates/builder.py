@@ -246,7 +246,7 @@ async def _stop(node: BuildHost, instance: Instance) -> None:
     try:
         await node.driver.halt(instance)
     finally:
-        node.spawn(node.driver.kill(instance))
+        node.kill_later(instance)
 
 
 async def seal(node: BuildHost, upper: str) -> str | None:
