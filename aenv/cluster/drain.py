@@ -49,6 +49,7 @@ log = logging.getLogger("aenv.cluster.drain")
 DRAIN_PATH = "/cluster/drain"
 UNDRAIN_PATH = "/cluster/undrain"
 UNDRAIN_WAIT = 30.0  # seconds an undrain waits for the pauses in flight (new ones are not begun)
+DRAIN_NOTICE = 0.5  # seconds between a drain's entry in etcd and its first pause (gateways see it first)
 AT_ONCE = 2  # sandboxes paused (and moved) at a time: each pause writes a checkpoint, each move fetches it
 MOVE_TARGETS = 3  # nodes a move tries
 MOVE_TIMEOUT = 120.0  # seconds a target has to fetch and resume one sandbox
@@ -99,6 +100,10 @@ class Drain:
     async def _run(self) -> None:
         try:
             await self.agent.set_draining()
+            # Gateways learn of the drain through their watch of etcd, a few ms on: until then they
+            # relay a streamed request (an E2B command) without keeping its body, and one that met a
+            # move's pause here could not be sent again. The first pause waits for them.
+            await asyncio.sleep(DRAIN_NOTICE)
             gate = asyncio.Semaphore(AT_ONCE)
             while not self.stopped:
                 running = [
