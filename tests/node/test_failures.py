@@ -69,6 +69,14 @@ async def tiny(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[
     driver = FaultyDriver(state_dir=data / "runtime", runsc=settings.runsc, platform=settings.runsc_platform)
     node = Node(settings, driver=driver)
     await node.start()
+    await commit_tiny(node)
+    yield node, driver
+    await node.stop(pause_running=False)
+
+
+async def commit_tiny(node: Node) -> None:
+    """The template ``tiny``: an almost empty root filesystem (commands run with the agent's own
+    bundled Python)."""
     layer_id, root = node.files.new_layer_dir()
     for d in ("etc", "root", "home/user", "tmp", "proc", "sys", "dev"):
         (root / d).mkdir(parents=True, exist_ok=True)
@@ -76,8 +84,6 @@ async def tiny(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[
     (root / "etc/group").write_text("root:x:0:\nuser:x:1000:\n")
     os.chown(root / "home/user", 1000, 1000)
     await commit_template(node, name="tiny", layers=[layer_id], steps=[])
-    yield node, driver
-    await node.stop(pause_running=False)
 
 
 async def run_py(node: Node, sandbox_id: str, code: str, *, wait: bool = True) -> str:

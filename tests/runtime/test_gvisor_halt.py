@@ -23,7 +23,7 @@ from aenv.config import Settings
 from aenv.errors import SandboxNotFound
 from aenv.node.orchestrator import Node
 from aenv.runtime.gvisor import GVisorDriver
-from aenv.templates.builder import commit_template
+from tests.node.test_failures import commit_tiny
 
 pytestmark = pytest.mark.sandbox
 SLEEPER = "python3 -c 'import time; time.sleep(60)'"  # extra arguments change nothing
@@ -36,12 +36,7 @@ async def tiny(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Node]:
     data = Path(tmp_path_factory.mktemp("halt-node"))
     node = Node(Settings(data_dir=data, build_base=False))
     await node.start()
-    layer_id, root = node.files.new_layer_dir()
-    for d in ("etc", "root", "home/user", "tmp", "proc", "sys", "dev"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\n")
-    (root / "etc/group").write_text("root:x:0:\nuser:x:1000:\n")
-    await commit_template(node, name="tiny", layers=[layer_id], steps=[])
+    await commit_tiny(node)
     yield node
     await node.stop(pause_running=False)
 
