@@ -182,7 +182,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         out["first_create"] = await first_creates(node, registry, images, work)
         out["second_create"] = await second_creates(node, images[: args.second])
         out["storage"] = await storage(node, out["images"])
-        out["rollouts"] = await rollouts(node, images, args)
+        if args.rollouts:
+            out["rollouts"] = await rollouts(node, images, args)
     finally:
         await node.stop(pause_running=False)
         next(registry_gen, None)
@@ -325,7 +326,8 @@ def _local(node: Node) -> set[str]:
 
 
 def render(results: dict[str, Any]) -> None:
-    first, second, store, roll = (results[k] for k in ("first_create", "second_create", "storage", "rollouts"))
+    first, second, store = (results[k] for k in ("first_create", "second_create", "storage"))
+    roll = results.get("rollouts")
     table = Table(title=f"{results['images']['count']} task images on this machine", header_style="bold")
     for col in ("measure", "aenv", "baseline (same run)"):
         table.add_column(col)
@@ -362,12 +364,13 @@ def render(results: dict[str, Any]) -> None:
     table.add_row(
         "per image besides its layers (snapshot, conventions)", f"{store['per_image_own_p50'] / MiB:.1f} MiB", ""
     )
-    table.add_row(
-        f"{roll['rollouts']} rollouts, budget {roll['budget_mb']} MiB ({roll['images_held']} images)",
-        f"hit rate {roll['hit_rate']:.0%}, {roll['evictions']:.0f} evictions",
-        f"create p50 / p95 {roll['p50']:.2f} / {roll['p95']:.2f} s (hit {roll['hit_p50'] * 1000:.0f} ms, "
-        f"miss {roll['miss_p50']:.2f} s); {roll['pulled_bytes'] / MiB:.0f} MiB pulled",
-    )
+    if roll:
+        table.add_row(
+            f"{roll['rollouts']} rollouts, budget {roll['budget_mb']} MiB ({roll['images_held']} images)",
+            f"hit rate {roll['hit_rate']:.0%}, {roll['evictions']:.0f} evictions",
+            f"create p50 / p95 {roll['p50']:.2f} / {roll['p95']:.2f} s (hit {roll['hit_p50'] * 1000:.0f} ms, "
+            f"miss {roll['miss_p50']:.2f} s); {roll['pulled_bytes'] / MiB:.0f} MiB pulled",
+        )
     console.print(table)
 
 

@@ -502,8 +502,18 @@ class GVisorDriver(guestbundle.BundledGuests):
         instance.writer.close()
         self._wake(instance.id)  # frozen tasks die of SIGKILL only once thawed
         ours = _runsc_of(instance.id)
-        held = [fd for pid in self._processes_of(instance.id) if (fd := pidfds.open_checked(pid, ours)) is not None]
-        if not held:  # none left to stop (gone already) or none found: runsc's way
+        pids = self._processes_of(instance.id)
+        if not pids:  # no state file to go by: runsc's way
+            await self._teardown(instance.id)
+            return
+        opened = {pid: pidfds.open_checked(pid, ours) for pid in pids}
+        held = [fd for fd in opened.values() if fd is not None]
+        if any(fd is None and pidfds.alive(pid) for pid, fd in opened.items()):
+            # A live process runsc names that is not this instance's runsc: a pid reused, or a
+            # state file not as expected. Dead ones are fine (a checkpoint ends the sandbox, and
+            # it is a zombie, without a command line, until PID 1 reaps it).
+            for fd in held:
+                os.close(fd)
             await self._teardown(instance.id)
             return
         try:

@@ -27,6 +27,16 @@ def open_checked(pid: int, expected: Callable[[list[bytes]], bool]) -> int | Non
     return fd
 
 
+def alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs (one that exited is not, reaped or not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return bool(fields) and fields[0] not in (b"Z", b"X")
+
+
 async def exited(pidfd: int) -> None:
     """Until the process behind ``pidfd`` has exited (a pidfd reads ready then, zombie or not)."""
     loop = asyncio.get_running_loop()

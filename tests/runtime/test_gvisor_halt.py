@@ -114,3 +114,50 @@ async def test_a_halt_signals_no_process_that_is_not_the_instances(
         assert [p.poll() for p in bystanders] == [None, None, None]
         assert all(state(p.pid) not in ("", "Z") for p in bystanders)
     assert handed == [instance_id, instance_id]
+
+
+@pytest.fixture
+def exited() -> Iterator[tuple[list[subprocess.Popen[bytes]], subprocess.Popen[bytes]]]:
+    """Two children that exited and are not waited for (zombies of this process), and a live one."""
+    dead = [subprocess.Popen(["true"]) for _ in range(2)]
+    live = subprocess.Popen(["sleep", "60"])
+    yield dead, live
+    live.kill()
+    for p in [*dead, live]:
+        p.wait()
+
+
+async def test_a_halt_after_the_instance_exited_on_its_own_is_not_runscs_slow_way(
+    tiny: Node,
+    exited: tuple[list[subprocess.Popen[bytes]], subprocess.Popen[bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A checkpoint ends the sandbox: by the halt, its processes may be zombies that PID 1 has not
+    reaped yet (no command line to check). They are dead, so the halt goes on without runsc's
+    teardown (which waits for the reaping: 1-2 s on a host whose init reaps late). A live process
+    named instead still hands over, as in the test above."""
+    driver = tiny.driver
+    assert isinstance(driver, GVisorDriver)
+    handed: list[str] = []
+
+    async def teardown(instance_id: str) -> None:
+        handed.append(instance_id)
+
+    monkeypatch.setattr(driver, "_teardown", teardown)
+    dead, live = exited
+    for _ in range(100):
+        if all(state(p.pid) == "Z" for p in dead):
+            break
+        await asyncio.sleep(0.05)
+    assert [state(p.pid) for p in dead] == ["Z", "Z"]
+    instance_id = "haltzombie01"
+    path = driver.runsc_root / f"{instance_id}_sandbox:{instance_id}.state"
+    fake = SimpleNamespace(id=instance_id, writer=SimpleNamespace(close=lambda: None))
+    for named, hands_over in (((dead[0].pid, dead[1].pid), False), ((dead[0].pid, live.pid), True)):
+        path.write_text(json.dumps({"sandbox": {"pid": named[0]}, "goferPid": named[1]}))
+        try:
+            await asyncio.wait_for(driver.halt(fake), 30)  # type: ignore[arg-type]
+        finally:
+            path.unlink()
+        assert handed == ([instance_id] if hands_over else []), named
+    assert live.poll() is None
