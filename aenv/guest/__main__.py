@@ -8,10 +8,16 @@ built without it. Features used rarely (directory watches, the files API's moves
 they need when first used.
 """
 
+import os
 import sys
 
 sys.modules.setdefault("ssl", None)  # type: ignore[arg-type]
 
+from aenv.guest import preload  # noqa: E402
+
+# <bundle>/pkg/aenv/guest/__main__.py: the start-up imports come from <bundle>/modules.bin if it is there
+preload.install(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 from aenv.guest.agent import main  # noqa: E402
 
+preload.done()
 main()
