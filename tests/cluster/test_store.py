@@ -298,7 +298,10 @@ async def test_no_quorum_fails_fast_and_recovers(etcd: EtcdCluster, store: Clust
         for m in down:
             m.start()
         etcd.wait_healthy(etcd.members)
-        assert (await retrying(lambda: store.create_sandbox(sandbox("sb2")))).ok
+        made = await retrying(lambda: store.create_sandbox(sandbox("sb2")))
+        # A create that timed out may still be applied: the member left kept its proposal, and etcd
+        # commits it once quorum is back (seen in CI). Then the entry is there, as written, once.
+        assert made.ok or (made.current is not None and made.current.entry == sandbox("sb2")), made
         assert await mirror.wait_for(lambda m: "sb2" in m.sandboxes, 15)
     finally:
         await mirror.stop()

@@ -146,7 +146,10 @@ def test_e2b_template_builder(registry: Registry, e2b_env: Server, tmp_path: Pat
         .run_cmd("echo $MODE > /home/user/built.txt")
         .run_cmd("id -un > /who", user="root")
         .set_workdir("/home/user/app")
-        .set_start_cmd("sh -c 'while true; do date +%s > /tmp/beat; sleep 0.2; done'", wait_for_file("/tmp/beat"))
+        .set_start_cmd(  # written whole each time: a `>` alone leaves it empty until date writes (seen in CI)
+            "sh -c 'while true; do date +%s > /tmp/beat.new && mv /tmp/beat.new /tmp/beat; sleep 0.2; done'",
+            wait_for_file("/tmp/beat"),
+        )
     )
     logs: list[str] = []
     info = Template.build(template, "e2btpl:v1", on_build_logs=lambda entry: logs.append(entry.message))
