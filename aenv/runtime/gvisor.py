@@ -506,19 +506,21 @@ class GVisorDriver(guestbundle.BundledGuests):
         if not pids:  # no state file to go by: runsc's way
             await self._teardown(instance.id)
             return
-        opened = {pid: pidfds.open_checked(pid, ours) for pid in pids}
-        held = [fd for fd in opened.values() if fd is not None]
-        if any(fd is None and pidfds.alive(pid) for pid, fd in opened.items()):
+        found = [pidfds.open_checked(pid, ours) for pid in pids]
+        held = [fd for kind, fd in found if fd is not None]
+        if any(kind == "other" for kind, _ in found):
             # A live process runsc names that is not this instance's runsc: a pid reused, or a
-            # state file not as expected. Dead ones are fine (a checkpoint ends the sandbox, and
-            # it is a zombie, without a command line, until PID 1 reaps it).
+            # state file not as expected. Signalled never; runsc's way instead.
             for fd in held:
                 os.close(fd)
             await self._teardown(instance.id)
             return
         try:
-            for fd in held:
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            # Ours are killed; ending ones (a checkpoint ends the sandbox: exiting, or a zombie
+            # until PID 1 reaps it, with no command line left) are only waited for.
+            for kind, pidfd in found:
+                if kind == "ours" and pidfd is not None:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             await asyncio.wait_for(asyncio.gather(*(pidfds.exited(fd) for fd in held)), HALT_TIMEOUT)
         except (OSError, TimeoutError):
             await self._teardown(instance.id)  # the slow way

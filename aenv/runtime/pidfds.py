@@ -8,33 +8,33 @@ import os
 from collections.abc import Callable
 
 
-def open_checked(pid: int, expected: Callable[[list[bytes]], bool]) -> int | None:
-    """A pidfd of ``pid`` if its command line (its arguments) passes ``expected``, else None. The
-    check follows the open: a process that took the pid before the open fails it, and one that
-    takes it after is not the one the pidfd holds."""
+def open_checked(pid: int, expected: Callable[[list[bytes]], bool]) -> tuple[str, int | None]:
+    """What ``pid`` is, with a pidfd of it when it may be waited for:
+
+    - ``("ours", fd)``: its command line (its arguments) passes ``expected``;
+    - ``("ending", fd)``: it has no command line left: it is exiting (a process's memory, and
+      with it its arguments, goes first) or has exited (a zombie until its parent reaps it);
+    - ``("gone", None)``: no such process;
+    - ``("other", None)``: a process with a command line that is not the one expected.
+
+    The check follows the open: a process that took the pid before the open fails it, and one
+    that takes it after is not the one the pidfd holds."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:
-        return None
+        return "gone", None
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = f.read().split(b"\0")
+            raw = f.read()
     except OSError:
-        args = []
-    if not args or not expected(args):
-        os.close(fd)
-        return None
-    return fd
-
-
-def alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs (one that exited is not, reaped or not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return False
-    return bool(fields) and fields[0] not in (b"Z", b"X")
+        raw = b""  # reaped since the open: the pidfd reads ready
+    args = raw.split(b"\0") if raw else []
+    if not args:
+        return "ending", fd
+    if expected(args):
+        return "ours", fd
+    os.close(fd)
+    return "other", None
 
 
 async def exited(pidfd: int) -> None:
