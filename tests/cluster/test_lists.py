@@ -94,13 +94,21 @@ def test_lists_come_from_the_directory_as_the_nodes_list_them(cluster: Cluster) 
                 assert r.status_code == 201, r.text
                 made.append(r.json()["sandboxID"])
             assert api.post(f"/sandboxes/{made[0]}/pause").status_code == 204
-            from_nodes = []
-            for node in cluster.nodes.values():
-                with node.client() as direct:
-                    from_nodes += direct.get("/v2/sandboxes", params={"metadata": f"suite={run}"}).json()
             assert {item["nodeID"] for item in map(info_of(api), made)} == set(cluster.nodes)
-            listed = page(api, run, 100)
-            by_id = {item["sandboxID"]: item for item in from_nodes}
+            # The pause's durable commit ends a moment after the pause answers: a node's own list
+            # says so at once, the gateway's once the directory's entry reaches its mirror (seen
+            # in CI: `durable` False against True). They must agree once it has.
+            deadline = time.monotonic() + 15
+            while True:
+                from_nodes = []
+                for node in cluster.nodes.values():
+                    with node.client() as direct:
+                        from_nodes += direct.get("/v2/sandboxes", params={"metadata": f"suite={run}"}).json()
+                listed = page(api, run, 100)
+                by_id = {item["sandboxID"]: item for item in from_nodes}
+                if {item["sandboxID"]: item for item in listed.json()} == by_id or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
             assert {item["sandboxID"]: item for item in listed.json()} == by_id  # field for field
             assert listed.headers["x-total-running"] == "3"
             assert ids(page(api, run, 10, state="paused")) == [made[0]]
