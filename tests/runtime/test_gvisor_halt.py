@@ -86,6 +86,30 @@ def bystanders() -> Iterator[list[subprocess.Popen[bytes]]]:
         p.wait()
 
 
+def recorded_teardowns(driver: GVisorDriver, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The instances the halt hands over to runsc's own teardown, recorded instead of run (runsc
+    would act on the forged state file)."""
+    handed: list[str] = []
+
+    async def teardown(instance_id: str) -> None:
+        handed.append(instance_id)
+
+    monkeypatch.setattr(driver, "_teardown", teardown)
+    return handed
+
+
+async def halt_naming(driver: GVisorDriver, instance_id: str, sandbox_pid: int, gofer_pid: int) -> None:
+    """Halt an instance ``instance_id`` whose runsc state file names these processes."""
+    path = driver.runsc_root / f"{instance_id}_sandbox:{instance_id}.state"
+    body: dict[str, Any] = {"sandbox": {"pid": sandbox_pid}, "goferPid": gofer_pid}
+    path.write_text(json.dumps(body))
+    fake = SimpleNamespace(id=instance_id, writer=SimpleNamespace(close=lambda: None))
+    try:
+        await asyncio.wait_for(driver.halt(fake), 30)  # type: ignore[arg-type]
+    finally:
+        path.unlink()
+
+
 async def test_a_halt_signals_no_process_that_is_not_the_instances(
     tiny: Node, bystanders: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,23 +118,11 @@ async def test_a_halt_signals_no_process_that_is_not_the_instances(
     teardown (recorded here, not run: runsc would act on the forged state file)."""
     driver = tiny.driver
     assert isinstance(driver, GVisorDriver)
-    handed: list[str] = []
-
-    async def teardown(instance_id: str) -> None:
-        handed.append(instance_id)
-
-    monkeypatch.setattr(driver, "_teardown", teardown)
+    handed = recorded_teardowns(driver, monkeypatch)
     await asyncio.sleep(0.2)  # the dressed ones have exec'd
     instance_id = "haltvictim01"
-    path = driver.runsc_root / f"{instance_id}_sandbox:{instance_id}.state"
     for named in ((bystanders[0].pid, bystanders[1].pid), (bystanders[2].pid, 1)):
-        body: dict[str, Any] = {"sandbox": {"pid": named[0]}, "goferPid": named[1]}
-        path.write_text(json.dumps(body))
-        fake = SimpleNamespace(id=instance_id, writer=SimpleNamespace(close=lambda: None))
-        try:
-            await asyncio.wait_for(driver.halt(fake), 30)  # type: ignore[arg-type]
-        finally:
-            path.unlink()
+        await halt_naming(driver, instance_id, *named)
         assert [p.poll() for p in bystanders] == [None, None, None]
         assert all(state(p.pid) not in ("", "Z") for p in bystanders)
     assert handed == [instance_id, instance_id]
@@ -138,12 +150,7 @@ async def test_a_halt_after_the_instance_exited_on_its_own_is_not_runscs_slow_wa
     named instead still hands over, as in the test above."""
     driver = tiny.driver
     assert isinstance(driver, GVisorDriver)
-    handed: list[str] = []
-
-    async def teardown(instance_id: str) -> None:
-        handed.append(instance_id)
-
-    monkeypatch.setattr(driver, "_teardown", teardown)
+    handed = recorded_teardowns(driver, monkeypatch)
     dead, live = exited
     for _ in range(100):
         if all(state(p.pid) == "Z" for p in dead):
@@ -151,13 +158,7 @@ async def test_a_halt_after_the_instance_exited_on_its_own_is_not_runscs_slow_wa
         await asyncio.sleep(0.05)
     assert [state(p.pid) for p in dead] == ["Z", "Z"]
     instance_id = "haltzombie01"
-    path = driver.runsc_root / f"{instance_id}_sandbox:{instance_id}.state"
-    fake = SimpleNamespace(id=instance_id, writer=SimpleNamespace(close=lambda: None))
     for named, hands_over in (((dead[0].pid, dead[1].pid), False), ((dead[0].pid, live.pid), True)):
-        path.write_text(json.dumps({"sandbox": {"pid": named[0]}, "goferPid": named[1]}))
-        try:
-            await asyncio.wait_for(driver.halt(fake), 30)  # type: ignore[arg-type]
-        finally:
-            path.unlink()
+        await halt_naming(driver, instance_id, *named)
         assert handed == ([instance_id] if hands_over else []), named
     assert live.poll() is None
