@@ -107,7 +107,8 @@ def _fits(entry: object, size: int) -> bool:
     if not isinstance(entry, tuple) or len(entry) != 4:
         return False
     rel, _, offset, length = entry
-    return isinstance(rel, str) and isinstance(offset, int) and isinstance(length, int) and 0 <= offset <= size - length
+    ints = isinstance(offset, int) and isinstance(length, int)
+    return isinstance(rel, str) and ints and length >= 0 and 0 <= offset <= size - length
 
 
 def done() -> None:
