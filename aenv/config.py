@@ -190,6 +190,10 @@ class Settings(BaseSettings):
     warm_pool_memory_mb: int = Field(2048, ge=0)
     warm_pool_min_free_mb: int = Field(2048, ge=0)
     warm_pool_window: float = Field(300.0, gt=0)
+    # How long a new image's first sandbox (its template snapshotted from it, left running) waits
+    # for the create that waited for the build; 0: image templates are built in a build sandbox
+    # and the create restores the snapshot, as any other.
+    first_sandbox_seconds: float = Field(30.0, ge=0, le=3600)
 
     # Cluster membership (docs/cluster.md): the etcd members (etcd://H1:P1,H2:P2,...), the URL
     # gateways reach this node at (default: http://host:port), and its id (default: made once

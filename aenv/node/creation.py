@@ -157,8 +157,12 @@ class Creation:
         link, egress = member.sb.link, member.sb.egress
         assert link is not None and egress is not None and member.sb.instance is not None
         rec.upper, rec.instance_id = member.sb.rec.upper, member.sb.rec.instance_id
+        rec.layers = list(member.sb.rec.layers)  # a first sandbox runs without its upper's copy
         sb = LiveSandbox(rec, instance=member.sb.instance, link=link, egress=egress)
-        sb.events.note(f"a warm pool member of template {rec.template_id[:100]}, restored in advance")
+        if member.first:
+            sb.events.note(f"the sandbox image template {rec.template_id[:100]} was snapshotted from")
+        else:
+            sb.events.note(f"a warm pool member of template {rec.template_id[:100]}, restored in advance")
         link.sandbox_id = egress.sandbox_id = rec.id
         egress.policy_of = lambda: self.records.policy_of(sb.id)
         self.records.sandboxes[rec.id] = sb

@@ -99,7 +99,7 @@ class Instances:
             limits=self.records.limits_of(sb.rec),
             image_dir=self.files.image(image),
         )
-        link = sb.link if (sb.link is not None and not fresh) else self._new_link(sb)
+        link = sb.link if (sb.link is not None and not fresh) else self.link_for(sb)
         try:
             config = {**self.agent_config(sb.rec), **({"hold_heap": True} if hold_heap else {})}
             await link.restored(instance, fresh=fresh, config=config)
@@ -121,7 +121,7 @@ class Instances:
             rootfs=self.rootfs(sb.rec.layers, sb.rec.upper, guest),
             limits=self.records.limits_of(sb.rec),
         )
-        link = self._new_link(sb)
+        link = self.link_for(sb)
         try:
             await link.booted(instance)
             await link.call("sys.configure", self.agent_config(sb.rec))
@@ -150,7 +150,8 @@ class Instances:
         if failure:
             log.warning("sandbox %s: the start command did not start again: %s", sb.id, failure[:200])
 
-    def _new_link(self, sb: LiveSandbox) -> AgentLink:
+    def link_for(self, sb: LiveSandbox) -> AgentLink:
+        """A new agent link for ``sb``, with a sandbox's egress (its record's network rules)."""
         sb.egress = egress.Guest(sb.id, lambda: self.records.policy_of(sb.id))
         return AgentLink(sb.id, serve=sb.egress, call_timeout=self.settings.agent_timeout, wake=self.driver.wake)
 

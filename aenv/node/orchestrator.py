@@ -479,6 +479,12 @@ class Node:
     def rootfs(self, layers: builtins.list[str], upper: str, guest: str = "") -> RootfsSpec:
         return self.instances.rootfs(layers, upper, guest)
 
+    @property
+    def first_sandboxes(self) -> WarmPools | None:
+        if not self.driver.leaves_running or self.settings.first_sandbox_seconds <= 0:
+            return None
+        return self.warm
+
     def spawn(self, coro: Awaitable[Any]) -> None:
         self.instances.spawn(coro)
 

@@ -46,6 +46,7 @@ __all__ = [
     "grace_refusal",
     "AgentLink",
     "BuildHost",
+    "FirstSandboxes",
     "Bucket",
     "CachedArtifacts",
     "Capacity",
@@ -267,6 +268,19 @@ class NodeService(Protocol):
         ...
 
 
+class FirstSandboxes(Protocol):
+    """Where a new image's template is snapshotted from the sandbox its first create then takes
+    (aenv/node/warmpool.py): booted as that create's sandbox, checkpointed leaving it running."""
+
+    async def boot_first(self, layers: builtins.list[str]) -> LiveSandbox: ...
+
+    async def snapshot_first(self, sb: LiveSandbox) -> tuple[str, str | None]: ...
+
+    def offer_first(self, sb: LiveSandbox, rec: TemplateRecord) -> None: ...
+
+    def drop_first(self, sb: LiveSandbox, reason: str) -> None: ...
+
+
 class BuildHost(NodeService, Protocol):
     """A node as a template build uses it: its runtime, layer store, records and artifact cache."""
 
@@ -301,3 +315,7 @@ class BuildHost(NodeService, Protocol):
     async def drop_template(self, rec: TemplateRecord) -> None: ...
 
     async def collect_garbage(self, *, min_age: float = 0.0) -> None: ...
+
+    @property
+    def first_sandboxes(self) -> FirstSandboxes | None:
+        """None where the runtime cannot checkpoint an instance leaving it running."""

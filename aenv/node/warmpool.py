@@ -22,6 +22,17 @@ the last half second): a burst of creates is never slowed down by its own refill
 target, beyond the budget, or while the host has less than ``AENV_WARM_POOL_MIN_FREE_MB`` available
 are dropped; so are the members of a template that was rebuilt (another record or image under its
 name) or deleted.
+
+A new image's first sandbox (``boot_first``, ``snapshot_first``, ``offer_first``) is kept the same
+way for a moment. The first create of an image waits for its template's build; instead of booting a
+build sandbox, snapshotting it, stopping it and restoring the snapshot for that create, the build
+boots the sandbox the create would get (the template's limits, a sandbox's egress, refused until
+claimed), checkpoints it leaving it running (its upper copied into the template's top layer), and
+offers it here: the next create of the template takes it as it would a pool member, saving the
+restore. Its record keeps the layers it runs on (without the copy: its own upper holds the same
+files, and stacked under it the copy could bring back a file deleted from it). One nobody claims
+within ``AENV_FIRST_SANDBOX_SECONDS`` (the creates that waited for the build come at once; a
+client that gave up meanwhile never does) is dropped.
 """
 
 from __future__ import annotations
@@ -65,6 +76,11 @@ WARM_CLAIMS = Counter(
     "Creates of a template that has a warm pool: taken from it (hit) or restored (miss)",
     ["outcome"],
 )
+FIRST_SANDBOXES = Counter(
+    "aenv_image_first_sandboxes_total",
+    "A new image's build sandbox kept running for a create: claimed, or dropped unclaimed",
+    ["outcome"],
+)
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,11 @@ class Member:
     limits: Limits
     held: list[str]  # its layers, image and upper, pinned while it waits
     watcher: asyncio.Task[None] | None = None
+    kept_until: float = 0.0  # a new image's first sandbox: dropped unclaimed after this (monotonic)
+
+    @property
+    def first(self) -> bool:
+        return self.kept_until > 0
 
 
 def same_host_limits(a: Limits, b: Limits) -> bool:
@@ -183,6 +204,7 @@ class WarmPools:
         self.node = node
         self.settings = node.settings
         self.pools: dict[str, list[Member]] = {}  # template name -> idle members, oldest first
+        self.firsts: dict[str, Member] = {}  # template name -> its image's first sandbox, unclaimed
         self.sizes: dict[str, int] = {}  # template name -> its size set through the API
         self._demand: dict[str, collections.deque[float]] = {}
         self._last_create = 0.0
@@ -245,6 +267,9 @@ class WarmPools:
         for member in [m for m in members if m.build.template_id == rec.id]:
             members.remove(member)
             self._drop(member, "its template was deleted")
+        first = self.firsts.get(rec.name)
+        if first is not None and first.build.template_id == rec.id:
+            self._drop_first(rec.name, "its template was deleted")
         self._observe()
 
     # -- claims -----------------------------------------------------------------------------------
@@ -256,12 +281,19 @@ class WarmPools:
         demand = self._demand.setdefault(rec.name, collections.deque(maxlen=MAX_DEMAND_KEPT))
         demand.append(now)
         self.wake()
+        build = Build.of(rec)
+        first = self.firsts.get(rec.name)
+        if first is not None and first.build == build and same_host_limits(first.limits, limits) and _alive(first):
+            del self.firsts[rec.name]
+            if first.watcher is not None:
+                first.watcher.cancel()
+            FIRST_SANDBOXES.labels(outcome="claimed").inc()
+            return first
         if not self.size_of(rec.name):
             return None
-        build = Build.of(rec)
         for member in self.pools.get(rec.name, []):
             if member.build == build and same_host_limits(member.limits, limits) and member.sb.link is not None:
-                if member.sb.link.channel.closed.is_set():
+                if not _alive(member):
                     continue  # died; its watcher drops it
                 self.pools[rec.name].remove(member)
                 if member.watcher is not None:
@@ -293,6 +325,8 @@ class WarmPools:
             for member in members:
                 self._drop(member, "the node is stopping")
         self.pools.clear()
+        for name in list(self.firsts):
+            self._drop_first(name, "the node is stopping")
         self._observe()
 
     async def _run(self) -> None:
@@ -315,6 +349,10 @@ class WarmPools:
         return max(0.05, min(PASS_SECONDS, quiet_in)) if quiet_in > 0 else PASS_SECONDS
 
     async def _pass(self) -> None:
+        now = time.monotonic()
+        for name, first in list(self.firsts.items()):
+            if first.kept_until <= now or first.build != self._current(name):
+                self._drop_first(name, "no create claimed it")
         decided = plan(
             self.pools,
             self._all_sizes(),
@@ -454,12 +492,91 @@ class WarmPools:
         """A member that dies while it waits (OOM, its channel broken) leaves the pool."""
         assert member.sb.link is not None
         await member.sb.link.channel.closed.wait()
-        members = self.pools.get(member.sb.rec.template_id, [])
+        name = member.sb.rec.template_id
+        if self.firsts.get(name) is member:
+            log.warning("the first sandbox of image template %s stopped on its own", name)
+            self._drop_first(name, "it stopped")
+            return
+        members = self.pools.get(name, [])
         if member in members:
             members.remove(member)
             log.warning("warm pool member %s of %s stopped on its own", member.sb.id, member.sb.rec.template_id)
             self._drop(member, "it stopped")
             self._observe()
+
+    # -- a new image's first sandbox ---------------------------------------------------------------
+    async def boot_first(self, layers: list[str]) -> LiveSandbox:
+        """Boot a sandbox on a new image template's ``layers`` (and a fresh upper), as a create from
+        the template would get it: the node's default limits (an image template sets none) and a
+        sandbox's egress, refused while no record names it. Its agent is left as a build leaves it
+        (not configured: the template's snapshot must hold that agent); the claim configures it.
+        Its layers and upper are pinned until it is claimed or dropped."""
+        node = self.node
+        limits = node.records.limits_from({})
+        upper = await node.files.new_upper(limits.disk_mb)
+        now = time.time()
+        guest = node.driver.guest_key()
+        rec = SandboxRecord(
+            id=f"first-{new_id(12)}",  # for logs only: the claim gives the sandbox its id
+            template_id="",
+            started_at=now,
+            end_at=now,
+            layers=list(layers),
+            upper=upper,
+            guest=guest,
+        )
+        sb = LiveSandbox(rec)
+        held = [*layers, upper]
+        node.artifacts.pin(held)
+        try:
+            instance_id = new_id()
+            instance = await node.driver.boot(
+                instance_id=instance_id, rootfs=node.instances.rootfs(layers, upper, guest), limits=limits
+            )
+            link = node.instances.link_for(sb)
+            try:
+                await link.booted(instance)
+            except BaseException:
+                link.close("the sandbox could not boot")
+                await node.driver.kill(instance)
+                raise
+        except BaseException:
+            node.artifacts.unpin(held)
+            await node.files.remove(upper)
+            raise
+        sb.instance, sb.link, rec.instance_id = instance, link, instance_id
+        return sb
+
+    async def snapshot_first(self, sb: LiveSandbox) -> tuple[str, str | None]:
+        """Checkpoint a first sandbox leaving it running: (its image, the copy of its upper as a
+        layer, None when the upper is empty). On failure it is still running: drop it."""
+        return await self.node.instances.checkpoint_running(sb)
+
+    def offer_first(self, sb: LiveSandbox, rec: TemplateRecord) -> None:
+        """Keep the first sandbox of ``rec`` (snapshotted into it) for the next create of it."""
+        sb.rec.template_id = rec.name
+        member = Member(
+            sb=sb,
+            build=Build.of(rec),
+            limits=self.node.records.limits_of(sb.rec),
+            held=[*sb.rec.layers, sb.rec.upper],
+            kept_until=time.monotonic() + self.settings.first_sandbox_seconds,
+        )
+        if rec.name in self.firsts:
+            self._drop_first(rec.name, "its template was made again")
+        self.firsts[rec.name] = member
+        member.watcher = asyncio.ensure_future(self._watch(member))
+
+    def drop_first(self, sb: LiveSandbox, reason: str) -> None:
+        """A first sandbox whose template was not made: stopped, its upper removed."""
+        self.node.artifacts.unpin([*sb.rec.layers, sb.rec.upper])
+        self._discard(sb, reason)
+
+    def _drop_first(self, name: str, reason: str) -> None:
+        member = self.firsts.pop(name)
+        log.info("the first sandbox of image template %s dropped: %s", name, reason)
+        FIRST_SANDBOXES.labels(outcome="unclaimed").inc()
+        self._drop(member, reason)
 
     def _drop(self, member: Member, reason: str) -> None:
         if member.watcher is not None:
@@ -480,3 +597,7 @@ class WarmPools:
         WARM_MEMBERS.clear()
         for name, members in self.pools.items():
             WARM_MEMBERS.labels(template=name).set(len(members))
+
+
+def _alive(member: Member) -> bool:
+    return member.sb.link is not None and not member.sb.link.channel.closed.is_set()

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from aenv.channel import END, MSG, end_error
 from aenv.errors import AenvError, OperationTimeout, RuntimeFailure
-from aenv.node.service import AgentLink, BuildHost, TemplateRecord, build_guest
+from aenv.node.service import AgentLink, BuildHost, LiveSandbox, TemplateRecord, build_guest
 from aenv.runtime import hostexec
 from aenv.runtime.base import Instance, Limits
 from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
@@ -271,11 +271,61 @@ async def commit_template(
     workdir: str = "",
     on_log: LogFn | None = None,
     template_id: str = "",
+    keep_first: bool = False,
 ) -> TemplateRecord:
     """Boot ``layers``, run ``steps`` as root, start ``start`` (it runs on in every sandbox made
     from the template: it is in the snapshot), checkpoint and commit a template named ``name``
-    (with the id ``template_id``: an evicted image's template made again keeps its id)."""
+    (with the id ``template_id``: an evicted image's template made again keeps its id).
+
+    ``keep_first`` (an image's template, made for a create that waits): with no steps nor start
+    command, and a runtime that checkpoints leaving an instance running, the template is
+    snapshotted from the sandbox that create then takes (``BuildHost.first_sandboxes``) instead
+    of a build sandbox that is stopped and restored."""
     log = on_log or (lambda line: None)
+    firsts = node.first_sandboxes if keep_first and not steps and start is None else None
+    first: LiveSandbox | None = None
+    if firsts is not None:
+        async with node.artifacts.using_layers(layers):
+            first = await firsts.boot_first(layers)
+        try:
+            image, top = await firsts.snapshot_first(first)
+        except BaseException:
+            firsts.drop_first(first, "its template's snapshot failed")
+            raise
+    else:
+        image, top = await _checkpoint_build(node, name, layers, steps, start, log)
+    try:
+        rec = TemplateRecord(
+            id=template_id or new_id(16),
+            name=name,
+            layers=[*layers, *([top] if top else [])],
+            image=image,
+            created_at=time.time(),
+            env_vars=dict(env or {}),
+            description=description,
+            guest=node.driver.guest_key(),
+            user=user,
+            workdir=workdir,
+            start=start.record() if start is not None else {},
+            team=team_of_new(),
+        )
+        await retire_builds(node, name)
+        await node.add_template(rec)
+    except BaseException:
+        if firsts is not None and first is not None:
+            firsts.drop_first(first, "its template could not be committed")
+        raise
+    if firsts is not None and first is not None:
+        firsts.offer_first(first, rec)
+    log(f"template '{name}' committed ({len(rec.layers)} layers)")
+    return rec
+
+
+async def _checkpoint_build(
+    node: BuildHost, name: str, layers: list[str], steps: list[str], start: StartCommand | None, log: LogFn
+) -> tuple[str, str | None]:
+    """Run a build sandbox through ``steps`` and ``start``, checkpoint it and stop it: (its
+    image, its sealed upper, None if nothing was written)."""
     async with build_instance(node, layers, f"build-{name}") as (link, instance, upper):
         for i, step in enumerate(steps, 1):
             log(f"step {i}/{len(steps)}")
@@ -291,25 +341,7 @@ async def commit_template(
         except BaseException:
             node.files.remove_image(image)
             raise
-    sealed = await seal(node, upper)
-    rec = TemplateRecord(
-        id=template_id or new_id(16),
-        name=name,
-        layers=[*layers, *([sealed] if sealed else [])],
-        image=image,
-        created_at=time.time(),
-        env_vars=dict(env or {}),
-        description=description,
-        guest=node.driver.guest_key(),
-        user=user,
-        workdir=workdir,
-        start=start.record() if start is not None else {},
-        team=team_of_new(),
-    )
-    await retire_builds(node, name)
-    await node.add_template(rec)
-    log(f"template '{name}' committed ({len(rec.layers)} layers)")
-    return rec
+    return image, await seal(node, upper)
 
 
 async def build_base(node: BuildHost, *, on_log: LogFn | None = None) -> TemplateRecord:

@@ -82,11 +82,13 @@ class _Builds:
 _BUILDS: weakref.WeakKeyDictionary[Any, _Builds] = weakref.WeakKeyDictionary()
 
 
-async def source_for(node: BuildHost, ref: str, *, image: bool = False) -> str:
+async def source_for(node: BuildHost, ref: str, *, image: bool = False, create: bool = False) -> str:
     """What a create naming ``ref`` restores: ``ref`` itself when it names a template or a
     snapshot (or is nothing an image could be: the create's own 404), else the id of the template
     made from the image ``ref`` names, pulled and built first if this node has none. ``image``:
-    ``ref`` is an image reference whatever templates there are (the native API's ``image``)."""
+    ``ref`` is an image reference whatever templates there are (the native API's ``image``).
+    ``create``: a create waits (not a prefetch): a build it starts keeps the sandbox its template
+    is snapshotted from for a create to take (aenv/node/warmpool.py)."""
     if not image:
         if _known(node, ref):
             return ref
@@ -109,7 +111,7 @@ async def source_for(node: BuildHost, ref: str, *, image: bool = False) -> str:
         return found.id
     build = builds.by_reference.get(canonical)
     if build is None:
-        build = _start(node, builds, reference, canonical)
+        build = _start(node, builds, reference, canonical, keep_first=create)
     return (await _wait(build, node.settings.operation_timeout, reference)).id
 
 
@@ -119,7 +121,7 @@ async def held_source(node: BuildHost, ref: str, *, image: bool = False) -> Asyn
     (the create's restore): the cache never evicts it meanwhile. One evicted between its build
     and this pin is made again."""
     for _ in range(SOURCE_ATTEMPTS):
-        source = await source_for(node, ref, image=image)
+        source = await source_for(node, ref, image=image, create=True)
         found = _record(node, source)
         if found is not None or not (image or source != ref):
             break
@@ -205,7 +207,9 @@ def by_digest(node: BuildHost, digest: str) -> TemplateRecord | None:
     return next((t for t in node.templates.values() if t.image_digest == digest), None)
 
 
-def _start(node: BuildHost, builds: _Builds, reference: str, canonical: str) -> asyncio.Future[TemplateRecord]:
+def _start(
+    node: BuildHost, builds: _Builds, reference: str, canonical: str, *, keep_first: bool = False
+) -> asyncio.Future[TemplateRecord]:
     """The build for ``canonical``, as the node's background work: it goes on whoever waits."""
     done: asyncio.Future[TemplateRecord] = asyncio.get_running_loop().create_future()
     done.add_done_callback(_retrieved)
@@ -218,7 +222,7 @@ def _start(node: BuildHost, builds: _Builds, reference: str, canonical: str) -> 
         timer = asyncio.timeout(deadline)
         try:
             async with timer, builds.slots:
-                rec = await _build(node, builds, reference, canonical, done, meter)
+                rec = await _build(node, builds, reference, canonical, done, meter, keep_first=keep_first)
         except TimeoutError as exc:
             late = f"failed to pull image '{reference}': not ready within {deadline:g}s (AENV_OPERATION_TIMEOUT)"
             _fail(done, OperationTimeout(late, status=504) if timer.expired() else exc)
@@ -250,6 +254,8 @@ async def _build(
     canonical: str,
     done: asyncio.Future[TemplateRecord],
     meter: PullMeter | None = None,
+    *,
+    keep_first: bool = False,
 ) -> TemplateRecord:
     """Resolve the manifest; the template of its digest if there is one (or being made), else
     pull, convert and commit it (an image this node evicted: under its old id and references)."""
@@ -276,6 +282,7 @@ async def _build(
                     on_log=said,
                     template_id=template_id,
                     public=True,  # pulled with the node's logins: every team may use it
+                    keep_first=keep_first,
                 )
             finally:
                 if builds.by_digest.get(digest) is done:

@@ -16,12 +16,16 @@ from aenv.images.local import is_local
 from aenv.images.pull import ImagePull, Pulled, PullProgressFn, release
 from aenv.images.reference import ImageRef
 from aenv.node.service import BuildHost, TemplateRecord
-from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
+from aenv.runtime.guestbundle import COMPAT_LIB, GUEST_MOUNT, SUDO
 from aenv.storage.confined import View, remove_tree
 from aenv.templates.builder import LogFn, commit_template
 
 USER_UID = 1000
 USER = (USER_UID, USER_UID)
+# Where the runtime mounts its own file systems. An image without them would have the sandbox's
+# boot make them in its upper: the build's upper would never be empty, and every image template
+# would carry one more layer (and a first sandbox a copy of its upper) for four empty directories.
+MOUNT_POINTS = ("/proc", "/sys", "/dev", GUEST_MOUNT)
 
 
 def layers_view(node: BuildHost, layers: list[str], top: Path | None = None) -> View:
@@ -65,6 +69,9 @@ def _write_conventions(view: View) -> None:
     if view.stat("/root", follow=False) is None:
         view.make_dir("/root", attrs=(0o700, 0, 0))  # commands start in their user's home
     view.make_dir("/run/e2b")
+    for point in MOUNT_POINTS:
+        if view.stat(point, follow=False) is None:
+            view.make_dir(point, attrs=(0o755, 0, 0))
     usr_bin = view.stat("/usr/bin")
     if usr_bin is None or stat.S_ISDIR(usr_bin.st_mode):
         # sudo through the agent (aenv.guest.sudo): an image's setuid sudo cannot work in gVisor
@@ -103,12 +110,14 @@ async def commit_image(
     on_log: LogFn | None = None,
     template_id: str = "",
     public: bool = False,
+    keep_first: bool = False,
 ) -> TemplateRecord:
     """Bring in the layers of the image ``job`` pulls, add the sandbox conventions and commit it
     as template ``name`` (id ``template_id``, else a new one), recorded as made from
     ``reference`` (canonical) and the manifest's digest, with ``aliases``. What a failure made is
     removed: the conventions layer, the build sandbox, its upper and image (pulled layers stay:
-    whole and verified, a cache)."""
+    whole and verified, a cache). ``keep_first``: a create waits for it, and takes the sandbox
+    the template is snapshotted from (aenv/templates/builder.py)."""
     log = on_log or (lambda line: None)
     pulled: Pulled | None = None
     try:
@@ -128,6 +137,7 @@ async def commit_image(
                 description=f"from {unpinned}@{pulled.digest}",
                 on_log=log,
                 template_id=template_id,
+                keep_first=keep_first,
             )
         except BaseException:
             await node.files.remove(extra)
