@@ -11,7 +11,8 @@ so nothing of it stays in the memory every checkpoint saves.
 The file is ``MAGIC``, the length of a marshalled header, the header, and the modules' code
 objects, each marshalled. The header is ``(sys.version, {name: (path under the bundle,
 is a package, offset after the header, length)})``. A file missing, from another interpreter or damaged is not
-used: the imports then take the ordinary way, the same modules from the same bundle.
+used: the imports then take the ordinary way, the same modules from the same bundle. A module whose
+code does not load (its bytes damaged within a sound file) is read from its own file.
 
 Stdlib only: it runs inside any image, on the bundle's interpreter.
 """
@@ -25,10 +26,12 @@ import sys
 TYPE_CHECKING = False  # typing itself is one of the modules preloaded: this imports only what is loaded
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from importlib.machinery import ModuleSpec
+    from importlib.machinery import ModuleSpec, SourceFileLoader
     from types import CodeType, ModuleType
 
 _ModuleSpec: type[ModuleSpec] = type(os.__spec__)
+# The ordinary way's loader of a source file, from the import system every interpreter has loaded
+_SourceFileLoader: type[SourceFileLoader] = sys.modules["_frozen_importlib_external"].SourceFileLoader
 
 MAGIC = b"aenv-modules-1\n"
 FILE_NAME = "modules.bin"
@@ -61,11 +64,17 @@ class _Preloaded:
 
     def exec_module(self, module: ModuleType) -> None:
         spec = module.__spec__
-        assert spec is not None and self.data is not None
+        assert spec is not None and spec.origin is not None and self.data is not None
         _, _, offset, length = self.index.pop(spec.name)
-        code = marshal.loads(self.data[offset : offset + length])
-        if not isinstance(code, _CODE):
-            raise ImportError(f"{spec.name}: {FILE_NAME} holds no code for it", name=spec.name)
+        try:
+            code = marshal.loads(self.data[offset : offset + length])
+        except (ValueError, EOFError, TypeError):
+            code = None
+        if not isinstance(code, _CODE):  # damaged inside a sound header: the module's own file
+            loader = _SourceFileLoader(spec.name, spec.origin)
+            spec.loader = module.__loader__ = loader
+            loader.exec_module(module)
+            return
         exec(code, module.__dict__)
 
     def release(self) -> None:

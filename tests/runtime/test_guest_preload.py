@@ -6,6 +6,7 @@ bundle), no sandbox."""
 from __future__ import annotations
 
 import json
+import marshal
 import os
 import subprocess
 import sys
@@ -124,3 +125,25 @@ def test_a_file_damaged_or_of_another_interpreter_is_not_used(
     report = run([sys.executable], env, str(tmp_path), "import demo\nassert demo.VALUE == 'package'", ["demo"])
     assert report["installed"] is False
     assert report["before"]["demo"] == ["SourceFileLoader", str(tmp_path / "pkg/demo/__init__.py")]
+
+
+def test_a_module_whose_code_is_damaged_is_read_from_its_file(tmp_path: Path) -> None:
+    """The header and bounds are sound, one module's bytes are not: that module comes from its
+    own file, the others still from the file."""
+    fake_package(tmp_path)
+    path = tmp_path / preload.FILE_NAME
+    modules = [("demo", "pkg/demo/__init__.py", True), ("demo.eager", "pkg/demo/eager.py", False)]
+    preload.write(str(path), str(tmp_path), modules, "/guest")
+    data = bytearray(path.read_bytes())
+    size = int.from_bytes(data[len(preload.MAGIC) : len(preload.MAGIC) + 8], "little")
+    start = len(preload.MAGIC) + 8 + size
+    _, index = marshal.loads(bytes(data[len(preload.MAGIC) + 8 : start]))
+    _, _, offset, length = index["demo.eager"]
+    data[start + offset : start + offset + length] = b"\xff" * length  # not a marshalled object
+    path.write_bytes(bytes(data))
+    env = {"PYTHONPATH": f"{tmp_path / 'pkg'}{os.pathsep}{REPO}", "PATH": os.environ.get("PATH", "")}
+    imports = "import demo.eager\nassert demo.eager.EAGER == 'package eager', demo.eager.EAGER"
+    report = run([sys.executable], env, str(tmp_path), imports, ["demo", "demo.eager"])
+    assert report["installed"] is True
+    assert report["before"]["demo"][0] == "_Preloaded"
+    assert report["before"]["demo.eager"] == ["SourceFileLoader", str(tmp_path / "pkg/demo/eager.py")]
