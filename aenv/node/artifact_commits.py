@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from aenv.node.sandbox import LiveSandbox
 
 log = logging.getLogger("aenv.repo")
+DELETED_KEPT_SECONDS = 600.0  # how long a record deleted here is not learnt back from the repository
 
 
 class Commits:
@@ -41,6 +42,9 @@ class Commits:
         self._dirty: set[str] = set()  # records changed while their commit was under way
         self._pauses: dict[str, asyncio.Task[None]] = {}  # durable pauses under way, by sandbox id
         self._uploading: set[str] = set()  # those of them past the point where a resume cancels them
+        # Records deleted here lately, by id: a repository read that began before an entry's
+        # delete (or while a commit under way still writes it) must not bring the record back.
+        self.deleted: dict[str, float] = {}
 
     async def cancel(self) -> None:
         """Stop: commits under way are abandoned (nothing of them is visible) and redone at start."""
@@ -161,6 +165,9 @@ class Commits:
         """The record is deleted: its entry goes; what only it used is collected later."""
         if self.repo is None:
             return
+        now = time.monotonic()
+        self.deleted = {x: at for x, at in self.deleted.items() if now - at < DELETED_KEPT_SECONDS}
+        self.deleted[rec.id] = now
         task = self._commits.get(rec.id)
         if task is not None:
             return  # the commit sees the record gone and deletes the entry itself

@@ -140,8 +140,9 @@ class ArtifactCache:
         added = 0
         templates = [t for t in (record_of(TemplateRecord, e) for e in entries["template"]) if t is not None]
         # Newest first: if two nodes committed templates of one name, the latest one is imported.
+        deleted = self.commits.deleted  # its entry may still be read here a moment after the delete
         for tmpl in sorted(templates, key=lambda t: -t.committed_at):
-            if tmpl.id in self.node.templates:
+            if tmpl.id in self.node.templates or tmpl.id in deleted:
                 continue
             if any(t.name == tmpl.name for t in self.node.templates.values()):
                 log.info("repository template %s is named %r like one here: not imported", tmpl.id, tmpl.name)
@@ -149,7 +150,7 @@ class ArtifactCache:
             await self.node.catalogue.put_template(tmpl)
             added += 1
         for snap in (s for s in (record_of(SnapshotRecord, e) for e in entries["snapshot"]) if s is not None):
-            if snap.id in self.node.snapshots:
+            if snap.id in self.node.snapshots or snap.id in deleted:
                 continue
             await self.node.catalogue.put_snapshot(snap)
             added += 1

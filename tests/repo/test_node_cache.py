@@ -278,3 +278,22 @@ async def test_guest_bundles_no_record_names_are_removed(node: Node) -> None:
     await node.store.delete_template(rec.id)
     await housekeeping.gc_files(node)
     assert node.driver.guest_keys() == {current}  # never the bundle fresh boots use
+
+
+async def test_a_record_deleted_here_is_not_learnt_back_while_its_entry_lingers(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A template deleted while its commit is under way keeps its entry until the commit ends, and
+    a repository read begun before a delete still lists it: a create or lookup that refreshes the
+    catalogue meanwhile must not bring the record back (CI saw `GET /templates/cat` answer 200
+    right after its delete). Here the entry's delete is held back; the node deleted the record."""
+    rec = await fake_template(node, "lingers")
+    await node.artifacts.wait_committed(rec)
+    repo = node.artifacts.repo
+    assert repo is not None
+    monkeypatch.setattr(repo, "delete_entry", lambda kind, entry_id: None)  # the entry lingers
+    await node.drop_template(rec)
+    assert repo.get_entry("template", rec.id) is not None
+    assert await node.artifacts.refresh_catalogue(rec.id) == 0  # by id: read at once
+    assert await node.artifacts.refresh_catalogue() == 0  # the whole listing
+    assert node.catalogue.source("lingers") is None and rec.id not in node.templates

@@ -20,9 +20,12 @@ MAX_CANDIDATES = 3  # nodes a create tries before giving up
 CREATE_RETRY_SECONDS = 30.0
 CREATE_RETRY_PAUSE = 0.5
 # A node that answers 503 cluster_unavailable while etcd answers the gateway missed a few
-# heartbeats (a leader election, a loaded host): its create, pause or resume is tried again for
-# this long. When etcd does not answer the gateway either (no quorum), the 503 goes out at once.
-STORE_BLIP_SECONDS = 10.0
+# heartbeats (a leader election, a loaded host): its create, pause or resume is tried again while
+# its lease holds (it is in the mirror), for this long at most. A node cut off for good leaves
+# the mirror when its lease runs out (10 s by default), and the 503 goes out then; a slow election
+# on a loaded host, the node's member rejoining it and the node's reconnect took over 10 s in CI.
+# When etcd does not answer the gateway either (no quorum), the 503 goes out at once.
+STORE_BLIP_SECONDS = 30.0
 QUORUM_CHECK_KEEP = 0.5  # seconds one check that etcd answers serves every request that asks
 # A read that failed while most members take connections is an election under way (the leader
 # went): read again for this long, every ELECTION_RETRY, before counting etcd out of quorum.

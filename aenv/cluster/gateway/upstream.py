@@ -110,7 +110,8 @@ class Upstream:
     ) -> httpx.Response:
         """The node's answer to ``request`` (streamed). A pause, resume or connect the node
         refused only because it missed etcd for a moment is sent again while etcd answers here
-        (within STORE_BLIP_SECONDS): the node refused before doing anything. A request about
+        and the node's lease holds (within STORE_BLIP_SECONDS): the node refused before doing
+        anything. A request about
         sandbox ``follow`` (the control plane's) that its node answers 404 while etcd names
         another node (it moved a moment ago: a drain, a takeover) goes there. Sandbox ``traffic``
         is never one of those, whatever its path (the app in the sandbox chose it). ``stream``:
@@ -147,6 +148,8 @@ class Upstream:
         finally:
             await upstream.aclose()
         if error_code(content) != "cluster_unavailable" or time.monotonic() >= until:
+            return replay(upstream, content)
+        if node.node_id not in self.directory.mirror.nodes:  # its lease ran out: lost, not a blip
             return replay(upstream, content)
         if not await self.directory.etcd_answers():
             return replay(upstream, content)
