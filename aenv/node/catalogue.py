@@ -62,6 +62,8 @@ class Catalogue:
         await self.store.put_template(rec)
 
     async def remove_template(self, rec: TemplateRecord) -> None:
+        if self.templates.get(rec.id, rec) is not rec:
+            return  # its id names another record now: an evicted image's template made again
         self.templates.pop(rec.id, None)
         await self.store.delete_template(rec.id)
 

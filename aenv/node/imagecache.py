@@ -227,16 +227,20 @@ async def evict(node: Node, rec: TemplateRecord, busy: set[str]) -> bool:
     """Evict one image template whole, unless it is in use now (looked at again here: the awaits
     before let a restore start). Out of the catalogue and its files renamed away before anything
     is awaited, so a create either pinned it first or does not find it and pulls it again."""
+    evicted = evicted_images(node)
+    await evicted.entries()  # read before anything goes: nothing below awaits until it is remembered
     if node.templates.get(rec.id) is not rec or in_use(node, rec, busy):
         return False
     files = node.files
     used = last_used(node, rec)
     node.catalogue.templates.pop(rec.id, None)
+    # Out of the catalogue and remembered as evicted in one step: GET /images meanwhile lists it
+    # one way or the other (CI saw an image in neither, between these two).
+    await evicted.remember(Evicted.of(rec, used), save=False)  # written once the pass is over
     image_token = files.evict_image(rec.image)
     own = own_items(rec)[:-1]
     tokens = [(x, files.evicting(x)) for x in own]
     await node.drop_template(rec)
-    await evicted_images(node).remember(Evicted.of(rec, used), save=False)  # written once the pass is over
     await files.finish_image_eviction(image_token)
     for layer_id, token in tokens:
         await files.finish_eviction(layer_id, token)

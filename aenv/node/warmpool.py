@@ -263,12 +263,12 @@ class WarmPools:
     def forget(self, rec: TemplateRecord) -> None:
         """A template record was deleted: its members go at once. Its size stays with its name (a
         rebuild deletes the old record before it adds the new one)."""
-        members = self.pools.get(rec.name, [])
-        for member in [m for m in members if m.build.template_id == rec.id]:
+        members, build = self.pools.get(rec.name, []), Build.of(rec)  # (an evicted image made again keeps its id)
+        for member in [m for m in members if m.build == build]:
             members.remove(member)
             self._drop(member, "its template was deleted")
         first = self.firsts.get(rec.name)
-        if first is not None and first.build.template_id == rec.id:
+        if first is not None and first.build == build:
             self._drop_first(rec.name, "its template was deleted")
         self._observe()
 

@@ -24,6 +24,7 @@ from e2b import Sandbox
 from tests.conftest import API_KEY, Server, e2b_client, start_busybox_node
 from tests.images.oci import LayerTar, Registry, busybox_layer, start_registry
 from tests.node.test_restart import runsc_containers
+from tests.node.test_warm_pool import instances
 
 pytestmark = pytest.mark.sandbox
 KEPT_SECONDS = 6  # the node's AENV_FIRST_SANDBOX_SECONDS: long enough for a loaded machine's create
@@ -78,14 +79,6 @@ def was_first(api: httpx.Client, sandbox_id: str) -> bool:
     return any(SNAPSHOTTED_FROM in entry["line"] for entry in logs)
 
 
-def containers(node: Server, count: int) -> set[str]:
-    """The node's runsc containers, once there are ``count`` (stopped ones go in the background)."""
-    deadline = time.monotonic() + SETTLE
-    while len(found := runsc_containers(node)) != count and time.monotonic() < deadline:
-        time.sleep(0.3)
-    return found
-
-
 def test_the_first_create_is_the_snapshotted_sandbox_and_its_later_writes_stay_its_own(
     setup: Setup, api: httpx.Client
 ) -> None:
@@ -97,7 +90,7 @@ def test_the_first_create_is_the_snapshotted_sandbox_and_its_later_writes_stay_i
     sid = sbx.sandbox_id
     assert firsts(api).get("claimed", 0) == before.get("claimed", 0) + 1
     assert was_first(api, sid)
-    assert len(containers(setup.node, 1)) == 1  # the sandbox: nothing was restored for it
+    assert len(instances(setup.node, 1)) == 1  # the sandbox: nothing was restored for it
     # The image's two layers and the conventions: the runtime's mount points are made there, so the
     # sandbox's boot wrote nothing to its upper and the template has no copy of it as a layer.
     template = api.get(f"/templates/{sbx.get_info().template_id}").json()
@@ -158,7 +151,7 @@ def test_of_creates_waiting_for_one_build_one_takes_the_first_sandbox(setup: Set
             "gone.txt",
             "keep.txt",
         ]
-    assert len(containers(setup.node, 4)) == 4  # no instance besides the four sandboxes
+    assert len(instances(setup.node, 4)) == 4  # no instance besides the four sandboxes
 
 
 def test_a_first_sandbox_no_create_can_take_is_stopped(setup: Setup, api: httpx.Client) -> None:
@@ -176,7 +169,7 @@ def test_a_first_sandbox_no_create_can_take_is_stopped(setup: Setup, api: httpx.
         time.sleep(0.3)
     assert firsts(api).get("unclaimed", 0) == before.get("unclaimed", 0) + 1
     assert firsts(api).get("claimed", 0) == before.get("claimed", 0)
-    assert len(containers(setup.node, 1)) == 1  # the restored sandbox only
+    assert len(instances(setup.node, 1)) == 1  # the restored sandbox only
     # A create after that restores, as for any template.
     later = api.post("/sandboxes", json={"templateID": ref, "timeout": 60})
     assert later.status_code == 201 and not was_first(api, later.json()["sandboxID"])
@@ -190,7 +183,7 @@ def test_a_prefetched_image_keeps_no_first_sandbox(setup: Setup, api: httpx.Clie
     deadline = time.monotonic() + SETTLE
     while not any(ref in t.get("aliases", []) for t in api.get("/templates").json()) and time.monotonic() < deadline:
         time.sleep(0.3)
-    assert containers(setup.node, 0) == set()  # built in a build sandbox, stopped
+    assert instances(setup.node, 0) == set()  # built in a build sandbox, stopped
     sbx = Sandbox.create(template=ref, timeout=60)
     assert not was_first(api, sbx.sandbox_id)
     assert firsts(api) == before

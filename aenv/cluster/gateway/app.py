@@ -28,7 +28,7 @@ from aenv.cluster.gateway.owners import Owners
 from aenv.cluster.gateway.relay import ROUTE_SCOPE, Relay, error_response
 from aenv.cluster.gateway.routes import ADMIN, OPEN, find, table
 from aenv.cluster.gateway.sandboxes import SandboxRoutes
-from aenv.cluster.gateway.settings import STARTUP_DEADLINE, STARTUP_WAIT, GatewaySettings
+from aenv.cluster.gateway.settings import CLOSE_SECONDS, STARTUP_DEADLINE, STARTUP_WAIT, GatewaySettings
 from aenv.cluster.gateway.takeover import TakeOvers
 from aenv.cluster.gateway.traffic import SandboxTraffic
 from aenv.cluster.gateway.upstream import Upstream
@@ -163,7 +163,11 @@ class Gateway:
             log.error("this gateway's AENV_API_KEY is not the one the cluster was started with: stopping")
 
     async def _close(self) -> None:
-        await self.mirror.stop()
+        # The watch may sit in a call etcd's client does not give up at once (CI: a gateway with the
+        # wrong key hung at startup for 90 s closing it); closing the client below ends that call.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CLOSE_SECONDS):
+                await self.mirror.stop()
         await self.mirror.store.close()
         await self.aclose()
 

@@ -38,6 +38,7 @@ HINT_SECONDS = 60.0
 CATALOGUE_LAG = 8.0  # a node reads an unknown id's entry at once, and all entries at most every 3 s
 SNAPSHOT_HINT_SECONDS = 600.0  # a snapshot's commit to the repository may take minutes
 STARTUP_WAIT = 10.0
+CLOSE_SECONDS = 5.0  # how long a stopping gateway waits for its directory's watch to end
 STARTUP_DEADLINE = 20.0  # the whole start: the directory, the teams, the cluster's configuration
 SETTLE_SECONDS = 5.0  # how long a list waits for a change made through this gateway, at most
 LIST_SETTLE = 2.0  # seconds one list waits for the directory to show such changes
