@@ -162,8 +162,10 @@ def test_a_second_commit_uploads_only_what_is_new(backend: Backend, tmp_path: Pa
     )
     assert second.reused_artifacts == 1 and second.new_artifacts == ["layer/upper2", "image/img2"]
     assert second.logical_bytes > first.logical_bytes
-    # Only the chunk around the change (at most CHUNK_MAX) and the small upper are new.
-    assert second.new_chunks <= 3
+    # Only the chunks around the change and the small upper are new: the change's chunk, and the
+    # next one or two when it moved a cut point (fastcdc's minimum size can push the following cut
+    # too before the chunks line up again; CI saw 4 on random bytes).
+    assert second.new_chunks <= 4
     assert second.new_bytes <= chunking.CHUNK_MAX + 2**20 and second.new_bytes < first.new_bytes / 3
 
 
