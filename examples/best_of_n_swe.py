@@ -78,9 +78,12 @@ def main(n: int, log: str | None) -> None:
             task.write(f"{REPO}/calc.py", CALC)
             task.write(f"{REPO}/test_calc.py", TESTS)
             task.write(f"{REPO}/score.py", SCORE)
-            before = task.exec(["python3", "score.py"], cwd=REPO).stdout.split()[-1]
+            # -B: no bytecode cache. CPython trusts a cached .pyc while its source keeps the same size
+            # and whole-second mtime, so an attempt's same-size edit made within the second of this
+            # run would be scored on the old code.
+            before = task.exec(["python3", "-B", "score.py"], cwd=REPO).stdout.split()[-1]
             print(f"before: {before} of 5 tests pass")
-            found = best_of_n(task, n, attempt, f"cd {REPO} && python3 score.py 2>/dev/null")
+            found = best_of_n(task, n, attempt, f"cd {REPO} && python3 -B score.py 2>/dev/null")
             with found.sandbox as best:  # killed at the end of the block
                 for b in found.branches:
                     print(f"attempt {b.index}: {b.score:.0f} of 5 tests pass")
