@@ -85,7 +85,7 @@ class Creates:
         placement = self.directory.placement
         while time.monotonic() < deadline:
             if not queue:
-                if not unanswered and not (time.monotonic() < blip_until and await self.directory.etcd_answers()):
+                if not unanswered and not (time.monotonic() < blip_until and await self.directory.store_recovers()):
                     break
                 await asyncio.sleep(CREATE_RETRY_PAUSE)
                 queue = self._candidates(body, avoid)

@@ -74,6 +74,12 @@ class Directory:
             self._quorum = (now, asyncio.create_task(self._read_config_answers()))
         return await asyncio.shield(self._quorum[1])
 
+    async def store_recovers(self) -> bool:
+        """Whether etcd answers here, or is only electing a leader: most members it knows still
+        listen, so an election (4-8 s on a saturated host, longer than etcd_answers waits) will
+        end. Without a quorum most members refuse connections and the answer is False at once."""
+        return await self.etcd_answers() or await self._most_members_listen()
+
     async def _read_config_answers(self) -> bool:
         """One read, again and again while etcd is electing: a read fails for the second or more
         an election takes (the member that was leader went), and a client must not get "no quorum"

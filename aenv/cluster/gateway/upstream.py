@@ -110,7 +110,7 @@ class Upstream:
     ) -> httpx.Response:
         """The node's answer to ``request`` (streamed). A pause, resume or connect the node
         refused only because it missed etcd for a moment is sent again while etcd answers here
-        and the node's lease holds (within STORE_BLIP_SECONDS): the node refused before doing
+        (or is electing) and the node's lease holds (within STORE_BLIP_SECONDS): the node refused before doing
         anything. A request about
         sandbox ``follow`` (the control plane's) that its node answers 404 while etcd names
         another node (it moved a moment ago: a drain, a takeover) goes there. Sandbox ``traffic``
@@ -140,7 +140,8 @@ class Upstream:
     async def unless_blip(self, upstream: httpx.Response, node: NodeEntry, until: float) -> httpx.Response | None:
         """``upstream`` to pass on (read whole and replayed if it was a 503), or None after a
         pause when it is the node's refusal for missing etcd a moment (503 ``cluster_unavailable``)
-        and the request is worth sending again: before ``until`` and while etcd answers here."""
+        and the request is worth sending again: before ``until``, while the node's lease holds and
+        etcd answers here or is electing a leader."""
         if upstream.status_code != 503:
             return upstream
         try:
@@ -151,7 +152,7 @@ class Upstream:
             return replay(upstream, content)
         if node.node_id not in self.directory.mirror.nodes:  # its lease ran out: lost, not a blip
             return replay(upstream, content)
-        if not await self.directory.etcd_answers():
+        if not await self.directory.store_recovers():
             return replay(upstream, content)
         await asyncio.sleep(CREATE_RETRY_PAUSE)
         return None
