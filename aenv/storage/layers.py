@@ -43,6 +43,8 @@ UNTRUSTED_BITS = os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC  # hostexec.UNTRUSTED
 FIFREEZE, FITHAW = 0xC0045877, 0xC0045878  # linux/fs.h: _IOWR('X', 119 / 120, int)
 ENTRY_COST = 4096  # what the cache counts for an entry of a layer, at the least (one block)
 MKFS = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", "-m", "0"]
+MKFS_SECONDS = 120.0
+MAX_BLANKS = 8  # blank disk images kept, one per upper size (a few MiB each), the least used go
 
 
 def new_id(n: int = 12) -> str:
@@ -60,6 +62,9 @@ class LayerStore:
             d.mkdir(parents=True, exist_ok=True)
         self._sealed_sizes: dict[str, int] = {}
         self._mounting: dict[str, asyncio.Lock] = {}  # one mount of a layer at a time
+        self.blanks = self.layers / ".blanks"  # size in MiB -> a formatted, empty disk image to copy
+        self.blanks.mkdir(exist_ok=True)
+        self._blanking: dict[int, asyncio.Lock] = {}  # one mkfs of a size at a time
         self._spares: dict[int, list[str]] = {}  # size in MiB -> blank, mounted uppers
         self._making: set[str] = set()
         self._wanted: dict[int, float] = {}  # size in MiB -> last time one was taken
@@ -124,16 +129,47 @@ class LayerStore:
             return upper_id
         disk = self._img(upper_id)
         try:
-            with open(disk, "wb") as f:
-                f.truncate(size_mb * 2**20)
-            await hostexec.run([*MKFS, str(disk)], timeout=60)
-            await self.mount(upper_id, writable=True)
+            blank = await self._blank(size_mb)
+            await asyncio.to_thread(_copy_sparse, blank, disk)
+            try:
+                await self.mount(upper_id, writable=True)
+            except BaseException:
+                blank.unlink(missing_ok=True)  # damaged? the next upper of this size formats a new one
+                raise
             datadir.sandbox_dir(mnt / "upper")  # the sandbox's "/" takes this directory's mode
             (mnt / "work").mkdir(exist_ok=True)
         except BaseException:
             await self.remove(upper_id)
             raise
         return upper_id
+
+    # An upper is a copy of a blank image of its size, formatted once: mkfs ends with an fsync,
+    # which on a host writing hard (image pulls unpacking) waited over a minute behind everything
+    # else dirty; a copy of the blank's few MiB of metadata goes to the page cache. The copies
+    # share the blank's filesystem UUID and hash seed, as a fork's copied upper shares its
+    # source's: a sandbox sees neither (it sees files, not the disk).
+    async def _blank(self, size_mb: int) -> Path:
+        path = self.blanks / f"ext4-{size_mb}.img"
+        lock = self._blanking.setdefault(size_mb, asyncio.Lock())
+        async with lock:
+            if path.exists():
+                os.utime(path)  # recently used: kept
+                return path
+            tmp = self.tmp / f"blank-{new_id()}.img"
+            try:
+                with open(tmp, "wb") as f:
+                    f.truncate(size_mb * 2**20)
+                await hostexec.run([*MKFS, str(tmp)], timeout=MKFS_SECONDS)
+                os.rename(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+        self._trim_blanks()
+        return path
+
+    def _trim_blanks(self) -> None:
+        blanks = sorted(self.blanks.glob("ext4-*.img"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in blanks[MAX_BLANKS:]:
+            old.unlink(missing_ok=True)
 
     # A fork of N needs N+1 fresh uppers at once, and formatting and mounting them (~40 ms each on
     # two busy cores) sat on the fork's critical path, as one did on every create's. So a few blank

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from aenv.errors import RuntimeFailure
 from aenv.storage import layers as layers_module
 from aenv.storage.layers import LayerStore
 
@@ -95,3 +98,54 @@ async def test_concurrent_mounts_of_one_layer_image_mount_it_once(store: LayerSt
     assert os.path.ismount(mnt) and (mnt / "upper" / "f").read_text() == "data"
     stacked = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {mnt} " in line]
     assert len(stacked) == 1, stacked
+
+
+async def test_uppers_are_copies_of_one_blank_per_size_each_its_own_disk(
+    store: LayerStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upper is a copy of the blank of its size, formatted once (mkfs ends with an fsync, which
+    a host writing hard made wait over a minute); each copy is its own empty disk of its quota."""
+    formats: list[list[str]] = []
+    run = layers_module.hostexec.run
+
+    async def counting(argv: list[str], **kw: Any) -> str:
+        if argv[0] == "mkfs.ext4":
+            formats.append(argv)
+        return await run(argv, **kw)
+
+    monkeypatch.setattr(layers_module.hostexec, "run", counting)
+    uppers = await asyncio.gather(*(store.new_upper(16) for _ in range(3)))
+    assert len(formats) == 1 and len(set(uppers)) == 3
+    assert all(blank_and_mounted(store, u) for u in uppers)
+    (store.upper(uppers[0]) / "upper" / "mine").write_text("one")
+    assert all(blank_and_mounted(store, u) for u in uppers[1:])  # not one disk seen three times
+    # The quota is the copy's own: filling one leaves the others their room.
+    with pytest.raises(OSError) as full:
+        with open(store.upper(uppers[1]) / "upper" / "big", "wb") as f:
+            for _ in range(32):
+                f.write(os.urandom(1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+    assert full.value.errno == errno.ENOSPC
+    (store.upper(uppers[2]) / "upper" / "room").write_bytes(os.urandom(8 << 20))
+    assert os.statvfs(store.upper(uppers[2])).f_blocks * os.statvfs(store.upper(uppers[2])).f_frsize <= 16 << 20
+    # The blank holds only metadata; another size formats its own.
+    blank = store.blanks / "ext4-16.img"
+    assert blank.stat().st_size == 16 << 20 and blank.stat().st_blocks * 512 < 4 << 20
+    await store.new_upper(24)
+    assert len(formats) == 2 and (store.blanks / "ext4-24.img").exists()
+    assert not {p.name for p in store.blanks.iterdir()} & store.layer_ids()  # blanks are no layers
+
+
+async def test_a_damaged_blank_is_formatted_again(store: LayerStore) -> None:
+    first = await store.new_upper(16)
+    blank = store.blanks / "ext4-16.img"
+    with open(blank, "r+b") as f:  # the superblock (at 1 KiB) zeroed: no filesystem
+        f.seek(1024)
+        f.write(bytes(1024))
+    with pytest.raises(RuntimeFailure, match="mount"):
+        await store.new_upper(16)
+    assert not blank.exists()  # dropped, and nothing of the failed upper is left
+    again = await store.new_upper(16)
+    assert blank_and_mounted(store, again) and blank.exists()
+    assert store.layer_ids() == {first, again}
