@@ -24,7 +24,7 @@ from aenv.node.artifacts import ArtifactCache
 from aenv.node.records import Records
 from aenv.node.sandbox import LiveSandbox, log_failure
 from aenv.node.store import SandboxRecord
-from aenv.runtime.base import Driver, Instance, RootfsSpec
+from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
 from aenv.storage.layers import LayerStore, new_id
 from aenv.storage.space import ensure_space, headroom
 
@@ -115,24 +115,35 @@ class Instances:
         """Boot a fresh instance of ``sb`` on its layers and upper (a resume after a pause that kept
         no memory): a new agent from the current bundle, the sandbox's settings, and the template's
         start command started again, as in every sandbox made from the template."""
+
+        async def ready(link: AgentLink) -> None:
+            await link.call("sys.configure", self.agent_config(sb.rec))
+            await self._start_again(sb, link)
+
+        await self.boot(sb, self.records.limits_of(sb.rec), ready)
+        assert sb.link is not None
+        sb.link.watcher = asyncio.ensure_future(self.watch(sb, sb.link))
+
+    async def boot(
+        self, sb: LiveSandbox, limits: Limits, ready: Callable[[AgentLink], Awaitable[None]] | None = None
+    ) -> None:
+        """Boot an instance of ``sb`` on its record's layers and upper, with ``limits``, and wait
+        for its agent's hello (then ``ready``, given the link). On failure nothing is left running."""
         instance_id, guest = new_id(), self.driver.guest_key()
         instance = await self.driver.boot(
-            instance_id=instance_id,
-            rootfs=self.rootfs(sb.rec.layers, sb.rec.upper, guest),
-            limits=self.records.limits_of(sb.rec),
+            instance_id=instance_id, rootfs=self.rootfs(sb.rec.layers, sb.rec.upper, guest), limits=limits
         )
         link = self.link_for(sb)
         try:
             await link.booted(instance)
-            await link.call("sys.configure", self.agent_config(sb.rec))
-            await self._start_again(sb, link)
+            if ready is not None:
+                await ready(link)
         except BaseException:
             link.close("the sandbox could not boot")
             await self.driver.kill(instance)
             raise
         sb.instance, sb.link = instance, link
         sb.rec.instance_id, sb.rec.guest = instance_id, guest
-        link.watcher = asyncio.ensure_future(self.watch(sb, link))
 
     async def _start_again(self, sb: LiveSandbox, link: AgentLink) -> None:
         """The template's start command, in a sandbox that booted fresh. Its record may come from a

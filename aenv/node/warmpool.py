@@ -515,7 +515,6 @@ class WarmPools:
         limits = node.records.limits_from({})
         upper = await node.files.new_upper(limits.disk_mb)
         now = time.time()
-        guest = node.driver.guest_key()
         rec = SandboxRecord(
             id=f"first-{new_id(12)}",  # for logs only: the claim gives the sandbox its id
             template_id="",
@@ -523,28 +522,16 @@ class WarmPools:
             end_at=now,
             layers=list(layers),
             upper=upper,
-            guest=guest,
         )
         sb = LiveSandbox(rec)
         held = [*layers, upper]
         node.artifacts.pin(held)
         try:
-            instance_id = new_id()
-            instance = await node.driver.boot(
-                instance_id=instance_id, rootfs=node.instances.rootfs(layers, upper, guest), limits=limits
-            )
-            link = node.instances.link_for(sb)
-            try:
-                await link.booted(instance)
-            except BaseException:
-                link.close("the sandbox could not boot")
-                await node.driver.kill(instance)
-                raise
+            await node.instances.boot(sb, limits)
         except BaseException:
             node.artifacts.unpin(held)
             await node.files.remove(upper)
             raise
-        sb.instance, sb.link, rec.instance_id = instance, link, instance_id
         return sb
 
     async def snapshot_first(self, sb: LiveSandbox) -> tuple[str, str | None]:
