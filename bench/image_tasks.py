@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import json
 import random
 import shutil
@@ -42,13 +41,14 @@ from aenv.config import Settings
 from aenv.node.orchestrator import Node
 from aenv.node.spec import SandboxSpec
 from aenv.templates import image_sources
-from tests.images.oci import LayerTar, Registry, busybox_layer, start_registry
+from tests.images.oci import GzipLayer, LayerTar, Registry, busybox_layer, start_registry
 
 console = Console()
 MiB = 2**20
 
 
 PHASES: dict[str, list[float]] = {"pull": [], "boot_snapshot": []}
+WHOLE_EVERY = 5  # images whose whole image is also pulled bare: the first three and every fifth
 
 
 def _instrument() -> None:
@@ -116,24 +116,19 @@ class TaskImage:
 
 def make_images(registry: Registry, args: argparse.Namespace) -> list[TaskImage]:
     rng = random.Random(1)
-    base = files_layer("opt/conda", args.base_mib, rng, busybox_layer().dir("tmp", 0o1777))
-    repos = [files_layer(f"repo/r{r}", args.repo_mib, rng) for r in range(args.repos)]
+    base = GzipLayer(files_layer("opt/conda", args.base_mib, rng, busybox_layer().dir("tmp", 0o1777)))
+    repos: dict[int, GzipLayer] = {}
     images = []
     for t in range(args.tasks):
         r = t % args.repos
-        task = files_layer(f"testbed/t{t}", args.task_mib, rng)
+        if r not in repos:
+            repos[r] = GzipLayer(files_layer(f"repo/r{r}", args.repo_mib, rng))
+        layers = [base, repos[r], GzipLayer(files_layer(f"testbed/t{t}", args.task_mib, rng))]
         name = f"swebench/sweb.eval.x86_64.repo{r}__task-{t}"
-        layers = [base, repos[r], task]
-        digest = registry.push_image(name, "latest", [(x, "gzip") for x in layers], env=["PATH=/bin", f"TASK={t}"])
-        blobs = [(_sha(z), len(z), len(x)) for x in layers for z in [gzip.compress(x, mtime=0)]]  # as pushed
+        digest = registry.push_gzip_image(name, "latest", layers, env=["PATH=/bin", f"TASK={t}"])
+        blobs = [(x.digest, len(x.blob), x.size) for x in layers]
         images.append(TaskImage(f"{registry.host}/{name}:latest", f"r{r}", blobs, digest))
     return images
-
-
-def _sha(data: bytes) -> str:
-    import hashlib
-
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def bare_pull(registry: Registry, image: TaskImage, blobs: list[str], into: Path) -> float:
@@ -196,16 +191,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 async def first_creates(node: Node, registry: Registry, images: list[TaskImage], work: Path) -> dict[str, Any]:
     console.print(f"[bold]first creates[/bold]: {len(images)} images, each against curl | tar -xz of its new layers")
     seen: set[str] = set()
-    creates, bares, ratios, whole = [], [], [], []
+    creates, bares, ratios, whole, whole_ratios = [], [], [], [], []
     PHASES["pull"].clear()
     PHASES["boot_snapshot"].clear()
     for i, image in enumerate(images):
         new = [d for d, _, _ in image.layers if d not in seen]
         bare = await asyncio.to_thread(bare_pull, registry, image, new, work / "bare")
-        if i < 3:
+        sampled = i < 3 or i % WHOLE_EVERY == 0
+        if sampled:
             all_layers = [d for d, _, _ in image.layers]
             whole.append(await asyncio.to_thread(bare_pull, registry, image, all_layers, work / "bare"))
         took, sandbox_id = await create(node, image.ref)
+        if sampled:
+            whole_ratios.append(took / whole[-1])
         await node.kill(sandbox_id)
         seen.update(new)
         creates.append(took)
@@ -223,7 +221,11 @@ async def first_creates(node: Node, registry: Registry, images: list[TaskImage],
         "boot_snapshot_p50": pct(PHASES["boot_snapshot"], 0.5),  # the build sandbox's boot and checkpoint
         "first_image": creates[0],
         "first_image_bare": bares[0],
+        # Against curl | tar of the whole image (every layer, as a machine without the base pulls
+        # it), on a sample of the images: the first three and every WHOLE_EVERY-th.
         "whole_image_bare_p50": pct(whole, 0.5),
+        "whole_ratio_of_p50s": pct(creates, 0.5) / pct(whole, 0.5),
+        "whole_ratio_p50": pct(whole_ratios, 0.5),
         "seconds": creates,
         "bare_seconds": bares,
     }
@@ -336,6 +338,12 @@ def render(results: dict[str, Any]) -> None:
         f"{first['p50']:.2f} / {first['p95']:.2f} s",
         f"curl | tar -xz of the same new layers: {first['bare_p50']:.2f} s p50 ({first['ratio_of_p50s']:.2f}x; "
         f"per image {first['ratio_p50']:.2f}x p50)",
+    )
+    table.add_row(
+        "",
+        "",
+        f"curl | tar -xz of the whole image: {first['whole_image_bare_p50']:.2f} s p50 "
+        f"({first['whole_ratio_of_p50s']:.2f}x; per image {first['whole_ratio_p50']:.2f}x p50)",
     )
     table.add_row(
         "of which the pull (download and unpack, streamed) p50",
