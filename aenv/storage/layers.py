@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import secrets
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from aenv.errors import RuntimeFailure
 from aenv.runtime import hostexec
 from aenv.storage import datadir
 from aenv.storage.confined import remove_tree, tree_usage
@@ -45,6 +47,8 @@ ENTRY_COST = 4096  # what the cache counts for an entry of a layer, at the least
 MKFS = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", "-m", "0"]
 MKFS_SECONDS = 120.0
 MAX_BLANKS = 8  # blank disk images kept, one per upper size (a few MiB each), the least used go
+MKFS_KEY = hashlib.sha256(" ".join(MKFS).encode()).hexdigest()[:8]  # other options: other blanks
+EXT4_MAGIC_AT, EXT4_MAGIC = 1024 + 0x38, b"\x53\xef"  # the superblock's s_magic, little-endian
 
 
 def new_id(n: int = 12) -> str:
@@ -62,9 +66,11 @@ class LayerStore:
             d.mkdir(parents=True, exist_ok=True)
         self._sealed_sizes: dict[str, int] = {}
         self._mounting: dict[str, asyncio.Lock] = {}  # one mount of a layer at a time
-        self.blanks = self.layers / ".blanks"  # size in MiB -> a formatted, empty disk image to copy
+        self.blanks = self.layers / ".blanks"  # formatted, empty disk images to copy, one per size
         self.blanks.mkdir(exist_ok=True)
-        self._blanking: dict[int, asyncio.Lock] = {}  # one mkfs of a size at a time
+        for left in self.blanks.glob(".tmp-*"):  # a format the last run did not finish
+            left.unlink(missing_ok=True)
+        self._blanking: dict[int, asyncio.Future[Path]] = {}  # size in MiB -> its blank being made
         self._spares: dict[int, list[str]] = {}  # size in MiB -> blank, mounted uppers
         self._making: set[str] = set()
         self._wanted: dict[int, float] = {}  # size in MiB -> last time one was taken
@@ -130,11 +136,19 @@ class LayerStore:
         disk = self._img(upper_id)
         try:
             blank = await self._blank(size_mb)
-            await asyncio.to_thread(_copy_sparse, blank, disk)
+            # Awaited to its end even when the create is cancelled: the thread would otherwise
+            # make the image after the removal below, an image of no upper that nothing removes.
+            copy = asyncio.ensure_future(asyncio.to_thread(_copy_sparse, blank, disk))
+            try:
+                await asyncio.shield(copy)
+            except asyncio.CancelledError:
+                await asyncio.wait([copy])
+                raise
             try:
                 await self.mount(upper_id, writable=True)
-            except BaseException:
-                blank.unlink(missing_ok=True)  # damaged? the next upper of this size formats a new one
+            except RuntimeFailure:
+                if not _is_ext4(blank):  # damaged: the next upper of this size formats a new one
+                    blank.unlink(missing_ok=True)
                 raise
             datadir.sandbox_dir(mnt / "upper")  # the sandbox's "/" takes this directory's mode
             (mnt / "work").mkdir(exist_ok=True)
@@ -147,22 +161,35 @@ class LayerStore:
     # which on a host writing hard (image pulls unpacking) waited over a minute behind everything
     # else dirty; a copy of the blank's few MiB of metadata goes to the page cache. The copies
     # share the blank's filesystem UUID and hash seed, as a fork's copied upper shares its
-    # source's: a sandbox sees neither (it sees files, not the disk).
+    # source's: a sandbox sees neither (it sees files, not the disk). A blank is named by its
+    # size and the mkfs options that made it.
     async def _blank(self, size_mb: int) -> Path:
-        path = self.blanks / f"ext4-{size_mb}.img"
-        lock = self._blanking.setdefault(size_mb, asyncio.Lock())
-        async with lock:
-            if path.exists():
-                os.utime(path)  # recently used: kept
-                return path
-            tmp = self.tmp / f"blank-{new_id()}.img"
-            try:
-                with open(tmp, "wb") as f:
-                    f.truncate(size_mb * 2**20)
-                await hostexec.run([*MKFS, str(tmp)], timeout=MKFS_SECONDS)
-                os.rename(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+        path = self.blanks / f"ext4-{size_mb}-{MKFS_KEY}.img"
+        if path.exists():
+            os.utime(path)  # recently used: kept
+            return path
+        # One mkfs per size, whoever asks meanwhile shares its outcome: a failure is each
+        # waiter's at once, not a mkfs after another.
+        making = self._blanking.get(size_mb)
+        if making is None:
+            making = self._blanking[size_mb] = asyncio.ensure_future(self._format_blank(size_mb, path))
+            making.add_done_callback(lambda done: self._made_blank(size_mb, done))
+        return await asyncio.shield(making)
+
+    def _made_blank(self, size_mb: int, done: asyncio.Future[Path]) -> None:
+        self._blanking.pop(size_mb, None)
+        if not done.cancelled():
+            done.exception()  # seen by its waiters, if any are left: not logged as never retrieved
+
+    async def _format_blank(self, size_mb: int, path: Path) -> Path:
+        tmp = self.blanks / f".tmp-{new_id()}.img"  # swept at start
+        try:
+            with open(tmp, "wb") as f:
+                f.truncate(size_mb * 2**20)
+            await hostexec.run([*MKFS, str(tmp)], timeout=MKFS_SECONDS)
+            os.rename(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         self._trim_blanks()
         return path
 
@@ -481,6 +508,15 @@ class LayerStore:
 
     def image_ids(self) -> set[str]:
         return {p.name for p in self.images.iterdir() if not p.name.startswith(".")}
+
+
+def _is_ext4(image: Path) -> bool:
+    try:
+        with open(image, "rb") as f:
+            f.seek(EXT4_MAGIC_AT)
+            return f.read(2) == EXT4_MAGIC
+    except OSError:
+        return False
 
 
 def _copy_sparse(source: Path, target: Path) -> None:

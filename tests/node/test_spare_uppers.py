@@ -130,16 +130,16 @@ async def test_uppers_are_copies_of_one_blank_per_size_each_its_own_disk(
     (store.upper(uppers[2]) / "upper" / "room").write_bytes(os.urandom(8 << 20))
     assert os.statvfs(store.upper(uppers[2])).f_blocks * os.statvfs(store.upper(uppers[2])).f_frsize <= 16 << 20
     # The blank holds only metadata; another size formats its own.
-    blank = store.blanks / "ext4-16.img"
+    [blank] = store.blanks.glob("ext4-16-*.img")
     assert blank.stat().st_size == 16 << 20 and blank.stat().st_blocks * 512 < 4 << 20
     await store.new_upper(24)
-    assert len(formats) == 2 and (store.blanks / "ext4-24.img").exists()
+    assert len(formats) == 2 and len(list(store.blanks.glob("ext4-24-*.img"))) == 1
     assert not {p.name for p in store.blanks.iterdir()} & store.layer_ids()  # blanks are no layers
 
 
 async def test_a_damaged_blank_is_formatted_again(store: LayerStore) -> None:
     first = await store.new_upper(16)
-    blank = store.blanks / "ext4-16.img"
+    [blank] = store.blanks.glob("ext4-16-*.img")
     with open(blank, "r+b") as f:  # the superblock (at 1 KiB) zeroed: no filesystem
         f.seek(1024)
         f.write(bytes(1024))
@@ -149,3 +149,44 @@ async def test_a_damaged_blank_is_formatted_again(store: LayerStore) -> None:
     again = await store.new_upper(16)
     assert blank_and_mounted(store, again) and blank.exists()
     assert store.layer_ids() == {first, again}
+
+
+async def test_a_mount_that_fails_keeps_a_sound_blank(store: LayerStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of loop devices, say: the blank is not to blame and is not formatted again."""
+    first = await store.new_upper(16)
+    [blank] = store.blanks.glob("ext4-16-*.img")
+
+    async def refused(layer_id: str, *, writable: bool) -> None:
+        raise RuntimeFailure("mount: could not find any free loop device")
+
+    with monkeypatch.context() as m:
+        m.setattr(store, "mount", refused)
+        with pytest.raises(RuntimeFailure, match="loop device"):
+            await store.new_upper(16)
+    assert blank.exists() and store.layer_ids() == {first}  # and no half-made upper
+    assert not [p for p in store.layers.iterdir() if p.name.endswith(".img") and p.stem not in {first}]
+
+
+async def test_creates_waiting_for_one_format_share_its_failure(
+    store: LayerStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mkfs that fails fails every create waiting for it at once (one mkfs, not one after
+    another, each with its own timeout); the next create formats again."""
+    calls = 0
+    run = layers_module.hostexec.run
+
+    async def failing(argv: list[str], **kw: Any) -> str:
+        nonlocal calls
+        if argv[0] == "mkfs.ext4":
+            calls += 1
+            await asyncio.sleep(0.2)
+            raise RuntimeFailure("mkfs.ext4 timed out")
+        return await run(argv, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(layers_module.hostexec, "run", failing)
+        done = await asyncio.gather(*(store.new_upper(20) for _ in range(4)), return_exceptions=True)
+    assert calls == 1 and all(isinstance(x, RuntimeFailure) for x in done), done
+    assert store.layer_ids() == set() and not list(store.blanks.iterdir())
+    upper = await store.new_upper(20)
+    assert blank_and_mounted(store, upper)
