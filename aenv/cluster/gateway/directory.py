@@ -53,6 +53,7 @@ class Directory:
         # Set when this gateway's key turns out not to be the cluster's: it stops serving (exit 2).
         self.wrong_key = asyncio.Event()
         self._quorum: tuple[float, asyncio.Task[bool]] | None = None  # the last check that etcd answers
+        self._recovers: tuple[float, asyncio.Task[bool]] | None = None  # the last: answers or elects
 
     # -- etcd ---------------------------------------------------------------------------------------
     async def cluster_config(self) -> ClusterConfig | None:
@@ -75,9 +76,17 @@ class Directory:
         return await asyncio.shield(self._quorum[1])
 
     async def store_recovers(self) -> bool:
-        """Whether etcd answers here, or is only electing a leader: most members it knows still
-        listen, so an election (4-8 s on a saturated host, longer than etcd_answers waits) will
-        end. Without a quorum most members refuse connections and the answer is False at once."""
+        """Whether etcd answers here, or is only electing a leader: most members this gateway was
+        given (its cluster URL's) still listen, so an election (4-8 s on a saturated host, longer
+        than etcd_answers waits) will end. Without a quorum most members refuse connections and
+        the answer is False at once. One check serves every request asking within
+        QUORUM_CHECK_KEEP seconds: a few hundred waiting creates make no storm of probes."""
+        now = time.monotonic()
+        if self._recovers is None or now - self._recovers[0] > QUORUM_CHECK_KEEP:
+            self._recovers = (now, asyncio.create_task(self._answers_or_electing()))
+        return await asyncio.shield(self._recovers[1])
+
+    async def _answers_or_electing(self) -> bool:
         return await self.etcd_answers() or await self._most_members_listen()
 
     async def _read_config_answers(self) -> bool:
