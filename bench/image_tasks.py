@@ -87,19 +87,24 @@ def pct(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def files_layer(prefix: str, mib: float, rng: random.Random, layer: LayerTar | None = None) -> bytes:
-    """``mib`` of files of ~100 KiB under ``prefix``: half random bytes, half text (compressible)."""
+def files_layer(
+    prefix: str, mib: float, rng: random.Random, layer: LayerTar | None = None, file_kib: float = 100.0
+) -> bytes:
+    """``mib`` of files of ``file_kib`` under ``prefix`` (a directory per 1,000): half random
+    bytes, half text (compressible)."""
     layer = layer or LayerTar()
     layer.dir(prefix)
-    count = max(1, int(mib * 10))
+    count = max(1, int(mib * 1024 / file_kib))
+    size = int(mib * MiB / count)
     for i in range(count):
-        size = int(mib * MiB / count)
+        if i % 1000 == 0:
+            layer.dir(f"{prefix}/d{i // 1000:03d}")
         if i % 2:
             data = rng.randbytes(size)
         else:
             line = f"{prefix} line {i} " + "x" * rng.randrange(20, 60) + "\n"
             data = (line * (size // len(line) + 1)).encode()[:size]
-        layer.file(f"{prefix}/f{i:04d}.{'bin' if i % 2 else 'py'}", data)
+        layer.file(f"{prefix}/d{i // 1000:03d}/f{i:06d}.{'bin' if i % 2 else 'py'}", data)
     return layer.bytes()
 
 
@@ -117,14 +122,15 @@ class TaskImage:
 
 def make_images(registry: Registry, args: argparse.Namespace) -> list[TaskImage]:
     rng = random.Random(1)
-    base = GzipLayer(files_layer("opt/conda", args.base_mib, rng, busybox_layer().dir("tmp", 0o1777)))
+    kib = args.file_kib
+    base = GzipLayer(files_layer("opt/conda", args.base_mib, rng, busybox_layer().dir("tmp", 0o1777), kib))
     repos: dict[int, GzipLayer] = {}
     images = []
     for t in range(args.tasks):
         r = t % args.repos
         if r not in repos:
-            repos[r] = GzipLayer(files_layer(f"repo/r{r}", args.repo_mib, rng))
-        layers = [base, repos[r], GzipLayer(files_layer(f"testbed/t{t}", args.task_mib, rng))]
+            repos[r] = GzipLayer(files_layer(f"repo/r{r}", args.repo_mib, rng, file_kib=kib))
+        layers = [base, repos[r], GzipLayer(files_layer(f"testbed/t{t}", args.task_mib, rng, file_kib=kib))]
         name = f"swebench/sweb.eval.x86_64.repo{r}__task-{t}"
         digest = registry.push_gzip_image(name, "latest", layers, env=["PATH=/bin", f"TASK={t}"])
         blobs = [(x.digest, len(x.blob), x.size) for x in layers]
@@ -391,6 +397,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-mib", type=float, default=300.0, help="the shared base layer")
     parser.add_argument("--repo-mib", type=float, default=100.0, help="each repository's layer")
     parser.add_argument("--task-mib", type=float, default=30.0, help="each task's layer")
+    parser.add_argument("--file-kib", type=float, default=100.0, help="the size of the layers' files")
     parser.add_argument("--second", type=int, default=20, help="images created a second time")
     parser.add_argument("--rollouts", type=int, default=100)
     parser.add_argument("--hold", type=int, default=10, help="images the rollouts' cache budget holds")
