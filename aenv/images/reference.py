@@ -9,7 +9,7 @@ from aenv.errors import InvalidRequest
 
 DOCKER_HUB = "registry-1.docker.io"
 COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
-TAG = re.compile(r"[\w][\w.-]{0,127}")
+TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # OCI's: ASCII (\w would take any letter)
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 # A host name or an IPv6 address in brackets, and a port: nothing that would change the URL made of it.
 REGISTRY = re.compile(

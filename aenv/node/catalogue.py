@@ -14,6 +14,17 @@ from aenv.errors import SnapshotNotFound, TemplateNotFound
 from aenv.node.store import SnapshotRecord, Store, TemplateRecord
 
 
+def lookup_keys(ref: str) -> tuple[str, ...]:
+    """What a template or image named ``ref`` is looked up by. Names are stored lowercased (an
+    E2B build's "My-Env" is "my-env") and found so as E2B finds them: by the name as the client
+    spelled it too. A tag only as written (``app:V1`` is another image than ``app:v1``), and an
+    image reference with a registry, a path or a digest only as written."""
+    if "/" in ref or "@" in ref:
+        return (ref,)
+    name, colon, tag = ref.partition(":")
+    return tuple(dict.fromkeys((ref, f"{name.lower()}{colon}{tag}")))
+
+
 class Catalogue:
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -30,9 +41,7 @@ class Catalogue:
         self.snapshots.update((s.id, s) for s in await self.store.snapshots())
 
     def find_template(self, ref: str) -> TemplateRecord:
-        # Names are stored lowercased (an E2B build's "My-Env" is "my-env"), and found so as E2B
-        # finds them: a create or an alias check by the name as the client spelled it works too.
-        for key in dict.fromkeys((ref, ref.lower())):
+        for key in lookup_keys(ref):
             for t in self.templates.values():
                 if key in (t.id, t.name) or key in t.aliases:
                     return t

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aenv.node import metrics
+from aenv.node.catalogue import lookup_keys
 from aenv.node.store import TemplateRecord, well_typed
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class EvictedImages:
 
     async def find(self, ref: str) -> Evicted | None:
         """The evicted image ``ref`` names: its template's id or name, its digest, a reference or alias."""
-        for key in dict.fromkeys((ref, ref.lower())):
+        for key in lookup_keys(ref):
             for entry in (await self.entries()).values():
                 if key in entry.names():
                     return entry

@@ -286,6 +286,25 @@ def test_the_e2b_sdk_creates_from_references(setup: Setup, api: httpx.Client) ->
     assert {pinned, f"{setup.proxy.host}/{name}:latest"} <= set(template["aliases"]), template
 
 
+def test_tags_that_differ_only_in_case_are_two_images(setup: Setup, api: httpx.Client) -> None:
+    """A tag is case-sensitive, as registries see it: ``app:V1`` after ``app:v1`` is its own image,
+    not the template a name lookup would find by lowercasing; a repository is lowercase."""
+    for tag in ("v1", "V1"):
+        layer = LayerTar().file("who", f"{tag}\n".encode()).bytes()
+        setup.registry.push_image("tests/cased", tag, [(BASE, "gzip"), (layer, "gzip")])
+    made = []
+    for tag in ("v1", "V1", "v1"):
+        sbx = Sandbox.create(template=f"{setup.registry.host}/tests/cased:{tag}", timeout=60)
+        try:
+            assert sbx.commands.run("cat /who").stdout == f"{tag}\n"
+            made.append(sbx.get_info().template_id)
+        finally:
+            sbx.kill()
+    assert made[0] == made[2] != made[1]
+    r = api.post("/sandboxes", json={"templateID": f"{setup.registry.host}/TESTS/CASED:v1"})
+    assert r.status_code == 400 and "bad repository name" in r.json()["message"], r.text
+
+
 def test_the_native_sdk_and_the_cli_create_from_an_image(setup: Setup, api: httpx.Client) -> None:
     from typer.testing import CliRunner
 

@@ -108,6 +108,7 @@ def test_references() -> None:
     assert str(ImageRef.parse("localhost:5000/a/b:1.0")) == "localhost:5000/a/b:1.0"
     pinned = ImageRef.parse("ghcr.io/o/r@sha256:" + "a" * 64)
     assert pinned.reference == "sha256:" + "a" * 64 and pinned.tag is None
-    for bad in ("UPPER/case", "r@sha256:short", "a:b:c:d", "bad tag:!"):
+    assert ImageRef.parse("h.io/r:V1").tag == "V1"  # tags are case-sensitive
+    for bad in ("UPPER/case", "r@sha256:short", "a:b:c:d", "bad tag:!", "h.io/r:v1\u00e9", "r:\u0661"):
         with pytest.raises(InvalidRequest):
             ImageRef.parse(bad)
