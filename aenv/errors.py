@@ -101,6 +101,10 @@ class TemplateNotFound(NotFound):
     pass
 
 
+class ImageNotFound(NotFound):
+    """A registry has no such image or tag (E2B's "not found", as any NotFound on the wire)."""
+
+
 class SnapshotNotFound(NotFound):
     pass
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from aenv.errors import InvalidRequest, NotFound, UpstreamError, parse_json, snippet
+from aenv.errors import ImageNotFound, InvalidRequest, UpstreamError, parse_json, snippet
 from aenv.images.guard import READ_TIMEOUT, guarded_client, read_bounded, send_following
 from aenv.images.reference import DIGEST, DOCKER_HUB, ImageRef
 
@@ -73,8 +73,8 @@ def access_denied(ref: ImageRef, why: str) -> RegistryError:
     )
 
 
-def image_not_found(ref: ImageRef, what: str) -> NotFound:
-    return NotFound(f"image '{ref}' not found: the image or tag does not exist in the registry ({what})")
+def image_not_found(ref: ImageRef, what: str) -> ImageNotFound:
+    return ImageNotFound(f"image '{ref}' not found: the image or tag does not exist in the registry ({what})")
 
 
 def _json_object(raw: bytes, what: str) -> dict[str, Any]:

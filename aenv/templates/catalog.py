@@ -14,7 +14,8 @@ import re
 import uuid
 from typing import Any
 
-from aenv.errors import Conflict, InvalidRequest, NotFound
+from aenv.errors import Conflict, InvalidRequest, NotFound, TemplateNotFound
+from aenv.node.imagecache import evicted_images
 from aenv.node.service import BuildHost, TemplateRecord
 
 TEMPLATE_NAME = r"[a-z0-9][a-z0-9._-]{0,62}"
@@ -26,7 +27,16 @@ def users_of(node: BuildHost, template: TemplateRecord) -> list[str]:
 
 
 async def delete_template(node: BuildHost, ref: str, *, force: bool = False) -> None:
-    template = node.find_template(ref)
+    try:
+        template = node.find_template(ref)
+    except TemplateNotFound:
+        # An image evicted whole has no template here, only the entry a create makes it again
+        # from: deleting it forgets that (a create of its tag then pulls the tag as it is now).
+        evicted = await evicted_images(node).find(ref)
+        if evicted is None:
+            raise
+        await evicted_images(node).forget(evicted.digest)
+        return
     users = users_of(node, template)
     if users and not force:
         raise Conflict(

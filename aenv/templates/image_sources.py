@@ -32,7 +32,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from aenv.errors import OperationTimeout, SnapshotNotFound, TemplateNotFound
+from aenv.errors import ImageNotFound, OperationTimeout, SnapshotNotFound, TemplateNotFound
 from aenv.images.local import is_local
 from aenv.images.pull import ImagePull
 from aenv.images.reference import ImageRef
@@ -94,7 +94,15 @@ async def source_for(node: BuildHost, ref: str, *, image: bool = False, create: 
             return ref
         evicted = await evicted_images(node).find(ref.strip())
         if evicted is not None:  # its template was evicted: made again from the same image, same id
-            ref, image = _pinned(evicted), True
+            try:
+                return await source_for(node, _pinned(evicted), image=True, create=create)
+            except ImageNotFound:
+                if not _names_a_tag(ref.strip(), evicted):
+                    raise  # that very image (its id, name or digest) is gone from the registry
+                # Its digest left the registry: the tag names what it names now, as a pull of
+                # it would find (the evicted image is forgotten: it cannot come back).
+                log.info("image %s: evicted, and its digest %s is gone; pulling the tag again", ref, evicted.digest)
+                await evicted_images(node).forget(evicted.digest)
         elif not any(mark in ref for mark in REFERENCE_MARKS):
             return ref
         else:
@@ -148,6 +156,12 @@ def pull_progress(node: BuildHost, reference: str) -> PullMeter | None:
     """The bytes the build of ``reference`` (canonical) has pulled so far, while it runs."""
     builds = _BUILDS.get(node)
     return builds.meters.get(reference) if builds is not None else None
+
+
+def _names_a_tag(ref: str, evicted: Evicted) -> bool:
+    """Whether a create naming ``ref`` asked for an evicted image by a tag (a reference without a
+    digest), not by the image itself (its template's id or name, its digest)."""
+    return ref not in (evicted.id, evicted.name, evicted.digest) and "@" not in ref and not is_local(ref)
 
 
 def _pinned(evicted: Evicted) -> str:

@@ -104,7 +104,10 @@ def test_build_cache_and_start_command(registry: Registry, server: Server, e2b_e
         assert steps and all(line.endswith("(cached)") for line in steps), steps
         assert time.monotonic() - started < 60
 
-        (ctx / "note.txt").write_text("note v2")  # only this COPY and what follows it run again
+        # Only this COPY and what follows it run again. Its own content: a data dir kept from an
+        # earlier run has every step of a fixed "v2" cached.
+        v2 = f"note v2 {uuid.uuid4().hex}"
+        (ctx / "note.txt").write_text(v2)
         logs.clear()
         client.build("app", ctx, build_args={"GREETING": "hi"}, on_log=logs.append)
         marks = {
@@ -118,7 +121,7 @@ def test_build_cache_and_start_command(registry: Registry, server: Server, e2b_e
         assert not any(line.endswith("(cached)") for line in logs if line.startswith("[") and "RUN" in line)
         sbx = Sandbox.create(template="app", timeout=60)
         try:
-            assert sbx.commands.run("cat /app/note.txt").stdout == "note v2"
+            assert sbx.commands.run("cat /app/note.txt").stdout == v2
         finally:
             sbx.kill()
 

@@ -227,3 +227,60 @@ def test_a_prefetch_checks_its_request_first(setup: Setup, api: httpx.Client) ->
     assert setup.proxy.total() == before  # nothing started
     assert api.get("/images/prefetch/nope").status_code == 404
     assert api.get("/images/prefetch/" + "a" * 5000).status_code in (404, 414, 431)
+
+
+def evict(setup: Setup, api: httpx.Client, digests: list[str], prefix: str) -> None:
+    """Create (and kill) new images until every one of ``digests`` is evicted."""
+    for n in range(12):
+        if all(images_by_digest(api)[d]["state"] == "evicted" for d in digests):
+            return
+        ref, _ = task_image(setup, f"{prefix}-{n}")
+        r = api.post("/sandboxes", json={"templateID": ref, "timeout": 60})
+        assert r.status_code == 201, r.text
+        api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+        time.sleep(0.5)  # the eviction pass after a create
+    pytest.fail(f"not evicted: {[images_by_digest(api)[d]['state'] for d in digests]}")
+
+
+def test_an_evicted_image_whose_digest_left_the_registry_follows_its_tag_or_is_deleted(
+    setup: Setup, api: httpx.Client
+) -> None:
+    """Its tag moved and the old manifest is gone: a create by the tag pulls what the tag names
+    now (not a 404 for ever); by the old template id it is E2B's not found. Another evicted image
+    is deleted by its template id: forgotten, and no longer listed."""
+    name = "swebench/sweb.eval.x86_64.moved__task-1"
+    ref = f"{setup.proxy.host}/{name}:latest"
+
+    def push(content: str) -> str:
+        layer = (
+            LayerTar()
+            .dir("testbed")
+            .file("testbed/task.txt", content.encode())
+            .file("testbed/pad", os.urandom(6 * MiB))
+        )
+        return setup.registry.push_image(name, "latest", [(BASE, "gzip"), (REPO, "gzip"), (layer.bytes(), "gzip")])
+
+    old = push("old\n")
+    dropped_ref, dropped = task_image(setup, "dropped__task-1")
+    for r in (ref, dropped_ref):
+        made = api.post("/sandboxes", json={"templateID": r, "timeout": 60})
+        assert made.status_code == 201, made.text
+        api.delete(f"/sandboxes/{made.json()['sandboxID']}")
+    old_id, dropped_id = (images_by_digest(api)[d]["templateID"] for d in (old, dropped))
+    evict(setup, api, [old, dropped], "filler")
+
+    gone = setup.registry.http.delete(f"{setup.registry.url}/v2/{name}/manifests/{old}")
+    assert gone.status_code == 202, gone.text
+    new = push("new\n")
+    assert api.post("/sandboxes", json={"templateID": old_id}).status_code == 404  # that very image
+    sbx = Sandbox.create(template=ref, timeout=60)
+    try:
+        assert sbx.commands.run("cat /testbed/task.txt").stdout == "new\n"
+    finally:
+        sbx.kill()
+    rows = images_by_digest(api)
+    assert rows[new]["state"] == "local" and old not in rows, rows.keys()
+
+    assert api.delete(f"/templates/{dropped_id}").status_code == 204
+    assert dropped not in images_by_digest(api)
+    assert api.delete(f"/templates/{dropped_id}").status_code == 404
