@@ -32,7 +32,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from aenv.errors import ImageNotFound, OperationTimeout, SnapshotNotFound, TemplateNotFound
+from aenv.errors import ImageNotFound, InvalidRequest, OperationTimeout, SnapshotNotFound, TemplateNotFound
 from aenv.images.local import is_local
 from aenv.images.pull import ImagePull
 from aenv.images.reference import ImageRef
@@ -199,16 +199,31 @@ def _not_a_missing_tag(node: BuildHost, ref: str) -> None:
 
 def made_from(node: BuildHost, reference: str, canonical: str) -> TemplateRecord | None:
     """The template this node made from the image ``reference`` (as written, or ``canonical``),
-    or from the manifest a digest-pinned reference names."""
+    or from the manifest a digest-pinned reference names in a repository it was pulled from. In
+    another repository the registry is asked first (the build path: one manifest read, no
+    layers): knowing a digest is no right to read the image, as a registry sees it."""
     pinned = _pinned_digest(canonical)
     for t in node.templates.values():
         if not t.image_digest:
             continue
         if canonical == t.image_ref or canonical in t.aliases or reference in t.aliases:
             return t
-        if pinned is not None and pinned == t.image_digest:
+        if pinned is not None and pinned == t.image_digest and _repository(canonical) in _repositories(t):
             return t
     return None
+
+
+def _repository(reference: str) -> tuple[str, str] | None:
+    """(registry, repository) of an image reference; None for a local import or a template name."""
+    try:
+        ref = ImageRef.parse(canonical_reference(reference))
+    except InvalidRequest:
+        return None
+    return ref.registry, ref.repository
+
+
+def _repositories(t: TemplateRecord) -> set[tuple[str, str] | None]:
+    return {_repository(r) for r in (t.image_ref, *t.aliases) if not is_local(r)} - {None}
 
 
 def _pinned_digest(canonical: str) -> str | None:

@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -303,6 +304,35 @@ def test_tags_that_differ_only_in_case_are_two_images(setup: Setup, api: httpx.C
     assert made[0] == made[2] != made[1]
     r = api.post("/sandboxes", json={"templateID": f"{setup.registry.host}/TESTS/CASED:v1"})
     assert r.status_code == 400 and "bad repository name" in r.json()["message"], r.text
+
+
+def test_a_digest_in_another_repository_is_asked_of_the_registry(setup: Setup, api: httpx.Client) -> None:
+    """Knowing an image's digest is no right to read it: a digest named in a repository this node
+    did not pull it from is asked of the registry (a repository without it: E2B's not found), and
+    one that has it gets the same template with no layer fetched; in its own repository, nothing
+    is asked."""
+    layer = LayerTar().file("secret.txt", f"{uuid.uuid4()}\n".encode()).bytes()
+    digest = setup.registry.push_image("team/private", "1", [(BASE, "gzip"), (layer, "gzip")])
+    made = api.post("/sandboxes", json={"templateID": f"{setup.proxy.host}/team/private:1", "timeout": 60})
+    assert made.status_code == 201, made.text
+    api.delete(f"/sandboxes/{made.json()['sandboxID']}")
+    template_id = made.json()["templateID"]
+
+    elsewhere = f"{setup.proxy.host}/someone/else@{digest}"
+    r = api.post("/sandboxes", json={"templateID": elsewhere})
+    assert r.status_code == 404 and "not found" in r.json()["message"], r.text
+
+    setup.registry.push_image("team/mirror", "1", [(BASE, "gzip"), (layer, "gzip")])  # the same image
+    before = setup.proxy.total()
+    again = api.post("/sandboxes", json={"templateID": f"{setup.proxy.host}/team/mirror@{digest}", "timeout": 60})
+    assert again.status_code == 201 and again.json()["templateID"] == template_id, again.text
+    api.delete(f"/sandboxes/{again.json()['sandboxID']}")
+    assert 1 <= setup.proxy.total() - before <= 2  # its manifest (and config): no layer
+    before = setup.proxy.total()
+    own = api.post("/sandboxes", json={"templateID": f"{setup.proxy.host}/team/private@{digest}", "timeout": 60})
+    assert own.status_code == 201 and own.json()["templateID"] == template_id, own.text
+    api.delete(f"/sandboxes/{own.json()['sandboxID']}")
+    assert setup.proxy.total() == before
 
 
 def test_the_native_sdk_and_the_cli_create_from_an_image(setup: Setup, api: httpx.Client) -> None:
