@@ -294,6 +294,14 @@ class RegistryClient:
             kind, body, digest = await self._manifest(ref, _descriptor(chosen[0], f"{ref}: an index entry")["digest"])
         config_desc = _descriptor(body.get("config"), f"{ref}: the manifest's config")
         config = _json_object(await self._config(ref, config_desc), f"{ref}: the image config")
+        # A single-platform image says its platform in its config only (an index, in each entry).
+        os_, arch = config.get("os"), config.get("architecture")
+        if isinstance(os_, str) and isinstance(arch, str):
+            arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(arch.lower(), arch.lower())
+            if (os_.lower(), arch) != (want_os, want_arch):
+                raise InvalidRequest(
+                    f"image {ref} is {snippet(f'{os_}/{arch}', 40)}, not {want_os}/{want_arch}: it cannot run here"
+                )
         layers = [_descriptor(layer, f"{ref}: a layer") for layer in body.get("layers") or []]
         rootfs = config.get("rootfs")
         diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None

@@ -115,8 +115,9 @@ class Registry:
         layers: list[tuple[bytes, str]],  # (uncompressed tar, "gzip" | "zstd" | "none")
         env: list[str] | None = None,
         diff_ids: list[str] | None = None,
+        platform: tuple[str, str] = ("linux", "amd64"),
     ) -> str:
-        """Push a linux/amd64 image; returns its manifest digest."""
+        """Push an image (linux/amd64 unless ``platform`` says otherwise); returns its manifest digest."""
         descs = []
         for tar, compression in layers:
             # gzip without a time: one layer pushed twice is one blob, as a registry holds a shared base
@@ -127,8 +128,8 @@ class Registry:
             )
             descs.append({"mediaType": media, "digest": self.push_blob(repo, blob), "size": len(blob)})
         config = {
-            "architecture": "amd64",
-            "os": "linux",
+            "architecture": platform[1],
+            "os": platform[0],
             "config": {"Env": env or ["PATH=/bin"]},
             "rootfs": {"type": "layers", "diff_ids": diff_ids or [sha(t) for t, _ in layers]},
         }

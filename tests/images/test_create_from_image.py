@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import json
 import os
 import sys
@@ -333,6 +334,23 @@ def test_a_digest_in_another_repository_is_asked_of_the_registry(setup: Setup, a
     assert own.status_code == 201 and own.json()["templateID"] == template_id, own.text
     api.delete(f"/sandboxes/{own.json()['sandboxID']}")
     assert setup.proxy.total() == before
+
+
+def test_an_image_of_another_platform_is_refused_before_its_layers(setup: Setup, api: httpx.Client) -> None:
+    """A single-platform image says its platform in its config only: one for arm64 (or Windows)
+    is a 400 naming it, with no layer fetched and nothing made, as an index without amd64 is."""
+    before = fs_state(setup.node)
+    for repo, platform in (("tests/arm-only", ("linux", "arm64")), ("tests/windows", ("windows", "amd64"))):
+        layer = LayerTar().file("arch", platform[1].encode()).bytes()
+        setup.registry.push_image(repo, "1", [(layer, "gzip")], platform=platform)
+        blob = sha(gzip.compress(layer, mtime=0))
+        r = api.post("/sandboxes", json={"templateID": f"{setup.proxy.host}/{repo}:1"})
+        assert r.status_code == 400, r.text
+        assert f"is {platform[0]}/{platform[1]}, not linux/amd64" in r.json()["message"], r.text
+        assert setup.proxy.count(f"blobs/{blob}") == 0
+    assert not [t for t in api.get("/templates").json() if "arm-only" in json.dumps(t) or "windows" in json.dumps(t)]
+    layers, scratch, _ = fs_state(setup.node)
+    assert layers <= before[0] and not scratch
 
 
 def test_the_native_sdk_and_the_cli_create_from_an_image(setup: Setup, api: httpx.Client) -> None:
