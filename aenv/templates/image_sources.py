@@ -202,34 +202,33 @@ def made_from(node: BuildHost, reference: str, canonical: str) -> TemplateRecord
     or from the manifest a digest-pinned reference names in a repository it was pulled from. In
     another repository the registry is asked first (the build path: one manifest read, no
     layers): knowing a digest is no right to read the image, as a registry sees it."""
-    pinned = _pinned_digest(canonical)
+    pinned = None if is_local(canonical) else ImageRef.parse(canonical)
     for t in node.templates.values():
         if not t.image_digest:
             continue
         if canonical == t.image_ref or canonical in t.aliases or reference in t.aliases:
             return t
-        if pinned is not None and pinned == t.image_digest and _repository(canonical) in _repositories(t):
+        if pinned is not None and pinned.digest == t.image_digest and _repository(pinned) in _repositories(t):
             return t
     return None
 
 
-def _repository(reference: str) -> tuple[str, str] | None:
-    """(registry, repository) of an image reference; None for a local import or a template name."""
-    try:
-        ref = ImageRef.parse(canonical_reference(reference))
-    except InvalidRequest:
-        return None
+def _repository(ref: ImageRef) -> tuple[str, str]:
     return ref.registry, ref.repository
 
 
-def _repositories(t: TemplateRecord) -> set[tuple[str, str] | None]:
-    return {_repository(r) for r in (t.image_ref, *t.aliases) if not is_local(r)} - {None}
-
-
-def _pinned_digest(canonical: str) -> str | None:
-    if is_local(canonical):
-        return None
-    return ImageRef.parse(canonical).digest
+def _repositories(t: TemplateRecord) -> set[tuple[str, str]]:
+    """The (registry, repository) pairs ``t``'s image was pulled or named by (its references and
+    aliases that are image references; a template name among them is none)."""
+    found = set()
+    for r in (t.image_ref, *t.aliases):
+        if is_local(r):
+            continue
+        try:
+            found.add(_repository(ImageRef.parse(canonical_reference(r))))
+        except InvalidRequest:
+            continue
+    return found
 
 
 def by_digest(node: BuildHost, digest: str) -> TemplateRecord | None:

@@ -118,7 +118,7 @@ class Registry:
         platform: tuple[str, str] = ("linux", "amd64"),
     ) -> str:
         """Push an image (linux/amd64 unless ``platform`` says otherwise); returns its manifest digest."""
-        descs = []
+        descs: list[dict[str, object]] = []
         for tar, compression in layers:
             # gzip without a time: one layer pushed twice is one blob, as a registry holds a shared base
             gz = lambda b: gzip.compress(b, mtime=0)  # noqa: E731
@@ -127,24 +127,7 @@ class Registry:
                 "application/vnd.oci.image.layer.v1.tar" + {"gzip": "+gzip", "zstd": "+zstd", "none": ""}[compression]
             )
             descs.append({"mediaType": media, "digest": self.push_blob(repo, blob), "size": len(blob)})
-        config = {
-            "architecture": platform[1],
-            "os": platform[0],
-            "config": {"Env": env or ["PATH=/bin"]},
-            "rootfs": {"type": "layers", "diff_ids": diff_ids or [sha(t) for t, _ in layers]},
-        }
-        raw_config = json.dumps(config).encode()
-        manifest = {
-            "schemaVersion": 2,
-            "mediaType": OCI_MANIFEST,
-            "config": {
-                "mediaType": "application/vnd.oci.image.config.v1+json",
-                "digest": self.push_blob(repo, raw_config),
-                "size": len(raw_config),
-            },
-            "layers": descs,
-        }
-        return self.put_manifest(repo, tag, manifest, OCI_MANIFEST)
+        return self._push_manifest(repo, tag, descs, diff_ids or [sha(t) for t, _ in layers], env, platform)
 
     def push_gzip_image(self, repo: str, tag: str, layers: list[GzipLayer], env: list[str] | None = None) -> str:
         """Push a linux/amd64 image of layers compressed ahead; returns its manifest digest."""
@@ -157,21 +140,32 @@ class Registry:
                     continue
             self.push_blob(repo, layer.blob)
             layer.pushed_to = layer.pushed_to or repo
+        media = "application/vnd.oci.image.layer.v1.tar+gzip"
+        descs = [{"mediaType": media, "digest": x.digest, "size": len(x.blob)} for x in layers]
+        return self._push_manifest(repo, tag, descs, [x.diff_id for x in layers], env)
+
+    def _push_manifest(
+        self,
+        repo: str,
+        tag: str,
+        layers: list[dict[str, object]],
+        diff_ids: list[str],
+        env: list[str] | None,
+        platform: tuple[str, str] = ("linux", "amd64"),
+    ) -> str:
+        """Push the config of an image of ``layers`` (descriptors of blobs pushed) and its manifest."""
         config = {
-            "architecture": "amd64",
-            "os": "linux",
+            "architecture": platform[1],
+            "os": platform[0],
             "config": {"Env": env or ["PATH=/bin"]},
-            "rootfs": {"type": "layers", "diff_ids": [x.diff_id for x in layers]},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids},
         }
         raw_config = json.dumps(config).encode()
         manifest = {
             "schemaVersion": 2,
             "mediaType": OCI_MANIFEST,
             "config": {"mediaType": OCI_CONFIG, "digest": self.push_blob(repo, raw_config), "size": len(raw_config)},
-            "layers": [
-                {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": x.digest, "size": len(x.blob)}
-                for x in layers
-            ],
+            "layers": layers,
         }
         return self.put_manifest(repo, tag, manifest, OCI_MANIFEST)
 
