@@ -277,8 +277,8 @@ async def _run(
         rec = await build.build(
             node, name=entry.name, dockerfile=instructions, context=context, start=start, login=login, on_log=entry.log
         )
-        if not rec.build_id:
-            rec.build_id = entry.build_id
+        if rec.add_build(entry.build_id):  # `name:<build id>` starts it (a rebuild that changed nothing too)
+            await node.save_template(rec)
         await catalog.assign_tags(node, rec.id, entry.tags)  # moves name:tag here from older builds
         entry.status = "ready"
     except AenvError as exc:

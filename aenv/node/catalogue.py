@@ -7,6 +7,7 @@ and where they come from is the artifact cache's business (aenv/node/artifacts.p
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -23,6 +24,14 @@ def lookup_keys(ref: str) -> tuple[str, ...]:
         return (ref,)
     name, colon, tag = ref.partition(":")
     return tuple(dict.fromkeys((ref, f"{name.lower()}{colon}{tag}")))
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return len(text) == 36
 
 
 class Catalogue:
@@ -45,7 +54,24 @@ class Catalogue:
             for t in self.templates.values():
                 if key in (t.id, t.name) or key in t.aliases:
                     return t
+        found = self._by_build(ref)
+        if found is not None:
+            return found
         raise TemplateNotFound(f"template '{ref}' not found")
+
+    def _by_build(self, ref: str) -> TemplateRecord | None:
+        """``name:<build id>`` (E2B's reference to one build, as Harbor creates by): the build of that
+        name, an older one included while it is kept; never another template's, never the newest
+        in its place."""
+        name, _, build = ref.partition(":")
+        if not build or "/" in ref or "@" in ref or not _is_uuid(build):
+            return None
+        names = set(lookup_keys(name))
+        for t in self.templates.values():
+            family = {t.id, t.name, *(a.partition(":")[0] for a in t.aliases)}
+            if names & family and t.made_by(build.lower()):
+                return t
+        return None
 
     def find_snapshot(self, ref: str) -> SnapshotRecord:
         for s in self.snapshots.values():

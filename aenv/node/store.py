@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
@@ -15,6 +16,7 @@ from aenv.node.state import SandboxState
 from aenv.storage.sqlite import SqliteFile
 
 log = logging.getLogger("aenv.node")
+MAX_BUILD_IDS = 64  # E2B build ids a template record answers to (its rebuilds that changed nothing)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (id TEXT PRIMARY KEY, body TEXT NOT NULL, state TEXT NOT NULL);
@@ -93,6 +95,9 @@ class TemplateRecord:
     user: str = ""  # default user and workdir of its sandboxes (the recipe's last USER / WORKDIR)
     workdir: str = ""
     build_id: str = ""  # the E2B build (a UUID) that made it
+    # Every E2B build that ended in this record, newest last: a rebuild that changed nothing is this
+    # record again, and `name:<its build id>` must start it as well.
+    build_ids: list[str] = field(default_factory=list)
     # Its start command (StartCommand.record), run again when a sandbox of it boots fresh.
     start: dict[str, Any] = field(default_factory=dict)
     committed_at: float = 0.0  # when the snapshot repository got it; 0 = only on this node
@@ -106,6 +111,23 @@ class TemplateRecord:
     # Its image's layers as pulled: layer id -> compressed bytes (the manifest's sizes); the
     # image's size is their sum (GET /images reports it against what the node stores).
     image_layers: dict[str, int] = field(default_factory=dict)
+
+    def e2b_build_id(self) -> str:
+        """The build E2B clients see it as: the newest that made it, or one derived from its id."""
+        if self.build_ids:
+            return self.build_ids[-1]
+        return self.build_id or str(uuid.uuid5(uuid.NAMESPACE_OID, self.id))
+
+    def made_by(self, build_id: str) -> bool:
+        return build_id == self.e2b_build_id() or build_id == self.build_id or build_id in self.build_ids
+
+    def add_build(self, build_id: str) -> bool:
+        """Record that E2B build ``build_id`` ended in this record; whether that changed it."""
+        if build_id in self.build_ids:
+            return False
+        self.build_id = self.build_id or build_id
+        self.build_ids = [*self.build_ids, build_id][-MAX_BUILD_IDS:]
+        return True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

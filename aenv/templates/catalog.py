@@ -11,7 +11,6 @@ node's garbage collection removes only layers and images no record names.
 from __future__ import annotations
 
 import re
-import uuid
 from typing import Any
 
 from aenv.errors import Conflict, InvalidRequest, NotFound, TemplateNotFound
@@ -61,8 +60,8 @@ async def set_aliases(node: BuildHost, ref: str, aliases: list[str]) -> Template
 
 
 def build_id_of(template: TemplateRecord) -> str:
-    """E2B names builds by UUID: the one it was built under, or one derived from the id."""
-    return template.build_id or str(uuid.uuid5(uuid.NAMESPACE_OID, template.id))
+    """E2B names builds by UUID: the newest it was built under, or one derived from the id."""
+    return template.e2b_build_id()
 
 
 def family(template: TemplateRecord) -> str:
