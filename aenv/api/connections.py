@@ -63,6 +63,9 @@ HEADER_NAMES = "aenv.header_names"  # scope["extensions"]: lowercased name -> th
 # long (its client may be busy opening thousands), unless they number HARD_FACTOR times the bound.
 SILENT_GRACE = 10.0
 HARD_FACTOR = 4
+# A connection whose last bytes came this recently is working (a head arriving in pieces, a request
+# on a kept-alive connection): never closed for a bound.
+STALL = 1.0
 SWEEP_EVERY = 0.5  # seconds between two thinnings of waiting connections past their bound
 LINGER = 1.0  # seconds a refused connection is still read from (and what comes dropped) before it is closed
 
@@ -95,108 +98,158 @@ class _TooLarge(InvalidRequest):
 
 
 class _Waiting:
-    """Connections waiting for a request's head, oldest first (dicts keep insertion order), with
-    when they began to: all of them, and those that have sent bytes (a head begun and stalled, the
-    shape of a slow-head flood)."""
+    """Connections waiting for a request's head: those that have sent nothing yet, oldest first
+    (dicts keep insertion order), and those with a head begun, the longest quiet first (moved to the
+    end as bytes come)."""
 
     def __init__(self) -> None:
-        self.all: dict[NodeHTTPProtocol, float] = {}
+        self.silent: dict[NodeHTTPProtocol, float] = {}
         self.heard: dict[NodeHTTPProtocol, None] = {}
 
+    def __len__(self) -> int:
+        return len(self.silent) + len(self.heard)
+
+    def add(self, conn: NodeHTTPProtocol, now: float) -> None:
+        if conn.spoke_at is None:
+            self.silent[conn] = now
+        else:
+            self.heard[conn] = None
+
+    def spoke(self, conn: NodeHTTPProtocol) -> None:
+        if conn in self.silent:
+            del self.silent[conn]
+        elif conn in self.heard:
+            del self.heard[conn]  # to the end: quiet for the shortest time
+        else:
+            return
+        self.heard[conn] = None
+
     def remove(self, conn: NodeHTTPProtocol) -> None:
-        del self.all[conn]
-        self.heard.pop(conn, None)
+        if self.silent.pop(conn, None) is None:
+            self.heard.pop(conn, None)
 
 
 class ConnectionGate:
     """One server's connections that wait for a request's head, and those idle between requests.
-    Past a bound, the oldest connections of the kind are closed, not the newest: a flood of
-    half-sent heads from one address ends up closing its own connections, while a new one (a health
-    check, a gateway's next request) is served. A connection with bytes unread in its socket is
-    never closed for a bound (it is about to be read), nor one that has sent nothing for less than
-    SILENT_GRACE (a client opening thousands at once may take seconds to write on each: 6000 at
-    once from one client lost 96% to a 2 s grace), unless the connections waiting number
-    HARD_FACTOR times their bound (or half the process's file descriptors)."""
+
+    Past a bound the gate closes connections of the address that holds the most (past an address's
+    own bound, that address's own), never one that is working: a connection that sent bytes within
+    STALL seconds, or has bytes unread in its socket, is about to be served (a kept-alive client's
+    next request, a gateway's pooled connection). Of an address's connections those quiet longest go
+    first: heads begun and stalled, then connections that have sent nothing. These may be a client
+    opening thousands at once (6000 at once from one client lost 96% to a 2 s grace) and are spared
+    for SILENT_GRACE, unless the connections waiting number HARD_FACTOR times their bound (or half
+    the process's file descriptors). A flood from one address or many thus costs the flood, and a
+    client elsewhere is served throughout."""
 
     def __init__(self, limits: HttpLimits) -> None:
         self.limits = limits
-        self.pending = _Waiting()
-        self.pending_by_ip: dict[str, _Waiting] = {}
-        self.idle: dict[NodeHTTPProtocol, None] = {}
+        self.pending: dict[str, _Waiting] = {}  # by client address
+        self.pending_count = 0
+        self.idle: dict[str, dict[NodeHTTPProtocol, None]] = {}  # by client address, longest idle first
+        self.idle_count = 0
         self._sweep: asyncio.TimerHandle | None = None
 
     def waiting(self, conn: NodeHTTPProtocol) -> None:
         now = conn.loop.time()
-        mine = self.pending_by_ip.setdefault(conn.peer, _Waiting())
-        for group in (self.pending, mine):
-            group.all[conn] = now
-            if conn.heard:
-                group.heard[conn] = None
+        mine = self.pending.setdefault(conn.peer, _Waiting())
+        mine.add(conn, now)
+        self.pending_count += 1
         over = self._shed(mine, self.limits.max_pending_per_ip, now, most=2)
-        over |= self._shed(self.pending, self.limits.max_pending, now, most=2)
+        over |= self._shed_heaviest(now, most=2)
         if over and self._sweep is None:
             self._sweep = conn.loop.call_later(SWEEP_EVERY, self._sweep_over, conn.loop)
 
     def spoke(self, conn: NodeHTTPProtocol) -> None:
-        """``conn``'s first bytes came while it waits for a head."""
-        if conn in self.pending.all:
-            self.pending.heard[conn] = None
-            self.pending_by_ip[conn.peer].heard[conn] = None
+        """Bytes came on ``conn`` (while it waits for a head: it is quiet since now)."""
+        mine = self.pending.get(conn.peer)
+        if mine is not None:
+            mine.spoke(conn)
 
     def arrived(self, conn: NodeHTTPProtocol) -> None:
-        if conn in self.pending.all:
-            self.pending.remove(conn)
-            mine = self.pending_by_ip[conn.peer]
-            mine.remove(conn)
-            if not mine.all:
-                del self.pending_by_ip[conn.peer]
+        mine = self.pending.get(conn.peer)
+        if mine is None:
+            return
+        before = len(mine)
+        mine.remove(conn)
+        self.pending_count -= before - len(mine)
+        if not mine:
+            del self.pending[conn.peer]
 
     def resting(self, conn: NodeHTTPProtocol) -> None:
-        self.idle[conn] = None
-        if len(self.idle) > self.limits.max_idle:
-            oldest = next(iter(self.idle))
-            del self.idle[oldest]
-            oldest.transport.close()
+        self.idle.setdefault(conn.peer, {})[conn] = None
+        self.idle_count += 1
+        if self.idle_count > self.limits.max_idle:
+            heaviest = max(self.idle.values(), key=len)  # the longest idle of the address idling most
+            victim = next((c for c in heaviest if c is not conn and c.stalled()), None)
+            if victim is not None:
+                self.woke(victim)
+                victim.transport.close()
 
     def woke(self, conn: NodeHTTPProtocol) -> None:
-        self.idle.pop(conn, None)
+        mine = self.idle.get(conn.peer)
+        if mine is not None and conn in mine:
+            del mine[conn]
+            self.idle_count -= 1
+            if not mine:
+                del self.idle[conn.peer]
 
     def _sweep_over(self, loop: asyncio.AbstractEventLoop) -> None:
         """Thin out the groups still past their bound (a flood that stopped: no newcomer thins it)."""
         self._sweep = None
         now, over = loop.time(), False
-        for group in list(self.pending_by_ip.values()):
-            over |= self._shed(group, self.limits.max_pending_per_ip, now)
-        over |= self._shed(self.pending, self.limits.max_pending, now)
+        for mine in list(self.pending.values()):
+            over |= self._shed(mine, self.limits.max_pending_per_ip, now)
+        over |= self._shed_heaviest(now)
         if over:
             self._sweep = loop.call_later(SWEEP_EVERY, self._sweep_over, loop)
 
-    def _shed(self, group: _Waiting, bound: int, now: float, most: int | None = None) -> bool:
-        """Close the group's oldest connections that may go, down to its bound (or ``most`` of
-        them): whether it is still past its bound."""
-        excess = len(group.all) - bound
+    def _shed_heaviest(self, now: float, most: int | None = None) -> bool:
+        """Bring all waiting connections down to their bound (or by ``most``), from the addresses
+        that hold the most: whether they are still past it."""
+        excess = self.pending_count - self.limits.max_pending
         if excess <= 0:
             return False
         goal = excess if most is None else min(excess, most)
-        victims: list[NodeHTTPProtocol] = []
-        for conn in group.heard:  # those that began a head and stopped: any age
-            if len(victims) == goal:
+        tried: set[str] = set()
+        while goal > 0 and len(tried) < len(self.pending):
+            peer, mine = max(((p, w) for p, w in self.pending.items() if p not in tried), key=lambda pw: len(pw[1]))
+            tried.add(peer)
+            goal -= self._close(self._victims(mine, now, goal))
+        return self.pending_count > self.limits.max_pending
+
+    def _shed(self, mine: _Waiting, bound: int, now: float, most: int | None = None) -> bool:
+        """Bring one address's waiting connections down to ``bound`` (or by ``most``)."""
+        excess = len(mine) - bound
+        if excess <= 0:
+            return False
+        self._close(self._victims(mine, now, excess if most is None else min(excess, most)))
+        return len(mine) > bound
+
+    def _victims(self, mine: _Waiting, now: float, goal: int) -> list[NodeHTTPProtocol]:
+        """Up to ``goal`` of one address's waiting connections that may go, quiet longest first."""
+        out: list[NodeHTTPProtocol] = []
+        for conn in mine.heard:  # heads begun, the longest quiet first
+            if len(out) == goal or conn.spoke_at is None or now - conn.spoke_at < STALL:
                 break
-            if conn.stalled():
-                victims.append(conn)
+            if not conn.receiving and conn.stalled():
+                out.append(conn)
         descriptors = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         hard = min(HARD_FACTOR * self.limits.max_pending, descriptors // 2)
-        too_many = len(self.pending.all) - len(victims) - hard  # past it, silent ones go whatever their age
-        for conn, since in group.all.items():  # then the silent ones, oldest first
-            if len(victims) == goal or (too_many <= 0 and now - since < SILENT_GRACE):
+        pressed = self.pending_count - len(out) - hard  # past it, silent ones go whatever their age
+        for conn, since in mine.silent.items():  # then those that sent nothing, oldest first
+            if len(out) == goal or (pressed <= 0 and now - since < SILENT_GRACE):
                 break
-            if conn not in group.heard and conn.stalled():
-                victims.append(conn)
-                too_many -= 1
+            if conn.stalled():
+                out.append(conn)
+                pressed -= 1
+        return out
+
+    def _close(self, victims: list[NodeHTTPProtocol]) -> int:
         for conn in victims:
             self.arrived(conn)
             conn.transport.close()
-        return len(group.all) > bound
+        return len(victims)
 
 
 class NodeHTTPProtocol(HttpToolsProtocol):
@@ -204,7 +257,8 @@ class NodeHTTPProtocol(HttpToolsProtocol):
     limits: ClassVar[HttpLimits] = HttpLimits()
     gate: ClassVar[ConnectionGate] = ConnectionGate(limits)
     peer = ""  # the client's address
-    heard = False  # bytes came on this connection
+    spoke_at: float | None = None  # when bytes last came on this connection (None: never)
+    receiving = False  # its bytes are being parsed now (a head that just came whole is never shed)
     _head_timer: asyncio.TimerHandle | None = None
     # Bytes given to the parser that it or uvicorn may be holding: the head's so far, or a body's
     # framing (chunk lines, trailers) since its last data.
@@ -222,15 +276,16 @@ class NodeHTTPProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         # A request's task copies the context it was created in, which is inside this call.
         token = _TRANSPORT.set(self.transport)
+        self.spoke_at = self.loop.time()
+        self.receiving = True
+        self.gate.spoke(self)
         try:
-            if not self.heard:
-                self.heard = True
-                self.gate.spoke(self)
             if not self._dropping():
                 self.gate.woke(self)
                 self._unset_keepalive_if_required()
             self._take(memoryview(data))
         finally:
+            self.receiving = False
             _TRANSPORT.reset(token)
 
     def _take(self, data: memoryview) -> None:

@@ -2,7 +2,9 @@
 shapes it: request heads are bounded in bytes and in header lines while they arrive (431, JSON,
 then closed), each pipelined request with a budget of its own; a flood of half-sent heads closes
 its own oldest connections, so /health answers and the server's descriptors stay bounded; idle
-kept-alive connections are bounded too. Through the port proxy, a sandbox's server sees header
+kept-alive connections are bounded too. A flood (silent connections, stalled heads, idle ones,
+from one address or many) never costs a working connection of another client's: a kept-alive
+client, or a gateway's pool to its node. Through the port proxy, a sandbox's server sees header
 names as the client wrote them, and every answer carries one ``date`` and one ``server``.
 
 One busybox node in cluster mode (one etcd member) and one gateway in front of it, for the module.
@@ -367,6 +369,111 @@ def test_a_flood_of_silent_connections_is_bounded_too(target: Target, many_files
             conn.close()
 
 
+def connect_from(address: str, port: int) -> socket.socket:
+    """A connection to ``port`` from another loopback address (all of 127/8 is this machine's)."""
+    conn = socket.socket()
+    conn.bind((address, 0))
+    conn.settimeout(10)
+    conn.connect(("127.0.0.1", port))
+    return conn
+
+
+class Flood:
+    """Connections that send nothing from one address, and half-sent heads from many: opened at
+    once, then renewed (what the server closed is opened again) at each ``fill``."""
+
+    def __init__(self, port: int, silent: int, stalled_addresses: int, stalled_each: int) -> None:
+        self.port = port
+        self.silent: list[socket.socket] = []
+        self.stalled: list[socket.socket] = []
+        self.sizes = (silent, stalled_addresses, stalled_each)
+
+    def fill(self) -> None:
+        silent, addresses, each = self.sizes
+        self.silent = [c for c in self.silent if self._open(c)]
+        while len(self.silent) < silent:
+            self.silent.append(connect_from("127.0.0.2", self.port))
+        self.stalled = [c for c in self.stalled if self._open(c)]
+        have: dict[str, int] = {}
+        for conn in self.stalled:
+            have[conn.getsockname()[0]] = have.get(conn.getsockname()[0], 0) + 1
+        for i in range(addresses):
+            address = f"127.0.1.{i + 1}"
+            for _ in range(each - have.get(address, 0)):
+                conn = connect_from(address, self.port)
+                conn.sendall(GET + b"X-Slow: ")
+                self.stalled.append(conn)
+
+    @staticmethod
+    def _open(conn: socket.socket) -> bool:
+        try:
+            conn.setblocking(False)
+            closed = conn.recv(1) == b""
+        except BlockingIOError:
+            closed = False
+        except OSError:
+            closed = True
+        if closed:
+            conn.close()
+        else:
+            conn.setblocking(True)
+        return not closed
+
+    def close(self) -> None:
+        for conn in self.silent + self.stalled:
+            conn.close()
+
+
+@pytest.mark.parametrize("client", ["raw", "httpx"])
+def test_a_flood_never_costs_a_working_kept_alive_connection(target: Target, client: str, many_files: None) -> None:
+    """More than AENV_HTTP_MAX_PENDING connections from one address sending nothing, and half-sent
+    heads from 40 others, renewed for longer than the silent ones' grace: a client on another
+    address reusing one kept-alive connection gets every answer (seen failing: every second
+    request on the reused connection was closed without one, as the gate shed the connection that
+    had just sent a whole head and spared the silent flood)."""
+    flood = Flood(target.port, silent=PENDING + 300, stalled_addresses=40, stalled_each=20)
+    url = f"http://127.0.0.1:{target.port}/health"
+    try:
+        flood.fill()
+        answered = 0
+        with connect(target) as conn, httpx.Client(timeout=10, limits=httpx.Limits(max_connections=1)) as pool:
+            deadline = time.monotonic() + 14  # past SILENT_GRACE (10 s), when the silent ones may go
+            while time.monotonic() < deadline:
+                if client == "raw":
+                    assert answer_to(conn, GET + b"\r\n")[0] == 200, f"after {answered} answers"
+                else:
+                    assert pool.get(url).status_code == 200, f"after {answered} answers"
+                answered += 1
+                if answered % 20 == 0:
+                    flood.fill()
+                time.sleep(0.05)
+        assert answered > 50
+        assert httpx.get(url, timeout=5).status_code == 200  # a new connection is served too
+    finally:
+        flood.close()
+
+
+def test_a_flood_of_the_node_spares_the_gateways_pooled_connections(stack: Stack, many_files: None) -> None:
+    """A gateway's connections to its node are one address's kept-alive pool: a flood of the node's
+    port from other addresses closes none that is in use, so requests through the gateway are
+    answered throughout."""
+    flood = Flood(stack.node.port, silent=PENDING + 300, stalled_addresses=40, stalled_each=20)
+    try:
+        flood.fill()
+        with httpx.Client(base_url=stack.gateway.url, headers={"X-API-Key": API_KEY}, timeout=10) as api:
+            deadline, answered = time.monotonic() + 14, 0
+            while time.monotonic() < deadline:
+                got = api.get(f"/sandboxes/{stack.sandbox_id}")
+                assert got.status_code == 200, f"after {answered} answers: {got.text}"
+                answered += 1
+                if answered % 20 == 0:
+                    flood.fill()
+                time.sleep(0.05)
+        assert answered > 50
+    finally:
+        flood.close()
+
+
 def test_idle_kept_alive_connections_are_bounded(target: Target, many_files: None) -> None:
     """Kept-alive connections idle between requests are what clients' pools reuse, and are not
     closed for a flood of heads; past AENV_HTTP_MAX_IDLE (lowered here) the longest idle go."""
@@ -382,6 +489,24 @@ def test_idle_kept_alive_connections_are_bounded(target: Target, many_files: Non
         assert answer_to(idle[-1], GET + b"\r\n")[0] == 200  # the newest are still open and served
     finally:
         for conn in idle:
+            conn.close()
+
+
+def test_idle_connections_past_the_bound_are_the_heaviest_addresses(target: Target, many_files: None) -> None:
+    """Past AENV_HTTP_MAX_IDLE, the idle connections closed are those of the address idling most:
+    a client elsewhere that rests between its requests keeps its connection (a gateway's pool)."""
+    flood: list[socket.socket] = []
+    try:
+        with connect(target) as mine:
+            for round_ in range(3):
+                for _ in range(MAX_IDLE):
+                    conn = connect_from("127.0.0.3", target.port)
+                    flood.append(conn)
+                    assert answer_to(conn, GET + b"\r\n")[0] == 200
+                assert answer_to(mine, GET + b"\r\n")[0] == 200, f"round {round_}"  # then idle meanwhile
+        assert sum(Flood._open(c) for c in flood) <= MAX_IDLE + 5
+    finally:
+        for conn in flood:
             conn.close()
 
 
