@@ -15,6 +15,7 @@ from aenv.config import MAX_NPROC
 from aenv.errors import snippet
 from aenv.guest.agent import AGENT_VERSION
 from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxRecord, SnapshotRecord, TemplateRecord
+from aenv.teams.model import DEFAULT_TEAM
 from aenv.templates.catalog import TEMPLATE_NAME
 
 # A create's labels and environment: a sandbox's metadata is listed, filtered on, kept in the
@@ -322,6 +323,7 @@ def sandbox_detail(node: NodeService, sb: LiveSandbox, domain: str | None) -> di
                 "keepMemory": rec.auto_pause_memory,
             },
             "aenvState": rec.state.value,
+            "teamID": rec.team or DEFAULT_TEAM,  # whose (an operator's listing of every team's)
         }
     )
     if node.is_dozing(sb):

@@ -281,21 +281,24 @@ def rm(sandbox_ids: list[str]) -> None:
 def list_(
     state: list[str] = typer.Option([], "--state"),
     meta: list[str] = typer.Option([], "--meta", "-m"),
+    all_teams: bool = typer.Option(False, "--all-teams", help="Every team's (the deployment's admin key)"),
     as_json: bool = JSON_OPTION,
 ) -> None:
-    """List sandboxes."""
+    """List sandboxes (your team's; with --all-teams and the admin key, every team's)."""
 
     async def go(c: AsyncClient) -> list[Any]:
-        return await c.list(state=state or None, metadata=_pairs(meta, "--meta"))
+        return await c.list(state=state or None, metadata=_pairs(meta, "--meta"), all_teams=all_teams)
 
     rows = [
         {
             "sandboxID": s.sandbox_id,
             "template": s.template_id,
             "state": s.raw.get("aenvState", s.state),
+            "team": s.raw.get("teamID", ""),
             "endAt": s.end_at,
             "metadata": json.dumps(s.metadata),
         }
         for s in _run(go)
     ]
-    _emit(rows, ["sandboxID", "template", "state", "endAt", "metadata"], as_json=as_json)
+    columns = ["sandboxID", "template", "state", *(["team"] if all_teams else []), "endAt", "metadata"]
+    _emit(rows, columns, as_json=as_json)

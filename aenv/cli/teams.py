@@ -166,8 +166,8 @@ def usage(
             return [await _call(c, "GET", f"/teams/{t['teamID']}/usage") for t in teams]
         if team:
             return [await _call(c, "GET", f"/teams/{team}/usage")]
-        mine = await _call(c, "GET", "/teams")
-        own = next((t for t in mine if t.get("apiKey")), mine[0] if mine else None)
+        mine = await _call(c, "GET", "/teams")  # a team key sees its own; the admin key is the default team's
+        own = mine[0] if len(mine) == 1 else next((t for t in mine if t.get("isDefault")), None)
         return [await _call(c, "GET", f"/teams/{own['teamID']}/usage")] if own else []
 
     cli.emit(cli.run(go), USAGE_COLUMNS, title="usage", as_json=as_json)

@@ -101,9 +101,14 @@ class AsyncClient:
         return AsyncSandbox(self, body)
 
     async def list(
-        self, *, state: list[str] | None = None, metadata: Mapping[str, str] | None = None
+        self,
+        *,
+        state: list[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+        all_teams: bool = False,
     ) -> list[SandboxInfo]:
-        """The sandboxes in these states (all when ``state`` is None) with this metadata."""
+        """The sandboxes in these states (all when ``state`` is None) with this metadata; with
+        ``all_teams``, every team's (the deployment's admin key only: ``X-Team-ID: *``)."""
         from urllib.parse import quote
 
         params: dict[str, Any] = {}
@@ -116,7 +121,8 @@ class AsyncClient:
         while True:
             if token:
                 params["nextToken"] = token
-            r = await self._http.get("/v2/sandboxes", params=params, headers=self._auth)
+            headers = {**self._auth, "X-Team-ID": "*"} if all_teams else self._auth
+            r = await self._http.get("/v2/sandboxes", params=params, headers=headers)
             _raise_for(r)
             out += [SandboxInfo.from_json(b) for b in r.json()]
             token = r.headers.get("x-next-token")

@@ -296,9 +296,12 @@ class Client(_Face):
         ``timeout`` names one (as a sandbox's ``resume``)."""
         return Sandbox(self._block(self._target.connect(sandbox_id, timeout=timeout)), self._loop)
 
-    def list(self, *, state: list[str] | None = None, metadata: Mapping[str, str] | None = None) -> list[SandboxInfo]:
-        """The sandboxes in these states (all when ``state`` is None) with this metadata."""
-        return self._block(self._target.list(state=state, metadata=metadata))
+    def list(
+        self, *, state: list[str] | None = None, metadata: Mapping[str, str] | None = None, all_teams: bool = False
+    ) -> list[SandboxInfo]:
+        """The sandboxes in these states (all when ``state`` is None) with this metadata; with
+        ``all_teams``, every team's (the deployment's admin key only)."""
+        return self._block(self._target.list(state=state, metadata=metadata, all_teams=all_teams))
 
     def templates(self) -> builtins.list[dict[str, Any]]:
         """The node's templates."""

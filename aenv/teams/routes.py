@@ -5,6 +5,9 @@ E2B's: ``GET /teams`` (Team), ``GET|POST /api-keys`` and ``PATCH|DELETE /api-key
 ``DELETE /admin/teams/{teamID}/api-keys/{apiKeyID}``, ``GET /teams/{teamID}/metrics``.
 aenv's, for the admin key: ``POST /teams``, ``GET|PATCH|DELETE /teams/{teamID}`` (name, quotas).
 A key manages its own team's keys; the admin key its team's (X-Team-ID names another).
+An operator lists every team with the admin key (``GET /teams``, ``aenv teams list``) and every
+team's sandboxes with the admin key and ``X-Team-ID: *`` (``aenv list --all-teams``). A key is
+shown once, in the answer that made it.
 """
 
 from __future__ import annotations
@@ -69,8 +72,9 @@ async def visible_team(request: Request, team_id: str) -> Team:
 
 
 def team_json(team: Team, api_key: str = "") -> dict[str, Any]:
-    """E2B's Team (``apiKey``: only when this answer made it or the caller sent it: keys are kept
-    as digests), plus aenv's quotas and creation time."""
+    """E2B's Team (``apiKey``: only in the answer that made the team; a key is shown once, and
+    kept as a digest: no listing, the caller's own included, echoes one), plus aenv's quotas and
+    creation time."""
     return {
         "teamID": team.id,
         "name": team.name,
@@ -81,11 +85,7 @@ def team_json(team: Team, api_key: str = "") -> dict[str, Any]:
     }
 
 
-def _own_key(request: Request, team: Team, who: Principal) -> str:
-    return (request.headers.get("x-api-key") or "") if who.team == team.id else ""
-
-
-@router.get("/teams", summary="The teams this key sees (E2B's Team; all of them for the admin key)")
+@router.get("/teams", summary="The teams this key sees (E2B's Team; every team for the admin key)")
 async def list_teams(request: Request) -> list[dict[str, Any]]:
     who = principal()
     teams = teams_of(request)
@@ -96,7 +96,7 @@ async def list_teams(request: Request) -> list[dict[str, Any]]:
     else:
         team = await teams.find_team(who.team)
         shown = [team] if team is not None else []
-    return [team_json(t, _own_key(request, t, who)) for t in shown]
+    return [team_json(t) for t in shown]
 
 
 @router.post(
@@ -112,8 +112,7 @@ async def create_team(request: Request) -> JSONResponse:
 
 @router.get("/teams/{team_id}", summary="A team: its name and quotas")
 async def get_team(request: Request, team_id: str) -> dict[str, Any]:
-    team = await visible_team(request, team_id)
-    return team_json(team, _own_key(request, team, principal()))
+    return team_json(await visible_team(request, team_id))
 
 
 @router.patch(

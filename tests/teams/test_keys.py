@@ -95,7 +95,8 @@ def test_a_team_key_manages_only_its_own_team(admin: httpx.Client) -> None:
     with a.client() as client:
         teams = client.get("/teams").json()
         assert [t["teamID"] for t in teams] == [a.team_id] and TEAM <= teams[0].keys()
-        assert teams[0]["apiKey"] == a.key and teams[0]["isDefault"] is False
+        assert teams[0]["apiKey"] == "" and teams[0]["isDefault"] is False  # a key is shown once, when made
+        assert client.get(f"/teams/{a.team_id}").json()["apiKey"] == ""
         assert client.post("/teams", json={"name": "x"}).status_code == 403
         assert client.patch(f"/teams/{a.team_id}", json={"quotas": {"maxRunning": 0}}).status_code == 403
         other = client.get(f"/teams/{b.team_id}")
@@ -112,7 +113,10 @@ def test_a_team_key_manages_only_its_own_team(admin: httpx.Client) -> None:
 def test_the_admin_key_is_the_default_team_and_manages_teams(admin: httpx.Client) -> None:
     teams = admin.get("/teams").json()
     default = next(t for t in teams if t["isDefault"])
-    assert default["teamID"] == "default" and default["apiKey"] == API_KEY
+    assert default["teamID"] == "default" and default["apiKey"] == ""  # the admin key is never echoed
+    for headers in ({}, {"X-Team-ID": "*"}, {"Authorization": f"Bearer {API_KEY}"}):
+        answers = [admin.get("/teams", headers=headers), admin.get("/teams/default", headers=headers)]
+        assert all(r.status_code == 200 and API_KEY not in r.text and API_KEY[4:] not in r.text for r in answers)
     listed = admin.get("/api-keys").json()
     assert listed[0]["name"].startswith("admin") and listed[0]["mask"]["maskedValueSuffix"] == API_KEY[-4:]
     assert admin.delete(f"/api-keys/{listed[0]['id']}").status_code == 400  # it is the deployment's
@@ -164,5 +168,38 @@ def test_the_cli_makes_teams_keys_and_shows_usage(teams_node: Server) -> None:
     assert {k["name"] for k in run("keys", "list", key=key)} == {"default"}  # type: ignore[union-attr]
     usage = run("usage", key=key)
     assert isinstance(usage, list) and usage[0]["teamID"] == team_id and "cpuSeconds" in usage[0]
+    assert run("usage")[0]["teamID"] == "default"  # type: ignore[index]  # the admin key's own team
     everyone = run("usage", "--all")
     assert isinstance(everyone, list) and {u["teamID"] for u in everyone} >= {"default", team_id}
+
+
+def test_an_operator_lists_every_team_and_every_teams_sandboxes(admin: httpx.Client, teams_node: Server) -> None:
+    """The admin key lists every team (GET /teams, `aenv teams list`) and, with X-Team-ID: *, every
+    team's sandboxes, each with its teamID (`aenv list --all-teams`); a team key sees its own,
+    and asking for every team with one is a wrong key's 401."""
+    a, b = new_team(admin, "listed-a"), new_team(admin, "listed-b")
+    made = {}
+    for team in (a, b):
+        with team.client() as client:
+            r = client.post("/v2/sandboxes", json={"templateID": "bb", "timeout": 120})
+            assert r.status_code == 201, r.text
+            made[team.team_id] = r.json()["sandboxID"]
+    try:
+        assert {a.team_id, b.team_id, "default"} <= {t["teamID"] for t in admin.get("/teams").json()}
+        own = {s["sandboxID"] for s in admin.get("/v2/sandboxes").json()}
+        assert not own & set(made.values())  # the admin key alone is the default team
+        every = {s["sandboxID"]: s["teamID"] for s in admin.get("/v2/sandboxes", headers={"X-Team-ID": "*"}).json()}
+        assert {sid: every.get(sid) for sid in made.values()} == {sid: team for team, sid in made.items()}
+        with a.client() as client:
+            assert [s["sandboxID"] for s in client.get("/v2/sandboxes").json()] == [made[a.team_id]]
+            assert client.get("/v2/sandboxes", headers={"X-Team-ID": "*"}).status_code == 401
+        listed = CliRunner().invoke(
+            cli_app, ["--url", teams_node.url, "--api-key", API_KEY, "list", "--all-teams", "--json"]
+        )
+        assert listed.exit_code == 0, listed.output
+        rows = {row["sandboxID"]: row["team"] for row in json.loads(listed.stdout)}
+        assert {sid: rows.get(sid) for sid in made.values()} == {sid: team for team, sid in made.items()}
+    finally:
+        for team in (a, b):
+            with team.client() as client:
+                client.delete(f"/sandboxes/{made[team.team_id]}")
