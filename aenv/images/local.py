@@ -11,6 +11,7 @@ PATH_MAX fools), in the node's work directory, bounded like one.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import stat
@@ -28,6 +29,7 @@ TRANSPORTS = ("oci:", "oci-archive:", "docker-archive:")
 REF_NAME = "org.opencontainers.image.ref.name"
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 MAX_JSON = 16 << 20  # an index, a manifest or a config
+log = logging.getLogger("aenv.images")
 
 
 def is_local(reference: str) -> bool:
@@ -41,8 +43,9 @@ def _split(reference: str, roots: list[Path]) -> tuple[str, Path, str | None]:
         path, _, tag = rest.partition(":")
     resolved = _resolved(Path(path), f"{transport}: {path}")
     if not any(resolved.is_relative_to(root.resolve()) for root in roots):
-        allowed = ", ".join(str(r) for r in roots)
-        raise InvalidRequest(f"{transport} images must be under one of: {allowed} (AENV_IMAGE_IMPORT_DIRS)")
+        # which directories those are is the operator's to know, not an API client's
+        log.info("refused %s: not under %s", reference, ", ".join(str(r) for r in roots))
+        raise InvalidRequest(f"{transport} images must be under the node's import directories (AENV_IMAGE_IMPORT_DIRS)")
     if not resolved.exists():
         raise NotFound(f"{transport}: {path} does not exist on this node")
     if not (resolved.is_dir() if transport == "oci" else resolved.is_file()):
@@ -65,7 +68,7 @@ def _resolved(path: Path, what: str) -> Path:
     try:
         return path.resolve()
     except (RuntimeError, OSError) as exc:  # Python < 3.13 raises RuntimeError for a loop
-        raise InvalidRequest(f"{what} cannot be resolved: {exc}") from exc
+        raise InvalidRequest(f"{what} cannot be resolved (a loop of links)") from exc
 
 
 def _open(path: Path) -> IO[bytes]:

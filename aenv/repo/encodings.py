@@ -99,7 +99,7 @@ def untar(chunks: Iterable[bytes], dest: Path, headroom: int = 0) -> None:
 def _watching_space(chunks: Iterable[bytes], dest: Path, headroom: int) -> Iterator[memoryview]:
     """``chunks`` in pieces of `SPACE_CHECK` bytes, the free space (bytes and inodes) looked at
     before each: a chunk of up to 4 MiB of tar is 8192 empty files."""
-    room = SpaceWatch(headroom, f"fetching into {dest.name}", every=SPACE_CHECK)
+    room = SpaceWatch(headroom, "fetching from the snapshot repository", every=SPACE_CHECK)
     for data in chunks:
         view = memoryview(data)
         for start in range(0, len(view), SPACE_CHECK):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -19,7 +20,10 @@ from pathlib import Path
 from aenv.config import Settings
 from aenv.errors import InsufficientStorage, PayloadTooLarge
 
+log = logging.getLogger("aenv.storage")
+
 MiB = 1 << 20
+FULL = "the node's disk is nearly full; try again later, or on another node"
 FLUSH = MiB  # bytes gathered before each write (and space check), off the event loop
 ENTRIES = 256  # files made between two looks at the free space (a statvfs: microseconds)
 
@@ -31,21 +35,25 @@ def headroom(settings: Settings) -> int:
 
 def ensure_space(path: Path | int, headroom: int, need: int, what: str) -> None:
     """Refuse (507) ``what`` if writing ``need`` more bytes would leave less than ``headroom``,
-    or fewer inodes than the same share of the filesystem's."""
+    or fewer inodes than the same share of the filesystem's. The answer says what the client can
+    act on; the host's free space and reserve go to the node's log only."""
     st = os.statvfs(path)
     free = st.f_bavail * st.f_frsize  # what an unprivileged process may write: root's reserve is spare
     if free - need < headroom:
-        raise InsufficientStorage(
-            f"{what}: the node's disk is nearly full ({free // MiB} MiB free, "
-            f"{max(need, 0) // MiB} MiB more needed, {headroom // MiB} MiB are kept free)"
+        log.warning(
+            "refused %s: %d MiB free, %d MiB more needed, %d MiB kept free",
+            what,
+            free // MiB,
+            max(need, 0) // MiB,
+            headroom // MiB,
         )
+        raise InsufficientStorage(f"{what}: {FULL}")
     size = st.f_blocks * st.f_frsize
     if headroom and st.f_files and size:  # some filesystems have no inode table (f_files 0)
         kept = -(-st.f_files * headroom // size)
         if st.f_favail < kept:
-            raise InsufficientStorage(
-                f"{what}: the node's disk is nearly full ({st.f_favail} inodes free, {kept} are kept free)"
-            )
+            log.warning("refused %s: %d inodes free, %d kept free", what, st.f_favail, kept)
+            raise InsufficientStorage(f"{what}: {FULL}")
 
 
 class SpaceWatch:

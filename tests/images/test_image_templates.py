@@ -136,6 +136,7 @@ def test_images_from_files_for_air_gapped_hosts(api: httpx.Client, e2b_env: Serv
     write_layout(outside, layers, "v1")
     r = api.post("/templates/from-image", json={"name": "outside", "image": f"oci:{outside}:v1"})
     assert r.status_code == 400 and "AENV_IMAGE_IMPORT_DIRS" in r.json()["message"]
+    assert str(imports) not in r.text and str(imports.parent) not in r.text  # the host's directories are not told
     r = api.post("/templates/from-image", json={"name": "notag", "image": f"oci:{imports / 'layout'}:v9"})
     assert r.status_code == 404
 
