@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from aenv.cluster.entries import NODES_PREFIX, SANDBOXES_PREFIX, E, EntryError, NodeEntry, SandboxEntry, decode
@@ -22,6 +23,7 @@ log = logging.getLogger("aenv.cluster.mirror")
 
 RETRY_MIN = 0.2
 RETRY_MAX = 2.0
+GONE_KEPT = 4096  # sandboxes whose entry this mirror saw deleted, the latest kept
 
 
 class Mirror:
@@ -29,6 +31,9 @@ class Mirror:
         self.store = store
         self.nodes: dict[str, NodeEntry] = {}
         self.sandboxes: dict[str, SandboxEntry] = {}
+        # Sandboxes whose entry went while this mirror followed (killed, or moved out of the
+        # directory): a create's quota reservation for one stops counting at once.
+        self.gone: OrderedDict[str, None] = OrderedDict()
         self.revision = 0  # the last revision applied
         self.loaded = asyncio.Event()  # set once the first full read is in
         self.connected = False  # a watch is running now
@@ -118,7 +123,15 @@ class Mirror:
         if change.key.startswith(NODES_PREFIX):
             _put_or_delete(self.nodes, NodeEntry, change.key[len(NODES_PREFIX) :], change)
         elif change.key.startswith(SANDBOXES_PREFIX):
-            _put_or_delete(self.sandboxes, SandboxEntry, change.key[len(SANDBOXES_PREFIX) :], change)
+            name = change.key[len(SANDBOXES_PREFIX) :]
+            _put_or_delete(self.sandboxes, SandboxEntry, name, change)
+            if change.kind == "delete":
+                self.gone[name] = None
+                self.gone.move_to_end(name)
+                while len(self.gone) > GONE_KEPT:
+                    self.gone.popitem(last=False)
+            else:
+                self.gone.pop(name, None)
         self.revision = max(self.revision, change.mod_revision)
         self.synced_at = time.monotonic()
         for listener in self._listeners:

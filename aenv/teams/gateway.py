@@ -7,8 +7,9 @@ answered as the gateway answers an id it does not know, before anything is forwa
 
 A create is admitted by one etcd transaction per team (``/aenv/teams/q/<team>/``): it reads the
 team's reservations, counts the team's running sandboxes in the directory plus the creates under
-way through any gateway (a reservation names its sandbox once made, and is counted with the
-directory's entries as one until it expires: the directory may show it a moment later), checks the
+way through any gateway (a reservation names its sandbox once made, and counts until the
+directory shows that sandbox, then its entry counts, or shows it gone: a kill frees the slot at
+once; the reservation itself expires after DONE_KEEP), checks the
 running quota and the creates-per-second window, and writes its own reservation only if no other
 gateway wrote one meanwhile (compare-and-swap on the team's counter key; else it reads again).
 Stale reservations go in the same transaction. So a burst through several gateways never makes
@@ -155,7 +156,9 @@ class GatewayTeams:
                     for e in self.mirror.sandboxes.values()
                     if (e.team or DEFAULT_TEAM) == team and e.state != "paused" and e.node_id in self.mirror.nodes
                 }
-                running |= {r.sandbox for r in reservations if r.sandbox}
+                # a create's sandbox counts until the directory shows it (then its entry counts,
+                # while it runs) or shows it gone: a kill frees its slot at once, not 15 s later
+                running |= {r.sandbox for r in reservations if r.sandbox and self._not_yet_listed(r.sandbox)}
                 if len(running) + sum(1 for r in reservations if not r.sandbox) >= q.running:
                     raise QuotaExceeded(running_message(q.running))
             if q.creates_per_second:
@@ -168,6 +171,10 @@ class GatewayTeams:
             if ok:
                 return key
         raise ClusterUnavailable("too many gateways admitted creates of this team at once: try again")
+
+    def _not_yet_listed(self, sandbox_id: str) -> bool:
+        short = sandbox_id.split("-", 1)[0]
+        return short not in self.mirror.sandboxes and short not in self.mirror.gone
 
     async def _write(self, counter: bytes, seen: int, key: str, now: float, stale: list[str]) -> bool:
         lease = await self._lease()

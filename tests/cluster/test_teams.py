@@ -198,6 +198,36 @@ def test_the_running_quota_holds_across_gateways(cluster: BusyboxCluster) -> Non
                 client.delete(f"/sandboxes/{item['sandboxID']}")
 
 
+def test_a_killed_sandbox_frees_its_quota_slot_at_once(cluster: BusyboxCluster) -> None:
+    """A kill frees the team's slot as soon as the directory shows the sandbox gone, through either
+    gateway (the create's reservation counted the killed sandbox for 15 s more: creates at the
+    limit got 429 meanwhile)."""
+    with cluster.admin(0) as admin:
+        team = new_team(admin, "freed", maxRunning=2)
+    clients = [cluster.on(team, i).client() for i in range(2)]
+    try:
+        made = [clients[0].post("/sandboxes", json={"templateID": "bb", "timeout": 120}) for _ in range(2)]
+        assert [r.status_code for r in made] == [201, 201], [r.text for r in made]
+        alive = [r.json()["sandboxID"] for r in made]
+        assert clients[1].post("/sandboxes", json={"templateID": "bb"}).status_code == 429
+        for round_ in range(4):  # kill through one gateway, create through the same and the other
+            killer, creator = clients[round_ % 2], clients[(round_ // 2) % 2]
+            assert killer.delete(f"/sandboxes/{alive.pop(0)}").status_code == 204
+            deadline, tries = time.monotonic() + 5, 0
+            while (r := creator.post("/sandboxes", json={"templateID": "bb", "timeout": 120})).status_code == 429:
+                tries += 1
+                assert time.monotonic() < deadline, f"round {round_}: still 429 after {tries} tries: {r.text}"
+                time.sleep(0.2)
+            assert r.status_code == 201, r.text
+            alive.append(r.json()["sandboxID"])
+            assert creator.post("/sandboxes", json={"templateID": "bb"}).status_code == 429  # full again
+    finally:
+        for item in clients[0].get("/v2/sandboxes").json():
+            clients[0].delete(f"/sandboxes/{item['sandboxID']}")
+        for client in clients:
+            client.close()
+
+
 async def _queued_until_room(cluster: BusyboxCluster, team: TeamKey, victim: str) -> httpx.Response:
     """A create that waits (through one gateway) while the team is full, until a kill through the
     other gateway makes room."""
