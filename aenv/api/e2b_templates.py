@@ -285,8 +285,9 @@ async def _run(
         entry.log(exc.message, "error")
         entry.reason = {"message": exc.message}
         entry.status = "error"
-    except Exception as exc:  # noqa: BLE001 - the build's client learns of it through the status
-        entry.reason = {"message": f"build failed: {exc}"}
+    except Exception:  # the build's client learns of it through the status; the node's log has why
+        entry.reason = {"message": f"build {entry.build_id} failed on the node (its log says why)"}
+        entry.log(entry.reason["message"], "error")
         entry.status = "error"
         raise
     finally:

@@ -190,6 +190,7 @@ class LocalArtifacts:
 
     def sweep_partial_fetches(self) -> None:
         """Remove what fetches interrupted by a stop left behind."""
+        self.node.files.sweep_removals()  # first: an evicted layer's mountpoint is found by its token
         dirs = [self.node.files.layers, self.node.files.images, self.node.driver.guest_path("x").parent]
         for d in dirs:
             for p in [*d.glob(f"{FETCHING}*"), *d.glob(".evict-*")]:

@@ -46,6 +46,8 @@ FIFREEZE, FITHAW = 0xC0045877, 0xC0045878  # linux/fs.h: _IOWR('X', 119 / 120, i
 ENTRY_COST = 4096  # what the cache counts for an entry of a layer, at the least (one block)
 MKFS = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", "-m", "0"]
 MKFS_SECONDS = 120.0
+REMOVING = ".remove-"  # a layer on its way out: <prefix><id>-<token> (and .img)
+EVICTING = ".evict-"  # a layer or image the cache evicts: <prefix><id>-<token> (and .img)
 MAX_BLANKS = 8  # blank disk images kept, one per upper size (a few MiB each), the least used go
 MKFS_KEY = hashlib.sha256(" ".join(MKFS).encode()).hexdigest()[:8]  # other options: other blanks
 EXT4_MAGIC_AT, EXT4_MAGIC = 1024 + 0x38, b"\x53\xef"  # the superblock's s_magic, little-endian
@@ -368,6 +370,10 @@ class LayerStore:
             await hostexec.run(["mount", "-o", opts, str(mnt)], timeout=60)
 
     async def remove(self, layer_id: str) -> None:
+        """Remove a layer or an upper. It leaves its name in one step, before the slow part: a
+        reader meanwhile, or a node killed meanwhile, finds it whole (its image still there, to
+        be mounted again) or gone, never an empty directory under its name (a build then took an
+        empty mountpoint for a directory layer)."""
         if not layer_id:
             return
         mnt = self.layers / layer_id
@@ -376,20 +382,28 @@ class LayerStore:
                 await hostexec.run(["umount", str(mnt)], timeout=60)
             except Exception:
                 await hostexec.run(["umount", "-l", str(mnt)], timeout=60, check=False)
-        self._img(layer_id).unlink(missing_ok=True)
-        await asyncio.to_thread(remove_tree, mnt, ignore_errors=True)  # big trees take seconds: off the loop
-        if mnt.exists() and mounts_under(mnt):  # what a killed node's debootstrap mounted in its target
+        if mnt.is_dir() and mounts_under(mnt):  # what a killed node's debootstrap mounted in its target
             await unmount_under(mnt)
-            await asyncio.to_thread(remove_tree, mnt, ignore_errors=True)
-        self._sealed_sizes.pop(layer_id, None)
-        self._mounting.pop(layer_id, None)
-        (self.used / layer_id).unlink(missing_ok=True)
+        trash = self.layers / f"{REMOVING}{layer_id}-{new_id(6)}"
+        try:
+            if mnt.is_dir():
+                os.rename(mnt, trash)  # first: without its directory the image is still whole
+            if self._img(layer_id).exists():
+                os.rename(self._img(layer_id), f"{trash}.img")
+        except OSError as exc:  # mounted again meanwhile (EBUSY): in use, so not removed now
+            log.warning("layer %s not removed: %s", layer_id, exc)
+            return
+        finally:
+            self._sealed_sizes.pop(layer_id, None)
+            self._mounting.pop(layer_id, None)
+        Path(f"{trash}.img").unlink(missing_ok=True)
+        await asyncio.to_thread(remove_tree, trash, ignore_errors=True)  # big trees take seconds: off the loop
 
     def evicting(self, layer_id: str) -> str:
         """Take a layer out of use atomically (one rename, before any await): from here on it is
         not local, so a restore fetches it again instead of booting on a half-deleted tree.
         Returns a token for :meth:`finish_eviction`."""
-        token = f".evict-{layer_id}-{new_id(6)}"
+        token = f"{EVICTING}{layer_id}-{new_id(6)}"
         img = self._img(layer_id)
         if img.exists():
             os.rename(img, self.layers / f"{token}.img")  # still mounted through its loop device
@@ -405,8 +419,24 @@ class LayerStore:
         if os.path.ismount(mnt):
             await hostexec.run(["umount", "-l", str(mnt)], timeout=60, check=False)
             remove_tree(mnt, ignore_errors=True)
+        # The token's image goes last: a node killed before the mountpoint went finds it by the
+        # token at its next start (sweep_removals), not as an empty directory layer.
         (self.layers / f"{token}.img").unlink(missing_ok=True)
         await asyncio.to_thread(remove_tree, self.layers / token, ignore_errors=True)
+
+    def sweep_removals(self) -> None:
+        """At start: finish removals and evictions a stopped node left half done. An evicted
+        image's empty mountpoint goes with its token (it would pass for an empty directory layer)."""
+        for p in [*self.layers.glob(f"{REMOVING}*"), *self.layers.glob(f"{EVICTING}*")]:
+            layer_id = p.name.removesuffix(".img").removeprefix(REMOVING).removeprefix(EVICTING).rsplit("-", 1)[0]
+            mnt = self.layers / layer_id
+            leftover = mnt.is_dir() and not os.path.ismount(mnt) and not self._img(layer_id).exists()
+            if p.name.startswith(EVICTING) and leftover and not any(os.scandir(mnt)):
+                mnt.rmdir()
+            if p.is_dir() and not p.is_symlink():
+                remove_tree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
     def is_local(self, layer_id: str) -> bool:
         """Usable right now: an image layer mounted, or a directory layer (not a stale mountpoint)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import re
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aenv.errors import TemplateNotFound
+from aenv.errors import AenvError, TemplateNotFound
 from aenv.images.pull import Pulled, pull, release
 from aenv.node.housekeeping import BUILD_CACHE
 from aenv.node.service import BuildHost, TemplateRecord
@@ -33,6 +34,8 @@ from aenv.storage.space import SpaceWatch, ensure_space, headroom
 from aenv.templates import dockerfile as df
 from aenv.templates.builder import BuildFailed, LogFn, StartCommand, build_instance, commit_template, run_process, seal
 from aenv.templates.images import conventions_layer, layers_view
+
+log = logging.getLogger("aenv.templates")
 
 CACHE_KEY = BUILD_CACHE  # node meta: step key -> layer id ("" for a step that wrote nothing)
 COMMITS_KEY = "build-commits"  # node meta: key of a whole build -> the template it committed
@@ -192,7 +195,7 @@ async def _from(
     state.cmd = list(config.get("Cmd") or [])
     key = state.chain(CONVENTIONS_VERSION)
     layer = cache.get(key)
-    if not layer or not node.artifacts.layer_available(layer):
+    if not layer or not await _whole(node, layer):
         layer = await asyncio.to_thread(conventions_layer, node, state.layers)
         cache[key] = layer
     state.layers.append(layer)
@@ -244,14 +247,20 @@ async def _step(
             state.default_workdir = state.workdir
         key = state.chain("WORKDIR", state.workdir)
         workdir, layers = state.workdir, list(state.layers)
-        with _refusals(instr.line):
-            if await asyncio.to_thread(layers_view(node, layers).is_dir, workdir):
-                return True  # there already: a layer would only hide its owner and mode
-            user = state.user if state.user != "root" else None
-            owner = await asyncio.to_thread(_owner, node, layers, user, instr.line)
-            return await _layer(
-                node, state, key, cache, announce, lambda root: layers_view(node, layers, root).make_dir(workdir, owner)
-            )
+        async with node.artifacts.using_layers(layers):  # read on the host: each mounted, or fetched
+            with _refusals(instr.line):
+                if await asyncio.to_thread(layers_view(node, layers).is_dir, workdir):
+                    return True  # there already: a layer would only hide its owner and mode
+                user = state.user if state.user != "root" else None
+                owner = await asyncio.to_thread(_owner, node, layers, user, instr.line)
+                return await _layer(
+                    node,
+                    state,
+                    key,
+                    cache,
+                    announce,
+                    lambda root: layers_view(node, layers, root).make_dir(workdir, owner),
+                )
     if kw in ("COPY", "ADD"):
         sources, dest = df.copy_args(instr, scope)
         chmod = _chmod(instr.flags.get("chmod"), instr.line)
@@ -264,25 +273,26 @@ async def _step(
         dest = posixpath.normpath(posixpath.join(state.workdir, dest))
         if into_dir:
             dest = dest.rstrip("/") + "/"
-        owner = await asyncio.to_thread(_owner, node, state.layers, instr.flags.get("chown"), instr.line)
-        key = state.chain(kw, digest, dest, owner, instr.flags.get("chmod"))
         layers = list(state.layers)
-        room = SpaceWatch(headroom(node.settings), f"line {instr.line}: {kw}")
-        with _refusals(instr.line):
-            return await _layer(
-                node,
-                state,
-                key,
-                cache,
-                announce,
-                lambda root: _copy_into(layers_view(node, layers, root), source, files, dest, owner, chmod, room),
-            )
+        async with node.artifacts.using_layers(layers):  # read on the host: each mounted, or fetched
+            owner = await asyncio.to_thread(_owner, node, layers, instr.flags.get("chown"), instr.line)
+            key = state.chain(kw, digest, dest, owner, instr.flags.get("chmod"))
+            room = SpaceWatch(headroom(node.settings), f"line {instr.line}: {kw}")
+            with _refusals(instr.line):
+                return await _layer(
+                    node,
+                    state,
+                    key,
+                    cache,
+                    announce,
+                    lambda root: _copy_into(layers_view(node, layers, root), source, files, dest, owner, chmod, room),
+                )
     assert kw == "RUN", kw
     argv = instr.exec_form() or ["/bin/sh", "-c", instr.args]
     env = {**state.args, **state.env}
     key = state.chain("RUN", argv, env, state.user, state.workdir)
     hit = cache.get(key)
-    if hit is not None and (hit == "" or node.artifacts.layer_available(hit)):
+    if hit is not None and (hit == "" or await _whole(node, hit)):
         announce(True)
         if hit:
             node.files.touch(hit)
@@ -296,11 +306,25 @@ async def _step(
     return False
 
 
+async def _whole(node: BuildHost, layer_id: str) -> bool:
+    """Whether a cached step's layer can be used now: on this node (mounted, if it was not) or
+    fetched through a committed record naming it. A layer that is neither, or whose fetch fails, is
+    a miss: the step runs again rather than the build failing on it."""
+    if not node.artifacts.layer_available(layer_id):
+        return False
+    try:
+        async with node.artifacts.using_layers([layer_id]):
+            return node.files.is_local(layer_id)
+    except AenvError as exc:
+        log.warning("cached build layer %s is not usable (%s): its step runs again", layer_id, exc.message)
+        return False
+
+
 async def _layer(
     node: BuildHost, state: State, key: str, cache: dict[str, str], announce: Callable[[bool], None], write: Any
 ) -> bool:
     hit = cache.get(key)
-    if hit and node.artifacts.layer_available(hit):
+    if hit and await _whole(node, hit):
         announce(True)
         node.files.touch(hit)
         state.layers.append(hit)

@@ -86,8 +86,8 @@ def _streamed_job(
             body = error_body(exc)
             body.update({k: getattr(exc, k) for k in ("step", "output") if hasattr(exc, k)})
             lines.put_nowait({"error": body})
-        except Exception as exc:  # noqa: BLE001 - reported to the client, then logged by the task
-            lines.put_nowait({"error": {"code": 500, "message": f"failed: {exc}"}})
+        except Exception:  # reported to the client without the host's details, then logged by the task
+            lines.put_nowait({"error": {"code": 500, "message": "failed on the node (its log says why)"}})
             raise
         finally:
             lines.put_nowait(None)
