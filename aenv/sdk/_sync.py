@@ -300,7 +300,7 @@ class Client(_Face):
         self, *, state: list[str] | None = None, metadata: Mapping[str, str] | None = None, all_teams: bool = False
     ) -> list[SandboxInfo]:
         """The sandboxes in these states (all when ``state`` is None) with this metadata; with
-        ``all_teams``, every team's (the deployment's admin key only)."""
+        ``all_teams``, every team's (the deployment's admin key only: ``X-Team-ID: *``)."""
         return self._block(self._target.list(state=state, metadata=metadata, all_teams=all_teams))
 
     def templates(self) -> builtins.list[dict[str, Any]]:
