@@ -20,6 +20,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from tests.conftest import DATA_DIR, REPO_DIR, Server
 
 pytestmark = pytest.mark.sandbox
 ROOT = Path(__file__).resolve().parents[2]
-NODES, GATEWAYS = 2, 1
+NODES, GATEWAYS = 2, 2  # the second gateway serves a client while the first is down
 
 
 @dataclass
@@ -128,7 +129,8 @@ def test_up_prints_what_the_e2b_sdk_needs(local: Local) -> None:
     root, variables, state = local.root, local.exports, local.state
     assert "pip" not in local.pip_log.read_text()  # scripts/cluster installs nothing
     assert state["apiKey"] == variables["E2B_API_KEY"] == (root / "api-key").read_text().strip()
-    assert state["gateways"] == [f"http://127.0.0.1:{local.base}"] == [variables["E2B_API_URL"]]
+    assert state["gateways"][0] == f"http://127.0.0.1:{local.base}" == variables["E2B_API_URL"]  # type: ignore[index]
+    assert len(state["gateways"]) == GATEWAYS  # type: ignore[arg-type]
     assert variables["E2B_SANDBOX_URL"] == variables["E2B_API_URL"]
     nodes = state["nodes"]
     assert [n["nodeID"] for n in nodes] == ["n0", "n1"]  # type: ignore[attr-defined]
@@ -152,6 +154,43 @@ def test_up_prints_what_the_e2b_sdk_needs(local: Local) -> None:
         assert sbx.commands.run("echo through the cluster").stdout == "through the cluster\n"
         assert sbx.sandbox_id in [s.sandbox_id for s in Sandbox.list().next_items()]
         sbx.kill()
+
+
+class Commands:
+    """A client running commands in a sandbox through one gateway, one after another, from a
+    thread, for as long as the block lasts: how many ran, and every error it saw."""
+
+    def __init__(self, variables: dict[str, str], gateway: str, sandbox_id: str) -> None:
+        self.variables, self.gateway, self.sandbox_id = variables, gateway, sandbox_id
+        self.ran, self.errors = 0, []  # type: list[str]
+        self.stop = threading.Event()
+
+    def _loop(self) -> None:
+        key = self.variables["E2B_API_KEY"]
+        try:
+            sandbox = Sandbox.connect(self.sandbox_id, api_key=key, api_url=self.gateway, sandbox_url=self.gateway)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.errors.append(f"connect: {exc!r}")
+            return
+        while not self.stop.is_set():
+            try:
+                out = sandbox.commands.run(f"echo {self.ran}", timeout=30).stdout
+                if out != f"{self.ran}\n":
+                    self.errors.append(f"command {self.ran} printed {out!r}")
+                self.ran += 1
+            except Exception as exc:  # noqa: BLE001 - reported by the test
+                self.errors.append(f"command {self.ran} at {time.monotonic():.1f}: {exc!r}")
+                self.ran += 1
+            time.sleep(0.2)
+
+    def __enter__(self) -> Commands:
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(60)
 
 
 class sdk_env:  # noqa: N801  (a context manager over os.environ, which the SDK reads)
@@ -351,15 +390,16 @@ def test_up_again_brings_back_only_what_is_down(local: Local) -> None:
     sandbox_id = made.json()["sandboxID"]
     secret = asyncio.run(read_config(local, local.tls("node"))).secret
     gone = [before["etcd"][1], before["nodes"][1], before["gatewayProcesses"][0]]  # type: ignore[index]
-    for entry in gone:
-        os.kill(entry["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while any(alive(e["pid"], "") for e in gone) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert run("status", env=env).returncode == 1
-
-    back = run("up", env=env)
-    assert back.returncode == 0, back.stderr
+    with Commands(local.exports, before["gateways"][1], sandbox_id) as client:  # type: ignore[index]
+        for entry in gone:
+            os.kill(entry["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(alive(e["pid"], "") for e in gone) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert run("status", env=env).returncode == 1
+        back = run("up", env=env)
+        assert back.returncode == 0, back.stderr
+    assert client.ran > 10 and client.errors == [], (client.ran, client.errors[:5])
     assert exports(back.stdout) == local.exports  # the same URLs and key
     after = local.state
     for role in ("etcd", "nodes", "gatewayProcesses"):
