@@ -30,6 +30,7 @@ from aenv.dashboard import pages as dashboard_pages
 from aenv.dashboard import routes as dashboard_routes
 from aenv.errors import AenvError, PayloadTooLarge, RequestTimeout, error_body, error_headers
 from aenv.node.service import BuildHost, NodeService
+from aenv.node.spawns import Spawns
 from aenv.teams import guard as team_guard
 from aenv.teams.model import PRINCIPAL
 from aenv.teams.routes import router as teams_router
@@ -96,6 +97,8 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
         dependencies=[Depends(team_guard.check_route)],
     )
     app.state.node = node
+    app.state.spawns = Spawns()  # E2B's spawnCount and lastSpawnedAt of each template
+    node.state_listeners.append(app.state.spawns.observe)
     teams.install(app)
     app.include_router(e2b_templates.router)  # first: /templates/tags before /templates/{id:path}
     app.include_router(router)

@@ -15,6 +15,7 @@ from aenv.config import MAX_NPROC
 from aenv.errors import snippet
 from aenv.guest.agent import AGENT_VERSION
 from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxRecord, SnapshotRecord, TemplateRecord
+from aenv.node.spawns import Spawned
 from aenv.teams.model import DEFAULT_TEAM
 from aenv.templates.catalog import TEMPLATE_NAME
 
@@ -383,16 +384,36 @@ def repository_json(rec: SnapshotRecord | TemplateRecord) -> dict[str, Any]:
     }
 
 
-def template_json(t: TemplateRecord, node: NodeService) -> dict[str, Any]:
+DEFAULT_TEMPLATES = ("base",)  # what every deployment offers (E2B's default templates)
+
+
+def template_json(t: TemplateRecord, node: NodeService, spawns: Spawned | None = None) -> dict[str, Any]:
+    """E2B's ``Template`` (every field of its model), and aenv's own: name, layers, sandboxes on
+    this node, the repository's commit. ``spawns``: its uses on this node (aenv/node/spawns.py)."""
+    limits = {"cpu_count": node.settings.cpu_count, "memory_mb": node.settings.memory_mb}
+    limits |= {"disk_mb": node.settings.disk_mb} | {k: v for k, v in t.limits.items() if v is not None}
+    used = spawns or Spawned()
     return {
         "templateID": t.id,
+        "buildID": t.e2b_build_id(),
         "name": t.name,
+        "names": [t.name],
         "aliases": [t.name, *t.aliases],
+        "cpuCount": max(1, int(limits.get("cpu_count") or 1)),
+        "memoryMB": int(limits.get("memory_mb") or 0),
+        "diskSizeMB": int(limits.get("disk_mb") or 0),
         "createdAt": rfc3339(t.created_at),
+        "updatedAt": rfc3339(max(t.created_at, t.committed_at)),
+        "createdBy": None,
+        "lastSpawnedAt": rfc3339(used.last) if used.last else None,
+        "spawnCount": used.count,
+        "buildCount": max(1, len(t.build_ids)),
+        "buildStatus": "ready",
+        "isDefault": t.name in DEFAULT_TEMPLATES,
         "layers": len(t.layers),
         "description": t.description,
         "sandboxes": sum(1 for sb in node.sandboxes.values() if sb.rec.template_id in (t.id, t.name)),
         "envdVersion": AGENT_VERSION,
-        "public": t.public or t.name == "base",  # every team may use it (aenv/teams)
+        "public": t.public or t.name in DEFAULT_TEMPLATES,  # every team may use it (aenv/teams)
         **repository_json(t),
     }

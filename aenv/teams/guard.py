@@ -35,7 +35,7 @@ from aenv.node.service import (
     SnapshotRecord,
     TemplateRecord,
 )
-from aenv.teams.model import Principal, current, template_visible
+from aenv.teams.model import DEFAULT_TEAM, Principal, current, template_visible
 
 log = logging.getLogger("aenv.teams")
 ID = re.compile(r"[a-z0-9]{1,128}")  # what a sandbox id can be (aenv/api/listing.py short_sandbox_id)
@@ -85,6 +85,20 @@ def restricted() -> Principal | None:
     """The principal when it is a team's view (None: sees everything)."""
     who = current()
     return None if who is None or who.all_teams else who
+
+
+def in_team(template: TemplateRecord, team_id: str | None) -> bool:
+    """Whether E2B's ``teamID`` filter keeps ``template``: None keeps what the request sees; the
+    key's own team is its view; another team is the admin key's alone (403 for a team key), and
+    shows that team's templates and those every team may use."""
+    if team_id is None:
+        return True
+    who = current()
+    if who is not None and not who.admin and team_id != who.team:
+        raise Forbidden(f"this key cannot list the templates of team {team_id[:64]!r}")
+    if who is not None and not who.admin:
+        return True
+    return (template.team or DEFAULT_TEAM) == team_id or template.public or template.name == "base"
 
 
 def visible(rec: SandboxRecord | SnapshotRecord | TemplateRecord) -> bool:

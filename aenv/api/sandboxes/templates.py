@@ -5,6 +5,8 @@ NDJSON), fetching one's files from the repository, aliases, deleting, and the wa
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,11 +17,13 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from aenv.api.sandboxes.requests import _body, build_host_of, declared_length, json_body, node_of
-from aenv.api.schemas import ImageTemplate, TemplatePatch, WarmPoolSize, snapshot_json, template_json
+from aenv.api.schemas import DEFAULT_TEMPLATES, ImageTemplate, TemplatePatch, WarmPoolSize, snapshot_json, template_json
 from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, error_body
-from aenv.node.service import BuildHost, SnapshotRecord, TemplateRecord
+from aenv.node.service import BuildHost, NodeService, SnapshotRecord, TemplateRecord
+from aenv.node.spawns import Spawns
 from aenv.storage.confined import View, remove_tree
 from aenv.teams import guard as team_guard
+from aenv.teams.model import current
 from aenv.templates import build, catalog, images, uploads
 from aenv.templates.catalog import TEMPLATE_NAME
 
@@ -30,10 +34,63 @@ MAX_DOCKERFILE = 1 << 20
 BUILD_CONTEXT = {"requestBody": {"content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}}
 
 
+def described(request: Request, t: TemplateRecord, node: NodeService | None = None) -> dict[str, Any]:
+    """A template as the API shows it (E2B's Template model and aenv's fields), with its uses here."""
+    spawns: Spawns = request.app.state.spawns
+    return template_json(t, node or node_of(request), spawns.get(t.id, t.name))
+
+
+def _in_order(node: NodeService) -> list[TemplateRecord]:
+    return sorted(node.templates.values(), key=lambda t: (t.created_at, t.id))
+
+
 @router.get("/templates", summary="List templates")
 async def list_templates(request: Request) -> list[dict[str, Any]]:
     node = node_of(request)
-    return [template_json(t, node) for t in sorted(node.templates.values(), key=lambda t: t.created_at)]
+    return [described(request, t, node) for t in _in_order(node)]
+
+
+@router.get("/v2/templates", summary="List templates, a page at a time (E2B's; the next page's token in x-next-token)")
+async def list_templates_v2(
+    request: Request,
+    response: Response,
+    team_id: str | None = Query(None, alias="teamID", max_length=128),
+    next_token: str | None = Query(None, alias="nextToken", max_length=512),
+    limit: int = Query(100, ge=1, le=100),
+) -> list[dict[str, Any]]:
+    """The templates the key's team may use, oldest first. ``teamID`` may name the key's own team
+    (any team for the deployment's admin key: its own templates, and those every team may use)."""
+    who = current()
+    every_team = team_id is not None and who is not None and who.admin  # another team's: the admin key's
+    node = request.app.state.node if every_team else node_of(request)
+    shown = [t for t in _in_order(node) if team_guard.in_team(t, team_id)]
+    if next_token is not None:
+        after = _page_token_after(next_token)
+        shown = [t for t in shown if (t.created_at, t.id) > after]
+    page = shown[:limit]
+    if len(shown) > limit:
+        last = page[-1]
+        response.headers["x-next-token"] = _page_token(last.created_at, last.id)
+    return [described(request, t, node) for t in page]
+
+
+@router.get("/default-templates", summary="The templates every team may use (E2B's default templates)")
+async def default_templates(request: Request) -> list[dict[str, Any]]:
+    node = node_of(request)
+    return [described(request, t, node) for t in _in_order(node) if t.name in DEFAULT_TEMPLATES]
+
+
+def _page_token(created_at: float, template_id: str) -> str:
+    raw = json.dumps([created_at, template_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _page_token_after(token: str) -> tuple[float, str]:
+    try:
+        created_at, template_id = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        return float(created_at), str(template_id)
+    except (ValueError, TypeError, binascii.Error):
+        raise InvalidRequest("nextToken is not a token this API gave out") from None
 
 
 @router.post(
@@ -59,13 +116,13 @@ async def template_from_image(request: Request) -> Response:
             rec = await images.template_from_image(
                 node, body.name, body.image, login=login, on_log=lambda line: emit({"log": line}), on_progress=progress
             )
-            return {"template": template_json(rec, node)}
+            return {"template": described(request, rec, node)}
 
         return _streamed_job(node, pulled)
     # A shielded task: the pull and commit finish even if the client gives up waiting.
     task = asyncio.ensure_future(images.template_from_image(node, body.name, body.image, login=login))
     rec = await asyncio.shield(task)
-    return JSONResponse(template_json(rec, node), status_code=201)
+    return JSONResponse(described(request, rec, node), status_code=201)
 
 
 Emit = Callable[[dict[str, Any]], None]
@@ -138,7 +195,7 @@ async def build_template(
     async def built(emit: Emit) -> dict[str, Any]:
         log = lambda line: emit({"log": line})  # noqa: E731
         rec = await build.build(node, name=name, dockerfile=text, context=context, build_args=args, on_log=log)
-        return {"template": template_json(rec, node)}
+        return {"template": described(request, rec, node)}
 
     return _streamed_job(node, built, cleanup=lambda: remove_tree(workdir, ignore_errors=True))
 
@@ -159,7 +216,7 @@ async def fetch_template(request: Request, template_id: str) -> Response:
         size = await node.artifacts.prefetch(rec, on_progress=progress)
         if isinstance(rec, SnapshotRecord):
             return {"snapshot": snapshot_json(rec), "fetchedBytes": size}
-        return {"template": template_json(rec, node), "fetchedBytes": size}
+        return {"template": described(request, rec, node), "fetchedBytes": size}
 
     if "application/x-ndjson" in request.headers.get("accept", ""):
         return _streamed_job(node, fetched)
@@ -193,7 +250,7 @@ async def patch_template(request: Request, template_id: str) -> dict[str, Any]:
     if body.public is not None and body.public != template.public:  # E2B's TemplateUpdateRequest
         template.public = body.public
         await node.save_template(template)
-    return template_json(template, node)
+    return described(request, template, node)
 
 
 @router.get("/templates/{template_id}/warm-pool", summary="A template's warm pool")
@@ -214,4 +271,4 @@ async def set_warm_pool(request: Request, template_id: str) -> dict[str, Any]:
 @router.get("/templates/{template_id}", summary="Get a template")
 async def get_template(request: Request, template_id: str) -> dict[str, Any]:
     node = node_of(request)
-    return template_json(node.find_template(template_id), node)
+    return described(request, node.find_template(template_id), node)
