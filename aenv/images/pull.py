@@ -252,7 +252,9 @@ class ImagePull:
                 work.rename(final)
         finally:
             if work.exists():
-                await asyncio.to_thread(remove_tree, work, ignore_errors=True)
+                # awaited whatever happens: another layer's failure cancels this fetch, and the
+                # pull's answer must not come while half a layer is still being removed
+                await _settle(asyncio.ensure_future(asyncio.to_thread(remove_tree, work, ignore_errors=True)))
         took = time.monotonic() - started
         self.log(f"layer {i}/{count} {diff_id[:19]}: {size / 2**20:.1f} MiB in {took:.1f}s")
         return size
