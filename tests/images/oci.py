@@ -338,6 +338,12 @@ def _config(diff_ids: list[str], env: list[str] | None = None) -> bytes:
 
 def write_layout(root: Path, layers: list[bytes], tag: str) -> None:
     """An OCI image layout (gzip layers) with one manifest tagged ``tag``."""
+    write_layout_blobs(root, [(gzip.compress(tar), "gzip", sha(tar)) for tar in layers], tag)
+
+
+def write_layout_blobs(root: Path, layers: list[tuple[bytes, str, str]], tag: str) -> None:
+    """An OCI image layout of layers compressed ahead, (blob, compression, diff_id) each, with
+    one manifest tagged ``tag``."""
     blobs = root / "blobs" / "sha256"
     blobs.mkdir(parents=True, exist_ok=True)
 
@@ -346,13 +352,12 @@ def write_layout(root: Path, layers: list[bytes], tag: str) -> None:
         (blobs / digest.split(":")[1]).write_bytes(data)
         return digest
 
-    descs = []
-    for tar in layers:
-        blob = gzip.compress(tar)
-        descs.append(
-            {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": put(blob), "size": len(blob)}
-        )
-    config = _config([sha(t) for t in layers])
+    media = "application/vnd.oci.image.layer.v1.tar"
+    descs = [
+        {"mediaType": media + MEDIA[compression], "digest": put(blob), "size": len(blob)}
+        for blob, compression, _ in layers
+    ]
+    config = _config([diff_id for _, _, diff_id in layers])
     manifest = json.dumps(
         {
             "schemaVersion": 2,
