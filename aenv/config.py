@@ -78,6 +78,18 @@ class Settings(BaseSettings):
     registry_auth: str | None = Field(None, repr=False)
     # Seconds a registry may go without sending a byte of an answer (504 past it).
     registry_read_timeout: float = Field(60.0, gt=0)
+    # What an image's layers may unpack to (from a registry, oci: and docker-archive: alike), counted
+    # as they decompress, a sparse file at its full size: 413 past a bound, before much is written.
+    # A layer, and an image's layers together, at most this many MiB (SWE-bench's largest layers
+    # are a few GiB) and entries (a layer of node_modules has a few hundred thousand), and past
+    # layer_ratio_floor_mb at most max_layer_ratio times their compressed size: real layers compress
+    # 2-10x (text 20x), a gzip bomb 1000x, a zstd one far more.
+    max_layer_unpacked_mb: int = Field(64 * 1024, ge=1)
+    max_image_unpacked_mb: int = Field(128 * 1024, ge=1)
+    max_layer_ratio: float = Field(100.0, ge=1)
+    layer_ratio_floor_mb: int = Field(256, ge=0)
+    max_layer_entries: int = Field(2_000_000, ge=1)
+    max_image_entries: int = Field(4_000_000, ge=1)
 
     @field_validator("registry_auth")
     @classmethod

@@ -137,6 +137,13 @@ class LocalSource:
             return self._docker(root)
         return self._layout(root)
 
+    def size(self, digest: str) -> int:
+        """The blob's size as stored (what a layout's manifest says of it is not relied on)."""
+        path = self._blobs.get(digest)
+        if path is None:
+            raise RegistryError(f"{self.reference}: blob {digest} is missing", status=400)
+        return os.stat(path).st_size
+
     def fetch(self, digest: str, dest: Path) -> None:
         path = self._blobs.get(digest)
         if path is None:

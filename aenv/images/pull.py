@@ -27,7 +27,7 @@ from aenv.images.local import DIGEST, LocalSource, is_local
 from aenv.images.mirrors import MirroredClient
 from aenv.images.reference import ImageRef
 from aenv.images.registry import Image
-from aenv.images.unpack import LayerError, apply_layer, apply_layer_stream
+from aenv.images.unpack import Bounds, GrowthFn, LayerError, Meter, apply_layer, apply_layer_stream
 from aenv.node import metrics
 from aenv.storage.confined import remove_tree
 from aenv.storage.layers import new_id
@@ -138,6 +138,8 @@ class ImagePull:
             )
         self.ref: ImageRef | None = None
         self.image: Image | None = None
+        self.bounds = Bounds.layer(settings)  # what each layer may unpack to
+        self.unpacked: Meter | None = None  # what the image's layers unpack to together (those here: as they did)
 
     async def __aenter__(self) -> ImagePull:
         return self
@@ -175,6 +177,12 @@ class ImagePull:
         assert self.ref is not None
         ids = [layer_id_of(diff_id) for diff_id in image.diff_ids]
         self.node.artifacts.pin(ids)  # not garbage while the template is being made
+        try:
+            compressed = sum([self._compressed(desc) for desc in image.layers])
+        except BaseException:
+            self.node.artifacts.unpin(ids)
+            raise
+        self.unpacked = Meter(f"image {self.ref}", Bounds.image(self.node.settings), compressed)
         slots = asyncio.Semaphore(PARALLEL_LAYERS)
         count = len(image.layers)
 
@@ -193,6 +201,18 @@ class ImagePull:
         cached = sum(1 for _, hit in got if hit)
         return Pulled(self.ref, image.digest, ids, image.config, fetched, cached, sizes)
 
+    def _compressed(self, desc: dict[str, Any]) -> int:
+        """A layer's blob's size: as its descriptor says from a registry (a blob of another size is
+        refused as it arrives), as stored in a layout or an archive."""
+        if self.local is not None:
+            return self.local.size(desc["digest"])
+        return int(desc["size"])
+
+    def _meter(self, label: str, compressed: int) -> Meter:
+        """The bounds of layer ``label``, whose growth the image's meter counts too."""
+        assert self.unpacked is not None
+        return Meter(f"layer {label}", self.bounds, compressed, self.unpacked.add)
+
     async def _layer(self, i: int, count: int, desc: dict[str, Any], diff_id: str) -> tuple[int, bool]:
         """(bytes fetched, whether it was here already) of layer ``i``."""
         layer_id = layer_id_of(diff_id)
@@ -203,6 +223,8 @@ class ImagePull:
             if final.exists():
                 self.node.files.touch(layer_id)
                 self.log(f"layer {i}/{count} {diff_id[:19]}: cached")
+                assert self.unpacked is not None  # the image's bounds count it as it unpacked
+                self.unpacked.add(*await asyncio.to_thread(self.node.files.extent, layer_id))
                 return 0, True
             flight = flights.get(layer_id)
             if flight is None or joined:
@@ -239,7 +261,8 @@ class ImagePull:
                     await asyncio.to_thread(self.local.fetch, desc["digest"], blob)
                     size = blob.stat().st_size
                     progress.finish(size)
-                    got = await asyncio.to_thread(apply_layer, blob, work, room)
+                    label = f"{i} of {self.ref}"
+                    got = await asyncio.to_thread(apply_layer, blob, work, room, label, self._meter(label, size))
                 finally:
                     blob.unlink(missing_ok=True)
             else:
@@ -252,7 +275,9 @@ class ImagePull:
                 work.rename(final)
         finally:
             if work.exists():
-                await asyncio.to_thread(remove_tree, work, ignore_errors=True)
+                # awaited whatever happens: another layer's failure cancels this fetch, and the
+                # pull's answer must not come while half a layer is still being removed
+                await _settle(asyncio.ensure_future(asyncio.to_thread(remove_tree, work, ignore_errors=True)))
         took = time.monotonic() - started
         self.log(f"layer {i}/{count} {diff_id[:19]}: {size / 2**20:.1f} MiB in {took:.1f}s")
         return size
@@ -269,11 +294,15 @@ class ImagePull:
             fcntl.fcntl(write_end, F_SETPIPE_SZ, PIPE_SIZE)
         os.set_blocking(write_end, False)
         room = headroom(self.node.settings)
+        assert self.unpacked is not None
         try:
             if desc["size"] >= UNPACK_APART:
-                unpack: asyncio.Future[str] = await _in_process(read_end, work, room, label)
+                unpack: asyncio.Future[str] = await _in_process(
+                    read_end, work, room, label, self.bounds, desc["size"], self.unpacked.add
+                )
             else:
-                unpack = _in_thread(_unpack_pipe, os.fdopen(read_end, "rb", buffering=0), work, room, label)
+                reader = os.fdopen(read_end, "rb", buffering=0)
+                unpack = _in_thread(_unpack_pipe, reader, work, room, label, self._meter(label, desc["size"]))
                 read_end = -1  # the thread's file has it
         except BaseException:
             os.close(write_end)
@@ -349,10 +378,14 @@ async def _all(tasks: list[asyncio.Future[T]]) -> list[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _in_process(read_end: int, work: Path, room: int, label: str) -> asyncio.Future[str]:
+async def _in_process(
+    read_end: int, work: Path, room: int, label: str, bounds: Bounds, compressed: int, grew: GrowthFn
+) -> asyncio.Future[str]:
     """Unpack the layer ``read_end`` carries in a process of its own (``python -m
     aenv.images.unpack``): it holds no lock the node's event loop needs, and layers unpack on as
-    many cores as there are. The future: the tar's digest, or the process's error."""
+    many cores as there are. It holds the layer to ``bounds`` for its ``compressed`` size itself
+    and tells its growth, handed to ``grew`` (the image's meter: past the image's bounds the
+    process is killed). The future: the tar's digest, or the process's error."""
     try:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -361,6 +394,8 @@ async def _in_process(read_end: int, work: Path, room: int, label: str) -> async
             str(work),
             str(room),
             label,
+            bounds.to_json(),
+            str(compressed),
             stdin=read_end,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -368,16 +403,36 @@ async def _in_process(read_end: int, work: Path, room: int, label: str) -> async
         )
     except OSError as exc:
         raise RuntimeFailure(f"cannot start the unpacking of layer {label}: {exc}") from exc
-    return asyncio.ensure_future(_unpacked(proc, label))
+    return asyncio.ensure_future(_unpacked(proc, label, grew))
 
 
-async def _unpacked(proc: asyncio.subprocess.Process, label: str) -> str:
-    out, err = await proc.communicate()  # its input ends when the download ends, whatever happened
-    lines = out.decode(errors="replace").strip().splitlines()
+async def _unpacked(proc: asyncio.subprocess.Process, label: str, grew: GrowthFn) -> str:
+    assert proc.stdout is not None and proc.stderr is not None
+    errors = asyncio.ensure_future(proc.stderr.read())
+    answer: Any = None
+    partial, last = b"", b""
     try:
-        answer = json.loads(lines[-1]) if lines else None
-    except ValueError:
-        answer = None
+        # its growth as it goes, then its answer: its input ends when the download ends, whatever happened
+        while chunk := await proc.stdout.read(1 << 16):
+            if b"\n" not in chunk:
+                partial += chunk
+                continue
+            *lines, partial = (partial + chunk).split(b"\n")
+            for line in lines:
+                grown = _growth(line)
+                if grown is not None:
+                    grew(*grown)  # past the image's bounds: raises, and the process is killed
+                elif line.strip():
+                    last = line  # its answer
+        with contextlib.suppress(ValueError):
+            answer = json.loads(partial if partial.strip() else last)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        raise
+    finally:
+        await proc.wait()
+        err = await errors
     if isinstance(answer, dict) and proc.returncode == 0 and isinstance(answer.get("digest"), str):
         return str(answer["digest"])
     error = answer.get("error") if isinstance(answer, dict) else None
@@ -389,9 +444,22 @@ async def _unpacked(proc: asyncio.subprocess.Process, label: str) -> str:
     raise RuntimeFailure(f"unpacking layer {label} failed (exit {proc.returncode}): {said[-1] if said else ''}")
 
 
-def _unpack_pipe(reader: BinaryIO, work: Path, room: int, label: str) -> str:
+def _growth(line: bytes) -> tuple[int, int] | None:
+    """(bytes, entries) of an unpacking process's report of its growth (`aenv.images.unpack.Report`)."""
+    if not line.startswith(b'{"grew"'):
+        return None
     try:
-        return apply_layer_stream(reader, work, room, label)
+        grown = json.loads(line).get("grew")
+    except ValueError:
+        return None
+    if isinstance(grown, list) and len(grown) == 2 and all(type(n) is int and n >= 0 for n in grown):
+        return grown[0], grown[1]
+    return None
+
+
+def _unpack_pipe(reader: BinaryIO, work: Path, room: int, label: str, meter: Meter) -> str:
+    try:
+        return apply_layer_stream(reader, work, room, label, meter)
     finally:
         reader.close()  # a download still writing gets EPIPE rather than wait
 

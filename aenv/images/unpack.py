@@ -1,4 +1,4 @@
-"""Apply one OCI layer (a tar, plain, gzip or zstd) to a directory that overlayfs uses as a lower.
+"""Apply one OCI layer (a tar, plain, gzip, zstd, bzip2 or xz) to a directory that overlayfs uses as a lower.
 
 OCI whiteouts become overlayfs ones: ``.wh.NAME`` a 0/0 character device named NAME,
 ``.wh..wh..opq`` the ``trusted.overlay.opaque`` attribute on its directory. Nothing in a layer
@@ -6,6 +6,13 @@ may land outside the directory: entries are written from directory fds, never th
 ``..`` components, paths through a symlink the layer made, and whiteouts of no name (``.wh.``,
 ``.wh..``, ``.wh...``) are refused. Device nodes are not kept (see `_entry`). The uncompressed
 stream is hashed as it is read, so a layer whose content is not its diff_id never becomes visible.
+
+What a layer unpacks to is bounded (`Bounds`, `Meter`): a gzip bomb of 2 MiB writes 2 GiB, a zstd
+one far more, and a tar entry can say its file is a sparse one of any size. The decompressed
+stream is counted as it comes out of the decompressor (and a sparse file at its full size, and
+each entry's declared size before a byte of it is written), against a total and against a ratio
+to the layer's compressed size past a floor; entries are counted too. An image's layers together
+are held to the same bounds (a pull's `Meter` that each layer's passes its growth on to).
 """
 
 from __future__ import annotations
@@ -23,14 +30,17 @@ import re
 import stat
 import sys
 import tarfile
+import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
 
 import zstandard
 
+from aenv.config import Settings
 from aenv.errors import AenvError, InvalidRequest, PayloadTooLarge
 from aenv.storage.confined import (
     NEW_FILE_FLAGS,
@@ -60,6 +70,8 @@ XZ_MEMORY = 128 << 20  # what decoding an xz stream may take, as zstd's default 
 WHAT = "layer entry"
 MAX_HEADERS = 1 << 20  # one entry's headers: pax records (attributes), long names, a sparse map
 SPACE_CHECK = 64 << 20  # file bytes unpacked between two looks at the free space
+REPORT_BYTES = 4 << 20  # a layer unpacking in a process of its own tells its growth this often
+REPORT_ENTRIES = 4096  # ... or once this many entries
 # What reading a damaged archive raises, from the tar reader or one of the decompressors
 # (tarfile parses some headers' numbers with int(): a GNU sparse map of words is a ValueError).
 UNREADABLE = (tarfile.TarError, OSError, EOFError, ValueError, zlib.error, lzma.LZMAError, zstandard.ZstdError)
@@ -69,11 +81,118 @@ class LayerError(InvalidRequest):
     """A layer that is corrupt, hostile, or not what its digest says."""
 
 
-class _Hashing(io.RawIOBase):
-    """Hashes what passes through it (the uncompressed tar, for the diff_id)."""
+GrowthFn = Callable[[int, int], None]  # (bytes, entries) a layer grew by: raises past a bound
 
-    def __init__(self, inner: IO[bytes]) -> None:
+
+@dataclass(frozen=True)
+class Bounds:
+    """How far a layer, or an image's layers together, may unpack: at most ``unpacked`` bytes, at
+    most ``ratio`` times the compressed size once past ``floor`` bytes, at most ``entries``
+    entries. ``settings`` name them in refusals (unpacked, ratio, floor, entries)."""
+
+    unpacked: int
+    ratio: float
+    floor: int
+    entries: int
+    settings: tuple[str, str, str, str]
+
+    @classmethod
+    def layer(cls, settings: Settings) -> Bounds:
+        return cls(
+            settings.max_layer_unpacked_mb << 20,
+            settings.max_layer_ratio,
+            settings.layer_ratio_floor_mb << 20,
+            settings.max_layer_entries,
+            LAYER_SETTINGS,
+        )
+
+    @classmethod
+    def image(cls, settings: Settings) -> Bounds:
+        return cls(
+            settings.max_image_unpacked_mb << 20,
+            settings.max_layer_ratio,
+            settings.layer_ratio_floor_mb << 20,
+            settings.max_image_entries,
+            IMAGE_SETTINGS,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps([self.unpacked, self.ratio, self.floor, self.entries, list(self.settings)])
+
+    @classmethod
+    def from_json(cls, text: str) -> Bounds:
+        unpacked, ratio, floor, entries, settings = json.loads(text)
+        return cls(int(unpacked), float(ratio), int(floor), int(entries), tuple(settings))
+
+
+LAYER_SETTINGS = (
+    "AENV_MAX_LAYER_UNPACKED_MB",
+    "AENV_MAX_LAYER_RATIO",
+    "AENV_LAYER_RATIO_FLOOR_MB",
+    "AENV_MAX_LAYER_ENTRIES",
+)
+IMAGE_SETTINGS = ("AENV_MAX_IMAGE_UNPACKED_MB", *LAYER_SETTINGS[1:3], "AENV_MAX_IMAGE_ENTRIES")
+
+
+def amount(size: int | float) -> str:
+    """``size`` bytes as people read it: 64 GiB, 256 MiB, 1.5 MiB, 300 bytes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift:
+            return f"{size / (1 << shift):.3g} {unit}"
+    return f"{int(size)} bytes"
+
+
+class Meter:
+    """What ``what`` (a layer, or an image) has unpacked so far, held to ``bounds`` for its
+    ``compressed`` size as it grows: 413 naming the bound passed. Each growth is passed on to
+    ``then`` (the image's meter, or a report to it) once within the bounds. Thread-safe: the
+    layers of one image unpack at once."""
+
+    def __init__(self, what: str, bounds: Bounds, compressed: int, then: GrowthFn | None = None) -> None:
+        self.what, self.bounds, self.compressed, self.then = what, bounds, compressed, then
+        by_ratio = max(bounds.floor, int(bounds.ratio * compressed))
+        self.limit = min(bounds.unpacked, by_ratio)
+        self.by_ratio = by_ratio < bounds.unpacked  # the ratio (or its floor) is the bound that holds
+        self.bytes = 0  # the decompressed tar, and sparse files' holes
+        self.entries = 0
+        self._lock = threading.Lock()
+
+    def add(self, size: int, entries: int = 0) -> None:
+        with self._lock:
+            self.bytes += size
+            self.entries += entries
+            self._check(self.bytes, self.entries)
+        if self.then is not None:
+            self.then(size, entries)
+
+    def expect(self, total: int) -> None:
+        """Refuse now if the layer will have unpacked ``total`` bytes (an entry's end, as its
+        header says): not a byte of a file past a bound is written."""
+        with self._lock:
+            self._check(total, self.entries)
+
+    def _check(self, size: int, entries: int) -> None:
+        bounds = self.bounds
+        unpacked, ratio, floor, entry_setting = bounds.settings
+        if entries > bounds.entries:
+            raise PayloadTooLarge(f"{self.what} has more than {bounds.entries} entries (the node's {entry_setting})")
+        if size <= self.limit:
+            return
+        if self.by_ratio:
+            raise PayloadTooLarge(
+                f"{self.what} expands more than {bounds.ratio:g}x its compressed size of {amount(self.compressed)}:"
+                f" more than {amount(self.limit)} (the node's {ratio}, applied past {floor}: {amount(bounds.floor)})"
+            )
+        raise PayloadTooLarge(f"{self.what} unpacks to more than {amount(self.limit)} (the node's {unpacked})")
+
+
+class _Hashing(io.RawIOBase):
+    """Hashes what passes through it (the uncompressed tar, for the diff_id), and counts it
+    against ``meter``: as it comes out of the decompressor, before the tar reader sees it."""
+
+    def __init__(self, inner: IO[bytes], meter: Meter | None = None) -> None:
         self.inner = inner
+        self.meter = meter
         self.sha = hashlib.sha256()
         self.size = 0
 
@@ -86,6 +205,8 @@ class _Hashing(io.RawIOBase):
         buffer[:n] = data
         self.sha.update(data)
         self.size += n
+        if self.meter is not None:
+            self.meter.add(n)
         return n
 
 
@@ -180,24 +301,33 @@ class TarStream:
                 yield tar, member
 
 
-def apply_layer(blob: Path, dest: Path, headroom: int = 0) -> str:
+def apply_layer(blob: Path, dest: Path, headroom: int = 0, name: str = "", meter: Meter | None = None) -> str:
     """Unpack ``blob`` into ``dest`` (created); return ``sha256:...`` of the uncompressed tar.
-    Stops (507) when the disk gets within ``headroom`` bytes of full."""
+    Stops (507) when the disk gets within ``headroom`` bytes of full, and (413) past ``meter``'s
+    bounds."""
     with open(blob, "rb") as raw:
-        return apply_layer_stream(raw, dest, headroom, blob.name)
+        return apply_layer_stream(raw, dest, headroom, name or blob.name, meter)
 
 
-def apply_layer_stream(raw: IO[bytes], dest: Path, headroom: int = 0, name: str = "") -> str:
+def apply_layer_stream(
+    raw: IO[bytes], dest: Path, headroom: int = 0, name: str = "", meter: Meter | None = None
+) -> str:
     """:func:`apply_layer` of a layer read as it arrives (a pipe from its download). Whoever
     writes the pipe learns of a failure from its reader closing it (EPIPE)."""
     dest.mkdir(parents=True, exist_ok=True)
     root = open_root(dest)
     parents = _Parents(root)
     room = SpaceWatch(headroom, f"layer {name}", every=SPACE_CHECK)
+    holes = 0  # of sparse files: written as zeros, and never in the stream
     try:
-        hashing = _Hashing(decompressed(raw))
+        hashing = _Hashing(decompressed(raw), meter)
         stream = io.BufferedReader(hashing, buffer_size=1 << 20)
         for tar, member in TarStream(stream, f"layer {name}").members():
+            if meter is not None:
+                hole = _holes(member)
+                holes += hole
+                meter.expect(tar.offset + holes)  # the stream up to this entry's end: declared, not yet read
+                meter.add(hole, 1)
             room.before(root, member.size if member.isreg() else 0)  # every entry takes an inode
             _apply(tar, member, root, parents)
         while stream.read(1 << 20):  # tar padding after the end-of-archive blocks counts too
@@ -212,6 +342,15 @@ def apply_layer_stream(raw: IO[bytes], dest: Path, headroom: int = 0, name: str 
         parents.close()
         os.close(root)
     return "sha256:" + hashing.sha.hexdigest()
+
+
+def _holes(member: tarfile.TarInfo) -> int:
+    """What a sparse entry's file has beyond the data the tar holds for it (tarfile writes it as
+    zeros): its size, as the header says, less the data its sparse map names."""
+    if not member.issparse():
+        return 0
+    runs = cast(list[tuple[int, int]], member.sparse)  # typeshed says int: a list of (offset, size)
+    return max(0, member.size - sum(size for _, size in runs))
 
 
 class _Parents:
@@ -326,7 +465,7 @@ def _entry(
         os.mkfifo(name, 0o600, dir_fd=parent)
         chown_at(parent, name, member.uid, member.gid)
         os.chmod(name, member.mode & 0o7777, dir_fd=parent)  # made just now by us: no link there
-    # sparse or exotic entries: not in images we take
+    # exotic entries (contiguous files, volume labels): not in images we take
 
 
 def _whiteout(parent: int, hidden: str, entry: str) -> None:
@@ -349,18 +488,43 @@ def _attributes(fd: int, member: tarfile.TarInfo) -> None:
                 pass  # an attribute this filesystem does not take is not worth the layer
 
 
+class Report:
+    """A layer's growth told to the pull that started this process (its image's `Meter`): one
+    JSON line ``{"grew": [bytes, entries]}`` once every `REPORT_BYTES` or `REPORT_ENTRIES`."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self.bytes = self.entries = 0
+
+    def __call__(self, size: int, entries: int) -> None:
+        self.bytes += size
+        self.entries += entries
+        if self.bytes >= REPORT_BYTES or self.entries >= REPORT_ENTRIES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.bytes or self.entries:
+            self.out.write(json.dumps({"grew": [self.bytes, self.entries]}) + "\n")
+            self.out.flush()
+            self.bytes = self.entries = 0
+
+
 def main(argv: list[str]) -> int:
-    """``python -m aenv.images.unpack DEST HEADROOM NAME``: unpack the layer on stdin into DEST
-    (a pull's unpack in a process of its own: the node's interpreter lock is not shared with the
-    download, and layers unpack on several cores). Prints ``{"digest"}`` or ``{"error": {type,
-    message, status}}`` as one JSON line."""
+    """``python -m aenv.images.unpack DEST HEADROOM NAME [BOUNDS COMPRESSED]``: unpack the layer
+    on stdin into DEST (a pull's unpack in a process of its own: the node's interpreter lock is not
+    shared with the download, and layers unpack on several cores), within BOUNDS (`Bounds` as
+    JSON) for its COMPRESSED size. Prints its growth as it goes (`Report`), then ``{"digest"}``
+    or ``{"error": {type, message, status}}``, one JSON line each."""
     dest, room, name = Path(argv[0]), int(argv[1]), argv[2]
+    report = Report(sys.stdout)
+    meter = Meter(f"layer {name}", Bounds.from_json(argv[3]), int(argv[4]), report) if len(argv) > 4 else None
     try:
         with open(0, "rb", buffering=0, closefd=False) as raw:
-            digest = apply_layer_stream(raw, dest, room, name)
+            digest = apply_layer_stream(raw, dest, room, name, meter)
     except AenvError as exc:
         print(json.dumps({"error": {"type": type(exc).__name__, "message": exc.message, "status": exc.status}}))
         return 1
+    report.flush()
     print(json.dumps({"digest": digest}))
     return 0
 

@@ -154,6 +154,42 @@ def tree_usage(path: Path, least: int = 0) -> int:
     return total
 
 
+def tree_extent(path: Path) -> tuple[int, int]:
+    """(bytes, entries) the tree at ``path`` would take as a tar: a 512-byte header per entry,
+    and each file's size (its apparent size, holes included) once per inode, rounded up to 512;
+    links not followed, other file systems not entered, no recursion."""
+    total = entries = 0
+    seen: set[int] = set()
+
+    def count(fd: int) -> list[str]:
+        nonlocal total, entries
+        subdirs = []
+        device = os.fstat(fd).st_dev
+        for entry in _entries(fd):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # gone meanwhile
+            entries += 1
+            total += 512
+            if stat.S_ISREG(st.st_mode):
+                if st.st_nlink > 1:
+                    if st.st_ino in seen:
+                        continue  # a hard link: its data is counted once
+                    seen.add(st.st_ino)
+                total += -(-st.st_size // 512) * 512
+            elif stat.S_ISDIR(st.st_mode) and st.st_dev == device:
+                subdirs.append(entry.name)
+        return subdirs
+
+    top = open_root(path)
+    try:
+        walk_dirs(top, count)
+    finally:
+        os.close(top)
+    return total, entries
+
+
 def walk_dirs(top: int, enter: Callable[[int], list[str]], leave: Callable[[int, str], None] | None = None) -> None:
     """Every directory below the directory fd ``top``, depth first, without recursion and with two
     fds open at most: ``enter(fd)`` is called in each and names the subdirectories to go into;

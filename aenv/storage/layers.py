@@ -31,7 +31,7 @@ from pathlib import Path
 from aenv.errors import RuntimeFailure
 from aenv.runtime import hostexec
 from aenv.storage import datadir
-from aenv.storage.confined import remove_tree, tree_usage
+from aenv.storage.confined import remove_tree, tree_extent, tree_usage
 from aenv.storage.mounts import mounts_under, unmount_under
 from aenv.storage.space import data_runs
 
@@ -67,6 +67,7 @@ class LayerStore:
         for d in (self.layers, self.images, self.used, self.tmp):
             d.mkdir(parents=True, exist_ok=True)
         self._sealed_sizes: dict[str, int] = {}
+        self._extents: dict[str, tuple[int, int]] = {}
         self._mounting: dict[str, asyncio.Lock] = {}  # one mount of a layer at a time
         self.blanks = self.layers / ".blanks"  # formatted, empty disk images to copy, one per size
         self.blanks.mkdir(exist_ok=True)
@@ -393,9 +394,10 @@ class LayerStore:
         except OSError as exc:  # mounted again meanwhile (EBUSY): in use, so not removed now
             log.warning("layer %s not removed: %s", layer_id, exc)
             return
-        finally:
-            self._sealed_sizes.pop(layer_id, None)
-            self._mounting.pop(layer_id, None)
+        self._sealed_sizes.pop(layer_id, None)
+        self._extents.pop(layer_id, None)
+        self._mounting.pop(layer_id, None)
+        (self.used / layer_id).unlink(missing_ok=True)
         Path(f"{trash}.img").unlink(missing_ok=True)
         await asyncio.to_thread(remove_tree, trash, ignore_errors=True)  # big trees take seconds: off the loop
 
@@ -410,6 +412,7 @@ class LayerStore:
         elif (self.layers / layer_id).is_dir():
             os.rename(self.layers / layer_id, self.layers / token)
         self._sealed_sizes.pop(layer_id, None)
+        self._extents.pop(layer_id, None)
         self._mounting.pop(layer_id, None)
         (self.used / layer_id).unlink(missing_ok=True)
         return token
@@ -470,6 +473,16 @@ class LayerStore:
         if layer_id not in self._sealed_sizes:
             self._sealed_sizes[layer_id] = self.disk_usage(layer_id)
         return self._sealed_sizes[layer_id]
+
+    def extent(self, layer_id: str) -> tuple[int, int]:
+        """(bytes, entries) of a pulled layer as its tar unpacked (`tree_extent`), measured once:
+        what an image's bounds count for a layer it finds here (aenv/images/unpack.py)."""
+        if layer_id not in self._extents:
+            try:
+                self._extents[layer_id] = tree_extent(self.layers / layer_id)
+            except OSError:
+                return 0, 0  # gone meanwhile
+        return self._extents[layer_id]
 
     # Last use, for the cache's LRU order: a marker beside the layer or image, not its own mtime
     # (a sealed layer never changes, not even there); without a marker, its creation time.

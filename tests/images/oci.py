@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import bz2
+import functools
 import gzip
 import hashlib
 import io
 import json
+import lzma
 import shutil
 import subprocess
 import tarfile
@@ -70,6 +73,85 @@ def busybox_layer() -> LayerTar:
     return layer
 
 
+ZERO_RUN = 16 << 20  # zeros compressed once, and repeated in a bomb
+MEMBER = {"gzip": lambda b: gzip.compress(b, mtime=0), "bzip2": bz2.compress, "xz": lzma.compress, "none": bytes}
+MEDIA = {"gzip": "+gzip", "zstd": "+zstd", "bzip2": "", "xz": "", "none": ""}  # bzip2 and xz: no OCI type; sniffed
+
+
+@functools.cache
+def _zero_member(compression: str, count: int) -> bytes:
+    return MEMBER[compression](bytes(count))
+
+
+def compress(data: bytes, compression: str) -> bytes:
+    """``data`` as one gzip, bzip2 or xz member, one zstd frame, or as it is ("none")."""
+    return zstandard.compress(data) if compression == "zstd" else MEMBER[compression](data)
+
+
+def tar_header(name: str, size: int, kind: bytes = tarfile.REGTYPE) -> bytes:
+    """A file's header, whatever its size (GNU format: sizes past 8 GiB in base-256)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.type = size, 0o644, kind
+    return info.tobuf(format=tarfile.GNU_FORMAT)
+
+
+def zero_layer(
+    files: list[tuple[str, int | bytes]], compression: str = "gzip", trailing: int = 0, hashed: bool = True
+) -> tuple[bytes, str]:
+    """A layer of files (name, and its bytes or that many zeros) then ``trailing`` zeros past the
+    end of the archive, compressed without ever holding its tar: gzip, bzip2 and xz as members one
+    after another (a run of zeros compressed once and repeated), zstd as one frame, or none.
+    Returns (blob, diff_id); the diff_id is left empty unless ``hashed`` (hashing GiBs takes seconds)."""
+    sha = hashlib.sha256()
+    frame = zstandard.ZstdCompressor().compressobj() if compression == "zstd" else None
+    out: list[bytes] = []
+
+    def put(data: bytes) -> None:
+        if hashed:
+            sha.update(data)
+        if data:
+            out.append(frame.compress(data) if frame is not None else MEMBER[compression](data))
+
+    def zeros(count: int) -> None:
+        runs, rest = divmod(count, ZERO_RUN)
+        for size in [ZERO_RUN] * runs + [rest] * bool(rest):
+            if hashed:
+                sha.update(bytes(size))
+            if frame is not None:
+                out.append(frame.compress(bytes(size)))
+            else:
+                out.append(_zero_member(compression, size))
+
+    for name, content in files:
+        size = content if isinstance(content, int) else len(content)
+        put(tar_header(name, size))
+        if isinstance(content, int):
+            zeros(content)
+        else:
+            put(content)
+        put(bytes(-size % tarfile.BLOCKSIZE))
+    put(bytes(2 * tarfile.BLOCKSIZE))
+    zeros(trailing)
+    if frame is not None:
+        out.append(frame.flush())
+    return b"".join(out), ("sha256:" + sha.hexdigest()) if hashed else ""
+
+
+def sparse_layer(work: Path, apparent: int, pax: bool = False) -> bytes:
+    """A tar (GNU tar's own: Python's writes none) of one sparse file of ``apparent`` bytes that
+    holds 4 KiB of data: an old GNU sparse entry, or a PAX 1.0 one."""
+    work.mkdir(parents=True, exist_ok=True)
+    with open(work / "sparse", "wb") as f:
+        f.truncate(apparent)
+        f.seek(apparent // 2)
+        f.write(b"x" * 4096)
+    form = ["--format=pax", "--sparse-version=1.0"] if pax else ["--format=gnu"]
+    done = subprocess.run(["tar", "--sparse", *form, "-C", str(work), "-cf", "-", "sparse"], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    (work / "sparse").unlink()
+    return done.stdout
+
+
 class GzipLayer:
     """A layer compressed once (gzip at Go's default level, no time), for images pushed by the
     dozen: a base they share is compressed once, uploaded once and mounted into the other
@@ -128,6 +210,16 @@ class Registry:
             )
             descs.append({"mediaType": media, "digest": self.push_blob(repo, blob), "size": len(blob)})
         return self._push_manifest(repo, tag, descs, diff_ids or [sha(t) for t, _ in layers], env, platform)
+
+    def push_blobs(self, repo: str, tag: str, layers: list[tuple[bytes, str, str]]) -> str:
+        """Push an image of layers compressed ahead: (blob, compression, diff_id) each (a bomb's
+        tar is never held); returns its manifest digest."""
+        media = "application/vnd.oci.image.layer.v1.tar"
+        descs = [
+            {"mediaType": media + MEDIA[compression], "digest": self.push_blob(repo, blob), "size": len(blob)}
+            for blob, compression, _ in layers
+        ]
+        return self._push_manifest(repo, tag, descs, [diff_id for _, _, diff_id in layers], None)
 
     def push_gzip_image(self, repo: str, tag: str, layers: list[GzipLayer], env: list[str] | None = None) -> str:
         """Push a linux/amd64 image of layers compressed ahead; returns its manifest digest."""
@@ -246,6 +338,12 @@ def _config(diff_ids: list[str], env: list[str] | None = None) -> bytes:
 
 def write_layout(root: Path, layers: list[bytes], tag: str) -> None:
     """An OCI image layout (gzip layers) with one manifest tagged ``tag``."""
+    write_layout_blobs(root, [(gzip.compress(tar), "gzip", sha(tar)) for tar in layers], tag)
+
+
+def write_layout_blobs(root: Path, layers: list[tuple[bytes, str, str]], tag: str) -> None:
+    """An OCI image layout of layers compressed ahead, (blob, compression, diff_id) each, with
+    one manifest tagged ``tag``."""
     blobs = root / "blobs" / "sha256"
     blobs.mkdir(parents=True, exist_ok=True)
 
@@ -254,13 +352,12 @@ def write_layout(root: Path, layers: list[bytes], tag: str) -> None:
         (blobs / digest.split(":")[1]).write_bytes(data)
         return digest
 
-    descs = []
-    for tar in layers:
-        blob = gzip.compress(tar)
-        descs.append(
-            {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": put(blob), "size": len(blob)}
-        )
-    config = _config([sha(t) for t in layers])
+    media = "application/vnd.oci.image.layer.v1.tar"
+    descs = [
+        {"mediaType": media + MEDIA[compression], "digest": put(blob), "size": len(blob)}
+        for blob, compression, _ in layers
+    ]
+    config = _config([diff_id for _, _, diff_id in layers])
     manifest = json.dumps(
         {
             "schemaVersion": 2,
