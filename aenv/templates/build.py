@@ -33,7 +33,7 @@ from aenv.storage.confined import WILDCARDS, PathRefused, View, remove_tree
 from aenv.storage.space import SpaceWatch, ensure_space, headroom
 from aenv.templates import dockerfile as df
 from aenv.templates.builder import BuildFailed, LogFn, StartCommand, build_instance, commit_template, run_process, seal
-from aenv.templates.images import conventions_layer, layers_view
+from aenv.templates.images import conventions_layer, image_user, layers_view
 
 log = logging.getLogger("aenv.templates")
 
@@ -184,6 +184,7 @@ async def _from(
         await node.artifacts.ensure_local(template, only=set(template.layers))
         state = State(key=f"template:{template.id}", layers=list(template.layers), env=dict(template.env_vars))
         state.user = "root"
+        state.default_user, state.default_workdir = template.user, template.workdir  # inherited, as Docker's
         return state, None
     pulled = await pull(node, ref, login=login, on_log=log)
     config = pulled.config.get("config") or {}
@@ -191,6 +192,8 @@ async def _from(
     state.env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
     state.workdir = config.get("WorkingDir") or "/"
     state.user = config.get("User") or "root"
+    # Its sandboxes start as Docker's containers do: the image's user and working directory
+    state.default_user, state.default_workdir = image_user(config), state.workdir
     state.entrypoint = list(config.get("Entrypoint") or [])
     state.cmd = list(config.get("Cmd") or [])
     key = state.chain(CONVENTIONS_VERSION)
@@ -243,8 +246,8 @@ async def _step(
         return True
     if kw == "WORKDIR":
         state.workdir = posixpath.normpath(posixpath.join(state.workdir, df.substitute(instr.args.strip(), scope)))
-        if "implicit" not in instr.flags:
-            state.default_workdir = state.workdir
+        # E2B's implicit WORKDIR: its sandboxes start in the default user's home, as E2B's do
+        state.default_workdir = "" if "implicit" in instr.flags else state.workdir
         key = state.chain("WORKDIR", state.workdir)
         workdir, layers = state.workdir, list(state.layers)
         async with node.artifacts.using_layers(layers):  # read on the host: each mounted, or fetched

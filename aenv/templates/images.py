@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import stat
 from pathlib import Path
+from typing import Any
 
 from aenv.images.local import is_local
 from aenv.images.pull import ImagePull, Pulled, PullProgressFn, release
@@ -26,6 +27,12 @@ USER = (USER_UID, USER_UID)
 # boot make them in its upper: the build's upper would never be empty, and every image template
 # would carry one more layer (and a first sandbox a copy of its upper) for four empty directories.
 MOUNT_POINTS = ("/proc", "/sys", "/dev", GUEST_MOUNT)
+
+
+def image_user(config: dict[str, Any]) -> str:
+    """The user an image's processes run as by default (its config's ``User``: a name or uid,
+    maybe with a group, which the sandbox's user lookup does not take), root when it names none."""
+    return str(config.get("User") or "").partition(":")[0].strip() or "root"
 
 
 def layers_view(node: BuildHost, layers: list[str], top: Path | None = None) -> View:
@@ -125,6 +132,8 @@ async def commit_image(
         extra = await asyncio.to_thread(conventions_layer, node, pulled.layers)
         config = pulled.config.get("config") or {}
         env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
+        # Docker's defaults: the image's user (root when it names none) in its working directory
+        user, workdir = image_user(config), str(config.get("WorkingDir") or "/")
         log(f"pulled {pulled.fetched_bytes / 2**20:.1f} MiB ({pulled.cached_layers} layers cached); committing")
         unpinned = ImageRef(pulled.ref.registry, pulled.ref.repository, pulled.ref.tag)  # its digest said once
         try:
@@ -134,6 +143,8 @@ async def commit_image(
                 layers=[*pulled.layers, extra],
                 steps=[],
                 env=env,
+                user=user,
+                workdir=workdir,
                 description=f"from {unpinned}@{pulled.digest}",
                 on_log=log,
                 template_id=template_id,

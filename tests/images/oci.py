@@ -198,8 +198,10 @@ class Registry:
         env: list[str] | None = None,
         diff_ids: list[str] | None = None,
         platform: tuple[str, str] = ("linux", "amd64"),
+        config: dict[str, object] | None = None,
     ) -> str:
-        """Push an image (linux/amd64 unless ``platform`` says otherwise); returns its manifest digest."""
+        """Push an image (linux/amd64 unless ``platform`` says otherwise; ``config``: more of its
+        config, e.g. WorkingDir and User); returns its manifest digest."""
         descs: list[dict[str, object]] = []
         for tar, compression in layers:
             # gzip without a time: one layer pushed twice is one blob, as a registry holds a shared base
@@ -209,7 +211,7 @@ class Registry:
                 "application/vnd.oci.image.layer.v1.tar" + {"gzip": "+gzip", "zstd": "+zstd", "none": ""}[compression]
             )
             descs.append({"mediaType": media, "digest": self.push_blob(repo, blob), "size": len(blob)})
-        return self._push_manifest(repo, tag, descs, diff_ids or [sha(t) for t, _ in layers], env, platform)
+        return self._push_manifest(repo, tag, descs, diff_ids or [sha(t) for t, _ in layers], env, platform, config)
 
     def push_blobs(self, repo: str, tag: str, layers: list[tuple[bytes, str, str]]) -> str:
         """Push an image of layers compressed ahead: (blob, compression, diff_id) each (a bomb's
@@ -244,12 +246,13 @@ class Registry:
         diff_ids: list[str],
         env: list[str] | None,
         platform: tuple[str, str] = ("linux", "amd64"),
+        more: dict[str, object] | None = None,
     ) -> str:
         """Push the config of an image of ``layers`` (descriptors of blobs pushed) and its manifest."""
         config = {
             "architecture": platform[1],
             "os": platform[0],
-            "config": {"Env": env or ["PATH=/bin"]},
+            "config": {"Env": env or ["PATH=/bin"], **(more or {})},
             "rootfs": {"type": "layers", "diff_ids": diff_ids},
         }
         raw_config = json.dumps(config).encode()
