@@ -193,7 +193,8 @@ def start_busybox_node(data_dir: Path, extra_env: dict[str, str] | None = None) 
     env = {"AENV_BUILD_BASE": "false", "AENV_REPO": "none", **(extra_env or {})}
     srv = start_server(data_dir, extra_env=env, wait_for=None)
     try:
-        write_layout(layout, [busybox_layer().bytes()], "v1")
+        # E2B's defaults, said in the image's config (an image that names none starts as root in /)
+        write_layout(layout, [busybox_layer().bytes()], "v1", {"User": "user", "WorkingDir": "/home/user"})
         with srv.client() as api:
             r = api.post("/templates/from-image", json={"name": "bb", "image": f"oci:{layout}:v1"})
             assert r.status_code == 201, r.text

@@ -333,18 +333,21 @@ def bcrypt_hash(password: str) -> str:
     return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))
 
 
-def _config(diff_ids: list[str], env: list[str] | None = None) -> bytes:
-    body = {"architecture": "amd64", "os": "linux", "config": {"Env": env or ["PATH=/bin"]}}
+def _config(diff_ids: list[str], env: list[str] | None = None, more: dict[str, object] | None = None) -> bytes:
+    body = {"architecture": "amd64", "os": "linux", "config": {"Env": env or ["PATH=/bin"], **(more or {})}}
     body["rootfs"] = {"type": "layers", "diff_ids": diff_ids}
     return json.dumps(body).encode()
 
 
-def write_layout(root: Path, layers: list[bytes], tag: str) -> None:
-    """An OCI image layout (gzip layers) with one manifest tagged ``tag``."""
-    write_layout_blobs(root, [(gzip.compress(tar), "gzip", sha(tar)) for tar in layers], tag)
+def write_layout(root: Path, layers: list[bytes], tag: str, config: dict[str, object] | None = None) -> None:
+    """An OCI image layout (gzip layers) with one manifest tagged ``tag`` (``config``: more of
+    the image's config, e.g. User and WorkingDir)."""
+    write_layout_blobs(root, [(gzip.compress(tar), "gzip", sha(tar)) for tar in layers], tag, config)
 
 
-def write_layout_blobs(root: Path, layers: list[tuple[bytes, str, str]], tag: str) -> None:
+def write_layout_blobs(
+    root: Path, layers: list[tuple[bytes, str, str]], tag: str, more: dict[str, object] | None = None
+) -> None:
     """An OCI image layout of layers compressed ahead, (blob, compression, diff_id) each, with
     one manifest tagged ``tag``."""
     blobs = root / "blobs" / "sha256"
@@ -360,7 +363,7 @@ def write_layout_blobs(root: Path, layers: list[tuple[bytes, str, str]], tag: st
         {"mediaType": media + MEDIA[compression], "digest": put(blob), "size": len(blob)}
         for blob, compression, _ in layers
     ]
-    config = _config([diff_id for _, _, diff_id in layers])
+    config = _config([diff_id for _, _, diff_id in layers], more=more)
     manifest = json.dumps(
         {
             "schemaVersion": 2,

@@ -97,7 +97,7 @@ def test_the_first_create_is_the_snapshotted_sandbox_and_its_later_writes_stay_i
     assert template["layers"] == 3, template
     # Everything of the create, as a restored sandbox gets it at its restore.
     said = sbx.commands.run("echo $FOO $E2B_SANDBOX_ID $TASK; id -un; cat /testbed/keep.txt").stdout.split()
-    assert said == ["bar", sid, "first", "user", "kept"]
+    assert said == ["bar", sid, "first", "root", "kept"]  # the image names no User: Docker's root
     info = api.get(f"/sandboxes/{sid}").json()
     assert info["metadata"] == {"run": "1"} and info["allowInternetAccess"] is False
     ask = "printf 'CONNECT 1.1.1.1:80 HTTP/1.1\\r\\nHost: 1.1.1.1:80\\r\\n\\r\\n' | nc -w 5 127.0.0.1 3128"

@@ -59,11 +59,12 @@ def test_image_to_template_to_sandbox(registry: Registry, api: httpx.Client, e2b
         assert run("ls /opq").stdout.split() == ["new.txt"]  # an opaque directory
         assert run("cat /layer2.txt").stdout == "from layer 2\n"
         assert run("ls /gone.txt || echo absent").stdout.strip().endswith("absent")
-        assert run("echo $GREETING; whoami; echo $HOME").stdout.split() == ["hello", "user", "/home/user"]
+        # the image names no User nor WorkingDir: Docker's root in /
+        assert run("echo $GREETING; whoami; echo $HOME; pwd").stdout.split() == ["hello", "root", "/root", "/"]
         assert not sbx.files.exists("/decoy")  # the arm64 manifest was not used
         sbx.files.write("/home/user/note.txt", "written")
         assert run("cat /home/user/note.txt").stdout == "written"
-        assert run("whoami", user="root").stdout.strip() == "root"
+        assert run("whoami", user="user").stdout.strip() == "user"
     finally:
         sbx.kill()
 
