@@ -27,7 +27,8 @@ so what a request costs the service's own process is bounded, as a node bounds i
 - Bodies: a declared ``Content-Length`` over MAX_BODY is a 413 before a byte is read, a streamed
   body the moment it passes; a body has ``body_timeout`` seconds to arrive (408). The bodies held
   at once are bounded in bytes (``body_budget``, each counting BODY_WEIGHT times its size: its
-  bytes, the parser's copy, what they parse into): a request waits for its share before its body
+  bytes, the parser's copy, what they parse into; a body of unsaid length, chunked, counts as
+  MAX_BODY): a request waits for its share before its body
   is read (unread bytes stay in the client's socket), and gives it back once its files are in its
   sandbox.
 - Output: a command's stdout and stderr are kept to MAX_OUTPUT bytes each (SandboxFusion's own
