@@ -50,7 +50,7 @@ from aenv.errors import InvalidRequest
 
 log = logging.getLogger("aenv.http")
 
-_TRANSPORT: contextvars.ContextVar[asyncio.BaseTransport | None] = contextvars.ContextVar(
+_TRANSPORT: contextvars.ContextVar[asyncio.Transport | None] = contextvars.ContextVar(
     "aenv_client_transport", default=None
 )
 
@@ -547,6 +547,24 @@ def raise_open_files_limit() -> int:
         log.warning("could not raise the open files limit from %d to %d", soft, target)
         return soft
     return target
+
+
+async def drained() -> None:
+    """Returns once the current request's connection holds little of its answer unsent (below
+    uvicorn's low-water mark): the client has read the rest. At once if not served here."""
+    transport = _TRANSPORT.get()
+    flow = getattr(transport.get_protocol(), "flow", None) if transport is not None else None
+    if transport is not None and flow is not None and not transport.is_closing():
+        await flow.drain()
+
+
+def drop_connection() -> None:
+    """Reset the current request's connection at once, whatever it holds unsent: the transport's
+    buffer and the kernel's go (uvloop's transports are no asyncio.Transport to isinstance)."""
+    transport = _TRANSPORT.get()
+    if transport is not None:
+        reset_on_close()
+        transport.abort()
 
 
 def reset_on_close() -> None:

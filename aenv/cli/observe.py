@@ -105,18 +105,18 @@ def fusion(
     port: int = typer.Option(8080, help="Port"),
     template: str = typer.Option("base", help="Template each request's sandbox is created from"),
     concurrency: int = typer.Option(16, min=1, help="Requests running at once (more wait their turn)"),
+    queue: int = typer.Option(
+        1024, min=0, help="Requests waiting for their turn beyond --concurrency; past both, 503 at once"
+    ),
     warm: int = typer.Option(
         None, "--warm", min=0, help="Set the template's warm pool to this many sandboxes first (aenv warm)"
     ),
 ) -> None:
     """Serve SandboxFusion's API (POST /run_code, /run_jupyter) on this node or cluster: point
     SANDBOX_FUSION_URL at http://HOST:PORT/run_code (docs/integrations.md)."""
-    import uvicorn
-
-    from aenv.integrations.fusion import create_app
+    from aenv.integrations.fusion import FusionLimits, serve
 
     if warm is not None:  # restored ahead: a request's create takes a member instead of a restore
         _run(lambda c: c.warm_pool(template, warm))
     client = AsyncClient(_opts["url"], _opts["api_key"])
-    app_ = create_app(client, template=template, max_concurrency=concurrency)
-    uvicorn.run(app_, host=host, port=port, http="httptools", log_level="warning")
+    serve(client, host=host, port=port, template=template, limits=FusionLimits(concurrency=concurrency, queue=queue))

@@ -11,13 +11,21 @@ import asyncio
 import base64
 import builtins
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
-from aenv.errors import AenvError, CommandFailed, SandboxGone, SandboxNotFound, WrongState, from_body
+from aenv.errors import (
+    AenvError,
+    CommandFailed,
+    PayloadTooLarge,
+    SandboxGone,
+    SandboxNotFound,
+    WrongState,
+    from_body,
+)
 from aenv.sdk._templates import ProgressFn, _chunks_of
 from aenv.sdk._wire import (
     DEFAULT_EXEC_TIMEOUT,
@@ -38,6 +46,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 SCORING_HEADER = "Aenv-Scoring"  # a scoring command may run in the grace period after a timeout
+SEND_CHUNK = 1 << 20  # bytes of a write handed to httpx at a time
+KILLED_END_WAIT = 2.0  # seconds a command killed for its output has to end before exec stops following it
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +121,7 @@ class AsyncSandbox:
         on_stderr: OutputFn | None = None,
         check: bool = False,
         scoring: bool = False,
+        max_output: int | None = None,
     ) -> CommandResult:
         """Run a command (a shell string through `bash -l -c`, or an argv list) and wait for it.
 
@@ -121,9 +132,11 @@ class AsyncSandbox:
         command, which may still run in the grace period after the sandbox's timeout
         (``create(grace=...)``). A sandbox that is gone, or goes while the command runs (killed,
         timed out, died), raises ``SandboxGone``. On a paused sandbox this raises ``WrongState``
-        (resume it first) unless it was created with ``auto_resume``."""
+        (resume it first) unless it was created with ``auto_resume``. ``max_output``: bytes kept of
+        each of stdout and stderr; once either has more, the command is killed (SIGKILL, its whole
+        session) and the result says ``truncated``: what it wrote past that is never held here."""
         try:
-            result = await self._exec(cmd, user, cwd, envs, timeout, on_stdout, on_stderr, scoring)
+            result = await self._exec(cmd, user, cwd, envs, timeout, on_stdout, on_stderr, scoring, max_output)
         except httpx.TransportError as exc:  # the node dropped the stream: is the sandbox gone?
             await self._raise_if_gone(exc)
             raise
@@ -157,6 +170,7 @@ class AsyncSandbox:
         on_stdout: OutputFn | None,
         on_stderr: OutputFn | None,
         scoring: bool,
+        max_output: int | None = None,
     ) -> CommandResult:
         argv = ["/bin/bash", "-l", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         process: dict[str, Any] = {"cmd": argv[0], "args": argv[1:]}
@@ -171,38 +185,64 @@ class AsyncSandbox:
             headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
         if scoring:
             headers[SCORING_HEADER] = "1"
-        out: list[str] = []
-        err: list[str] = []
-        exit_code, error = -1, None
+        out, err = bytearray(), bytearray()
+        exit_code, error, pid, truncated = -1, None, None, False
         request_timeout = httpx.Timeout(self.client.config.request_timeout, read=(timeout + 30) if timeout else None)
-        async with self.client._http.stream(
-            "POST",
-            "/process.Process/Start",
-            content=_envelope({"process": process, "stdin": False}),
-            headers=self._headers(headers),
-            timeout=request_timeout,
-        ) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise_for_envd(response, self.sandbox_id)
-            async for flags, msg in _envelopes(response):
-                if flags & 0x02:
-                    if msg.get("error"):
-                        raise _connect_error(msg["error"])
-                    break
-                event = msg.get("event", {})
-                data = event.get("data")
-                if data:
-                    for name, sink, fn in (("stdout", out, on_stdout), ("stderr", err, on_stderr)):
-                        if name in data:
-                            text = base64.b64decode(data[name]).decode(errors="replace")
-                            sink.append(text)
-                            if fn:
-                                fn(text)
-                elif "end" in event:
-                    exit_code = int(event["end"].get("exitCode", 0))
-                    error = event["end"].get("error")
-        return CommandResult(exit_code, "".join(out), "".join(err), error)
+        try:
+            async with (
+                asyncio.timeout(None) as following,
+                self.client._http.stream(
+                    "POST",
+                    "/process.Process/Start",
+                    content=_envelope({"process": process, "stdin": False}),
+                    headers=self._headers(headers),
+                    timeout=request_timeout,
+                ) as response,
+            ):
+                if response.status_code != 200:
+                    await response.aread()
+                    raise_for_envd(response, self.sandbox_id)
+                async for flags, msg in _envelopes(response):
+                    if flags & 0x02:
+                        if msg.get("error") and not truncated:
+                            raise _connect_error(msg["error"])
+                        break
+                    event = msg.get("event", {})
+                    data = event.get("data")
+                    if "start" in event:
+                        pid = event["start"].get("pid")
+                    elif data:
+                        for name, sink, fn in (("stdout", out, on_stdout), ("stderr", err, on_stderr)):
+                            if name not in data or truncated:
+                                continue
+                            chunk = base64.b64decode(data[name])
+                            if max_output is not None and len(sink) + len(chunk) > max_output:
+                                chunk = chunk[: max_output - len(sink)]
+                                truncated = True
+                            sink += chunk
+                            if fn and chunk:
+                                fn(chunk.decode(errors="replace"))
+                        if truncated and following.when() is None:
+                            # Past the bound: the command is killed; its end is awaited a moment (a
+                            # child that left its session may hold the pipe open), what comes is dropped.
+                            await self._kill_process(pid)
+                            following.reschedule(asyncio.get_running_loop().time() + KILLED_END_WAIT)
+                    elif "end" in event:
+                        exit_code = int(event["end"].get("exitCode", 0))
+                        error = event["end"].get("error")
+        except TimeoutError:
+            if not truncated:
+                raise
+        return CommandResult(exit_code, out.decode(errors="replace"), err.decode(errors="replace"), error, truncated)
+
+    async def _kill_process(self, pid: int | None) -> None:
+        """SIGKILL a command's session (what it started with it goes too); one that has ended is no error."""
+        if pid is None:
+            return
+        try:
+            await self._rpc("process.Process/SendSignal", {"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"})
+        except (AenvError, httpx.HTTPError):
+            pass
 
     async def pty(
         self, *, cols: int = 80, rows: int = 24, user: str | None = None, cmd: list[str] | None = None
@@ -238,11 +278,9 @@ class AsyncSandbox:
         """Write ``data`` (text as UTF-8) to ``path`` in the sandbox, making its directories."""
         payload = data.encode() if isinstance(data, str) else data
         params = {"path": path, **({"username": user} if user else {})}
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(len(payload))}
         r = await self.client._http.post(
-            "/files",
-            params=params,
-            content=payload,
-            headers=self._headers({"Content-Type": "application/octet-stream"}),
+            "/files", params=params, content=_SentOnce(payload), headers=self._headers(headers)
         )
         raise_for_envd(r, self.sandbox_id)
 
@@ -269,12 +307,28 @@ class AsyncSandbox:
         raise_for_envd(r, self.sandbox_id)
         return total
 
-    async def read(self, path: str, *, user: str | None = None) -> bytes:
-        """The bytes of ``path`` in the sandbox."""
+    async def read(self, path: str, *, user: str | None = None, max_bytes: int | None = None) -> bytes:
+        """The bytes of ``path`` in the sandbox. ``max_bytes``: a larger file raises
+        ``PayloadTooLarge`` as soon as its size or its bytes say so (never read whole first)."""
         params = {"path": path, **({"username": user} if user else {})}
-        r = await self.client._http.get("/files", params=params, headers=self._headers())
-        raise_for_envd(r, self.sandbox_id)
-        return r.content
+        if max_bytes is None:
+            r = await self.client._http.get("/files", params=params, headers=self._headers())
+            raise_for_envd(r, self.sandbox_id)
+            return r.content
+        too_large = PayloadTooLarge(f"{path} is larger than {max_bytes} bytes")
+        data = bytearray()
+        async with self.client._http.stream("GET", "/files", params=params, headers=self._headers()) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                raise_for_envd(r, self.sandbox_id)
+            length = r.headers.get("content-length", "")
+            if length.isdigit() and int(length) > max_bytes:
+                raise too_large
+            async for chunk in r.aiter_bytes():
+                if len(data) + len(chunk) > max_bytes:
+                    raise too_large
+                data += chunk
+        return bytes(data)
 
     async def read_to(
         self, path: str, sink: Callable[[bytes], object], *, on_size: Callable[[int], object] | None = None
@@ -400,6 +454,23 @@ class AsyncSandbox:
             return False
         _raise_for(r)
         return True
+
+
+class _SentOnce:
+    """A write's bytes as httpx's ``content``, let go of once sent. Given as bytes, httpx keeps
+    them with its request, which its response holds in a reference cycle: each large write stayed
+    in memory until the garbage collector next ran (a SandboxFusion service writing 15 MiB files
+    grew by each one until then)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data: bytes | None = data
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        data, self._data = self._data, None
+        if data is None:
+            raise RuntimeError("a write's bytes are sent once")
+        for at in range(0, len(data), SEND_CHUNK):
+            yield data[at : at + SEND_CHUNK]
 
 
 def _made(item: Any) -> bool:

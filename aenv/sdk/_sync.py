@@ -113,6 +113,7 @@ class Sandbox(_Face):
         on_stderr: OutputFn | None = None,
         check: bool = False,
         scoring: bool = False,
+        max_output: int | None = None,
     ) -> CommandResult:
         """Run a command (a shell string through `bash -l -c`, or an argv list) and wait for it.
 
@@ -123,7 +124,9 @@ class Sandbox(_Face):
         command, which may still run in the grace period after the sandbox's timeout
         (``create(grace=...)``). A sandbox that is gone, or goes while the command runs (killed,
         timed out, died), raises ``SandboxGone``. On a paused sandbox this raises ``WrongState``
-        (resume it first) unless it was created with ``auto_resume``."""
+        (resume it first) unless it was created with ``auto_resume``. ``max_output``: bytes kept of
+        each of stdout and stderr; once either has more, the command is killed (SIGKILL, its whole
+        session) and the result says ``truncated``: what it wrote past that is never held here."""
         return self._block(
             self._target.exec(
                 cmd,
@@ -135,6 +138,7 @@ class Sandbox(_Face):
                 on_stderr=on_stderr,
                 check=check,
                 scoring=scoring,
+                max_output=max_output,
             )
         )
 
@@ -158,9 +162,10 @@ class Sandbox(_Face):
         ``on_progress(sent, total)`` after each chunk. Returns the bytes sent."""
         return self._block(self._target.write_from(path, local, user=user, on_progress=on_progress))
 
-    def read(self, path: str, *, user: str | None = None) -> bytes:
-        """The bytes of ``path`` in the sandbox."""
-        return self._block(self._target.read(path, user=user))
+    def read(self, path: str, *, user: str | None = None, max_bytes: int | None = None) -> bytes:
+        """The bytes of ``path`` in the sandbox. ``max_bytes``: a larger file raises
+        ``PayloadTooLarge`` as soon as its size or its bytes say so (never read whole first)."""
+        return self._block(self._target.read(path, user=user, max_bytes=max_bytes))
 
     def read_to(
         self, path: str, sink: Callable[[bytes], object], *, on_size: Callable[[int], object] | None = None

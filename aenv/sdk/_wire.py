@@ -38,6 +38,8 @@ class CommandResult:
     stdout: str
     stderr: str
     error: str | None = None
+    # exec's ``max_output``: a stream had more, so the command was killed and the rest dropped
+    truncated: bool = False
 
 
 def raise_for(response: httpx.Response) -> None:

@@ -20,7 +20,9 @@ from aenv.sdk import (
     AsyncSandbox,
     Client,
     LimitExceeded,
+    NotFound,
     OperationTimeout,
+    PayloadTooLarge,
     Sandbox,
     SandboxInfo,
     WrongState,
@@ -265,3 +267,44 @@ async def kill_all_but(client: AsyncClient, keep: AsyncSandbox) -> None:
     for info in await client.list():
         if info.sandbox_id != keep.sandbox_id:
             await AsyncSandbox(client, {"sandboxID": info.sandbox_id}).kill()
+
+
+# -- bounded output and reads ------------------------------------------------------------------------
+async def test_exec_max_output_kills_a_runaway_command_and_keeps_the_bound(server: Server) -> None:
+    """`yes` would run to its timeout with every byte held; with max_output it is killed at the
+    bound (its whole session: a child in the background goes too) and exactly that much is kept."""
+    async with AsyncClient(server.url, API_KEY) as client:
+        sbx = await client.create(timeout=120)
+        try:
+            started = time.monotonic()
+            seen: list[str] = []
+            r = await sbx.exec("(sleep 300; echo late) & yes", timeout=60, max_output=100_000, on_stdout=seen.append)
+            assert time.monotonic() - started < 20
+            assert r.truncated and r.stdout == "y\n" * 50_000 and "".join(seen) == r.stdout
+            assert r.exit_code != 0 and r.stderr == ""
+            assert "sleep 300" not in (await sbx.exec("ps -eo args")).stdout  # the session is gone
+            err = await sbx.exec("yes no >&2", max_output=10)
+            assert err.truncated and err.stderr == "no\nno\nno\nn" and err.stdout == ""
+            whole = await sbx.exec("printf '%s' ééé; echo done >&2", max_output=6)  # a bound met exactly is no cut
+            assert not whole.truncated and whole.exit_code == 0 and whole.stdout == "ééé" and whole.stderr == "done\n"
+        finally:
+            await sbx.kill()
+
+
+async def test_read_max_bytes_refuses_a_larger_file_without_reading_it(server: Server) -> None:
+    async with AsyncClient(server.url, API_KEY) as client:
+        sbx = await client.create(timeout=120)
+        try:
+            await sbx.write("/tmp/small", b"x" * 1000)
+            assert await sbx.read("/tmp/small", max_bytes=1000) == b"x" * 1000
+            with pytest.raises(PayloadTooLarge, match="larger than 999 bytes"):
+                await sbx.read("/tmp/small", max_bytes=999)
+            await sbx.exec("truncate -s 2G /tmp/big")
+            started = time.monotonic()
+            with pytest.raises(PayloadTooLarge):
+                await sbx.read("/tmp/big", max_bytes=1 << 20)
+            assert time.monotonic() - started < 5  # refused by its size, not read to the bound
+            with pytest.raises(NotFound):
+                await sbx.read("/tmp/missing", max_bytes=10)  # what is not there says so, as without a bound
+        finally:
+            await sbx.kill()
