@@ -1,7 +1,7 @@
 """The dashboard in a real browser: Debian's chromium driven by Playwright (no browser download).
 
 With AENV_DASHBOARD_SCREENSHOTS=1 the test writes a desktop-width screenshot of each page to
-docs/images/dashboard-*.png (the README's tour).
+docs/images/dashboard-*.png (docs/dashboard.md's tour; the README shows the overview).
 """
 
 from __future__ import annotations
