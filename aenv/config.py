@@ -105,16 +105,10 @@ class Settings(BaseSettings):
                 raise ValueError('must be a Docker config: {"auths": {"REGISTRY": {"auth": ...}}}')
         return value
 
-    # Mirrors asked before a registry, in order (aenv/images/mirrors.py): AENV_REGISTRY_MIRRORS is
+    # Mirrors asked before a registry, in order (aenv/images/mirrors.py, which reads it, and
+    # checks it at a node's start): AENV_REGISTRY_MIRRORS is
     # "docker.io=http://127.0.0.1:5000,ghcr.io=https://m.lan" or a JSON object of URLs or URL lists.
-    registry_mirrors: Annotated[dict[str, list[str]], NoDecode] = {}
-
-    @field_validator("registry_mirrors", mode="before")
-    @classmethod
-    def _registry_mirrors(cls, value: Any) -> dict[str, list[str]]:
-        from aenv.images.mirrors import parse_mirrors
-
-        return parse_mirrors(value)
+    registry_mirrors: Annotated[str | dict[str, Any], NoDecode] = ""
 
     reaper_interval: float = 1.0
     # A running sandbox with nothing running in it but its agent and nothing on its channel for
@@ -240,13 +234,6 @@ class Settings(BaseSettings):
     # and E2B's builds do), never private ones or the node's own; false = no network in builds
     build_internet: bool = True
     # What builds may reach besides (a private package mirror): allowOut entries as a sandbox's
-    # (CIDRs, addresses, domains), JSON, e.g. ["10.0.0.5/32", "pypi.internal"]
+    # (CIDRs, addresses, domains), JSON, e.g. ["10.0.0.5/32", "pypi.internal"]; checked at a node's
+    # start by the rules a sandbox's allowOut is read by (aenv/node/egress.py)
     build_allow_out: list[str] = []
-
-    @field_validator("build_allow_out")
-    @classmethod
-    def _build_allow_out(cls, value: list[str]) -> list[str]:
-        from aenv.node.egress import Rules  # the rules a sandbox's allowOut is read by
-
-        Rules.parse(value, what="AENV_BUILD_ALLOW_OUT", domains_allowed=True)
-        return value

@@ -219,6 +219,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="not in the fast tier: needs runsc, or is slow"))
 
 
+UNSTATED_SKIPS = ("", "unconditional skip")  # what pytest says of a skip that gave no reason
+
+
+def unstated_skip(item: pytest.Item, report: pytest.TestReport) -> None:
+    """On CI a test skipped without a stated reason fails: a skip must say why it cannot run there."""
+    if not (os.environ.get("CI") and report.skipped and not hasattr(report, "wasxfail")):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr or "")
+    reason = reason.removeprefix("Skipped").lstrip(":").strip()
+    if reason in UNSTATED_SKIPS or reason.startswith("condition:"):
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid} was skipped on CI without a stated reason ({reason or 'none'})"
+
+
 def _have_runtime() -> bool:
     if FAKE_RUNTIME:
         return True
@@ -329,6 +343,7 @@ def pytest_runtest_setup(item: pytest.Item) -> object:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
     report: pytest.TestReport = yield
+    unstated_skip(item, report)
     if report.failed:
         item.stash[_failed] = True
         _module["failed"] = True

@@ -15,6 +15,8 @@ from aenv.api.app import build
 from aenv.cluster.entries import EntryError, node_id_of
 from aenv.config import Settings
 from aenv.errors import InvalidRequest
+from aenv.images.mirrors import parse_mirrors
+from aenv.node.egress import Rules
 from aenv.node.orchestrator import Node
 from aenv.storage import datadir
 
@@ -38,9 +40,15 @@ def resolve_api_key(settings: Settings) -> str:
 
 def check_settings(settings: Settings) -> None:
     """Refuse, before anything starts, settings the node would fail on only later (InvalidRequest):
-    its TLS files, and for a cluster its etcd URL, etcd TLS files and advertised URL. Without a
+    its TLS files, registry mirrors and builds' allowOut, and for a cluster its etcd URL, etcd TLS
+    files and advertised URL. Without a
     cluster, etcd TLS files are a mistake, not something to ignore."""
     connections.check_tls(settings.tls_cert, settings.tls_key)
+    try:
+        parse_mirrors(settings.registry_mirrors)
+    except ValueError as exc:
+        raise InvalidRequest(f"AENV_REGISTRY_MIRRORS: {exc}") from None
+    Rules.parse(settings.build_allow_out, what="AENV_BUILD_ALLOW_OUT", domains_allowed=True)
     if settings.driver == "fake" and not _loopback(settings.host):
         raise InvalidRequest(
             f"AENV_DRIVER=fake isolates nothing (its sandboxes are host processes): it serves on a loopback "
@@ -103,7 +111,7 @@ async def serve(
         agent = None
         if settings.cluster:
             from aenv.cluster.agent import leaving_with, refusing_without_quorum, start_agent
-            from aenv.cluster.drain import serving_drain
+            from aenv.cluster.agent.drain import serving_drain
 
             agent = await start_agent(node, settings, api_key)
             app = leaving_with(serving_drain(refusing_without_quorum(app, agent), agent, api_key), agent)
@@ -126,7 +134,7 @@ async def serve(
         connections.raise_open_files_limit()  # every connection is a file descriptor
         server = uvicorn.Server(config)
         if agent is not None and settings.drain_timeout > 0 and settings.repo.strip().lower() != "none":
-            from aenv.cluster.drain import DrainFirst
+            from aenv.cluster.agent.drain import DrainFirst
 
             server = DrainFirst(config, agent, settings.drain_timeout)  # SIGTERM drains the node first
         url = f"{'https' if settings.tls_cert else 'http'}://{settings.host}:{settings.port}"

@@ -52,6 +52,7 @@ from aenv.cluster.etcd import (
     _reason,
     parse_cluster_url,
 )
+from aenv.config import Settings
 from aenv.errors import ClusterUnavailable
 
 __all__ = [
@@ -362,3 +363,11 @@ def _transaction(
 
 def _versioned(cls: type[E], kv: Any) -> Versioned:
     return Versioned(decode(cls, kv.value), int(kv.mod_revision), int(kv.create_revision))
+
+
+def cluster_store(settings: Settings) -> ClusterStore:
+    """The store for a node's cluster settings (URL, TLS files, etcd user), checked; not connected."""
+    assert settings.cluster
+    tls = EtcdTls(settings.cluster_ca, settings.cluster_cert, settings.cluster_key)
+    user = EtcdUser.load(settings.cluster_user, settings.cluster_password_file, settings.cluster_password)
+    return ClusterStore.from_url(settings.cluster, tls=tls, user=user)

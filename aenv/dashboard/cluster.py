@@ -8,19 +8,27 @@ of the sums.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from aenv.cluster.entries import NodeEntry
+from aenv.cluster.mirror import Mirror
 from aenv.cluster.nodes import node_status
 from aenv.dashboard import pages
 from aenv.errors import NotFound
 
-if TYPE_CHECKING:
-    from aenv.cluster.gateway import Gateway
+
+class Gateway(Protocol):
+    """What the dashboard's cluster view uses of a gateway (aenv/cluster/gateway/app.py)."""
+
+    mirror: Mirror
+    client: httpx.AsyncClient
+
+    async def check_key(self, headers: dict[str, str]) -> Any: ...
+
 
 NODE_TIMEOUT = 5.0
 MAX_ANSWER = 8 * 1024 * 1024  # bytes of one node's answer

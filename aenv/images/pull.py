@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from aenv.errors import AenvError, InsufficientStorage, InvalidRequest, PayloadTooLarge, RuntimeFailure
 from aenv.images.local import DIGEST, LocalSource, is_local
-from aenv.images.mirrors import MirroredClient
+from aenv.images.mirrors import MirroredClient, parse_mirrors
 from aenv.images.reference import ImageRef
 from aenv.images.registry import Image
 from aenv.images.unpack import Bounds, GrowthFn, LayerError, Meter, apply_layer, apply_layer_stream
@@ -130,7 +130,7 @@ class ImagePull:
             registry = ImageRef.parse(reference).registry
             self.client = MirroredClient(
                 registry,
-                settings.registry_mirrors,
+                parse_mirrors(settings.registry_mirrors),  # checked at the node's start
                 insecure=set(settings.insecure_registries),
                 credentials={registry: login} if login else {},
                 auth=settings.registry_auth,

@@ -20,8 +20,8 @@ import json
 import logging
 from typing import Any
 
-from aenv.cluster.entries import PREFIX, EntryError, SandboxEntry, decode, sandbox_key
-from aenv.cluster.store import ClusterStore
+from aenv.cluster.entries import PREFIX, EntryError, SandboxEntry, decode, node_id_of, sandbox_key
+from aenv.cluster.store import ClusterStore, cluster_store
 from aenv.config import Settings
 from aenv.errors import ClusterUnavailable
 from aenv.teams.model import TEAM_ID, ApiKey, Team
@@ -160,8 +160,6 @@ class ClusterTeams:
 
     @classmethod
     def of_node(cls, settings: Settings) -> ClusterTeams:
-        from aenv.cluster.agent import cluster_store, node_id_of
-
         return cls(cluster_store(settings), node_id_of(settings))
 
     async def start(self, teams: Teams) -> None:

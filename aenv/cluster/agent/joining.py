@@ -14,7 +14,8 @@ from urllib.parse import urlsplit
 
 from aenv.cluster.entries import ClusterConfig, api_key_digest, key_matches
 from aenv.cluster.entries import node_id_of as node_id_of  # its home now: a node alone has an id too
-from aenv.cluster.store import ClusterStore, EtcdTls, EtcdUser
+from aenv.cluster.store import ClusterStore
+from aenv.cluster.store import cluster_store as cluster_store  # its home now: the teams read it too
 from aenv.config import Settings
 from aenv.errors import InvalidRequest
 
@@ -52,11 +53,3 @@ async def join_cluster(store: ClusterStore, node: Any, api_key: str) -> ClusterC
             )
         await node.use_token_secret(config.secret)
     return config
-
-
-def cluster_store(settings: Settings) -> ClusterStore:
-    """The store for a node's cluster settings (URL, TLS files, etcd user), checked; not connected."""
-    assert settings.cluster
-    tls = EtcdTls(settings.cluster_ca, settings.cluster_cert, settings.cluster_key)
-    user = EtcdUser.load(settings.cluster_user, settings.cluster_password_file, settings.cluster_password)
-    return ClusterStore.from_url(settings.cluster, tls=tls, user=user)

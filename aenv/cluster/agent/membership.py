@@ -31,10 +31,10 @@ from typing import Any
 from aenv import __version__
 from aenv.cluster.agent.create_claims import CreateClaims
 from aenv.cluster.agent.directory import Directory, runtime_of
+from aenv.cluster.agent.drain import Drain
 from aenv.cluster.agent.joining import advertise_of, cluster_store, join_cluster, node_id_of
 from aenv.cluster.agent.node_app import subject
 from aenv.cluster.agent.takeover import Takeovers
-from aenv.cluster.drain import Drain
 from aenv.cluster.entries import MAX_CACHED_NAME, MAX_CACHED_NAMES, NodeEntry, check_id
 from aenv.cluster.store import ClusterStore
 from aenv.config import Settings
@@ -80,7 +80,7 @@ class NodeAgent:
         self._held: list[str] = []
         self._held_at = -HELD_REFRESH
         self.api_key = api_key  # the cluster's one key: a drain's moves ask other nodes with it
-        self.draining = False  # takes no new work (see aenv/cluster/drain.py); until a restart
+        self.draining = False  # takes no new work (see aenv/cluster/agent/drain.py); until a restart
         self._drain: Drain | None = None
         self.directory = Directory(
             node, store, self.node_id, wake=self._wake, reached=self._reached, adopting=self._adopting

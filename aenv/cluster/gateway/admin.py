@@ -1,5 +1,5 @@
 """The cluster's nodes at the gateway (the admin key's): listed from the mirror, drained and
-undrained through the node itself (aenv/cluster/drain.py)."""
+undrained through the node itself (aenv/cluster/agent/drain.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from aenv.cluster.drain import DRAIN_PATH, UNDRAIN_PATH
+from aenv.cluster.agent.drain import DRAIN_PATH, UNDRAIN_PATH
 from aenv.cluster.gateway.directory import Directory
 from aenv.cluster.gateway.relay import NODE_SCOPE, Relay, read_bounded, read_upstream, replay
 from aenv.cluster.gateway.settings import MAX_INFO_BODY, GatewaySettings
@@ -65,7 +65,7 @@ class NodeRoutes:
         return Response(status_code=204, headers={NODE_ID_HEADER: node.node_id})
 
     async def drain(self, request: Request, match: re.Match[str]) -> Relay:
-        """``POST /nodes/{id}/drain``: the node drains itself (aenv/cluster/drain.py); its progress
+        """``POST /nodes/{id}/drain``: the node drains itself (aenv/cluster/agent/drain.py); its progress
         streams back as NDJSON lines until the node is empty."""
         node = self.directory.node_named(match["id"])
         body = await read_bounded(request, 1024)
