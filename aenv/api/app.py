@@ -29,8 +29,7 @@ from aenv.api.sandboxes import add_body_schemas, router
 from aenv.dashboard import pages as dashboard_pages
 from aenv.dashboard import routes as dashboard_routes
 from aenv.errors import AenvError, PayloadTooLarge, RequestTimeout, error_body, error_headers
-from aenv.node.service import BuildHost, NodeService
-from aenv.node.spawns import Spawns
+from aenv.node.service import BuildHost, NodeService, Spawns
 from aenv.teams import guard as team_guard
 from aenv.teams.model import PRINCIPAL
 from aenv.teams.routes import router as teams_router

@@ -14,8 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from aenv.config import MAX_NPROC
 from aenv.errors import snippet
 from aenv.guest.agent import AGENT_VERSION
-from aenv.node.service import PUBLIC_STATE, LiveSandbox, NodeService, SandboxRecord, SnapshotRecord, TemplateRecord
-from aenv.node.spawns import Spawned
+from aenv.node.service import (
+    PUBLIC_STATE,
+    LiveSandbox,
+    NodeService,
+    SandboxRecord,
+    SnapshotRecord,
+    Spawned,
+    TemplateRecord,
+)
 from aenv.teams.model import DEFAULT_TEAM
 from aenv.templates.catalog import TEMPLATE_NAME
 

@@ -29,6 +29,7 @@ from aenv.node.grace import SCORING_HEADER
 from aenv.node.grace import refusal as grace_refusal
 from aenv.node.rollout import RolloutLogs
 from aenv.node.sandbox import ForkResult, LiveSandbox
+from aenv.node.spawns import Spawned, Spawns
 from aenv.node.spec import DEFAULT_SPEC, SandboxSpec
 from aenv.node.state import PUBLIC_STATE, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
@@ -39,6 +40,8 @@ from aenv.storage.layers import LayerStore
 from aenv.templates.uploads import UploadCache
 
 __all__ = [
+    "Spawned",
+    "Spawns",
     "CREATE_ID_HEADER",
     "PUBLIC_STATE",
     "SCORING_HEADER",

@@ -19,8 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from aenv.api.sandboxes.requests import _body, build_host_of, declared_length, json_body, node_of
 from aenv.api.schemas import DEFAULT_TEMPLATES, ImageTemplate, TemplatePatch, WarmPoolSize, snapshot_json, template_json
 from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, error_body
-from aenv.node.service import BuildHost, NodeService, SnapshotRecord, TemplateRecord
-from aenv.node.spawns import Spawns
+from aenv.node.service import BuildHost, NodeService, SnapshotRecord, Spawns, TemplateRecord
 from aenv.storage.confined import View, remove_tree
 from aenv.teams import guard as team_guard
 from aenv.teams.model import current
