@@ -558,18 +558,19 @@ def _sandbox_error(kind: type[_Request], message: str) -> Answer:
     return Answer({**result, "executor_pod_name": None})
 
 
-class _Refusal(Exception):
+class _Refusal(AenvError):
     """A request answered with an HTTP error ``{code, message}`` before it runs."""
 
     def __init__(self, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+        super().__init__(message, status=status)
         self.headers = headers or []
 
 
-class _Gone(Exception):
+class _Gone(AenvError):
     """The client went away before its request ran."""
+
+    def __init__(self) -> None:
+        super().__init__("the client went away before its request ran")
 
 
 def _rendered(result: dict[str, Any], files: dict[str, bytes]) -> list[bytes]:
