@@ -140,18 +140,21 @@ class EtcdUser:
 
 def parse_cluster_url(url: str) -> list[Endpoint]:
     """``etcd://H1:P1,H2:P2,...`` (``etcds://`` for TLS; the port defaults to 2379) -> the member list."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("etcd", "etcds") or not parts.netloc or parts.path not in ("", "/") or parts.query:
+    # Split by hand: urlsplit takes one host, and newer Pythons refuse a bracketed IPv6 member
+    # among others ("Invalid IPv6 URL"); each member is then read as a URL of its own.
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if scheme not in ("etcd", "etcds") or not sep or not netloc or path or "?" in netloc or "#" in netloc:
         raise InvalidRequest(f"cluster URL must be etcd[s]://HOST[:PORT][,HOST[:PORT]...], not {url[:200]!r}")
-    endpoints = [_endpoint(item) for item in parts.netloc.split(",") if item]
+    endpoints = [_endpoint(item) for item in netloc.split(",") if item]
     if not endpoints or len(endpoints) > MAX_ENDPOINTS:
         raise InvalidRequest(f"cluster URL must name 1 to {MAX_ENDPOINTS} etcd members")
     return endpoints
 
 
 def _endpoint(item: str) -> Endpoint:
-    split = urlsplit("//" + item)
     try:
+        split = urlsplit("//" + item)
         port = split.port or 2379
     except ValueError:
         raise InvalidRequest(f"invalid etcd member {item[:100]!r}") from None

@@ -452,7 +452,10 @@ def open_backend(
     secret_access_key: str | None = None,
 ) -> Backend:
     """``/path`` or ``file:///path`` -> :class:`PosixBackend`; ``s3://bucket/prefix`` -> :class:`S3Backend`."""
-    parsed = urlparse(url)
+    try:
+        parsed = urlparse(url)
+    except ValueError as exc:  # a malformed bracketed host, on newer Pythons
+        raise InvalidRequest(f"repository {url[:200]!r} is not a path or URL: {exc}") from None
     if parsed.scheme in ("", "file"):
         path = parsed.path if parsed.scheme else url
         if not path.startswith("/"):

@@ -53,7 +53,10 @@ def test_cannot_reach_host_files(sandbox: Sandbox, server: Server, tmp_path: Pat
     passwd_before = hashlib.sha256(Path("/etc/passwd").read_bytes()).hexdigest()
     code, out = run(sandbox, f"cat {secret}", user="root")
     assert code != 0 and "host only" not in out
-    host_paths = (str(server.data_dir), str(tmp_path), str(REPO), sys.base_prefix)
+    # the node's interpreter: its virtualenv, and its base unless that is the system's /usr (which
+    # every image has too)
+    interpreter = sys.prefix if sys.base_prefix in ("/usr", "/usr/local") else sys.base_prefix
+    host_paths = (str(server.data_dir), str(tmp_path), str(REPO), sys.prefix, interpreter)
     for path in host_paths:
         code, out = run(sandbox, f"ls {path}", user="root")
         assert code != 0, f"{path} is visible inside the sandbox: {out}"
@@ -65,7 +68,7 @@ def test_cannot_reach_host_files(sandbox: Sandbox, server: Server, tmp_path: Pat
     assert "denied" in out
     code, out = run(sandbox, "cat /proc/version", user="root")
     assert "4.4.0" in out  # gVisor's kernel, not the host's
-    code, out = run(sandbox, f"ls /proc/1/root{REPO} /proc/1/root{sys.base_prefix} 2>&1", user="root")
+    code, out = run(sandbox, f"ls /proc/1/root{REPO} /proc/1/root{interpreter} 2>&1", user="root")
     assert code != 0
 
 

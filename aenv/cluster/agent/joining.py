@@ -26,8 +26,12 @@ def advertise_of(settings: Settings) -> str:
     """The URL gateways reach this node at: AENV_ADVERTISE, else the listening address (refused
     when that is a wildcard, which names no host)."""
     if settings.advertise:
-        parts = urlsplit(settings.advertise)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        try:
+            parts = urlsplit(settings.advertise)
+            hostname = parts.hostname
+        except ValueError:  # a malformed bracketed host
+            hostname = None
+        if hostname is None or parts.scheme not in ("http", "https") or parts.path not in ("", "/"):
             raise InvalidRequest(f"--advertise must be http(s)://HOST:PORT, not {settings.advertise[:200]!r}")
         return settings.advertise.rstrip("/")
     if settings.host in ("0.0.0.0", "::", ""):
