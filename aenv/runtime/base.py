@@ -168,3 +168,19 @@ class Driver(Protocol):
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Remove instances left over from an earlier process, except those in ``keep``."""
         ...
+
+
+class TeardownOnKill:
+    """``kill`` and ``halt`` of a driver whose instance ends with its process tree at once (the fake
+    runtime's processes, a QEMU process): the agent's pipe closed, then ``_teardown``. A halt has
+    nothing faster to do, and the kill that follows it finds nothing left."""
+
+    async def _teardown(self, instance_id: str) -> None:
+        raise NotImplementedError
+
+    async def kill(self, instance: Instance) -> None:
+        instance.writer.close()
+        await self._teardown(instance.id)
+
+    async def halt(self, instance: Instance) -> None:
+        await self.kill(instance)

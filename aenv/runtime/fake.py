@@ -49,7 +49,7 @@ from pathlib import Path
 
 from aenv.errors import ImageIncompatible, RuntimeFailure
 from aenv.runtime import guestbundle
-from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
+from aenv.runtime.base import Instance, Limits, RootfsSpec, TeardownOnKill, Usage
 from aenv.runtime.gvisor import IMAGE_MARK, _guest_mount_point, image_mark
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def user_namespaces_work() -> str:
     return ""
 
 
-class FakeDriver(guestbundle.BundledGuests):
+class FakeDriver(guestbundle.BundledGuests, TeardownOnKill):
     name = NAME
     saves_epoll_tcp = True  # nothing is saved: nothing to refuse
     leaves_running = True
@@ -281,13 +281,6 @@ class FakeDriver(guestbundle.BundledGuests):
             self._signal_all(instance.id, signal.SIGCONT)
 
     # -- the rest of the contract ---------------------------------------------------------------------
-    async def kill(self, instance: Instance) -> None:
-        instance.writer.close()
-        await self._teardown(instance.id)
-
-    async def halt(self, instance: Instance) -> None:
-        await self.kill(instance)  # fast already: the kill that follows finds nothing left
-
     async def _teardown(self, instance_id: str) -> None:
         bundle = self.bundles / instance_id
         init = self._init.pop(instance_id, None)

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from aenv.errors import CheckpointRefused, ImageIncompatible, OperationTimeout, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec, vmboot
-from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
+from aenv.runtime.base import Instance, Limits, RootfsSpec, TeardownOnKill, Usage
 from aenv.runtime.gvisor import _guest_mount_point
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def _drive(path: Path) -> str:
     return str(path).replace(",", ",,")  # QEMU's option syntax doubles a comma in a value
 
 
-class QemuDriver(guestbundle.BundledGuests):
+class QemuDriver(guestbundle.BundledGuests, TeardownOnKill):
     name = NAME
     saves_epoll_tcp = True  # nothing is saved: nothing for the node to ask the agent first
     leaves_running = False
@@ -301,13 +301,6 @@ class QemuDriver(guestbundle.BundledGuests):
         return False
 
     # -- the rest of the contract ---------------------------------------------------------------------
-    async def kill(self, instance: Instance) -> None:
-        instance.writer.close()
-        await self._teardown(instance.id)
-
-    async def halt(self, instance: Instance) -> None:
-        await self.kill(instance)  # fast already: the kill that follows finds nothing left
-
     async def _teardown(self, instance_id: str) -> None:
         bundle = self.bundles / instance_id
         proc = self._procs.pop(instance_id, None)
