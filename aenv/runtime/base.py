@@ -73,8 +73,22 @@ class Instance:
     extra: dict[str, str] = field(default_factory=dict)
 
 
+OWN_BASE = "(its runtime's own)"  # ends the description of a `base` a driver made itself
+
+
+@dataclass(frozen=True)
+class OwnBase:
+    """A `base` template a driver makes itself instead of the node's debootstrapped Debian (the
+    fake runtime: the host's system). ``description`` ends with OWN_BASE; ``write`` fills a new
+    layer directory with its root file system."""
+
+    description: str
+    write: Callable[[Path], None]
+
+
 class Driver(Protocol):
     name: str
+    own_base: OwnBase | None  # None: the node debootstraps Debian for `base`
     # False when the runtime cannot checkpoint a TCP socket that an epoll set watches; the node
     # then asks the agent first (sys.checkpointable), because a failed save kills the instance.
     saves_epoll_tcp: bool

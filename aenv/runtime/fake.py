@@ -49,7 +49,7 @@ from pathlib import Path
 
 from aenv.errors import ImageIncompatible, RuntimeFailure
 from aenv.runtime import guestbundle
-from aenv.runtime.base import Instance, Limits, RootfsSpec, TeardownOnKill, Usage
+from aenv.runtime.base import OWN_BASE, Instance, Limits, OwnBase, RootfsSpec, TeardownOnKill, Usage
 from aenv.runtime.gvisor import IMAGE_MARK, _guest_mount_point, image_mark
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ HOST_MARKER = ".aenv-fake-host"  # in a template's lowest layer: which of HOST_S
 # What of the host's /etc the fake base does not take: secrets and the host's own identity.
 ETC_SKIPPED = {"shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d", "ssh", "ld.so.preload", "machine-id"}
 ETC_FILE_MAX = 1 << 20
-FAKE_BASE_DESCRIPTION = "the host's system, read-only (fake runtime)"
+FAKE_BASE_DESCRIPTION = f"the host's system, read-only {OWN_BASE}"
 WARNING = (
     "AENV_DRIVER=fake: sandboxes are host processes in namespaces, NOT isolated; for tests only, "
     "never for untrusted code"
@@ -88,6 +88,7 @@ def user_namespaces_work() -> str:
 
 class FakeDriver(guestbundle.BundledGuests, TeardownOnKill):
     name = NAME
+    own_base: OwnBase | None = OwnBase(FAKE_BASE_DESCRIPTION, lambda root: host_base_layer(root))  # no debootstrap
     saves_epoll_tcp = True  # nothing is saved: nothing to refuse
     leaves_running = True
     restore_leaves_garbage = False

@@ -28,7 +28,7 @@ from typing import Any
 from aenv.config import MAX_NPROC
 from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, ImageIncompatible, RuntimeFailure, snippet
 from aenv.runtime import guestbundle, hostexec, pidfds
-from aenv.runtime.base import Instance, Limits, RootfsSpec, Usage
+from aenv.runtime.base import Instance, Limits, OwnBase, RootfsSpec, Usage
 from aenv.storage.confined import View, dir_at, open_root
 from aenv.storage.datadir import SANDBOX_DIR, sandbox_dir
 
@@ -237,6 +237,7 @@ def image_mark(image_dir: Path) -> str:
 
 class GVisorDriver(guestbundle.BundledGuests):
     name = "gvisor"
+    own_base: OwnBase | None = None  # `base` is the node's debootstrapped Debian
 
     def __init__(
         self,

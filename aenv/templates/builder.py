@@ -25,7 +25,7 @@ from aenv.channel import END, MSG, end_error
 from aenv.errors import AenvError, OperationTimeout, RuntimeFailure
 from aenv.node.service import AgentLink, BuildHost, LiveSandbox, TemplateRecord, build_guest
 from aenv.runtime import hostexec
-from aenv.runtime.base import Instance, Limits
+from aenv.runtime.base import OWN_BASE, Instance, Limits, OwnBase
 from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
 from aenv.storage.layers import new_id
 from aenv.storage.mounts import unmount_under
@@ -347,13 +347,12 @@ async def _checkpoint_build(
 async def build_base(node: BuildHost, *, on_log: LogFn | None = None) -> TemplateRecord:
     """debootstrap a Debian root filesystem and commit it as the `base` template."""
     log = on_log or (lambda line: None)
-    if _fake(node):  # no debootstrap: the host's system, bound read-only
-        from aenv.runtime.fake import FAKE_BASE_DESCRIPTION, host_base_layer
-
+    own = _own_base(node)
+    if own is not None:  # the driver's own (the fake runtime: the host's system, bound read-only)
         layer_id, path = node.files.new_layer_dir()
-        await asyncio.to_thread(host_base_layer, path)
+        await asyncio.to_thread(own.write, path)
         return await commit_template(
-            node, name="base", layers=[layer_id], steps=[], description=FAKE_BASE_DESCRIPTION, on_log=log
+            node, name="base", layers=[layer_id], steps=[], description=own.description, on_log=log
         )
     started = time.monotonic()
     layer_id = await debootstrap(node, log)
@@ -365,10 +364,11 @@ async def build_base(node: BuildHost, *, on_log: LogFn | None = None) -> Templat
         raise
 
 
-def _fake(node: BuildHost) -> bool:
-    """Whether the node runs the fake runtime (aenv/runtime/fake.py), which needs no debootstrap."""
+def _own_base(node: BuildHost) -> OwnBase | None:
+    """The `base` the node's driver makes itself, if it does (then no debootstrap)."""
     driver = getattr(node, "driver", None)  # (a build host without a driver: only debootstrap)
-    return driver is not None and driver.name == "fake"
+    own: OwnBase | None = getattr(driver, "own_base", None)
+    return own
 
 
 async def debootstrap(node: BuildHost, log: LogFn) -> str:
@@ -522,13 +522,11 @@ async def ensure_base(node: BuildHost, *, on_log: LogFn | None = None) -> Templa
     except AenvError:
         return await build_base(node, on_log=on_log)
     runs_here = await _image_runs_here(node, current)
-    from aenv.runtime.fake import FAKE_BASE_DESCRIPTION
-
-    fake = _fake(node)
-    wanted = FAKE_BASE_DESCRIPTION if fake else BASE_DESCRIPTION
+    own = _own_base(node)
+    wanted = own.description if own is not None else BASE_DESCRIPTION
     if runs_here and current.guest == node.driver.guest_key() and current.description == wanted:
         return current
-    if fake or current.description == FAKE_BASE_DESCRIPTION:  # the fake one is made anew (no debootstrap)
+    if own is not None or current.description.endswith(OWN_BASE):  # a driver's own is made anew
         return await build_base(node, on_log=on_log)
     if not runs_here:
         changed = "runtime (runsc)"
