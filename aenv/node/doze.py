@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,8 @@ from aenv.node.sandbox import LiveSandbox
 from aenv.node.state import SandboxState
 
 if TYPE_CHECKING:
-    from aenv.node.orchestrator import Node
+    from aenv.config import Settings
+    from aenv.runtime.base import Driver
 
 log = logging.getLogger("aenv.node")
 TICK = 1.0  # seconds between two looks at the node's sandboxes
@@ -58,22 +60,32 @@ class Watch:
 
 
 class Dozer:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    """The doze loop, on what it needs of the node: its settings, its driver (which freezes and
+    thaws instances), its sandboxes and its warm pools' idle members."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        driver: Driver,
+        sandboxes: Callable[[], Iterable[LiveSandbox]],
+        members: Callable[[], Iterable[LiveSandbox]],
+    ) -> None:
+        self.settings, self.driver = settings, driver
+        self._sandboxes, self._pool_members = sandboxes, members
         self._watch: dict[str, Watch] = {}  # sandbox (or warm pool member) id -> its watch
 
     def candidates(self) -> list[LiveSandbox]:
         """Running sandboxes, the warm pools' idle members included."""
-        return [*self.node.sandboxes.values(), *self._members()]
+        return [*self._sandboxes(), *self._members()]
 
     def _members(self) -> list[LiveSandbox]:
-        return [m.sb for pool in self.node.warm.pools.values() for m in pool]
+        return list(self._pool_members())
 
     async def forever(self) -> None:
         while True:
             # At most a tenth of the quiet period late: a short AENV_DOZE_AFTER is looked at sooner.
-            await asyncio.sleep(min(TICK, max(self.node.settings.doze_after / 10, 0.1)))
-            if self.node.settings.doze_after <= 0:
+            await asyncio.sleep(min(TICK, max(self.settings.doze_after / 10, 0.1)))
+            if self.settings.doze_after <= 0:
                 continue
             try:
                 await self.look()
@@ -83,13 +95,13 @@ class Dozer:
     async def look(self) -> None:
         """Doze every sandbox that has been quiet long enough and whose agent says it is alone."""
         now = time.monotonic()
-        after = self.node.settings.doze_after
+        after = self.settings.doze_after
         seen: set[str] = set()
         due: list[LiveSandbox] = []
         for sb in self.candidates():
             seen.add(sb.id)
             instance, link = sb.instance, sb.link
-            if instance is None or link is None or self.node.driver.dozing(instance):
+            if instance is None or link is None or self.driver.dozing(instance):
                 continue
             frames = link.channel.frames
             watch = self._watch.get(sb.id)
@@ -144,5 +156,5 @@ class Dozer:
             watch.periods = min(watch.periods * 2, BACKOFF_MAX)
             return
         watch.periods = 1
-        if self.node.driver.doze(instance):
+        if self.driver.doze(instance):
             log.debug("sandbox %s dozes", sb.id)

@@ -156,7 +156,8 @@ class Node:
         # now, of those wanted, and why not more. Called with nothing awaited before the entry.
         self.team_room: Callable[[SandboxRecord, int], tuple[int, str]] | None = None
         self.warm = WarmPools(self)  # idle sandboxes restored ahead of creates
-        self.dozer = Dozer(self)  # freezes idle sandboxes on the host
+        members = lambda: [m.sb for pool in self.warm.pools.values() for m in pool]  # noqa: E731
+        self.dozer = Dozer(self.settings, self.driver, self.sandboxes.values, members)  # freezes idle sandboxes
         # The operations' parts, each given what it uses; the hooks above are read at each call.
         self.instances = Instances(
             settings=settings,

@@ -110,7 +110,6 @@ async def node(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SimpleNamespace
     stand_in = SimpleNamespace(
         settings=SimpleNamespace(doze_after=0.05),
         sandboxes={},
-        warm=SimpleNamespace(pools={}),
         driver=Driver(),
         guests=[],
     )
@@ -119,6 +118,10 @@ async def node(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SimpleNamespace
         assert g.sb.link is not None
         g.sb.link.channel.close()
         g.peer.close()
+
+
+def dozer_of(node: SimpleNamespace) -> Dozer:
+    return Dozer(node.settings, node.driver, node.sandboxes.values, lambda: [])
 
 
 async def passes(dozer: Dozer, count: int) -> None:
@@ -133,7 +136,7 @@ async def test_a_hostile_answer_freezes_nothing_and_the_neighbour_dozes(node: Si
     honest = await guest("honest", answering({"alone": True}))
     node.guests += [hostile, honest]
     node.sandboxes.update({"hostile": hostile.sb, "honest": honest.sb})
-    dozer = Dozer(node)
+    dozer = dozer_of(node)
     await passes(dozer, 6)
     assert node.driver.frozen == ["inst-honest"], node.driver.frozen
 
@@ -143,5 +146,5 @@ async def test_the_honest_answer_with_extra_fields_still_dozes(node: SimpleNames
     newer = await guest("newer", answering({"alone": True, "since": 12, "pids": [1]}))
     node.guests.append(newer)
     node.sandboxes["newer"] = newer.sb
-    await passes(Dozer(node), 4)
+    await passes(dozer_of(node), 4)
     assert node.driver.frozen == ["inst-newer"]
