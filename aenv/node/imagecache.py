@@ -26,16 +26,50 @@ import logging
 import time
 import weakref
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aenv.node import metrics
 from aenv.node.catalogue import lookup_keys
 from aenv.node.store import TemplateRecord, well_typed
 
 if TYPE_CHECKING:
-    from aenv.node.orchestrator import Node
-    from aenv.node.service import BuildHost
+    from aenv.node.artifacts import ArtifactCache
+    from aenv.node.catalogue import Catalogue
+    from aenv.node.sandbox import LiveSandbox
+    from aenv.node.store import SnapshotRecord, Store
+    from aenv.node.warmpool import WarmPools
+    from aenv.storage.layers import LayerStore
+
+
+class StoreHost(Protocol):
+    @property
+    def store(self) -> Store: ...
+
+
+class CacheHost(Protocol):
+    """What the image cache uses of its node: its records, the files and catalogue entries it
+    evicts, the warm pools' sizes (a pool's template is in use), and its store."""
+
+    @property
+    def templates(self) -> Mapping[str, TemplateRecord]: ...
+    @property
+    def snapshots(self) -> Mapping[str, SnapshotRecord]: ...
+    @property
+    def sandboxes(self) -> Mapping[str, LiveSandbox]: ...
+    @property
+    def warm(self) -> WarmPools: ...
+    @property
+    def files(self) -> LayerStore: ...
+    @property
+    def catalogue(self) -> Catalogue: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def artifacts(self) -> ArtifactCache: ...
+    async def drop_template(self, rec: TemplateRecord) -> None: ...
+
 
 log = logging.getLogger("aenv.images")
 EVICTED_KEY = "evicted-images"  # the store's meta key: {digest: Evicted}
@@ -92,7 +126,7 @@ class Evicted:
 class EvictedImages:
     """The images a node evicted whole, by digest; kept in the store's meta (read once)."""
 
-    def __init__(self, node: BuildHost) -> None:
+    def __init__(self, node: StoreHost) -> None:
         self.node = node
         self.by_digest: dict[str, Evicted] | None = None
         self.lock = asyncio.Lock()
@@ -162,7 +196,7 @@ def _parse(raw: str | None) -> dict[str, Evicted]:
 _EVICTED: weakref.WeakKeyDictionary[Any, EvictedImages] = weakref.WeakKeyDictionary()
 
 
-def evicted_images(node: BuildHost) -> EvictedImages:
+def evicted_images(node: StoreHost) -> EvictedImages:
     found = _EVICTED.get(node)
     if found is None:
         found = _EVICTED[node] = EvictedImages(node)
@@ -179,7 +213,7 @@ class Plan:
     kept: set[str] = field(default_factory=set)  # layers something else names: never freed by an eviction
 
 
-def plan(node: Node, busy: set[str]) -> Plan:
+def plan(node: CacheHost, busy: set[str]) -> Plan:
     """Image templates evictable whole (none on a node with a repository: there the files go one
     by one and come back from it), given the ids ``busy`` now (sandboxes' layers, pins)."""
     found = Plan()
@@ -199,7 +233,7 @@ def plan(node: Node, busy: set[str]) -> Plan:
     return found
 
 
-def in_use(node: Node, rec: TemplateRecord, busy: set[str], made_from: set[str] | None = None) -> bool:
+def in_use(node: CacheHost, rec: TemplateRecord, busy: set[str], made_from: set[str] | None = None) -> bool:
     """A sandbox or snapshot made from it, a restore or build pinning what only it holds, or a
     warm pool an operator set for it. ``made_from``: :func:`sources` (once for many templates)."""
     if any(x in busy for x in own_items(rec)) or node.warm.sizes.get(rec.name, 0) > 0:
@@ -208,23 +242,23 @@ def in_use(node: Node, rec: TemplateRecord, busy: set[str], made_from: set[str] 
     return rec.id in made_from or rec.name in made_from
 
 
-def sources(node: Node) -> set[str]:
+def sources(node: CacheHost) -> set[str]:
     """The templates (names or ids) the node's sandboxes and snapshots were made from."""
     return {sb.rec.template_id for sb in node.sandboxes.values()} | {s.template_id for s in node.snapshots.values()}
 
 
-def unit_size(node: Node, rec: TemplateRecord) -> int:
+def unit_size(node: CacheHost, rec: TemplateRecord) -> int:
     """Bytes an eviction of ``rec`` frees at once (its image and own layers; its pulled ones are
     counted as cached layers)."""
     files = node.files
     return files.image_size(rec.image) + sum(files.sealed_size(x) for x in own_items(rec)[:-1])
 
 
-def last_used(node: Node, rec: TemplateRecord) -> float:
+def last_used(node: CacheHost, rec: TemplateRecord) -> float:
     return node.files.image_last_used(rec.image)
 
 
-async def evict(node: Node, rec: TemplateRecord, busy: set[str]) -> bool:
+async def evict(node: CacheHost, rec: TemplateRecord, busy: set[str]) -> bool:
     """Evict one image template whole, unless it is in use now (looked at again here: the awaits
     before let a restore start). Out of the catalogue and its files renamed away before anything
     is awaited, so a create either pinned it first or does not find it and pulls it again."""
@@ -252,7 +286,7 @@ async def evict(node: Node, rec: TemplateRecord, busy: set[str]) -> bool:
 
 
 # -- what the node reports: GET /images and the metrics -------------------------------------------------
-async def report(node: Node, busy: set[str]) -> list[dict[str, Any]]:
+async def report(node: CacheHost, busy: set[str]) -> list[dict[str, Any]]:
     """Every image this node holds as a template or evicted, with its size against what it
     stores here; newest use first. Times are epoch seconds."""
     evicted = list((await evicted_images(node).entries()).values())
@@ -268,7 +302,7 @@ async def report(node: Node, busy: set[str]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["lastUsed"], reverse=True)
 
 
-def _rows(node: Node, records: list[TemplateRecord], evicted: list[Evicted]) -> list[dict[str, Any]]:
+def _rows(node: CacheHost, records: list[TemplateRecord], evicted: list[Evicted]) -> list[dict[str, Any]]:
     files = node.files
     present = files.layer_ids()
     images = files.image_ids()
@@ -320,14 +354,14 @@ def _names(reference: str, aliases: list[str], digest: str, template_id: str, na
     return {"reference": reference, "aliases": aliases, "digest": digest, "templateID": template_id, "name": name}
 
 
-async def observe(node: Node) -> None:
+async def observe(node: CacheHost) -> None:
     """The image gauges of /metrics, measured off the event loop (after each cache pass)."""
     records = [t for t in node.templates.values() if t.image_digest]
     evicted = len(await evicted_images(node).entries())
     await asyncio.to_thread(_observe, node, records, evicted)
 
 
-def _observe(node: Node, records: list[TemplateRecord], evicted: int) -> None:
+def _observe(node: CacheHost, records: list[TemplateRecord], evicted: int) -> None:
     files = node.files
     present = files.layer_ids()
     images = files.image_ids()

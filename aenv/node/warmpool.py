@@ -43,8 +43,9 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter, Gauge
 
@@ -55,7 +56,39 @@ from aenv.runtime.base import Limits
 from aenv.storage.layers import new_id
 
 if TYPE_CHECKING:
-    from aenv.node.orchestrator import Node
+    from aenv.config import Settings
+    from aenv.node.artifacts import ArtifactCache
+    from aenv.node.instances import Instances
+    from aenv.node.records import Records
+    from aenv.node.store import Store
+    from aenv.runtime.base import Driver
+    from aenv.storage.layers import LayerStore
+
+
+class PoolHost(Protocol):
+    """What the warm pools use of their node: its records and templates, the artifacts they
+    restore from, the instances they keep, and a little of its store."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def artifacts(self) -> ArtifactCache: ...
+    @property
+    def driver(self) -> Driver: ...
+    @property
+    def files(self) -> LayerStore: ...
+    @property
+    def instances(self) -> Instances: ...
+    @property
+    def records(self) -> Records: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def sandboxes(self) -> Mapping[str, LiveSandbox]: ...
+    @property
+    def templates(self) -> Mapping[str, TemplateRecord]: ...
+    def find_template(self, ref: str) -> TemplateRecord: ...
+
 
 log = logging.getLogger("aenv.node")
 
@@ -200,7 +233,7 @@ def memory_available_mb() -> int | None:
 
 
 class WarmPools:
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: PoolHost) -> None:
         self.node = node
         self.settings = node.settings
         self.pools: dict[str, list[Member]] = {}  # template name -> idle members, oldest first
