@@ -164,8 +164,9 @@ def cached_layers(present: set[str], build_cache: dict[str, str]) -> set[str]:
 
 
 def busy_now(node: Node) -> set[str]:
-    """Ids in use this moment: sandboxes' layers, uppers being torn down, and pins."""
-    return sandbox_layers(node) | node.instances.pending_layers | set(node.artifacts.pins)
+    """Ids in use this moment: sandboxes' layers, uppers being torn down, pins, and uppers live
+    (a build step's, however long it runs)."""
+    return sandbox_layers(node) | node.instances.pending_layers | set(node.artifacts.pins) | node.files.live
 
 
 def _size(node: Node, item: tuple[str, str]) -> int:

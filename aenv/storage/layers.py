@@ -25,7 +25,7 @@ import secrets
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from aenv.errors import RuntimeFailure
@@ -86,6 +86,7 @@ class LayerStore:
         # no mkfs, no loop mount, and so no disk quota). Such an upper is its own root directory
         # (``upper/`` and ``work/`` are the runtime's business) and, sealed, a directory layer.
         self.plain_uppers = False
+        self.live: set[str] = set()  # uppers handed out and not yet released or removed (new_upper)
 
     # -- paths --------------------------------------------------------------------------------------
     def _img(self, layer_id: str) -> Path:
@@ -118,13 +119,30 @@ class LayerStore:
 
     # -- uppers -------------------------------------------------------------------------------------
     async def new_upper(self, size_mb: int) -> str:
-        """A fresh, empty, mounted upper of ``size_mb``: a spare if one is ready."""
+        """A fresh, empty, mounted upper of ``size_mb``: a spare if one is ready. It is live (never
+        garbage, however old) until removed or :meth:`release`d by its owner once a record or a
+        pin holds it: a build step running for minutes writes into an upper nothing names yet."""
+        upper_id = await self._take_upper(size_mb)
+        self.live.add(upper_id)
+        return upper_id
+
+    def release(self, layer_ids: Iterable[str]) -> None:
+        """Uppers (sealed into layers) that a record or a pin holds now: no longer live."""
+        self.live.difference_update(layer_ids)
+
+    async def _take_upper(self, size_mb: int) -> str:
         self._last_take = time.monotonic()
         self._wanted[size_mb] = self._last_take
         spares = self._spares.get(size_mb)
         if spares:
             upper_id = spares.pop()
             os.utime(self.layers / upper_id)  # as new as a made one: collections spare young uppers
+            if not self.plain_uppers and not os.path.ismount(self.layers / upper_id):
+                # Unmounted meanwhile (by hand, or a lazy unmount above it): a sandbox on it would
+                # write beneath the mount point, outside its disk, and the upper would seal empty.
+                log.warning("spare upper %s was not mounted: made anew", upper_id)
+                await self.remove(upper_id)
+                upper_id = await self._make_upper(size_mb, new_id())
         else:
             upper_id = await self._make_upper(size_mb, new_id())
         self._refill_soon()
@@ -397,6 +415,7 @@ class LayerStore:
         self._sealed_sizes.pop(layer_id, None)
         self._extents.pop(layer_id, None)
         self._mounting.pop(layer_id, None)
+        self.live.discard(layer_id)
         (self.used / layer_id).unlink(missing_ok=True)
         Path(f"{trash}.img").unlink(missing_ok=True)
         await asyncio.to_thread(remove_tree, trash, ignore_errors=True)  # big trees take seconds: off the loop

@@ -153,6 +153,7 @@ async def build(
         if pulled is not None:
             release(node, pulled)
         node.artifacts.unpin(list(made))
+        node.files.release(made)  # the step layers' uppers: the cache or the template holds them now
         node.artifacts.unpin(pinned)
         await node.store.set_meta(CACHE_KEY, json.dumps(cache))
 

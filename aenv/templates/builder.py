@@ -315,6 +315,8 @@ async def commit_template(
         if firsts is not None and first is not None:
             firsts.drop_first(first, "its template could not be committed")
         raise
+    finally:
+        node.files.release([top] if top else [])  # its record holds it now (or, failed, it is garbage)
     if firsts is not None and first is not None:
         firsts.offer_first(first, rec)
     log(f"template '{name}' committed ({len(rec.layers)} layers)")

@@ -85,7 +85,8 @@ def layers_dir(node: Server) -> Path:
 
 
 def unmount_layers(node: Server) -> int:
-    mounted = [p for p in layers_dir(node).iterdir() if os.path.ismount(p)]
+    """Sealed layers (read-only mounts) unmounted, as that build found them; uppers stay."""
+    mounted = [p for p in layers_dir(node).iterdir() if os.path.ismount(p) and os.statvfs(p).f_flag & os.ST_RDONLY]
     for path in mounted:
         subprocess.run(["umount", str(path)], check=True)
     return len(mounted)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from aenv.errors import RuntimeFailure
+from aenv.runtime import hostexec
 from aenv.storage import layers as layers_module
 from aenv.storage.layers import LayerStore
 
@@ -69,6 +70,19 @@ async def test_creates_take_spares_and_the_pool_refills_when_idle(store: LayerSt
     assert store.spare_ids() == set() and not any(p.exists() for p in spare_paths)
     assert store.layer_ids() == {taken, other}  # the taken ones are their owners' to remove
     assert (store.upper(taken) / "upper" / "mine").read_text() == "x"
+
+
+async def test_a_spare_found_unmounted_is_never_handed_out(store: LayerStore) -> None:
+    """A spare unmounted meanwhile (by hand, a lazy unmount above it) is made anew: a sandbox on
+    it wrote beneath its mount point, outside its disk, and its layer then sealed empty (seen in
+    a build: a step's files missing from the template)."""
+    store.keep_spares(2, 64)
+    for upper_id in await spares_of(store, 64, 2):
+        await hostexec.run(["umount", str(store.upper(upper_id))], timeout=60)
+    for _ in range(2):
+        taken = await store.new_upper(64)
+        assert blank_and_mounted(store, taken), taken
+        assert taken in store.live and taken in store.layer_ids()
 
 
 async def test_stopping_while_spares_are_made_leaves_nothing_behind(store: LayerStore) -> None:
