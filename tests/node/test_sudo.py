@@ -133,7 +133,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
 
 def test_sudo_in_a_template_from_an_image(registry: Registry, api: httpx.Client, e2b_env: Server) -> None:
     """An image without sudo or glibc (busybox) gets the client too: it runs on the bundle's loader."""
-    registry.push_image("tests/sudo-bb", "1", [(busybox_layer().bytes(), "gzip")])
+    registry.push_image("tests/sudo-bb", "1", [(busybox_layer().bytes(), "gzip")], config={"User": "user"})
     r = api.post("/templates/from-image", json={"name": "sudo-bb", "image": f"{registry.host}/tests/sudo-bb:1"})
     assert r.status_code == 201, r.text
     sbx = Sandbox.create(template="sudo-bb", timeout=120)

@@ -32,7 +32,7 @@ READY = 60.0  # how long a pool may take to fill on a busy two-core machine
 
 def bb_layout(root: Path, tag: str, marker: str) -> str:
     layer = busybox_layer().symlink("bin/nc", "busybox").file("build", marker.encode())
-    write_layout(root, [layer.bytes()], tag)
+    write_layout(root, [layer.bytes()], tag, {"User": "user", "WorkingDir": "/home/user"})  # E2B's defaults
     return f"oci:{root}:{tag}"
 
 

@@ -39,6 +39,8 @@ UNSCOPED: dict[tuple[str, str], str] = {
     ("GET", "/sandboxes/metrics"): "ref",
     ("GET", "/snapshots"): "list",
     ("GET", "/templates"): "list",
+    ("GET", "/v2/templates"): "list",  # another team's teamID: 403 (below)
+    ("GET", "/default-templates"): "list",
     ("GET", "/dashboard/api/nodes"): "list",
     ("GET", "/dashboard/api/stats"): "list",
     ("GET", "/dashboard/api/artifacts"): "list",
@@ -222,6 +224,7 @@ def routes_without_ids(a: Owned, b: TeamKey, layout: Path) -> None:
         got = client.request("DELETE", "/templates/tags", json={"name": a.template, "tags": ["latest"]})
         none = client.request("DELETE", "/templates/tags", json={"name": "nope-x", "tags": ["latest"]})
         assert got.status_code == 404 and _normalized(got, {"s": a.template}) == _normalized(none, {"s": "nope-x"})
+        assert client.get("/v2/templates", params={"teamID": a.team.team_id}).status_code == 403
         metrics = client.get("/sandboxes/metrics", params={"sandbox_ids": f"{a.running},{a.paused}"})
         assert metrics.status_code == 200 and metrics.json() == {"sandboxes": {}}
         # A's template name cannot be taken over: never a rebuild of another team's template
