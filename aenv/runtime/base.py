@@ -11,6 +11,7 @@ chosen by AENV_DRIVER; runsc's settings (AENV_RUNSC*) concern gvisor.py alone.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,3 +199,15 @@ class TeardownOnKill:
 
     async def halt(self, instance: Instance) -> None:
         await self.kill(instance)
+
+
+async def agent_pipes(from_guest: int, to_guest: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """The host's ends of an instance's agent channel, as streams (the pipes' descriptors, which
+    the streams then own)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=2**22)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(from_guest, "rb", 0))
+    transport, protocol = await loop.connect_write_pipe(
+        lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), os.fdopen(to_guest, "wb", 0)
+    )
+    return reader, asyncio.StreamWriter(transport, protocol, None, loop)

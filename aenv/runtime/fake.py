@@ -49,7 +49,7 @@ from pathlib import Path
 
 from aenv.errors import ImageIncompatible, RuntimeFailure
 from aenv.runtime import guestbundle
-from aenv.runtime.base import OWN_BASE, Instance, Limits, OwnBase, RootfsSpec, TeardownOnKill, Usage
+from aenv.runtime.base import OWN_BASE, Instance, Limits, OwnBase, RootfsSpec, TeardownOnKill, Usage, agent_pipes
 from aenv.runtime.gvisor import IMAGE_MARK, _guest_mount_point, image_mark
 
 log = logging.getLogger(__name__)
@@ -186,13 +186,7 @@ class FakeDriver(guestbundle.BundledGuests, TeardownOnKill):
             os.close(from_guest_r)
             await self._teardown(instance_id)
             raise
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=2**22)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(from_guest_r, "rb", 0))
-        transport, protocol = await loop.connect_write_pipe(
-            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), os.fdopen(to_guest_w, "wb", 0)
-        )
-        writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        reader, writer = await agent_pipes(from_guest_r, to_guest_w)
         return Instance(instance_id, reader, writer, rootfs, limits, bundle)
 
     async def _wait_started(self, instance_id: str, proc: asyncio.subprocess.Process, bundle: Path) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 from aenv.config import MAX_NPROC
 from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, ImageIncompatible, RuntimeFailure, snippet
 from aenv.runtime import guestbundle, hostexec, pidfds
-from aenv.runtime.base import Instance, Limits, OwnBase, RootfsSpec, Usage
+from aenv.runtime.base import Instance, Limits, OwnBase, RootfsSpec, Usage, agent_pipes
 from aenv.storage.confined import View, dir_at, open_root
 from aenv.storage.datadir import SANDBOX_DIR, sandbox_dir
 
@@ -398,13 +398,7 @@ class GVisorDriver(guestbundle.BundledGuests):
             raise
         os.close(to_guest_r)
         os.close(from_guest_w)
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=2**22)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(from_guest_r, "rb", 0))
-        transport, protocol = await loop.connect_write_pipe(
-            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), os.fdopen(to_guest_w, "wb", 0)
-        )
-        writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        reader, writer = await agent_pipes(from_guest_r, to_guest_w)
         return Instance(instance_id, reader, writer, rootfs, limits, bundle)
 
     # -- the contract ------------------------------------------------------------------------------
