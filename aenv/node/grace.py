@@ -22,7 +22,6 @@ from aenv.errors import AenvError
 from aenv.node.sandbox import LiveSandbox
 
 if TYPE_CHECKING:
-    from aenv.node.orchestrator import Node
     from aenv.node.store import SandboxRecord
 
 log = logging.getLogger("aenv.node")
@@ -55,7 +54,7 @@ def refusal(sb: LiveSandbox) -> str | None:
     )
 
 
-async def begin(node: Node, sb: LiveSandbox) -> None:
+async def begin(sb: LiveSandbox) -> None:
     """The grace period starts: every process the agent started stops but scoring commands."""
     sb.events.note(f"timed out: in its grace period of {sb.rec.grace} s (scoring commands only)")
     link = sb.link

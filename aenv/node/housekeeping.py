@@ -10,8 +10,9 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aenv.channel import StreamError
 from aenv.errors import AenvError, SandboxNotFound, WrongState
@@ -21,9 +22,45 @@ from aenv.node.state import SandboxState as S
 from aenv.storage.confined import remove_tree
 
 if TYPE_CHECKING:
+    from aenv.config import Settings
     from aenv.node.agentlink import AgentLink
-    from aenv.node.orchestrator import Node
+    from aenv.node.instances import Instances
+    from aenv.node.records import Records
+    from aenv.node.rollout import RolloutLogs
     from aenv.node.store import SandboxRecord, SnapshotRecord, TemplateRecord
+    from aenv.runtime.base import Driver
+    from aenv.templates.uploads import UploadCache
+
+
+class Keeper(imagecache.CacheHost, Protocol):
+    """What housekeeping uses of its node: the image cache's part, and its settings, driver,
+    instances and records, the uploads it collects, the rollout logs it trims, the background
+    tasks it starts, and the lifecycle calls of its reaper (pause, kill)."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def driver(self) -> Driver: ...
+    @property
+    def instances(self) -> Instances: ...
+    @property
+    def records(self) -> Records: ...
+    @property
+    def uploads(self) -> UploadCache: ...
+    @property
+    def rollouts(self) -> RolloutLogs: ...
+    @property
+    def background(self) -> set[asyncio.Task[Any]]: ...
+    @property
+    def contained(self) -> dict[str, int]: ...
+    @property
+    def sandboxes(self) -> dict[str, LiveSandbox]: ...  # recover() puts back what a stop left paused
+    def spawn(self, coro: Awaitable[Any]) -> None: ...
+    async def pause(
+        self, sandbox_id: str, *, keep_memory: bool = True, settle_streams: bool = False
+    ) -> SandboxRecord: ...
+    async def kill(self, sandbox_id: str) -> None: ...
+
 
 log = logging.getLogger("aenv.node")
 BUILD_CACHE = "build-cache"  # node meta written by aenv.templates.build: step key -> layer id
@@ -35,7 +72,7 @@ RECONTAIN_STEP = 1 / 16
 CONTAIN_TIMEOUT = 30.0
 
 
-async def recover(node: Node) -> None:
+async def recover(node: Keeper) -> None:
     """Reconcile records with reality after a restart: nothing that was running survives a
     node restart (its channel pipes died with the old process), paused sandboxes do: with their
     checkpoint image, or without one when paused without memory (they boot fresh)."""
@@ -64,7 +101,7 @@ async def recover(node: Node) -> None:
         await node.files.mount(layer_id, writable=layer_id in uppers)
 
 
-def sweep_scratch(node: Node) -> None:
+def sweep_scratch(node: Keeper) -> None:
     """Remove what pulls, builds and uploads that a stop interrupted left behind."""
     for entry in os.scandir(node.files.tmp):
         if entry.is_dir(follow_symlinks=False):
@@ -74,7 +111,7 @@ def sweep_scratch(node: Node) -> None:
     node.uploads.sweep()
 
 
-def referenced_layers(node: Node) -> set[str]:
+def referenced_layers(node: Keeper) -> set[str]:
     """Layers any record needs, uppers included."""
     refs = sandbox_layers(node)
     for t in node.templates.values():
@@ -84,7 +121,7 @@ def referenced_layers(node: Node) -> set[str]:
     return refs
 
 
-def sandbox_layers(node: Node) -> set[str]:
+def sandbox_layers(node: Keeper) -> set[str]:
     refs: set[str] = set()
     for sb in node.sandboxes.values():
         refs.update(sb.rec.layers)
@@ -92,7 +129,7 @@ def sandbox_layers(node: Node) -> set[str]:
     return refs
 
 
-async def gc_files(node: Node, min_age: float = 0.0) -> None:
+async def gc_files(node: Keeper, min_age: float = 0.0) -> None:
     """Remove layers, uppers and images that no record names (and older than ``min_age``,
     so that an operation still building them is never raced), then keep the cache in budget and
     remove E2B uploads unused for their TTL. One pass at a time (the reaper's, a delete's, an
@@ -107,7 +144,7 @@ async def gc_files(node: Node, min_age: float = 0.0) -> None:
 _GC_LOCKS: weakref.WeakKeyDictionary[Any, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
-async def _gc_files(node: Node, min_age: float) -> None:
+async def _gc_files(node: Keeper, min_age: float) -> None:
     now = time.time()
 
     def old(path: Path) -> bool:
@@ -137,7 +174,7 @@ async def _gc_files(node: Node, min_age: float) -> None:
     node.uploads.collect()
 
 
-def cache_items(node: Node, build_cache: dict[str, str]) -> tuple[list[tuple[str, str]], set[str]]:
+def cache_items(node: Keeper, build_cache: dict[str, str]) -> tuple[list[tuple[str, str]], set[str]]:
     """What the local cache holds, as (kind, id), and the ids it must not evict now.
 
     The cache is pulled image layers, Dockerfile step layers, the layers and images that only
@@ -163,13 +200,13 @@ def cached_layers(present: set[str], build_cache: dict[str, str]) -> set[str]:
     return {x for x in present if x.startswith("oci-")} | {v for v in build_cache.values() if v}
 
 
-def busy_now(node: Node) -> set[str]:
+def busy_now(node: Keeper) -> set[str]:
     """Ids in use this moment: sandboxes' layers, uppers being torn down, pins, and uppers live
     (a build step's, however long it runs)."""
     return sandbox_layers(node) | node.instances.pending_layers | set(node.artifacts.pins) | node.files.live
 
 
-def _size(node: Node, item: tuple[str, str]) -> int:
+def _size(node: Keeper, item: tuple[str, str]) -> int:
     kind, item_id = item
     if kind == "template":
         rec = node.templates.get(item_id)
@@ -177,13 +214,15 @@ def _size(node: Node, item: tuple[str, str]) -> int:
     return node.files.sealed_size(item_id) if kind == "layer" else node.files.image_size(item_id)
 
 
-async def cache_bytes(node: Node) -> int:
+async def cache_bytes(node: Keeper) -> int:
     build_cache = json.loads(await node.store.get_meta(BUILD_CACHE) or "{}")
     cache, _ = cache_items(node, build_cache)
     return sum([await asyncio.to_thread(_size, node, item) for item in cache])
 
 
-async def evict_cache(node: Node, cache: list[tuple[str, str]], in_use: set[str], build_cache: dict[str, str]) -> None:
+async def evict_cache(
+    node: Keeper, cache: list[tuple[str, str]], in_use: set[str], build_cache: dict[str, str]
+) -> None:
     """Keep the node-local cache within its budget.
 
     The cache is pulled image layers, Dockerfile step layers, the layers and images of
@@ -245,7 +284,7 @@ async def evict_cache(node: Node, cache: list[tuple[str, str]], in_use: set[str]
     await imagecache.evicted_images(node).save()
 
 
-async def reap_forever(node: Node) -> None:
+async def reap_forever(node: Keeper) -> None:
     """Containment of runaways, file collection and commit retries (expiry has its own loop)."""
     last_gc = last_repo_gc = time.monotonic()
     while True:
@@ -264,7 +303,7 @@ async def reap_forever(node: Node) -> None:
             log.exception("reaper pass failed")
 
 
-async def contain_runaways(node: Node) -> None:
+async def contain_runaways(node: Keeper) -> None:
     """Ask the agent of each sandbox near its host task limit to stop the users that hold their
     process limit (a fork bomb; see aenv/guest/runaway.py): hitting the limit would stop the
     sandbox as a whole."""
@@ -315,7 +354,7 @@ def _killed(answer: Any) -> str:
     return ", ".join(shown[:8])
 
 
-async def _expire(node: Node, sandbox_id: str, *, pause: bool, keep_memory: bool) -> None:
+async def _expire(node: Keeper, sandbox_id: str, *, pause: bool, keep_memory: bool) -> None:
     if pause:
         try:
             await node.pause(sandbox_id, keep_memory=keep_memory)
@@ -338,7 +377,7 @@ MIN_TIMEOUT = 1.0
 EXPIRY_RECHECK = 0.1
 
 
-async def expire_forever(node: Node) -> None:
+async def expire_forever(node: Keeper) -> None:
     """Pause or kill each sandbox at its endAt, within milliseconds: E2B's clients expect an
     auto-paused sandbox to read paused a second or two after its timeout. This loop sleeps until
     the next deadline and does nothing else, so no slow housekeeping pass delays an expiry."""
@@ -352,7 +391,7 @@ async def expire_forever(node: Node) -> None:
         await asyncio.sleep(wait)
 
 
-def expire_due(node: Node, expiring: set[str]) -> float:
+def expire_due(node: Keeper, expiring: set[str]) -> float:
     """Start the expiry of every sandbox past its endAt that can be expired now; returns how long
     to sleep before the next look."""
     now = time.time()
@@ -371,7 +410,7 @@ def expire_due(node: Node, expiring: set[str]) -> float:
                     wait = min(wait, EXPIRY_RECHECK)  # its commands stop once the operation is over
                     continue
                 sb.grace_of = sb.rec.end_at
-                task = asyncio.ensure_future(grace.begin(node, sb))
+                task = asyncio.ensure_future(grace.begin(sb))
                 node.background.add(task)
                 task.add_done_callback(log_failure(sb.id, node.background))
             continue
