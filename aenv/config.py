@@ -38,8 +38,19 @@ class Settings(BaseSettings):
     driver: Literal["gvisor", "fake", "qemu"] = "gvisor"
     # The gVisor driver's alone.
     runsc: str = "runsc"
-    runsc_platform: str = "ptrace"
+    # "auto": the platform this host ran a probe of agent work fastest on, measured at the first
+    # node start and kept in runsc_calibration for every node of the host (aenv/runtime/platforms.py);
+    # "ptrace", "systrap" or "kvm": that one, unmeasured.
+    runsc_platform: Literal["auto", "ptrace", "systrap", "kvm"] = "auto"
+    runsc_calibration: Path = Path("/var/cache/aenv/runsc-platform.json")
+    # How a sandbox's cpu_count holds: "share" (default) weighs it as that many cores against busy
+    # neighbours and lets it use idle ones; "cap" also limits it to that many cores' time, gVisor's
+    # own kernel work included (which costs agent work ~25%, docs/performance.md).
+    cpu_limit: Literal["share", "cap"] = "share"
     runsc_debug: bool = False
+    # Extra runsc global flags (space-separated), after aenv's own: for measuring options
+    # (bench/workload.py) and for an operator's host. A checkpoint image records them.
+    runsc_flags: str = ""
     # The qemu driver's alone: its QEMU, the kernel it boots ("": the newest that scripts/install
     # unpacked, else of /boot) and its accelerator (auto: KVM where it boots, TCG elsewhere).
     qemu: str = "qemu-system-x86_64"

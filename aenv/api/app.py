@@ -147,6 +147,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
             "version": __version__,
             "templates": sorted(t.name for t in node.templates.values()),
             "runtime": node.runtime_info(),
+            "runtimeCalibration": node.runtime_calibration(),
         }
 
     @app.get("/metrics", include_in_schema=False)

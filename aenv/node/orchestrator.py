@@ -76,6 +76,9 @@ def make_driver(settings: Settings) -> Driver:
             platform=settings.runsc_platform,
             debug=settings.runsc_debug,
             max_sandboxes=settings.max_sandboxes,
+            flags=settings.runsc_flags.split(),
+            calibration=settings.runsc_calibration,
+            cpu_limit=settings.cpu_limit,
         )
     if settings.driver == "fake":  # no isolation: for tests only, chosen explicitly (aenv/runtime/fake.py)
         from aenv.runtime.fake import FakeDriver
@@ -208,6 +211,7 @@ class Node:
     # -- start and stop ---------------------------------------------------------------------------
     async def start(self) -> None:
         self._lock_data_dir()
+        await self.driver.prepare(self.records.limits_from({}))
         await self.store.open()
         await self.records.load_token_secret()
         await self.catalogue.load()
@@ -310,6 +314,9 @@ class Node:
 
     def runtime_info(self) -> dict[str, str]:
         return self.driver.info()
+
+    def runtime_calibration(self) -> dict[str, Any] | None:
+        return self.driver.calibration()
 
     # -- the catalogue: templates, and what the repository holds -----------------------------------------
     async def add_template(self, rec: TemplateRecord) -> None:

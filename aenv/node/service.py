@@ -171,6 +171,10 @@ class NodeService(Protocol):
         """The sandboxes' rollout logs: their commands with output and exit codes (aenv/node/rollout.py)."""
         ...
 
+    def runtime_calibration(self) -> dict[str, Any] | None:
+        """How the runtime chose its options on this host (runsc's platform) and what it measured."""
+        ...
+
     def runtime_info(self) -> dict[str, str]:
         """The sandbox runtime this node runs: driver, runsc version, platform."""
         ...

@@ -15,7 +15,7 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,15 +99,33 @@ class Driver(Protocol):
     # True when a restore (or a leave-running checkpoint) leaves the sentry a heap of garbage the
     # agent should make it give back once quiet (aenv/guest/sentry.py); False: that costs memory.
     restore_leaves_garbage: bool
-    image_mark: str  # names the runtime and version that wrote a checkpoint image
     wakes: int  # how many times a dozing instance was thawed (aenv_doze_wakes)
+
+    @property
+    def image_mark(self) -> str:
+        """Names the runtime, version and options that write this node's checkpoint images."""
+        ...
 
     def info(self) -> dict[str, str]:
         """The runtime's name, version and options (e.g. runsc's platform), as the node reports them."""
         ...
 
+    def calibration(self) -> dict[str, Any] | None:
+        """How the runtime chose its options on this host (runsc's platform), with what it
+        measured; None when it had nothing to choose."""
+        ...
+
+    async def prepare(self, limits: Limits) -> None:
+        """Ready the runtime before the node's first sandbox (``limits``: a default sandbox's)."""
+        ...
+
     def image_compatible(self, image_dir: Path) -> bool:
         """Whether this runtime can restore the image (another version may have written it)."""
+        ...
+
+    def image_preferred(self, image_dir: Path) -> bool:
+        """Whether the image runs as this node runs new sandboxes (runsc: on its platform);
+        a compatible image that is not is still restored, on the options it was written with."""
         ...
 
     def guest_key(self) -> str:
@@ -183,6 +201,23 @@ class Driver(Protocol):
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Remove instances left over from an earlier process, except those in ``keep``."""
         ...
+
+
+class NothingToChoose:
+    """A driver with no options to choose per host (the fake runtime, QEMU): it prepares nothing,
+    and an image it can restore at all is as good as any."""
+
+    def calibration(self) -> dict[str, Any] | None:
+        return None
+
+    async def prepare(self, limits: Limits) -> None:
+        return None
+
+    def image_compatible(self, image_dir: Path) -> bool:
+        raise NotImplementedError
+
+    def image_preferred(self, image_dir: Path) -> bool:
+        return self.image_compatible(image_dir)
 
 
 class TeardownOnKill:

@@ -49,7 +49,17 @@ from pathlib import Path
 
 from aenv.errors import ImageIncompatible, RuntimeFailure
 from aenv.runtime import guestbundle
-from aenv.runtime.base import OWN_BASE, Instance, Limits, OwnBase, RootfsSpec, TeardownOnKill, Usage, agent_pipes
+from aenv.runtime.base import (
+    OWN_BASE,
+    Instance,
+    Limits,
+    NothingToChoose,
+    OwnBase,
+    RootfsSpec,
+    TeardownOnKill,
+    Usage,
+    agent_pipes,
+)
 from aenv.runtime.gvisor import IMAGE_MARK, _guest_mount_point, image_mark
 
 log = logging.getLogger(__name__)
@@ -86,7 +96,7 @@ def user_namespaces_work() -> str:
     return ""
 
 
-class FakeDriver(guestbundle.BundledGuests, TeardownOnKill):
+class FakeDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
     name = NAME
     own_base: OwnBase | None = OwnBase(FAKE_BASE_DESCRIPTION, lambda root: host_base_layer(root))  # no debootstrap
     saves_epoll_tcp = True  # nothing is saved: nothing to refuse

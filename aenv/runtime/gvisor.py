@@ -20,14 +20,15 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aenv.config import MAX_NPROC
-from aenv.errors import CHECKPOINT_REFUSAL, CheckpointRefused, ImageIncompatible, RuntimeFailure, snippet
-from aenv.runtime import guestbundle, hostexec, pidfds
+from aenv.errors import CHECKPOINT_REFUSAL, AenvError, CheckpointRefused, ImageIncompatible, RuntimeFailure, snippet
+from aenv.runtime import guestbundle, hostexec, pidfds, platforms
 from aenv.runtime.base import Instance, Limits, OwnBase, RootfsSpec, Usage, agent_pipes
 from aenv.storage.confined import View, dir_at, open_root
 from aenv.storage.datadir import SANDBOX_DIR, sandbox_dir
@@ -35,6 +36,7 @@ from aenv.storage.datadir import SANDBOX_DIR, sandbox_dir
 log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CGROUP_PARENT = "aenv"
 BOOT_ID_DIR = "/proc/sys/kernel/random"
 HALT_TIMEOUT = 10.0  # seconds for a killed sandbox's processes to exit before the slow way
@@ -244,14 +246,22 @@ class GVisorDriver(guestbundle.BundledGuests):
         *,
         state_dir: Path,
         runsc: str = "runsc",
-        platform: str = "ptrace",
+        platform: str = platforms.AUTO,
         debug: bool = False,
         max_sandboxes: int = 0,
+        flags: Sequence[str] = (),
+        calibration: Path | None = None,
+        cpu_limit: str = "share",
     ) -> None:
         self.state_dir = state_dir
         self.runsc = runsc
+        # The platform new sandboxes boot on: "auto" until prepare() has chosen (aenv/runtime/platforms.py).
         self.platform = platform
+        self.choice = platforms.Choice(platform, "setting")
+        self.calibration_file = calibration or state_dir / "runsc-platform.json"
         self.debug = debug
+        self.cpu_limit = cpu_limit
+        self.flags = tuple(flags)  # an operator's extra global flags, after aenv's own (the last wins)
         self.version = RunscVersion.of(runsc)
         # runsc 20221219 cannot save a TCP socket an epoll set watches ("endpoint still has waiters
         # upon save", then the sandbox exits): the node asks the agent first and refuses.
@@ -262,9 +272,6 @@ class GVisorDriver(guestbundle.BundledGuests):
         # two minutes later; 20240729's images are not compressed and leave little: pushing buffers
         # through the sentry to force its GC there kept 4-6 MiB more (and cost ~50 ms of CPU).
         self.restore_leaves_garbage = not self.version.modern
-        # An image restores under the runsc and the platform that wrote it (a ptrace image restored
-        # under systrap hangs).
-        self.image_mark = f"{self.version.mark} {platform}"
         self.runsc_root = state_dir / "runsc"
         self.bundles = state_dir / "instances"
         for d in (self.runsc_root, self.bundles):
@@ -272,23 +279,149 @@ class GVisorDriver(guestbundle.BundledGuests):
         # runsc 20221219 refuses statx(AT_NO_AUTOMOUNT): its bundles' shim drops the flag.
         self._init_guests(state_dir / "guest", statx_shim=not self.version.modern)
         self._pids_max: dict[str, int] = {}  # instance id -> its pids cgroup's limit
+        self._platform_of: dict[str, str] = {}  # instance id -> its platform, when not the node's
         self._dozing: set[str] = set()  # instances frozen while idle (see doze)
         self.wakes = 0  # how many times a dozing instance was thawed
         limit_all_sandboxes(max_sandboxes)
 
     def info(self) -> dict[str, str]:
         """What the node reports of its runtime (/health, /metrics, its cluster entry)."""
-        return {"driver": self.name, "runsc": self.version.version or "unknown", "platform": self.platform}
+        return {
+            "driver": self.name,
+            "runsc": self.version.version or "unknown",
+            "platform": self.platform,
+            "platformBy": self.choice.by,
+        }
+
+    # -- the platform -----------------------------------------------------------------------------
+    def calibration(self) -> dict[str, Any] | None:
+        return self.choice.report()
+
+    async def prepare(self, limits: Limits) -> None:
+        """Choose the platform new sandboxes boot on: the setting's, or for "auto" the fastest this
+        host runs a default sandbox's work on (measured once per host, kept in ``calibration_file``)."""
+        key = platforms.host_key(
+            runsc_version=self.version.version, flags=self.flags, cpu_count=limits.cpu_count, cpu_limit=self.cpu_limit
+        )
+        self.choice = await platforms.choose(
+            self.platform,
+            probe=lambda name: self.probe(name, limits),
+            cache=self.calibration_file,
+            key=key,
+        )
+        self.platform = self.choice.platform
+        log.info("runsc platform: %s (%s)", self.platform, self.choice.by)
+
+    def mark_of(self, platform: str) -> str:
+        """What a checkpoint image written on ``platform`` says of its writer."""
+        return " ".join((self.version.mark, platform, *self.flags))
+
+    @property
+    def image_mark(self) -> str:
+        """The mark of images this node writes by default (its platform's)."""
+        return self.mark_of(self.platform)
+
+    def _image_platform(self, image_dir: Path) -> str | None:
+        """The platform to restore an image on: the one that wrote it (an image restores under
+        the runsc and the platform that wrote it; a ptrace image restored under systrap hangs),
+        when this runsc and host run it; None when not."""
+        written_by = image_mark(image_dir)
+        usable = [self.platform, *(p for p in platforms.KNOWN if p != self.platform and self._runs(p))]
+        return next((p for p in usable if self.mark_of(p) == written_by), None)
+
+    def _runs(self, platform: str) -> bool:
+        """Whether this host runs sandboxes on ``platform`` (a probe said so, or nothing says not:
+        ptrace and systrap run wherever runsc does; kvm only with a /dev/kvm a probe booted)."""
+        for trial in self.choice.trials:
+            if trial.platform == platform:
+                return trial.usable
+        return platform != "kvm" or platforms.kvm_available()
+
+    async def probe(self, platform: str, limits: Limits) -> platforms.Trial:
+        """A short, typical piece of agent work in a sandbox on ``platform`` with ``limits``, and a
+        checkpoint and restore of a running one: how fast, and whether it works at all."""
+        trial = platforms.Trial(platform)
+        probe_id = f"probe-{platform}-{os.getpid()}"
+        restored = f"{probe_id}-restored"
+        self._platform_of.update({probe_id: platform, restored: platform})
+        bundle = self.bundles / probe_id
+        work = bundle / "work"
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+            spec = self._probe_spec(probe_id, limits, [os.path.realpath(sys.executable), "-c", platforms.PROBE])
+            (bundle / "config.json").write_text(json.dumps(spec))
+            argv = [*self._global(probe_id), "run", "--bundle", str(bundle), probe_id]
+            out = await hostexec.run(argv, timeout=platforms.PROBE_TIMEOUT)
+            trial.seconds = {k: float(v) for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+            await self._forget(probe_id)
+            trial.checkpoints = await self._probe_checkpoint(probe_id, restored, limits)
+        except (AenvError, OSError, ValueError, IndexError, AttributeError) as exc:
+            trial.error = snippet(str(exc), 300)
+        finally:
+            for instance_id in (probe_id, restored):
+                await self._teardown(instance_id)
+        return trial
+
+    async def _forget(self, instance_id: str) -> None:
+        """A probe's teardown that keeps its platform (the next runsc command on the id needs it)."""
+        platform = self._platform_of.get(instance_id)
+        await self._teardown(instance_id)
+        if platform is not None:
+            self._platform_of[instance_id] = platform
+
+    async def _probe_checkpoint(self, probe_id: str, restored: str, limits: Limits) -> bool:
+        bundle = self.bundles / probe_id
+        image = bundle / "image"
+        (bundle / "work").mkdir(parents=True, exist_ok=True)
+        (bundle / "config.json").write_text(json.dumps(self._probe_spec(probe_id, limits, ["/bin/sleep", "60"])))
+        timeout = platforms.PROBE_TIMEOUT
+        log_file = bundle / "probe.log"
+        quiet = asyncio.subprocess.DEVNULL  # a detached sandbox keeps its stdio: a pipe would never end
+        run = [*self._global(probe_id), "run", "--detach", "--bundle", str(bundle), probe_id]
+        await hostexec.run(run, timeout=timeout, stdout=quiet, stderr_file=log_file)
+        checkpoint = [*self._global(probe_id), "checkpoint", "--image-path", str(image), probe_id]
+        await hostexec.run(checkpoint, timeout=timeout)
+        await hostexec.run([*self._global(probe_id), "delete", "--force", probe_id], timeout=timeout, check=False)
+        restore = [*self._global(restored), "restore", "--detach", "--image-path", str(image), "--bundle", str(bundle)]
+        await hostexec.run([*restore, restored], timeout=timeout, stdout=quiet, stderr_file=log_file)
+        state = json.loads(await hostexec.run([*self._global(restored), "state", restored], timeout=timeout))
+        return isinstance(state, dict) and state.get("status") == "running"
+
+    def _probe_spec(self, probe_id: str, limits: Limits, args: list[str]) -> dict[str, Any]:
+        """A probe sandbox: the host's root read-only (its python3, its tools), a host directory
+        at /work as a sandbox's upper is, and a default sandbox's cgroup limits."""
+        spec = self._spec(probe_id, limits, "")
+        spec["process"].update(args=args, env=[f"PATH={PATH}"])
+        spec["root"] = {"path": "/", "readonly": True}
+        work = str(self.bundles / probe_id / "work")
+        spec["mounts"] = [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmp", "options": ["nosuid", "nodev"]},
+            {"destination": "/work", "type": "bind", "source": work, "options": ["rbind", "rw"]},
+        ]
+        return spec
 
     # -- helpers ----------------------------------------------------------------------------------
     def _global(self, instance_id: str | None = None) -> list[str]:
         # --overlay2=none: newer runsc put a memory-backed overlay over the root by default; the
         # sandbox's writes belong in its upper on the host (its disk quota, snapshots, commits).
-        argv = [self.runsc, "--root", str(self.runsc_root), f"--platform={self.platform}", "--network=none"]
+        platform = self._platform_of.get(instance_id or "", self.platform)
+        argv = [self.runsc, "--root", str(self.runsc_root), f"--platform={platform}", "--network=none"]
         argv.append("--overlay2=none")
+        argv += self.flags
         if self.debug and instance_id:
             argv += ["--debug", f"--debug-log={self.bundles / instance_id / 'runsc.log'}"]
         return argv
+
+    def _cpu(self, cpus: float) -> dict[str, int]:
+        """A sandbox's CPU: that many cores' weight against its busy neighbours, and under "cap"
+        no more than that many cores' time. The cap charges gVisor's own kernel work (the Sentry,
+        systrap's stubs) to the sandbox, and its quota throttled agent work by ~25% on a host with
+        idle cores (docs/performance.md)."""
+        cpu = {"shares": max(2, int(cpus * 1024))}
+        if self.cpu_limit == "cap":
+            cpu.update(quota=int(cpus * 100_000), period=100_000)
+        return cpu
 
     def _spec(self, instance_id: str, limits: Limits, guest: str) -> dict[str, Any]:
         nproc = max(limits.nproc, 64)
@@ -298,7 +431,7 @@ class GVisorDriver(guestbundle.BundledGuests):
                 "terminal": False,
                 "user": {"uid": 0, "gid": 0},
                 "args": guestbundle.agent_argv(),
-                "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", *guestbundle.agent_env()],
+                "env": [f"PATH={PATH}", *guestbundle.agent_env()],
                 "cwd": "/",
                 "capabilities": {k: CAPS for k in ("bounding", "effective", "permitted")},
                 "rlimits": [
@@ -344,7 +477,7 @@ class GVisorDriver(guestbundle.BundledGuests):
                 "cgroupsPath": f"/{CGROUP_PARENT}/{instance_id}",
                 "resources": {
                     "memory": {"limit": limits.memory_mb * 2**20, "swap": limits.memory_mb * 2**20},
-                    "cpu": {"quota": int(limits.cpu_count * 100_000), "period": 100_000},
+                    "cpu": self._cpu(limits.cpu_count),
                     "pids": {"limit": host_tasks_limit(nproc)},
                 },
                 "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],
@@ -406,16 +539,22 @@ class GVisorDriver(guestbundle.BundledGuests):
         return await self._start(["run"], instance_id, rootfs, limits)
 
     async def restore(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits, image_dir: Path) -> Instance:
-        written_by = image_mark(image_dir)
-        if written_by != self.image_mark:
+        platform = self._image_platform(image_dir)
+        if platform is None:
             raise ImageIncompatible(
-                f"its memory image was written by {written_by}; this node runs {self.image_mark}, "
-                "which cannot restore it"
+                f"its memory image was written by {image_mark(image_dir)}; this node runs "
+                f"{self.image_mark}, which cannot restore it"
             )
+        if platform != self.platform:
+            self._platform_of[instance_id] = platform
         return await self._start(["restore", "--image-path", str(image_dir)], instance_id, rootfs, limits)
 
     def image_compatible(self, image_dir: Path) -> bool:
-        """Whether this runsc restores the image (the runsc that wrote it, by its mark)."""
+        """Whether this node restores the image (the runsc that wrote it, on a platform it runs)."""
+        return self._image_platform(image_dir) is not None
+
+    def image_preferred(self, image_dir: Path) -> bool:
+        """Whether the image runs on the platform this node boots new sandboxes on."""
         return image_mark(image_dir) == self.image_mark
 
     # An idle sentry still wakes a few times a second (Go runtime timers, the timekeeper), ~0.4 ms
@@ -460,7 +599,7 @@ class GVisorDriver(guestbundle.BundledGuests):
                 message = f"{CHECKPOINT_REFUSAL}; the failed save stopped the sandbox"
                 raise CheckpointRefused(message, argv=exc.argv, stderr=exc.stderr) from exc
             raise
-        (image_dir / IMAGE_MARK).write_text(self.image_mark)
+        (image_dir / IMAGE_MARK).write_text(self.mark_of(self._platform_of.get(instance.id, self.platform)))
 
     async def checkpoint_running(
         self, instance: Instance, *, image_dir: Path, while_stopped: Callable[[], Awaitable[None]]
@@ -540,12 +679,14 @@ class GVisorDriver(guestbundle.BundledGuests):
         return [p for p in pids if isinstance(p, int) and not isinstance(p, bool) and p > 1]
 
     async def _teardown(self, instance_id: str) -> None:
+        delete = [*self._global(instance_id), "delete", "--force", instance_id]
         self._pids_max.pop(instance_id, None)
+        self._platform_of.pop(instance_id, None)
         self._dozing.discard(instance_id)
         # Thawed whatever this process knows of it: an orphan of a node that died may be frozen,
         # and frozen tasks die of SIGKILL only once thawed.
         _set_freezer(instance_id, frozen=False)
-        await hostexec.run([*self._global(), "delete", "--force", instance_id], timeout=30, check=False)
+        await hostexec.run(delete, timeout=30, check=False)
         bundle = self.bundles / instance_id
         rootfs = bundle / "rootfs"
         if os.path.ismount(rootfs):
@@ -583,6 +724,8 @@ class GVisorDriver(guestbundle.BundledGuests):
         removed = []
         ids = {p.name for p in self.bundles.iterdir() if p.is_dir()}
         ids |= {p.name for p in self.runsc_root.iterdir() if p.is_dir()}
+        # Newer runsc keeps a container's state as "<sandbox>_sandbox:<container>.state" files.
+        ids |= {p.name.partition("_sandbox:")[0] for p in self.runsc_root.glob("*_sandbox:*.state")}
         for instance_id in sorted(ids - keep):
             await self._teardown(instance_id)
             removed.append(instance_id)

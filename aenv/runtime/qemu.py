@@ -46,7 +46,7 @@ from pathlib import Path
 
 from aenv.errors import CheckpointRefused, ImageIncompatible, OperationTimeout, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec, vmboot
-from aenv.runtime.base import Instance, Limits, OwnBase, RootfsSpec, TeardownOnKill, Usage
+from aenv.runtime.base import Instance, Limits, NothingToChoose, OwnBase, RootfsSpec, TeardownOnKill, Usage
 from aenv.runtime.gvisor import _guest_mount_point
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def _drive(path: Path) -> str:
     return str(path).replace(",", ",,")  # QEMU's option syntax doubles a comma in a value
 
 
-class QemuDriver(guestbundle.BundledGuests, TeardownOnKill):
+class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
     name = NAME
     own_base: OwnBase | None = None  # `base` is the node's debootstrapped Debian
     saves_epoll_tcp = True  # nothing is saved: nothing for the node to ask the agent first

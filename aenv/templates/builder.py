@@ -504,13 +504,15 @@ async def _commit_base(node: BuildHost, debian_layer: str, log: LogFn | None) ->
 
 
 async def _image_runs_here(node: BuildHost, rec: TemplateRecord) -> bool:
-    """Whether this node's runsc restores the template's memory image (an upgraded runsc does not
-    restore what an older one wrote); an image that cannot be had is as good as incompatible."""
+    """Whether this node runs the template's memory image as it runs new sandboxes: an upgraded
+    runsc does not restore what an older one wrote, and one written on another runsc platform
+    restores there, not on the one this node chose. An image that cannot be had is as good as
+    incompatible."""
     try:
         await node.artifacts.ensure_local(rec, only={rec.image})
     except AenvError:
         return False
-    return node.driver.image_compatible(node.files.image(rec.image))
+    return node.driver.image_preferred(node.files.image(rec.image))
 
 
 async def ensure_base(node: BuildHost, *, on_log: LogFn | None = None) -> TemplateRecord:
@@ -531,7 +533,7 @@ async def ensure_base(node: BuildHost, *, on_log: LogFn | None = None) -> Templa
     if own is not None or current.description.endswith(OWN_BASE):  # a driver's own is made anew
         return await build_base(node, on_log=on_log)
     if not runs_here:
-        changed = "runtime (runsc)"
+        changed = "runtime (runsc or its platform)"
     else:
         changed = "guest agent" if current.guest != node.driver.guest_key() else "setup of `base`"
     (on_log or (lambda line: None))(f"the {changed} changed: recommitting `base` on its existing root filesystem")
