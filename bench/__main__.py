@@ -32,6 +32,7 @@ from aenv.templates.builder import ensure_base, run_in
 
 console = Console()
 RUNSC_TIMES: dict[str, list[float]] = defaultdict(list)
+RUNSC_SUBCOMMANDS = ("restore", "checkpoint", "run", "delete", "pause", "resume")
 _real_run = hostexec.run
 
 
@@ -42,7 +43,7 @@ async def _timed_run(argv: Any, **kw: Any) -> str:
         return await _real_run(argv, **kw)
     finally:
         if Path(argv[0]).name == "runsc":
-            sub = next((a for a in argv[1:] if a in ("restore", "checkpoint", "run", "delete")), "other")
+            sub = next((a for a in argv[1:] if a in RUNSC_SUBCOMMANDS), "other")
             RUNSC_TIMES[sub].append(time.perf_counter() - start)
 
 
@@ -317,6 +318,10 @@ def main() -> None:
         from bench.workload import main as workload
 
         return workload(sys.argv[2:])
+    if sys.argv[1:2] == ["snapshot"]:  # a snapshot against a pause, part by part
+        from bench.snapshot import main as snapshot
+
+        return snapshot(sys.argv[2:])
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--data-dir", type=Path, default=Path("/var/tmp/aenv-bench"))

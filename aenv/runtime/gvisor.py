@@ -406,7 +406,9 @@ class GVisorDriver(guestbundle.BundledGuests):
         # --overlay2=none: newer runsc put a memory-backed overlay over the root by default; the
         # sandbox's writes belong in its upper on the host (its disk quota, snapshots, commits).
         platform = self._platform_of.get(instance_id or "", self.platform)
-        argv = [self.runsc, "--root", str(self.runsc_root), f"--platform={platform}", "--network=none"]
+        argv = [self.runsc, "--root", str(self.runsc_root), "--network=none"]
+        if platform != platforms.AUTO:  # not chosen yet (a driver only cleaning up): runsc's own state says
+            argv.insert(3, f"--platform={platform}")
         argv.append("--overlay2=none")
         argv += self.flags
         if self.debug and instance_id:
@@ -510,6 +512,8 @@ class GVisorDriver(guestbundle.BundledGuests):
         return target
 
     async def _start(self, argv: list[str], instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:
+        if self._platform_of.get(instance_id, self.platform) == platforms.AUTO:
+            raise RuntimeFailure("no runsc platform chosen yet: the driver starts sandboxes only after prepare()")
         bundle = self.bundles / instance_id
         bundle.mkdir(parents=True, exist_ok=True)
         (bundle / "config.json").write_text(json.dumps(self._spec(instance_id, limits, rootfs.guest)))

@@ -26,9 +26,13 @@ from tests.node.test_failures import commit_tiny, run_py
 pytestmark = pytest.mark.sandbox
 PLATFORMS = ["ptrace", "systrap"]
 FILL = """
-import errno
+import errno, os
 try:
-    open('/tmp/big', 'wb').write(b'x' * (80 << 20))
+    with open('/root/big', 'wb') as f:  # on its disk (runsc mounts a tmpfs at an empty /tmp)
+        for _ in range(80):
+            f.write(b'x' * (1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
 except OSError as e:
     print(errno.errorcode[e.errno])
 else:
@@ -123,7 +127,7 @@ async def test_everything_a_sandbox_does_works_on_each_platform(node_on: Node) -
     assert await read(node, rec.id, "/tmp/state") == "one"
     # its disk quota holds: 80 MiB do not fit in 64
     assert (await run_py(node, rec.id, FILL)).strip() in ("ENOSPC", "EDQUOT")
-    await run_py(node, rec.id, "import os; os.remove('/tmp/big')")
+    await run_py(node, rec.id, "import os; os.remove('/root/big')")
 
     await node.pause(rec.id)
     await node.resume(rec.id)
