@@ -100,3 +100,31 @@ def test_errors_say_what_to_do_next(server: Server, args: list[str], key: str, s
     said = " ".join(result.stderr.split())
     assert said.startswith("error:") and says in said and hint in said, said
     assert "Traceback" not in result.output
+
+
+def test_doctor_shows_the_host_the_kept_platform_choice_and_the_server(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server: Server
+) -> None:  # type: ignore[no-untyped-def]
+    from aenv.runtime import platforms
+
+    kept = tmp_path / "platform.json"
+    trials = [platforms.Trial("systrap", {"spawn": 0.5, "stat": 0.25}, True), platforms.Trial("kvm", error="hung")]
+    platforms.save(kept, platforms.Choice("systrap", "calibration", trials, {"k": 1}, 1_700_000_000.0))
+    monkeypatch.setenv("AENV_RUNSC_CALIBRATION", str(kept))
+    monkeypatch.setenv("AENV_RUNSC_PLATFORM", "auto")
+    code, text = cli("doctor", "--json")
+    report = json.loads(text)
+    checks = {c["check"]: c for c in report["checks"]}
+    assert {"python", "root", "runsc", "cgroups", "kvm", "disk", "runsc platform", "server"} <= set(checks)
+    assert code == (1 if any(c["status"] == "fail" for c in checks.values()) else 0)
+    assert checks["python"]["status"] == "ok"
+    detail = checks["runsc platform"]["detail"]
+    assert detail.startswith("systrap (kept calibration") and "systrap 0.75 s" in detail and "kvm unusable" in detail
+    assert report["calibration"]["trials"]["kvm"] == {"unusable": "hung"}
+    assert checks["server"]["status"] == "ok" and server.url in checks["server"]["detail"]
+    assert report["server"]["status"] == "ok"
+
+    kept.write_text("{damaged")
+    code, text = cli("doctor", "--json")
+    checks = {c["check"]: c for c in json.loads(text)["checks"]}
+    assert checks["runsc platform"]["status"] == "warn" and "not measured yet" in checks["runsc platform"]["detail"]
