@@ -24,7 +24,6 @@ import platform
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,13 +35,16 @@ from rich.table import Table
 from aenv.config import Settings
 from aenv.node.orchestrator import Node
 from aenv.node.spec import SandboxSpec
+from aenv.runtime.gvisor import PATH
 from aenv.templates.builder import ensure_base, run_in
-from bench.platforms import put_file
+from bench.platforms import put_file, pytest_wheels
 
 console = Console()
+# The mix works in the user's home, on the sandbox's disk: runsc mounts a tmpfs (the sandbox's
+# memory) at an image's empty /tmp, which native has no counterpart of.
+HOME = "/home/user"
+WORK = f"{HOME}/w"
 MIX = Path(__file__).with_name("mix.py")
-WHEELS = ["pytest"]  # and its dependencies: the pip phase installs them, the pytest phase runs them
-PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 Seconds = dict[str, float]  # phase -> seconds (or a ratio)
 
 
@@ -81,10 +83,7 @@ def parse_config(text: str) -> Config:
 
 def wheels(cache: Path) -> Path:
     """pytest's wheels (and its dependencies'), downloaded once by the host's pip."""
-    if not list(cache.glob("pytest-*.whl")):
-        cache.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:", "-d", str(cache)]
-        subprocess.run([*argv, *WHEELS], check=True)
+    pytest_wheels(cache)
     return cache
 
 
@@ -110,7 +109,7 @@ class Native:
 
     def run(self, scale: float) -> dict[str, float]:
         argv = ["chroot", "--userspec=1000:1000", str(self.root), "env", "-i", f"PATH={PATH}",
-                "HOME=/tmp", "python3", "/tmp/mix.py", "/tmp/w-native", "--wheels", "/tmp/wheels",
+                f"HOME={HOME}", "python3", "/tmp/mix.py", WORK, "--wheels", "/tmp/wheels",
                 "--scale", str(scale)]  # fmt: skip
         out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
         return dict(json.loads(out.strip().splitlines()[-1]))
@@ -150,7 +149,7 @@ class Inside:
     async def run(self, scale: float) -> dict[str, float] | None:
         link = self.node.get(self.sandbox).link
         assert link is not None
-        ran = await run_in(link, f"cd /tmp && python3 /tmp/mix.py /tmp/w --wheels /tmp/wheels --scale {scale}",
+        ran = await run_in(link, f"cd {HOME} && python3 /tmp/mix.py {WORK} --wheels /tmp/wheels --scale {scale}",
                            user="user")  # fmt: skip
         if ran.code != 0:
             console.print(f"  [red]{self.config.label} failed ({ran.code}): {ran.output.strip()[-400:]}[/red]")

@@ -113,7 +113,8 @@ def _platform(settings: Any, *, calibrate: bool) -> tuple[Check, dict[str, Any] 
         asyncio.run(driver.prepare(Limits(cpu_count=settings.cpu_count, memory_mb=settings.memory_mb)))
         report = driver.calibration()
     else:
-        report = _kept(settings.runsc_calibration)
+        kept = platforms.load(settings.runsc_calibration, None)
+        report = kept.report() if kept is not None else None
     if report is None:
         return Check("runsc platform", "warn", "auto, not measured yet: the first node start measures it"), None
     trials = report.get("trials", {})
@@ -122,18 +123,6 @@ def _platform(settings: Any, *, calibrate: bool) -> tuple[Check, dict[str, Any] 
     )
     detail = f"{report['platform']} ({report['by']}, {report.get('measuredAt', '')}): {shown}"
     return Check("runsc platform", "ok" if report["by"] != "fallback" else "warn", detail), report
-
-
-def _kept(path: Path) -> dict[str, Any] | None:
-    from aenv.runtime import platforms
-
-    try:
-        raw = json.loads(path.read_bytes()[: platforms.CACHE_MAX])
-        trials = [platforms.Trial(**t) for t in raw.get("trials", [])]
-        choice = platforms.Choice(raw["platform"], "kept calibration", trials, raw.get("key", {}), raw["measured_at"])
-        return choice.report()
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
 
 
 def _server() -> tuple[Check, dict[str, Any] | None]:

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PROBE_WORK = "/work"  # where a platform probe's sandbox writes (a host directory of its bundle)
 CGROUP_PARENT = "aenv"
 BOOT_ID_DIR = "/proc/sys/kernel/random"
 HALT_TIMEOUT = 10.0  # seconds for a killed sandbox's processes to exit before the slow way
@@ -348,12 +349,15 @@ class GVisorDriver(guestbundle.BundledGuests):
         work = bundle / "work"
         try:
             work.mkdir(parents=True, exist_ok=True)
-            spec = self._probe_spec(probe_id, limits, [os.path.realpath(sys.executable), "-c", platforms.PROBE])
+            spec = self._probe_spec(
+                probe_id, limits, [os.path.realpath(sys.executable), "-c", platforms.PROBE, PROBE_WORK]
+            )
             (bundle / "config.json").write_text(json.dumps(spec))
             argv = [*self._global(probe_id), "run", "--bundle", str(bundle), probe_id]
             out = await hostexec.run(argv, timeout=platforms.PROBE_TIMEOUT)
             trial.seconds = {k: float(v) for k, v in json.loads(out.strip().splitlines()[-1]).items()}
-            await self._forget(probe_id)
+            await self._teardown(probe_id)
+            self._platform_of[probe_id] = platform  # the teardown forgot it; the checkpoint probe reuses the id
             trial.checkpoints = await self._probe_checkpoint(probe_id, restored, limits)
         except (AenvError, OSError, ValueError, IndexError, AttributeError) as exc:
             trial.error = snippet(str(exc), 300)
@@ -361,13 +365,6 @@ class GVisorDriver(guestbundle.BundledGuests):
             for instance_id in (probe_id, restored):
                 await self._teardown(instance_id)
         return trial
-
-    async def _forget(self, instance_id: str) -> None:
-        """A probe's teardown that keeps its platform (the next runsc command on the id needs it)."""
-        platform = self._platform_of.get(instance_id)
-        await self._teardown(instance_id)
-        if platform is not None:
-            self._platform_of[instance_id] = platform
 
     async def _probe_checkpoint(self, probe_id: str, restored: str, limits: Limits) -> bool:
         bundle = self.bundles / probe_id
@@ -389,7 +386,7 @@ class GVisorDriver(guestbundle.BundledGuests):
 
     def _probe_spec(self, probe_id: str, limits: Limits, args: list[str]) -> dict[str, Any]:
         """A probe sandbox: the host's root read-only (its python3, its tools), a host directory
-        at /work as a sandbox's upper is, and a default sandbox's cgroup limits."""
+        at PROBE_WORK as a sandbox's upper is, and a default sandbox's cgroup limits."""
         spec = self._spec(probe_id, limits, "")
         spec["process"].update(args=args, env=[f"PATH={PATH}"])
         spec["root"] = {"path": "/", "readonly": True}
@@ -397,7 +394,7 @@ class GVisorDriver(guestbundle.BundledGuests):
         spec["mounts"] = [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/tmp", "type": "tmpfs", "source": "tmp", "options": ["nosuid", "nodev"]},
-            {"destination": "/work", "type": "bind", "source": work, "options": ["rbind", "rw"]},
+            {"destination": PROBE_WORK, "type": "bind", "source": work, "options": ["rbind", "rw"]},
         ]
         return spec
 
@@ -406,10 +403,9 @@ class GVisorDriver(guestbundle.BundledGuests):
         # --overlay2=none: newer runsc put a memory-backed overlay over the root by default; the
         # sandbox's writes belong in its upper on the host (its disk quota, snapshots, commits).
         platform = self._platform_of.get(instance_id or "", self.platform)
-        argv = [self.runsc, "--root", str(self.runsc_root), "--network=none"]
-        if platform != platforms.AUTO:  # not chosen yet (a driver only cleaning up): runsc's own state says
-            argv.insert(3, f"--platform={platform}")
-        argv.append("--overlay2=none")
+        # No platform until one is chosen (a driver only cleaning up): runsc's own state says.
+        chosen = [f"--platform={platform}"] if platform != platforms.AUTO else []
+        argv = [self.runsc, "--root", str(self.runsc_root), *chosen, "--network=none", "--overlay2=none"]
         argv += self.flags
         if self.debug and instance_id:
             argv += ["--debug", f"--debug-log={self.bundles / instance_id / 'runsc.log'}"]

@@ -36,10 +36,11 @@ FALLBACK = "ptrace"  # the one every runsc and host runs, when no probe succeede
 PROBE_TIMEOUT = 20.0
 CACHE_MAX = 64 * 1024
 
-# Run by python3 inside the probe sandbox (the host's root, read-only; /work a host directory, as a
-# sandbox's upper is): seconds per phase, as JSON on the last line.
+# Run by python3 inside the probe sandbox (the host's root, read-only) with its one argument a host
+# directory mounted writable, as a sandbox's upper is: seconds per phase, as JSON on the last line.
 PROBE = r"""
 import json, os, subprocess, sys, time
+work = sys.argv[1]
 t = {}
 s = time.perf_counter()
 for _ in range(40):
@@ -47,15 +48,15 @@ for _ in range(40):
 t["spawn"] = time.perf_counter() - s
 s = time.perf_counter()
 for i in range(300):
-    d = "/work/d%d" % (i % 10)
+    d = "%s/d%d" % (work, i % 10)
     os.makedirs(d, exist_ok=True)
     with open("%s/f%d.txt" % (d, i), "w") as f:
         f.write("line %d\n" % i * 20)
 t["write"] = time.perf_counter() - s
 s = time.perf_counter()
-subprocess.run(["grep", "-rl", "line 7", "/work"], stdout=subprocess.DEVNULL, check=True)
+subprocess.run(["grep", "-rl", "line 7", work], stdout=subprocess.DEVNULL, check=True)
 for _ in range(20000):
-    os.stat("/work/d3")
+    os.stat(work + "/d3")
 t["stat"] = time.perf_counter() - s
 s = time.perf_counter()
 x = 0
@@ -149,15 +150,17 @@ def pick(trials: list[Trial]) -> str | None:
     return min(usable, key=lambda t: t.total).platform if usable else None
 
 
-def load(path: Path, key: dict[str, Any]) -> Choice | None:
-    """The kept calibration, if it was made for this very host (``key``)."""
+def load(path: Path, key: dict[str, Any] | None) -> Choice | None:
+    """The kept calibration, if it was made for this very host (``key``; None: whichever host,
+    as `aenv doctor` shows it)."""
     try:
         with open(path, "rb") as f:
             raw = json.loads(f.read(CACHE_MAX))
-        if raw.get("key") != key or raw.get("platform") not in KNOWN:
+        if (key is not None and raw.get("key") != key) or raw.get("platform") not in KNOWN:
             return None
         trials = [Trial(**t) for t in raw.get("trials", [])]
-        return Choice(raw["platform"], "kept calibration", trials, key, float(raw.get("measured_at", 0)))
+        kept_key = raw.get("key", {}) if key is None else key
+        return Choice(raw["platform"], "kept calibration", trials, kept_key, float(raw.get("measured_at", 0)))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from aenv.node.orchestrator import Node
 from aenv.node.spec import SandboxSpec
 from aenv.runtime.gvisor import CGROUP_PARENT, CGROUP_ROOT
 from tests.node.test_failures import commit_tiny, run_py
+from tests.runtime.test_platforms_runsc import needs_runsc
 
 pytestmark = pytest.mark.sandbox
 # Burns a core per process it starts, until the sandbox is killed.
@@ -44,10 +44,7 @@ async def burn(node: Node, sandboxes: list[str], seconds: float = 4.0) -> list[f
 
 @pytest.fixture()
 async def node_with(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Node]:
-    if os.geteuid() != 0 or shutil.which("runsc") is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the runsc tests: need root and runsc")
-        pytest.skip("needs root and runsc (the CI machine has them)")
+    needs_runsc()
     # A named platform: the CPU limit is part of what a calibration is kept for, so "auto" with
     # another limit would measure the host again (~40 s here); cgroups work alike on each.
     settings = Settings(data_dir=tmp_path / "node", build_base=False, cpu_limit=request.param, runsc_platform="ptrace")

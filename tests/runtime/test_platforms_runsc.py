@@ -28,7 +28,8 @@ PLATFORMS = ["ptrace", "systrap"]
 FILL = """
 import errno, os
 try:
-    with open('/root/big', 'wb') as f:  # on its disk (runsc mounts a tmpfs at an empty /tmp)
+    # in the home directory, on its disk (runsc mounts a tmpfs at an empty /tmp)
+    with open(os.path.expanduser('~/big'), 'wb') as f:
         for _ in range(80):
             f.write(b'x' * (1 << 20))
         f.flush()
@@ -127,7 +128,7 @@ async def test_everything_a_sandbox_does_works_on_each_platform(node_on: Node) -
     assert await read(node, rec.id, "/tmp/state") == "one"
     # its disk quota holds: 80 MiB do not fit in 64
     assert (await run_py(node, rec.id, FILL)).strip() in ("ENOSPC", "EDQUOT")
-    await run_py(node, rec.id, "import os; os.remove('/root/big')")
+    await run_py(node, rec.id, "import os; os.remove(os.path.expanduser('~/big'))")
 
     await node.pause(rec.id)
     await node.resume(rec.id)
