@@ -45,7 +45,7 @@ class Settings(BaseSettings):
     runsc_calibration: Path = Path("/var/cache/aenv/runsc-platform.json")
     # How a sandbox's cpu_count holds: "share" (default) weighs it as that many cores against busy
     # neighbours and lets it use idle ones; "cap" also limits it to that many cores' time, gVisor's
-    # own kernel work included (which costs agent work ~25%, docs/performance.md).
+    # own kernel work included (it cost agent work ~25% in a run with in-memory file work, docs/performance.md).
     cpu_limit: Literal["share", "cap"] = "share"
     runsc_debug: bool = False
     # Extra runsc global flags (space-separated), after aenv's own: for measuring options
