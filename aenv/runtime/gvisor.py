@@ -163,6 +163,86 @@ def _set_freezer(instance_id: str, *, frozen: bool) -> bool:
     return True
 
 
+CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "cpuset", "freezer", "blkio", "devices")
+PROBE_ID = re.compile(r"probe-.+-(\d+)(?:-restored)?")  # a probe's sandbox id names its node's pid
+
+
+def _cgroup_dirs(instance_id: str) -> list[Path]:
+    """An instance's cgroups: one a cgroup v1 controller, or its one v2 group."""
+    candidates = [CGROUP_ROOT / c / CGROUP_PARENT / instance_id for c in CONTROLLERS]
+    return [p for p in (*candidates, CGROUP_ROOT / CGROUP_PARENT / instance_id) if p.is_dir()]
+
+
+async def _remove_cgroups(instance_id: str) -> bool:
+    """Remove an instance's cgroups, killing what still runs in them first (a sandbox whose runsc
+    died before it could, a probe of a node killed while it calibrated). A killed task leaves its
+    cgroup a moment after the signal: retried for up to a second."""
+    for _ in range(20):
+        left = []
+        for group in _cgroup_dirs(instance_id):
+            try:
+                group.rmdir()
+            except OSError:
+                left.append(group)
+        if not left:
+            return True
+        for group in left:
+            try:
+                tasks = (group / "cgroup.procs").read_text().split()
+            except OSError:
+                continue
+            for pid in tasks:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (OSError, ValueError):
+                    pass
+        await asyncio.sleep(0.05)
+    log.warning("instance %s: its cgroups outlived its tasks", instance_id)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # there, someone else's
+    return True
+
+
+async def sweep_dead_probes() -> list[str]:
+    """Remove what calibration probes of nodes no longer running left in the shared cgroup tree
+    (their state and bundles live in that node's own data directory, cleaned at its next start)."""
+    names = {p.name for c in CONTROLLERS for p in _children(CGROUP_ROOT / c / CGROUP_PARENT)}
+    names |= {p.name for p in _children(CGROUP_ROOT / CGROUP_PARENT)}
+    swept = []
+    for name in sorted(names):
+        match = PROBE_ID.fullmatch(name)
+        if match and not _alive(int(match.group(1))):
+            _set_freezer(name, frozen=False)  # frozen tasks die of SIGKILL only once thawed
+            await _remove_cgroups(name)
+            swept.append(name)
+    return swept
+
+
+def _children(parent: Path) -> list[Path]:
+    try:
+        return [p for p in parent.iterdir() if p.is_dir()]
+    except OSError:
+        return []
+
+
+def _runsc_files(runsc_root: Path, instance_id: str) -> list[Path]:
+    """runsc's own files of an instance in its root: a lock, a state file, a control socket."""
+    try:
+        names = os.listdir(runsc_root)
+    except OSError:
+        return []
+    own = (f"{instance_id}_sandbox:", f"runsc-{instance_id}.sock")
+    return [runsc_root / n for n in names if n.startswith(own) and not (runsc_root / n).is_dir()]
+
+
 def _runsc_of(instance_id: str) -> Callable[[list[bytes]], bool]:
     """Whether a command line is a runsc process (sandbox, gofer) of ``instance_id``."""
     return lambda args: (
@@ -301,6 +381,9 @@ class GVisorDriver(guestbundle.BundledGuests):
     async def prepare(self, limits: Limits) -> None:
         """Choose the platform new sandboxes boot on: the setting's, or for "auto" the fastest this
         host runs a default sandbox's work on (measured once per host, kept in ``calibration_file``)."""
+        swept = await sweep_dead_probes()
+        if swept:
+            log.info("removed the cgroups of %d probes of nodes no longer running", len(swept))
         key = platforms.host_key(
             runsc_version=self.version.version, flags=self.flags, cpu_count=limits.cpu_count, cpu_limit=self.cpu_limit
         )
@@ -695,11 +778,10 @@ class GVisorDriver(guestbundle.BundledGuests):
             except RuntimeFailure:
                 await hostexec.run(["umount", "-l", str(rootfs)], timeout=30, check=False)
         shutil.rmtree(bundle, ignore_errors=True)
-        for controller in ("memory", "cpu", "cpuacct", "pids", "cpuset", "freezer", "blkio", "devices"):
-            try:
-                (CGROUP_ROOT / controller / CGROUP_PARENT / instance_id).rmdir()
-            except OSError:
-                pass
+        # What a runsc that never finished starting leaves in its root (delete knows no state).
+        for path in _runsc_files(self.runsc_root, instance_id):
+            path.unlink(missing_ok=True)
+        await _remove_cgroups(instance_id)
 
     async def usage(self, instance: Instance) -> Usage:
         pids, pids_limit = await self.host_tasks(instance)
@@ -724,8 +806,10 @@ class GVisorDriver(guestbundle.BundledGuests):
         removed = []
         ids = {p.name for p in self.bundles.iterdir() if p.is_dir()}
         ids |= {p.name for p in self.runsc_root.iterdir() if p.is_dir()}
-        # Newer runsc keeps a container's state as "<sandbox>_sandbox:<container>.state" files.
-        ids |= {p.name.partition("_sandbox:")[0] for p in self.runsc_root.glob("*_sandbox:*.state")}
+        # Newer runsc keeps a container's state as "<sandbox>_sandbox:<container>.state" files
+        # (and its lock beside it, alone when a start never finished), and a "runsc-<id>.sock".
+        ids |= {p.name.partition("_sandbox:")[0] for p in self.runsc_root.glob("*_sandbox:*")}
+        ids |= {p.name[len("runsc-") : -len(".sock")] for p in self.runsc_root.glob("runsc-*.sock")}
         for instance_id in sorted(ids - keep):
             await self._teardown(instance_id)
             removed.append(instance_id)

@@ -8,8 +8,11 @@ tests/node/test_failures.py. kvm is not exercised: this host's /dev/kvm boots no
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -49,13 +52,27 @@ def needs_runsc() -> None:
 
 
 def leftovers(driver: GVisorDriver) -> list[str]:
-    """What probes left on the host: bundles, runsc state, cgroups."""
-    found = [p.name for p in driver.bundles.iterdir() if p.name.startswith("probe-")]
-    found += [p.name for p in driver.runsc_root.iterdir() if p.name.startswith("probe-")]
+    """What this process's probes left on the host: bundles, runsc's files, cgroups (other
+    processes calibrate alongside on a CI machine)."""
+    mine = f"-{os.getpid()}"
+    found = [p.name for p in driver.bundles.iterdir() if mine in p.name]
+    found += [p.name for p in driver.runsc_root.iterdir() if mine in p.name]
     for controller in ("memory", "cpu", "pids"):
         parent = CGROUP_ROOT / controller / CGROUP_PARENT
         if parent.is_dir():
-            found += [f"{controller}/{p.name}" for p in parent.iterdir() if p.name.startswith("probe-")]
+            found += [f"{controller}/{p.name}" for p in parent.iterdir() if mine in p.name]
+    return found
+
+
+def running(word: str) -> list[int]:
+    """Processes whose command line names ``word``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and word.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            pass
     return found
 
 
@@ -76,6 +93,48 @@ async def test_a_platform_that_cannot_run_fails_its_probe_cleanly(tmp_path: Path
     trial = await driver.probe("no-such-platform", Limits())
     assert not trial.usable and trial.error
     assert leftovers(driver) == []
+
+
+@pytest.mark.parametrize("deadline", [0.05, 0.4, 1.0])
+async def test_a_probe_cut_off_at_its_deadline_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deadline: float
+) -> None:
+    """A platform that hangs (kvm on a host whose /dev/kvm boots no guest) is cut off at the
+    deadline: at any moment of runsc's start, nothing of it stays behind."""
+    needs_runsc()
+    monkeypatch.setattr(platforms, "PROBE_TIMEOUT", deadline)
+    driver = GVisorDriver(state_dir=tmp_path / "runtime", calibration=tmp_path / "platform.json")
+    trial = await driver.probe("ptrace", Limits())
+    assert not trial.usable and "timed out" in (trial.error or "")
+    assert leftovers(driver) == []
+    assert running(f"probe-ptrace-{os.getpid()}") == []
+
+
+async def test_a_node_removes_what_probes_of_dead_nodes_left_running(tmp_path: Path) -> None:
+    """A node killed while it calibrated leaves its probe's cgroups (and what runs in them) in the
+    tree every node shares: the next node to start kills and removes them; a live node's stay."""
+    needs_runsc()
+    gone = await asyncio.create_subprocess_exec("true")
+    await gone.wait()
+    dead, live = f"probe-kvm-{gone.pid}", f"probe-kvm-{os.getpid()}-restored"
+    sleeper = await asyncio.create_subprocess_exec("sleep", "600")
+    try:
+        for name in (dead, live):
+            for controller in ("memory", "pids"):
+                (CGROUP_ROOT / controller / CGROUP_PARENT / name).mkdir(parents=True)
+        (CGROUP_ROOT / "pids" / CGROUP_PARENT / dead / "cgroup.procs").write_text(str(sleeper.pid))
+        driver = GVisorDriver(state_dir=tmp_path / "runtime", platform="ptrace")
+        await driver.prepare(Limits())
+        assert await asyncio.wait_for(sleeper.wait(), 5) == -signal.SIGKILL
+        assert not any((CGROUP_ROOT / c / CGROUP_PARENT / dead).exists() for c in ("memory", "pids"))
+        assert all((CGROUP_ROOT / c / CGROUP_PARENT / live).exists() for c in ("memory", "pids"))
+    finally:
+        if sleeper.returncode is None:
+            sleeper.kill()
+        for controller in ("memory", "pids"):
+            for name in (dead, live):
+                with contextlib.suppress(OSError):
+                    (CGROUP_ROOT / controller / CGROUP_PARENT / name).rmdir()
 
 
 async def test_an_auto_node_calibrates_once_per_host_and_says_so(tmp_path: Path) -> None:
