@@ -57,6 +57,16 @@ class Settings(BaseSettings):
     qemu_kernel: str = ""
     qemu_accel: Literal["auto", "kvm", "tcg"] = "auto"
 
+    # Lifecycle events and webhooks (aenv/events): how long events are kept; whether a webhook may
+    # point at a loopback, private or link-local address ("auto": only on a node that listens on
+    # loopback alone, where whoever registers one already reaches the host); a delivery's deadline
+    # and its retries (each wait twice the one before, from webhook_retry_delay seconds).
+    events_retention_days: float = Field(7.0, gt=0, le=365)
+    webhook_private_urls: Literal["auto", "allow", "deny"] = "auto"
+    webhook_timeout: float = Field(10.0, gt=0, le=120)
+    webhook_retries: int = Field(5, ge=0, le=20)
+    webhook_retry_delay: float = Field(1.0, ge=0, le=600)
+
     default_timeout: int = DEFAULT_TIMEOUT
     max_timeout: int = 24 * 3600
     # The longest grace period a create may ask for: seconds after its timeout a sandbox is held

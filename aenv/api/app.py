@@ -29,6 +29,8 @@ from aenv.api.sandboxes import add_body_schemas, router
 from aenv.dashboard import pages as dashboard_pages
 from aenv.dashboard import routes as dashboard_routes
 from aenv.errors import AenvError, PayloadTooLarge, RequestTimeout, error_body, error_headers
+from aenv.events.routes import router as events_router
+from aenv.events.service import Events
 from aenv.node.service import BuildHost, NodeService, Spawns
 from aenv.teams import guard as team_guard
 from aenv.teams.model import PRINCIPAL
@@ -74,6 +76,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
     happen inside the server's shutdown, before uvicorn re-raises the signal that stopped it.
     Every route first passes the team check (aenv/teams/guard.py)."""
     teams = tenancy if tenancy is not None else Tenancy(node, None)
+    events = Events(node)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -81,9 +84,11 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
             await node.start()
         try:
             await teams.start()
+            await events.start()
             yield
         finally:
             try:
+                await events.stop()
                 await teams.stop()
             finally:
                 await node.stop()
@@ -96,6 +101,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
         dependencies=[Depends(team_guard.check_route)],
     )
     app.state.node = node
+    app.state.events = events
     app.state.spawns = Spawns()  # E2B's spawnCount and lastSpawnedAt of each template
     node.state_listeners.append(app.state.spawns.observe)
     teams.install(app)
@@ -106,6 +112,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
     app.include_router(rollout.router)
     app.include_router(dashboard_routes.router)
     app.include_router(teams_router)
+    app.include_router(events_router)
     generate_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:

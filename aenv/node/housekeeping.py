@@ -365,6 +365,9 @@ async def _expire(node: Keeper, sandbox_id: str, *, pause: bool, keep_memory: bo
             # It cannot be paused (a socket the runtime cannot save, a wedged agent); a timeout
             # must still end it, as without autoPause.
             log.warning("sandbox %s timed out and cannot be paused (%s): killing it", sandbox_id, exc)
+    expired = node.sandboxes.get(sandbox_id)
+    if expired is not None:
+        expired.kill_reason = "timeout"
     await node.kill(sandbox_id)
 
 

@@ -136,6 +136,8 @@ class Node:
         self.records = Records(settings, self.store, self.usage_history)
         self.sandboxes = self.records.sandboxes
         self.state_listeners = self.records.state_listeners  # see Records
+        self.transition_listeners = self.records.transition_listeners
+        self.update_listeners = self.records.update_listeners
         # Called before a create or a fork starts (new sandboxes): each may refuse by raising
         # (the cluster agent refuses while the node cannot write the directory).
         self.admission_checks: list[Callable[[], None]] = []

@@ -37,6 +37,10 @@ class Records:
         # Called (synchronously; they must not block or raise) after every state change of a
         # sandbox, KILLED included: the cluster agent keeps the directory from them.
         self.state_listeners: list[Callable[[LiveSandbox], None]] = []
+        # The same, told the state left too; and told of a change of a running sandbox that is
+        # not a state's (a new timeout, new egress rules) with what changed: lifecycle events.
+        self.transition_listeners: list[Callable[[LiveSandbox, SandboxState, SandboxState], None]] = []
+        self.update_listeners: list[Callable[[LiveSandbox, dict[str, Any]], None]] = []
         self._secret = b""
 
     def get(self, sandbox_id: str) -> LiveSandbox:
@@ -59,12 +63,19 @@ class Records:
 
     async def set_state(self, sb: LiveSandbox, target: SandboxState, *, persist: bool = True) -> None:
         check_transition(sb.id, sb.state, target)
-        sb.events.transition(sb.state, target)
+        old = sb.state
+        sb.events.transition(old, target)
         sb.rec.state = target
         if persist:
             await self.store.put_sandbox(sb.rec)
         for listener in self.state_listeners:
             listener(sb)
+        for told in self.transition_listeners:
+            told(sb, old, target)
+
+    def _updated(self, sb: LiveSandbox, change: dict[str, Any]) -> None:
+        for listener in self.update_listeners:
+            listener(sb, change)
 
     def limits_of(self, rec: SandboxRecord) -> Limits:
         return self.limits_from(rec.limits)
@@ -94,6 +105,7 @@ class Records:
         await self.store.put_sandbox(sb.rec)
         if sb.egress is not None:
             sb.egress.recheck()
+        self._updated(sb, {"network": sb.rec.network, "internet": internet})
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
         """The sandbox expires ``timeout`` seconds from now; 0 expires it now (E2B's minimum), so
@@ -104,6 +116,7 @@ class Records:
         if timeout:  # 0 ends this run; its resumes get the lease it had
             sb.rec.timeout = timeout
         await self.store.put_sandbox(sb.rec)
+        self._updated(sb, {"end_at": sb.rec.end_at})
         return sb.rec
 
     def usage_of(self, sandbox_id: str) -> History | None:

@@ -49,6 +49,11 @@ class LiveSandbox:
     # too, for a while, as its clients are promised a pause only; a plain pause does not wait for them.
     streams: weakref.WeakSet[Stream] = field(default_factory=weakref.WeakSet)
     grace_of: float = 0.0  # the endAt whose grace period began (its commands but scoring ones stopped)
+    # Its lifecycle events' words (aenv/events): this run's id and start (a create or a resume
+    # begins one), and why a kill came ("request" unless something else says).
+    execution_id: str = ""
+    execution_started: float = 0.0
+    kill_reason: str = "request"
 
     def exchanging(self, *, streams: bool = False) -> bool:
         # Once the port's END is in, what it sent is all on the host: a pause cannot cut it short.

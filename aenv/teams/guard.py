@@ -53,6 +53,8 @@ SCOPED_PARAMS = frozenset(
         "team_id",  # the principal's own team, or any for the admin key (aenv/teams/routes.py)
         "name",  # the dashboard's static files
         "prefetch_id",  # an image prefetch job: image references the node pulls, no team's data
+        "event_sandbox_id",  # the principal's team's events only, a killed sandbox's too (aenv/events)
+        "webhook_id",  # the principal's team's webhooks only (aenv/events/routes.py)
     }
 )
 KNOWN_PARAMS = SANDBOX_PARAMS | SNAPSHOT_PARAMS | TEMPLATE_PARAMS | SCOPED_PARAMS

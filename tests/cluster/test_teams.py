@@ -5,6 +5,7 @@ across gateways. Seen failing with the gateways' admission off (each node counti
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -136,7 +137,7 @@ def test_two_teams_are_isolated_on_every_route_through_the_gateways(cluster: Bus
         assert routes_with_ids(owned, b_other) > 80
         routes_without_ids(owned, b_other, cluster.layout)
         envd_traffic(owned, b_other)
-        moved = Owned(cluster.on(a, 1), owned.running, owned.paused, owned.snapshot, owned.template, owned.key_id)
+        moved = dataclasses.replace(owned, team=cluster.on(a, 1))
         assert routes_with_ids(moved, cluster.on(b, 0)) > 80  # the other way round, gateways swapped
         with b_other.client() as client:
             for method, path in (

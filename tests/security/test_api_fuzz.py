@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
@@ -61,6 +62,8 @@ def existing(server: Server) -> Iterator[set[str]]:
             api.delete(f"/snapshots/{snapshot_id}")
         for template_id in after["templates"] - before["templates"]:
             api.delete(f"/templates/{template_id}", params={"force": "true"})
+        for webhook_id in after["webhooks"] - before["webhooks"]:
+            api.delete(f"/events/webhooks/{webhook_id}")
 
 
 def _inventory(api: httpx.Client) -> dict[str, set[str]]:
@@ -69,6 +72,7 @@ def _inventory(api: httpx.Client) -> dict[str, set[str]]:
         "sandboxes": {s["sandboxID"] for s in api.get("/v2/sandboxes").json()},
         "snapshots": {s["snapshotID"] for s in api.get("/snapshots").json()},
         "templates": {t["templateID"] for t in templates} | {a for t in templates for a in t["aliases"]},
+        "webhooks": {h["id"] for h in api.get("/events/webhooks").json()},
     }
 
 
@@ -123,6 +127,8 @@ def test_no_input_is_a_server_error(case: Case, server: Server, existing: set[st
         if isinstance(limits, dict) and "diskSizeMB" in limits:
             limits["diskSizeMB"] = 2048
         pulls = _kept_on_the_machine(case.body)
+    if case.path.startswith("/events/webhooks") and isinstance(case.body, dict):
+        _deliveries_kept_on_the_machine(case.body)
     response = case.call(base_url=server.url, headers={"X-API-Key": API_KEY}, timeout=120)
     if case.method == "POST" and case.path in CREATES and response.status_code == 201:
         httpx.delete(f"{server.url}/sandboxes/{response.json()['sandboxID']}", headers={"X-API-Key": API_KEY})
@@ -155,6 +161,21 @@ def _kept_on_the_machine(body: dict[str, Any]) -> bool:
         body[key] = str(replace(ref, registry=NOWHERE))
         pulls = True
     return pulls
+
+
+def _deliveries_kept_on_the_machine(body: dict[str, Any]) -> None:
+    """A webhook's URL, when it is one the node would deliver to, sent to a closed port here: the
+    fuzzer must not choose where the node's requests go (nor have names looked up)."""
+    url = body.get("url")
+    if not isinstance(url, str):
+        return
+    try:
+        parts = urlsplit(url)
+        named = parts.scheme in ("http", "https") and parts.hostname
+    except ValueError:
+        return
+    if named:
+        body["url"] = urlunsplit(parts._replace(netloc=NOWHERE))
 
 
 def _touches(case: Case, names: set[str]) -> bool:

@@ -60,6 +60,9 @@ UNSCOPED: dict[tuple[str, str], str] = {
     ("POST", "/templates/from-image"): "claim",
     ("POST", "/templates/build"): "claim",
     ("POST", "/v3/templates"): "claim",
+    ("GET", "/events/sandboxes"): "list",
+    ("GET", "/events/webhooks"): "list",
+    ("POST", "/events/webhooks"): "own",
 }
 # Bodies that are valid, so that a route reaches its lookup (an id that does not exist: its 404).
 BODIES: dict[tuple[str, str], Any] = {
@@ -73,6 +76,7 @@ BODIES: dict[tuple[str, str], Any] = {
     ("PATCH", "/teams/{team_id}"): {"name": "stolen"},
     ("PATCH", "/api-keys/{api_key_id}"): {"name": "stolen"},
     ("POST", "/admin/teams/{team_id}/api-keys"): {"name": "stolen"},
+    ("PATCH", "/events/webhooks/{webhook_id}"): {"name": "stolen"},
 }
 
 
@@ -107,6 +111,7 @@ class Owned:
     snapshot: str
     template: str
     key_id: str
+    webhook: str
 
 
 def make_owned(a: TeamKey, layout: Path) -> Owned:
@@ -122,7 +127,10 @@ def make_owned(a: TeamKey, layout: Path) -> Owned:
         made = client.post("/templates/from-image", json={"name": name, "image": f"oci:{layout}:v1"})
         assert made.status_code == 201, made.text
         key_id = client.get("/api-keys").json()[0]["id"]
-    return Owned(a, running, paused, snap.json()["snapshotID"], name, key_id)
+        hook = {"name": "a's", "url": "http://127.0.0.1:9/a", "events": ["sandbox.lifecycle.killed"]}
+        webhook = client.post("/events/webhooks", json={**hook, "signatureSecret": "a-secret-of-a"})
+        assert webhook.status_code == 201, webhook.text
+    return Owned(a, running, paused, snap.json()["snapshotID"], name, key_id, webhook.json()["id"])
 
 
 def drop_owned(a: Owned) -> None:
@@ -131,6 +139,7 @@ def drop_owned(a: Owned) -> None:
         client.delete(f"/sandboxes/{a.paused}")
         client.delete(f"/snapshots/{a.snapshot}")
         client.delete(f"/templates/{a.template}")
+        client.delete(f"/events/webhooks/{a.webhook}")
 
 
 def _values(a: Owned, which: str) -> dict[str, str]:
@@ -143,6 +152,8 @@ def _values(a: Owned, which: str) -> dict[str, str]:
             "alias": "nope-" + secrets.token_hex(4),
             "team_id": str(uuid.uuid4()),
             "api_key_id": str(uuid.uuid4()),
+            "event_sandbox_id": "zz" + secrets.token_hex(9),
+            "webhook_id": str(uuid.uuid4()),
         }
     return {
         "sandbox_id": a.paused if which == "paused" else a.running,
@@ -151,6 +162,8 @@ def _values(a: Owned, which: str) -> dict[str, str]:
         "alias": a.template,
         "team_id": a.team.team_id,
         "api_key_id": a.key_id,
+        "event_sandbox_id": a.paused if which == "paused" else a.running,
+        "webhook_id": a.webhook,
     }
 
 
@@ -199,7 +212,7 @@ def routes_without_ids(a: Owned, b: TeamKey, layout: Path) -> None:
         if not PARAM.search(path) or (method, PARAM.sub(lambda m: "{" + m.group(1) + "}", path)) in UNSCOPED
     }
     assert unscoped - UNSCOPED.keys() == set(), "new routes: say in UNSCOPED what another team may do there"
-    secrets_of_a = [a.running, a.paused, a.snapshot, a.template, a.team.team_id, a.key_id, a.team.key]
+    secrets_of_a = [a.running, a.paused, a.snapshot, a.template, a.team.team_id, a.key_id, a.team.key, a.webhook]
     with b.client() as client:
         for (method, path), kind in sorted(UNSCOPED.items()):
             if (method, path) not in unscoped:
