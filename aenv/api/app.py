@@ -88,10 +88,12 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
             yield
         finally:
             try:
-                await events.stop()
                 await teams.stop()
             finally:
-                await node.stop()
+                try:
+                    await node.stop()
+                finally:  # after the node: the pauses of its stop are events too
+                    await events.stop()
 
     app = FastAPI(
         title="aenv",

@@ -30,6 +30,7 @@ import grpc
 
 from aenv.cluster.entries import PREFIX
 from aenv.cluster.store import TXN, ClusterStore
+from aenv.errors import ClusterUnavailable
 from aenv.events.model import LifecycleEvent, Webhook
 
 log = logging.getLogger("aenv.events")
@@ -205,8 +206,8 @@ class EtcdEventStore:
             raise LostLeadership("another node delivers now")
 
 
-class LostLeadership(Exception):
-    pass
+class LostLeadership(ClusterUnavailable):
+    """This node no longer holds the deliverer's key: another delivers from the last position."""
 
 
 class Leadership:
