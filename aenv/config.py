@@ -61,6 +61,11 @@ class Settings(BaseSettings):
     # point at a loopback, private or link-local address ("auto": only on a node that listens on
     # loopback alone, where whoever registers one already reaches the host); a delivery's deadline
     # and its retries (each wait twice the one before, from webhook_retry_delay seconds).
+    # Where volumes' directories are ("": <data_dir>/volumes); in a cluster, one shared directory
+    # (NFS or similar) at the same path on every node (aenv/volumes).
+    volumes_dir: Path | None = None
+    # Each volume's size on a node alone: its own ext4 image (0: plain directories, no limit).
+    volume_size_mb: int = Field(10240, ge=0, le=16 * 2**20)
     events_retention_days: float = Field(7.0, gt=0, le=365)
     webhook_private_urls: Literal["auto", "allow", "deny"] = "auto"
     webhook_timeout: float = Field(10.0, gt=0, le=120)
@@ -111,6 +116,10 @@ class Settings(BaseSettings):
     layer_ratio_floor_mb: int = Field(256, ge=0)
     max_layer_entries: int = Field(2_000_000, ge=1)
     max_image_entries: int = Field(4_000_000, ge=1)
+
+    @property
+    def volumes_root(self) -> Path:
+        return self.volumes_dir or self.data_dir / "volumes"
 
     @field_validator("registry_auth")
     @classmethod

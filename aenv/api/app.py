@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as StarletteRequest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,6 +37,8 @@ from aenv.teams import guard as team_guard
 from aenv.teams.model import PRINCIPAL
 from aenv.teams.routes import router as teams_router
 from aenv.teams.tenancy import Tenancy
+from aenv.volumes.routes import router as volumes_router
+from aenv.volumes.service import Volumes
 
 log = logging.getLogger("aenv.api")
 HOST_ROUTE = re.compile(r"^(\d+)-([a-z0-9]+)$")
@@ -50,6 +53,8 @@ PUBLIC_ROUTES = frozenset(
 # node, which may not have learned yet what another node committed to the shared repository.
 CATALOGUE_REF = re.compile(r"^/(?:v\d+/)?(?:templates|snapshots)(?:/aliases)?/(?P<ref>[^/]+)")
 CATALOGUE_LISTS = frozenset({"/templates", "/snapshots", "/v2/templates"})
+# E2B's volume content API: the volume's own bearer token, which its routes check (aenv/volumes).
+VOLUME_CONTENT = re.compile(r"/volumecontent/[^/]+/(?:dir|path|file)")
 SIGNED_UPLOAD = re.compile(r"/templates/(?P<template>[^/]+)/files/(?P<files_hash>[^/]+)/upload")
 
 
@@ -77,6 +82,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
     Every route first passes the team check (aenv/teams/guard.py)."""
     teams = tenancy if tenancy is not None else Tenancy(node, None)
     events = Events(node)
+    volumes = Volumes(node)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -84,6 +90,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
             await node.start()
         try:
             await teams.start()
+            await volumes.start()
             await events.start()
             yield
         finally:
@@ -94,6 +101,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
                     await node.stop()
                 finally:  # after the node: the pauses of its stop are events too
                     await events.stop()
+                    await volumes.stop()
 
     app = FastAPI(
         title="aenv",
@@ -104,6 +112,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
     )
     app.state.node = node
     app.state.events = events
+    app.state.volumes = volumes
     app.state.spawns = Spawns()  # E2B's spawnCount and lastSpawnedAt of each template
     node.state_listeners.append(app.state.spawns.observe)
     teams.install(app)
@@ -115,6 +124,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
     app.include_router(dashboard_routes.router)
     app.include_router(teams_router)
     app.include_router(events_router)
+    app.include_router(volumes_router)
     generate_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -272,11 +282,16 @@ async def _learn_catalogue(node: BuildHost, scope: Scope) -> None:
 
 
 def _streams_its_body(scope: Scope) -> bool:
-    """Template build contexts and template file uploads: streamed to disk with their own bound."""
+    """Template build contexts, template file uploads and volume files: streamed to disk with
+    their own bound."""
     method, path = scope["method"], scope["path"]
     return (method, path) == ("POST", "/templates/build") or (
-        method == "PUT" and SIGNED_UPLOAD.fullmatch(path) is not None
+        method == "PUT" and (SIGNED_UPLOAD.fullmatch(path) is not None or VOLUME_CONTENT.fullmatch(path) is not None)
     )
+
+
+def _bearer(scope: Scope) -> bool:
+    return Headers(scope=scope).get("authorization", "")[:7].lower() == "bearer "
 
 
 def _too_large(limit: int) -> PayloadTooLarge:
@@ -326,6 +341,8 @@ def _open_without_key(scope: Scope, node: NodeService) -> bool:
         return False
     method, path = scope["method"], scope["path"]
     if (method, path) in PUBLIC_ROUTES or dashboard_pages.is_page(method, path):
+        return True
+    if VOLUME_CONTENT.fullmatch(path) and _bearer(scope) and "x-api-key" not in Headers(scope=scope):
         return True
     upload = SIGNED_UPLOAD.fullmatch(path)
     if method != "PUT" or upload is None:

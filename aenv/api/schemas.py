@@ -154,7 +154,7 @@ class NewSandbox(BaseModel):
     # sandbox themselves (from an `mcp-gateway` template), which works here unchanged.
     mcp: dict[str, Any] | None = None
     iam: SandboxIam | None = None  # refused unless empty (not built)
-    volume_mounts: list[dict[str, Any]] | None = Field(None, alias="volumeMounts")  # refused unless empty
+    volume_mounts: list[dict[str, Any]] | None = Field(None, alias="volumeMounts", max_length=64)  # aenv/volumes
 
     @field_validator("metadata")
     @classmethod
@@ -332,6 +332,7 @@ def sandbox_detail(node: NodeService, sb: LiveSandbox, domain: str | None) -> di
             },
             "aenvState": rec.state.value,
             "teamID": rec.team or DEFAULT_TEAM,  # whose (an operator's listing of every team's)
+            "volumeMounts": [{"name": m["name"], "path": m["path"]} for m in rec.volume_mounts],
         }
     )
     if node.is_dozing(sb):

@@ -121,10 +121,14 @@ class Creation:
             guest=guest,
             start=start,
             team=team_of_new(),
+            volume_mounts=[dict(m) for m in spec.volume_mounts],
         )
         # From the check to the sandbox's entry nothing awaits: a burst cannot overfill the node.
         self.admission.check_room(rec)
-        member = self.warm.take(source, self.records.limits_of(rec)) if isinstance(source, TemplateRecord) else None
+        # A pool member was restored without volumes: a create that mounts some restores its own.
+        member = None
+        if isinstance(source, TemplateRecord) and not rec.volume_mounts:
+            member = self.warm.take(source, self.records.limits_of(rec))
         if member is not None:
             return await self._claim(member, rec, timeout)
         sb = LiveSandbox(rec)
@@ -300,6 +304,7 @@ class Creation:
             workdir=src.workdir,
             start=dict(src.start),
             team=src.team,
+            volume_mounts=[dict(m) for m in src.volume_mounts],
         )
         child = LiveSandbox(rec)
         child.events.note(f"forked from {src.id}")

@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from aenv.channel import PROTOCOL_VIOLATION, StreamError, Unsendable
 from aenv.config import Settings
-from aenv.errors import CHECKPOINT_REFUSAL, AenvError, CheckpointRefused
+from aenv.errors import CHECKPOINT_REFUSAL, AenvError, CheckpointRefused, Conflict
 from aenv.node import egress
 from aenv.node.agentlink import AgentLink
 from aenv.node.artifacts import ArtifactCache
@@ -82,10 +83,23 @@ class Instances:
             config["hold_heap"] = True  # nothing to give back: the agent's churn would only add
         return config
 
-    def rootfs(self, layers: list[str], upper: str, guest: str = "") -> RootfsSpec:
+    def rootfs(self, layers: list[str], upper: str, guest: str = "", rec: SandboxRecord | None = None) -> RootfsSpec:
         files = self.files
         disks = tuple(files.disk(x) for x in layers)
-        return RootfsSpec(tuple(files.layer(x) for x in layers), files.upper(upper), guest, disks, files.disk(upper))
+        mounts = self.mounts_of(rec) if rec is not None else ()
+        return RootfsSpec(
+            tuple(files.layer(x) for x in layers), files.upper(upper), guest, disks, files.disk(upper), mounts
+        )
+
+    def mounts_of(self, rec: SandboxRecord) -> tuple[tuple[Path, str], ...]:
+        """The sandbox's volumes: each one's directory and where it is bound (aenv/volumes)."""
+        mounts = []
+        for mount in rec.volume_mounts:
+            host = self.settings.volumes_root / mount["id"] / "data"
+            if not host.is_dir():
+                raise Conflict(f"volume {mount['name']!r} of sandbox {rec.id} was deleted")
+            mounts.append((host, mount["path"]))
+        return tuple(mounts)
 
     async def restore_into(
         self, sb: LiveSandbox, *, image: str, layers: list[str], upper: str, fresh: bool, hold_heap: bool = False
@@ -95,7 +109,7 @@ class Instances:
         instance_id = new_id()
         instance = await self.driver.restore(
             instance_id=instance_id,
-            rootfs=self.rootfs(layers, upper, sb.rec.guest),
+            rootfs=self.rootfs(layers, upper, sb.rec.guest, sb.rec),
             limits=self.records.limits_of(sb.rec),
             image_dir=self.files.image(image),
         )
@@ -131,7 +145,7 @@ class Instances:
         for its agent's hello (then ``ready``, given the link). On failure nothing is left running."""
         instance_id, guest = new_id(), self.driver.guest_key()
         instance = await self.driver.boot(
-            instance_id=instance_id, rootfs=self.rootfs(sb.rec.layers, sb.rec.upper, guest), limits=limits
+            instance_id=instance_id, rootfs=self.rootfs(sb.rec.layers, sb.rec.upper, guest, sb.rec), limits=limits
         )
         link = self.link_for(sb)
         try:

@@ -24,6 +24,7 @@ class SandboxSpec:
     public_traffic: bool = True  # its ports answer without the traffic token
     mask_request_host: str = ""  # the Host its ports see (E2B's maskRequestHost)
     grace: int = 0  # seconds after the timeout when only scoring commands run
+    volume_mounts: list[dict[str, str]] = field(default_factory=list)  # checked: {"name", "path", "id"}
 
 
 DEFAULT_SPEC = SandboxSpec()  # (frozen: safe as a shared default)

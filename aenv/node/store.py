@@ -67,6 +67,8 @@ class SandboxRecord:
     workdir: str = ""  # default working directory ("" = the default user's home)
     start: dict[str, Any] = field(default_factory=dict)  # the template's start command (StartCommand.record)
     team: str = ""  # the team it belongs to ("": the default team's; aenv/teams)
+    # Volumes bound into it: {"name", "path", "id"} each (aenv/volumes); its forks mount them too.
+    volume_mounts: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> str:
         body = asdict(self)

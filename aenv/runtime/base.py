@@ -45,6 +45,9 @@ class RootfsSpec:
     # upper's: what a VM attaches. Empty when the node did not say (a driver must then not need them).
     layer_disks: tuple[Path | None, ...] = ()
     upper_disk: Path | None = None
+    # Host directories bound read-write at these absolute sandbox paths (volumes): shared live
+    # with whatever else mounts them, never part of the upper, a checkpoint or a commit.
+    mounts: tuple[tuple[Path, str], ...] = ()
 
 
 @dataclass(slots=True)

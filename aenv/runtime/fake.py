@@ -151,6 +151,7 @@ class FakeDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             "work": str(work),
             "guest": str(self.guest_bundle(rootfs.guest)),
             "host_dirs": _host_dirs(rootfs.layers[0]) if rootfs.layers else [],
+            "mounts": [[str(host), path] for host, path in rootfs.mounts],
             "argv": guestbundle.agent_argv(),
             "env": {
                 "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",

@@ -48,6 +48,16 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+# statvfs flag -> mount flag, for the flags a less privileged mount namespace may not drop
+LOCKED_FLAGS = (
+    (os.ST_RDONLY, 0x1),  # MS_RDONLY
+    (os.ST_NOEXEC, 0x8),  # MS_NOEXEC
+    (os.ST_NOATIME, 0x400),  # MS_NOATIME
+    (os.ST_NODIRATIME, 0x800),  # MS_NODIRATIME
+    (os.ST_RELATIME, 0x200000),  # MS_RELATIME
+)
+
+
 def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     _check(
         libc.mount(
@@ -103,6 +113,21 @@ def populate(root: str, config: dict[str, object]) -> None:
             bind_read_only(f"/{name}", target, MS_NODEV)
     _mkdir(f"{root}/.aenv")
     bind_read_only(str(config["guest"]), f"{root}/.aenv", MS_NOSUID | MS_NODEV)
+    for host, path in config.get("mounts", []):  # type: ignore[attr-defined]
+        # A volume: its target inside the root, with no link of the sandbox's on the way out of it.
+        target = root
+        for part in path.strip("/").split("/"):  # each made 0755 (this process's umask is the node's)
+            target = f"{target}/{part}"
+            if not os.path.lexists(target):
+                os.mkdir(target)
+                os.chmod(target, 0o755)
+        if os.path.realpath(target) != os.path.normpath(target):
+            raise OSError(f"volume mount point {path} leads out of the sandbox's root")
+        mount(host, target, None, MS_BIND | MS_REC)
+        # The flags of the volume's own mount are locked in this user namespace: kept, not dropped.
+        kept = os.statvfs(host).f_flag
+        locked = sum(ms for st, ms in LOCKED_FLAGS if kept & st)
+        mount("none", target, None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | locked)
     _mkdir(f"{root}/proc")
     mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     _mkdir(f"{root}/sys")

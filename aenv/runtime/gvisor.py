@@ -595,7 +595,12 @@ class GVisorDriver(guestbundle.BundledGuests):
             raise RuntimeFailure("no runsc platform chosen yet: the driver starts sandboxes only after prepare()")
         bundle = self.bundles / instance_id
         bundle.mkdir(parents=True, exist_ok=True)
-        (bundle / "config.json").write_text(json.dumps(self._spec(instance_id, limits, rootfs.guest)))
+        spec = self._spec(instance_id, limits, rootfs.guest)
+        spec["mounts"] += [
+            {"destination": path, "type": "bind", "source": str(host), "options": ["rbind", "rw", "nosuid", "nodev"]}
+            for host, path in rootfs.mounts
+        ]
+        (bundle / "config.json").write_text(json.dumps(spec))
         await self._mount_rootfs(bundle, rootfs)
         to_guest_r, to_guest_w = os.pipe()
         from_guest_r, from_guest_w = os.pipe()

@@ -166,6 +166,8 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             raise RuntimeFailure(f"the qemu driver boots at most {MAX_LAYERS} layers yet; this sandbox has {count}")
         if rootfs.upper_disk is None:
             raise RuntimeFailure("the qemu driver needs the sandbox's upper as a disk image (not a plain directory)")
+        if rootfs.mounts:
+            raise RuntimeFailure("the qemu driver mounts no volumes yet")
         bundle = self.bundles / instance_id
         bundle.mkdir(parents=True, exist_ok=True)
         try:

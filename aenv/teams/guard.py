@@ -55,6 +55,7 @@ SCOPED_PARAMS = frozenset(
         "prefetch_id",  # an image prefetch job: image references the node pulls, no team's data
         "event_sandbox_id",  # the principal's team's events only, a killed sandbox's too (aenv/events)
         "webhook_id",  # the principal's team's webhooks only (aenv/events/routes.py)
+        "volume_id",  # the principal's team's volumes, or the one a content token names (aenv/volumes)
     }
 )
 KNOWN_PARAMS = SANDBOX_PARAMS | SNAPSHOT_PARAMS | TEMPLATE_PARAMS | SCOPED_PARAMS

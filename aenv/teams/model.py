@@ -36,13 +36,14 @@ class Quotas:
     """A team's limits; 0 is no limit. ``running``: sandboxes not paused (creating, running,
     resuming, ...); ``paused``; ``creates_per_second`` (a window of max(1, 1/rate) seconds);
     ``fork``: children of one fork; ``disk_mb``: the disk quotas of its sandboxes, paused ones
-    included, added up."""
+    included, added up; ``volumes``: the volumes it keeps."""
 
     running: int = 0
     paused: int = 0
     creates_per_second: float = 0.0
     fork: int = 0
     disk_mb: int = 0
+    volumes: int = 0  # volumes it keeps (aenv/volumes)
 
     @classmethod
     def parse(cls, body: Any, base: Quotas | None = None) -> Quotas:
@@ -74,6 +75,7 @@ QUOTA_WIRE = {
     "creates_per_second": "createsPerSecond",
     "fork": "maxFork",
     "disk_mb": "maxDiskMB",
+    "volumes": "maxVolumes",
 }
 QUOTA_NAMES = {**{v: k for k, v in QUOTA_WIRE.items()}, **{k: k for k in QUOTA_WIRE}}
 

@@ -147,7 +147,7 @@ def test_a_create_the_node_refuses_is_answered_as_the_node_answered(cluster: Clu
     bodies = [
         {"templateId": "base"},
         {"templateID": "base", "metadata": {"a\x00": "b"}},
-        {"templateID": "base", "volumeMounts": [{"name": "v", "path": "/mnt"}]},
+        {"templateID": "base", "iam": {"tokens": {"aws": {"audience": "sts.amazonaws.com"}}}},
     ]
 
     def listed() -> set[str]:

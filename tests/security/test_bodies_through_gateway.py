@@ -141,7 +141,7 @@ def test_create_and_fork_bodies_are_refused_through_a_gateway_as_on_a_node(api: 
         r = api.post(f"/sandboxes/{sid}/fork", content=raw, headers=JSON)
         assert client_error(r), (raw, r.status_code, r.text)
     unbuilt = {
-        "volumeMounts": ({"volumeMounts": [{"name": "data", "path": "/mnt/data"}]}, "Volume mounts are not enabled."),
+        "volumeMounts": ({"volumeMounts": [{"name": "data", "path": "/mnt/data"}]}, "volume 'data' not found"),
         "iam": (
             {"iam": {"tokens": {"aws": {"audience": "sts.amazonaws.com"}}}},
             "Sandbox IAM workload tokens are not available for your team.",
@@ -149,7 +149,8 @@ def test_create_and_fork_bodies_are_refused_through_a_gateway_as_on_a_node(api: 
     }
     for field, message in unbuilt.values():
         r = api.post("/v2/sandboxes", json={"templateID": TEMPLATE, "timeout": 60, **field})
-        assert (r.status_code, r.json().get("message")) == (400, message), r.text
+        status = 404 if "volumeMounts" in field else 400
+        assert (r.status_code, r.json().get("message")) == (status, message), r.text
     assert sandboxes(api) == {sid}  # nothing was made
 
 

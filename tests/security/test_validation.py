@@ -127,7 +127,6 @@ def test_unknown_misspelt_and_mistyped_create_fields_are_400(api: httpx.Client) 
 @pytest.mark.parametrize(
     ("field", "message"),
     [
-        ({"volumeMounts": [{"name": "data", "path": "/mnt/data"}]}, "Volume mounts are not enabled."),
         (
             {"iam": {"tokens": {"aws": {"audience": "sts.amazonaws.com", "tokenType": "JWT-SVID"}}}},
             "Sandbox IAM workload tokens are not available for your team.",
@@ -137,13 +136,21 @@ def test_unknown_misspelt_and_mistyped_create_fields_are_400(api: httpx.Client) 
             "HTTPS sandbox ports (network.httpsPorts) are not available for your team.",
         ),
     ],
-    ids=["volumeMounts", "iam", "httpsPorts"],
+    ids=["iam", "httpsPorts"],
 )
 def test_unbuilt_e2b_features_are_refused_in_e2b_words(api: httpx.Client, field: dict[str, Any], message: str) -> None:
     """They were 201 with the feature silently missing: a sandbox without the volume or token asked for."""
     before = sandboxes(api)
     r = api.post("/v2/sandboxes", json={"templateID": TEMPLATE, "timeout": 60, **field})
     assert (r.status_code, r.json()["message"]) == (400, message), r.text
+    assert sandboxes(api) == before
+
+
+def test_a_mount_of_a_volume_that_does_not_exist_is_a_404_naming_it(api: httpx.Client) -> None:
+    before = sandboxes(api)
+    body = {"templateID": TEMPLATE, "timeout": 60, "volumeMounts": [{"name": "data", "path": "/mnt/data"}]}
+    r = api.post("/v2/sandboxes", json=body)
+    assert (r.status_code, r.json()["message"]) == (404, "volume 'data' not found"), r.text
     assert sandboxes(api) == before
 
 

@@ -63,6 +63,8 @@ UNSCOPED: dict[tuple[str, str], str] = {
     ("GET", "/events/sandboxes"): "list",
     ("GET", "/events/webhooks"): "list",
     ("POST", "/events/webhooks"): "own",
+    ("GET", "/volumes"): "list",
+    ("POST", "/volumes"): "own",
 }
 # Bodies that are valid, so that a route reaches its lookup (an id that does not exist: its 404).
 BODIES: dict[tuple[str, str], Any] = {
@@ -112,6 +114,7 @@ class Owned:
     template: str
     key_id: str
     webhook: str
+    volume: str
 
 
 def make_owned(a: TeamKey, layout: Path) -> Owned:
@@ -130,7 +133,10 @@ def make_owned(a: TeamKey, layout: Path) -> Owned:
         hook = {"name": "a's", "url": "http://127.0.0.1:9/a", "events": ["sandbox.lifecycle.killed"]}
         webhook = client.post("/events/webhooks", json={**hook, "signatureSecret": "a-secret-of-a"})
         assert webhook.status_code == 201, webhook.text
-    return Owned(a, running, paused, snap.json()["snapshotID"], name, key_id, webhook.json()["id"])
+        volume = client.post("/volumes", json={"name": f"a-vol-{secrets.token_hex(3)}"})
+        assert volume.status_code == 201, volume.text
+    snapshot_id = snap.json()["snapshotID"]
+    return Owned(a, running, paused, snapshot_id, name, key_id, webhook.json()["id"], volume.json()["volumeID"])
 
 
 def drop_owned(a: Owned) -> None:
@@ -140,6 +146,7 @@ def drop_owned(a: Owned) -> None:
         client.delete(f"/snapshots/{a.snapshot}")
         client.delete(f"/templates/{a.template}")
         client.delete(f"/events/webhooks/{a.webhook}")
+        client.delete(f"/volumes/{a.volume}")
 
 
 def _values(a: Owned, which: str) -> dict[str, str]:
@@ -154,6 +161,7 @@ def _values(a: Owned, which: str) -> dict[str, str]:
             "api_key_id": str(uuid.uuid4()),
             "event_sandbox_id": "zz" + secrets.token_hex(9),
             "webhook_id": str(uuid.uuid4()),
+            "volume_id": str(uuid.uuid4()),
         }
     return {
         "sandbox_id": a.paused if which == "paused" else a.running,
@@ -164,6 +172,7 @@ def _values(a: Owned, which: str) -> dict[str, str]:
         "api_key_id": a.key_id,
         "event_sandbox_id": a.paused if which == "paused" else a.running,
         "webhook_id": a.webhook,
+        "volume_id": a.volume,
     }
 
 
@@ -212,7 +221,8 @@ def routes_without_ids(a: Owned, b: TeamKey, layout: Path) -> None:
         if not PARAM.search(path) or (method, PARAM.sub(lambda m: "{" + m.group(1) + "}", path)) in UNSCOPED
     }
     assert unscoped - UNSCOPED.keys() == set(), "new routes: say in UNSCOPED what another team may do there"
-    secrets_of_a = [a.running, a.paused, a.snapshot, a.template, a.team.team_id, a.key_id, a.team.key, a.webhook]
+    secrets_of_a = [a.running, a.paused, a.snapshot, a.template, a.team.team_id, a.key_id, a.team.key]
+    secrets_of_a += [a.webhook, a.volume]
     with b.client() as client:
         for (method, path), kind in sorted(UNSCOPED.items()):
             if (method, path) not in unscoped:

@@ -129,6 +129,7 @@ def test_the_admin_key_is_the_default_team_and_manages_teams(admin: httpx.Client
         "createsPerSecond": 5.0,
         "maxFork": 0,
         "maxDiskMB": 0,
+        "maxVolumes": 0,
     }
     bad = admin.patch(f"/teams/{team.team_id}", json={"quotas": {"maxRunning": True}})
     assert bad.status_code == 400 and "maxRunning" in bad.json()["message"]

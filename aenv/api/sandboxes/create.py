@@ -15,7 +15,9 @@ from aenv.api.sandboxes.requests import _body, build_host_of, domain_of, json_bo
 from aenv.api.schemas import NewSandbox, sandbox_json
 from aenv.errors import InvalidRequest, SnapshotNotFound, TemplateNotFound
 from aenv.node.service import BuildHost, NodeService, SandboxSpec, create_id_of
+from aenv.teams.model import team_of_new
 from aenv.templates import image_sources
+from aenv.volumes.service import Volumes
 
 router = APIRouter()
 # The template E2B's SDKs create from when given MCP servers; they start its gateway themselves
@@ -57,6 +59,8 @@ async def _create(request: Request) -> JSONResponse:
     limits = body.limits.model_dump(exclude_none=True) if body.limits else None
     network = egress_rules(body.network, known=CREATE_NETWORK_FIELDS)
     public_traffic, mask_request_host = ingress_options(body.network, secure=secure)
+    volumes: Volumes = request.app.state.volumes
+    mounts = await volumes.mounts_for(body.volume_mounts, team_of_new())
 
     spec = SandboxSpec(
         timeout=body.timeout,
@@ -72,6 +76,7 @@ async def _create(request: Request) -> JSONResponse:
         public_traffic=public_traffic,
         mask_request_host=mask_request_host,
         grace=body.grace or 0,
+        volume_mounts=mounts,
     )
 
     async def create() -> str:

@@ -33,9 +33,7 @@ UPDATE_NETWORK_FIELDS = frozenset(
 
 def unbuilt_features(body: NewSandbox) -> None:
     """E2B features aenv does not have, refused as E2B refuses them to a team without them (a
-    sandbox without its volumes or workload tokens is not the one asked for); empty is fine."""
-    if body.volume_mounts:
-        raise InvalidRequest("Volume mounts are not enabled.")
+    sandbox without its workload tokens is not the one asked for); empty is fine."""
     if body.iam is not None and body.iam.tokens:
         raise InvalidRequest("Sandbox IAM workload tokens are not available for your team.")
 

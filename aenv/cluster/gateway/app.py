@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
-from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD
+from aenv.api.app import PUBLIC_ROUTES, SIGNED_UPLOAD, VOLUME_CONTENT
 from aenv.cluster.entries import ClusterConfig
 from aenv.cluster.gateway.admin import NodeRoutes
 from aenv.cluster.gateway.artifacts import Artifacts
@@ -215,5 +215,10 @@ class Gateway:
 
 
 def _open_at_nodes(method: str, path: str) -> bool:
-    """What the nodes open without the key stays open (a signed upload's token is the node's to check)."""
-    return (method, path) in PUBLIC_ROUTES or (method == "PUT" and SIGNED_UPLOAD.fullmatch(path) is not None)
+    """What the nodes open without the key stays open (a signed upload's token, a volume's content
+    token: the node's to check)."""
+    return (
+        (method, path) in PUBLIC_ROUTES
+        or (method == "PUT" and SIGNED_UPLOAD.fullmatch(path) is not None)
+        or VOLUME_CONTENT.fullmatch(path) is not None
+    )

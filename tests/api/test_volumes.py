@@ -1,0 +1,189 @@
+"""E2B's volumes with the E2B SDK's own calls: made, listed and deleted; their content read and
+written through the content API; mounted into sandboxes, shared live between them, there after a
+pause and in a fork's child; and a sandbox's links in a volume never followed by the host.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import Sandbox, Volume
+from e2b.exceptions import NotFoundException
+
+from tests.conftest import API_KEY, DATA_DIR, Server, start_server
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
+
+
+@pytest.fixture()
+def vol_env(e2b_env: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
+    monkeypatch.setenv("E2B_VOLUME_API_URL", e2b_env.url)  # the SDK's content calls go to the node too
+    return e2b_env
+
+
+@pytest.fixture()
+def volume(vol_env: Server) -> Iterator[Volume]:
+    vol = Volume.create(f"v-{secrets.token_hex(4)}")
+    yield vol
+    Volume.destroy(vol.volume_id)
+
+
+def run(sbx: Sandbox, cmd: str) -> str:
+    result = sbx.commands.run(cmd)
+    assert result.exit_code == 0, result.stderr
+    return result.stdout
+
+
+def test_volumes_are_made_listed_read_and_deleted_with_the_sdk(vol_env: Server, api: httpx.Client) -> None:
+    name = f"data-{secrets.token_hex(3)}"
+    vol = Volume.create(name)
+    try:
+        assert vol.name == name and vol.volume_id
+        assert name in [v.name for v in Volume.list()]
+        again = Volume.get_info(vol.volume_id)
+        assert again.volume_id == vol.volume_id and again.name == name
+        dup = api.post("/volumes", json={"name": name})
+        assert dup.status_code == 409 and name in dup.json()["message"]
+        vol.write_file("/notes/a.txt", b"hello", force=True)
+        assert vol.read_file("/notes/a.txt", format="bytes") == b"hello"
+        vol.make_dir("/deep/er/dir", force=True)
+        entries = {e.path: e for e in vol.list("/", depth=3)}
+        assert {"/notes", "/notes/a.txt", "/deep", "/deep/er", "/deep/er/dir"} <= set(entries)
+        assert entries["/notes/a.txt"].size == 5 and entries["/notes/a.txt"].type.value == "file"
+        assert vol.exists("/notes/a.txt") and not vol.exists("/nope")
+        changed = vol.update_metadata("/notes/a.txt", mode=0o600)
+        assert changed.mode == 0o600
+        vol.remove("/notes")
+        assert not vol.exists("/notes/a.txt")
+    finally:
+        assert Volume.destroy(vol.volume_id) is True
+    assert Volume.destroy(vol.volume_id) is False
+    with pytest.raises(NotFoundException):
+        Volume.get_info(vol.volume_id)
+
+
+def test_bad_names_paths_and_tokens_are_clear_errors(vol_env: Server, api: httpx.Client, volume: Volume) -> None:
+    for name in ("", "-x", "a/b", "x" * 200, "a b"):
+        assert api.post("/volumes", json={"name": name}).status_code == 400, name
+    for path in ("relative", "/", "/proc/x", "/.aenv", "/a/../b"):
+        r = api.post("/sandboxes", json={"volumeMounts": [{"name": volume.name, "path": path}]})
+        assert r.status_code == 400, (path, r.text)
+    missing = api.post("/sandboxes", json={"volumeMounts": [{"name": "no-such-volume", "path": "/mnt/x"}]})
+    assert missing.status_code == 404 and "no-such-volume" in missing.json()["message"]
+    overlap = [{"name": volume.name, "path": "/mnt/a"}, {"name": volume.name, "path": "/mnt/a/b"}]
+    assert api.post("/sandboxes", json={"volumeMounts": overlap}).status_code == 400
+    base = f"{vol_env.url}/volumecontent/{volume.volume_id}/path"
+    assert httpx.get(base, params={"path": "/"}).status_code == 401  # neither token nor key
+    wrong = httpx.get(base, params={"path": "/"}, headers={"Authorization": "Bearer not-the-token"})
+    assert wrong.status_code == 404
+    other = Volume.create(f"other-{secrets.token_hex(3)}")
+    try:
+        crossed = httpx.get(base, params={"path": "/"}, headers={"Authorization": f"Bearer {other.token}"})
+        assert crossed.status_code == 404
+    finally:
+        Volume.destroy(other.volume_id)
+    ok = httpx.get(base, params={"path": "/"}, headers={"Authorization": f"Bearer {volume.token}"})
+    assert ok.status_code == 200 and ok.json()["type"] == "directory"
+    token = {"Authorization": f"Bearer {volume.token}"}
+    for bad in ("/../../etc/passwd", "/a/../../x"):
+        assert httpx.get(base, params={"path": bad}, headers=token).status_code == 400
+
+
+def test_a_volume_is_shared_live_kept_through_a_pause_and_mounted_by_forks(
+    vol_env: Server, api: httpx.Client, volume: Volume
+) -> None:
+    volume.write_file("/from-api.txt", b"seeded")
+    one = Sandbox.create(timeout=120, volume_mounts={"/mnt/data": volume})
+    two = Sandbox.create(timeout=120, volume_mounts={"/work/shared": volume.name})
+    try:
+        info = Sandbox.get_info(one.sandbox_id)
+        assert [(m["name"], m["path"]) for m in info.volume_mounts] == [(volume.name, "/mnt/data")]
+        assert run(one, "cat /mnt/data/from-api.txt") == "seeded"
+        run(one, "echo from-one > /mnt/data/one.txt && id -u > /mnt/data/uid")
+        assert run(two, "cat /work/shared/one.txt") == "from-one\n"  # live, no pause between
+        assert volume.read_file("/one.txt") == "from-one\n"
+        assert volume.read_file("/uid").strip() == run(one, "id -u").strip()  # the sandbox's user writes it
+        one.beta_pause()
+        run(two, "echo meanwhile > /work/shared/while-paused.txt")
+        resumed = Sandbox.connect(one.sandbox_id, timeout=120)
+        assert run(resumed, "cat /mnt/data/while-paused.txt") == "meanwhile\n"
+        children = api.post(f"/sandboxes/{one.sandbox_id}/fork", json={"count": 1})
+        assert children.status_code == 201, children.text
+        child_id = children.json()[0]["sandbox"]["sandboxID"]
+        child = Sandbox.connect(child_id)
+        run(child, "echo from-child > /mnt/data/child.txt")
+        assert run(two, "cat /work/shared/child.txt") == "from-child\n"
+        in_use = api.delete(f"/volumes/{volume.volume_id}")
+        assert in_use.status_code == 409 and "mounted" in in_use.json()["message"]
+        child.kill()
+    finally:
+        one.kill()
+        two.kill()
+
+
+def test_links_a_sandbox_leaves_in_a_volume_are_never_followed_by_the_host(vol_env: Server, volume: Volume) -> None:
+    sbx = Sandbox.create(timeout=120, volume_mounts={"/mnt/v": volume})
+    try:
+        run(sbx, "ln -s /etc/hostname /mnt/v/file-link && ln -s / /mnt/v/root-link && mkdir /mnt/v/d")
+        run(sbx, "ln -s /etc /mnt/v/d/etc-link")
+    finally:
+        sbx.kill()
+    listed = {e.path: e for e in volume.list("/", depth=2)}
+    assert listed["/file-link"].type.value == "symlink" and listed["/file-link"].target == "/etc/hostname"
+    headers = {"Authorization": f"Bearer {volume.token}"}
+    base = f"{vol_env.url}/volumecontent/{volume.volume_id}"
+    for path in ("/file-link", "/root-link/etc/hostname", "/d/etc-link/passwd"):
+        r = httpx.get(f"{base}/file", params={"path": path}, headers=headers)
+        assert r.status_code == 400, (path, r.status_code, r.text[:200])
+        assert "root:" not in r.text
+    # a write through a link is refused; a write at the link's own name replaces the link
+    through = httpx.put(f"{base}/file", params={"path": "/root-link/tmp/x"}, content=b"x", headers=headers)
+    assert through.status_code == 400
+    replaced = httpx.put(f"{base}/file", params={"path": "/file-link"}, content=b"mine", headers=headers)
+    assert replaced.status_code == 201 and replaced.json()["type"] == "file"
+    assert volume.read_file("/file-link") == "mine"
+    with open("/etc/hostname", "rb") as f:
+        assert f.read() != b"mine"
+    patched = httpx.patch(f"{base}/path", params={"path": "/d/etc-link"}, json={"mode": 0o777}, headers=headers)
+    assert patched.status_code == 400
+
+
+@pytest.fixture(scope="module")
+def small_volumes_node() -> Iterator[Server]:
+    """A node whose volumes are 64 MiB each."""
+    srv = start_server(Path(f"{DATA_DIR}-small-volumes"), extra_env={"AENV_VOLUME_SIZE_MB": "64"})
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.root  # the size limit is an ext4 image's: loop mounts need root
+def test_a_full_volume_is_enospc_inside_and_a_507_outside_never_the_hosts_disk(
+    small_volumes_node: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = small_volumes_node
+    for name, value in (("E2B_API_KEY", API_KEY), ("E2B_API_URL", node.url), ("E2B_SANDBOX_URL", node.url)):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("E2B_VOLUME_API_URL", node.url)
+    vol = Volume.create("small")
+    sbx = Sandbox.create(timeout=120, volume_mounts={"/mnt/v": vol})
+    try:
+        out = sbx.commands.run("dd if=/dev/zero of=/mnt/v/big bs=1M count=100 2>&1; echo rc=$?")
+        assert "No space left on device" in out.stdout and "rc=1" in out.stdout, out.stdout
+        run(sbx, "rm /mnt/v/big && echo ok > /mnt/v/small.txt")  # room again once freed
+        big = httpx.put(
+            f"{node.url}/volumecontent/{vol.volume_id}/file",
+            params={"path": "/api-big"},
+            content=b"\0" * (100 << 20),
+            headers={"Authorization": f"Bearer {vol.token}"},
+            timeout=120,
+        )
+        assert big.status_code == 507 and "full" in big.json()["message"]
+        assert not vol.exists("/api-big")  # nothing half-written left
+        assert vol.read_file("/small.txt") == "ok\n"
+    finally:
+        sbx.kill()
+        Volume.destroy(vol.volume_id)
