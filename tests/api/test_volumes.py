@@ -14,7 +14,8 @@ import pytest
 from e2b import Sandbox, Volume
 from e2b.exceptions import NotFoundException
 
-from tests.conftest import API_KEY, DATA_DIR, Server, start_server
+from tests import disk
+from tests.conftest import API_KEY, DATA_DIR, Server, start_busybox_node
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.fast]  # the fast tier runs it on the fake runtime
 
@@ -154,10 +155,13 @@ def test_links_a_sandbox_leaves_in_a_volume_are_never_followed_by_the_host(vol_e
 
 @pytest.fixture(scope="module")
 def small_volumes_node() -> Iterator[Server]:
-    """A node whose volumes are 64 MiB each."""
-    srv = start_server(Path(f"{DATA_DIR}-small-volumes"), extra_env={"AENV_VOLUME_SIZE_MB": "64"})
+    """A busybox node (template `bb`) whose volumes are 64 MiB each."""
+    data = Path(f"{DATA_DIR}-small-volumes")
+    disk.release(data)  # its template is made again
+    srv = start_busybox_node(data, {"AENV_VOLUME_SIZE_MB": "64"})
     yield srv
     srv.stop()
+    disk.release(data)
 
 
 @pytest.mark.root  # the size limit is an ext4 image's: loop mounts need root
@@ -169,7 +173,7 @@ def test_a_full_volume_is_enospc_inside_and_a_507_outside_never_the_hosts_disk(
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("E2B_VOLUME_API_URL", node.url)
     vol = Volume.create("small")
-    sbx = Sandbox.create(timeout=120, volume_mounts={"/mnt/v": vol})
+    sbx = Sandbox.create("bb", timeout=120, volume_mounts={"/mnt/v": vol})
     try:
         out = sbx.commands.run("dd if=/dev/zero of=/mnt/v/big bs=1M count=100 2>&1; echo rc=$?")
         assert "No space left on device" in out.stdout and "rc=1" in out.stdout, out.stdout
