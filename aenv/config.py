@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     volumes_dir: Path | None = None
     # Each volume's size on a node alone: its own ext4 image (0: plain directories, no limit).
     volume_size_mb: int = Field(10240, ge=0, le=16 * 2**20)
+    # The key secrets' values are encrypted with ("": <data_dir>/secrets.key, made at first use on
+    # a node alone); in a cluster, the same file on every node, kept apart from etcd (aenv/secrets).
+    secrets_key_file: Path | None = None
     events_retention_days: float = Field(7.0, gt=0, le=365)
     webhook_private_urls: Literal["auto", "allow", "deny"] = "auto"
     webhook_timeout: float = Field(10.0, gt=0, le=120)

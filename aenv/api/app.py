@@ -33,6 +33,8 @@ from aenv.errors import AenvError, PayloadTooLarge, RequestTimeout, error_body, 
 from aenv.events.routes import router as events_router
 from aenv.events.service import Events
 from aenv.node.service import BuildHost, NodeService, Spawns
+from aenv.secrets.routes import Secrets
+from aenv.secrets.routes import router as secrets_router
 from aenv.teams import guard as team_guard
 from aenv.teams.model import PRINCIPAL
 from aenv.teams.routes import router as teams_router
@@ -83,6 +85,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
     teams = tenancy if tenancy is not None else Tenancy(node, None)
     events = Events(node)
     volumes = Volumes(node)
+    secrets = Secrets(node)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -91,6 +94,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
         try:
             await teams.start()
             await volumes.start()
+            await secrets.start()
             await events.start()
             yield
         finally:
@@ -102,6 +106,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
                 finally:  # after the node: the pauses of its stop are events too
                     await events.stop()
                     await volumes.stop()
+                    await secrets.stop()
 
     app = FastAPI(
         title="aenv",
@@ -113,6 +118,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
     app.state.node = node
     app.state.events = events
     app.state.volumes = volumes
+    app.state.secrets = secrets
     app.state.spawns = Spawns()  # E2B's spawnCount and lastSpawnedAt of each template
     node.state_listeners.append(app.state.spawns.observe)
     teams.install(app)
@@ -125,6 +131,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
     app.include_router(teams_router)
     app.include_router(events_router)
     app.include_router(volumes_router)
+    app.include_router(secrets_router)
     generate_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:

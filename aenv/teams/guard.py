@@ -56,6 +56,7 @@ SCOPED_PARAMS = frozenset(
         "event_sandbox_id",  # the principal's team's events only, a killed sandbox's too (aenv/events)
         "webhook_id",  # the principal's team's webhooks only (aenv/events/routes.py)
         "volume_id",  # the principal's team's volumes, or the one a content token names (aenv/volumes)
+        "secret_ref",  # the principal's team's secrets only (aenv/secrets/routes.py)
     }
 )
 KNOWN_PARAMS = SANDBOX_PARAMS | SNAPSHOT_PARAMS | TEMPLATE_PARAMS | SCOPED_PARAMS

@@ -65,6 +65,8 @@ UNSCOPED: dict[tuple[str, str], str] = {
     ("POST", "/events/webhooks"): "own",
     ("GET", "/volumes"): "list",
     ("POST", "/volumes"): "own",
+    ("GET", "/secrets"): "list",
+    ("POST", "/secrets"): "own",
 }
 # Bodies that are valid, so that a route reaches its lookup (an id that does not exist: its 404).
 BODIES: dict[tuple[str, str], Any] = {
@@ -79,6 +81,7 @@ BODIES: dict[tuple[str, str], Any] = {
     ("PATCH", "/api-keys/{api_key_id}"): {"name": "stolen"},
     ("POST", "/admin/teams/{team_id}/api-keys"): {"name": "stolen"},
     ("PATCH", "/events/webhooks/{webhook_id}"): {"name": "stolen"},
+    ("POST", "/secrets/{secret_ref}"): {"value": "stolen"},
 }
 
 
@@ -115,6 +118,7 @@ class Owned:
     key_id: str
     webhook: str
     volume: str
+    secret: str
 
 
 def make_owned(a: TeamKey, layout: Path) -> Owned:
@@ -135,8 +139,10 @@ def make_owned(a: TeamKey, layout: Path) -> Owned:
         assert webhook.status_code == 201, webhook.text
         volume = client.post("/volumes", json={"name": f"a-vol-{secrets.token_hex(3)}"})
         assert volume.status_code == 201, volume.text
-    snapshot_id = snap.json()["snapshotID"]
-    return Owned(a, running, paused, snapshot_id, name, key_id, webhook.json()["id"], volume.json()["volumeID"])
+        secret = client.post("/secrets", json={"name": f"a-secret-{secrets.token_hex(3)}", "value": "a's value"})
+        assert secret.status_code == 201, secret.text
+    snapshot_id, volume_id = snap.json()["snapshotID"], volume.json()["volumeID"]
+    return Owned(a, running, paused, snapshot_id, name, key_id, webhook.json()["id"], volume_id, secret.json()["name"])
 
 
 def drop_owned(a: Owned) -> None:
@@ -147,6 +153,7 @@ def drop_owned(a: Owned) -> None:
         client.delete(f"/templates/{a.template}")
         client.delete(f"/events/webhooks/{a.webhook}")
         client.delete(f"/volumes/{a.volume}")
+        client.delete(f"/secrets/{a.secret}")
 
 
 def _values(a: Owned, which: str) -> dict[str, str]:
@@ -162,6 +169,7 @@ def _values(a: Owned, which: str) -> dict[str, str]:
             "event_sandbox_id": "zz" + secrets.token_hex(9),
             "webhook_id": str(uuid.uuid4()),
             "volume_id": str(uuid.uuid4()),
+            "secret_ref": "nope-" + secrets.token_hex(4),
         }
     return {
         "sandbox_id": a.paused if which == "paused" else a.running,
@@ -173,6 +181,7 @@ def _values(a: Owned, which: str) -> dict[str, str]:
         "event_sandbox_id": a.paused if which == "paused" else a.running,
         "webhook_id": a.webhook,
         "volume_id": a.volume,
+        "secret_ref": a.secret,
     }
 
 
@@ -222,7 +231,7 @@ def routes_without_ids(a: Owned, b: TeamKey, layout: Path) -> None:
     }
     assert unscoped - UNSCOPED.keys() == set(), "new routes: say in UNSCOPED what another team may do there"
     secrets_of_a = [a.running, a.paused, a.snapshot, a.template, a.team.team_id, a.key_id, a.team.key]
-    secrets_of_a += [a.webhook, a.volume]
+    secrets_of_a += [a.webhook, a.volume, a.secret]
     with b.client() as client:
         for (method, path), kind in sorted(UNSCOPED.items()):
             if (method, path) not in unscoped:
