@@ -196,7 +196,23 @@ def _env(layout: Layout, role: str, key: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AENV_CLUSTER")}
     if role == "etcd":
         return env
-    return env | layout.tls_env(role) | {"AENV_API_KEY": key}
+    shared = {}
+    if role == "node":  # one machine: its nodes share a volumes directory and a secrets key
+        shared = {"AENV_VOLUMES_DIR": str(layout.dir / "volumes"), "AENV_SECRETS_KEY_FILE": str(_secrets_key(layout))}
+    return env | layout.tls_env(role) | {"AENV_API_KEY": key} | shared | {k: v for k, v in env.items() if k in shared}
+
+
+def _secrets_key(layout: Layout) -> Path:
+    key = layout.dir / "secrets.key"
+    try:
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return key
+    try:
+        os.write(fd, os.urandom(32))
+    finally:
+        os.close(fd)
+    return key
 
 
 def _wait(layout: Layout, state: dict[str, Any], role: str, entry: dict[str, Any], key: str) -> None:

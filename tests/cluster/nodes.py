@@ -3,6 +3,7 @@ repository (the session server's, where `base` is built once), registered in one
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tests import disk
@@ -14,6 +15,17 @@ KEPT = ("node-a", "node-b")  # the nodes of most cluster tests: their data dirs 
 def node_data_dir(name: str) -> Path:
     # Next to the session's data dir: kept between local runs (the fetched `base` layers stay).
     return DATA_DIR.parent / f"{DATA_DIR.name}-{name}"
+
+
+def shared_by_nodes(root: Path) -> dict[str, str]:
+    """What an operator gives every node of a cluster alike: one directory of volumes (their
+    shared file system) and one secrets key file, both below ``root``."""
+    volumes, key = root / "volumes", root / "secrets.key"
+    volumes.mkdir(parents=True, exist_ok=True)
+    if not key.exists():
+        key.write_bytes(os.urandom(32))
+        key.chmod(0o600)
+    return {"AENV_VOLUMES_DIR": str(volumes), "AENV_SECRETS_KEY_FILE": str(key)}
 
 
 def start_node(etcd_url: str, name: str, *, lease_ttl: int = 3, extra_env: dict[str, str] | None = None) -> Server:
@@ -28,6 +40,7 @@ def start_node(etcd_url: str, name: str, *, lease_ttl: int = 3, extra_env: dict[
         "AENV_REPO": str(REPO_DIR),
         "AENV_SPARE_UPPERS": "1",  # two cores shared by every node of the test
         "AENV_REPO_GC_INTERVAL": "0",  # the repository is the session server's too
+        **shared_by_nodes(DATA_DIR.parent / f"{DATA_DIR.name}-cluster-shared"),
         **(extra_env or {}),
     }
     return start_server(node_data_dir(name), port=port, extra_env=env)

@@ -20,6 +20,7 @@ from tests import disk
 from tests.cluster.cluster import Gateway, all_started, start_gateway, wait_for_nodes
 from tests.cluster.conftest import require_etcd
 from tests.cluster.etcd import EtcdCluster
+from tests.cluster.nodes import shared_by_nodes
 from tests.conftest import API_KEY, DATA_DIR, Server, _have_runtime, free_port, start_server
 from tests.teams.attacks import Owned, drop_owned, envd_traffic, make_owned, routes_with_ids, routes_without_ids
 from tests.teams.conftest import TeamKey, new_team
@@ -79,6 +80,7 @@ def busybox_cluster() -> Iterator[BusyboxCluster]:
                 "AENV_REPO_GC_INTERVAL": "0",
                 "AENV_MIN_FREE_MEMORY_MB": "0",
                 "AENV_METRICS_INTERVAL": "1",
+                **shared_by_nodes(shared),
             }
             return start_server(data_dir, port=port, extra_env=env, wait_for=None)
 
