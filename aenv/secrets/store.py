@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from aenv.cluster.entries import PREFIX
 from aenv.cluster.store import TXN, ClusterStore
+from aenv.errors import Conflict
 from aenv.secrets.model import Secret
 from aenv.storage.sqlite import SqliteFile
 
@@ -18,8 +19,8 @@ BY_ID = PREFIX + "secrets/v/"
 BY_NAME = PREFIX + "secrets/n/"
 
 
-class NameTaken(Exception):
-    pass
+class NameTaken(Conflict):
+    """The team has one of that name already."""
 
 
 class SecretStore(Protocol):

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from aenv.cluster.entries import PREFIX
 from aenv.cluster.store import TXN, ClusterStore
+from aenv.errors import Conflict
 from aenv.storage.sqlite import SqliteFile
 from aenv.volumes.model import Volume
 
@@ -18,8 +19,8 @@ BY_ID = VOLUMES + "v/"
 BY_NAME = VOLUMES + "n/"
 
 
-class NameTaken(Exception):
-    pass
+class NameTaken(Conflict):
+    """The team has one of that name already."""
 
 
 class VolumeStore(Protocol):
