@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import MAX_NPROC
-from aenv.errors import CHECKPOINT_REFUSAL, AenvError, CheckpointRefused, ImageIncompatible, RuntimeFailure, snippet
+from aenv.errors import (
+    CHECKPOINT_REFUSAL,
+    AenvError,
+    CheckpointRefused,
+    ImageIncompatible,
+    InvalidRequest,
+    RuntimeFailure,
+    snippet,
+)
 from aenv.runtime import guestbundle, hostexec, pidfds, platforms
 from aenv.runtime.base import Instance, Limits, OwnBase, RootfsSpec, Usage, agent_pipes
 from aenv.storage.confined import View, dir_at, open_root
@@ -265,6 +273,20 @@ def _guest_mount_point(upper: Path, layers: Sequence[Path]) -> None:
         os.close(point)
     finally:
         os.close(fd)
+
+
+def _volume_mount_points(upper: Path, layers: Sequence[Path], paths: Sequence[str]) -> None:
+    """Where volumes are mounted, made directories (0755) in the upper where the layers have none:
+    runsc would make them with the node's umask, out of reach of the sandbox's users. Links are
+    followed as the sandbox sees them, never on the host."""
+    if not paths:
+        return
+    view = View(layers, top=upper)
+    for path in paths:
+        try:
+            view.make_dir(path)
+        except (OSError, InvalidRequest) as exc:
+            raise RuntimeFailure(f"volume mount path {path}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,6 +595,7 @@ class GVisorDriver(guestbundle.BundledGuests):
             sandbox_dir(upper)
         work.mkdir(parents=True, exist_ok=True)
         _guest_mount_point(upper, rootfs.layers)
+        _volume_mount_points(upper, rootfs.layers, [path for _, path in rootfs.mounts])
         # index=off: after a snapshot the old instance's upper becomes a lower of new overlays while
         # the old (inert) overlay may still be unmounting; that is safe, and only a warning then.
         lower = ":".join(str(p) for p in reversed(rootfs.layers))
