@@ -21,7 +21,7 @@ from aenv.api.sandboxes import _body, json_body
 from aenv.errors import InvalidRequest, NotFound, SandboxNotFound
 from aenv.events import model
 from aenv.events.service import Events
-from aenv.teams.model import DEFAULT_TEAM, current
+from aenv.teams.model import DEFAULT_TEAM, team_in_view
 
 router = APIRouter()
 MAX_WEBHOOKS = 100  # a team's
@@ -54,14 +54,6 @@ def events_of(request: Request) -> Events:
     return events
 
 
-def _team() -> str | None:
-    """The request's team; None for the deployment's own calls (every team's)."""
-    who = current()
-    if who is None:
-        return DEFAULT_TEAM  # a node without an API key: one team
-    return None if who.all_teams else who.team
-
-
 def _types(types: list[str] | None, what: str = "types") -> list[str]:
     chosen = list(dict.fromkeys(types or []))
     unknown = [t for t in chosen if t not in model.TYPES]
@@ -75,7 +67,7 @@ async def _page(
 ) -> list[dict[str, Any]]:
     store = events_of(request).store
     found = await store.query(
-        _team(), sandbox_id=sandbox_id, types=_types(types), offset=offset, limit=limit, ascending=order_asc
+        team_in_view(), sandbox_id=sandbox_id, types=_types(types), offset=offset, limit=limit, ascending=order_asc
     )
     return [e.api() for e in found]
 
@@ -105,7 +97,7 @@ async def sandbox_events(
     page = await _page(request, event_sandbox_id, offset, limit, order_asc, types)
     if not page:  # none at all (not the team's, never made, past the retention): not found
         known = await events_of(request).store.query(
-            _team(), sandbox_id=event_sandbox_id, types=(), offset=0, limit=1, ascending=True
+            team_in_view(), sandbox_id=event_sandbox_id, types=(), offset=0, limit=1, ascending=True
         )
         if not known:
             raise SandboxNotFound(f"sandbox {event_sandbox_id} has no events", sandbox_id=event_sandbox_id)
@@ -114,7 +106,7 @@ async def sandbox_events(
 
 # -- webhooks ---------------------------------------------------------------------------------------------
 async def _hook(request: Request, webhook_id: str) -> model.Webhook:
-    team = _team()
+    team = team_in_view()
     for hook in await events_of(request).store.webhooks():
         if hook.id == webhook_id and (team is None or hook.team == team):
             return hook
@@ -125,7 +117,7 @@ async def _hook(request: Request, webhook_id: str) -> model.Webhook:
 async def create_webhook(request: Request) -> JSONResponse:
     body: NewWebhook = await _body(request, NewWebhook)
     events = events_of(request)
-    team = _team() or DEFAULT_TEAM
+    team = team_in_view() or DEFAULT_TEAM
     await events.rule.check_registration(body.url)
     if sum(h.team == team for h in await events.store.webhooks()) >= MAX_WEBHOOKS:
         raise InvalidRequest(f"team {team} has {MAX_WEBHOOKS} webhooks, the most it may; delete one first")
@@ -145,7 +137,7 @@ async def create_webhook(request: Request) -> JSONResponse:
 
 @router.get("/events/webhooks", summary="The team's webhooks")
 async def list_webhooks(request: Request) -> list[dict[str, Any]]:
-    team = _team()
+    team = team_in_view()
     hooks = await events_of(request).store.webhooks()
     return [h.api() for h in sorted(hooks, key=lambda h: h.created_at) if team is None or h.team == team]
 

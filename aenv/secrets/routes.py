@@ -21,7 +21,7 @@ from aenv.node.service import NodeService
 from aenv.secrets.model import ID_PREFIX, MAX_VALUE, Secret, check_metadata, check_name, check_value
 from aenv.secrets.sealing import Sealer
 from aenv.secrets.store import EtcdSecretStore, NameTaken, SecretStore, SqliteSecretStore
-from aenv.teams.model import DEFAULT_TEAM, current
+from aenv.teams.model import DEFAULT_TEAM, team_in_view
 
 router = APIRouter()
 MAX_SECRETS = 1000  # a team's
@@ -78,13 +78,6 @@ def secrets_of(request: Request) -> Secrets:
     return found
 
 
-def _team() -> str | None:
-    who = current()
-    if who is None:
-        return DEFAULT_TEAM
-    return None if who.all_teams else who.team
-
-
 def _answer(body: Any, status: int = 200) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=NO_STORE)
 
@@ -98,7 +91,7 @@ def _answer(body: Any, status: int = 200) -> JSONResponse:
 async def create_secret(request: Request) -> JSONResponse:
     body: NewSecret = await _body(request, NewSecret)
     secrets = secrets_of(request)
-    team = _team() or DEFAULT_TEAM
+    team = team_in_view() or DEFAULT_TEAM
     name, value, metadata = check_name(body.name), check_value(body.value), check_metadata(body.metadata)
     sealer = secrets.sealer()
     async with secrets.lock:
@@ -120,7 +113,7 @@ async def list_secrets(
     limit: int = Query(100, ge=1, le=100),
     next_token: str | None = Query(None, alias="nextToken", max_length=200),
 ) -> JSONResponse:
-    found = await secrets_of(request).store.all(_team())
+    found = await secrets_of(request).store.all(team_in_view())
     if next_token:
         try:
             after = base64.urlsafe_b64decode(next_token + "=" * (-len(next_token) % 4)).decode()
@@ -138,7 +131,7 @@ async def list_secrets(
 
 @router.get("/secrets/{secret_ref}", summary="A secret, by id or name (never its value)")
 async def get_secret(request: Request, secret_ref: str) -> JSONResponse:
-    return _answer((await secrets_of(request).find(secret_ref, _team())).api())
+    return _answer((await secrets_of(request).find(secret_ref, team_in_view())).api())
 
 
 @router.post(
@@ -151,7 +144,7 @@ async def update_secret(request: Request, secret_ref: str) -> JSONResponse:
     metadata = check_metadata(body.metadata) if body.metadata is not None else None
     sealer = secrets.sealer()
     async with secrets.lock:
-        secret = await secrets.find(secret_ref, _team())
+        secret = await secrets.find(secret_ref, team_in_view())
         version = secret.version + 1
         secret = secret.changed(
             version=version,
@@ -167,7 +160,7 @@ async def update_secret(request: Request, secret_ref: str) -> JSONResponse:
 async def delete_secret(request: Request, secret_ref: str) -> Response:
     secrets = secrets_of(request)
     async with secrets.lock:
-        await secrets.store.remove(await secrets.find(secret_ref, _team()))
+        await secrets.store.remove(await secrets.find(secret_ref, team_in_view()))
     return Response(status_code=204, headers=NO_STORE)
 
 

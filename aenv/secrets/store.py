@@ -1,26 +1,21 @@
 """Where secrets' records (their values sealed) are kept: SQLite in the data dir for a node alone
-(``secrets.db``, owner-only), etcd in a cluster (``/aenv/secrets/v/<id>``, a name claimed per team
-with ``/aenv/secrets/n/<team>/<name>`` in the same transaction). The key that opens the values is
+(``secrets.db``, owner-only), etcd in a cluster (``/aenv/secrets/v/<id>``, its name claimed per
+team: aenv/cluster/named.py). The key that opens the values is
 never kept with them (aenv/secrets/sealing.py)."""
 
 from __future__ import annotations
 
 import json
 import sqlite3
-from typing import Any, Protocol
+from typing import Protocol
 
 from aenv.cluster.entries import PREFIX
-from aenv.cluster.store import TXN, ClusterStore
-from aenv.errors import Conflict
+from aenv.cluster.named import NamedEntries, NameTaken
+from aenv.cluster.store import ClusterStore
 from aenv.secrets.model import Secret
 from aenv.storage.sqlite import SqliteFile
 
-BY_ID = PREFIX + "secrets/v/"
-BY_NAME = PREFIX + "secrets/n/"
-
-
-class NameTaken(Conflict):
-    """The team has one of that name already."""
+__all__ = ["EtcdSecretStore", "NameTaken", "SecretStore", "SqliteSecretStore"]
 
 
 class SecretStore(Protocol):
@@ -72,46 +67,10 @@ class SqliteSecretStore(SqliteFile):
         await self.db.commit()
 
 
-class EtcdSecretStore:
+class EtcdSecretStore(NamedEntries[Secret]):
     def __init__(self, store: ClusterStore) -> None:
-        self.etcd = store
+        super().__init__(store, PREFIX + "secrets/", "secret", Secret.from_json)
 
-    async def open(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        await self.etcd.close()
-
-    async def _txn(self, what: str, compare: list[Any], success: list[Any]) -> bool:
-        ok, _ = await self.etcd.call(what, lambda c: c.transaction(compare=compare, success=success, failure=[]))
-        return bool(ok)
-
-    @staticmethod
-    def _data(secret: Secret) -> bytes:
-        return json.dumps(secret.to_json(), separators=(",", ":")).encode()
-
-    async def add(self, secret: Secret) -> None:
-        name_key = f"{BY_NAME}{secret.team}/{secret.name}".encode()
-        puts = [TXN.put(name_key, secret.id.encode()), TXN.put((BY_ID + secret.id).encode(), self._data(secret))]
-        if not await self._txn("make a secret", [TXN.version(name_key) == 0], puts):
-            raise NameTaken(secret.name)
-
-    async def put(self, secret: Secret) -> None:
-        data = self._data(secret)
-        await self.etcd.call("write a secret", lambda c: c.put((BY_ID + secret.id).encode(), data), again=True)
-
-    async def all(self, team: str | None) -> list[Secret]:
-        got = await self.etcd.call("read secrets", lambda c: c.get_prefix(BY_ID.encode()), again=True)
-        found = []
-        for kv in got:
-            try:
-                secret = Secret.from_json(json.loads(bytes(kv.value)))
-            except (ValueError, KeyError, TypeError):
-                continue
-            if team is None or secret.team == team:
-                found.append(secret)
-        return sorted(found, key=lambda s: s.id)
-
-    async def remove(self, secret: Secret) -> None:
-        name_key = f"{BY_NAME}{secret.team}/{secret.name}".encode()
-        await self._txn("delete a secret", [], [TXN.delete((BY_ID + secret.id).encode()), TXN.delete(name_key)])
+    async def all(self, team: str | None = None) -> list[Secret]:
+        found = await super().all()
+        return sorted((s for s in found if team is None or s.team == team), key=lambda s: s.id)

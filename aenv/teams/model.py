@@ -218,6 +218,15 @@ def current() -> Principal | None:
     return PRINCIPAL.get()
 
 
+def team_in_view() -> str | None:
+    """Whose records a request sees: its team's; None for the deployment's own calls (the admin
+    key with X-Team-ID *, every team's); the default team's on a node without an API key."""
+    who = PRINCIPAL.get()
+    if who is None:
+        return DEFAULT_TEAM
+    return None if who.all_teams else who.team
+
+
 def team_of_new() -> str:
     """The team a record made now belongs to: the request's (the default team outside one)."""
     who = PRINCIPAL.get()

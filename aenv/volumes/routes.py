@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from aenv.api.sandboxes import _body, json_body
 from aenv.errors import InsufficientStorage, NotFound, PayloadTooLarge
 from aenv.storage.space import ensure_space, headroom
-from aenv.teams.model import DEFAULT_TEAM, current
+from aenv.teams.model import DEFAULT_TEAM, current, team_in_view
 from aenv.volumes.files import CHUNK, USER
 from aenv.volumes.model import Volume
 from aenv.volumes.service import Volumes
@@ -46,18 +46,11 @@ def volumes_of(request: Request) -> Volumes:
     return volumes
 
 
-def _team() -> str | None:
-    who = current()
-    if who is None:
-        return DEFAULT_TEAM
-    return None if who.all_teams else who.team
-
-
 # -- the control plane --------------------------------------------------------------------------------------
 @router.post("/volumes", status_code=201, summary="Make a volume", openapi_extra=json_body(NewVolume))
 async def create_volume(request: Request) -> JSONResponse:
     body: NewVolume = await _body(request, NewVolume)
-    team = _team() or DEFAULT_TEAM
+    team = team_in_view() or DEFAULT_TEAM
     limit = request.app.state.teams.quotas(team).volumes
     volume = await volumes_of(request).create(body.name, team, limit)
     return JSONResponse(volume.api(), status_code=201)
@@ -65,19 +58,19 @@ async def create_volume(request: Request) -> JSONResponse:
 
 @router.get("/volumes", summary="The team's volumes")
 async def list_volumes(request: Request) -> list[dict[str, Any]]:
-    return [v.api(with_token=False) for v in await volumes_of(request).visible(_team())]
+    return [v.api(with_token=False) for v in await volumes_of(request).visible(team_in_view())]
 
 
 @router.get("/volumes/{volume_id}", summary="A volume, with its content token")
 async def get_volume(request: Request, volume_id: str) -> dict[str, Any]:
     volumes = volumes_of(request)
-    return (await _by_id(volumes, volume_id, _team())).api()
+    return (await _by_id(volumes, volume_id, team_in_view())).api()
 
 
 @router.delete("/volumes/{volume_id}", status_code=204, summary="Delete a volume and what it holds")
 async def delete_volume(request: Request, volume_id: str) -> Response:
     volumes = volumes_of(request)
-    await volumes.delete(await _by_id(volumes, volume_id, _team()))
+    await volumes.delete(await _by_id(volumes, volume_id, team_in_view()))
     return Response(status_code=204)
 
 
@@ -98,7 +91,7 @@ async def _content(request: Request, volume_id: str) -> tuple[Volumes, Volume]:
         if hmac.compare_digest(auth[len(BEARER) :].strip().encode(), volume.token.encode()):
             return volumes, volume
     elif volume is not None and current() is not None:
-        team = _team()
+        team = team_in_view()
         if team is None or volume.team == team:
             return volumes, volume
     raise NotFound(f"volume {volume_id[:140]!r} not found")

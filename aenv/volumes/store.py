@@ -1,26 +1,21 @@
 """Where volumes' records are kept: SQLite in the data dir for a node alone (``volumes.db``,
-owner-only: it holds their tokens); etcd in a cluster (``/aenv/volumes/<id>``, a name claimed per
-team with ``/aenv/volumes/n/<team>/<name>`` in the same transaction)."""
+owner-only: it holds their tokens); etcd in a cluster (``/aenv/volumes/v/<id>``, its name claimed
+per team: aenv/cluster/named.py)."""
 
 from __future__ import annotations
 
 import json
 import sqlite3
-from typing import Any, Protocol
+from typing import Protocol
 
 from aenv.cluster.entries import PREFIX
-from aenv.cluster.store import TXN, ClusterStore
-from aenv.errors import Conflict
+from aenv.cluster.named import NamedEntries, NameTaken
+from aenv.cluster.store import ClusterStore
 from aenv.storage.sqlite import SqliteFile
 from aenv.volumes.model import Volume
 
 VOLUMES = PREFIX + "volumes/"
-BY_ID = VOLUMES + "v/"
-BY_NAME = VOLUMES + "n/"
-
-
-class NameTaken(Conflict):
-    """The team has one of that name already."""
+__all__ = ["EtcdVolumeStore", "NameTaken", "SqliteVolumeStore", "VolumeStore"]
 
 
 class VolumeStore(Protocol):
@@ -72,46 +67,9 @@ class SqliteVolumeStore(SqliteFile):
         await self.db.commit()
 
 
-class EtcdVolumeStore:
+class EtcdVolumeStore(NamedEntries[Volume]):
     def __init__(self, store: ClusterStore) -> None:
-        self.etcd = store
-
-    async def open(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        await self.etcd.close()
-
-    async def _txn(self, what: str, compare: list[Any], success: list[Any]) -> bool:
-        ok, _ = await self.etcd.call(what, lambda c: c.transaction(compare=compare, success=success, failure=[]))
-        return bool(ok)
-
-    async def add(self, volume: Volume) -> None:
-        name_key = f"{BY_NAME}{volume.team}/{volume.name}".encode()
-        data = json.dumps(volume.to_json(), separators=(",", ":")).encode()
-        puts = [TXN.put(name_key, volume.id.encode()), TXN.put((BY_ID + volume.id).encode(), data)]
-        if not await self._txn("make a volume", [TXN.version(name_key) == 0], puts):
-            raise NameTaken(volume.name)
+        super().__init__(store, VOLUMES, "volume", Volume.from_json)
 
     async def all(self) -> list[Volume]:
-        got = await self.etcd.call("read volumes", lambda c: c.get_prefix(BY_ID.encode()), again=True)
-        found = []
-        for kv in got:
-            try:
-                found.append(Volume.from_json(json.loads(bytes(kv.value))))
-            except (ValueError, KeyError, TypeError):
-                continue
-        return sorted(found, key=lambda v: v.created_at)
-
-    async def get(self, volume_id: str) -> Volume | None:
-        got = await self.etcd.call("read a volume", lambda c: c.get((BY_ID + volume_id).encode()), again=True)
-        if got is None:
-            return None
-        try:
-            return Volume.from_json(json.loads(bytes(got.value)))
-        except (ValueError, KeyError, TypeError):
-            return None
-
-    async def remove(self, volume: Volume) -> None:
-        name_key = f"{BY_NAME}{volume.team}/{volume.name}".encode()
-        await self._txn("delete a volume", [], [TXN.delete((BY_ID + volume.id).encode()), TXN.delete(name_key)])
+        return sorted(await super().all(), key=lambda v: v.created_at)
