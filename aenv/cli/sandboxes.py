@@ -35,6 +35,7 @@ def create(
     image: str = typer.Option(
         None, "--image", help="An OCI image reference to create from (pulled and built on its first create)"
     ),
+    volume: list[str] = typer.Option([], "--volume", "-v", help="PATH=VOLUME: mount a volume there, repeatable"),
 ) -> None:
     """Create a sandbox and print its id."""
 
@@ -48,6 +49,7 @@ def create(
             keep_memory=keep_memory,
             grace=grace,
             image=image,
+            volumes=_pairs(volume, "--volume"),
         )
         return await _with_status(f"creating from {image or template}", work)
 

@@ -69,13 +69,15 @@ class AsyncClient:
         auto_resume: bool = False,
         grace: int | None = None,
         image: str | None = None,
+        volumes: Mapping[str, str] | None = None,
     ) -> AsyncSandbox:
         """A new sandbox; with ``auto_pause`` its timeout pauses it (keeping only its file system
         unless ``keep_memory``) instead of killing it; with ``auto_resume`` its use (a command, a
         file, its ports) resumes it when paused with its memory. ``timeout``: seconds it runs
         (the node's default, 300, when None), and again after each resume that names none.
         ``grace``: seconds it is held after its timeout for scoring: its commands stop at the
-        timeout, only ``exec(..., scoring=True)`` runs until the grace period ends it."""
+        timeout, only ``exec(..., scoring=True)`` runs until the grace period ends it.
+        ``volumes``: the team's volumes it mounts, mount path -> volume name (docs/volumes.md)."""
         body: dict[str, Any] = {"templateID": template, "metadata": dict(metadata or {}), "envVars": dict(envs or {})}
         if timeout is not None:
             body["timeout"] = timeout
@@ -89,6 +91,8 @@ class AsyncClient:
             body["autoPauseMemory"] = False
         if limits:
             body["limits"] = dict(limits)
+        if volumes:
+            body["volumeMounts"] = [{"name": name, "path": path} for path, name in volumes.items()]
         if image is not None:  # an OCI image reference, pulled and built on its first create
             del body["templateID"]
             body["image"] = image

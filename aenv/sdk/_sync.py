@@ -262,6 +262,7 @@ class Client(_Face):
         auto_resume: bool = False,
         grace: int | None = None,
         image: str | None = None,
+        volumes: Mapping[str, str] | None = None,
     ) -> Sandbox:
         return Sandbox(
             self._block(
@@ -276,6 +277,7 @@ class Client(_Face):
                     auto_resume=auto_resume,
                     grace=grace,
                     image=image,
+                    volumes=volumes,
                 )
             ),
             self._loop,

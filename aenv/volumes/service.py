@@ -34,6 +34,7 @@ from aenv.volumes.model import MAX_MOUNTS, Volume, check_mount_path, check_name
 from aenv.volumes.store import EtcdVolumeStore, NameTaken, SqliteVolumeStore, VolumeStore
 
 log = logging.getLogger("aenv.volumes")
+GOING = frozenset({SandboxState.KILLING, SandboxState.KILLED})  # a kill under way holds no volume
 
 
 class Volumes:
@@ -147,7 +148,7 @@ class Volumes:
         return [
             sb.id
             for sb in self.node.list()
-            if sb.state != SandboxState.KILLED and any(m.get("id") == volume_id for m in sb.rec.volume_mounts)
+            if sb.state not in GOING and any(m.get("id") == volume_id for m in sb.rec.volume_mounts)
         ]
 
     # -- mounts ----------------------------------------------------------------------------------------
