@@ -124,6 +124,7 @@ class Checkpoints:
                 sb.rec.end_at = max(sb.rec.end_at, time.time() + timeout_s)  # as E2B: only extended
                 sb.rec.timeout = timeout_s
                 await self.records.store.put_sandbox(sb.rec)
+                self.records.updated(sb, {"end_at": sb.rec.end_at})  # as E2B's: an update, even unchanged
                 return sb.rec, False
             # A resume takes a running sandbox's room, as a create does (429: a gateway takes a
             # durable pause elsewhere); checked before the guard, which makes it no longer movable.

@@ -73,7 +73,8 @@ class Records:
         for told in self.transition_listeners:
             told(sb, old, target)
 
-    def _updated(self, sb: LiveSandbox, change: dict[str, Any]) -> None:
+    def updated(self, sb: LiveSandbox, change: dict[str, Any]) -> None:
+        """Tell the update listeners of a change of a running sandbox that is not a state's."""
         for listener in self.update_listeners:
             listener(sb, change)
 
@@ -105,7 +106,7 @@ class Records:
         await self.store.put_sandbox(sb.rec)
         if sb.egress is not None:
             sb.egress.recheck()
-        self._updated(sb, {"network": sb.rec.network, "internet": internet})
+        self.updated(sb, {"network": sb.rec.network, "internet": internet})
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
         """The sandbox expires ``timeout`` seconds from now; 0 expires it now (E2B's minimum), so
@@ -116,7 +117,7 @@ class Records:
         if timeout:  # 0 ends this run; its resumes get the lease it had
             sb.rec.timeout = timeout
         await self.store.put_sandbox(sb.rec)
-        self._updated(sb, {"end_at": sb.rec.end_at})
+        self.updated(sb, {"end_at": sb.rec.end_at})
         return sb.rec
 
     def usage_of(self, sandbox_id: str) -> History | None:

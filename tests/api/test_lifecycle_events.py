@@ -108,12 +108,16 @@ def test_a_sandboxs_life_is_told_in_order_with_e2bs_fields(e2b_env: Server, api:
 
 def test_a_timeout_a_snapshot_and_a_fork_are_told(e2b_env: Server, api: httpx.Client) -> None:
     sbx = Sandbox.create(timeout=120)
+    Sandbox.connect(sbx.sandbox_id, timeout=60)  # connecting to a running one: an update, as E2B's
+    updated = wait_events(api, sbx.sandbox_id, 2)[1]
+    assert updated["type"] == "sandbox.lifecycle.updated" and updated["eventData"]["set_timeout"].endswith("Z")
     assert api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={}).status_code == 201
     fork = api.post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 1})
     assert fork.status_code in (200, 201), fork.text
     child_id = fork.json()[0]["sandbox"]["sandboxID"]
-    got = wait_events(api, sbx.sandbox_id, 3)
-    assert [e["type"] for e in got] == ["sandbox.lifecycle.created"] + ["sandbox.lifecycle.checkpointed"] * 2
+    got = wait_events(api, sbx.sandbox_id, 4)
+    kinds = ["created", "updated", "checkpointed", "checkpointed"]
+    assert [e["type"] for e in got] == [f"sandbox.lifecycle.{k}" for k in kinds]
     assert [e["type"] for e in wait_events(api, child_id, 1)] == ["sandbox.lifecycle.created"]
     api.delete(f"/sandboxes/{child_id}")
     short = Sandbox.create(timeout=1)
