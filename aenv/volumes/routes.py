@@ -52,8 +52,9 @@ async def create_volume(request: Request) -> JSONResponse:
     body: NewVolume = await _body(request, NewVolume)
     team = team_in_view() or DEFAULT_TEAM
     limit = request.app.state.teams.quotas(team).volumes
-    volume = await volumes_of(request).create(body.name, team, limit)
-    return JSONResponse(volume.api(), status_code=201)
+    volumes = volumes_of(request)
+    volume = await volumes.create(body.name, team, limit)
+    return JSONResponse(_with_domain(volumes, volume.api()), status_code=201)
 
 
 @router.get("/volumes", summary="The team's volumes")
@@ -64,7 +65,7 @@ async def list_volumes(request: Request) -> list[dict[str, Any]]:
 @router.get("/volumes/{volume_id}", summary="A volume, with its content token")
 async def get_volume(request: Request, volume_id: str) -> dict[str, Any]:
     volumes = volumes_of(request)
-    return (await _by_id(volumes, volume_id, team_in_view())).api()
+    return _with_domain(volumes, (await _by_id(volumes, volume_id, team_in_view())).api())
 
 
 @router.delete("/volumes/{volume_id}", status_code=204, summary="Delete a volume and what it holds")
@@ -72,6 +73,13 @@ async def delete_volume(request: Request, volume_id: str) -> Response:
     volumes = volumes_of(request)
     await volumes.delete(await _by_id(volumes, volume_id, team_in_view()))
     return Response(status_code=204)
+
+
+def _with_domain(volumes: Volumes, body: dict[str, Any]) -> dict[str, Any]:
+    """E2B's ``domain``: where the SDK sends content calls (``https://api.<domain>``) when
+    ``E2B_VOLUME_API_URL`` is not set, on a node that has one (AENV_DOMAIN)."""
+    domain = volumes.node.settings.domain
+    return body | {"domain": domain} if domain else body
 
 
 async def _by_id(volumes: Volumes, volume_id: str, team: str | None) -> Volume:
