@@ -36,6 +36,7 @@ from aenv.channel import ChannelClosed, Stream, splice
 from aenv.errors import AenvError, InvalidRequest
 from aenv.guest.egress import valid_name
 from aenv.node.metrics import EGRESS
+from aenv.node.transforms import NO_TRANSFORMS, Transforms
 
 log = logging.getLogger("aenv.egress")
 
@@ -166,6 +167,7 @@ class EgressPolicy:
     internet: bool = True
     allow: Rules = field(default_factory=Rules)
     deny: Rules = field(default_factory=Rules)
+    transforms: Transforms = NO_TRANSFORMS  # network.rules: headers set on requests (they open nothing)
 
     @classmethod
     def of(cls, internet: bool, network: dict[str, Any] | None) -> EgressPolicy:
@@ -174,6 +176,7 @@ class EgressPolicy:
             internet=internet,
             allow=Rules.parse(network.get("allowOut"), what="allowOut", domains_allowed=True),
             deny=Rules.parse(network.get("denyOut"), what="denyOut", domains_allowed=False),
+            transforms=Transforms.parse(network.get("rules")),
         )
 
     def may_resolve(self, host: str) -> bool:

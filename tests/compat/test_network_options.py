@@ -1,6 +1,6 @@
 """E2B's `network` ingress options against aenv: private ports behind the traffic access token
 (`allowPublicTraffic: false`), the Host a port sees (`maskRequestHost`), and the egress options
-aenv refuses as E2B refuses them to a team without them (`rules`, `egressProxy`).
+aenv refuses as E2B refuses them to a team without them (`egressProxy`), or checks as E2B (`rules`).
 
 E2B's own tests (`test_network.py::test_allow_public_traffic_false`, `::test_mask_request_host`)
 reach the port through `https://<port>-<id>.<domain>`; here the same requests go to the test node
@@ -292,8 +292,9 @@ BAD_NETWORKS = [
     ({"maskRequestHost": 7}, 400, "network.maskRequestHost must be a string"),
     ({"allowPublicTraffic": "false"}, 400, "network.allowPublicTraffic must be a boolean"),
     ({"allowPublicTraffic": 0}, 400, "network.allowPublicTraffic must be a boolean"),
-    ({"rules": {"api.example.com": [{"transform": {"headers": {"X-Token": "v"}}}]}}, 400, "Network transform rules"),
-    ({"rules": {}}, 400, "Network transform rules are not available for your team."),
+    ({"rules": {"api.example.com": [{"transform": {"headers": {"X-Token": "${e2b.secrets.x"}}}]}}, 400, "unterminated"),
+    ({"rules": {"api.example.com": [{"transform": {"headers": {"X": "${e2b.identity.tokens.a}"}}}]}}, 400, "identity"),
+    ({"rules": ["api.example.com"]}, 400, "network.rules must be an object"),
     ({"egressProxy": {"address": "proxy.example.com:1080"}}, 403, "Egress proxy (network.egressProxy) is not enabled"),
 ]
 
@@ -322,8 +323,11 @@ def test_network_update_refuses_what_aenv_lacks(sandbox: Sandbox, api: httpx.Cli
     path = f"/sandboxes/{sandbox.sandbox_id}/network"
     r = api.put(path, json={"egressProxy": {"address": "proxy.example.com:1080"}})
     assert r.status_code == 403 and r.json()["message"] == "Egress proxy (egressProxy) is not enabled for this team."
-    r = api.put(path, json={"rules": {"api.example.com": []}})
-    assert r.status_code == 400 and r.json()["message"] == "Network transform rules are not available for your team."
+    r = api.put(path, json={"rules": {"API.example.com": []}})
+    assert r.status_code == 400 and "not a lower-case domain" in r.json()["message"]
+    rules = {"api.example.com": [{"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets.TOKEN}"}}}]}
+    assert api.put(path, json={"rules": rules}).status_code == 204
+    assert api.get(f"/sandboxes/{sandbox.sandbox_id}").json()["network"]["rules"] == rules
     for body in ({"allowPublicTraffic": False}, {"maskRequestHost": "x.example.com"}):
         assert api.put(path, json=body).status_code == 400
     assert api.put(path, json={"allowOut": ["1.1.1.1"]}).status_code == 204

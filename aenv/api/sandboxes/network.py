@@ -15,6 +15,7 @@ from aenv.api.proxy import PORT_PLACEHOLDER
 from aenv.api.sandboxes.requests import _body, json_body, node_of
 from aenv.api.schemas import NetworkUpdate, NewSandbox
 from aenv.errors import Forbidden, InvalidRequest, snippet
+from aenv.node.transforms import Transforms
 
 router = APIRouter()
 
@@ -41,9 +42,10 @@ def unbuilt_features(body: NewSandbox) -> None:
 def egress_rules(
     network: Any, *, field: str = "network.egressProxy", known: frozenset[str] | None = None
 ) -> dict[str, Any]:
-    """The part of E2B's `network` object that aenv enforces (allowOut, denyOut).
+    """The part of E2B's `network` object that aenv enforces (allowOut, denyOut, rules: headers
+    the node sets on requests, aenv/node/transforms.py).
 
-    Transform rules and an egress proxy are refused as E2B refuses them to a team without them
+    An egress proxy is refused as E2B refuses them to a team without them
     (docs/architecture.md, Egress, says why aenv has neither); ``field`` names the proxy's field
     as E2B's message for that endpoint does. With ``known``, any other field is a 400."""
     if network is None:
@@ -58,15 +60,15 @@ def egress_rules(
         # a port proxy that speaks TLS to the sandbox's server: not built (the proxy speaks HTTP)
         raise InvalidRequest("HTTPS sandbox ports (network.httpsPorts) are not available for your team.")
     if network.get("rules") is not None:
-        raise InvalidRequest("Network transform rules are not available for your team.")
+        Transforms.parse(network["rules"])  # the 400 now, not at the first request
     if network.get("egressProxy") is not None:
         raise Forbidden(f"Egress proxy ({field}) is not enabled for this team.")
     out = {}
-    for key in ("allowOut", "denyOut"):
+    for key in ("allowOut", "denyOut", "rules"):
         value = network.get(key)
         if value is None:
             continue
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        if key != "rules" and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
             raise InvalidRequest(f"network.{key} must be a list of strings")
         out[key] = value
     return out
