@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from aenv.channel import ChannelClosed, Stream, splice
 from aenv.errors import AenvError, InvalidRequest
 from aenv.guest.egress import valid_name
+from aenv.node.intercept import Interceptor
 from aenv.node.metrics import EGRESS
 from aenv.node.transforms import NO_TRANSFORMS, Transforms
 
@@ -45,6 +46,7 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str, int], Awaitable[list[Address]]]
 T = TypeVar("T")
 
+INTERCEPTED_PORTS = {80: False, 443: True}  # where a rule's headers are set: port -> TLS (HTTPS)
 RESOLVE_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 10.0
 NODE_ADDRESSES_TTL = 5.0  # how long this node's own addresses are taken as known
@@ -307,16 +309,27 @@ async def _unless_abandoned(stream: Stream, work: Coroutine[Any, Any, T]) -> T:
 
 
 async def serve_connect(
-    stream: Stream, policy: EgressPolicy, *, resolver: Resolver = resolve, held: Connections | None = None
+    stream: Stream,
+    policy: EgressPolicy,
+    *,
+    resolver: Resolver = resolve,
+    held: Connections | None = None,
+    interceptor: Interceptor | None = None,
 ) -> str:
     """Carry out one ``egress.connect``; returns how it ended (for metrics and logs). ``held``
-    records the connection while it is open, so that new rules can end it (:meth:`Guest.recheck`)."""
+    records the connection while it is open, so that new rules can end it (:meth:`Guest.recheck`).
+    A host with a ``network.rules`` transform on port 443 or 80 goes through ``interceptor`` (its
+    requests get the rule's headers); without one such a connection is refused, never made bare."""
     dest = destination(stream.params)
     if dest is None:
         host, port = stream.params.get("host"), stream.params.get("port")
         await stream.end(error=("invalid_argument", f"bad destination {str(host)[:300]!r}:{str(port)[:20]!r}"))
         return "invalid"
     host, port = dest
+    rule = policy.transforms.match(host) if port in INTERCEPTED_PORTS else None
+    if rule is not None and interceptor is None:
+        await stream.end(error=("unavailable", f"egress to {host}:{port}: this node cannot apply network.rules"))
+        return "unavailable"
     try:
         reader, writer, addr = await _unless_abandoned(stream, connect(host, port, policy, resolver=resolver))
     except Refused as exc:
@@ -329,7 +342,10 @@ async def serve_connect(
         held[revoked] = (host, addr)
     try:
         await stream.send({"ok": True, "address": str(addr)})
-        await splice(stream, reader, writer, until=revoked)
+        if rule is not None and interceptor is not None:
+            await interceptor.run(stream, reader, writer, host, rule, tls=INTERCEPTED_PORTS[port], until=revoked)
+        else:
+            await splice(stream, reader, writer, until=revoked)
     except ChannelClosed:  # the guest ended the stream right after our answer
         return "abandoned"
     finally:
@@ -361,9 +377,12 @@ class Guest:
     reads the current policy, so a changed policy applies to the next connection, and
     :meth:`recheck` applies it to those already open."""
 
-    def __init__(self, sandbox_id: str, policy_of: Callable[[], EgressPolicy]) -> None:
+    def __init__(
+        self, sandbox_id: str, policy_of: Callable[[], EgressPolicy], interceptor: Interceptor | None = None
+    ) -> None:
         self.sandbox_id = sandbox_id
         self.policy_of = policy_of
+        self.interceptor = interceptor
         self.connections: Connections = {}
         self._lookups = asyncio.Semaphore(LOOKUPS_PER_SANDBOX)
         self._denied_logged_at = -DENIED_LOG_EVERY
@@ -378,7 +397,9 @@ class Guest:
         except AenvError as exc:
             await stream.end(error=("unavailable", str(exc)))
             return
-        outcome = await serve_connect(stream, policy, resolver=self._resolve, held=self.connections)
+        outcome = await serve_connect(
+            stream, policy, resolver=self._resolve, held=self.connections, interceptor=self.interceptor
+        )
         EGRESS.labels(outcome=outcome).inc()
         if outcome == "denied":
             self._log_denied(str(stream.params.get("host"))[:253])

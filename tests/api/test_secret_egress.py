@@ -1,0 +1,224 @@
+"""Secrets resolved at egress (aenv/node/intercept.py): a sandbox's request to a host with a
+``network.rules`` transform leaves this node with the rule's headers, the team's secrets filled in.
+
+The host side is driven directly: a guest channel opens ``egress.connect`` as the in-sandbox proxy
+does, and a local client speaks TLS through it, trusting the node's egress CA as a sandbox would.
+"The host" is an HTTPS server on this host's own non-loopback address (loopback is never
+reachable) with a self-signed certificate the node trusts through AENV_EGRESS_EXTRA_CA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import http.server
+import json
+import ssl
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import h11
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from aenv.channel import MAX_GUEST_STREAMS, Channel, splice
+from aenv.node import egress
+from aenv.node.egress import Address, EgressPolicy, Guest
+from aenv.node.intercept import EXTRA_CA_ENV, EgressCA, Interceptor
+from tests.channel.test_channel import pipe_pair
+from tests.node.test_egress import host_address
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.fast]
+HOST = "api.secret-egress.test"
+SECRETS = {("team-a", "api_key"): "s3cr3t-VALUE"}
+
+
+def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "upstream.pem", directory / "upstream.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path
+
+
+class Echo(http.server.BaseHTTPRequestHandler):
+    """Answers with the request's method, path, headers and body, as it arrived."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(length).decode()
+        out = json.dumps(
+            {"method": self.command, "path": self.path, "headers": dict(self.headers.items()), "body": body}
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+    """(port, its certificate) of an HTTPS echo server on this host's non-loopback address."""
+    cert, key = self_signed(tmp_path_factory.mktemp("upstream"), HOST)
+    server = http.server.ThreadingHTTPServer((host_address(), 0), Echo)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1], cert
+    server.shutdown()
+
+
+class Node:
+    """A node's egress for one sandbox of team-a, and a loopback port that stands for its proxy:
+    each connection to it becomes an egress.connect to HOST on the upstream's port."""
+
+    def __init__(self, ca: EgressCA, policy: EgressPolicy, port: int) -> None:
+        async def lookup(team: str, name: str) -> str | None:
+            return SECRETS.get((team, name))
+
+        async def resolver(host: str, port: int) -> list[Address]:
+            import ipaddress
+
+            return [ipaddress.ip_address(host_address())]
+
+        self.ca, self.port = ca, port
+        self.handler = Guest("sbx", lambda: policy, Interceptor(ca, lookup, lambda: "team-a"))
+        self.handler._resolve = resolver  # type: ignore[method-assign]
+        self.answers: list[Any] = []
+
+    async def start(self) -> None:
+        host_end, guest_end = await pipe_pair()
+        self.host = Channel(on_open=self.handler, max_peer_streams=MAX_GUEST_STREAMS)
+        self.guest = Channel(first_stream_id=2)
+        self.host.attach(*host_end)
+        self.guest.attach(*guest_end)
+        self.server = await asyncio.start_server(self._bridge, "127.0.0.1", 0)
+        self.local = self.server.sockets[0].getsockname()[1]
+
+    async def _bridge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        stream = await self.guest.open("egress.connect", {"host": HOST, "port": self.port})
+        first = await stream.recv()
+        self.answers.append(first.msg)
+        if first.msg and first.msg.get("ok"):
+            await splice(stream, reader, writer)
+        writer.close()
+
+    async def stop(self) -> None:
+        self.server.close()
+        self.host.close()
+        self.guest.close()
+
+    async def client(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        trust = ssl.create_default_context(cadata=self.ca.pem())
+        return await asyncio.open_connection("127.0.0.1", self.local, ssl=trust, server_hostname=HOST)
+
+
+async def exchange(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: h11.Connection, request: h11.Request, body: bytes
+) -> tuple[int, dict[str, str], bytes]:
+    writer.write(conn.send(request) + (conn.send(h11.Data(data=body)) if body else b"") + conn.send(h11.EndOfMessage()))
+    await writer.drain()
+    status, headers, out = 0, {}, b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await asyncio.wait_for(reader.read(65536), 10))
+        elif isinstance(event, h11.Response):
+            status, headers = event.status_code, {k.decode(): v.decode() for k, v in event.headers}
+        elif isinstance(event, h11.Data):
+            out += event.data
+        elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+            return status, headers, out
+
+
+def rules(value: str) -> dict[str, Any]:
+    return {HOST: [{"transform": {"headers": {"Authorization": value, "X-Fixed": "plain"}}}]}
+
+
+@pytest.fixture
+async def node(upstream: tuple[int, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Node]:
+    port, cert = upstream
+    monkeypatch.setenv(EXTRA_CA_ENV, str(cert))
+    monkeypatch.setitem(egress.INTERCEPTED_PORTS, port, True)  # as if it were 443
+    network = {"allowOut": [f"{host_address()}/32"], "rules": rules("Bearer ${e2b.secrets.API_KEY}")}
+    found = Node(EgressCA(tmp_path / "egress-ca", "test"), EgressPolicy.of(False, network), port)
+    await found.start()
+    yield found
+    await found.stop()
+
+
+async def test_the_header_leaves_filled_and_keep_alive_carries_two_requests(node: Node) -> None:
+    reader, writer = await node.client()
+    conn = h11.Connection(h11.CLIENT)
+    request = h11.Request(
+        method="POST",
+        target="/v1/things?x=1",
+        headers=[("Host", HOST), ("Authorization", "Bearer guest-own"), ("Content-Length", "5")],
+    )
+    status, _, body = await exchange(reader, writer, conn, request, b"hello")
+    seen = json.loads(body)
+    assert status == 200 and seen["path"] == "/v1/things?x=1" and seen["body"] == "hello"
+    assert seen["headers"]["Authorization"] == "Bearer s3cr3t-VALUE"  # the guest's own replaced
+    assert seen["headers"]["X-Fixed"] == "plain"
+    conn.start_next_cycle()
+    status, _, body = await exchange(
+        reader, writer, conn, h11.Request(method="GET", target="/2", headers=[("Host", HOST)]), b""
+    )
+    assert status == 200 and json.loads(body)["headers"]["Authorization"] == "Bearer s3cr3t-VALUE"
+    writer.close()
+    assert len(node.answers) == 1  # one connection for both
+
+
+async def test_a_missing_secret_is_a_502_naming_it_and_nothing_is_sent(node: Node, tmp_path: Path) -> None:
+    port = node.port
+    network = {"allowOut": [f"{host_address()}/32"], "rules": rules("${e2b.secrets.nope}")}
+    policy = EgressPolicy.of(False, network)
+    node.handler.policy_of = lambda: policy
+    reader, writer = await node.client()
+    conn = h11.Connection(h11.CLIENT)
+    status, headers, body = await exchange(
+        reader, writer, conn, h11.Request(method="GET", target="/", headers=[("Host", HOST)]), b""
+    )
+    assert status == 502 and "'nope'" in body.decode() and headers["x-aenv-egress"] == "refused"
+    assert port == node.port
+    writer.close()
+
+
+async def test_the_ca_is_kept_and_its_key_is_private(tmp_path: Path) -> None:
+    ca = EgressCA(tmp_path / "ca", "node-1")
+    pem = ca.pem()
+    assert (tmp_path / "ca" / "ca.key").stat().st_mode & 0o777 == 0o600
+    assert EgressCA(tmp_path / "ca", "node-1").pem() == pem  # made once
+    cert = x509.load_pem_x509_certificate(pem.encode())
+    assert cert.subject.rfc4514_string() == "CN=aenv egress CA node-1"
+    assert ca.context_for(HOST) is ca.context_for(HOST)  # leaves are cached
+    assert not [p for p in (tmp_path / "ca").iterdir() if p.name.startswith("leaf-")]
