@@ -119,6 +119,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
     app.state.events = events
     app.state.volumes = volumes
     app.state.secrets = secrets
+    node.use_secrets(secrets.value_of)  # network.rules' placeholders are filled by the node's egress
     app.state.spawns = Spawns()  # E2B's spawnCount and lastSpawnedAt of each template
     node.state_listeners.append(app.state.spawns.observe)
     teams.install(app)

@@ -22,12 +22,15 @@ from aenv.errors import CHECKPOINT_REFUSAL, AenvError, CheckpointRefused, Confli
 from aenv.node import egress
 from aenv.node.agentlink import AgentLink
 from aenv.node.artifacts import ArtifactCache
+from aenv.node.intercept import EgressCA, Interceptor
 from aenv.node.records import Records
 from aenv.node.sandbox import LiveSandbox, log_failure
 from aenv.node.store import SandboxRecord
+from aenv.node.transforms import SecretLookup
 from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
 from aenv.storage.layers import LayerStore, new_id
 from aenv.storage.space import ensure_space, headroom
+from aenv.teams.model import DEFAULT_TEAM
 
 log = logging.getLogger("aenv.node")
 DEFAULT_USER = "user"
@@ -53,6 +56,10 @@ class Instances:
         self.background = background  # the node's: a stopping node cancels and awaits them
         self.died = died
         self.pending_layers: set[str] = set()  # uppers of instances still being torn down
+        # network.rules' secrets: the app's secrets (aenv/secrets) hand their lookup over at start;
+        # until then a sandbox's connection to a host with a rule is refused, never made bare
+        self.secret_lookup: SecretLookup | None = None
+        self.egress_ca = EgressCA(settings.data_dir / "egress-ca", settings.node_id or "")
         self._teardowns: set[asyncio.Task[None]] = set()
         self._teardown_of: dict[str, asyncio.Task[None]] = {}  # upper id -> its instance's teardown
 
@@ -177,7 +184,11 @@ class Instances:
 
     def link_for(self, sb: LiveSandbox) -> AgentLink:
         """A new agent link for ``sb``, with a sandbox's egress (its record's network rules)."""
-        sb.egress = egress.Guest(sb.id, lambda: self.records.policy_of(sb.id))
+        lookup = self.secret_lookup
+        interceptor = (
+            None if lookup is None else Interceptor(self.egress_ca, lookup, lambda: sb.rec.team or DEFAULT_TEAM)
+        )
+        sb.egress = egress.Guest(sb.id, lambda: self.records.policy_of(sb.id), interceptor)
         return AgentLink(sb.id, serve=sb.egress, call_timeout=self.settings.agent_timeout, wake=self.driver.wake)
 
     async def watch(self, sb: LiveSandbox, link: AgentLink) -> None:

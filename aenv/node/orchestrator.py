@@ -49,6 +49,7 @@ from aenv.node.service import CachedArtifacts, Capacity
 from aenv.node.spec import DEFAULT_SPEC, SandboxSpec
 from aenv.node.state import SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
+from aenv.node.transforms import SecretLookup
 from aenv.node.usage import History, UsageHistory
 from aenv.node.warmpool import WarmPools
 from aenv.repo.backends import open_backend
@@ -451,6 +452,9 @@ class Node:
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
         return await self.records.set_timeout(sandbox_id, timeout)
+
+    def use_secrets(self, lookup: SecretLookup) -> None:
+        self.instances.secret_lookup = lookup
 
     async def set_network(self, sandbox_id: str, network: dict[str, Any], internet: bool | None = None) -> None:
         await self.records.set_network(sandbox_id, network, internet)

@@ -34,6 +34,7 @@ from aenv.node.spec import DEFAULT_SPEC, SandboxSpec
 from aenv.node.state import PUBLIC_STATE, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.node.tokens import access_token  # a secure sandbox's envd token, from the node's secret (signed URLs)
+from aenv.node.transforms import SecretLookup
 from aenv.node.usage import Bucket, History, Sample, in_range
 from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
 from aenv.storage.layers import LayerStore
@@ -228,6 +229,10 @@ class NodeService(Protocol):
         ...
 
     async def gc_repository(self) -> dict[str, Any]: ...
+
+    def use_secrets(self, lookup: SecretLookup) -> None:
+        """Where network.rules' ``${e2b.secrets.NAME}`` values come from (the app's secrets)."""
+        ...
 
     # -- the cluster agent's hooks -------------------------------------------------------------------
     @property

@@ -72,6 +72,14 @@ class Secrets:
                 return secret
         raise NotFound("Secret not found")
 
+    async def value_of(self, team: str, name: str) -> str | None:
+        """The current value of ``team``'s secret ``name`` (lower case), or None: for the node's
+        egress (network.rules), which alone ever holds it, per request."""
+        for secret in await self.store.all(team):
+            if secret.name == name:
+                return self.sealer().open(secret.sealed, secret.id, secret.team, secret.version)
+        return None
+
 
 def secrets_of(request: Request) -> Secrets:
     found: Secrets = request.app.state.secrets

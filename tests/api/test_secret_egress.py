@@ -222,3 +222,25 @@ async def test_the_ca_is_kept_and_its_key_is_private(tmp_path: Path) -> None:
     assert cert.subject.rfc4514_string() == "CN=aenv egress CA node-1"
     assert ca.context_for(HOST) is ca.context_for(HOST)  # leaves are cached
     assert not [p for p in (tmp_path / "ca").iterdir() if p.name.startswith("leaf-")]
+
+
+async def test_the_node_reads_a_teams_secret_and_no_other_teams(tmp_path: Path) -> None:
+    import time
+    from types import SimpleNamespace
+
+    from aenv.config import Settings
+    from aenv.secrets.model import Secret
+    from aenv.secrets.routes import Secrets
+
+    secrets = Secrets(SimpleNamespace(settings=Settings(data_dir=tmp_path)))  # type: ignore[arg-type]
+    await secrets.start()
+    try:
+        sealer = secrets.sealer()
+        sid = Secret.new_id()
+        now = time.time()
+        await secrets.store.add(Secret(sid, "api_key", "team-a", 1, sealer.seal("v1", sid, "team-a", 1), {}, now, now))
+        assert await secrets.value_of("team-a", "api_key") == "v1"
+        assert await secrets.value_of("team-b", "api_key") is None
+        assert await secrets.value_of("team-a", "other") is None
+    finally:
+        await secrets.stop()
