@@ -35,6 +35,13 @@ METHOD_GROUPS = (process, filesystem, system)  # importing them registered their
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_ID_FILE = "/run/e2b/.E2B_SANDBOX_ID"
+# network.rules: the node answers HTTPS for a rule's host with its egress CA's certificates, which
+# commands trust through this bundle (the system's roots and that CA).
+CA_BUNDLE_FILE = "/run/aenv/ca-bundle.pem"
+SYSTEM_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/cert.pem")
+MAX_SYSTEM_BUNDLE = 4 * 1024 * 1024
+# replace the default roots: set only when the bundle holds the system's roots as well
+BUNDLE_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
 # Linux's per-boot id. The driver mounts a small tmpfs here (gVisor's /proc has no such file): it
 # lives in the sandbox's memory, so a checkpoint keeps it and only a fresh boot writes a new one.
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
@@ -59,6 +66,7 @@ class Agent:
         # A warm pool member (aenv/node/warmpool.py) keeps the heap its restore left in the sentry
         # until a create claims it: given back, the claimer's first command pays to grow it again.
         self.hold_heap = False
+        self.trust_env: dict[str, str] = {}  # where commands find the egress CA (network.rules)
 
     # -- plumbing ---------------------------------------------------------------------------
     async def _serve(self, stream: Stream) -> None:
@@ -135,6 +143,8 @@ class Agent:
         held, self.hold_heap = self.hold_heap, bool(config.get("hold_heap"))
         if held and not self.hold_heap:  # claimed: give it back once the new sandbox is quiet
             self.heap_release.schedule()
+        if "env" in config:  # a whole configuration: a sandbox without rules trusts no egress CA
+            self.trust_env = _trust_egress_ca(config.get("egress_ca"))
         sandbox_id = self.env.get("E2B_SANDBOX_ID")
         if sandbox_id:
             try:
@@ -154,6 +164,7 @@ class Agent:
     def process_env(self, user: User, extra: dict[str, str] | None) -> dict[str, str]:
         env = {"PATH": DEFAULT_PATH, "HOME": user.home, "USER": user.name, "LOGNAME": user.name, "SHELL": user.shell}
         env.update(PROXY_ENV)
+        env.update(self.trust_env)
         env.update(self.env)
         env.update(extra or {})
         return env
@@ -205,6 +216,32 @@ def _random_uuid() -> str:
     raw[8] = raw[8] & 0x3F | 0x80
     h = raw.hex()
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _trust_egress_ca(pem: Any) -> dict[str, str]:
+    """Write the bundle commands trust (the system's roots, then the node's egress CA); the
+    variables that point tools at it. Without a system bundle only NODE_EXTRA_CA_CERTS (which adds
+    to Node's roots) is set: pointing Python or curl at the CA alone would break every other host."""
+    if not isinstance(pem, str) or "BEGIN CERTIFICATE" not in pem:
+        return {}
+    system = b""
+    for path in SYSTEM_BUNDLES:
+        try:
+            if os.path.isfile(path) and os.path.getsize(path) <= MAX_SYSTEM_BUNDLE:
+                with open(path, "rb") as f:
+                    system = f.read(MAX_SYSTEM_BUNDLE)
+                break
+        except OSError:
+            continue
+    try:
+        os.makedirs(os.path.dirname(CA_BUNDLE_FILE), exist_ok=True)
+        safeio.replace_file(CA_BUNDLE_FILE, system.rstrip(b"\n") + b"\n" + pem.encode(), 0o644)
+    except OSError:
+        return {}
+    env = {"NODE_EXTRA_CA_CERTS": CA_BUNDLE_FILE}
+    if system:
+        env.update({name: CA_BUNDLE_FILE for name in BUNDLE_ENV})
+    return env
 
 
 def _write_sandbox_id(sandbox_id: str) -> None:

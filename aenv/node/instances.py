@@ -86,6 +86,11 @@ class Instances:
             "workdir": rec.workdir or None,
             "nproc": self.records.limits_of(rec).nproc,
         }
+        if rec.network.get("rules") and self.secret_lookup is not None:
+            try:
+                config["egress_ca"] = self.egress_ca.pem()  # a rule's HTTPS host is answered with its certificates
+            except (OSError, ValueError) as exc:
+                log.warning("sandbox %s: no egress CA for its network.rules: %s", rec.id, exc)
         if not self.driver.restore_leaves_garbage:
             config["hold_heap"] = True  # nothing to give back: the agent's churn would only add
         return config

@@ -244,3 +244,43 @@ async def test_the_node_reads_a_teams_secret_and_no_other_teams(tmp_path: Path) 
         assert await secrets.value_of("team-a", "other") is None
     finally:
         await secrets.stop()
+
+
+def test_the_agent_trusts_the_ca_beside_the_systems_roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aenv.guest import agent
+
+    system = tmp_path / "system.crt"
+    system.write_text("-----BEGIN CERTIFICATE-----\nSYSTEM\n-----END CERTIFICATE-----\n")
+    bundle = tmp_path / "run" / "ca-bundle.pem"
+    monkeypatch.setattr(agent, "CA_BUNDLE_FILE", str(bundle))
+    monkeypatch.setattr(agent, "SYSTEM_BUNDLES", (str(tmp_path / "absent"), str(system)))
+    pem = EgressCA(tmp_path / "ca").pem()
+    env = agent._trust_egress_ca(pem)
+    assert set(env) == {"NODE_EXTRA_CA_CERTS", *agent.BUNDLE_ENV} and set(env.values()) == {str(bundle)}
+    text = bundle.read_text()
+    assert text.startswith(system.read_text()) and text.endswith(pem)
+    monkeypatch.setattr(agent, "SYSTEM_BUNDLES", (str(tmp_path / "absent"),))
+    assert agent._trust_egress_ca(pem) == {"NODE_EXTRA_CA_CERTS": str(bundle)}  # never the CA alone
+    assert agent._trust_egress_ca(None) == {} and agent._trust_egress_ca("junk") == {}
+
+
+async def test_plain_http_gets_the_header_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = http.server.ThreadingHTTPServer((host_address(), 0), Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    monkeypatch.setitem(egress.INTERCEPTED_PORTS, port, False)  # as if it were 80
+    network = {"allowOut": [f"{host_address()}/32"], "rules": rules("Bearer ${e2b.secrets.api_key}")}
+    found = Node(EgressCA(tmp_path / "egress-ca"), EgressPolicy.of(False, network), port)
+    await found.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", found.local)
+        conn = h11.Connection(h11.CLIENT)
+        request = h11.Request(method="GET", target="/plain", headers=[("Host", HOST), ("authorization", "x")])
+        status, _, body = await exchange(reader, writer, conn, request, b"")
+        headers = json.loads(body)["headers"]
+        assert status == 200 and headers["Authorization"] == "Bearer s3cr3t-VALUE"
+        assert [k for k in headers if k.lower() == "authorization"] == ["Authorization"]  # replaced, not added
+        writer.close()
+    finally:
+        await found.stop()
+        server.shutdown()
