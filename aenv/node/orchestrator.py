@@ -30,6 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from aenv.channel import StreamError
 from aenv.config import Settings
 from aenv.errors import AenvError, Conflict, InvalidRequest
 from aenv.node import housekeeping, imagecache, metrics, rollout
@@ -457,7 +458,16 @@ class Node:
         self.instances.secret_lookup = lookup
 
     async def set_network(self, sandbox_id: str, network: dict[str, Any], internet: bool | None = None) -> None:
+        had_rules = bool(self.records.get(sandbox_id).rec.network.get("rules"))
         await self.records.set_network(sandbox_id, network, internet)
+        sb = self.records.get(sandbox_id)
+        # rules added to (or taken from) a running sandbox: its commands trust the egress CA from now
+        # on (a paused one gets it with its configuration when it resumes)
+        if bool(network.get("rules")) != had_rules and sb.state is SandboxState.RUNNING and sb.link is not None:
+            try:
+                await sb.link.call("sys.configure", self.instances.agent_config(sb.rec))
+            except (AenvError, StreamError, OSError) as exc:
+                log.warning("sandbox %s: its new egress trust was not configured: %s", sandbox_id, exc)
 
     def get(self, sandbox_id: str) -> LiveSandbox:
         return self.records.get(sandbox_id)

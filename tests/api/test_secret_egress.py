@@ -284,3 +284,31 @@ async def test_plain_http_gets_the_header_too(tmp_path: Path, monkeypatch: pytes
     finally:
         await found.stop()
         server.shutdown()
+
+
+def test_a_sandbox_with_rules_trusts_the_ca_and_holds_no_value(e2b_env: Any, api: Any) -> None:
+    """Through the API on the node's runtime: the rules are kept, the sandbox's commands point at the
+    bundle with the node's CA, and the secret's value is nowhere in its environment or files."""
+    from e2b import Sandbox
+
+    value = "egress-only-" + "7" * 24
+    r = api.post("/secrets", json={"name": "egress_probe", "value": value})
+    assert r.status_code == 201, r.text
+    network = {"rules": {HOST: [{"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets.EGRESS_PROBE}"}}}]}}
+    sbx = Sandbox.create(timeout=120, network=network)
+    try:
+        assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["network"]["rules"] == network["rules"]
+        out = sbx.commands.run(
+            "echo $SSL_CERT_FILE $NODE_EXTRA_CA_CERTS; grep -c 'BEGIN CERT' /run/aenv/ca-bundle.pem"
+        ).stdout
+        assert "/run/aenv/ca-bundle.pem" in out and int(out.split()[-1]) >= 1
+        found = sbx.commands.run(
+            f"env; grep -rl '{value}' /run /home /tmp /etc /root 2>/dev/null | head -3; true", timeout=60
+        ).stdout
+        assert value not in found
+        # taken away: the next configuration leaves the default trust
+        assert api.put(f"/sandboxes/{sbx.sandbox_id}/network", json={}).status_code == 204
+        assert sbx.commands.run("echo x${SSL_CERT_FILE}x").stdout.strip() == "xx"
+    finally:
+        sbx.kill()
+        api.delete("/secrets/egress_probe")
