@@ -192,6 +192,23 @@ async def _send(conn: h11.Connection, writer: asyncio.StreamWriter, event: h11._
         await asyncio.wait_for(writer.drain(), IDLE_TIMEOUT)
 
 
+def _authority_host(authority: bytes) -> str:
+    text = authority.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:].partition("]")[0]
+    return text.rpartition(":")[0] if text.count(":") == 1 else text
+
+
+def _same_host(request: h11.Request, host: str) -> bool:
+    """The request's Host (and an absolute-form target's authority) is the connection's host."""
+    host = host.lower().rstrip(".")
+    names = [_authority_host(v) for k, v in request.headers if k == b"host"]
+    target = request.target
+    if b"://" in target:
+        names.append(_authority_host(target.split(b"://", 1)[1].split(b"/", 1)[0].rsplit(b"@", 1)[-1]))
+    return bool(names) and all(name.rstrip(".") == host for name in names)
+
+
 def _bad_value(value: str) -> bool:
     return any(ch in value for ch in "\r\n\x00")
 
@@ -277,6 +294,12 @@ class Interceptor:
                     return  # the sandbox closed (or sent nothing HTTP)
                 if event.method == b"CONNECT":
                     await self._refuse(guest, g_writer, 405, "CONNECT through an intercepted host is not relayed")
+                    return
+                if not _same_host(event, host):
+                    # a shared front end (a CDN) routes by Host: the secret must go where the rule says
+                    await self._refuse(
+                        guest, g_writer, 421, f"network.rules for {host}: the request names another host"
+                    )
                     return
                 try:
                     headers = await self._headers(event.headers, rule)

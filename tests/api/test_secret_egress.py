@@ -213,6 +213,22 @@ async def test_a_missing_secret_is_a_502_naming_it_and_nothing_is_sent(node: Nod
     writer.close()
 
 
+async def test_a_request_for_another_host_is_refused_unsent(node: Node) -> None:
+    """A shared front end routes by Host: a secret for one host must not reach another through it."""
+    for headers in ([("Host", "evil.example")], [("Host", f"{HOST}.evil.example")]):
+        reader, writer = await node.client()
+        conn = h11.Connection(h11.CLIENT)
+        request = h11.Request(method="GET", target="/", headers=headers)
+        status, _, body = await exchange(reader, writer, conn, request, b"")
+        assert status == 421 and b"another host" in body
+        writer.close()
+    reader, writer = await node.client()
+    request = h11.Request(method="GET", target="/", headers=[("Host", f"{HOST.upper()}:443")])
+    status, _, body = await exchange(reader, writer, h11.Connection(h11.CLIENT), request, b"")
+    assert status == 200 and "s3cr3t-VALUE" in body.decode()
+    writer.close()
+
+
 async def test_the_ca_is_kept_and_its_key_is_private(tmp_path: Path) -> None:
     ca = EgressCA(tmp_path / "ca", "node-1")
     pem = ca.pem()
