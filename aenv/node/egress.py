@@ -37,7 +37,7 @@ from aenv.errors import AenvError, InvalidRequest
 from aenv.guest.egress import valid_name
 from aenv.node.intercept import Interceptor
 from aenv.node.metrics import EGRESS
-from aenv.node.transforms import NO_TRANSFORMS, Transforms
+from aenv.node.transforms import NO_TRANSFORMS, Rule, Transforms
 
 log = logging.getLogger("aenv.egress")
 
@@ -339,7 +339,7 @@ async def serve_connect(
         return "abandoned"
     revoked = asyncio.Event()
     if held is not None:
-        held[revoked] = (host, addr)
+        held[revoked] = (host, addr, rule)
     try:
         await stream.send({"ok": True, "address": str(addr)})
         if rule is not None and interceptor is not None:
@@ -360,8 +360,9 @@ async def serve_connect(
     return "connected"
 
 
-# The connections a sandbox holds open: each one's "end it" event and where it goes.
-Connections = dict[asyncio.Event, tuple[str, Address]]
+# The connections a sandbox holds open: each one's "end it" event, where it goes and the
+# network.rules rule its requests get (None: spliced, untouched).
+Connections = dict[asyncio.Event, tuple[str, Address, Rule | None]]
 
 
 def build_guest(label: str, internet: bool, allow_out: Collection[str] = ()) -> Guest:
@@ -426,8 +427,11 @@ class Guest:
         away, internet access turned off); how many."""
         policy = self.policy_of()
         ended = 0
-        for revoked, (host, addr) in list(self.connections.items()):
-            if policy.check(host, addr) is not None:
+        for revoked, (host, addr, rule) in list(self.connections.items()):
+            # a changed or removed rule ends its connections too: their next request must not
+            # carry a secret the rules no longer send there
+            changed = rule is not None and policy.transforms.match(host) != rule
+            if changed or policy.check(host, addr) is not None:
                 revoked.set()
                 ended += 1
         return ended

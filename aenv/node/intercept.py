@@ -156,10 +156,21 @@ def _write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
     os.replace(tmp, path)
 
 
+_upstream: dict[str, ssl.SSLContext] = {}
+
+
 def upstream_context() -> ssl.SSLContext:
-    """Verifies hosts as any client: the system's roots (and AENV_EGRESS_EXTRA_CA's, for tests)."""
+    """Verifies hosts as any client: the system's roots (and AENV_EGRESS_EXTRA_CA's, for tests);
+    made once (loading the roots costs milliseconds)."""
+    extra = os.environ.get(EXTRA_CA_ENV, "")
+    if extra not in _upstream:
+        _upstream.clear()
+        _upstream[extra] = _new_upstream_context(extra)
+    return _upstream[extra]
+
+
+def _new_upstream_context(extra: str) -> ssl.SSLContext:
     ctx = ssl.create_default_context()
-    extra = os.environ.get(EXTRA_CA_ENV)
     if extra:
         ctx.load_verify_locations(extra)
     ctx.set_alpn_protocols(["http/1.1"])

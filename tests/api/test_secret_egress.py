@@ -328,3 +328,20 @@ def test_a_sandbox_with_rules_trusts_the_ca_and_holds_no_value(e2b_env: Any, api
     finally:
         sbx.kill()
         api.delete("/secrets/egress_probe")
+
+
+async def test_a_changed_rule_ends_the_connections_that_carried_it(node: Node) -> None:
+    reader, writer = await node.client()
+    request = h11.Request(method="GET", target="/", headers=[("Host", HOST)])
+    status, _, _ = await exchange(reader, writer, h11.Connection(h11.CLIENT), request, b"")
+    assert status == 200 and len(node.handler.connections) == 1
+    same = EgressPolicy.of(
+        False, {"allowOut": [f"{host_address()}/32"], "rules": rules("Bearer ${e2b.secrets.API_KEY}")}
+    )
+    node.handler.policy_of = lambda: same
+    assert node.handler.recheck() == 0  # the same rule: kept
+    changed = EgressPolicy.of(False, {"allowOut": [f"{host_address()}/32"]})
+    node.handler.policy_of = lambda: changed
+    assert node.handler.recheck() == 1
+    assert await asyncio.wait_for(reader.read(), 10) == b"" or reader.at_eof()
+    writer.close()
