@@ -15,6 +15,10 @@ Policy, in order (E2B's fields: ``allow_internet_access``, ``network.allowOut``/
 4. a destination in ``denyOut`` is denied;
 5. without internet access everything else is denied;
 6. with it, the rest (public addresses) is allowed.
+
+A host with a ``network.rules`` transform (aenv/node/transforms.py) is reached the same way, but its
+HTTP (80) and HTTPS (443) connections are relayed request by request (aenv/node/intercept.py) so
+that the node, never the sandbox, fills in the team's secrets.
 """
 
 from __future__ import annotations

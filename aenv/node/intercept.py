@@ -273,9 +273,9 @@ class Interceptor:
                 relay.cancel()
                 await asyncio.wait({relay})
             if relay.done() and not relay.cancelled() and relay.exception() is not None:
-                log.info("egress relay to %s ended: %s", host, type(relay.exception()).__name__)
+                log.debug("egress relay to %s ended: %s", host, type(relay.exception()).__name__)
         except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
-            log.info("egress relay to %s failed: %s", host, type(exc).__name__)
+            log.debug("egress relay to %s failed: %s", host, type(exc).__name__)  # the sandbox decides how often
         finally:
             if guest_writer is not None:
                 guest_writer.close()
