@@ -177,7 +177,7 @@ def _new_upstream_context(extra: str) -> ssl.SSLContext:
     return ctx
 
 
-class Closed(Exception):
+class Closed(ConnectionError):
     """The relay is over (a side closed, broke HTTP/1.1 or went quiet)."""
 
 
@@ -313,7 +313,7 @@ class Interceptor:
                     )
                     return
                 try:
-                    headers = await self._headers(event.headers, rule)
+                    headers = await self._filled(event.headers, rule)
                 except MissingSecret as exc:
                     await self._refuse(
                         guest, g_writer, 502, f"network.rules for {host}: this team has no secret named {exc.name!r}"
@@ -406,7 +406,7 @@ class Interceptor:
                 way.cancel()
             await asyncio.wait(ways)
 
-    async def _headers(self, given: Iterable[tuple[bytes, bytes]], rule: Rule) -> list[tuple[bytes, bytes]]:
+    async def _filled(self, given: Iterable[tuple[bytes, bytes]], rule: Rule) -> list[tuple[bytes, bytes]]:
         """The request's headers with the rule's set: same-named ones replaced, values filled."""
         names = {name.lower().encode() for name, _ in rule.headers}
         out = [(k, v) for k, v in given if k.lower() not in names]

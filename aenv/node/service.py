@@ -34,13 +34,14 @@ from aenv.node.spec import DEFAULT_SPEC, SandboxSpec
 from aenv.node.state import PUBLIC_STATE, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.node.tokens import access_token  # a secure sandbox's envd token, from the node's secret (signed URLs)
-from aenv.node.transforms import SecretLookup
+from aenv.node.transforms import SecretLookup, Transforms
 from aenv.node.usage import Bucket, History, Sample, in_range
 from aenv.runtime.base import Driver, Instance, Limits, RootfsSpec
 from aenv.storage.layers import LayerStore
 from aenv.templates.uploads import UploadCache
 
 __all__ = [
+    "Transforms",
     "Spawned",
     "Spawns",
     "CREATE_ID_HEADER",

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aenv.errors import InvalidRequest, snippet
+from aenv.errors import InvalidRequest, NotFound, snippet
 
 MAX_HOSTS = 10
 MAX_RULES_PER_HOST = 1
@@ -37,9 +37,11 @@ FRAMING = frozenset({"content-length", "transfer-encoding", "connection", "upgra
 SecretLookup = Callable[[str, str], Awaitable[str | None]]
 
 
-class MissingSecret(Exception):
+class MissingSecret(NotFound):
+    """A rule names a secret its sandbox's team does not have."""
+
     def __init__(self, name: str) -> None:
-        super().__init__(name)
+        super().__init__(f"secret {name!r} not found")
         self.name = name
 
 

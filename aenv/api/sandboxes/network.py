@@ -15,7 +15,7 @@ from aenv.api.proxy import PORT_PLACEHOLDER
 from aenv.api.sandboxes.requests import _body, json_body, node_of
 from aenv.api.schemas import NetworkUpdate, NewSandbox
 from aenv.errors import Forbidden, InvalidRequest, snippet
-from aenv.node.transforms import Transforms
+from aenv.node.service import Transforms
 
 router = APIRouter()
 
