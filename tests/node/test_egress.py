@@ -118,7 +118,10 @@ def test_no_internet_and_update_network(e2b_env: Server, api: httpx.Client, outs
 
 
 def test_bad_network_rules_are_400(api: httpx.Client) -> None:
-    for network in ({"allowOut": ["not a domain!"]}, {"denyOut": ["example.com"]}, {"rules": {"x": []}}):
+    bad_rule = {"x.example": [{"transform": {"headers": {"Bad Header": "v"}}}]}
+    networks = [{"allowOut": ["not a domain!"]}, {"denyOut": ["example.com"]}]
+    networks += [{"rules": bad_rule}, {"rules": {"*": []}}]
+    for network in networks:
         r = api.post("/v2/sandboxes", json={"templateID": "base", "network": network})
         assert r.status_code == 400 and r.json()["code"] == 400, r.text
     assert not [s for s in api.get("/v2/sandboxes").json() if s.get("network") == {"allowOut": ["not a domain!"]}]
