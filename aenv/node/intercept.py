@@ -90,7 +90,7 @@ class EgressCA:
             )
             # the key first, then the certificate: a certificate on disk always has its key
             _write_private(key_path, pem)
-            _write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM), mode=0o644)
+            _write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM))  # owner-only, as the data dir
         loaded = serialization.load_pem_private_key(key_path.read_bytes(), None)
         if not isinstance(loaded, ec.EllipticCurvePrivateKey):
             raise ValueError(f"{key_path} is not an EC key")

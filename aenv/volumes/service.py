@@ -177,8 +177,9 @@ def _nested(a: str, b: str) -> bool:
 
 
 def _make_root(path: Path) -> None:
+    """Owner-only, as everything under the data dir: sandboxes reach a volume through its mount."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o711)  # passed through, never listed, by others (the fake runtime's user)
+    os.chmod(path, 0o700)
 
 
 def _make_data(path: Path) -> None:

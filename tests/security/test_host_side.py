@@ -165,8 +165,9 @@ def owner_only(path: Path) -> bool:
 
 
 def node_files(data_dir: Path) -> list[Path]:
-    """Everything the node keeps in its data dir, not what sandboxes see (layers, uppers and the
-    guest bundle keep the modes their users need inside; the data dir keeps them out of reach),
+    """Everything the node keeps in its data dir, not what sandboxes see (layers, uppers, volumes'
+    content and the guest bundle keep the modes their users need inside; the data dir keeps them
+    out of reach),
     nor what the operator drops into `imports/` for `oci:` references (the node only reads it)."""
     seen = [data_dir]
     for dirpath, dirnames, filenames in os.walk(data_dir):
@@ -175,6 +176,8 @@ def node_files(data_dir: Path) -> list[Path]:
             dirnames[:] = [d for d in dirnames if d != "imports"]
         if rel in ("fs/layers", "runtime/guest"):
             dirnames[:] = [d for d in dirnames if d == ".used"]
+        if os.path.dirname(rel) == "volumes":  # a volume's own tree: the modes its sandboxes need
+            dirnames[:] = []
         dirnames[:] = [d for d in dirnames if not os.path.ismount(os.path.join(dirpath, d))]
         seen += [Path(dirpath, name) for name in (*dirnames, *filenames)]
     return seen
