@@ -16,7 +16,7 @@ from aenv.cluster.entries import EntryError, node_id_of
 from aenv.config import Settings
 from aenv.errors import InvalidRequest
 from aenv.images.mirrors import parse_mirrors
-from aenv.node.egress import Rules
+from aenv.node.egress import Rules, static_hosts
 from aenv.node.orchestrator import Node
 from aenv.storage import datadir
 
@@ -49,6 +49,7 @@ def check_settings(settings: Settings) -> None:
     except ValueError as exc:
         raise InvalidRequest(f"AENV_REGISTRY_MIRRORS: {exc}") from None
     Rules.parse(settings.build_allow_out, what="AENV_BUILD_ALLOW_OUT", domains_allowed=True)
+    static_hosts()
     if settings.driver == "fake" and not _loopback(settings.host):
         raise InvalidRequest(
             f"AENV_DRIVER=fake isolates nothing (its sandboxes are host processes): it serves on a loopback "

@@ -27,6 +27,7 @@ import asyncio
 import functools
 import ipaddress
 import logging
+import os
 import re
 import socket
 import time
@@ -243,9 +244,32 @@ LOOKUPS_PER_SANDBOX = 4  # of those threads, what one sandbox may hold at once
 DENIED_LOG_EVERY = 10.0  # seconds between two "egress denied" lines of one sandbox
 
 
+HOSTS_ENV = "AENV_EGRESS_HOSTS"
+
+
+@functools.cache
+def static_hosts(spec: str | None = None) -> dict[str, Address]:
+    """The operator's fixed names for sandboxes' egress (``AENV_EGRESS_HOSTS``, "name=address,..."),
+    answered before DNS as /etc/hosts entries would be: an internal API's name where the node's DNS
+    has none, a test's receiver. The policy still checks the address (a private one needs allowOut)."""
+    if spec is None:
+        spec = os.environ.get(HOSTS_ENV, "")
+    out: dict[str, Address] = {}
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, addr = entry.partition("=")
+        name = name.strip().lower().rstrip(".")
+        literal = _literal(addr.strip())
+        if not sep or not name or literal is None or _literal(name) is not None:
+            raise InvalidRequest(f"{HOSTS_ENV}: {entry!r} is not name=address")
+        out[name] = literal
+    return out
+
+
 async def resolve(host: str, port: int) -> list[Address]:
     if (literal := _literal(host)) is not None:
         return [literal]
+    if (fixed := static_hosts().get(host.lower().rstrip("."))) is not None:
+        return [fixed]
     lookup = functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
     infos = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(RESOLVERS, lookup), RESOLVE_TIMEOUT)
     seen: list[Address] = []

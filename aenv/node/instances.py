@@ -60,6 +60,7 @@ class Instances:
         # until then a sandbox's connection to a host with a rule is refused, never made bare
         self.secret_lookup: SecretLookup | None = None
         self.egress_ca = EgressCA(settings.data_dir / "egress-ca", settings.node_id or "")
+        egress.static_hosts()  # a bad AENV_EGRESS_HOSTS stops the node at its start, not a sandbox later
         self._teardowns: set[asyncio.Task[None]] = set()
         self._teardown_of: dict[str, asyncio.Task[None]] = {}  # upper id -> its instance's teardown
 

@@ -345,3 +345,23 @@ async def test_a_changed_rule_ends_the_connections_that_carried_it(node: Node) -
     assert node.handler.recheck() == 1
     assert await asyncio.wait_for(reader.read(), 10) == b"" or reader.at_eof()
     writer.close()
+
+
+async def test_the_operators_fixed_names_answer_before_dns_and_the_policy_still_checks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ipaddress
+
+    monkeypatch.setenv(egress.HOSTS_ENV, "Api.Example.Internal=10.1.2.3, other.test=fd00::5")
+    egress.static_hosts.cache_clear()
+    try:
+        assert await egress.resolve("api.example.internal.", 443) == [ipaddress.ip_address("10.1.2.3")]
+        assert await egress.resolve("OTHER.test", 80) == [ipaddress.ip_address("fd00::5")]
+        # a private address named so is still one: only an allowOut entry naming it opens it
+        with pytest.raises(egress.Refused, match="private address"):
+            await egress.connect("api.example.internal", 443, EgressPolicy.of(True, None), node=())
+        for bad in ("noequals", "=1.2.3.4", "name=not-an-address", "1.2.3.4=5.6.7.8"):
+            with pytest.raises(ValueError, match=egress.HOSTS_ENV):
+                egress.static_hosts(bad)
+    finally:
+        egress.static_hosts.cache_clear()
