@@ -250,14 +250,18 @@ class SnapshotBody(BaseModel):
 
 
 class ForkBody(BaseModel):
-    """E2B's SandboxForkRequest, plus aenv's ``metadata`` for the children: one map added to the
-    source's metadata for every child, or a list of ``count`` maps, one per child. Unknown fields
+    """E2B's SandboxForkRequest, plus aenv's ``metadata`` for the children (one map added to the
+    source's metadata for every child, or a list of ``count`` maps, one per child) and ``volumes``
+    (whether the children share the source's volumes or get copies of their own). Unknown fields
     are a 400 (an ``n`` ignored was one child); the node bounds ``count`` by AENV_MAX_FORK."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     count: int = Field(1, ge=1)
     timeout: int | None = Field(None, gt=0)
     metadata: dict[str, str] | list[dict[str, str]] | None = None
+    # "clone": each child mounts its own copy of each of the source's volumes, as they were at the
+    # fork (GRPO children that must not see each other's writes); "shared": the volumes themselves
+    volumes: Literal["shared", "clone"] = "shared"
 
     @field_validator("metadata")
     @classmethod

@@ -248,14 +248,17 @@ def fork(
     sandbox_id: str,
     n: int = typer.Option(1, "-n", "--count"),
     timeout: int = typer.Option(None),
+    clone_volumes: bool = typer.Option(
+        False, "--clone-volumes", help="Each child gets its own copy of the sandbox's volumes (<name>-<child id>)"
+    ),
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Fork a running sandbox into N children that start from its exact state."""
 
     async def go(c: AsyncClient) -> list[AsyncSandbox]:
-        return await _with_status(
-            f"forking {sandbox_id} into {n}", AsyncSandbox(c, {"sandboxID": sandbox_id}).fork(n, timeout=timeout)
-        )
+        source = AsyncSandbox(c, {"sandboxID": sandbox_id})
+        forking = source.fork(n, timeout=timeout, clone_volumes=clone_volumes)
+        return await _with_status(f"forking {sandbox_id} into {n}", forking)
 
     children = _run(go)
     rows = [{"sandboxID": ch.sandbox_id, "parentID": sandbox_id} for ch in children]

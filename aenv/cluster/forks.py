@@ -23,7 +23,7 @@ ROOM = "limit_exceeded"  # the error a node answers a child (or a fork) it has n
 
 
 # E2B's SandboxForkRequest and aenv's per-child metadata; a node refuses any other
-FIELDS = frozenset({"count", "timeout", "metadata"})
+FIELDS = frozenset({"count", "timeout", "metadata", "volumes"})
 
 
 def asked(body: bytes, max_fork: int) -> tuple[int, int | None, list[dict[str, str]] | None] | None:
@@ -36,6 +36,8 @@ def asked(body: bytes, max_fork: int) -> tuple[int, int | None, list[dict[str, s
     except ValueError:
         return None
     if not isinstance(parsed, dict) or not FIELDS.issuperset(parsed):
+        return None
+    if parsed.get("volumes", "shared") != "shared":  # copies of volumes are made on the source's node alone
         return None
     count, timeout, metadata = parsed.get("count", 1), parsed.get("timeout"), parsed.get("metadata")
     if not _positive(count) or count > max_fork or not (timeout is None or _positive(timeout)):

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 
 from aenv.errors import ArtifactDamaged, ClusterUnavailable, ImageIncompatible, InvalidRequest, WrongState
 from aenv.node import rollout
@@ -305,13 +306,16 @@ class Checkpoints:
         sb.rec.upper = await self.files.new_upper(self.records.limits_of(sb.rec).disk_mb)
         return image, layers
 
-    async def branch_running(self, sb: LiveSandbox, during: SandboxState) -> tuple[str, list[str]]:
+    async def branch_running(
+        self, sb: LiveSandbox, during: SandboxState, *, also: Callable[[], Awaitable[None]] | None = None
+    ) -> tuple[str, list[str]]:
         """Checkpoint a running sandbox leaving it running, with a copy of its upper as a new layer;
         returns (image, layers) for the copies. The source keeps its instance, upper and streams.
-        If the checkpoint fails the sandbox is left running."""
+        ``also`` runs while it is stopped (a fork's volume copies). If the checkpoint (or ``also``)
+        fails the sandbox is left running."""
         await self.records.set_state(sb, during, persist=False)
         try:
-            image, copy = await self.instances.checkpoint_running(sb)
+            image, copy = await self.instances.checkpoint_running(sb, also=also)
         except BaseException:
             await self.runner.after_failed_checkpoint(sb)
             raise

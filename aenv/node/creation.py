@@ -9,6 +9,8 @@ the instances, the runner every operation goes through, the admission checks, th
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
 
 from aenv.config import Settings
@@ -24,7 +26,7 @@ from aenv.node.records import Records
 from aenv.node.rollout import RolloutLogs
 from aenv.node.runner import Runner
 from aenv.node.sandbox import ForkResult, LiveSandbox, new_sandbox_id
-from aenv.node.spec import DEFAULT_SPEC, SandboxSpec
+from aenv.node.spec import DEFAULT_SPEC, SandboxSpec, VolumeClones
 from aenv.node.state import SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, TemplateRecord
 from aenv.node.warmpool import Member, WarmPools
@@ -33,6 +35,7 @@ from aenv.storage.layers import LayerStore
 from aenv.teams.model import team_of_new
 
 S = SandboxState
+log = logging.getLogger("aenv.node")
 
 
 class Creation:
@@ -193,31 +196,35 @@ class Creation:
         count: int = 1,
         timeout: int | None = None,
         metadata: list[dict[str, str]] | None = None,
+        volume_clones: VolumeClones | None = None,
     ) -> list[ForkResult]:
         """``count`` children of a running sandbox; ``metadata``, one map per child, is added to
-        the source's metadata for that child."""
+        the source's metadata for that child. With ``volume_clones`` each child mounts its own copy
+        of each of the source's volumes, as they were at the fork, in place of the shared volume."""
         sb = self.records.get(sandbox_id)
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise InvalidRequest("count must be a positive integer")
-        if count > self.settings.max_fork:
-            raise InvalidRequest(f"count may be at most {self.settings.max_fork}")
-        if metadata is not None and len(metadata) != count:
-            raise InvalidRequest(f"metadata names {len(metadata)} children, the fork makes {count}")
+        self._check_fork(count, metadata)
         child_timeout = self.admission.check_timeout(timeout) if timeout is not None else None
         self.admission.admit()
         self.admission.check_room(sb.rec)  # no room for any child: the whole fork is refused, nothing checkpointed
 
         async def run() -> list[ForkResult]:
+            ids = [new_sandbox_id() for _ in range(count)]
+            clones = volume_clones if sb.rec.volume_mounts else None
+            capture = None if clones is None else functools.partial(clones.capture, ids[0])
             leaves_running = self.driver.leaves_running
-            branch = self.checkpoints.branch_running if leaves_running else self.checkpoints.branch
-            image, layers = await branch(sb, S.FORKING)
+            if leaves_running:
+                image, layers = await self.checkpoints.branch_running(sb, S.FORKING, also=capture)
+            else:
+                image, layers = await self.checkpoints.branch(sb, S.FORKING)
             now = time.time()
             ttl = child_timeout if child_timeout is not None else max(1, int(sb.rec.end_at - now))
             children: list[LiveSandbox] = []
             try:
+                if capture is not None and not leaves_running:
+                    await capture()  # the source stays stopped until its restart below
                 for i in range(min(count, self.admission.room()[0])):
                     extra = metadata[i] if metadata is not None else {}
-                    children.append(await self._child_of(sb, layers, now, ttl, child_timeout, extra))
+                    children.append(await self._child_of(sb, layers, now, ttl, child_timeout, extra, ids[i]))
                 # From the count to the entries nothing awaits: concurrent creates and forks cannot
                 # overfill the node. Children past its room are answered with the limit instead.
                 room, limit = self.admission.room()
@@ -231,6 +238,10 @@ class Creation:
                 children = children[:room]
                 for child in children:
                     self.records.sandboxes[child.id] = child
+                if clones is not None:  # the first child has the copies captured, the others copies of those
+                    await clones.spread([child.id for child in children[1:]])
+                    for child in children:
+                        child.rec.volume_mounts = clones.mounts_of(child.id)
                 # The source is restored from the image too unless the checkpoint left it running.
                 restart = [] if leaves_running else [self.checkpoints.restart_source(sb, image)]
                 outcomes = await asyncio.gather(
@@ -239,12 +250,16 @@ class Creation:
             except BaseException:  # cancelled (killed, or past the deadline): no child is handed out
                 for child in children:
                     await self.runner.discard(child)
+                if clones is not None:
+                    await asyncio.shield(self._drop_clones(clones, ids))
                 raise
             finally:
                 self.files.remove_image(image)  # a restored instance no longer needs its image
             if restart and isinstance(outcomes[0], BaseException):
                 for child in children:
                     await self.runner.discard(child)
+                if clones is not None:
+                    await self._drop_clones(clones, ids)
                 raise outcomes[0]
             await self.records.set_state(sb, S.RUNNING)
             if not children:
@@ -260,6 +275,8 @@ class Creation:
             refused = f"{limit}: no room for this child ({len(children)} of the fork's {count} fit)"
             results += [ForkResult(error=over(refused)) for _ in range(count - len(children))]
             made = [r.sandbox.id for r in results if r.sandbox is not None]
+            if clones is not None:  # the copies of children not made (no room, a failed restore) go
+                await self._drop_clones(clones, [i for i in ids if i not in made])
             sb.events.note(f"fork of {count}: {len(made)} children made ({', '.join(made[:8])})")
             return results
 
@@ -273,13 +290,14 @@ class Creation:
         ttl: int,
         timeout: int | None,
         metadata: dict[str, str] | None = None,
+        child_id: str | None = None,
     ) -> LiveSandbox:
         """A child runs for what its source has left (``ttl``) unless the fork names a ``timeout``;
         its own timeout, for its resumes, is the one named, else its source's."""
         src = sb.rec
         upper = await self.files.new_upper(self.records.limits_of(src).disk_mb)
         rec = SandboxRecord(
-            id=new_sandbox_id(),
+            id=child_id or new_sandbox_id(),
             template_id=src.template_id,
             started_at=now,
             end_at=now + ttl,
@@ -310,6 +328,22 @@ class Creation:
         child.events.note(f"forked from {src.id}")
         self.rollouts.copy(src.id, rec.id)  # its source's commands are its past too
         return child
+
+    def _check_fork(self, count: int, metadata: list[dict[str, str]] | None) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidRequest("count must be a positive integer")
+        if count > self.settings.max_fork:
+            raise InvalidRequest(f"count may be at most {self.settings.max_fork}")
+        if metadata is not None and len(metadata) != count:
+            raise InvalidRequest(f"metadata names {len(metadata)} children, the fork makes {count}")
+
+    @staticmethod
+    async def _drop_clones(clones: VolumeClones, child_ids: list[str]) -> None:
+        for child_id in child_ids:
+            try:
+                await clones.drop(child_id)
+            except Exception as exc:  # noqa: BLE001 - the fork's own outcome matters more than a leftover copy
+                log.warning("a fork's copy of a volume for %s was not removed: %s", child_id, exc)
 
     def _start_child(self, child: LiveSandbox, image: str) -> asyncio.Task[None]:
         """A fork child's restore, as an operation of the child: killing the child cancels it."""

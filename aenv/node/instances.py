@@ -307,11 +307,13 @@ class Instances:
             raise  # the checkpoint's own error: it says what went wrong
         return image
 
-    async def checkpoint_running(self, sb: LiveSandbox) -> tuple[str, str | None]:
-        """Freeze the agent, checkpoint the instance leaving it running, copy its upper while it is
-        stopped, thaw the agent on the same pipe; return (image id, the copy's layer id, None when
-        the upper is empty). Its open streams never notice. On failure the sandbox is left running
-        and answering, never frozen, and nothing is left behind."""
+    async def checkpoint_running(
+        self, sb: LiveSandbox, *, also: Callable[[], Awaitable[None]] | None = None
+    ) -> tuple[str, str | None]:
+        """Freeze the agent, checkpoint the instance leaving it running, copy its upper (and run
+        ``also``) while it is stopped, thaw the agent on the same pipe; return (image id, the copy's
+        layer id, None when the upper is empty). Its open streams never notice. On failure the
+        sandbox is left running and answering, never frozen, and nothing is left behind."""
         assert sb.instance is not None and sb.link is not None
         if not self.driver.saves_epoll_tcp:
             await self._refuse_unsaveable(sb)
@@ -325,14 +327,15 @@ class Instances:
 
         async def copy_upper() -> None:
             nonlocal copy
-            if self.files.is_empty(upper):
-                return
-            work = asyncio.ensure_future(asyncio.to_thread(self.files.copy_upper, upper))
-            try:
-                copy = await asyncio.shield(work)
-            except asyncio.CancelledError:  # a kill overtook it: a thread cannot be stopped, so its
-                work.add_done_callback(self._drop_late_copy)  # layer goes once the thread is done
-                raise
+            if not self.files.is_empty(upper):
+                work = asyncio.ensure_future(asyncio.to_thread(self.files.copy_upper, upper))
+                try:
+                    copy = await asyncio.shield(work)
+                except asyncio.CancelledError:  # a kill overtook it: a thread cannot be stopped, so its
+                    work.add_done_callback(self._drop_late_copy)  # layer goes once the thread is done
+                    raise
+            if also is not None:
+                await also()
 
         saved = thawed = False
         try:

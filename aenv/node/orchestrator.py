@@ -47,7 +47,7 @@ from aenv.node.rollout import RolloutLogs
 from aenv.node.runner import Runner
 from aenv.node.sandbox import ForkResult, LiveSandbox
 from aenv.node.service import CachedArtifacts, Capacity
-from aenv.node.spec import DEFAULT_SPEC, SandboxSpec
+from aenv.node.spec import DEFAULT_SPEC, SandboxSpec, VolumeClones
 from aenv.node.state import SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.node.transforms import SecretLookup
@@ -422,8 +422,11 @@ class Node:
         count: int = 1,
         timeout: int | None = None,
         metadata: builtins.list[dict[str, str]] | None = None,
+        volume_clones: VolumeClones | None = None,
     ) -> builtins.list[ForkResult]:
-        return await self.creation.fork(sandbox_id, count=count, timeout=timeout, metadata=metadata)
+        return await self.creation.fork(
+            sandbox_id, count=count, timeout=timeout, metadata=metadata, volume_clones=volume_clones
+        )
 
     async def pause(self, sandbox_id: str, *, keep_memory: bool = True, settle_streams: bool = False) -> SandboxRecord:
         return await self.checkpoints.pause(sandbox_id, keep_memory=keep_memory, settle_streams=settle_streams)

@@ -30,7 +30,7 @@ from aenv.node.grace import refusal as grace_refusal
 from aenv.node.rollout import RolloutLogs
 from aenv.node.sandbox import ForkResult, LiveSandbox
 from aenv.node.spawns import Spawned, Spawns
-from aenv.node.spec import DEFAULT_SPEC, SandboxSpec
+from aenv.node.spec import DEFAULT_SPEC, SandboxSpec, VolumeClones
 from aenv.node.state import PUBLIC_STATE, SandboxState
 from aenv.node.store import SandboxRecord, SnapshotRecord, Store, TemplateRecord
 from aenv.node.tokens import access_token  # a secure sandbox's envd token, from the node's secret (signed URLs)
@@ -142,6 +142,7 @@ class NodeService(Protocol):
         count: int = 1,
         timeout: int | None = None,
         metadata: builtins.list[dict[str, str]] | None = None,
+        volume_clones: VolumeClones | None = None,
     ) -> builtins.list[ForkResult]: ...
 
     async def kill(self, sandbox_id: str) -> None: ...

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -28,3 +28,17 @@ class SandboxSpec:
 
 
 DEFAULT_SPEC = SandboxSpec()  # (frozen: safe as a shared default)
+
+
+class VolumeClones(Protocol):
+    """A fork's own copies of its source's volumes (aenv/volumes/clones.py): one copy of each taken
+    while the source is stopped for its checkpoint (the moment its children start from), then one
+    per further child made from that copy once the source runs again."""
+
+    async def capture(self, first_child: str) -> None: ...
+
+    async def spread(self, children: list[str]) -> None: ...
+
+    def mounts_of(self, child: str) -> list[dict[str, str]]: ...
+
+    async def drop(self, child: str) -> None: ...

@@ -409,11 +409,16 @@ class AsyncSandbox:
         *,
         timeout: int | None = None,
         metadata: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+        clone_volumes: bool = False,
     ) -> list[AsyncSandbox]:
         """N children from this sandbox's exact state; raises if any child failed (others are killed).
         ``metadata`` is added to this sandbox's metadata for the children: one map for all, or a
-        list of ``count`` maps, one per child (e.g. ``[{"child": str(i)} for i in range(n)]``)."""
+        list of ``count`` maps, one per child (e.g. ``[{"child": str(i)} for i in range(n)]``).
+        ``clone_volumes``: each child mounts its own copy of each of this sandbox's volumes, as they
+        are at the fork (a volume ``<name>-<child id>``, kept until deleted), not the shared ones."""
         payload: dict[str, Any] = {"count": count}
+        if clone_volumes:
+            payload["volumes"] = "clone"
         if timeout is not None:
             payload["timeout"] = timeout
         if isinstance(metadata, Mapping):

@@ -210,8 +210,11 @@ class Sandbox(_Face):
         *,
         timeout: int | None = None,
         metadata: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+        clone_volumes: bool = False,
     ) -> list[Sandbox]:
-        children = self._block(self._target.fork(count, timeout=timeout, metadata=metadata))
+        children = self._block(
+            self._target.fork(count, timeout=timeout, metadata=metadata, clone_volumes=clone_volumes)
+        )
         return [Sandbox(child, self._loop) for child in children]
 
     @twin(AsyncSandbox.set_timeout)

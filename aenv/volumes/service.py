@@ -34,6 +34,7 @@ from aenv.volumes.model import MAX_MOUNTS, Volume, check_mount_path, check_name
 from aenv.volumes.store import EtcdVolumeStore, NameTaken, SqliteVolumeStore, VolumeStore
 
 log = logging.getLogger("aenv.volumes")
+COPY_SECONDS = 1800.0  # one copy of a volume (a fork's): a 10 GiB image at a slow disk's ~10 MB/s
 GOING = frozenset({SandboxState.KILLING, SandboxState.KILLED})  # a kill under way holds no volume
 
 
@@ -57,6 +58,7 @@ class Volumes:
         if self.images:
             for volume in await self.store.all():
                 await self._mount(volume.id)
+                await self._thaw(volume.id)  # a node that died while copying it left it frozen
 
     async def stop(self) -> None:
         if self.images:  # the node's sandboxes are paused or gone by now
@@ -87,6 +89,47 @@ class Volumes:
         top.mkdir(mode=0o700, exist_ok=True)
         opts = ",".join(("loop", "noatime", *hostexec.UNTRUSTED_FLAGS))
         await hostexec.run(["mount", "-o", opts, str(image), str(top)], timeout=60)
+
+    async def _copy(self, source_id: str, volume_id: str) -> None:
+        """``volume_id``'s files made a copy of ``source_id``'s as they are now. An image is copied
+        sparse (its blocks shared where the host's file system can: reflink) with the source's file
+        system frozen meanwhile, so the copy is one moment of it even while sandboxes write to it;
+        a plain directory is copied with ``cp -a`` (links as links, nothing followed or opened but
+        regular files), not one moment if others write meanwhile."""
+        if self.images:
+            image = self.root / f"{volume_id}.img"
+            await self._freeze(source_id)
+            try:
+                argv = ["cp", "--sparse=always", "--reflink=auto", str(self.root / f"{source_id}.img"), str(image)]
+                await hostexec.run(argv, timeout=COPY_SECONDS)
+            finally:
+                await self._thaw(source_id)
+            await self._mount(volume_id)
+        else:
+            top = self.root / volume_id
+            top.mkdir(mode=0o700)
+            argv = ["cp", "-a", "--reflink=auto", str(self.dir_of(source_id)), str(top)]
+            await hostexec.run(argv, timeout=COPY_SECONDS)
+
+    async def _freeze(self, volume_id: str) -> None:
+        await hostexec.run(["fsfreeze", "--freeze", str(self.root / volume_id)], timeout=60)
+
+    async def _thaw(self, volume_id: str) -> None:
+        await hostexec.run(["fsfreeze", "--unfreeze", str(self.root / volume_id)], timeout=60, check=False)
+
+    def _used(self, volume_id: str) -> int:
+        """Bytes a copy of the volume takes: its image's allocated blocks, or its files' sizes."""
+        image = self.root / f"{volume_id}.img"
+        if image.exists():
+            return image.stat().st_blocks * 512
+        total = 0
+        for path in self.dir_of(volume_id).rglob("*"):
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            total += st.st_blocks * 512
+        return total
 
     async def _unmake(self, volume_id: str) -> None:
         top = self.root / volume_id
@@ -125,6 +168,39 @@ class Volumes:
             await self._unmake(volume.id)
             raise
         return volume
+
+    async def copy(self, source: Volume, name: str) -> Volume:
+        """A new volume of ``source``'s team holding what ``source`` holds now (see :meth:`_copy`)."""
+        volume = Volume.new(check_name(name), source.team)
+        need = self._used(source.id)
+        ensure_space(self.root, headroom(self.node.settings), need, f"a copy of volume {source.name!r}")
+        try:
+            await self._copy(source.id, volume.id)
+            await self.store.add(volume)
+        except NameTaken:
+            await self._unmake(volume.id)
+            raise Conflict(f"volume {name!r} already exists") from None
+        except BaseException:
+            await self._unmake(volume.id)
+            raise
+        return volume
+
+    async def remove(self, volume: Volume) -> None:
+        """Gone, record and files, whoever still mounts it (a fork's copies of children not made)."""
+        await self.store.remove(volume)
+        await self._unmake(volume.id)
+
+    async def fork_clones(self, mounts: list[dict[str, str]], count: int, team: str, limit: int) -> ForkClones:
+        """What a fork asking ``volumes: "clone"`` gives each of its ``count`` children: a copy of
+        each of the source's volumes, counted in the team's quota before anything is copied."""
+        sources = [(mount, await self.find(mount["id"], team)) for mount in mounts]
+        mine = len([v for v in await self.store.all() if v.team == team])
+        if limit and mine + count * len(sources) > limit:
+            raise QuotaExceeded(
+                f"a fork of {count} copying {len(sources)} volume(s) each makes {count * len(sources)} volumes; "
+                f"team {team} has {mine} of its quota of {limit} (maxVolumes)"
+            )
+        return ForkClones(self, sources)
 
     async def visible(self, team: str | None) -> list[Volume]:
         return [v for v in await self.store.all() if team is None or v.team == team]
@@ -170,6 +246,46 @@ class Volumes:
                     raise InvalidRequest(f"volumeMounts: {path} and {other['path']} overlap")
             mounts.append({"name": volume.name, "path": path, "id": volume.id})
         return mounts
+
+
+class ForkClones:
+    """A fork's copies of its source's volumes (aenv/node/spec.py's VolumeClones): the first
+    child's taken while the source is stopped for its checkpoint, the others' copied from those
+    after (the source no longer waits), each named ``<volume>-<child id>``. They are volumes like
+    any other: listed, readable through the content API, kept after the child ends until deleted."""
+
+    def __init__(self, volumes: Volumes, sources: list[tuple[dict[str, str], Volume]]) -> None:
+        self.volumes = volumes
+        self.sources = sources
+        self.made: dict[str, list[tuple[str, Volume]]] = {}  # child -> (its mount path, its copy)
+        self.first: str | None = None
+
+    async def capture(self, first_child: str) -> None:
+        self.first = first_child
+        await self._make(first_child, [volume for _, volume in self.sources])
+
+    async def spread(self, children: list[str]) -> None:
+        assert self.first is not None, "capture comes first"
+        origins = [volume for _, volume in self.made[self.first]]
+        for child in children:
+            await self._make(child, origins)
+
+    def mounts_of(self, child: str) -> list[dict[str, str]]:
+        return [{"name": v.name, "path": path, "id": v.id} for path, v in self.made.get(child, [])]
+
+    async def drop(self, child: str) -> None:
+        for _, volume in self.made.pop(child, []):
+            await self.volumes.remove(volume)
+
+    async def _make(self, child: str, origins: list[Volume]) -> None:
+        made = self.made.setdefault(child, [])
+        try:
+            for (mount, volume), origin in zip(self.sources, origins, strict=True):
+                name = f"{volume.name[: 127 - len(child)]}-{child}"
+                made.append((mount["path"], await self.volumes.copy(origin, name)))
+        except BaseException:
+            await asyncio.shield(self.drop(child))
+            raise
 
 
 def _nested(a: str, b: str) -> bool:

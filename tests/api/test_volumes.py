@@ -126,6 +126,68 @@ def test_a_volume_is_shared_live_kept_through_a_pause_and_mounted_by_forks(
         two.kill()
 
 
+def test_a_fork_may_give_each_child_its_own_copy_of_the_volumes(
+    vol_env: Server, api: httpx.Client, volume: Volume
+) -> None:
+    """``volumes: "clone"``: each child mounts copies (``<name>-<child id>``) of the source's
+    volumes as they were at the fork; no child sees another's writes, nor the source's after."""
+    volume.write_file("/seed.txt", b"seeded")
+    other = Volume.create(f"o-{secrets.token_hex(4)}")
+    src = Sandbox.create(timeout=180, volume_mounts={"/mnt/data": volume, "/mnt/other": other})
+    children: list[Sandbox] = []
+    copies: list[str] = []
+    try:
+        run(src, "echo before > /mnt/data/state.txt && ln -s /etc/passwd /mnt/data/link && mkfifo /mnt/data/fifo")
+        run(src, "echo o > /mnt/other/o.txt")
+        assert api.post(f"/sandboxes/{src.sandbox_id}/fork", json={"volumes": "copy"}).status_code == 400
+        r = api.post(f"/sandboxes/{src.sandbox_id}/fork", json={"count": 3, "volumes": "clone"})
+        assert r.status_code == 201, r.text
+        children = [Sandbox.connect(item["sandbox"]["sandboxID"]) for item in r.json()]
+        for i, child in enumerate(children):
+            mounts = {m["path"]: m["name"] for m in Sandbox.get_info(child.sandbox_id).volume_mounts}
+            assert mounts == {
+                "/mnt/data": f"{volume.name}-{child.sandbox_id}",
+                "/mnt/other": f"{other.name}-{child.sandbox_id}",
+            }
+            copies += list(mounts.values())
+            assert run(child, "cat /mnt/data/state.txt /mnt/data/seed.txt /mnt/other/o.txt") == "before\nseededo\n"
+            assert run(child, "readlink /mnt/data/link; test -p /mnt/data/fifo && echo fifo") == "/etc/passwd\nfifo\n"
+            run(child, f"echo child-{i} > /mnt/data/state.txt && echo {i} > /mnt/data/mine-{i}")
+        run(src, "echo after > /mnt/data/state.txt")
+        children[0].beta_pause()  # a child's copy is its volume: a resume mounts it again
+        children[0] = Sandbox.connect(children[0].sandbox_id)
+        for i, child in enumerate(children):
+            assert run(child, "cat /mnt/data/state.txt; ls /mnt/data | grep -c mine-") == f"child-{i}\n1\n"
+        assert volume.read_file("/state.txt") == "after\n" and not volume.exists("/mine-0")
+        # the copies are volumes like any other: listed, read through the content API with their tokens
+        listed = {v.name: v.volume_id for v in Volume.list()}
+        assert set(copies) <= set(listed)
+        first = api.get(f"/volumes/{listed[copies[0]]}").json()
+        body = httpx.get(
+            f"{vol_env.url}/volumecontent/{first['volumeID']}/file",
+            params={"path": "/state.txt"},
+            headers={"Authorization": f"Bearer {first['token']}"},
+        )
+        assert body.status_code == 200 and body.text == "child-0\n"
+        # a child's own fork copies its copies (names cut to 128)
+        again = api.post(f"/sandboxes/{children[1].sandbox_id}/fork", json={"count": 1, "volumes": "clone"})
+        assert again.status_code == 201, again.text
+        grandchild = again.json()[0]["sandbox"]["sandboxID"]
+        mine = {m["path"]: m["name"] for m in Sandbox.get_info(grandchild).volume_mounts}
+        parent = {m["path"]: m["name"] for m in Sandbox.get_info(children[1].sandbox_id).volume_mounts}
+        assert mine == {path: f"{name[: 127 - len(grandchild)]}-{grandchild}" for path, name in parent.items()}
+        assert run(Sandbox.connect(grandchild), "cat /mnt/data/state.txt") == "child-1\n"
+        api.delete(f"/sandboxes/{grandchild}")
+    finally:
+        for sbx in (*children, src):
+            sbx.kill()
+        listed = {v.name: v.volume_id for v in Volume.list()}
+        for name in listed:
+            if name.startswith((f"{volume.name}-", f"{other.name}-")):
+                Volume.destroy(listed[name])
+        Volume.destroy(other.volume_id)
+
+
 def test_links_a_sandbox_leaves_in_a_volume_are_never_followed_by_the_host(vol_env: Server, volume: Volume) -> None:
     sbx = Sandbox.create(timeout=120, volume_mounts={"/mnt/v": volume})
     try:

@@ -187,6 +187,9 @@ def test_what_the_gateway_reads_of_a_fork_and_asks_for_its_children() -> None:
     # per-child metadata (aenv's): one map for all, or one per child
     assert forks.asked(b'{"count": 2, "metadata": {"k": "v"}}', 16) == (2, None, [{"k": "v"}, {"k": "v"}])
     assert forks.asked(b'{"count": 2, "metadata": [{"i": "0"}, {}]}', 16) == (2, None, [{"i": "0"}, {}])
+    # copies of volumes are made on the source's node alone: such a fork is never spread
+    assert forks.asked(b'{"count": 2, "volumes": "shared"}', 16) == (2, None, None)
+    assert forks.asked(b'{"count": 2, "volumes": "clone"}', 16) is None
     bad = (b"[1]", b'{"count": true}', b'{"count": 0}', b'{"timeout": "1"}', b"{", b'{"count": 2, "n": 9}', b'{"n": 9}')
     bad += (b'{"count": 2, "metadata": [{}]}', b'{"metadata": {"k": 1}}', b'{"metadata": "x"}', b'{"metadata": [1]}')
     for body in bad:

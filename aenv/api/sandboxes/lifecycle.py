@@ -135,9 +135,16 @@ async def fork(request: Request, sandbox_id: str) -> JSONResponse:
         metadata = body.children_metadata(node.get(sandbox_id).rec.metadata)
     except ValueError as exc:
         raise InvalidRequest(f"invalid request body: {exc}") from None
+    source = node.get(sandbox_id).rec
     if isinstance(body.count, int) and 1 <= body.count <= node.settings.max_fork:
-        quotas_of(request).check_fork(node.get(sandbox_id).rec, body.count)  # the team's fork size and room
-    results = await node.fork(sandbox_id, count=body.count, timeout=body.timeout, metadata=metadata)
+        quotas_of(request).check_fork(source, body.count)  # the team's fork size and room
+    clones = None
+    if body.volumes == "clone" and source.volume_mounts and 1 <= body.count <= node.settings.max_fork:
+        limit = request.app.state.teams.quotas(source.team).volumes
+        clones = await request.app.state.volumes.fork_clones(source.volume_mounts, body.count, source.team, limit)
+    results = await node.fork(
+        sandbox_id, count=body.count, timeout=body.timeout, metadata=metadata, volume_clones=clones
+    )
     if node.announce is not None:
         await node.announce([r.sandbox.id for r in results if r.sandbox is not None])
     out: list[dict[str, Any]] = []
