@@ -45,12 +45,21 @@ def test_volumes_from_the_command_line(cli, api: httpx.Client, tmp_path: Path) -
         sid = sid.strip()
         try:
             assert cli("exec", sid, "cat /mnt/data/dir/in.txt") == (0, "from the cli\n")
+            code, text = cli("fork", sid, "-n", "1", "--clone-volumes", "--json")
+            assert code == 0, text
+            child = json.loads(text)[0]["sandboxID"]
+            assert cli("exec", child, "echo mine > /mnt/data/dir/in.txt")[0] == 0
+            assert cli("volumes", "cat", volume_id, "/dir/in.txt") == (0, "from the cli\n")  # the child's copy took it
+            assert cli("rm", child)[0] == 0
+            copy = next(v for v in api.get("/volumes").json() if v["name"] == f"{name}-{child}")
+            assert cli("volumes", "cat", copy["volumeID"], "/dir/in.txt") == (0, "mine\n")
+            assert cli("volumes", "delete", copy["volumeID"])[0] == 0
         finally:
             assert cli("rm", sid)[0] == 0
         code, text = cli("events", sid, "--json")
         told = [e for e in json.loads(text) if e["event"] != "updated"]  # exec's connect renews its timeout
-        assert code == 0 and [e["event"] for e in told] == ["created", "killed"], text
-        assert [e["detail"] for e in told] == ["", "request"]
+        assert code == 0 and [e["event"] for e in told] == ["created", "checkpointed", "killed"], text  # the fork's
+        assert [e["detail"] for e in told] == ["", "", "request"]
     finally:
         assert cli("volumes", "delete", volume_id)[0] == 0
     code, text = cli("volumes", "list", "--json")
