@@ -203,6 +203,23 @@ async def _send(conn: h11.Connection, writer: asyncio.StreamWriter, event: h11._
         await asyncio.wait_for(writer.drain(), IDLE_TIMEOUT)
 
 
+async def _forward_body(
+    guest: h11.Connection, g_reader: asyncio.StreamReader, up: h11.Connection, u_writer: asyncio.StreamWriter
+) -> str:
+    """A request's body from the sandbox to the host: "sent", "guest ended" (half-sent) or "host
+    stopped" (it closed or reset while reading: its answer may still be there to relay)."""
+    while True:
+        body = await _event(guest, g_reader)
+        if not isinstance(body, (h11.Data, h11.EndOfMessage)):
+            return "guest ended"
+        try:
+            await _send(up, u_writer, body)
+        except (OSError, TimeoutError):
+            return "host stopped"
+        if isinstance(body, h11.EndOfMessage):
+            return "sent"
+
+
 def _authority_host(authority: bytes) -> str:
     text = authority.decode("latin-1").strip().lower()
     if text.startswith("["):
@@ -325,12 +342,7 @@ class Interceptor:
                     )
                     return
                 await _send(up, u_writer, h11.Request(method=event.method, target=event.target, headers=headers))
-                while not isinstance(body := await _event(guest, g_reader), h11.EndOfMessage):
-                    if not isinstance(body, h11.Data):
-                        return
-                    await _send(up, u_writer, body)
-                await _send(up, u_writer, body)
-                if not await self._response(guest, g_reader, g_writer, up, u_reader, u_writer):
+                if not await self._exchange(guest, g_reader, g_writer, up, u_reader, u_writer):
                     return
                 if guest.our_state is not h11.DONE or up.their_state is not h11.DONE:
                     return
@@ -341,6 +353,35 @@ class Interceptor:
                     return
         except (Closed, h11.LocalProtocolError):
             return
+
+    async def _exchange(
+        self,
+        guest: h11.Connection,
+        g_reader: asyncio.StreamReader,
+        g_writer: asyncio.StreamWriter,
+        up: h11.Connection,
+        u_reader: asyncio.StreamReader,
+        u_writer: asyncio.StreamWriter,
+    ) -> bool:
+        """The request's body up and the answer down at once, as a proxy must: a client that sent
+        ``Expect: 100-continue`` waits for the host's 100 before its body, and a host may answer (a
+        401, a 413) before it has read the body; True if the connection may carry another request."""
+        sending = asyncio.ensure_future(_forward_body(guest, g_reader, up, u_writer))
+        answering = asyncio.ensure_future(self._response(guest, g_reader, g_writer, up, u_reader, u_writer))
+        try:
+            await asyncio.wait({sending, answering}, return_when=asyncio.FIRST_COMPLETED)
+            if not sending.done():  # answered before the body was all sent: the connection ends after it
+                answering.result()
+                return False
+            sent = sending.result()
+            if sent == "guest ended":
+                return False
+            answered = await answering  # the host's answer, also when it stopped reading the body
+            return answered and sent == "sent"
+        finally:
+            for task in (sending, answering):
+                task.cancel()
+            await asyncio.wait({sending, answering})
 
     async def _response(
         self,

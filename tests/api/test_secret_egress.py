@@ -67,6 +67,13 @@ class Echo(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def _answer(self) -> None:
+        if self.path == "/early":  # a host that refuses before reading the body (a 413, a 401)
+            self.send_response(413)
+            self.send_header("Content-Length", "0")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            return
         length = int(self.headers.get("content-length") or 0)
         body = self.rfile.read(length).decode()
         out = json.dumps(
@@ -365,3 +372,63 @@ async def test_the_operators_fixed_names_answer_before_dns_and_the_policy_still_
                 egress.static_hosts(bad)
     finally:
         egress.static_hosts.cache_clear()
+
+
+async def test_a_client_that_waits_for_100_continue_gets_it_from_the_host(node: Node) -> None:
+    reader, writer = await node.client()
+    conn = h11.Connection(h11.CLIENT)
+    body = b"y" * 5000
+    head = [("Host", HOST), ("Content-Length", str(len(body))), ("Expect", "100-continue")]
+    writer.write(conn.send(h11.Request(method="POST", target="/upload", headers=head)))
+    await writer.drain()
+    event: object = h11.NEED_DATA
+    while event is h11.NEED_DATA:  # no byte of the body before the host's 100, relayed by the node
+        conn.receive_data(await asyncio.wait_for(reader.read(65536), 10))
+        event = conn.next_event()
+    assert isinstance(event, h11.InformationalResponse) and event.status_code == 100
+    writer.write(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+    status, out = 0, b""
+    while not isinstance(event := conn.next_event(), h11.EndOfMessage):
+        if event is h11.NEED_DATA:
+            conn.receive_data(await asyncio.wait_for(reader.read(65536), 10))
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+        elif isinstance(event, h11.Data):
+            out += event.data
+    got = json.loads(out)
+    assert status == 200 and got["body"] == body.decode() and got["headers"]["Authorization"] == "Bearer s3cr3t-VALUE"
+    writer.close()
+
+
+async def test_a_hosts_answer_before_the_body_is_read_reaches_the_sandbox(node: Node) -> None:
+    reader, writer = await node.client()
+    conn = h11.Connection(h11.CLIENT)
+    size = 16 << 20  # far more than the sockets between hold: the host stops reading and closes
+    writer.write(
+        conn.send(h11.Request(method="POST", target="/early", headers=[("Host", HOST), ("Content-Length", str(size))]))
+    )
+
+    async def send_body() -> None:
+        chunk = b"z" * 65536
+        try:
+            for _ in range(size // len(chunk)):
+                writer.write(conn.send(h11.Data(data=chunk)))
+                await writer.drain()
+        except (OSError, h11.LocalProtocolError):
+            pass
+
+    sending = asyncio.ensure_future(send_body())
+    try:
+        status = 0
+        while not status:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await asyncio.wait_for(reader.read(65536), 15)
+                assert data, "the connection ended without the host's answer"
+                conn.receive_data(data)
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+        assert status == 413
+    finally:
+        sending.cancel()
+        writer.close()
