@@ -82,6 +82,37 @@ def aenv_commands() -> list[tuple[str, list[str]]]:
     return found
 
 
+def test_every_node_sees_the_shared_volumes_dir_and_the_secrets_key() -> None:
+    """A cluster's volumes are one directory every node mounts, and its secrets one key every node
+    reads: each node of each deploy form sets both settings to paths its mounts provide."""
+    node_pods = [obj for _, obj in k8s_objects() if obj["kind"] == "DaemonSet"]
+    assert node_pods
+    for obj in node_pods:
+        (container,) = [c for c in pod_containers(obj) if c["image"].startswith("aenv:")]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in obj["spec"]["template"]["spec"]["volumes"]}
+        shared = volumes[mounts[env["AENV_VOLUMES_DIR"]]]
+        assert shared["persistentVolumeClaim"]["claimName"] == "aenv-volumes"
+        claim = next(d for _, d in k8s_objects() if d["kind"] == "PersistentVolumeClaim")
+        assert claim["metadata"]["name"] == "aenv-volumes" and claim["spec"]["accessModes"] == ["ReadWriteMany"]
+        key_dir = str(Path(env["AENV_SECRETS_KEY_FILE"]).parent)
+        assert "secret" in volumes[mounts[key_dir]]
+    nodes = {
+        name: svc for name, svc in compose()["services"].items() if "AENV_VOLUMES_DIR" in svc.get("environment", {})
+    }
+    assert len(nodes) >= 2
+    for name, svc in nodes.items():
+        mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in svc["volumes"] if isinstance(v, str)}
+        env = svc["environment"]
+        assert mounts[env["AENV_VOLUMES_DIR"]] == "aenv-volumes", name
+        assert mounts[str(Path(env["AENV_SECRETS_KEY_FILE"]).parent)] == "secrets-key", name
+    systemd = (DEPLOY / "systemd" / "aenv.env").read_text()
+    assert re.search(r"^AENV_VOLUMES_DIR=/\S+", systemd, re.M) and re.search(
+        r"^AENV_SECRETS_KEY_FILE=/\S+", systemd, re.M
+    )
+
+
 def parse_cli(argv: list[str]) -> Any:
     """What `aenv` itself would make of ``argv`` (unknown options, bad values: click errors)."""
     assert Path(argv[0]).name == "aenv", argv
@@ -102,6 +133,8 @@ def test_k8s_objects_match_the_openapi_schemas() -> None:
             "Secret",
             "Secret",
             "Secret",
+            "Secret",
+            "PersistentVolumeClaim",
             "ConfigMap",
             "Job",
             "Service",
