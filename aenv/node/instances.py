@@ -120,6 +120,7 @@ class Instances:
         """Start an instance of ``sb`` from a checkpoint image and wire up its agent (``hold_heap``:
         a warm pool member's, which keeps its restore's heap until claimed)."""
         instance_id = new_id()
+        await self.files.mount_lowers(layers)
         instance = await self.driver.restore(
             instance_id=instance_id,
             rootfs=self.rootfs(layers, upper, sb.rec.guest, sb.rec),
@@ -157,6 +158,7 @@ class Instances:
         """Boot an instance of ``sb`` on its record's layers and upper, with ``limits``, and wait
         for its agent's hello (then ``ready``, given the link). On failure nothing is left running."""
         instance_id, guest = new_id(), self.driver.guest_key()
+        await self.files.mount_lowers(sb.rec.layers)
         instance = await self.driver.boot(
             instance_id=instance_id, rootfs=self.rootfs(sb.rec.layers, sb.rec.upper, guest, sb.rec), limits=limits
         )
@@ -342,10 +344,8 @@ class Instances:
             image_dir = self.files.image(image)
             await self.driver.checkpoint_running(sb.instance, image_dir=image_dir, while_stopped=copy_upper)
             saved = True
-            await sb.link.unfreeze()  # first: the sandbox answers while the copy is mounted
-            thawed = True
-            if copy is not None:
-                await self.files.mount(copy, writable=False)
+            await sb.link.unfreeze()
+            thawed = True  # the copy is mounted at its first use (a fork's children, a create from it)
         except BaseException as exc:
             self.files.remove_image(image)
             if copy is not None:

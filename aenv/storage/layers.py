@@ -329,6 +329,12 @@ class LayerStore:
             opts = ",".join(("loop", "noatime", *hostexec.UNTRUSTED_FLAGS, *(() if writable else ("ro",))))
             await hostexec.run(["mount", "-o", opts, str(img), str(mnt)], timeout=60)
 
+    async def mount_lowers(self, layer_ids: list[str]) -> None:
+        """Every layer a root file system is about to stack, mounted (read-only) if it is not: a
+        snapshot's copy of an upper is mounted at its first use, not while the snapshot waits."""
+        for layer_id in layer_ids:
+            await self.mount(layer_id, writable=False)
+
     async def secure_mounts(self) -> None:
         """Give the untrusted flags to layer mounts that lack them: a restart keeps what is
         mounted, and a version before them (or a crash of one) left setuid files and device nodes

@@ -224,6 +224,7 @@ async def build_instance(
     It is killed on the way out; on an error its upper is removed too."""
     async with node.artifacts.using_layers(layers):  # a template's layers may be in the repository only
         upper = await node.files.new_upper(BUILD_LIMITS.disk_mb)
+        await node.files.mount_lowers(layers)
         rootfs = node.rootfs(layers, upper)
         instance = await node.driver.boot(instance_id=new_id(), rootfs=rootfs, limits=BUILD_LIMITS)
         egress = build_guest(label, node.settings.build_internet, node.settings.build_allow_out)

@@ -180,6 +180,7 @@ async def test_a_failed_copy_of_the_upper_leaves_the_source_running_and_nothing_
     assert node.get(rec.id).state.value == "running" and await count(node, rec.id) > 0
     monkeypatch.undo()
     snap = await node.snapshot(rec.id)  # and a later one works, with the copy as its top layer
+    await node.files.mount_lowers(snap.layers)  # (mounted at its first use, as a create from it does)
     assert snap.layers[-1] not in layers and (node.files.layer(snap.layers[-1]) / "root" / "written").exists()
     await node.kill(rec.id)
 
