@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import os
 import stat
 import uuid
@@ -153,12 +154,16 @@ class VolumeFiles:
                     os.close(sub)
 
     def make_dir(self, path: str, *, owner: tuple[int, int], mode: int | None, force: bool) -> dict[str, Any]:
+        """E2B's: ``force`` makes the parents, and answers a directory already there as it is
+        (unchanged); without it, anything already there is a 409."""
         parts = parts_of(path)
         if not parts:
             raise Conflict("path / already exists")
         with self._dir(parts[:-1], create=force, owner=owner) as parent:
             st = lstat_at(parent, parts[-1])
             if st is not None:
+                if not force:
+                    raise Conflict(f"path {_shown(parts)} already exists")
                 if stat.S_ISDIR(st.st_mode):
                     return entry(_shown(parts), st)
                 raise Conflict(f"path {_shown(parts)} exists and is not a directory")
@@ -228,7 +233,9 @@ class VolumeFiles:
         self, path: str, *, owner: tuple[int, int], mode: int | None, force: bool
     ) -> tuple[int, int, str, str, list[str]]:
         """A new temporary file beside ``path``: (its directory's fd, its fd, its name, the final
-        name, the path's parts); ``finish_write`` or ``abort_write`` end it."""
+        name, the path's parts); ``finish_write`` or ``abort_write`` end it. E2B's ``force``:
+        replace what is there and make the parents; without it, an entry already there is a 409
+        (checked here, before the body is read, and again when the file is put in place)."""
         parts = parts_of(path)
         if not parts:
             raise InvalidRequest("path / is a directory")
@@ -236,6 +243,8 @@ class VolumeFiles:
             st = lstat_at(parent, parts[-1])
             if st is not None and stat.S_ISDIR(st.st_mode):
                 raise Conflict(f"path {_shown(parts)} is a directory")
+            if st is not None and not force:
+                raise Conflict(f"path {_shown(parts)} already exists")
             keep = os.dup(parent)
         temp = f".aenv-upload-{uuid.uuid4().hex}"
         try:
@@ -247,13 +256,18 @@ class VolumeFiles:
             raise
         return keep, fd, temp, parts[-1], parts
 
-    def finish_write(self, parent: int, fd: int, temp: str, name: str, parts: list[str]) -> dict[str, Any]:
+    def finish_write(
+        self, parent: int, fd: int, temp: str, name: str, parts: list[str], *, force: bool = True
+    ) -> dict[str, Any]:
         try:
             os.fsync(fd)
             st = lstat_at(parent, name)
             if st is not None and stat.S_ISDIR(st.st_mode):
                 raise Conflict(f"path {_shown(parts)} became a directory")
-            os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)  # a link there is replaced, not followed
+            if force:
+                os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)  # a link there is replaced, not followed
+            else:
+                _put_new(parent, temp, name, parts)
             return entry(_shown(parts), os.fstat(fd))
         except BaseException:
             with contextlib.suppress(OSError):
@@ -271,3 +285,20 @@ class VolumeFiles:
         finally:
             os.close(fd)
             os.close(parent)
+
+
+def _put_new(parent: int, temp: str, name: str, parts: list[str]) -> None:
+    """``temp`` renamed to ``name`` only where nothing is: a hard link, which fails if something
+    appeared meanwhile (kept, a 409); on a file system without them, checked just before the rename."""
+    try:
+        os.link(temp, name, src_dir_fd=parent, dst_dir_fd=parent, follow_symlinks=False)
+    except FileExistsError:
+        raise Conflict(f"path {_shown(parts)} already exists") from None
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
+            raise
+        if lstat_at(parent, name) is not None:
+            raise Conflict(f"path {_shown(parts)} already exists") from None
+        os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        return
+    os.unlink(temp, dir_fd=parent)

@@ -216,5 +216,5 @@ async def write_file(
     except BaseException:
         await asyncio.to_thread(files.abort_write, parent, fd, temp)
         raise
-    made = await asyncio.to_thread(files.finish_write, parent, fd, temp, name, parts)
+    made = await asyncio.to_thread(files.finish_write, parent, fd, temp, name, parts, force=force)
     return JSONResponse(made, status_code=201)

@@ -5,6 +5,7 @@ pause and in a fork's child; and a sandbox's links in a volume never followed by
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,8 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 from e2b import Sandbox, Volume
-from e2b.exceptions import NotFoundException
+from e2b.exceptions import NotFoundException, VolumeException
 
+from aenv.errors import Conflict
+from aenv.volumes.files import USER, VolumeFiles
 from tests import disk
 from tests.conftest import API_KEY, DATA_DIR, Server, start_busybox_node
 
@@ -65,6 +68,54 @@ def test_volumes_are_made_listed_read_and_deleted_with_the_sdk(vol_env: Server, 
     assert Volume.destroy(vol.volume_id) is False
     with pytest.raises(NotFoundException):
         Volume.get_info(vol.volume_id)
+
+
+def test_without_force_an_entry_already_there_is_a_409_and_stays_as_it_was(vol_env: Server, volume: Volume) -> None:
+    """E2B's ``force`` (its volume service, and its SDK tests' mock): a write or a directory where
+    something already is answers 409 (the SDK's VolumeException) without it, and changes nothing;
+    with it, a file is replaced and a directory there answered as it is. Neither makes parents
+    without it (404)."""
+    volume.write_file("/a.txt", b"first")
+    with pytest.raises(VolumeException):
+        volume.write_file("/a.txt", b"second")
+    assert volume.read_file("/a.txt") == "first"
+    volume.write_file("/a.txt", b"second", force=True)
+    assert volume.read_file("/a.txt") == "second"
+    put = httpx.put(
+        f"{vol_env.url}/volumecontent/{volume.volume_id}/file",
+        params={"path": "/a.txt"},
+        content=b"third",
+        headers={"Authorization": f"Bearer {volume.token}"},
+    )
+    assert put.status_code == 409 and "already exists" in put.json()["message"]
+    volume.make_dir("/d", mode=0o750)
+    with pytest.raises(VolumeException):
+        volume.make_dir("/d")
+    with pytest.raises(VolumeException):
+        volume.make_dir("/a.txt", force=True)  # a file there, force or not
+    assert volume.make_dir("/d", force=True, mode=0o700).mode == 0o750  # as it is, unchanged
+    with pytest.raises(NotFoundException):
+        volume.write_file("/no/such/x.txt", b"x")
+    with pytest.raises(NotFoundException):
+        volume.make_dir("/no/such")
+    assert sorted(e.name for e in volume.list("/")) == ["a.txt", "d"]  # no temporary file left
+
+
+def test_a_write_without_force_keeps_what_appeared_while_its_body_was_read(tmp_path: Path) -> None:
+    """The check before the body is read is done again when the file is put in place: something
+    made there meanwhile (by a sandbox that mounts the volume) is kept, the write a 409."""
+    files = VolumeFiles(tmp_path)
+    parent, fd, temp, name, parts = files.begin_write("/late.txt", owner=USER, mode=None, force=False)
+    os.write(fd, b"from the api")
+    (tmp_path / "late.txt").write_bytes(b"from a sandbox")
+    with pytest.raises(Conflict):
+        files.finish_write(parent, fd, temp, name, parts, force=False)
+    assert (tmp_path / "late.txt").read_bytes() == b"from a sandbox"
+    assert [p.name for p in tmp_path.iterdir()] == ["late.txt"]  # no temporary file left
+    parent, fd, temp, name, parts = files.begin_write("/new.txt", owner=USER, mode=None, force=False)
+    os.write(fd, b"new")
+    assert files.finish_write(parent, fd, temp, name, parts, force=False)["size"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["late.txt", "new.txt"]
 
 
 def test_bad_names_paths_and_tokens_are_clear_errors(vol_env: Server, api: httpx.Client, volume: Volume) -> None:
@@ -203,10 +254,14 @@ def test_links_a_sandbox_leaves_in_a_volume_are_never_followed_by_the_host(vol_e
         r = httpx.get(f"{base}/file", params={"path": path}, headers=headers)
         assert r.status_code == 400, (path, r.status_code, r.text[:200])
         assert "root:" not in r.text
-    # a write through a link is refused; a write at the link's own name replaces the link
+    # a write through a link is refused; one at the link's own name is a 409 (something is there)
+    # without force, and replaces the link with it
     through = httpx.put(f"{base}/file", params={"path": "/root-link/tmp/x"}, content=b"x", headers=headers)
     assert through.status_code == 400
-    replaced = httpx.put(f"{base}/file", params={"path": "/file-link"}, content=b"mine", headers=headers)
+    kept = httpx.put(f"{base}/file", params={"path": "/file-link"}, content=b"mine", headers=headers)
+    assert kept.status_code == 409
+    params = {"path": "/file-link", "force": "true"}
+    replaced = httpx.put(f"{base}/file", params=params, content=b"mine", headers=headers)
     assert replaced.status_code == 201 and replaced.json()["type"] == "file"
     assert volume.read_file("/file-link") == "mine"
     with open("/etc/hostname", "rb") as f:
