@@ -123,6 +123,15 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
     app.state.spawns = Spawns()  # E2B's spawnCount and lastSpawnedAt of each template
     node.state_listeners.append(app.state.spawns.observe)
     teams.install(app)
+
+    async def holdings(team: str) -> str:
+        """What keeps a team from being deleted: its sandboxes, templates and snapshots on this
+        node, and its volumes and secrets (the deployment's), in words ("" for nothing)."""
+        counts = ((len(await volumes.visible(team)), "volumes"), (len(await secrets.store.all(team)), "secrets"))
+        parts = [teams.holdings(team), *(f"{n} {what}" for n, what in counts if n)]
+        return ", ".join(p for p in parts if p)
+
+    app.state.team_holdings = holdings
     app.include_router(e2b_templates.router)  # first: /templates/tags before /templates/{id:path}
     app.include_router(router)
     app.include_router(repository.router)

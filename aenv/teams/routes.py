@@ -132,7 +132,7 @@ async def patch_team(request: Request, team_id: str) -> dict[str, Any]:
 async def delete_team(request: Request, team_id: str) -> Response:
     admin_only("deleting a team")
     team = await visible_team(request, team_id)
-    holds = request.app.state.team_holdings(team.id)
+    holds = await request.app.state.team_holdings(team.id)
     if holds:
         raise Conflict(f"team {team.id!r} still has {holds}: kill or delete them first")
     await teams_of(request).delete_team(team.id)

@@ -92,7 +92,6 @@ class Tenancy:
         app.state.tenancy = self
         app.state.teams = self.teams
         app.state.quotas = self.quotas
-        app.state.team_holdings = self.holdings
         app.state.team_metrics = self.usage.team_metrics
         app.state.team_usage = self.team_usage
         if self.cluster is not None:

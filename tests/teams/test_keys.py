@@ -139,6 +139,14 @@ def test_the_admin_key_is_the_default_team_and_manages_teams(admin: httpx.Client
     assert made.status_code == 201
     with httpx.Client(base_url=admin.base_url, headers={"X-API-Key": made.json()["key"]}) as client:
         assert [t["teamID"] for t in client.get("/teams").json()] == [team.team_id]
+    # a team's volumes and secrets keep it, as its sandboxes do: nothing of it is left ownerless
+    with httpx.Client(base_url=admin.base_url, headers={"X-API-Key": team.key}) as client:
+        volume = client.post("/volumes", json={"name": "kept"}).json()["volumeID"]
+        assert client.post("/secrets", json={"name": "kept", "value": "v"}).status_code == 201
+        held = admin.delete(f"/teams/{team.team_id}")
+        assert held.status_code == 409 and "1 volumes, 1 secrets" in held.json()["message"], held.text
+        assert client.delete(f"/volumes/{volume}").status_code in (200, 204)
+        assert client.delete("/secrets/kept").status_code in (200, 204)
     assert admin.delete(f"/teams/{team.team_id}").status_code == 204
     with httpx.Client(base_url=admin.base_url, headers={"X-API-Key": team.key}) as client:
         assert client.get("/v2/sandboxes").status_code == 401  # its keys went with it
