@@ -12,6 +12,7 @@ by the node through AENV_EGRESS_EXTRA_CA (the sandbox trusts only the node's egr
 from __future__ import annotations
 
 import http.server
+import os
 import secrets
 import ssl
 import threading
@@ -97,16 +98,19 @@ def egress_node(receiver: Receiver) -> Iterator[Server]:
 
 
 def occurrences(root: Path, needle: bytes, *, skip: tuple[Path, ...] = ()) -> list[str]:
-    """Files under ``root`` (links not followed, ``skip`` left out) that hold ``needle``."""
+    """Files under ``root`` (links not followed, ``skip`` left out) that hold ``needle``. The node
+    runs meanwhile: what goes away during the walk (an instance's directory) is passed over."""
     hits = []
-    for path in root.rglob("*"):
-        try:
-            if any(path.is_relative_to(s) for s in skip) or not path.is_file() or path.is_symlink():
+    for top, dirs, names in os.walk(root):  # errors (a directory gone) are ignored
+        here = Path(top)
+        dirs[:] = [d for d in dirs if not any((here / d).is_relative_to(s) for s in skip)]
+        for name in names:
+            path = here / name
+            try:
+                if path.is_file() and not path.is_symlink() and needle in path.read_bytes():
+                    hits.append(str(path))
+            except OSError:
                 continue
-            if needle in path.read_bytes():
-                hits.append(str(path))
-        except OSError:
-            continue
     return hits
 
 

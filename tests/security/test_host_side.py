@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from e2b import Sandbox
+from e2b.sandbox.commands.command_handle import CommandExitException
 
 from aenv.runtime.gvisor import TASKS_PER_IDLE_SANDBOX
 from aenv.sdk import Client
@@ -321,7 +322,16 @@ def test_a_user_fork_bomb_is_contained_and_the_sandbox_lives_on(e2b_env: Server,
             # RLIMIT_NPROC (256 by default), as a Linux machine would; the user, or root, ends it.
             assert processes < 256 + 20, processes
             stop = "for i in 1 2 3 4 5 6; do pkill -9 -u user; sleep 0.3; done; pgrep -c -u user || true"
-            assert sbx.commands.run(stop, user="root", timeout=60).stdout.strip() == "0"
+            left = ""
+            for _ in range(3):  # on a loaded machine one such command was seen to end without a status (-1)
+                try:
+                    left = sbx.commands.run(stop, user="root", timeout=60).stdout.strip()
+                except CommandExitException as exc:
+                    left = f"exit {exc.exit_code}: {exc.stderr[-200:]}"
+                    continue
+                if left == "0":
+                    break
+            assert left == "0", left
         assert sbx.commands.run("pgrep -u root -f 'sleep 1000'", user="root").exit_code == 0
         sbx.files.write("/home/user/after.txt", "written")
         assert sbx.commands.run("cat /home/user/after.txt").stdout == "written"
