@@ -176,9 +176,9 @@ def test_the_running_quota_holds_across_gateways(cluster: BusyboxCluster) -> Non
     try:
         answers = asyncio.run(burst())
         statuses = [r.status_code for r in answers]
-        assert statuses.count(201) == 3 and statuses.count(429) == 37, [
-            r.text[:300] for r in answers if r.status_code >= 500
-        ]
+        # what went wrong, should it (seen once under CI load: two made, 38 refused): the errors, each once
+        told = sorted({f"{r.status_code} {r.text[:300]}" for r in answers if r.status_code != 201})
+        assert statuses.count(201) == 3 and statuses.count(429) == 37, told
         assert all(int(r.headers["retry-after"]) >= 1 for r in answers if r.status_code == 429)
         assert all(
             "maximum number of concurrent E2B sandboxes (3)" in r.json()["message"]
