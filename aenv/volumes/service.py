@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -158,12 +159,17 @@ class Volumes:
         volume = Volume.new(name, team)
         if self.images:
             ensure_space(self.root, headroom(self.node.settings), 0, f"volume {name!r}")
+        return await self._recorded(volume, self._make(volume.id))
+
+    async def _recorded(self, volume: Volume, making: Awaitable[None]) -> Volume:
+        """``volume`` once ``making`` made its files and its record is kept; its files removed if
+        either fails (a taken name: 409)."""
         try:
-            await self._make(volume.id)
+            await making
             await self.store.add(volume)
         except NameTaken:
             await self._unmake(volume.id)
-            raise Conflict(f"volume {name!r} already exists") from None
+            raise Conflict(f"volume {volume.name!r} already exists") from None
         except BaseException:
             await self._unmake(volume.id)
             raise
@@ -174,16 +180,7 @@ class Volumes:
         volume = Volume.new(check_name(name), source.team)
         need = self._used(source.id)
         ensure_space(self.root, headroom(self.node.settings), need, f"a copy of volume {source.name!r}")
-        try:
-            await self._copy(source.id, volume.id)
-            await self.store.add(volume)
-        except NameTaken:
-            await self._unmake(volume.id)
-            raise Conflict(f"volume {name!r} already exists") from None
-        except BaseException:
-            await self._unmake(volume.id)
-            raise
-        return volume
+        return await self._recorded(volume, self._copy(source.id, volume.id))
 
     async def remove(self, volume: Volume) -> None:
         """Gone, record and files, whoever still mounts it (a fork's copies of children not made)."""
