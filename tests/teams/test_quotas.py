@@ -24,7 +24,7 @@ async def _burst(team: TeamKey, count: int, *, wait: float | None = None, kill: 
     limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
     params = {"wait": str(wait)} if wait is not None else None
     async with httpx.AsyncClient(
-        base_url=team.url, headers={"X-API-Key": team.key}, timeout=180, limits=limits
+        base_url=team.url, headers={"X-API-Key": team.key}, timeout=(wait or 0) + 180, limits=limits
     ) as client:
 
         async def one() -> httpx.Response:
@@ -68,7 +68,7 @@ def test_a_burst_of_200_creates_gets_429s_with_retry_after_and_no_more_than_the_
 def test_a_burst_that_waits_queues_and_completes(admin: httpx.Client) -> None:
     team = new_team(admin, "queue", maxRunning=8)
     try:
-        answers = asyncio.run(_burst(team, 200, wait=60, kill=True))
+        answers = asyncio.run(_burst(team, 200, wait=300, kill=True))
         assert [r.status_code for r in answers] == [201] * 200, {r.status_code: r.text[:200] for r in answers}
         assert len({r.json()["sandboxID"] for r in answers}) == 200
     finally:
