@@ -263,6 +263,10 @@ class Settings(BaseSettings):
     debian_mirror: str | None = None  # None = the host's apt sources
     debian_suite: str = "bookworm"
     build_base: bool = True  # build the `base` template on start if it is missing
+    # The built-in `desktop` template (aenv/templates/desktop.py): its browser, and whether a create
+    # from it before it exists starts its build (the create gets a 503 with Retry-After meanwhile)
+    desktop_browser: Literal["firefox-esr", "chromium", "none"] = "firefox-esr"
+    desktop_on_first_use: bool = True
     # A template build's RUN steps reach public addresses (apt-get, pip install: as docker build
     # and E2B's builds do), never private ones or the node's own; false = no network in builds
     build_internet: bool = True

@@ -18,6 +18,7 @@
     │   └── QuotaExceeded                    429 quota_exceeded (a team's quota; Retry-After: when to try again)
     ├── UpstreamError                        502 upstream_error (a registry failed or is out of reach)
     ├── ClusterUnavailable                   503 cluster_unavailable (etcd has no quorum or is out of reach)
+    ├── TemplateBuilding                     503 template_building (a built-in template is being built: Retry-After)
     ├── SandboxError                         500 sandbox_error
     │   ├── RuntimeFailure                   500 runtime_failure (a driver binary failed)
     │   ├── CheckpointRefused                422 checkpoint_refused (the runtime cannot save this sandbox now)
@@ -142,6 +143,15 @@ class ClusterUnavailable(AenvError):
     What needs a directory write fails fast with this; running sandboxes keep being served."""
 
 
+class TemplateBuilding(AenvError):
+    """A create from a built-in template that this node is building now (its first use started
+    the build): ask again after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, *, retry_after: int = 30) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class SandboxError(AenvError):
     pass
 
@@ -231,6 +241,7 @@ ERROR_TABLE: dict[type[AenvError], tuple[int, str]] = {
     QuotaExceeded: (429, "quota_exceeded"),
     UpstreamError: (502, "upstream_error"),
     ClusterUnavailable: (503, "cluster_unavailable"),
+    TemplateBuilding: (503, "template_building"),
     SandboxError: (500, "sandbox_error"),
     RuntimeFailure: (500, "runtime_failure"),
     # Not 409: E2B's SDKs read 409 on pause as "already paused".

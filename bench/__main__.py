@@ -318,6 +318,10 @@ def main() -> None:
         from bench.workload import main as workload
 
         return workload(sys.argv[2:])
+    if sys.argv[1:2] == ["desktop"]:  # desktop sandboxes through E2B's Desktop SDK
+        from bench.desktop import main as desktop
+
+        return desktop(sys.argv[2:])
     if sys.argv[1:2] == ["snapshot"]:  # a snapshot against a pause, part by part
         from bench.snapshot import main as snapshot
 

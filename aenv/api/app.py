@@ -11,7 +11,7 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote
 
 from fastapi import Depends, FastAPI, Request
@@ -39,6 +39,7 @@ from aenv.teams import guard as team_guard
 from aenv.teams.model import PRINCIPAL
 from aenv.teams.routes import router as teams_router
 from aenv.teams.tenancy import Tenancy
+from aenv.templates import desktop
 from aenv.volumes.routes import router as volumes_router
 from aenv.volumes.service import Volumes
 
@@ -96,6 +97,8 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
             await volumes.start()
             await secrets.start()
             await events.start()
+            if hasattr(node, "driver"):  # a node that builds: a guest agent's upgrade, a new `desktop` snapshot
+                app.state.desktop_builds.refresh(cast(BuildHost, node))
             yield
         finally:
             try:
@@ -121,6 +124,7 @@ def create_app(node: NodeService, *, start_node: bool = True, tenancy: Tenancy |
     app.state.secrets = secrets
     node.use_secrets(secrets.value_of)  # network.rules' placeholders are filled by the node's egress
     app.state.spawns = Spawns()  # E2B's spawnCount and lastSpawnedAt of each template
+    app.state.desktop_builds = desktop.Builds()
     node.state_listeners.append(app.state.spawns.observe)
     teams.install(app)
 

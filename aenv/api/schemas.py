@@ -396,7 +396,7 @@ def repository_json(rec: SnapshotRecord | TemplateRecord) -> dict[str, Any]:
     }
 
 
-DEFAULT_TEMPLATES = ("base",)  # what every deployment offers (E2B's default templates)
+DEFAULT_TEMPLATES = ("base", "desktop")  # what every deployment offers, built (E2B's default templates)
 
 
 def template_json(t: TemplateRecord, node: NodeService, spawns: Spawned | None = None) -> dict[str, Any]:

@@ -87,6 +87,41 @@ def build(
     _emit([outcome], ["name", "templateID", "layers", "description"])
 
 
+template_app = typer.Typer(help="Built-in templates: `aenv template build desktop`.", no_args_is_help=True)
+app.add_typer(template_app, name="template")
+
+
+@template_app.command("build")
+def template_build(
+    name: str = typer.Argument(..., help="the built-in template: desktop"),
+    browser: str | None = typer.Option(
+        None, "--browser", help="desktop: firefox-esr, chromium or none [the node's AENV_DESKTOP_BROWSER]"
+    ),
+) -> None:
+    """Build a built-in template on the node anew (desktop: Debian's X desktop for e2b-desktop),
+    streaming its log."""
+    with _transfer_progress() as progress:
+        task = progress.add_task(f"building '{name}'", total=None)
+
+        def show(line: str) -> None:
+            progress.console.print(line, markup=False, highlight=False)
+            progress.update(task, description=f"building '{name}': {line[:70]}")
+
+        async def go(c: AsyncClient) -> dict[str, Any] | BuildError:
+            try:
+                return await c.build_builtin(name, browser=browser, on_log=show)
+            except BuildError as exc:
+                return exc
+
+        outcome = _run(go)
+    if isinstance(outcome, BuildError):
+        err.print(f"[red]build failed:[/red] {outcome.message}")
+        if outcome.output:
+            err.print(outcome.output, markup=False, highlight=False)
+        raise typer.Exit(1)
+    _emit([outcome], ["name", "templateID", "layers", "description"])
+
+
 @app.command()
 def templates(as_json: bool = JSON_OPTION) -> None:
     """List templates."""

@@ -230,6 +230,18 @@ class AsyncClient:
             packed.seek(0)
             return await self._send_build(packed, size, params, on_log, on_upload)
 
+    async def build_builtin(
+        self, name: str = "desktop", *, browser: str | None = None, on_log: Callable[[str], None] | None = None
+    ) -> dict[str, Any]:
+        """Build a built-in template (``desktop``) on the node anew, its log to ``on_log`` (the
+        deployment's admin key; minutes: packages downloaded and installed, the desktop started
+        and snapshotted)."""
+        params = {"browser": browser} if browser else None
+        async with self._http.stream(
+            "POST", f"/templates/builtin/{name}", params=params, headers=self._auth, timeout=None
+        ) as r:
+            return await _template_stream(r, on_log, None)
+
     async def _send_build(
         self,
         packed: BinaryIO,

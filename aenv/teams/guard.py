@@ -35,7 +35,7 @@ from aenv.node.service import (
     SnapshotRecord,
     TemplateRecord,
 )
-from aenv.teams.model import DEFAULT_TEAM, Principal, current, template_visible
+from aenv.teams.model import DEFAULT_TEAM, PUBLIC_TEMPLATES, Principal, current, template_visible
 
 log = logging.getLogger("aenv.teams")
 ID = re.compile(r"[a-z0-9]{1,128}")  # what a sandbox id can be (aenv/api/listing.py short_sandbox_id)
@@ -102,7 +102,7 @@ def in_team(template: TemplateRecord, team_id: str | None) -> bool:
         raise Forbidden(f"this key cannot list the templates of team {team_id[:64]!r}")
     if who is not None and not who.admin:
         return True
-    return (template.team or DEFAULT_TEAM) == team_id or template.public or template.name == "base"
+    return (template.team or DEFAULT_TEAM) == team_id or template.public or template.name in PUBLIC_TEMPLATES
 
 
 def visible(rec: SandboxRecord | SnapshotRecord | TemplateRecord) -> bool:
@@ -217,6 +217,8 @@ def claim_template_name(node: NodeService, name: str) -> None:
     if who is None:
         return
     base = name.partition(":")[0]
+    if base in PUBLIC_TEMPLATES:
+        raise Conflict(f"'{base}' is a built-in template: give yours another name")
     for ref in dict.fromkeys((name, base)):
         try:
             template = node.find_template(ref)

@@ -28,7 +28,7 @@ MAX_NAME = 128
 MAX_TEAMS = 10_000
 MAX_KEYS_PER_TEAM = 100
 TEAM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # a path segment and an etcd key segment
-PUBLIC_TEMPLATES = frozenset({"base"})  # usable by every team whatever their record says
+PUBLIC_TEMPLATES = frozenset({"base", "desktop"})  # built-in: usable by every team whatever their record says
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import re
 import stat
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ from aenv.node.service import AgentLink, BuildHost, LiveSandbox, TemplateRecord,
 from aenv.runtime import hostexec
 from aenv.runtime.base import OWN_BASE, Instance, Limits, OwnBase
 from aenv.runtime.guestbundle import COMPAT_LIB, SUDO
+from aenv.storage.datadir import sandbox_dir
 from aenv.storage.layers import new_id
 from aenv.storage.mounts import unmount_under
 from aenv.teams.model import team_of_new
@@ -217,15 +218,27 @@ def _process_event(msg: Any) -> tuple[str, tuple[int, str] | None]:
 
 @asynccontextmanager
 async def build_instance(
-    node: BuildHost, layers: list[str], label: str
+    node: BuildHost,
+    layers: list[str],
+    label: str,
+    *,
+    before_boot: Callable[[Path], Awaitable[None]] | None = None,
 ) -> AsyncIterator[tuple[AgentLink, Instance, str]]:
     """A build sandbox booted fresh on ``layers`` with a new upper: (link, instance, upper id).
+    ``before_boot`` gets the new upper's root directory (the sandbox's "/", empty: nothing a
+    sandbox wrote) to put files there first.
 
     It is killed on the way out; on an error its upper is removed too."""
     async with node.artifacts.using_layers(layers):  # a template's layers may be in the repository only
         upper = await node.files.new_upper(BUILD_LIMITS.disk_mb)
         await node.files.mount_lowers(layers)
         rootfs = node.rootfs(layers, upper)
+        if before_boot is not None:
+            try:
+                await before_boot(sandbox_dir(rootfs.upper / "upper"))
+            except BaseException:
+                await node.files.remove(upper)
+                raise
         instance = await node.driver.boot(instance_id=new_id(), rootfs=rootfs, limits=BUILD_LIMITS)
         egress = build_guest(label, node.settings.build_internet, node.settings.build_allow_out)
         link = AgentLink(label, serve=egress)
@@ -504,7 +517,7 @@ async def _commit_base(node: BuildHost, debian_layer: str, log: LogFn | None) ->
     )
 
 
-async def _image_runs_here(node: BuildHost, rec: TemplateRecord) -> bool:
+async def image_runs_here(node: BuildHost, rec: TemplateRecord) -> bool:
     """Whether this node runs the template's memory image as it runs new sandboxes: an upgraded
     runsc does not restore what an older one wrote, and one written on another runsc platform
     restores there, not on the one this node chose. An image that cannot be had is as good as
@@ -526,7 +539,7 @@ async def ensure_base(node: BuildHost, *, on_log: LogFn | None = None) -> Templa
         current = node.find_template("base")
     except AenvError:
         return await build_base(node, on_log=on_log)
-    runs_here = await _image_runs_here(node, current)
+    runs_here = await image_runs_here(node, current)
     own = _own_base(node)
     wanted = own.description if own is not None else BASE_DESCRIPTION
     if runs_here and current.guest == node.driver.guest_key() and current.description == wanted:

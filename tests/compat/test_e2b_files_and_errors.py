@@ -652,6 +652,6 @@ async def test_base_is_recommitted_when_its_setup_changes(
         return runs_here
 
     monkeypatch.setattr(builder, "_commit_base", commit)
-    monkeypatch.setattr(builder, "_image_runs_here", image_runs_here)
+    monkeypatch.setattr(builder, "image_runs_here", image_runs_here)
     assert await builder.ensure_base(node) == ("new base" if recommitted else record)  # type: ignore[arg-type]
     assert commits == (["debian"] if recommitted else [])

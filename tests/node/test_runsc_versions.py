@@ -124,6 +124,58 @@ def test_roots_xattrs_on_the_root_file_system_are_kept(sandbox: Sandbox) -> None
     assert again.commands.run("python3 /home/user/rx.py get", user="root").stdout == "root's\n"
 
 
+DESKTOP_CALLS = """
+import ctypes, errno, os, termios
+libc = ctypes.CDLL(None, use_errno=True)
+def said(r):
+    return "ok" if r >= 0 else errno.errorcode[ctypes.get_errno()]
+# The raw system call (the shim never sees it) against libc's, which is the shim's.
+print("raw close_range", said(libc.syscall(436, 5, ctypes.c_uint(0xFFFFFFFF), 0)))
+print("close_range", said(libc.close_range(5, ctypes.c_uint(0xFFFFFFFF), 0)))
+libc.ptsname.restype = ctypes.c_char_p
+master = libc.posix_openpt(os.O_RDWR | os.O_NOCTTY)
+libc.grantpt(master); libc.unlockpt(master)
+peer = libc.ioctl(master, ctypes.c_ulong(0x5441), ctypes.c_ulong(os.O_RDWR | os.O_NOCTTY))  # TIOCGPTPEER
+print("peer", said(peer), os.ttyname(peer) == libc.ptsname(master).decode())
+one = ctypes.c_int(1)
+print("packet mode", said(libc.ioctl(master, ctypes.c_ulong(termios.TIOCPKT), ctypes.byref(one))))
+attrs = termios.tcgetattr(peer)
+attrs[3] &= ~(termios.ECHO | termios.ICANON)
+termios.tcsetattr(peer, termios.TCSANOW, attrs)
+os.write(peer, b"abc")
+buf = ctypes.create_string_buffer(64)
+got = libc.read(master, buf, 64)
+print("read", buf.raw[:got])
+zero = ctypes.c_int(0)
+libc.ioctl(master, ctypes.c_ulong(termios.TIOCPKT), ctypes.byref(zero))
+os.write(peer, b"def")
+got = libc.read(master, buf, 64)
+print("read", buf.raw[:got])
+null = os.open("/dev/null", os.O_RDONLY)
+print("not a master", said(libc.ioctl(null, ctypes.c_ulong(termios.TIOCPKT), ctypes.byref(one))))
+"""
+
+
+def test_the_shim_mends_the_pty_and_descriptor_calls_desktop_programs_make(sandbox: Sandbox, api: httpx.Client) -> None:
+    """GLib's spawn closes descriptors with close_range(fd, ~0U), which runsc 20240729 refuses
+    (EINVAL); VTE opens a terminal's peer with TIOCGPTPEER and sets packet mode (TIOCPKT), neither
+    known to it (ENOTTY). The compat shim answers all three (docs/desktop.md): XFCE's session,
+    panel and terminal start only with it."""
+    if not modern_runsc(api):
+        pytest.skip("the shims are for runsc 20240729, the runsc a node is made for")
+    sandbox.files.write("/home/user/desktop_calls.py", DESKTOP_CALLS)
+    lines = sandbox.commands.run("python3 /home/user/desktop_calls.py").stdout.splitlines()
+    assert lines[0] in ("raw close_range EINVAL", "raw close_range ok")  # ok: a runsc that mended it
+    assert lines[1:] == [
+        "close_range ok",
+        "peer ok True",
+        "packet mode ok",
+        "read b'\\x00abc'",  # each read of a master in packet mode: a status byte (data), then the data
+        "read b'def'",  # packet mode off: as it was
+        "not a master ENOTTY",
+    ]
+
+
 def test_the_agent_churns_the_sentry_s_heap_only_where_a_restore_leaves_garbage(tmp_path: Path) -> None:
     """20221219's restores left ~30 MiB of garbage in the sentry's heap, which the agent makes it
     give back once quiet (aenv/guest/sentry.py); on 20240729 that churn kept 4-6 MiB more per

@@ -16,7 +16,7 @@ from aenv.api.schemas import NewSandbox, sandbox_json
 from aenv.errors import InvalidRequest, SnapshotNotFound, TemplateNotFound
 from aenv.node.service import BuildHost, NodeService, SandboxSpec, create_id_of
 from aenv.teams.model import team_of_new
-from aenv.templates import image_sources
+from aenv.templates import desktop, image_sources
 from aenv.volumes.service import Volumes
 
 router = APIRouter()
@@ -80,6 +80,7 @@ async def _create(request: Request) -> JSONResponse:
     )
 
     async def create() -> str:
+        _first_use(request, node, body)
         async with create_source(build_host_of(request), body) as source:
             return await created(source)
 
@@ -100,6 +101,26 @@ async def _create(request: Request) -> JSONResponse:
     if node.announce is not None:
         await node.announce([sandbox_id])
     return JSONResponse(sandbox_json(node, node.get(sandbox_id), domain_of(request)), status_code=201)
+
+
+def _first_use(request: Request, node: NodeService, body: NewSandbox) -> None:
+    """A create from the built-in `desktop` before this node has it starts its build (a few
+    minutes) and is answered 503 with Retry-After until it is there."""
+    if body.image is not None or body.template_id.partition(":")[0] != desktop.NAME:
+        return
+    try:
+        node.find_template(desktop.NAME)
+        return
+    except TemplateNotFound:
+        pass
+    settings = request.app.state.node.settings
+    if not settings.desktop_on_first_use:
+        raise TemplateNotFound(
+            f"template '{desktop.NAME}' not found: this node builds it when asked "
+            f"(`aenv template build {desktop.NAME}`)"
+        )
+    builds: desktop.Builds = request.app.state.desktop_builds
+    raise builds.on_first_use(build_host_of(request), settings.desktop_browser)
 
 
 def _runs_mcp(node: NodeService, source: str) -> bool:

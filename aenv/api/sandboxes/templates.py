@@ -18,12 +18,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from aenv.api.sandboxes.requests import _body, build_host_of, declared_length, json_body, node_of
 from aenv.api.schemas import DEFAULT_TEMPLATES, ImageTemplate, TemplatePatch, WarmPoolSize, snapshot_json, template_json
-from aenv.errors import AenvError, InvalidRequest, SnapshotNotFound, error_body
+from aenv.errors import AenvError, Conflict, Forbidden, InvalidRequest, NotFound, SnapshotNotFound, error_body
 from aenv.node.service import BuildHost, NodeService, SnapshotRecord, Spawns, TemplateRecord
 from aenv.storage.confined import View, remove_tree
 from aenv.teams import guard as team_guard
 from aenv.teams.model import current
-from aenv.templates import build, catalog, images, uploads
+from aenv.templates import build, catalog, desktop, images, uploads
 from aenv.templates.catalog import TEMPLATE_NAME
 
 router = APIRouter()
@@ -157,6 +157,35 @@ def _streamed_job(
             yield (json.dumps(line) + "\n").encode()
 
     return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+
+@router.post(
+    "/templates/builtin/{name}",
+    summary="Build a built-in template (desktop) on this node anew (streams NDJSON build logs)",
+)
+async def build_builtin(
+    request: Request,
+    name: str,
+    browser: str | None = Query(None, description="desktop: firefox-esr, chromium or none [AENV_DESKTOP_BROWSER]"),
+) -> StreamingResponse:
+    """The deployment's admin key only (the template is every team's). Lines as a build's:
+    ``{"log"}``..., then ``{"template"}`` or ``{"error"}``; 409 while one is under way."""
+    who = current()
+    if who is not None and not who.admin:
+        raise Forbidden("built-in templates are built with the deployment's admin key")
+    if name != desktop.NAME:
+        raise NotFound(f"no built-in template named {name[:64]!r} (there is {desktop.NAME!r})")
+    node = build_host_of(request)
+    chosen = desktop.browser_of(browser or request.app.state.node.settings.desktop_browser)
+    builds: desktop.Builds = request.app.state.desktop_builds
+    if builds.running:
+        raise Conflict(f"the {desktop.NAME} template is being built already (for {builds.elapsed():.0f}s)")
+
+    async def built(emit: Emit) -> dict[str, Any]:
+        rec = await builds.build(node, chosen, on_log=lambda line: emit({"log": line}))
+        return {"template": described(request, rec, node)}
+
+    return _streamed_job(node, built)
 
 
 @router.post(

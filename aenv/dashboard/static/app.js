@@ -439,6 +439,8 @@ function sandboxView(main, sandboxId) {
       ["CPU / memory / disk", `${sb.cpuCount} cores / ${sb.memoryMB} MiB / ${sb.diskSizeMB} MiB`],
       ["Metadata", Object.entries(sb.metadata || {}).map(([k, v]) => h("div", { class: "mono" }, `${k}=${v}`))],
     ];
+    const view = desktopView(sb);
+    if (view) rows.push(["Live desktop", view]);
     info.replaceChildren(...rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
     usage.data.labels = metrics.map((m) => new Date(m.timestampUnix * 1000).toLocaleTimeString());
     usage.data.datasets[0].data = metrics.map((m) => m.cpuUsedPct);
@@ -460,6 +462,20 @@ function sandboxView(main, sandboxId) {
     family.replaceChildren(familyTree(fam));
     log.textContent = logs.logs.map((l) => l.line).join("\n") || "(nothing logged for this sandbox)";
   };
+}
+
+// A desktop sandbox's live view (noVNC on its port 6080, through the node's port proxy, which routes
+// a host named 6080-<id>.<anything>): once its stream runs (`aenv desktop <id>`, or the SDK's
+// stream.start()).
+function desktopView(sb) {
+  const template = sb.alias || sb.templateID || "";
+  if (template.split(":")[0] !== "desktop") return null;
+  const query = "vnc.html?autoconnect=true&resize=scale";
+  const local = ["localhost", "127.0.0.1", "[::1]"].includes(location.hostname);
+  const host = sb.domain ? `https://6080-${sb.sandboxID}.${sb.domain}` : local ? `${location.protocol}//6080-${sb.sandboxID}.localhost:${location.port}` : null;
+  const hint = h("div", { class: "muted" }, "start its stream first: ", h("code", {}, `aenv desktop ${sb.sandboxID}`));
+  if (!host) return hint;
+  return h("div", {}, h("a", { href: `${host}/${query}`, target: "_blank", rel: "noopener", "data-live-desktop": "1" }, "open the live view"), hint);
 }
 
 function templatesView(main) {

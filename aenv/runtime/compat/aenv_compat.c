@@ -4,13 +4,17 @@
  * Built with AENV_STATX_SHIM for runsc 20221219 (Debian bookworm's), which rejects statx() calls
  * that carry AT_NO_AUTOMOUNT with EINVAL, while coreutils (ls, stat, cp, ...) always passes it. A
  * sandbox has no automount points, so dropping the flag changes nothing else; newer runsc takes
- * the flag. Only libc's syscall() is used, so the shim works with any glibc version an image brings.
+ * the flag. It also mends close_range() and TIOCGPTPEER for runsc 20240729 (below), and keeps user
+ * xattrs (below).
+ * Only libc's syscall() is used, so the shim works with any glibc version an image brings.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -21,6 +25,113 @@
 #ifndef AT_NO_AUTOMOUNT
 #define AT_NO_AUTOMOUNT 0x800
 #endif
+
+#ifndef SYS_close_range
+#define SYS_close_range 436 /* the same number on every architecture */
+#endif
+
+/*
+ * close_range(first, ~0U, flags): glibc 2.34's way to close (or mark close-on-exec) every
+ * descriptor from `first` on, which GLib's spawn does in every child it starts (each GTK or XFCE
+ * program launching another: the session its window manager and panel, gtk-launch its app).
+ * runsc 20240729 reads `last` as a signed number and refuses ~0U with EINVAL, which GLib reports
+ * as "Failed to close file descriptor for child process". No process has descriptors past
+ * INT_MAX, so `last` is capped there; the call is the same on any kernel.
+ */
+int close_range(unsigned int first, unsigned int last, int flags) {
+    if (last > 0x7fffffffU)
+        last = 0x7fffffffU;
+    return (int)syscall(SYS_close_range, first, last, flags);
+}
+
+#ifndef TIOCGPTPEER
+#define TIOCGPTPEER 0x5441
+#endif
+
+/*
+ * Pseudo-terminals as VTE (xfce4-terminal, GNOME's terminals) opens them, two calls runsc
+ * 20240729 does not know (ENOTTY), each answered here only when the kernel refused it:
+ *
+ * - ioctl(master, TIOCGPTPEER, flags), Linux 4.13's way to open the other end: VTE gives up
+ *   unless the answer is EINVAL, so the peer is opened the older way, by its number (TIOCGPTN)
+ *   under /dev/pts, as glibc's openpty() does.
+ * - ioctl(master, TIOCPKT, &on), packet mode, without which VTE does not start: each read() of
+ *   the master then begins with a status byte. The shim keeps the mode per descriptor and puts a
+ *   0 (TIOCPKT_DATA: plain data) before what each read() of such a master returns; stop/start
+ *   notices (^S/^Q) are never sent, which VTE only uses to show a paused terminal.
+ *
+ * Every other request goes to the kernel unchanged.
+ */
+#define PACKET_FDS 4096
+static unsigned char packet_mode[PACKET_FDS / 8];
+
+static int in_packet_mode(int fd) {
+    return fd >= 0 && fd < PACKET_FDS && ((packet_mode[fd / 8] >> (fd % 8)) & 1);
+}
+
+static void set_packet_mode(int fd, int on) {
+    if (fd < 0 || fd >= PACKET_FDS)
+        return;
+    if (on)
+        packet_mode[fd / 8] |= (unsigned char)(1u << (fd % 8));
+    else
+        packet_mode[fd / 8] &= (unsigned char)~(1u << (fd % 8));
+}
+
+static int open_peer(int master, int flags) {
+    unsigned int number;
+    if (syscall(SYS_ioctl, master, TIOCGPTN, &number) != 0)
+        return -1;
+    char path[32] = "/dev/pts/";
+    char digits[12];
+    int n = 0, at = 9;
+    do {
+        digits[n++] = (char)('0' + number % 10);
+        number /= 10;
+    } while (number);
+    while (n)
+        path[at++] = digits[--n];
+    path[at] = 0;
+    return (int)syscall(SYS_openat, AT_FDCWD, path, flags);
+}
+
+int ioctl(int fd, unsigned long request, ...) {
+    va_list ap;
+    va_start(ap, request);
+    void *arg = va_arg(ap, void *);
+    va_end(ap);
+    long ret = syscall(SYS_ioctl, fd, request, arg);
+    if (ret != -1 || errno != ENOTTY)
+        return (int)ret;
+    if (request == TIOCGPTPEER)
+        return open_peer(fd, (int)(long)arg);
+    if (request == TIOCPKT && fd >= 0 && fd < PACKET_FDS) {
+        unsigned int number;
+        if (arg == NULL || syscall(SYS_ioctl, fd, TIOCGPTN, &number) != 0) {
+            errno = ENOTTY;  /* not a master: as the kernel said */
+            return -1;
+        }
+        set_packet_mode(fd, *(const int *)arg != 0);
+        return 0;
+    }
+    return (int)ret;
+}
+
+ssize_t read(int fd, void *buf, size_t count) {
+    if (count < 2 || !in_packet_mode(fd))
+        return syscall(SYS_read, fd, buf, count);
+    ssize_t got = syscall(SYS_read, fd, (char *)buf + 1, count - 1);
+    if (got <= 0)
+        return got; /* an error, or the end: as it was */
+    ((char *)buf)[0] = 0; /* TIOCPKT_DATA */
+    return got + 1;
+}
+
+int close(int fd) {
+    if (in_packet_mode(fd))
+        set_packet_mode(fd, 0);
+    return (int)syscall(SYS_close, fd);
+}
 
 #ifdef AENV_STATX_SHIM
 struct statx;
