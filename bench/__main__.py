@@ -91,6 +91,12 @@ def pss_of(instance_id: str) -> tuple[int, int]:
     That is runsc's sandbox and gofer processes (named by the instance id on their command
     line) and all their descendants: the ptrace platform's stub processes hold guest memory.
     """
+    return pss_where(lambda cmdline: instance_id.encode() in cmdline)
+
+
+def pss_where(match: Callable[[bytes], bool]) -> tuple[int, int]:
+    """(PSS bytes, process count) of the host processes whose command line ``match`` takes, and
+    all their descendants."""
     parents: dict[int, list[int]] = {}
     roots = []
     for entry in os.listdir("/proc"):
@@ -99,13 +105,16 @@ def pss_of(instance_id: str) -> tuple[int, int]:
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
             parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            if instance_id.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+            if match(Path(f"/proc/{entry}/cmdline").read_bytes()):
                 roots.append(int(entry))
         except OSError:
             continue
-    total, count, todo = 0, 0, roots
+    total, count, todo, seen = 0, 0, roots, set()
     while todo:
         pid = todo.pop()
+        if pid in seen:  # a root that descends from another root
+            continue
+        seen.add(pid)
         todo.extend(parents.get(pid, []))
         try:
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():

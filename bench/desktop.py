@@ -32,6 +32,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from bench.__main__ import pss_where
+
 console = Console()
 API_KEY = "bench-desktop"
 IDLE_SETTLE = 10.0  # seconds a desktop is left alone before its memory is read
@@ -41,33 +43,7 @@ QUIET = ("Get:", "Selecting", "Preparing", "Unpacking", "Setting up", "Processin
 
 def runsc_pss() -> tuple[int, int]:
     """(PSS bytes, processes) of every runsc process on the host (and their children)."""
-    parents: dict[int, list[int]] = {}
-    roots = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            if Path(f"/proc/{entry}/cmdline").read_bytes().startswith(b"runsc"):
-                roots.append(int(entry))
-        except OSError:
-            continue
-    total, count, todo, seen = 0, 0, list(roots), set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        todo.extend(parents.get(pid, []))
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-                    count += 1
-        except OSError:
-            continue
-    return total, count
+    return pss_where(lambda cmdline: cmdline.startswith(b"runsc"))
 
 
 class Server:

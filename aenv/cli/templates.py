@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,15 +71,26 @@ def build(
             else:
                 progress.console.print(line, markup=False, highlight=False)
 
-        async def go(c: AsyncClient) -> dict[str, Any] | BuildError:
-            try:
-                return await c.build(
-                    name, context, dockerfile=str(recipe), build_args=args, on_log=show, on_upload=uploaded
-                )
-            except BuildError as exc:
-                return exc
+        outcome = _built(
+            lambda c: c.build(name, context, dockerfile=str(recipe), build_args=args, on_log=show, on_upload=uploaded)
+        )
+    _show_built(outcome)
 
-        outcome = _run(go)
+
+def _built(build: Callable[[AsyncClient], Awaitable[dict[str, Any]]]) -> dict[str, Any] | BuildError:
+    """Run a streamed build; its template, or the error it ended with (shown once the progress
+    display is gone)."""
+
+    async def go(c: AsyncClient) -> dict[str, Any] | BuildError:
+        try:
+            return await build(c)
+        except BuildError as exc:
+            return exc
+
+    return _run(go)
+
+
+def _show_built(outcome: dict[str, Any] | BuildError) -> None:
     if isinstance(outcome, BuildError):
         err.print(f"[red]build failed:[/red] {outcome.message}")
         if outcome.output:
@@ -107,19 +119,8 @@ def template_build(
             progress.console.print(line, markup=False, highlight=False)
             progress.update(task, description=f"building '{name}': {line[:70]}")
 
-        async def go(c: AsyncClient) -> dict[str, Any] | BuildError:
-            try:
-                return await c.build_builtin(name, browser=browser, on_log=show)
-            except BuildError as exc:
-                return exc
-
-        outcome = _run(go)
-    if isinstance(outcome, BuildError):
-        err.print(f"[red]build failed:[/red] {outcome.message}")
-        if outcome.output:
-            err.print(outcome.output, markup=False, highlight=False)
-        raise typer.Exit(1)
-    _emit([outcome], ["name", "templateID", "layers", "description"])
+        outcome = _built(lambda c: c.build_builtin(name, browser=browser, on_log=show))
+    _show_built(outcome)
 
 
 @app.command()
