@@ -147,8 +147,8 @@ class TemplateBuilding(AenvError):
     """A create from a built-in template that this node is building now (its first use started
     the build): ask again after ``retry_after`` seconds."""
 
-    def __init__(self, message: str, *, retry_after: int = 30) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, retry_after: int = 30, **context: Any) -> None:
+        super().__init__(message, **context)
         self.retry_after = retry_after
 
 

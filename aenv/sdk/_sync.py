@@ -342,6 +342,12 @@ class Client(_Face):
             )
         )
 
+    @twin(AsyncClient.build_builtin)
+    def build_builtin(
+        self, name: str = "desktop", *, browser: str | None = None, on_log: Callable[[str], None] | None = None
+    ) -> dict[str, Any]:
+        return self._block(self._target.build_builtin(name, browser=browser, on_log=on_log))
+
     @twin(AsyncClient.nodes)
     def nodes(self) -> builtins.list[dict[str, Any]]:
         return self._block(self._target.nodes())
