@@ -289,6 +289,7 @@ async def commit_template(
     on_log: LogFn | None = None,
     template_id: str = "",
     keep_first: bool = False,
+    limits: dict[str, Any] | None = None,
 ) -> TemplateRecord:
     """Boot ``layers``, run ``steps`` as root, start ``start`` (it runs on in every sandbox made
     from the template: it is in the snapshot), checkpoint and commit a template named ``name``
@@ -319,6 +320,7 @@ async def commit_template(
             image=image,
             created_at=time.time(),
             env_vars=dict(env or {}),
+            limits=dict(limits or {}),
             description=description,
             guest=node.driver.guest_key(),
             user=user,

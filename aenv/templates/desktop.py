@@ -92,6 +92,9 @@ BROWSERS = {"firefox-esr": "/usr/bin/firefox-esr", "chromium": "/usr/bin/chromiu
 # (+78 MiB), none of which the page or its proxy script needs (websockify is installed apart).
 NOVNC_PACKAGE = "novnc"
 DEBS = ".aenv-debs"  # where the packages wait in the new layer's root (removed by the install)
+# A desktop sandbox's defaults (a create may ask others): a browser needs more than a shell's 1 GiB,
+# whose limit, once hit, ends the whole sandbox.
+LIMITS = {"cpu_count": 2.0, "memory_mb": 2048}
 APT_TIMEOUT = 1800.0
 START_TIMEOUT = 300.0  # for the session to come up under gVisor, in the build sandbox
 
@@ -152,6 +155,25 @@ Type=Application
 Name=Screen stays on
 Exec=sh -c "xset s off; xset s noblank; xset -dpms"
 """
+# XFCE's default session less Thunar's daemon (16 MiB of RSS in every desktop; a file manager
+# started by hand needs none).
+SESSION_CLIENTS = ("xfwm4", "xfsettingsd", "xfce4-panel", "xfdesktop")
+SESSION_XML = (
+    '<?xml version="1.0" encoding="UTF-8"?>\n<channel name="xfce4-session" version="1.0">\n'
+    '  <property name="general" type="empty">\n'
+    '    <property name="FailsafeSessionName" type="string" value="Failsafe"/>\n'
+    '    <property name="LockCommand" type="string" value=""/>\n  </property>\n'
+    '  <property name="sessions" type="empty">\n    <property name="Failsafe" type="empty">\n'
+    '      <property name="IsFailsafe" type="bool" value="true"/>\n'
+    f'      <property name="Count" type="int" value="{len(SESSION_CLIENTS)}"/>\n'
+    + "".join(
+        f'      <property name="Client{i}_Command" type="array"><value type="string" value="{name}"/></property>\n'
+        f'      <property name="Client{i}_Priority" type="int" value="{15 + 5 * i}"/>\n'
+        f'      <property name="Client{i}_PerScreen" type="bool" value="false"/>\n'
+        for i, name in enumerate(SESSION_CLIENTS)
+    )
+    + "    </property>\n  </property>\n</channel>\n"
+)
 FIREFOX_POLICIES = """{"policies": {"DisableAppUpdate": true, "DisableTelemetry": true,
   "DontCheckDefaultBrowser": true, "OverrideFirstRunPage": "", "OverridePostUpdatePage": ""}}
 """
@@ -182,6 +204,11 @@ def install_script(browser: str) -> str:
         _file("/usr/local/bin/xdpyinfo", XDPYINFO_WRAPPER, "0755"),
         _file(f"{HOME}/.config/autostart/screensaver.desktop", SCREENSAVER_ENTRY, owner=USER),
         "update-alternatives --set x-terminal-emulator /usr/bin/xfce4-terminal.wrapper || true",
+        _file("/etc/xdg/xfce4/xfconf/xfce-perchannel-xml/xfce4-session.xml", SESSION_XML),
+        # The panel's two plugins that run in processes of their own (a GTK each: ~30 MiB of RSS
+        # apiece) run inside the panel instead.
+        "sed -i 's/^X-XFCE-Internal=FALSE/X-XFCE-Internal=TRUE/' "
+        "/usr/share/xfce4/panel/plugins/actions.desktop /usr/share/xfce4/panel/plugins/systray.desktop",
         "mkdir -p /tmp/.X11-unix && chmod 1777 /tmp/.X11-unix",
     ]
     if browser == "firefox-esr":
@@ -369,6 +396,7 @@ async def _snapshot(node: BuildHost, layers: list[str], described: str, log: Log
         user=USER,
         workdir=HOME,
         on_log=log,
+        limits=LIMITS,
     )
 
 

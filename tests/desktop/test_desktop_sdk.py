@@ -79,6 +79,13 @@ def test_a_created_desktop_answers_the_sdk_at_its_default_size(sbx: Sandbox) -> 
     assert len(shot.resize((64, 48)).getcolors(64 * 48) or []) > 4  # a drawn desktop (panel, icons), not blank
     env = sbx.commands.run("echo $DISPLAY; whoami; pgrep -c -x Xvfb; pgrep -c -x xfce4-session").stdout.split()
     assert env == [":0", "user", "1", "1"]  # the snapshot's desktop, not a second one
+    # Trimmed: no file manager daemon, the panel's plugins inside the panel.
+    assert sbx.commands.run("pgrep -c -x Thunar; pgrep -c -f 'panel/[w]rapper'; true").stdout.split() == ["0", "0"]
+
+
+def test_the_template_asks_room_for_a_browser(desktop: Server, api: httpx.Client) -> None:
+    template = api.get("/templates/desktop").json()
+    assert (template["cpuCount"], template["memoryMB"]) == (2, 2048) and template["public"] is True
 
 
 def test_keyboard_and_mouse_reach_the_desktop(sbx: Sandbox) -> None:
