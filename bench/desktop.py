@@ -111,6 +111,16 @@ def median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1000 if values else float("nan")
 
 
+def idle_then_fork(server: Server, sandbox_id: str, kind: str, out: dict[str, list[float]]) -> None:
+    """The sandbox's host memory once left alone (it is alone on the node), then a fork x4 of it."""
+    time.sleep(IDLE_SETTLE)
+    out[f"{kind}_idle_pss"].append(runsc_pss()[0])
+    took, children = server.fork(sandbox_id, 4)
+    out[f"{kind}_fork4"].append(took)
+    for child in children:
+        server.api.delete(f"/sandboxes/{child}")
+
+
 def one_round(server: Server, out: dict[str, list[float]]) -> None:
     from e2b import Sandbox as Plain
     from e2b_desktop import Sandbox
@@ -128,12 +138,7 @@ def one_round(server: Server, out: dict[str, list[float]]) -> None:
         t = time.perf_counter()
         desktop.commands.run("true")
         out["bare_command"].append(time.perf_counter() - t)
-    time.sleep(IDLE_SETTLE)
-    out["desktop_idle_pss"].append(runsc_pss()[0])
-    took, children = server.fork(desktop.sandbox_id, 4)
-    out["desktop_fork4"].append(took)
-    for child in children:
-        server.api.delete(f"/sandboxes/{child}")
+    idle_then_fork(server, desktop.sandbox_id, "desktop", out)
     desktop.beta_pause()
     out["desktop_paused_pss"].append(runsc_pss()[0])
     server.api.delete(f"/sandboxes/{desktop.sandbox_id}")
@@ -142,12 +147,7 @@ def one_round(server: Server, out: dict[str, list[float]]) -> None:
     plain = Plain.create("base", timeout=600)
     plain.commands.run("true")
     out["base_create_to_command"].append(time.perf_counter() - started)
-    time.sleep(IDLE_SETTLE)
-    out["base_idle_pss"].append(runsc_pss()[0])
-    took, children = server.fork(plain.sandbox_id, 4)
-    out["base_fork4"].append(took)
-    for child in children:
-        server.api.delete(f"/sandboxes/{child}")
+    idle_then_fork(server, plain.sandbox_id, "base", out)
     plain.kill()
 
 
