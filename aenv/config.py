@@ -265,7 +265,7 @@ class Settings(BaseSettings):
     build_base: bool = True  # build the `base` template on start if it is missing
     # The built-in `desktop` template (aenv/templates/desktop.py): its browser, and whether a create
     # from it before it exists starts its build (the create gets a 503 with Retry-After meanwhile)
-    desktop_browser: Literal["firefox-esr", "chromium", "none"] = "firefox-esr"
+    desktop_browser: Literal["chromium", "firefox-esr", "none"] = "chromium"  # firefox aborts under runsc 20240729
     desktop_on_first_use: bool = True
     # A template build's RUN steps reach public addresses (apt-get, pip install: as docker build
     # and E2B's builds do), never private ones or the node's own; false = no network in builds

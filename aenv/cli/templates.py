@@ -107,7 +107,7 @@ app.add_typer(template_app, name="template")
 def template_build(
     name: str = typer.Argument(..., help="the built-in template: desktop"),
     browser: str | None = typer.Option(
-        None, "--browser", help="desktop: firefox-esr, chromium or none [the node's AENV_DESKTOP_BROWSER]"
+        None, "--browser", help="desktop: chromium, firefox-esr or none [the node's AENV_DESKTOP_BROWSER]"
     ),
 ) -> None:
     """Build a built-in template on the node anew (desktop: Debian's X desktop for e2b-desktop),

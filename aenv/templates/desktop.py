@@ -87,7 +87,7 @@ PACKAGES = [
     "librsvg2-common",
     "at-spi2-core",
 ]
-BROWSERS = {"firefox-esr": "/usr/bin/firefox-esr", "chromium": "/usr/bin/chromium", "none": ""}
+BROWSERS = {"chromium": "/usr/bin/chromium", "firefox-esr": "/usr/bin/firefox-esr", "none": ""}
 # noVNC's web files only: Debian's `novnc` package depends on nodejs and OpenStack's libraries
 # (+78 MiB), none of which the page or its proxy script needs (websockify is installed apart).
 NOVNC_PACKAGE = "novnc"
@@ -339,7 +339,7 @@ def browser_of(name: str) -> str:
 
 
 async def build_desktop(
-    node: BuildHost, *, browser: str = "firefox-esr", on_log: LogFn | None = None, kept: dict[str, str] | None = None
+    node: BuildHost, *, browser: str = "chromium", on_log: LogFn | None = None, kept: dict[str, str] | None = None
 ) -> TemplateRecord:
     """Build (or build anew) the `desktop` template on `base`. ``kept`` carries the packages'
     layer of a build whose desktop then failed to come up to the next build of the same recipe on

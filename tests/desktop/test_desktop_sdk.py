@@ -215,3 +215,15 @@ def test_a_snapshot_of_a_running_desktop_makes_desktops_with_its_windows(
             made.kill()
     finally:
         api.delete(f"/snapshots/{snapshot}")
+
+
+def test_the_browser_opens_a_page(sbx: Sandbox) -> None:
+    """Chromium, the template's browser, shows a local page (its window titled by the page)."""
+    sbx.files.write("/home/user/page.html", "<html><head><title>aenv-page</title></head><body>hi</body></html>")
+    sbx.commands.run("x-www-browser --no-first-run file:///home/user/page.html >/tmp/browser.log 2>&1", background=True)
+    wait_for(
+        "the browser's window",
+        lambda: sbx.commands.run("xdotool search --onlyvisible --name aenv-page || true").stdout.strip(),
+        120,
+    )
+    assert "aenv-page" in sbx.get_window_title(sbx.get_current_window_id())

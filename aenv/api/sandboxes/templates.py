@@ -166,7 +166,7 @@ def _streamed_job(
 async def build_builtin(
     request: Request,
     name: str,
-    browser: str | None = Query(None, description="desktop: firefox-esr, chromium or none [AENV_DESKTOP_BROWSER]"),
+    browser: str | None = Query(None, description="desktop: chromium, firefox-esr or none [AENV_DESKTOP_BROWSER]"),
 ) -> StreamingResponse:
     """The deployment's admin key only (the template is every team's). Lines as a build's:
     ``{"log"}``..., then ``{"template"}`` or ``{"error"}``; 409 while one is under way."""
