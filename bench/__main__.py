@@ -71,6 +71,18 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
+def machine() -> dict[str, Any]:
+    """What a result was measured on."""
+    return {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
+
+
+def write_results(out: Path, results: dict[str, Any]) -> None:
+    """A bench's results as JSON at ``out`` (its directory made), said on the console."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    console.print(f"JSON: {out}")
+
+
 async def timed(fn: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
     start = time.perf_counter()
     result = await fn()
@@ -314,12 +326,10 @@ async def amain(args: argparse.Namespace) -> None:
         results = await bench(node, args.rounds)
     finally:
         await node.stop(pause_running=False)
-    results["machine"] = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
+    results["machine"] = machine()
     results["runtime"] = node.runtime_info()
     render(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    console.print(f"JSON: {args.out}")
+    write_results(args.out, results)
 
 
 def main() -> None:

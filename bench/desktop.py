@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from bench.__main__ import pss_where
+from bench.__main__ import machine, pss_where, write_results
 
 console = Console()
 API_KEY = "bench-desktop"
@@ -209,12 +208,10 @@ def main(argv: list[str] | None = None) -> None:
         "build_seconds": build,
         "medians": medians,
         "samples": samples,
-        "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+        "machine": machine(),
     }
     render(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    console.print(f"JSON: {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

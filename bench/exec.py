@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import socket
 import threading
 import time
@@ -37,7 +35,7 @@ from aenv.config import Settings
 from aenv.node.orchestrator import Node
 from aenv.node.spec import SandboxSpec
 from aenv.templates.builder import ensure_base, run_in
-from bench.__main__ import pct
+from bench.__main__ import machine, pct, write_results
 
 console = Console()
 T = TypeVar("T")
@@ -200,12 +198,10 @@ def main() -> None:
     result = {
         "measured": measured,
         "layers_ms": layers({name: r["p50_ms"] for name, r in measured.items()}),
-        "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+        "machine": machine(),
     }
     render(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    console.print(f"JSON: {args.out}")
+    write_results(args.out, result)
 
 
 if __name__ == "__main__":

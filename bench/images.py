@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -28,6 +27,7 @@ from aenv.images.pull import pull, release
 from aenv.node.orchestrator import Node
 from aenv.templates import build
 from bench import image_tasks
+from bench.__main__ import write_results
 from tests.images.oci import LayerTar, busybox_layer, start_registry
 
 console = Console()
@@ -140,9 +140,7 @@ def main() -> None:
         return
     results = asyncio.run(run(args))
     render(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    console.print(f"JSON: {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

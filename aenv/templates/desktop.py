@@ -87,6 +87,7 @@ PACKAGES = [
     "librsvg2-common",
     "at-spi2-core",
 ]
+# A browser by name, and the x-www-browser it becomes.
 BROWSERS = {"chromium": "/usr/bin/chromium", "firefox-esr": "/usr/bin/firefox-esr", "none": ""}
 # noVNC's web files only: Debian's `novnc` package depends on nodejs and OpenStack's libraries
 # (+78 MiB), none of which the page or its proxy script needs (websockify is installed apart).
@@ -211,13 +212,10 @@ def install_script(browser: str) -> str:
         "/usr/share/xfce4/panel/plugins/actions.desktop /usr/share/xfce4/panel/plugins/systray.desktop",
         "mkdir -p /tmp/.X11-unix && chmod 1777 /tmp/.X11-unix",
     ]
+    if BROWSERS[browser]:
+        lines.append(f"update-alternatives --set x-www-browser {BROWSERS[browser]}")
     if browser == "firefox-esr":
-        lines += [
-            "update-alternatives --set x-www-browser /usr/bin/firefox-esr",
-            _file("/usr/lib/firefox-esr/distribution/policies.json", FIREFOX_POLICIES),
-        ]
-    elif browser == "chromium":
-        lines += ["update-alternatives --set x-www-browser /usr/bin/chromium"]
+        lines.append(_file("/usr/lib/firefox-esr/distribution/policies.json", FIREFOX_POLICIES))
     lines += [
         "fc-cache -f >/dev/null 2>&1 || true",
         "update-desktop-database /usr/share/applications >/dev/null 2>&1 || true",
