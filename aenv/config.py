@@ -34,7 +34,7 @@ class Settings(BaseSettings):
 
     # "fake" runs sandboxes as host processes with no isolation, without runsc or root: for tests
     # (./scripts/test --fast), never a default (aenv/runtime/fake.py). "qemu" boots each sandbox
-    # as a QEMU microvm: a skeleton that boots and runs commands, no checkpoints (aenv/runtime/qemu.py).
+    # as a QEMU microvm with its own kernel: boots, checkpoints, restores (aenv/runtime/qemu.py).
     driver: Literal["gvisor", "fake", "qemu"] = "gvisor"
     # The gVisor driver's alone.
     runsc: str = "runsc"

@@ -86,7 +86,7 @@ def make_driver(settings: Settings) -> Driver:
         from aenv.runtime.fake import FakeDriver
 
         return FakeDriver(state_dir=settings.data_dir / "runtime")
-    if settings.driver == "qemu":  # a skeleton: boots and runs commands, no checkpoints yet
+    if settings.driver == "qemu":  # each sandbox a microVM (aenv/runtime/qemu.py)
         from aenv.runtime.qemu import QemuDriver
 
         return QemuDriver(

@@ -4,7 +4,7 @@ Pause = checkpoint (stopping) ; snapshot = checkpoint that leaves the source run
 runtime that cannot, checkpoint + restore of the source) ; fork = that checkpoint + N restores ;
 create-from-template = restore of the template's image.
 Nothing above this module knows which driver runs: gvisor.py (runsc, the default), fake.py (host
-processes, for tests) and qemu.py (a QEMU microvm; boots only, a skeleton) implement it, each
+processes, for tests) and qemu.py (a QEMU microvm per sandbox) implement it, each
 chosen by AENV_DRIVER; runsc's settings (AENV_RUNSC*) concern gvisor.py alone.
 """
 

@@ -1,29 +1,36 @@
-"""QEMU microvm driver (AENV_DRIVER=qemu, never a default): a skeleton that boots and runs commands.
+"""QEMU microvm driver (AENV_DRIVER=qemu, never a default): each sandbox its own kernel.
 
-Each instance is one ``qemu-system-x86_64 -M microvm``: KVM where /dev/kvm opens, TCG (software
-emulation) elsewhere or when AENV_QEMU_ACCEL=tcg. It boots the host's Debian kernel with the
-initramfs of aenv/runtime/vmboot.py and these virtio-mmio devices, found in the guest by serial
-and by name:
+Each instance is one ``qemu-system-x86_64 -M microvm``: KVM where a probe guest boots on /dev/kvm
+(decided at the node's start, ``prepare``), TCG (software emulation) elsewhere or when
+AENV_QEMU_ACCEL=tcg. It boots the host's Debian kernel with the initramfs of aenv/runtime/vmboot.py
+and these virtio-mmio devices, found in the guest by serial and by name:
 
   - the guest bundle as a read-only disk (``aenv-guest``), mounted at /.aenv by stage one of the
     init (aenv/runtime/compat/aenv_vminit.c), which then runs stage two from it
     (aenv/guest/vminit.py);
-  - each layer's ext4 image as a read-only disk (``aenv-l<i>``, lowest first; the layer is the
-    image's ``upper/``); a plain-directory layer gets an image made from it (vmboot.ext4_of);
-  - the sandbox's upper image as a writable disk (``aenv-upper``), taken off the host for the
-    VM's lifetime (unmounted there: one kernel at a time writes a file system);
+  - each layer's image as a read-only disk (``aenv-l<i>``, lowest first; the layer is the image's
+    ``upper/``); a plain-directory layer gets an image made from it (vmboot.ext4_of);
+  - the sandbox's upper as a writable disk (``aenv-upper``): a qcow2 file at the layer store's
+    ``<upper>.img`` that only QEMU opens (aenv/runtime/vmdisks.py says how its chain is built);
   - a virtio-serial port (``aenv.channel``) on a Unix socket pair with the node: stage two makes
     it the agent's stdin and stdout, so the agent and the channel are those of every driver.
 
 Stage two overlays the layers under the upper, mounts /proc, /sys, /dev and the bundle, brings up
 loopback (no other network: as runsc --network=none) and execs the agent as PID 1.
 
-What this skeleton does not do yet, each refused with a clear error: checkpoints (pause, snapshot,
-fork, template commits: CheckpointRefused, 422) and restores (ImageIncompatible, 422), so a node on
-it boots sandboxes but cannot create from templates; doze. Limits: memory and vCPUs are the VM's
-size (-m, -smp), the disk quota is the upper image's size; no CPU quota or host cgroup. After the
-VM ends its upper stays unmounted on the host: the host never mounts a file system that a guest
-kernel wrote (what keeping it would need: checking it first, or keeping uppers in the guest).
+**Checkpoints** go through QEMU's monitor (QMP, on a socket pair): the VM is stopped and migrated
+into ``<image>/memory`` (its RAM and device state; the disks are flushed by the migration), and
+``<image>/vm.json`` says how many layer disks it had, its size and its upper. A pause then ends
+QEMU; a snapshot or fork continues the VM once the node has copied its upper (which the copies are
+restored on). A restore starts QEMU with the same devices and ``-incoming`` from that file. The
+devices must match what the image was saved with, so a restore maps the node's layer list back:
+the image's lower disks first; then either the upper it was saved with (a resume), or one more
+layer, the saved upper sealed or copied, which the new upper becomes a copy-on-write overlay of
+(a create from a template, a fork child, a snapshot's restore).
+
+Limits: memory and vCPUs are the VM's size (-m, -smp; a restore keeps the image's), the disk quota
+is the upper's size; no CPU quota or host cgroup yet. Doze stops the QEMU process (SIGSTOP). Not
+yet: network, volumes, memory shared between restores of one image.
 """
 
 from __future__ import annotations
@@ -40,20 +47,22 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from qemu.qmp import QMPClient, QMPError
 
 from aenv.errors import CheckpointRefused, ImageIncompatible, OperationTimeout, RuntimeFailure
-from aenv.runtime import guestbundle, hostexec, vmboot
+from aenv.runtime import guestbundle, hostexec, vmboot, vmdisks
 from aenv.runtime.base import Instance, Limits, NothingToChoose, OwnBase, RootfsSpec, TeardownOnKill, Usage
-from aenv.runtime.gvisor import _guest_mount_point
 
 log = logging.getLogger(__name__)
 
 NAME = "qemu"
-MARK = "qemu microvm (no checkpoints yet)"
-NOT_YET = "not supported by the qemu driver yet"
 PORT = "aenv.channel"
 # microvm has 24 virtio-mmio transports (QEMU 7.2); the bundle, the upper and the serial ports
 # take three.
@@ -64,6 +73,13 @@ CONSOLE_KEPT = 64 * 1024  # of the guest's console (kernel messages, the init's 
 CMDLINE_MAX = 2047
 KILL_TIMEOUT = 10.0
 KVM_PROBE_TIMEOUT = 10.0
+QMP_TIMEOUT = 30.0  # a monitor command (QEMU answers at once unless it is wedged)
+SAVE_TIMEOUT = 300.0  # a migration into a file: RAM over disk, slow disks included
+LOAD_TIMEOUT = 300.0
+POLL = 0.005
+MEMORY = "memory"  # in an image: QEMU's migration stream (RAM and device state)
+META = "vm.json"  # in an image: what the VM was (its disks, size, QEMU, kernel)
+META_MAX = 64 * 1024
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # A small, quiet boot: the console only for what goes wrong, no reboot (a panic ends QEMU), the
 # CPU's random numbers trusted (the agent's Python asks for entropy at start), no probing of
@@ -83,29 +99,38 @@ def kvm_usable() -> bool:
     return True
 
 
-def _drive(path: Path) -> str:
-    return str(path).replace(",", ",,")  # QEMU's option syntax doubles a comma in a value
+@dataclass
+class _Vm:
+    """One running QEMU as the driver holds it."""
+
+    proc: asyncio.subprocess.Process
+    qmp: QMPClient
+    console: deque[bytes] = field(default_factory=deque)
+    tail: asyncio.Future[None] | None = None
+    dozing: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)  # what a checkpoint of it writes to vm.json
 
 
 class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
     name = NAME
     own_base: OwnBase | None = None  # `base` is the node's debootstrapped Debian
-    saves_epoll_tcp = True  # nothing is saved: nothing for the node to ask the agent first
-    leaves_running = False
+    saves_epoll_tcp = True  # a VM's migration saves every socket its kernel holds
+    leaves_running = True  # a migration into a file, then `cont`
     restore_leaves_garbage = False
-    image_mark = MARK
 
     def __init__(self, *, state_dir: Path, qemu: str = "qemu-system-x86_64", kernel: str = "", accel: str = "auto"):
         found = shutil.which(qemu)
         if found is None:
             raise RuntimeFailure(f"the qemu driver needs {qemu}: install Debian's qemu-system-x86 (scripts/install)")
+        if shutil.which("qemu-img") is None:
+            raise RuntimeFailure("the qemu driver needs qemu-img: install Debian's qemu-utils (scripts/install)")
         self.qemu = found
         self.kernel = vmboot.find_kernel(kernel)
         self.release = self.kernel.release
         if accel not in ("auto", "kvm", "tcg"):
             raise RuntimeFailure(f"AENV_QEMU_ACCEL must be auto, kvm or tcg, not {accel!r}")
         # auto: KVM if /dev/kvm opens and a kernel boots on it (a nested host may have one that
-        # does not), decided at the first boot; TCG otherwise.
+        # does not), decided by `prepare` (or the first boot); TCG otherwise.
         self.accel = ("probe" if kvm_usable() else "tcg") if accel == "auto" else accel
         self._probing = asyncio.Lock()
         self.version = _qemu_version(found)
@@ -117,10 +142,13 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             d.mkdir(parents=True, exist_ok=True)
         self._init_guests(state_dir / "guest")  # built as for every driver, attached as a disk
         self._making: dict[Path, asyncio.Lock] = {}
-        self._procs: dict[str, asyncio.subprocess.Process] = {}
-        self._consoles: dict[str, deque[bytes]] = {}
-        self._tails: dict[str, asyncio.Future[None]] = {}  # the readers of QEMU's output
+        self._vms: dict[str, _Vm] = {}
         self.wakes = 0
+
+    @property
+    def image_mark(self) -> str:
+        """Who can restore an image: the same QEMU, kernel and CPU model (KVM's is the host's)."""
+        return f"qemu {self.version} microvm {self.accel} kernel {self.release}"
 
     def info(self) -> dict[str, str]:
         return {
@@ -131,12 +159,27 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             "kernel": self.release,
         }
 
+    def calibration(self) -> dict[str, Any] | None:
+        return {"accel": self.accel, "kvm_device": kvm_usable()}
+
+    async def prepare(self, limits: Limits) -> None:
+        await self._settle_accel()
+
+    async def _settle_accel(self) -> None:
+        if self.accel == "probe":
+            async with self._probing:
+                if self.accel == "probe":
+                    self.accel = "kvm" if await self._kvm_boots() else "tcg"
+
     def remove_guest(self, key: str) -> None:
         super().remove_guest(key)
         (self.disks / f"guest-{key}.img").unlink(missing_ok=True)  # the bundle as the disk it was attached as
 
     def image_compatible(self, image_dir: Path) -> bool:
-        return False  # it writes none and restores none yet
+        try:
+            return _read_meta(image_dir).get("mark") == self.image_mark
+        except ImageIncompatible:
+            return False
 
     async def _image_of(self, source: Path, dest: Path) -> Path:
         """An ext4 image of a directory, made once (one maker at a time per image)."""
@@ -159,23 +202,6 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             out.append((await self._image_of(layer, self.disks / f"layer-{key}.img"), ""))
         return out
 
-    # -- start ----------------------------------------------------------------------------------------
-    async def boot(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:
-        if len(rootfs.layers) > MAX_LAYERS:
-            count = len(rootfs.layers)
-            raise RuntimeFailure(f"the qemu driver boots at most {MAX_LAYERS} layers yet; this sandbox has {count}")
-        if rootfs.upper_disk is None:
-            raise RuntimeFailure("the qemu driver needs the sandbox's upper as a disk image (not a plain directory)")
-        if rootfs.mounts:
-            raise RuntimeFailure("the qemu driver mounts no volumes yet")
-        bundle = self.bundles / instance_id
-        bundle.mkdir(parents=True, exist_ok=True)
-        try:
-            return await self._start(instance_id, rootfs, limits, bundle)
-        except BaseException:
-            await self._teardown(instance_id)
-            raise
-
     async def _kvm_boots(self) -> bool:
         """Whether the kernel boots under KVM here: it panics at once with no root to mount, and
         QEMU (-no-reboot) exits. A host whose /dev/kvm cannot run it fails or hangs instead."""
@@ -189,22 +215,80 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             return False
         return "Kernel panic" in out
 
-    async def _start(self, instance_id: str, rootfs: RootfsSpec, limits: Limits, bundle: Path) -> Instance:
-        if self.accel == "probe":
-            async with self._probing:
-                if self.accel == "probe":
-                    self.accel = "kvm" if await self._kvm_boots() else "tcg"
-        guest = self.guest_bundle(rootfs.guest)
-        guest_disk = await self._image_of(guest, self.disks / f"guest-{guest.name}.img")
-        initramfs = await asyncio.to_thread(vmboot.ensure_initramfs, self.disks, self.kernel)
-        layers = await self._layer_disks(rootfs)
+    # -- start ----------------------------------------------------------------------------------------
+    async def boot(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits) -> Instance:
+        self._check(rootfs)
+        await self._settle_accel()
+        bundle = self.bundles / instance_id
+        bundle.mkdir(parents=True, exist_ok=True)
+        try:
+            upper = await self._take_upper(rootfs)
+            if vmdisks.read_qcow2(upper) is None:
+                await vmdisks.standalone(upper)  # a fresh upper: from now on the guest's alone
+            layers = await self._layer_disks(rootfs)
+            cpus, memory_mb = max(1, math.ceil(limits.cpu_count)), max(limits.memory_mb, 128)
+            append = self._append(rootfs, layers)
+            return await self._launch(
+                instance_id, rootfs, limits, bundle, layers, len(layers), cpus, memory_mb, append, None
+            )
+        except BaseException:
+            await self._teardown(instance_id)
+            raise
+
+    async def restore(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits, image_dir: Path) -> Instance:
+        meta = _read_meta(image_dir)
+        if meta.get("mark") != self.image_mark:
+            raise ImageIncompatible(
+                f"its memory image was written by {str(meta.get('mark'))[:200]}; this node runs {self.image_mark}"
+            )
+        self._check(rootfs)
+        lowers, saved_on, saved_upper = int(meta["lowers"]), int(meta["layers"]), str(meta["upper"])
+        extra = len(rootfs.layers) - saved_on
+        disks = rootfs.layer_disks
+        if extra not in (0, 1) or len(disks) != len(rootfs.layers) or rootfs.upper_disk is None:
+            raise ImageIncompatible(f"the image was saved on {saved_on} layers; this sandbox has {len(rootfs.layers)}")
+        bundle = self.bundles / instance_id
+        bundle.mkdir(parents=True, exist_ok=True)
+        try:
+            upper = await self._take_upper(rootfs)
+            fresh = vmdisks.read_qcow2(upper) is None
+            if extra == 1:
+                # The saved upper sealed or copied as a layer: the new upper starts as it, copy on write.
+                below = disks[-1]
+                if not fresh or below is None or vmdisks.read_qcow2(below) is None:
+                    raise ImageIncompatible("the layer above the image's own is not a disk this driver wrote")
+                await vmdisks.overlay(upper, below)
+            elif fresh or upper.stem != saved_upper:
+                raise ImageIncompatible("the sandbox's disk is not the one its memory image was saved with")
+            every = await self._layer_disks(rootfs)
+            cpus, memory_mb, append = int(meta["cpus"]), int(meta["memory_mb"]), str(meta["append"])
+            return await self._launch(
+                instance_id, rootfs, limits, bundle, every, lowers, cpus, memory_mb, append, image_dir / MEMORY
+            )
+        except BaseException:
+            await self._teardown(instance_id)
+            raise
+
+    def _check(self, rootfs: RootfsSpec) -> None:
+        if len(rootfs.layers) > MAX_LAYERS:
+            count = len(rootfs.layers)
+            raise RuntimeFailure(f"the qemu driver boots at most {MAX_LAYERS} layers yet; this sandbox has {count}")
+        if rootfs.upper_disk is None:
+            raise RuntimeFailure("the qemu driver needs the sandbox's upper as a disk image (not a plain directory)")
+        if rootfs.mounts:
+            raise RuntimeFailure("the qemu driver mounts no volumes yet")
+
+    async def _take_upper(self, rootfs: RootfsSpec) -> Path:
+        """The upper's image, unmounted on the host if the layer store had mounted it (a fresh one):
+        one kernel at a time writes a file system, and from here on it is the guest's."""
         upper = rootfs.upper_disk
         assert upper is not None
-        if os.path.ismount(rootfs.upper):
+        if os.path.ismount(rootfs.upper):  # (stage two makes the bundle's mount point, in the guest)
             (rootfs.upper / "work").mkdir(exist_ok=True)
-            _guest_mount_point(rootfs.upper / "upper", rootfs.layers)
             await hostexec.run(["umount", str(rootfs.upper)], timeout=60)
-        (bundle / "upper").write_text(str(rootfs.upper))
+        return upper
+
+    def _append(self, rootfs: RootfsSpec, layers: list[tuple[Path, str]]) -> str:
         cfg = {
             "layers": "".join("u" if subdir else "r" for _, subdir in layers),  # aenv/guest/vminit.py
             "module": guestbundle.agent_argv()[-1],  # run by stage two's interpreter: the agent's
@@ -216,36 +300,119 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         append = " ".join((KERNEL_ARGS, *self._clock_args(), *kernel_env, f"aenv.cfg={encoded}", "--", *stage_two))
         if len(append) > CMDLINE_MAX:
             raise RuntimeFailure(f"the qemu driver cannot boot {len(layers)} layers: the kernel's command line is full")
+        return append
+
+    async def _launch(
+        self,
+        instance_id: str,
+        rootfs: RootfsSpec,
+        limits: Limits,
+        bundle: Path,
+        layers: list[tuple[Path, str]],
+        lowers: int,
+        cpus: int,
+        memory_mb: int,
+        append: str,
+        incoming: Path | None,
+    ) -> Instance:
+        """Start QEMU on every layer of the record (``layers``), of which the first ``lowers`` are
+        the VM's lower disks (a restore's may be fewer: the rest back its upper), the bundle and the
+        upper; from ``incoming`` (a memory image) or booting."""
+        guest = self.guest_bundle(rootfs.guest)
+        guest_disk = await self._image_of(guest, self.disks / f"guest-{guest.name}.img")
+        initramfs = await asyncio.to_thread(vmboot.ensure_initramfs, self.disks, self.kernel)
+        upper = rootfs.upper_disk
+        assert upper is not None
+        (bundle / "upper").write_text(str(rootfs.upper))
+        chain = vmdisks.Chain()
+        chain.raw(guest_disk, name="guest")
+        every = [disk for disk, _ in layers]
+        names = chain.layers(every)  # a node for each layer, a device for each lower
+        upper_node = chain.upper(upper, every)
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        argv = self._argv(instance_id, limits, append, guest_end.fileno(), initramfs)
-        argv += ["-drive", f"id=guest,file={_drive(guest_disk)},format=raw,if=none,readonly=on"]
+        qmp_host, qmp_guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        memory_fd = os.open(incoming, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) if incoming else None
+        argv = self._argv(instance_id, cpus, memory_mb, append, guest_end.fileno(), qmp_guest.fileno(), initramfs)
+        argv += chain.argv()
         argv += ["-device", "virtio-blk-device,drive=guest,serial=aenv-guest"]
-        for i, (disk, _) in enumerate(layers):
-            argv += ["-drive", f"id=l{i},file={_drive(disk)},format=raw,if=none,readonly=on"]
-            argv += ["-device", f"virtio-blk-device,drive=l{i},serial=aenv-l{i}"]
-        argv += ["-drive", f"id=upper,file={_drive(upper)},format=raw,if=none,cache=writeback"]
-        argv += ["-device", "virtio-blk-device,drive=upper,serial=aenv-upper"]
+        for i in range(lowers):
+            argv += ["-device", f"virtio-blk-device,drive={names[i]},serial=aenv-l{i}"]
+        argv += ["-device", f"virtio-blk-device,drive={upper_node},serial=aenv-upper"]
+        if memory_fd is not None:
+            argv += ["-incoming", f"fd:{memory_fd}"]
+        passed = (guest_end.fileno(), qmp_guest.fileno(), *((memory_fd,) if memory_fd is not None else ()))
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                pass_fds=(guest_end.fileno(),),
+                pass_fds=passed,
                 start_new_session=True,
             )
         except OSError as exc:
             host_end.close()
+            qmp_host.close()
             raise RuntimeFailure(f"cannot run {self.qemu}: {exc}", argv=argv) from exc
         finally:
             guest_end.close()
-        self._procs[instance_id] = proc
+            qmp_guest.close()
+            if memory_fd is not None:
+                os.close(memory_fd)
+        vm = _Vm(proc, QMPClient(f"aenv-{instance_id}"))
+        vm.meta = {
+            "lowers": lowers,
+            "layers": len(layers),
+            "upper": upper.stem,
+            "cpus": cpus,
+            "memory_mb": memory_mb,
+            "append": append,
+        }
+        self._vms[instance_id] = vm
         (bundle / "pid").write_text(f"{proc.pid} {_start_time(proc.pid)}")
-        console: deque[bytes] = deque()
-        self._consoles[instance_id] = console
-        self._tails[instance_id] = asyncio.ensure_future(_keep_tail(proc, console))
+        vm.tail = asyncio.ensure_future(_keep_tail(proc, vm.console))
+        try:
+            await asyncio.wait_for(vm.qmp.connect(qmp_host), QMP_TIMEOUT)
+            # A migration into a file is limited to 128 MiB/s by default: it is no network here.
+            await self._qmp(vm, "migrate-set-parameters", {"max-bandwidth": 2**40})
+            if incoming is not None:
+                await self._wait_loaded(instance_id, vm)
+        except BaseException:
+            qmp_host.close()
+            host_end.close()
+            raise
         reader, writer = await asyncio.open_unix_connection(sock=host_end, limit=2**22)
         return Instance(instance_id, reader, writer, rootfs, limits, bundle, {"pid": str(proc.pid)})
+
+    async def _wait_loaded(self, instance_id: str, vm: _Vm) -> None:
+        """Until the incoming migration is loaded, then run the VM: it was saved stopped, which the
+        image keeps (QEMU would not start it by itself)."""
+        deadline = time.monotonic() + LOAD_TIMEOUT
+        while True:
+            status = await self._qmp(vm, "query-status")
+            if isinstance(status, dict) and status.get("status") == "running":
+                return
+            if isinstance(status, dict) and status.get("status") == "paused":
+                await self._qmp(vm, "cont")
+                return
+            if vm.proc.returncode is not None:
+                raise RuntimeFailure(f"QEMU could not load the memory image: {self._tail(vm)}")
+            if isinstance(status, dict) and status.get("status") not in ("inmigrate", "paused", "prelaunch"):
+                raise RuntimeFailure(f"the restored VM is {status.get('status')}: {self._tail(vm)}")
+            if time.monotonic() > deadline:
+                raise OperationTimeout(f"QEMU did not load the memory image within {LOAD_TIMEOUT:.0f}s")
+            await asyncio.sleep(POLL)
+
+    async def _qmp(self, vm: _Vm, command: str, arguments: dict[str, Any] | None = None) -> Any:
+        try:
+            return await asyncio.wait_for(vm.qmp.execute(command, arguments), QMP_TIMEOUT)
+        except TimeoutError as exc:
+            raise OperationTimeout(f"QEMU's monitor did not answer {command} within {QMP_TIMEOUT:.0f}s") from exc
+        except (QMPError, OSError, EOFError) as exc:
+            raise RuntimeFailure(f"QEMU's monitor refused {command}: {exc}; {self._tail(vm)}") from exc
+
+    def _tail(self, vm: _Vm) -> str:
+        return b"".join(vm.console).decode(errors="replace")[-2000:].strip() or "(QEMU said nothing)"
 
     def _clock_args(self) -> list[str]:
         """Under TCG the guest's TSC runs at the host's, which no device of microvm's lets the kernel
@@ -256,8 +423,9 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         hz = _kernel_hz(self.kernel)  # and its delay loop, which it would calibrate for ~1 s
         return [f"tsc_early_khz={self.tsc_khz}", *([f"lpj={self.tsc_khz * 1000 // hz}"] if hz else [])]
 
-    def _argv(self, instance_id: str, limits: Limits, append: str, channel_fd: int, initramfs: Path) -> list[str]:
-        cpus = max(1, math.ceil(limits.cpu_count))
+    def _argv(
+        self, instance_id: str, cpus: int, memory_mb: int, append: str, channel_fd: int, qmp_fd: int, initramfs: Path
+    ) -> list[str]:
         kvm = self.accel == "kvm"
         accel = ["-accel", "kvm", "-cpu", "host"] if kvm else ["-accel", "tcg,thread=multi", "-cpu", "max"]
         # fmt: off
@@ -267,10 +435,12 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             "-M", "microvm,x-option-roms=off",
             *accel,
             "-smp", str(cpus),
-            "-m", f"{max(limits.memory_mb, 128)}M",
+            "-m", f"{memory_mb}M",
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
             "-serial", "stdio",
+            "-chardev", f"socket,id=monitor,fd={qmp_fd}",
+            "-mon", "chardev=monitor,mode=control",
             "-kernel", str(self.kernel.path), "-initrd", str(initramfs), "-append", append,
             "-device", "virtio-serial-device,max_ports=2",
             "-chardev", f"socket,id=channel,fd={channel_fd}",
@@ -280,52 +450,133 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
 
     def console(self, instance: Instance) -> str:
         """The tail of the guest's console: what the kernel and the init said (errors only, quiet)."""
-        return b"".join(self._consoles.get(instance.id, ())).decode(errors="replace")
+        vm = self._vms.get(instance.id)
+        return b"".join(vm.console).decode(errors="replace") if vm is not None else ""
 
-    # -- not yet ------------------------------------------------------------------------------------
-    async def restore(self, *, instance_id: str, rootfs: RootfsSpec, limits: Limits, image_dir: Path) -> Instance:
-        raise ImageIncompatible(f"restoring a memory image is {NOT_YET} (it boots sandboxes only)")
-
+    # -- checkpoints --------------------------------------------------------------------------------
     async def checkpoint(self, instance: Instance, *, image_dir: Path, leave_running: bool) -> None:
-        raise CheckpointRefused(f"checkpoints (pause, snapshot, fork) are {NOT_YET}")
+        if leave_running:
+
+            async def nothing() -> None:
+                return None
+
+            await self.checkpoint_running(instance, image_dir=image_dir, while_stopped=nothing)
+            return
+        vm = self._running(instance)
+        await self._save(instance, vm, image_dir)
+        with contextlib.suppress(RuntimeFailure, OperationTimeout):
+            await self._qmp(vm, "quit")  # saved: the instance ends here, as a pause wants
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(vm.proc.wait(), KILL_TIMEOUT)
 
     async def checkpoint_running(
         self, instance: Instance, *, image_dir: Path, while_stopped: Callable[[], Awaitable[None]]
     ) -> None:
-        raise CheckpointRefused(f"checkpoints (pause, snapshot, fork) are {NOT_YET}")
+        vm = self._running(instance)
+        try:
+            await self._save(instance, vm, image_dir)
+            await while_stopped()  # the disks are flushed and nothing writes them: the node copies the upper
+        finally:
+            if vm.proc.returncode is None:
+                await self._qmp(vm, "cont")  # after a migration QEMU takes its disks back first
 
+    def _running(self, instance: Instance) -> _Vm:
+        vm = self._vms.get(instance.id)
+        if vm is None or vm.proc.returncode is not None:
+            raise CheckpointRefused(f"sandbox instance {instance.id} is not running")
+        self.wake(instance)
+        return vm
+
+    async def _save(self, instance: Instance, vm: _Vm, image_dir: Path) -> None:
+        """Stop the VM and migrate it into ``image_dir``. On failure the VM is continued (a
+        checkpoint that fails leaves the sandbox as it was) and the image's files are gone."""
+        try:
+            image_dir.mkdir(parents=True, exist_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(image_dir / MEMORY, flags, 0o600)
+        except OSError as exc:
+            raise RuntimeFailure(f"cannot write the memory image: {exc.strerror}") from exc
+        try:
+            await self._qmp(vm, "stop")
+            try:
+                vm.qmp.send_fd_scm(fd)
+                await self._qmp(vm, "getfd", {"fdname": "aenv-save"})
+            finally:
+                os.close(fd)
+            await self._qmp(vm, "migrate", {"uri": "fd:aenv-save"})
+            await self._wait_saved(vm)
+            meta = {**vm.meta, "mark": self.image_mark, "guest": instance.rootfs.guest}
+            (image_dir / META).write_text(json.dumps(meta))
+        except BaseException:
+            (image_dir / MEMORY).unlink(missing_ok=True)
+            (image_dir / META).unlink(missing_ok=True)
+            if vm.proc.returncode is None:
+                with contextlib.suppress(RuntimeFailure, OperationTimeout):
+                    await self._qmp(vm, "cont")
+            raise
+
+    async def _wait_saved(self, vm: _Vm) -> None:
+        deadline = time.monotonic() + SAVE_TIMEOUT
+        while True:
+            state = await self._qmp(vm, "query-migrate")
+            status = state.get("status") if isinstance(state, dict) else None
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled", None):
+                detail = state.get("error-desc", "") if isinstance(state, dict) else ""
+                raise CheckpointRefused(f"QEMU could not save the VM: {status} {detail}".strip())
+            if time.monotonic() > deadline:
+                with contextlib.suppress(RuntimeFailure, OperationTimeout):
+                    await self._qmp(vm, "migrate_cancel")
+                raise OperationTimeout(f"QEMU did not save the VM within {SAVE_TIMEOUT:.0f}s")
+            await asyncio.sleep(POLL)
+
+    # -- doze: the whole QEMU process stopped --------------------------------------------------------
     def doze(self, instance: Instance) -> bool:
-        return False
+        vm = self._vms.get(instance.id)
+        if vm is None or vm.proc.returncode is not None:
+            return False
+        if not vm.dozing:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(vm.proc.pid, signal.SIGSTOP)
+            vm.dozing = True
+        return True
 
     def wake(self, instance: Instance) -> None:
-        return None
+        vm = self._vms.get(instance.id)
+        if vm is not None and vm.dozing:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(vm.proc.pid, signal.SIGCONT)
+            vm.dozing = False
+            self.wakes += 1
 
     def dozing(self, instance: Instance) -> bool:
-        return False
+        vm = self._vms.get(instance.id)
+        return vm is not None and vm.dozing
 
     # -- the rest of the contract ---------------------------------------------------------------------
     async def _teardown(self, instance_id: str) -> None:
         bundle = self.bundles / instance_id
-        proc = self._procs.pop(instance_id, None)
-        self._consoles.pop(instance_id, None)
-        pid = proc.pid if proc is not None else _read_pid(bundle / "pid")
+        vm = self._vms.pop(instance_id, None)
+        pid = vm.proc.pid if vm is not None else _read_pid(bundle / "pid")
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)  # QEMU is its session's leader
-        if proc is not None:
+        if vm is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), KILL_TIMEOUT)
-        tail = self._tails.pop(instance_id, None)
-        if tail is not None:
-            tail.cancel()
+                await asyncio.wait_for(vm.proc.wait(), KILL_TIMEOUT)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(vm.qmp.disconnect(), 5)
+            if vm.tail is not None:
+                vm.tail.cancel()
         await asyncio.to_thread(shutil.rmtree, bundle, True)
 
     async def usage(self, instance: Instance) -> Usage:
-        proc = self._procs.get(instance.id)
+        vm = self._vms.get(instance.id)
         cpu, rss, threads = 0.0, 0, 0
-        if proc is not None:
+        if vm is not None:
             with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{proc.pid}/stat", "rb") as f:
+                with open(f"/proc/{vm.proc.pid}/stat", "rb") as f:
                     fields = f.read().rpartition(b")")[2].split()
                 cpu = sum(int(x) for x in fields[11:13]) / os.sysconf("SC_CLK_TCK")
                 threads = int(fields[17])
@@ -344,7 +595,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         removed = []
         for path in sorted(self.bundles.iterdir()):
-            if path.is_dir() and path.name not in keep and path.name not in self._procs:
+            if path.is_dir() and path.name not in keep and path.name not in self._vms:
                 await self._teardown(path.name)
                 removed.append(path.name)
         for src in self.disks.glob("layer-*.src"):  # images of directory layers that are gone
@@ -353,6 +604,34 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
                     src.with_suffix(".img").unlink(missing_ok=True)
                     src.unlink()
         return removed
+
+
+def _read_meta(image_dir: Path) -> dict[str, Any]:
+    """An image's vm.json (hostile: a repository others write), checked for what a restore reads."""
+    try:
+        fd = os.open(image_dir / META, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, META_MAX + 1)
+        finally:
+            os.close(fd)
+        meta = json.loads(raw) if len(raw) <= META_MAX else None
+    except (OSError, ValueError) as exc:
+        raise ImageIncompatible(f"no memory image of the qemu driver here ({type(exc).__name__})") from exc
+    if not isinstance(meta, dict):
+        raise ImageIncompatible("the memory image's description is not one")
+    kinds = {"lowers": int, "layers": int, "upper": str, "cpus": int, "memory_mb": int, "append": str, "mark": str}
+    for key, kind in kinds.items():
+        if not isinstance(meta.get(key), kind):
+            raise ImageIncompatible(f"the memory image's description lacks {key}")
+    if (
+        not 0 <= meta["lowers"] <= meta["layers"] <= MAX_LAYERS
+        or not 1 <= meta["cpus"] <= 256
+        or not 128 <= meta["memory_mb"] <= 2**20
+    ):
+        raise ImageIncompatible("the memory image's description is out of bounds")
+    if len(meta["append"]) > CMDLINE_MAX:
+        raise ImageIncompatible("the memory image's kernel command line is too long")
+    return meta
 
 
 async def _keep_tail(proc: asyncio.subprocess.Process, kept: deque[bytes]) -> None:

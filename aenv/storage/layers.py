@@ -11,6 +11,12 @@ leaves its source running) is *copied* instead: its image, frozen for the copy, 
 layer's. Forks and snapshots share every sealed layer. A layer is either
 such an image or a plain directory (a root filesystem made by debootstrap). Ids are short so that
 overlayfs option strings stay short.
+
+Under a VM driver (aenv/runtime/qemu.py) a sandbox's disk is written by its guest's kernel: the
+driver turns the upper's image into a qcow2 file (an overlay of the layer below it, or standalone)
+that only QEMU opens. Such a *guest-written* image (known by its qcow2 magic) is opaque here: never
+mounted on the host (the host's kernel never parses a file system a guest wrote), never empty,
+copied as a file while its VM is stopped.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ EVICTING = ".evict-"  # a layer or image the cache evicts: <prefix><id>-<token> 
 MAX_BLANKS = 8  # blank disk images kept, one per upper size (a few MiB each), the least used go
 MKFS_KEY = hashlib.sha256(" ".join(MKFS).encode()).hexdigest()[:8]  # other options: other blanks
 EXT4_MAGIC_AT, EXT4_MAGIC = 1024 + 0x38, b"\x53\xef"  # the superblock's s_magic, little-endian
+QCOW2_MAGIC = b"QFI\xfb"
 
 
 def new_id(n: int = 12) -> str:
@@ -310,7 +317,13 @@ class LayerStore:
         for size in list(self._spares):
             await self._remove_spares(size)
 
+    def guest_written(self, layer_id: str) -> bool:
+        """Whether a layer's or upper's image is a VM's qcow2 (opaque to the host: see the top)."""
+        return is_qcow2(self._img(layer_id))
+
     def is_empty(self, upper_id: str) -> bool:
+        if self.guest_written(upper_id):
+            return False  # what a guest wrote is not looked into
         upper = self.upper(upper_id) / ("upper" if self._img(upper_id).exists() else "")
         return not upper.is_dir() or not any(os.scandir(upper))
 
@@ -318,7 +331,7 @@ class LayerStore:
     async def mount(self, layer_id: str, *, writable: bool) -> None:
         """Mount an image layer (no-op for directory layers or when mounted already)."""
         img, mnt = self._img(layer_id), self.layers / layer_id
-        if not img.exists() or os.path.ismount(mnt):
+        if not img.exists() or os.path.ismount(mnt) or is_qcow2(img):
             return
         # Two creates needing the same fetched layer both find it unmounted; the second mount of
         # one image would fail ("already mounted"), so they take turns and the second finds it done.
@@ -355,6 +368,15 @@ class LayerStore:
         written out whole and consistent, writes wait), so call it while nothing in the sandbox
         runs; only its data extents are copied, as the sparse file it is."""
         copy_id = new_id()
+        if self.guest_written(upper_id):  # its VM is stopped and its disk flushed: the file as it is
+            (self.layers / copy_id).mkdir()
+            try:
+                _copy_sparse(self._img(upper_id), self._img(copy_id))
+            except BaseException:
+                self._img(copy_id).unlink(missing_ok=True)
+                (self.layers / copy_id).rmdir()
+                raise
+            return copy_id
         if not self._img(upper_id).exists():  # a plain upper: its tree, as it is (the instance is stopped)
             try:
                 copy_tree(self.layers / upper_id, self.layers / copy_id)
@@ -470,7 +492,7 @@ class LayerStore:
         """Usable right now: an image layer mounted, or a directory layer (not a stale mountpoint)."""
         mnt = self.layers / layer_id
         if self._img(layer_id).exists():
-            return os.path.ismount(mnt)
+            return os.path.ismount(mnt) or self.guest_written(layer_id)
         return mnt.is_dir() and not os.path.ismount(mnt)
 
     async def unmount_all(self) -> None:
@@ -583,6 +605,14 @@ def _is_ext4(image: Path) -> bool:
         with open(image, "rb") as f:
             f.seek(EXT4_MAGIC_AT)
             return f.read(2) == EXT4_MAGIC
+    except OSError:
+        return False
+
+
+def is_qcow2(image: Path) -> bool:
+    try:
+        with open(image, "rb") as f:
+            return f.read(4) == QCOW2_MAGIC
     except OSError:
         return False
 

@@ -1,13 +1,17 @@
-"""The qemu driver skeleton (aenv/runtime/qemu.py): a QEMU microvm under TCG boots Debian's kernel on
-a sandbox's layers and upper, and a command runs through the agent's channel (AgentLink, as the node
-runs them). Needs root (the layer store's loop mounts), qemu-system-x86 and a Debian kernel
+"""The qemu driver (aenv/runtime/qemu.py): a QEMU microvm under TCG boots Debian's kernel on a
+sandbox's layers and upper, a command runs through the agent's channel (AgentLink, as the node runs
+them), and checkpoints work as the node uses them: a fork child restored from a checkpoint that left
+its source running (on the source's upper copied as a layer), a pause and a resume on the same
+upper. Needs root (the layer store's loop mounts), qemu-system-x86, qemu-utils and a Debian kernel
 (scripts/install); marked `sandbox`, so it runs in the runsc tier, not the fast one.
 
-One VM boots for the module (TCG on two busy cores: ~10-20 s to the agent's hello)."""
+One VM boots for the module (TCG on two busy cores: ~10-20 s to the agent's hello); its child is
+restored from it in well under a second."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -19,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from aenv.config import Settings
-from aenv.errors import CheckpointRefused, ImageIncompatible
+from aenv.errors import AenvError, ImageIncompatible
 from aenv.node import agentlink
 from aenv.node.agentlink import AgentLink
 from aenv.runtime import qemu, vmboot
@@ -52,6 +56,17 @@ class Vm:
     link: AgentLink
     upper: str
     boot_seconds: float
+    layers: list[str]
+
+
+def rootfs_of(files: LayerStore, layers: list[str], upper: str) -> RootfsSpec:
+    return RootfsSpec(
+        tuple(files.layer(x) for x in layers),
+        files.upper(upper),
+        "",
+        tuple(files.disk(x) for x in layers),
+        files.disk(upper),
+    )
 
 
 def busybox_dir(path: Path) -> None:
@@ -82,13 +97,7 @@ async def vm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Vm]:
     await files.make_read_only(top)
     upper = await files.new_upper(64)
     layers = [base_id, top]
-    rootfs = RootfsSpec(
-        tuple(files.layer(x) for x in layers),
-        files.upper(upper),
-        "",
-        tuple(files.disk(x) for x in layers),
-        files.disk(upper),
-    )
+    rootfs = rootfs_of(files, layers, upper)
     driver = qemu.QemuDriver(state_dir=root / "runtime", accel="tcg")
     await asyncio.to_thread(driver.guest_bundle)  # built once, as a node does before its first boot
     ready_timeout, agentlink.READY_TIMEOUT = agentlink.READY_TIMEOUT, BOOT_DEADLINE  # restored below
@@ -101,7 +110,7 @@ async def vm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Vm]:
         except BaseException:
             print(driver.console(instance))
             raise
-        yield Vm(driver, files, instance, link, upper, time.monotonic() - started)
+        yield Vm(driver, files, instance, link, upper, time.monotonic() - started, layers)
     finally:
         agentlink.READY_TIMEOUT = ready_timeout
         link.close("the test is over")
@@ -133,19 +142,6 @@ async def test_the_sandbox_has_no_network_but_loopback(vm: Vm) -> None:
     assert ran.output.split() == ["lo"]
 
 
-async def test_checkpoints_and_restores_are_refused_clearly(vm: Vm, tmp_path: Path) -> None:
-    with pytest.raises(CheckpointRefused, match="not supported by the qemu driver yet") as refused:
-        await vm.driver.checkpoint(vm.instance, image_dir=tmp_path / "image", leave_running=True)
-    assert refused.value.status == 422
-    with pytest.raises(ImageIncompatible, match="not supported by the qemu driver yet"):
-        await vm.driver.restore(
-            instance_id="never", rootfs=vm.instance.rootfs, limits=vm.instance.limits, image_dir=tmp_path
-        )
-    assert not vm.driver.image_compatible(tmp_path)
-    ran = await sh(vm, "echo still running")
-    assert ran.output == "still running\n"
-
-
 async def test_a_console_flood_keeps_a_bounded_tail_on_the_host(vm: Vm) -> None:
     """The guest's root writes 256 KiB to its serial console: the host keeps CONSOLE_KEPT of it and
     the end of what was written. (Seen failing with the tail unbounded: 262144+ bytes kept.)"""
@@ -161,6 +157,135 @@ async def test_a_console_flood_keeps_a_bounded_tail_on_the_host(vm: Vm) -> None:
     assert len(kept) <= qemu.CONSOLE_KEPT + 4096
 
 
+COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done) >/dev/null 2>&1 &"
+
+
+async def count(link: AgentLink) -> int:
+    ran = await run_process(link, ["/bin/cat", "/tmp/count"], cwd="/")
+    assert ran.code == 0, ran
+    return int(ran.output)
+
+
+async def rising(link: AgentLink, above: int) -> int:
+    """The counter, once it went past ``above``: its process runs (10 s at most, TCG)."""
+    for _ in range(100):
+        now = await count(link)
+        if now > above:
+            return now
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the counting process is stuck at {above}")
+
+
+async def fork_child(vm: Vm, instance_id: str) -> tuple[Instance, AgentLink, list[str], str, Path]:
+    """As the node forks: freeze the agent, checkpoint leaving the VM running while the upper is
+    copied into a layer, thaw; restore a child on the layers plus that copy, with a new upper."""
+    image = vm.files.image(f"image-{instance_id}")
+    copies: list[str] = []
+
+    async def copy_upper() -> None:
+        copies.append(await asyncio.to_thread(vm.files.copy_upper, vm.upper))
+
+    await vm.link.freeze()
+    await vm.driver.checkpoint_running(vm.instance, image_dir=image, while_stopped=copy_upper)
+    await vm.link.unfreeze()
+    layers, upper = [*vm.layers, *copies], await vm.files.new_upper(64)
+    rootfs = rootfs_of(vm.files, layers, upper)
+    child = await vm.driver.restore(instance_id=instance_id, rootfs=rootfs, limits=Limits(), image_dir=image)
+    link = AgentLink(instance_id)
+    await link.restored(child, fresh=True, config={})
+    return child, link, layers, upper, image
+
+
+async def test_a_fork_child_has_the_sources_processes_and_files_then_diverges(vm: Vm) -> None:
+    ran = await sh(vm, f"echo before-the-fork > /root/shared; {COUNTER} echo started")
+    assert ran.output == "started\n", ran
+    seen = await rising(vm.link, 1)
+    child, link, layers, upper, _ = await fork_child(vm, "vm-child")
+    try:
+        assert vm.files.guest_written(layers[-1]) and vm.files.guest_written(upper)
+        assert not vm.files.upper(upper).is_mount()  # the guest's, never the host's
+        # The source's process came along, with its count, and goes on in the child.
+        assert await rising(link, seen) > seen
+        ran = await run_process(link, ["/bin/sh", "-c", "cat /root/shared; uname -r"], cwd="/")
+        assert ran.output.splitlines() == ["before-the-fork", vm.driver.release]
+        # Each writes its own disk from here on.
+        await run_process(link, ["/bin/sh", "-c", "echo child > /root/mine; sync"], cwd="/")
+        await sh(vm, "echo source > /root/mine; sync")
+        assert (await run_process(link, ["/bin/cat", "/root/mine"], cwd="/")).output == "child\n"
+        assert (await sh(vm, "cat /root/mine")).output == "source\n"
+        assert await rising(vm.link, seen) > seen  # the source still runs its own
+
+        # A pause ends the child's QEMU; a resume on the same upper has its memory and disk.
+        image = vm.files.image("image-pause")
+        paused_at = await count(link)
+        await link.freeze()
+        await vm.driver.checkpoint(child, image_dir=image, leave_running=False)
+        pid = int(child.extra["pid"])
+        link.close("paused")
+        await vm.driver.kill(child)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        rootfs = rootfs_of(vm.files, layers, upper)
+        child = await vm.driver.restore(instance_id="vm-resumed", rootfs=rootfs, limits=Limits(), image_dir=image)
+        link = AgentLink("vm-resumed")
+        await link.restored(child, fresh=True, config={})
+        assert (await run_process(link, ["/bin/cat", "/root/mine"], cwd="/")).output == "child\n"
+        # /tmp is the guest's memory: the count is there, and goes on from where it was.
+        assert await count(link) >= paused_at
+        assert await rising(link, paused_at) > paused_at
+    finally:
+        link.close("the test is over")
+        await vm.driver.kill(child)
+
+
+async def test_a_restore_refuses_what_does_not_fit_its_image(vm: Vm) -> None:
+    image = vm.files.image("image-refusals")
+    await vm.link.freeze()
+    await vm.driver.checkpoint_running(vm.instance, image_dir=image, while_stopped=_nothing)
+    await vm.link.unfreeze()
+    assert vm.driver.image_compatible(image)
+    fresh = await vm.files.new_upper(64)
+    cases = {
+        # a fresh upper where the image's own was expected (its disk would be lost)
+        "not the one": rootfs_of(vm.files, vm.layers, fresh),
+        # layers the image was not saved on
+        "was saved on 2 layers": rootfs_of(vm.files, vm.layers[:1], fresh),
+    }
+    for words, rootfs in cases.items():
+        with pytest.raises(ImageIncompatible, match=words) as refused:
+            await vm.driver.restore(instance_id="never", rootfs=rootfs, limits=Limits(), image_dir=image)
+        assert refused.value.status == 422
+    # An image another QEMU (or kernel, or accelerator) wrote, and one that is no image.
+    meta = json.loads((image / qemu.META).read_text())
+    (image / qemu.META).write_text(json.dumps({**meta, "mark": "qemu 99.0 microvm kvm kernel 7.0"}))
+    assert not vm.driver.image_compatible(image)
+    with pytest.raises(ImageIncompatible, match="written by qemu 99.0"):
+        await vm.driver.restore(
+            instance_id="never", rootfs=rootfs_of(vm.files, vm.layers, vm.upper), limits=Limits(), image_dir=image
+        )
+    for garbage in ("[]", "{", json.dumps({**meta, "lowers": 99}), json.dumps({**meta, "memory_mb": 1})):
+        (image / qemu.META).write_text(garbage)
+        assert not vm.driver.image_compatible(image)
+    assert not list(vm.driver.bundles.glob("never*"))  # nothing of the refused restores is left
+    assert (await sh(vm, "echo still running")).output == "still running\n"
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def test_a_checkpoint_that_fails_leaves_the_vm_running(vm: Vm) -> None:
+    image = vm.files.image("image-taken")
+    image.mkdir(parents=True)
+    (image / qemu.MEMORY).write_text("someone else's")  # the save cannot make its file
+    await vm.link.freeze()
+    with pytest.raises(AenvError):
+        await vm.driver.checkpoint(vm.instance, image_dir=image, leave_running=False)
+    await vm.link.unfreeze()
+    assert (await sh(vm, "echo still running")).output == "still running\n"
+    assert not (image / qemu.META).exists()
+
+
 async def test_writes_land_in_the_upper_image_which_the_host_does_not_mount(vm: Vm) -> None:
     ran = await sh(vm, "echo written-in-the-vm > /root/note; sync")
     assert ran.code == 0, ran
@@ -171,8 +296,11 @@ async def test_writes_land_in_the_upper_image_which_the_host_does_not_mount(vm: 
     assert not upper_dir.is_mount()  # nor after: the host never mounts what a guest kernel wrote
     disk = vm.files.disk(vm.upper)
     assert disk is not None
-    # Read without mounting (debugfs parses the image in user space).
-    argv = ["debugfs", "-R", "cat /upper/root/note", str(disk)]
+    assert vm.files.guest_written(vm.upper)
+    # Read without mounting: the qcow2 as a raw disk, which debugfs parses in user space.
+    raw = disk.with_name("note-check.raw")
+    await asyncio.to_thread(subprocess.run, ["qemu-img", "convert", "-O", "raw", str(disk), str(raw)], check=True)
+    argv = ["debugfs", "-R", "cat /upper/root/note", str(raw)]
     out = (await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, check=True)).stdout
     assert out == "written-in-the-vm\n"
 
