@@ -25,8 +25,16 @@ from tests.conftest import DATA_DIR, prepare_base
 
 # About half of the runsc tier's time: in a run of both halves at once the cluster's tests took
 # 20.6 min and these others 4.5, against 25 min for everything else with tests/images (4.2);
-# later 31.8 min against 49.6, so the desktop's (its template built: minutes) joined this half.
-SECOND_HALF = ("tests/cluster", "tests/teams", "tests/sdk", "tests/integrations", "tests/desktop")
+# later 31.8 min against 49.6, so the desktop's (its template built: minutes) joined this half, and
+# the microVM node's (~3 min).
+SECOND_HALF = (
+    "tests/cluster",
+    "tests/teams",
+    "tests/sdk",
+    "tests/integrations",
+    "tests/desktop",
+    "tests/microvm",
+)
 NOTHING_COLLECTED = 5  # pytest's exit status
 STOP_GRACE = 120  # seconds a half has to tear down its servers after an interrupt
 

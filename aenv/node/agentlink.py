@@ -42,8 +42,10 @@ class AgentLink:
         *,
         call_timeout: float = CALL_TIMEOUT,
         wake: Callable[[Instance], None] | None = None,
+        ready_timeout: float | None = None,
     ) -> None:
         self.sandbox_id = sandbox_id
+        self._ready_timeout = ready_timeout  # the driver's boot_timeout; None: READY_TIMEOUT
         # ``serve`` answers streams the agent opens (egress); the host's own streams are odd-numbered.
         self.channel = Channel(
             on_ctrl=self._on_ctrl, on_open=serve, max_peer_streams=MAX_GUEST_STREAMS, cpu_share=CPU_SHARE
@@ -54,6 +56,10 @@ class AgentLink:
         self.agent_version = ""
         self.watcher: asyncio.Future[None] | None = None
         self._wake = wake  # the driver's: a dozing instance is thawed before anything is written to it
+
+    @property
+    def ready_timeout(self) -> float:
+        return self._ready_timeout or READY_TIMEOUT
 
     async def _on_ctrl(self, msg: dict[str, Any]) -> None:
         fut = self._waiters.pop(str(msg.get("op")), None)
@@ -109,7 +115,7 @@ class AgentLink:
         """Attach to a freshly booted instance and wait for the agent's hello."""
         fut = self._expect("ready")
         self.attach(instance)
-        msg = await self._await(fut, "its first hello", READY_TIMEOUT)
+        msg = await self._await(fut, "its first hello", self.ready_timeout)
         self.agent_version = str(msg.get("version", ""))[:64]
 
     async def restored(self, instance: Instance, *, fresh: bool, config: dict[str, Any] | None) -> None:
@@ -129,13 +135,13 @@ class AgentLink:
     async def _thaw(self, msg: dict[str, Any], *, replay: bool) -> None:
         fut = self._expect("thawed")
         try:
-            await self.within(self.channel.release(replay=replay), "thaw", READY_TIMEOUT)
-            await self.within(self.channel.ctrl(msg, force=True), "thaw", READY_TIMEOUT)
+            await self.within(self.channel.release(replay=replay), "thaw", self.ready_timeout)
+            await self.within(self.channel.ctrl(msg, force=True), "thaw", self.ready_timeout)
         except ChannelClosed as exc:
             raise AgentUnavailable(f"the sandbox's agent is gone: {exc}", sandbox_id=self.sandbox_id) from exc
         except Unsendable as exc:
             raise InvalidRequest(f"the sandbox's settings: {exc.message}", sandbox_id=self.sandbox_id) from exc
-        await self._await(fut, "thaw", READY_TIMEOUT)
+        await self._await(fut, "thaw", self.ready_timeout)
 
     @property
     def freeze_timeout(self) -> float:

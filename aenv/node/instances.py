@@ -197,7 +197,13 @@ class Instances:
             None if lookup is None else Interceptor(self.egress_ca, lookup, lambda: sb.rec.team or DEFAULT_TEAM)
         )
         sb.egress = egress.Guest(sb.id, lambda: self.records.policy_of(sb.id), interceptor)
-        return AgentLink(sb.id, serve=sb.egress, call_timeout=self.settings.agent_timeout, wake=self.driver.wake)
+        return AgentLink(
+            sb.id,
+            serve=sb.egress,
+            call_timeout=self.settings.agent_timeout,
+            wake=self.driver.wake,
+            ready_timeout=self.driver.boot_timeout,
+        )
 
     async def watch(self, sb: LiveSandbox, link: AgentLink) -> None:
         """Notice a sandbox that died on its own (e.g. its memory limit was hit) or broke the channel

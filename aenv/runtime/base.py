@@ -105,6 +105,12 @@ class Driver(Protocol):
     wakes: int  # how many times a dozing instance was thawed (aenv_doze_wakes)
 
     @property
+    def boot_timeout(self) -> float:
+        """Seconds a fresh boot may take to its agent's hello (and a restore to its thaw): a VM
+        whose CPU is emulated (QEMU's TCG) boots its kernel in seconds, on a loaded host in tens."""
+        ...
+
+    @property
     def image_mark(self) -> str:
         """Names the runtime, version and options that write this node's checkpoint images."""
         ...

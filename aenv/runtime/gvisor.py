@@ -346,6 +346,7 @@ def image_mark(image_dir: Path) -> str:
 class GVisorDriver(guestbundle.BundledGuests):
     name = "gvisor"
     own_base: OwnBase | None = None  # `base` is the node's debootstrapped Debian
+    boot_timeout = 30.0
 
     def __init__(
         self,

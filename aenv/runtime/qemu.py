@@ -61,6 +61,7 @@ from aenv.runtime import guestbundle, hostexec, vmboot, vmdisks
 from aenv.runtime.base import Instance, Limits, NothingToChoose, OwnBase, RootfsSpec, TeardownOnKill, Usage
 
 log = logging.getLogger(__name__)
+logging.getLogger("qemu.qmp").setLevel(logging.WARNING)  # it says every QEMU's end at INFO
 
 NAME = "qemu"
 PORT = "aenv.channel"
@@ -85,7 +86,7 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # CPU's random numbers trusted (the agent's Python asks for entropy at start), no probing of
 # legacy keyboards and mice.
 KERNEL_ARGS = (
-    "console=ttyS0 quiet loglevel=4 panic=-1 reboot=t random.trust_cpu=on "
+    "console=ttyS0 quiet loglevel=4 panic=-1 reboot=t random.trust_cpu=on init_on_free=1 "
     "i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd tsc=reliable no_timer_check"
 )
 
@@ -144,6 +145,10 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         self._making: dict[Path, asyncio.Lock] = {}
         self._vms: dict[str, _Vm] = {}
         self.wakes = 0
+
+    @property
+    def boot_timeout(self) -> float:
+        return 30.0 if self.accel == "kvm" else 180.0  # TCG: 7-10 s to the hello here, quiet
 
     @property
     def image_mark(self) -> str:

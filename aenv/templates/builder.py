@@ -244,7 +244,7 @@ async def build_instance(
                 raise
         instance = await node.driver.boot(instance_id=new_id(), rootfs=rootfs, limits=BUILD_LIMITS)
         egress = build_guest(label, node.settings.build_internet, node.settings.build_allow_out)
-        link = AgentLink(label, serve=egress)
+        link = AgentLink(label, serve=egress, ready_timeout=node.driver.boot_timeout)
         try:
             await link.booted(instance)
             yield link, instance, upper
