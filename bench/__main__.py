@@ -341,6 +341,10 @@ def main() -> None:
         from bench.desktop import main as desktop
 
         return desktop(sys.argv[2:])
+    if sys.argv[1:2] == ["microvm"]:  # the lifecycle on each driver, gVisor and QEMU microVMs
+        from bench.microvm import main as microvm
+
+        return microvm(sys.argv[2:])
     if sys.argv[1:2] == ["snapshot"]:  # a snapshot against a pause, part by part
         from bench.snapshot import main as snapshot
 

@@ -46,10 +46,12 @@ def runsc_pss() -> tuple[int, int]:
 
 
 class Server:
-    def __init__(self, data_dir: Path, port: int) -> None:
+    """An `aenv server` of the bench's own (``env``: settings of its own, e.g. another driver)."""
+
+    def __init__(self, data_dir: Path, port: int, env: dict[str, str] | None = None, name: str = "desktop") -> None:
         self.url = f"http://127.0.0.1:{port}"
-        self.log = data_dir.parent / f"{data_dir.name}-desktop-bench.log"
-        env = dict(os.environ, AENV_API_KEY=API_KEY, AENV_DISK_HEADROOM_MB="512", AENV_WARM_POOL="0")
+        self.log = data_dir.parent / f"{data_dir.name}-{name}-bench.log"
+        env = dict(os.environ, AENV_API_KEY=API_KEY, AENV_DISK_HEADROOM_MB="512", AENV_WARM_POOL="0", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aenv.cli.main", "server", "--port", str(port), "--data-dir", str(data_dir)],
             stdout=open(self.log, "ab"),

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -59,6 +60,7 @@ from qemu.qmp import QMPClient, QMPError
 from aenv.errors import CheckpointRefused, ImageIncompatible, OperationTimeout, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec, vmboot, vmdisks
 from aenv.runtime.base import Instance, Limits, NothingToChoose, OwnBase, RootfsSpec, TeardownOnKill, Usage
+from aenv.storage.layers import _copy_sparse
 
 log = logging.getLogger(__name__)
 logging.getLogger("qemu.qmp").setLevel(logging.WARNING)  # it says every QEMU's end at INFO
@@ -78,7 +80,8 @@ QMP_TIMEOUT = 30.0  # a monitor command (QEMU answers at once unless it is wedge
 SAVE_TIMEOUT = 300.0  # a migration into a file: RAM over disk, slow disks included
 LOAD_TIMEOUT = 300.0
 POLL = 0.005
-MEMORY = "memory"  # in an image: QEMU's migration stream (RAM and device state)
+MEMORY = "memory"  # in an image: QEMU's migration stream (device state, and RAM unless RAM_FILE)
+RAM_FILE = "ram"  # in an image: the guest's RAM as a file, which restores map copy-on-write
 META = "vm.json"  # in an image: what the VM was (its disks, size, QEMU, kernel)
 META_MAX = 64 * 1024
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -110,6 +113,7 @@ class _Vm:
     tail: asyncio.Future[None] | None = None
     dozing: bool = False
     meta: dict[str, Any] = field(default_factory=dict)  # what a checkpoint of it writes to vm.json
+    ram: Path | None = None  # its RAM as a file of its own (mapped shared), or None (private memory)
 
 
 class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
@@ -267,8 +271,11 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
                 raise ImageIncompatible("the sandbox's disk is not the one its memory image was saved with")
             every = await self._layer_disks(rootfs)
             cpus, memory_mb, append = int(meta["cpus"]), int(meta["memory_mb"]), str(meta["append"])
+            ram = image_dir / RAM_FILE if meta.get("ram") == "file" else None
+            if ram is not None and not ram.is_file():
+                raise ImageIncompatible("the memory image lacks its RAM file")
             return await self._launch(
-                instance_id, rootfs, limits, bundle, every, lowers, cpus, memory_mb, append, image_dir / MEMORY
+                instance_id, rootfs, limits, bundle, every, lowers, cpus, memory_mb, append, image_dir / MEMORY, ram
             )
         except BaseException:
             await self._teardown(instance_id)
@@ -319,10 +326,14 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         memory_mb: int,
         append: str,
         incoming: Path | None,
+        image_ram: Path | None = None,
     ) -> Instance:
         """Start QEMU on every layer of the record (``layers``), of which the first ``lowers`` are
         the VM's lower disks (a restore's may be fewer: the rest back its upper), the bundle and the
-        upper; from ``incoming`` (a memory image) or booting."""
+        upper; from ``incoming`` (a memory image, whose RAM may be the file ``image_ram``) or
+        booting. A booting VM's RAM is a file of its own, mapped shared: its checkpoints then save
+        only the devices' state and hand the file on, which every restore maps privately (the
+        pages nobody writes are shared by all). A restored VM's RAM is private memory."""
         guest = self.guest_bundle(rootfs.guest)
         guest_disk = await self._image_of(guest, self.disks / f"guest-{guest.name}.img")
         initramfs = await asyncio.to_thread(vmboot.ensure_initramfs, self.disks, self.kernel)
@@ -338,13 +349,20 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         qmp_host, qmp_guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         memory_fd = os.open(incoming, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) if incoming else None
         argv = self._argv(instance_id, cpus, memory_mb, append, guest_end.fileno(), qmp_guest.fileno(), initramfs)
+        own_ram = bundle / RAM_FILE if incoming is None else None
+        # One RAM block named "ram" whatever backs it: a migration names the blocks it carries.
+        backend: dict[str, Any] = {"qom-type": "memory-backend-ram", "id": "ram", "size": memory_mb * 2**20}
+        if own_ram is not None or image_ram is not None:
+            path, share = (own_ram, True) if own_ram is not None else (image_ram, False)
+            backend |= {"qom-type": "memory-backend-file", "mem-path": str(path), "share": share}
+        argv += ["-object", json.dumps(backend), "-machine", "memory-backend=ram"]
         argv += chain.argv()
         argv += ["-device", "virtio-blk-device,drive=guest,serial=aenv-guest"]
         for i in range(lowers):
             argv += ["-device", f"virtio-blk-device,drive={names[i]},serial=aenv-l{i}"]
         argv += ["-device", f"virtio-blk-device,drive={upper_node},serial=aenv-upper"]
         if memory_fd is not None:
-            argv += ["-incoming", f"fd:{memory_fd}"]
+            argv += ["-incoming", "defer"]  # once both ends ignore a shared RAM file
         passed = (guest_end.fileno(), qmp_guest.fileno(), *((memory_fd,) if memory_fd is not None else ()))
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -362,9 +380,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         finally:
             guest_end.close()
             qmp_guest.close()
-            if memory_fd is not None:
-                os.close(memory_fd)
-        vm = _Vm(proc, QMPClient(f"aenv-{instance_id}"))
+        vm = _Vm(proc, QMPClient(f"aenv-{instance_id}"), ram=own_ram)
         vm.meta = {
             "lowers": lowers,
             "layers": len(layers),
@@ -372,6 +388,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             "cpus": cpus,
             "memory_mb": memory_mb,
             "append": append,
+            "ram": "file" if own_ram is not None else "stream",
         }
         self._vms[instance_id] = vm
         (bundle / "pid").write_text(f"{proc.pid} {_start_time(proc.pid)}")
@@ -380,12 +397,19 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             await asyncio.wait_for(vm.qmp.connect(qmp_host), QMP_TIMEOUT)
             # A migration into a file is limited to 128 MiB/s by default: it is no network here.
             await self._qmp(vm, "migrate-set-parameters", {"max-bandwidth": 2**40})
-            if incoming is not None:
+            # RAM in a shared file is not streamed: the file is the image's (the same on restore).
+            capability = {"capability": "x-ignore-shared", "state": True}
+            await self._qmp(vm, "migrate-set-capabilities", {"capabilities": [capability]})
+            if memory_fd is not None:
+                await self._qmp(vm, "migrate-incoming", {"uri": f"fd:{memory_fd}"})
                 await self._wait_loaded(instance_id, vm)
         except BaseException:
             qmp_host.close()
             host_end.close()
             raise
+        finally:
+            if memory_fd is not None:
+                os.close(memory_fd)
         reader, writer = await asyncio.open_unix_connection(sock=host_end, limit=2**22)
         return Instance(instance_id, reader, writer, rootfs, limits, bundle, {"pid": str(proc.pid)})
 
@@ -469,6 +493,14 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             return
         vm = self._running(instance)
         await self._save(instance, vm, image_dir)
+        if vm.ram is not None:
+            try:  # the image takes the RAM file as it is: nothing copied
+                await asyncio.to_thread(_take_file, vm.ram, image_dir / RAM_FILE)
+            except BaseException:
+                _drop_image(image_dir)
+                with contextlib.suppress(RuntimeFailure, OperationTimeout):
+                    await self._qmp(vm, "cont")
+                raise
         with contextlib.suppress(RuntimeFailure, OperationTimeout):
             await self._qmp(vm, "quit")  # saved: the instance ends here, as a pause wants
         with contextlib.suppress(TimeoutError):
@@ -480,7 +512,13 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         vm = self._running(instance)
         try:
             await self._save(instance, vm, image_dir)
-            await while_stopped()  # the disks are flushed and nothing writes them: the node copies the upper
+            try:
+                if vm.ram is not None:  # it runs on: the image gets a copy of its RAM as it is now
+                    await asyncio.to_thread(_copy_sparse, vm.ram, image_dir / RAM_FILE)
+                await while_stopped()  # the disks are flushed and nothing writes them: the node copies the upper
+            except BaseException:
+                _drop_image(image_dir)
+                raise
         finally:
             if vm.proc.returncode is None:
                 await self._qmp(vm, "cont")  # after a migration QEMU takes its disks back first
@@ -513,8 +551,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             meta = {**vm.meta, "mark": self.image_mark, "guest": instance.rootfs.guest}
             (image_dir / META).write_text(json.dumps(meta))
         except BaseException:
-            (image_dir / MEMORY).unlink(missing_ok=True)
-            (image_dir / META).unlink(missing_ok=True)
+            _drop_image(image_dir)
             if vm.proc.returncode is None:
                 with contextlib.suppress(RuntimeFailure, OperationTimeout):
                     await self._qmp(vm, "cont")
@@ -609,6 +646,21 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
                     src.with_suffix(".img").unlink(missing_ok=True)
                     src.unlink()
         return removed
+
+
+def _drop_image(image_dir: Path) -> None:
+    for name in (MEMORY, META, RAM_FILE):
+        (image_dir / name).unlink(missing_ok=True)
+
+
+def _take_file(source: Path, target: Path) -> None:
+    """Move a stopped VM's RAM file into its image (a copy where they are on two file systems)."""
+    try:
+        os.rename(source, target)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        _copy_sparse(source, target)
 
 
 def _read_meta(image_dir: Path) -> dict[str, Any]:

@@ -54,7 +54,11 @@ COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; don
 
 
 def counting(sbx: object) -> int:
-    return int(sbx.commands.run("cat /tmp/count").stdout)  # type: ignore[attr-defined]
+    for _ in range(50):
+        out = sbx.commands.run("cat /tmp/count").stdout  # type: ignore[attr-defined]
+        if out.strip():  # (read between the shell's truncation and its write: again)
+            return int(out)
+    raise AssertionError("the counting process stopped writing")
 
 
 def rises(sbx: object, above: int) -> int:

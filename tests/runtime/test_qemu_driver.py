@@ -161,9 +161,12 @@ COUNTER = "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; don
 
 
 async def count(link: AgentLink) -> int:
-    ran = await run_process(link, ["/bin/cat", "/tmp/count"], cwd="/")
-    assert ran.code == 0, ran
-    return int(ran.output)
+    for _ in range(50):
+        ran = await run_process(link, ["/bin/cat", "/tmp/count"], cwd="/")
+        assert ran.code == 0, ran
+        if ran.output.strip():  # (read between the shell's truncation and its write: again)
+            return int(ran.output)
+    raise AssertionError("the counting process stopped writing")
 
 
 async def rising(link: AgentLink, above: int) -> int:
@@ -200,8 +203,12 @@ async def test_a_fork_child_has_the_sources_processes_and_files_then_diverges(vm
     ran = await sh(vm, f"echo before-the-fork > /root/shared; {COUNTER} echo started")
     assert ran.output == "started\n", ran
     seen = await rising(vm.link, 1)
-    child, link, layers, upper, _ = await fork_child(vm, "vm-child")
+    child, link, layers, upper, forked = await fork_child(vm, "vm-child")
     try:
+        # The source booted with its RAM in a file of its own: the image holds a copy of that file
+        # (which the child maps copy-on-write) and a stream of the devices' state alone.
+        assert (forked / qemu.RAM_FILE).stat().st_size == 512 * 2**20
+        assert (forked / qemu.MEMORY).stat().st_size < 8 * 2**20
         assert vm.files.guest_written(layers[-1]) and vm.files.guest_written(upper)
         assert not vm.files.upper(upper).is_mount()  # the guest's, never the host's
         # The source's process came along, with its count, and goes on in the child.
@@ -220,6 +227,9 @@ async def test_a_fork_child_has_the_sources_processes_and_files_then_diverges(vm
         paused_at = await count(link)
         await link.freeze()
         await vm.driver.checkpoint(child, image_dir=image, leave_running=False)
+        # The child's RAM is private (its image's file, copied on write): its pause streams it.
+        assert not (image / qemu.RAM_FILE).exists()
+        assert (image / qemu.MEMORY).stat().st_size > 8 * 2**20
         pid = int(child.extra["pid"])
         link.close("paused")
         await vm.driver.kill(child)
