@@ -51,6 +51,7 @@ class Server:
     def __init__(self, data_dir: Path, port: int, env: dict[str, str] | None = None, name: str = "desktop") -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log = data_dir.parent / f"{data_dir.name}-{name}-bench.log"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, AENV_API_KEY=API_KEY, AENV_DISK_HEADROOM_MB="512", AENV_WARM_POOL="0", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aenv.cli.main", "server", "--port", str(port), "--data-dir", str(data_dir)],

@@ -22,6 +22,7 @@ import argparse
 import os
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,8 @@ DRIVERS: dict[str, dict[str, str]] = {
     "qemu": {"AENV_DRIVER": "qemu"},
 }
 MATCH: dict[str, Callable[[bytes], bool]] = {
-    "gvisor": lambda cmdline: cmdline.startswith(b"runsc"),
-    "qemu": lambda cmdline: cmdline.startswith(b"qemu-system"),
+    "gvisor": lambda cmdline: os.path.basename(cmdline.split(b"\0", 1)[0]).startswith(b"runsc"),
+    "qemu": lambda cmdline: os.path.basename(cmdline.split(b"\0", 1)[0]).startswith(b"qemu-system"),
 }
 
 
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(args.rounds):
             for name, server in servers.items():
                 console.print(f"round {i + 1}/{args.rounds}: {name}")
-                round_samples: dict[str, list[float]] = {}
+                round_samples: dict[str, list[float]] = defaultdict(list)
                 one_round(name, server, round_samples)
                 for key, values in round_samples.items():
                     samples.setdefault(key, []).extend(values)

@@ -125,6 +125,22 @@ def _platform(settings: Any, *, calibrate: bool) -> tuple[Check, dict[str, Any] 
     return Check("runsc platform", "ok" if report["by"] != "fallback" else "warn", detail), report
 
 
+def _qemu(settings: Any) -> Check:
+    """The qemu driver's needs (AENV_DRIVER=qemu): QEMU, qemu-img, a guest kernel; which accelerator
+    a node would take is the server's to say (it boots a probe kernel on /dev/kvm at its start)."""
+    from aenv.runtime import vmboot
+
+    missing = [tool for tool in (settings.qemu, "qemu-img") if shutil.which(tool) is None]
+    if missing:
+        return Check("qemu", "fail", f"{', '.join(missing)} not found: AENV_DRIVER=qemu ./scripts/install")
+    try:
+        kernel = vmboot.find_kernel(settings.qemu_kernel)
+    except Exception as exc:
+        return Check("qemu", "fail", str(exc))
+    detail = f"{settings.qemu} and qemu-img; guest kernel {kernel.release} (accel {settings.qemu_accel})"
+    return Check("qemu", "ok", detail)
+
+
 def _server() -> tuple[Check, dict[str, Any] | None]:
     config = ClientConfig.resolve(_opts["url"], _opts["api_key"])
     try:
@@ -148,6 +164,8 @@ def doctor(
 
     settings = Settings()
     checks = [_python(), _root(), _runsc(settings.runsc), _cgroups(), _kvm()]
+    if settings.driver == "qemu":
+        checks.append(_qemu(settings))
     checks += [_tool("debootstrap", "`base` is built with it"), _disk(settings.data_dir)]
     platform_check, calibration = _platform(settings, calibrate=calibrate)
     server_check, health = _server()

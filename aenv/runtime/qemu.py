@@ -89,7 +89,7 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # CPU's random numbers trusted (the agent's Python asks for entropy at start), no probing of
 # legacy keyboards and mice.
 KERNEL_ARGS = (
-    "console=ttyS0 quiet loglevel=4 panic=-1 reboot=t random.trust_cpu=on init_on_free=1 "
+    "console=ttyS0 quiet loglevel=4 panic=-1 reboot=t random.trust_cpu=on "
     "i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd tsc=reliable no_timer_check"
 )
 

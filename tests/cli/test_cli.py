@@ -128,3 +128,19 @@ def test_doctor_shows_the_host_the_kept_platform_choice_and_the_server(
     code, text = cli("doctor", "--json")
     checks = {c["check"]: c for c in json.loads(text)["checks"]}
     assert checks["runsc platform"]["status"] == "warn" and "not measured yet" in checks["runsc platform"]["detail"]
+
+
+def test_doctor_checks_what_the_qemu_driver_needs(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AENV_DRIVER", "qemu")
+    code, text = cli("doctor", "--json")
+    checks = {c["check"]: c for c in json.loads(text)["checks"]}
+    assert checks["qemu"]["status"] == "ok", checks["qemu"]  # scripts/install installed it here
+    assert "qemu-img" in checks["qemu"]["detail"] and "guest kernel" in checks["qemu"]["detail"]
+    monkeypatch.setenv("AENV_QEMU", str(tmp_path / "no-such-qemu"))
+    code, text = cli("doctor", "--json")
+    checks = {c["check"]: c for c in json.loads(text)["checks"]}
+    assert code == 1
+    assert checks["qemu"]["status"] == "fail" and "AENV_DRIVER=qemu ./scripts/install" in checks["qemu"]["detail"]
+    monkeypatch.delenv("AENV_DRIVER")
+    code, text = cli("doctor", "--json")
+    assert "qemu" not in {c["check"] for c in json.loads(text)["checks"]}  # another driver's needs are not asked
