@@ -128,17 +128,13 @@ def _platform(settings: Any, *, calibrate: bool) -> tuple[Check, dict[str, Any] 
 def _qemu(settings: Any) -> Check:
     """The qemu driver's needs (AENV_DRIVER=qemu): QEMU, qemu-img, a guest kernel; which accelerator
     a node would take is the server's to say (it boots a probe kernel on /dev/kvm at its start)."""
-    from aenv.runtime import vmboot
+    from aenv.runtime import qemu, vmboot
 
-    missing = [tool for tool in (settings.qemu, "qemu-img") if shutil.which(tool) is None]
-    if missing:
-        return Check("qemu", "fail", f"{', '.join(missing)} not found: AENV_DRIVER=qemu ./scripts/install")
-    try:
-        kernel = vmboot.find_kernel(settings.qemu_kernel)
-    except Exception as exc:
-        return Check("qemu", "fail", str(exc))
-    detail = f"{settings.qemu} and qemu-img; guest kernel {kernel.release} (accel {settings.qemu_accel})"
-    return Check("qemu", "ok", detail)
+    lacking = qemu.unmet(settings.qemu, settings.qemu_kernel)
+    if lacking:
+        return Check("qemu", "fail", lacking)
+    release = vmboot.find_kernel(settings.qemu_kernel).release
+    return Check("qemu", "ok", f"{settings.qemu} and qemu-img; guest kernel {release} (accel {settings.qemu_accel})")
 
 
 def _server() -> tuple[Check, dict[str, Any] | None]:

@@ -94,6 +94,18 @@ KERNEL_ARGS = (
 )
 
 
+def unmet(qemu: str = "qemu-system-x86_64", kernel: str = "") -> str:
+    """What this host lacks for the qemu driver ("" for nothing): QEMU, qemu-img, a guest kernel."""
+    missing = [tool for tool in (qemu, "qemu-img") if shutil.which(tool) is None]
+    if missing:
+        return f"{', '.join(missing)} not found: AENV_DRIVER=qemu ./scripts/install installs them"
+    try:
+        vmboot.find_kernel(kernel)
+    except RuntimeFailure as exc:
+        return exc.message
+    return ""
+
+
 def kvm_usable() -> bool:
     try:
         fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)

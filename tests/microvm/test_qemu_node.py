@@ -11,30 +11,19 @@ scripts/install); in the runsc tier's second half."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from aenv.runtime import guestbundle, vmboot
+from aenv.runtime import guestbundle, qemu, vmboot
 from tests.conftest import Server, e2b_client, start_busybox_node
 
 TEMPLATE = "bb"
 
 
-def _missing() -> str:
-    if shutil.which("qemu-system-x86_64") is None or shutil.which("qemu-img") is None:
-        return "QEMU is not installed (scripts/install installs qemu-system-x86 and qemu-utils)"
-    try:
-        vmboot.find_kernel()
-    except Exception as exc:
-        return str(exc)
-    return ""
-
-
-pytestmark = [pytest.mark.sandbox, *([pytest.mark.skip(reason=_missing())] if _missing() else [])]
+pytestmark = [pytest.mark.sandbox, *([pytest.mark.skip(reason=why)] if (why := qemu.unmet()) else [])]
 
 
 @pytest.fixture(scope="module")

@@ -35,17 +35,7 @@ FLOOD = 256 * 1024
 BOOT_DEADLINE = 180.0  # TCG on a loaded CI machine; a liveness bound, not a speed claim
 
 
-def _missing() -> str:
-    if shutil.which("qemu-system-x86_64") is None:
-        return "qemu-system-x86_64 is not installed (scripts/install installs qemu-system-x86)"
-    try:
-        vmboot.find_kernel()
-    except Exception as exc:
-        return str(exc)
-    return ""
-
-
-pytestmark = [pytest.mark.sandbox, *([pytest.mark.skip(reason=_missing())] if _missing() else [])]
+pytestmark = [pytest.mark.sandbox, *([pytest.mark.skip(reason=why)] if (why := qemu.unmet()) else [])]
 
 
 @dataclass
