@@ -108,3 +108,28 @@ def test_an_external_data_file_or_encryption_is_refused(tmp_path: Path) -> None:
 def test_an_upper_that_is_not_the_drivers_qcow2_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ImageIncompatible, match="not the qcow2 file"):
         vmdisks.Chain().upper(raw(tmp_path / "u.img"), [])
+
+
+async def test_the_layer_store_never_looks_into_a_guest_written_disk(tmp_path: Path) -> None:
+    """A VM's upper (a qcow2 only QEMU opens) as the node's layer store sees it: not empty, never
+    mounted (no root needed here: nothing is), usable as it is, copied as a file."""
+    from aenv.storage.layers import LayerStore
+
+    files = LayerStore(tmp_path / "fs")
+    upper = "a1b2c3d4e5f6"
+    (files.layers / upper).mkdir()
+    disk = qcow2(files.layers / f"{upper}.img")
+    with open(disk, "ab") as f:  # some data past the header, with a hole before it
+        f.seek(2**20)
+        f.write(b"guest data")
+    assert files.guest_written(upper)
+    assert not files.is_empty(upper)  # its upper/ is absent on the host: not read as "empty"
+    await files.mount(upper, writable=False)  # a no-op: a mount would have needed root, and failed
+    assert not (files.layers / upper).is_mount()
+    assert files.is_local(upper)
+    copy = files.copy_upper(upper)  # no FIFREEZE: that would freeze the host's file system here
+    assert (files.layers / f"{copy}.img").read_bytes() == disk.read_bytes()
+    assert files.guest_written(copy)
+    await files.make_read_only(copy)  # nothing mounted: nothing to do
+    await files.remove(copy)
+    assert not (files.layers / f"{copy}.img").exists()
