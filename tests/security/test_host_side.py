@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from e2b import Sandbox
+from e2b import TimeoutException as E2bTimeout
 from e2b.sandbox.commands.command_handle import CommandExitException
 
 from aenv.runtime.gvisor import TASKS_PER_IDLE_SANDBOX
@@ -326,9 +327,12 @@ def test_a_user_fork_bomb_is_contained_and_the_sandbox_lives_on(e2b_env: Server,
             left = ""
             for _ in range(3):  # on a loaded machine one such command was seen to end without a status (-1)
                 try:
-                    left = sbx.commands.run(stop, user="root", timeout=60).stdout.strip()
+                    left = sbx.commands.run(stop, user="root", timeout=120).stdout.strip()
                 except CommandExitException as exc:
                     left = f"exit {exc.exit_code}: {exc.stderr[-200:]}"
+                    continue
+                except E2bTimeout as exc:  # 256 spinning processes on a CI machine under load: slow, not dead
+                    left = f"timed out: {exc}"[:300]
                     continue
                 if left == "0":
                     break
