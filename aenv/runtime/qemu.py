@@ -60,7 +60,7 @@ from qemu.qmp import QMPClient, QMPError
 from aenv.errors import CheckpointRefused, ImageIncompatible, OperationTimeout, RuntimeFailure
 from aenv.runtime import guestbundle, hostexec, vmboot, vmdisks
 from aenv.runtime.base import Instance, Limits, NothingToChoose, OwnBase, RootfsSpec, TeardownOnKill, Usage
-from aenv.storage.layers import _copy_sparse
+from aenv.storage.layers import copy_sparse
 
 log = logging.getLogger(__name__)
 logging.getLogger("qemu.qmp").setLevel(logging.WARNING)  # it says every QEMU's end at INFO
@@ -414,7 +414,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             await self._qmp(vm, "migrate-set-capabilities", {"capabilities": [capability]})
             if memory_fd is not None:
                 await self._qmp(vm, "migrate-incoming", {"uri": f"fd:{memory_fd}"})
-                await self._wait_loaded(instance_id, vm)
+                await self._wait_loaded(vm)
         except BaseException:
             qmp_host.close()
             host_end.close()
@@ -425,7 +425,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         reader, writer = await asyncio.open_unix_connection(sock=host_end, limit=2**22)
         return Instance(instance_id, reader, writer, rootfs, limits, bundle, {"pid": str(proc.pid)})
 
-    async def _wait_loaded(self, instance_id: str, vm: _Vm) -> None:
+    async def _wait_loaded(self, vm: _Vm) -> None:
         """Until the incoming migration is loaded, then run the VM: it was saved stopped, which the
         image keeps (QEMU would not start it by itself)."""
         deadline = time.monotonic() + LOAD_TIMEOUT
@@ -504,7 +504,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             await self.checkpoint_running(instance, image_dir=image_dir, while_stopped=nothing)
             return
         vm = self._running(instance)
-        await self._save(instance, vm, image_dir)
+        await self._save(vm, image_dir)
         if vm.ram is not None:
             try:  # the image takes the RAM file as it is: nothing copied
                 await asyncio.to_thread(_take_file, vm.ram, image_dir / RAM_FILE)
@@ -523,10 +523,10 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
     ) -> None:
         vm = self._running(instance)
         try:
-            await self._save(instance, vm, image_dir)
+            await self._save(vm, image_dir)
             try:
                 if vm.ram is not None:  # it runs on: the image gets a copy of its RAM as it is now
-                    await asyncio.to_thread(_copy_sparse, vm.ram, image_dir / RAM_FILE)
+                    await asyncio.to_thread(copy_sparse, vm.ram, image_dir / RAM_FILE)
                 await while_stopped()  # the disks are flushed and nothing writes them: the node copies the upper
             except BaseException:
                 _drop_image(image_dir)
@@ -542,7 +542,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         self.wake(instance)
         return vm
 
-    async def _save(self, instance: Instance, vm: _Vm, image_dir: Path) -> None:
+    async def _save(self, vm: _Vm, image_dir: Path) -> None:
         """Stop the VM and migrate it into ``image_dir``. On failure the VM is continued (a
         checkpoint that fails leaves the sandbox as it was) and the image's files are gone."""
         try:
@@ -560,7 +560,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
                 os.close(fd)
             await self._qmp(vm, "migrate", {"uri": "fd:aenv-save"})
             await self._wait_saved(vm)
-            meta = {**vm.meta, "mark": self.image_mark, "guest": instance.rootfs.guest}
+            meta = {**vm.meta, "mark": self.image_mark}
             (image_dir / META).write_text(json.dumps(meta))
         except BaseException:
             _drop_image(image_dir)
@@ -672,7 +672,7 @@ def _take_file(source: Path, target: Path) -> None:
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
-        _copy_sparse(source, target)
+        copy_sparse(source, target)
 
 
 def _read_meta(image_dir: Path) -> dict[str, Any]:

@@ -25,8 +25,8 @@ from typing import Any
 
 from aenv.errors import ImageIncompatible
 from aenv.runtime import hostexec
+from aenv.storage.layers import QCOW2_MAGIC
 
-QCOW2_MAGIC = b"QFI\xfb"
 HEADER = struct.Struct(">4sIQIIQIIQQIIQ")  # version 2's 72 bytes (version 3 adds the feature bits)
 FEATURES = struct.Struct(">QQQ")  # version 3: incompatible, compatible, autoclear
 EXTERNAL_DATA_FILE = 1 << 2

@@ -166,7 +166,7 @@ class LayerStore:
             blank = await self._blank(size_mb)
             # Awaited to its end even when the create is cancelled: the thread would otherwise
             # make the image after the removal below, an image of no upper that nothing removes.
-            copy = asyncio.ensure_future(asyncio.to_thread(_copy_sparse, blank, disk))
+            copy = asyncio.ensure_future(asyncio.to_thread(copy_sparse, blank, disk))
             try:
                 await asyncio.shield(copy)
             except asyncio.CancelledError:
@@ -368,15 +368,6 @@ class LayerStore:
         written out whole and consistent, writes wait), so call it while nothing in the sandbox
         runs; only its data extents are copied, as the sparse file it is."""
         copy_id = new_id()
-        if self.guest_written(upper_id):  # its VM is stopped and its disk flushed: the file as it is
-            (self.layers / copy_id).mkdir()
-            try:
-                _copy_sparse(self._img(upper_id), self._img(copy_id))
-            except BaseException:
-                self._img(copy_id).unlink(missing_ok=True)
-                (self.layers / copy_id).rmdir()
-                raise
-            return copy_id
         if not self._img(upper_id).exists():  # a plain upper: its tree, as it is (the instance is stopped)
             try:
                 copy_tree(self.layers / upper_id, self.layers / copy_id)
@@ -385,19 +376,24 @@ class LayerStore:
                 raise
             return copy_id
         (self.layers / copy_id).mkdir()
-        mnt = os.open(self.layers / upper_id, os.O_RDONLY | os.O_DIRECTORY)
+        # A guest-written image is not mounted here (its VM is stopped, its disk flushed): the file
+        # as it is, never a freeze (on its unmounted directory that would freeze the host's file system).
+        mnt = None if self.guest_written(upper_id) else os.open(self.layers / upper_id, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            fcntl.ioctl(mnt, FIFREEZE, 0)
+            if mnt is not None:
+                fcntl.ioctl(mnt, FIFREEZE, 0)
             try:
-                _copy_sparse(self._img(upper_id), self._img(copy_id))
+                copy_sparse(self._img(upper_id), self._img(copy_id))
             finally:
-                fcntl.ioctl(mnt, FITHAW, 0)
+                if mnt is not None:
+                    fcntl.ioctl(mnt, FITHAW, 0)
         except BaseException:
             self._img(copy_id).unlink(missing_ok=True)
             (self.layers / copy_id).rmdir()
             raise
         finally:
-            os.close(mnt)
+            if mnt is not None:
+                os.close(mnt)
         return copy_id
 
     async def make_read_only(self, layer_id: str) -> None:
@@ -617,7 +613,7 @@ def is_qcow2(image: Path) -> bool:
         return False
 
 
-def _copy_sparse(source: Path, target: Path) -> None:
+def copy_sparse(source: Path, target: Path) -> None:
     """Copy a file's data extents into a new file of the same size: its holes stay holes."""
     src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
     try:
