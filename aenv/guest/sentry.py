@@ -35,16 +35,19 @@ def churn_socket_buffers(stop: threading.Event, total: int = TOTAL) -> int:
         for s in (a, b):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * CHUNK)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * CHUNK)
-        data = bytes(CHUNK)
-        sink = bytearray(CHUNK)
+        # One thread sends, then reads: a piece must fit the buffer the kernel granted (Linux caps
+        # it at net.core.wmem_max, far below gVisor's), or the send never returns.
+        chunk = max(4096, min(CHUNK, a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4))
+        data = bytes(chunk)
+        sink = bytearray(chunk)
         view = memoryview(sink)
         moved = 0
         while moved < total and not stop.is_set():
             a.sendall(data)
             got = 0
-            while got < CHUNK:
+            while got < chunk:
                 got += b.recv_into(view[got:])
-            moved += CHUNK
+            moved += chunk
         return moved
     finally:
         a.close()

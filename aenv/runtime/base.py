@@ -102,6 +102,9 @@ class Driver(Protocol):
     # True when a restore (or a leave-running checkpoint) leaves the sentry a heap of garbage the
     # agent should make it give back once quiet (aenv/guest/sentry.py); False: that costs memory.
     restore_leaves_garbage: bool
+    # True when an image fixes the machine's size (a VM's RAM and vCPUs): every restore of it has
+    # the size it was saved at, so a template's snapshot is taken at its sandboxes' size.
+    sized_by_image: bool
     wakes: int  # how many times a dozing instance was thawed (aenv_doze_wakes)
 
     @property

@@ -102,6 +102,7 @@ class FakeDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
     saves_epoll_tcp = True  # nothing is saved: nothing to refuse
     leaves_running = True
     restore_leaves_garbage = False
+    sized_by_image = False
     boot_timeout = 30.0
     image_mark = MARK
     plain_uppers = True  # uppers are directories (LayerStore), the instance's overlay upper itself

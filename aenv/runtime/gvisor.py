@@ -347,6 +347,7 @@ class GVisorDriver(guestbundle.BundledGuests):
     name = "gvisor"
     own_base: OwnBase | None = None  # `base` is the node's debootstrapped Debian
     boot_timeout = 30.0
+    sized_by_image = False  # limits are the host's cgroups, set at every restore
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -47,6 +48,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from collections import deque
@@ -58,7 +60,7 @@ from typing import Any
 from qemu.qmp import QMPClient, QMPError
 
 from aenv.errors import CheckpointRefused, ImageIncompatible, OperationTimeout, RuntimeFailure
-from aenv.runtime import guestbundle, hostexec, vmboot, vmdisks
+from aenv.runtime import guestbundle, hostexec, vmboot, vmdisks, vmram
 from aenv.runtime.base import Instance, Limits, NothingToChoose, OwnBase, RootfsSpec, TeardownOnKill, Usage
 from aenv.storage.layers import copy_sparse
 
@@ -77,13 +79,14 @@ CMDLINE_MAX = 2047
 KILL_TIMEOUT = 10.0
 KVM_PROBE_TIMEOUT = 10.0
 QMP_TIMEOUT = 30.0  # a monitor command (QEMU answers at once unless it is wedged)
-SAVE_TIMEOUT = 300.0  # a migration into a file: RAM over disk, slow disks included
 LOAD_TIMEOUT = 300.0
 POLL = 0.005
-MEMORY = "memory"  # in an image: QEMU's migration stream (device state, and RAM unless RAM_FILE)
+DEVICES = "devices"  # in an image: the devices' state (QEMU's xen-save-devices-state: no RAM)
 RAM_FILE = "ram"  # in an image: the guest's RAM as a file, which restores map copy-on-write
+IMAGE_FORMAT = "devices+ram"  # in the mark: images of streamed RAM (earlier nodes') are not restored
 META = "vm.json"  # in an image: what the VM was (its disks, size, QEMU, kernel)
 META_MAX = 64 * 1024
+DEVICES_MAX = 64 * 2**20  # a devices' state is tens of KiB
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # A small, quiet boot: the console only for what goes wrong, no reboot (a panic ends QEMU), the
 # CPU's random numbers trusted (the agent's Python asks for entropy at start), no probing of
@@ -125,7 +128,8 @@ class _Vm:
     tail: asyncio.Future[None] | None = None
     dozing: bool = False
     meta: dict[str, Any] = field(default_factory=dict)  # what a checkpoint of it writes to vm.json
-    ram: Path | None = None  # its RAM as a file of its own (mapped shared), or None (private memory)
+    ram: Path | None = None  # its RAM as a file of its own (mapped shared): a booted VM's
+    base: int | None = None  # a restored VM's: the image's RAM file it maps privately, open
 
 
 class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
@@ -134,6 +138,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
     saves_epoll_tcp = True  # a VM's migration saves every socket its kernel holds
     leaves_running = True  # a migration into a file, then `cont`
     restore_leaves_garbage = False
+    sized_by_image = True  # its RAM and vCPUs
 
     def __init__(self, *, state_dir: Path, qemu: str = "qemu-system-x86_64", kernel: str = "", accel: str = "auto"):
         found = shutil.which(qemu)
@@ -169,7 +174,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
     @property
     def image_mark(self) -> str:
         """Who can restore an image: the same QEMU, kernel and CPU model (KVM's is the host's)."""
-        return f"qemu {self.version} microvm {self.accel} kernel {self.release}"
+        return f"qemu {self.version} microvm {self.accel} kernel {self.release} {IMAGE_FORMAT}"
 
     def info(self) -> dict[str, str]:
         return {
@@ -283,11 +288,8 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
                 raise ImageIncompatible("the sandbox's disk is not the one its memory image was saved with")
             every = await self._layer_disks(rootfs)
             cpus, memory_mb, append = int(meta["cpus"]), int(meta["memory_mb"]), str(meta["append"])
-            ram = image_dir / RAM_FILE if meta.get("ram") == "file" else None
-            if ram is not None and not ram.is_file():
-                raise ImageIncompatible("the memory image lacks its RAM file")
             return await self._launch(
-                instance_id, rootfs, limits, bundle, every, lowers, cpus, memory_mb, append, image_dir / MEMORY, ram
+                instance_id, rootfs, limits, bundle, every, lowers, cpus, memory_mb, append, image_dir
             )
         except BaseException:
             await self._teardown(instance_id)
@@ -337,15 +339,14 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         cpus: int,
         memory_mb: int,
         append: str,
-        incoming: Path | None,
-        image_ram: Path | None = None,
+        image: Path | None,
     ) -> Instance:
         """Start QEMU on every layer of the record (``layers``), of which the first ``lowers`` are
         the VM's lower disks (a restore's may be fewer: the rest back its upper), the bundle and the
-        upper; from ``incoming`` (a memory image, whose RAM may be the file ``image_ram``) or
-        booting. A booting VM's RAM is a file of its own, mapped shared: its checkpoints then save
-        only the devices' state and hand the file on, which every restore maps privately (the
-        pages nobody writes are shared by all). A restored VM's RAM is private memory."""
+        upper; restored from ``image`` or booting. A booting VM's RAM is a file of its own, mapped
+        shared, which its checkpoints hand on as it is (aenv/runtime/vmram.py). A restored VM maps
+        the image's RAM file privately: the pages nobody writes are shared by every VM restored
+        from the image, and its checkpoints lay the pages it wrote over a copy of that file."""
         guest = self.guest_bundle(rootfs.guest)
         guest_disk = await self._image_of(guest, self.disks / f"guest-{guest.name}.img")
         initramfs = await asyncio.to_thread(vmboot.ensure_initramfs, self.disks, self.kernel)
@@ -357,25 +358,38 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         every = [disk for disk, _ in layers]
         names = chain.layers(every)  # a node for each layer, a device for each lower
         upper_node = chain.upper(upper, every)
+        own_ram, base, devices = None, None, None
+        try:
+            if image is None:
+                own_ram = bundle / RAM_FILE
+                ram, share = own_ram, True
+            else:
+                # QEMU opens what it is given by path: the file checked here, through its descriptor.
+                base = _open_image_file(image / RAM_FILE, memory_mb * 2**20)
+                ram, share = Path(f"/proc/self/fd/{base}"), False
+                devices = _open_image_file(image / DEVICES, None)
+        except BaseException:
+            for fd in (base, devices):
+                if fd is not None:
+                    os.close(fd)
+            raise
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         qmp_host, qmp_guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        memory_fd = os.open(incoming, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) if incoming else None
         argv = self._argv(instance_id, cpus, memory_mb, append, guest_end.fileno(), qmp_guest.fileno(), initramfs)
-        own_ram = bundle / RAM_FILE if incoming is None else None
-        # One RAM block named "ram" whatever backs it: a migration names the blocks it carries.
-        backend: dict[str, Any] = {"qom-type": "memory-backend-ram", "id": "ram", "size": memory_mb * 2**20}
-        if own_ram is not None or image_ram is not None:
-            path, share = (own_ram, True) if own_ram is not None else (image_ram, False)
-            backend |= {"qom-type": "memory-backend-file", "mem-path": str(path), "share": share}
+        # One RAM block named "ram" whatever backs it (a device state names the blocks it knew).
+        backend: dict[str, Any] = {"qom-type": "memory-backend-file", "id": "ram", "size": memory_mb * 2**20}
+        backend |= {"mem-path": str(ram), "share": share}
         argv += ["-object", json.dumps(backend), "-machine", "memory-backend=ram"]
         argv += chain.argv()
         argv += ["-device", "virtio-blk-device,drive=guest,serial=aenv-guest"]
         for i in range(lowers):
             argv += ["-device", f"virtio-blk-device,drive={names[i]},serial=aenv-l{i}"]
         argv += ["-device", f"virtio-blk-device,drive={upper_node},serial=aenv-upper"]
-        if memory_fd is not None:
-            argv += ["-incoming", "defer"]  # once both ends ignore a shared RAM file
-        passed = (guest_end.fileno(), qmp_guest.fileno(), *((memory_fd,) if memory_fd is not None else ()))
+        if devices is not None:
+            # No ROM is written into RAM while incoming, and a device state has no configuration
+            # section (xen-save-devices-state writes none) for the loader to look for.
+            argv += ["-incoming", "defer", "-global", "migration.send-configuration=off"]
+        passed = (guest_end.fileno(), qmp_guest.fileno(), *(fd for fd in (base, devices) if fd is not None))
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -388,11 +402,14 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         except OSError as exc:
             host_end.close()
             qmp_host.close()
+            for fd in (base, devices):
+                if fd is not None:
+                    os.close(fd)
             raise RuntimeFailure(f"cannot run {self.qemu}: {exc}", argv=argv) from exc
         finally:
             guest_end.close()
             qmp_guest.close()
-        vm = _Vm(proc, QMPClient(f"aenv-{instance_id}"), ram=own_ram)
+        vm = _Vm(proc, QMPClient(f"aenv-{instance_id}"), ram=own_ram, base=base)
         vm.meta = {
             "lowers": lowers,
             "layers": len(layers),
@@ -400,30 +417,26 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             "cpus": cpus,
             "memory_mb": memory_mb,
             "append": append,
-            "ram": "file" if own_ram is not None else "stream",
         }
         self._vms[instance_id] = vm
         (bundle / "pid").write_text(f"{proc.pid} {_start_time(proc.pid)}")
         vm.tail = asyncio.ensure_future(_keep_tail(proc, vm.console))
         try:
             await asyncio.wait_for(vm.qmp.connect(qmp_host), QMP_TIMEOUT)
-            # A migration into a file is limited to 128 MiB/s by default: it is no network here.
-            await self._qmp(vm, "migrate-set-parameters", {"max-bandwidth": 2**40})
-            # RAM in a shared file is not streamed: the file is the image's (the same on restore).
-            capability = {"capability": "x-ignore-shared", "state": True}
-            await self._qmp(vm, "migrate-set-capabilities", {"capabilities": [capability]})
-            if memory_fd is not None:
-                await self._qmp(vm, "migrate-incoming", {"uri": f"fd:{memory_fd}"})
+            if devices is not None:
+                await self._qmp(vm, "migrate-incoming", {"uri": f"fd:{devices}"})
                 await self._wait_loaded(vm)
         except BaseException:
             qmp_host.close()
             host_end.close()
             raise
         finally:
-            if memory_fd is not None:
-                os.close(memory_fd)
+            if devices is not None:
+                os.close(devices)
         reader, writer = await asyncio.open_unix_connection(sock=host_end, limit=2**22)
-        return Instance(instance_id, reader, writer, rootfs, limits, bundle, {"pid": str(proc.pid)})
+        # A restore's machine is the image's, whatever was asked: the limits say what it has.
+        sized = dataclasses.replace(limits, cpu_count=float(cpus), memory_mb=memory_mb) if image else limits
+        return Instance(instance_id, reader, writer, rootfs, sized, bundle, {"pid": str(proc.pid)})
 
     async def _wait_loaded(self, vm: _Vm) -> None:
         """Until the incoming migration is loaded, then run the VM: it was saved stopped, which the
@@ -504,15 +517,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             await self.checkpoint_running(instance, image_dir=image_dir, while_stopped=nothing)
             return
         vm = self._running(instance)
-        await self._save(vm, image_dir)
-        if vm.ram is not None:
-            try:  # the image takes the RAM file as it is: nothing copied
-                await asyncio.to_thread(_take_file, vm.ram, image_dir / RAM_FILE)
-            except BaseException:
-                _drop_image(image_dir)
-                with contextlib.suppress(RuntimeFailure, OperationTimeout):
-                    await self._qmp(vm, "cont")
-                raise
+        await self._save(vm, image_dir, ends=True)
         with contextlib.suppress(RuntimeFailure, OperationTimeout):
             await self._qmp(vm, "quit")  # saved: the instance ends here, as a pause wants
         with contextlib.suppress(TimeoutError):
@@ -523,17 +528,15 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
     ) -> None:
         vm = self._running(instance)
         try:
-            await self._save(vm, image_dir)
+            await self._save(vm, image_dir, ends=False)
             try:
-                if vm.ram is not None:  # it runs on: the image gets a copy of its RAM as it is now
-                    await asyncio.to_thread(copy_sparse, vm.ram, image_dir / RAM_FILE)
                 await while_stopped()  # the disks are flushed and nothing writes them: the node copies the upper
             except BaseException:
                 _drop_image(image_dir)
                 raise
         finally:
             if vm.proc.returncode is None:
-                await self._qmp(vm, "cont")  # after a migration QEMU takes its disks back first
+                await self._qmp(vm, "cont")
 
     def _running(self, instance: Instance) -> _Vm:
         vm = self._vms.get(instance.id)
@@ -542,48 +545,51 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         self.wake(instance)
         return vm
 
-    async def _save(self, vm: _Vm, image_dir: Path) -> None:
-        """Stop the VM and migrate it into ``image_dir``. On failure the VM is continued (a
+    async def _save(self, vm: _Vm, image_dir: Path, *, ends: bool) -> None:
+        """Stop the VM and write its image into ``image_dir``: the devices' state, vm.json, and its
+        RAM as a file (a booted VM's own, taken as it is when the VM ``ends`` here, else copied; a
+        restored VM's composed: aenv/runtime/vmram.py). On failure the VM is continued (a
         checkpoint that fails leaves the sandbox as it was) and the image's files are gone."""
+        devices = image_dir / DEVICES
         try:
             image_dir.mkdir(parents=True, exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(image_dir / MEMORY, flags, 0o600)
+            # QEMU opens the path itself: a new file of ours, never a link someone left there.
+            os.close(os.open(devices, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         except OSError as exc:
             raise RuntimeFailure(f"cannot write the memory image: {exc.strerror}") from exc
         try:
-            await self._qmp(vm, "stop")
-            try:
-                vm.qmp.send_fd_scm(fd)
-                await self._qmp(vm, "getfd", {"fdname": "aenv-save"})
-            finally:
-                os.close(fd)
-            await self._qmp(vm, "migrate", {"uri": "fd:aenv-save"})
-            await self._wait_saved(vm)
-            meta = {**vm.meta, "mark": self.image_mark}
-            (image_dir / META).write_text(json.dumps(meta))
+            await self._qmp(vm, "stop")  # stopping drains and flushes the disks
+            await self._qmp(vm, "xen-save-devices-state", {"filename": str(devices), "live": False})
+            (image_dir / META).write_text(json.dumps({**vm.meta, "mark": self.image_mark}))
+            started = time.monotonic()
+            written = await asyncio.to_thread(self._save_ram, vm, image_dir / RAM_FILE, ends)
+            log.debug(
+                "qemu: RAM of %s saved in %.3fs (%d MiB written)", vm.meta, time.monotonic() - started, written >> 20
+            )
+        except OSError as exc:
+            _drop_image(image_dir)
+            await self._resume_after_failure(vm)
+            raise CheckpointRefused(f"cannot save the VM's RAM: {exc}") from exc
         except BaseException:
             _drop_image(image_dir)
-            if vm.proc.returncode is None:
-                with contextlib.suppress(RuntimeFailure, OperationTimeout):
-                    await self._qmp(vm, "cont")
+            await self._resume_after_failure(vm)
             raise
 
-    async def _wait_saved(self, vm: _Vm) -> None:
-        deadline = time.monotonic() + SAVE_TIMEOUT
-        while True:
-            state = await self._qmp(vm, "query-migrate")
-            status = state.get("status") if isinstance(state, dict) else None
-            if status == "completed":
-                return
-            if status in ("failed", "cancelled", None):
-                detail = state.get("error-desc", "") if isinstance(state, dict) else ""
-                raise CheckpointRefused(f"QEMU could not save the VM: {status} {detail}".strip())
-            if time.monotonic() > deadline:
-                with contextlib.suppress(RuntimeFailure, OperationTimeout):
-                    await self._qmp(vm, "migrate_cancel")
-                raise OperationTimeout(f"QEMU did not save the VM within {SAVE_TIMEOUT:.0f}s")
-            await asyncio.sleep(POLL)
+    def _save_ram(self, vm: _Vm, target: Path, ends: bool) -> int:
+        """The stopped VM's RAM into ``target``; the bytes of pages it wrote (a restored VM's)."""
+        if vm.ram is not None:
+            if ends:
+                _take_file(vm.ram, target)  # nothing copied: the VM ends
+            else:
+                copy_sparse(vm.ram, target)
+            return 0
+        assert vm.base is not None
+        return vmram.compose(vm.proc.pid, vm.base, target)
+
+    async def _resume_after_failure(self, vm: _Vm) -> None:
+        if vm.proc.returncode is None:
+            with contextlib.suppress(RuntimeFailure, OperationTimeout):
+                await self._qmp(vm, "cont")
 
     # -- doze: the whole QEMU process stopped --------------------------------------------------------
     def doze(self, instance: Instance) -> bool:
@@ -612,6 +618,9 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
     async def _teardown(self, instance_id: str) -> None:
         bundle = self.bundles / instance_id
         vm = self._vms.pop(instance_id, None)
+        if vm is not None and vm.base is not None:
+            os.close(vm.base)
+            vm.base = None
         pid = vm.proc.pid if vm is not None else _read_pid(bundle / "pid")
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -661,8 +670,32 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
 
 
 def _drop_image(image_dir: Path) -> None:
-    for name in (MEMORY, META, RAM_FILE):
+    for name in (DEVICES, META, RAM_FILE):
         (image_dir / name).unlink(missing_ok=True)
+
+
+def _open_image_file(path: Path, size: int | None) -> int:
+    """A file of an image (hostile: a repository others write), open for reading: a regular file,
+    no link, of ``size`` bytes (a RAM file: QEMU would grow a shorter one), or at most
+    DEVICES_MAX."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ImageIncompatible(f"the memory image lacks its {path.name} ({exc.strerror})") from exc
+    st = os.fstat(fd)
+    wrong = (
+        "is not a regular file"
+        if not stat.S_ISREG(st.st_mode)
+        else f"is {st.st_size} bytes, not the VM's {size}"
+        if size is not None and st.st_size != size
+        else "is too big"
+        if size is None and st.st_size > DEVICES_MAX
+        else ""
+    )
+    if wrong:
+        os.close(fd)
+        raise ImageIncompatible(f"the memory image's {path.name} {wrong}")
+    return fd
 
 
 def _take_file(source: Path, target: Path) -> None:

@@ -617,21 +617,29 @@ def copy_sparse(source: Path, target: Path) -> None:
     """Copy a file's data extents into a new file of the same size: its holes stay holes."""
     src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            size = os.fstat(src).st_size
-            os.ftruncate(dst, size)
-            for start, end in data_runs(src, size):
-                done = start
-                while done < end:
-                    n = os.copy_file_range(src, dst, end - done, done, done)
-                    if n == 0:
-                        raise OSError(errno.EIO, f"{source} shrank while being copied")
-                    done += n
-        finally:
-            os.close(dst)
+        copy_sparse_from(src, target)
     finally:
         os.close(src)
+
+
+def copy_sparse_from(src: int, target: Path) -> None:
+    """:func:`copy_sparse` of the file open as ``src`` (which may have no name any more)."""
+    dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        size = os.fstat(src).st_size
+        os.ftruncate(dst, size)
+        for start, end in data_runs(src, size):
+            done = start
+            while done < end:
+                n = os.copy_file_range(src, dst, end - done, done, done)
+                if n == 0:
+                    raise OSError(errno.EIO, f"{target.name}: its source shrank while being copied")
+                done += n
+    except BaseException:
+        os.close(dst)
+        target.unlink(missing_ok=True)
+        raise
+    os.close(dst)
 
 
 def copy_tree(source: Path, target: Path) -> None:

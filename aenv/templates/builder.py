@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import os
 import re
@@ -226,6 +227,7 @@ async def build_instance(
     label: str,
     *,
     before_boot: Callable[[Path], Awaitable[None]] | None = None,
+    limits: Limits = BUILD_LIMITS,
 ) -> AsyncIterator[tuple[AgentLink, Instance, str]]:
     """A build sandbox booted fresh on ``layers`` with a new upper: (link, instance, upper id).
     ``before_boot`` gets the new upper's root directory (the sandbox's "/", empty: nothing a
@@ -242,7 +244,7 @@ async def build_instance(
             except BaseException:
                 await node.files.remove(upper)
                 raise
-        instance = await node.driver.boot(instance_id=new_id(), rootfs=rootfs, limits=BUILD_LIMITS)
+        instance = await node.driver.boot(instance_id=new_id(), rootfs=rootfs, limits=limits)
         egress = build_guest(label, node.settings.build_internet, node.settings.build_allow_out)
         link = AgentLink(label, serve=egress, ready_timeout=node.driver.boot_timeout)
         try:
@@ -311,7 +313,7 @@ async def commit_template(
             firsts.drop_first(first, "its template's snapshot failed")
             raise
     else:
-        image, top = await _checkpoint_build(node, name, layers, steps, start, log)
+        image, top = await _checkpoint_build(node, name, layers, steps, start, log, snapshot_limits(node, limits))
     try:
         rec = TemplateRecord(
             id=template_id or new_id(16),
@@ -342,12 +344,30 @@ async def commit_template(
     return rec
 
 
+def snapshot_limits(node: BuildHost, template_limits: dict[str, Any] | None) -> Limits:
+    """The size of the build sandbox a template's snapshot is taken of. Where the driver's image
+    fixes the machine's size (a VM's RAM and vCPUs), every sandbox of the template has the size
+    the build had, so it is the template's (its own limits over the node's defaults), as E2B's
+    templates are; elsewhere the sandbox's limits are set at each restore: room to build."""
+    if not node.driver.sized_by_image:
+        return BUILD_LIMITS
+    s, own = node.settings, template_limits or {}
+    cpus, memory = own.get("cpu_count") or s.cpu_count, own.get("memory_mb") or s.memory_mb
+    return dataclasses.replace(BUILD_LIMITS, cpu_count=float(cpus), memory_mb=int(memory))
+
+
 async def _checkpoint_build(
-    node: BuildHost, name: str, layers: list[str], steps: list[str], start: StartCommand | None, log: LogFn
+    node: BuildHost,
+    name: str,
+    layers: list[str],
+    steps: list[str],
+    start: StartCommand | None,
+    log: LogFn,
+    limits: Limits = BUILD_LIMITS,
 ) -> tuple[str, str | None]:
-    """Run a build sandbox through ``steps`` and ``start``, checkpoint it and stop it: (its
-    image, its sealed upper, None if nothing was written)."""
-    async with build_instance(node, layers, f"build-{name}") as (link, instance, upper):
+    """Run a build sandbox of size ``limits`` through ``steps`` and ``start``, checkpoint it and
+    stop it: (its image, its sealed upper, None if nothing was written)."""
+    async with build_instance(node, layers, f"build-{name}", limits=limits) as (link, instance, upper):
         for i, step in enumerate(steps, 1):
             log(f"step {i}/{len(steps)}")
             ran = await run_in(link, step, on_log=log)

@@ -10,7 +10,9 @@ scripts/install); in the runsc tier's second half."""
 
 from __future__ import annotations
 
+import http.server
 import os
+import threading
 import time
 from collections.abc import Iterator
 
@@ -19,6 +21,7 @@ import pytest
 
 from aenv.runtime import guestbundle, qemu, vmboot
 from tests.conftest import Server, e2b_client, start_busybox_node
+from tests.node.test_egress import host_address
 
 TEMPLATE = "bb"
 
@@ -166,6 +169,90 @@ def test_a_memory_hog_and_a_fork_bomb_end_inside_their_vm(api: httpx.Client) -> 
     finally:
         sbx.kill()
         bystander.kill()
+
+
+def test_the_vm_has_the_template_s_size(api: httpx.Client) -> None:
+    """The template was built at the node's default sandbox size (1 CPU, 1024 MiB): its image fixes
+    the VM's, so every sandbox of it has that much RAM and that many vCPUs, not the build's room."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(TEMPLATE)
+    try:
+        ran = sbx.commands.run("busybox awk '/MemTotal/ {print $2}' /proc/meminfo; busybox nproc")
+        mem_kib, cpus = (int(x) for x in ran.stdout.split())
+        assert 768 * 1024 < mem_kib <= 1024 * 1024, mem_kib
+        assert cpus == 1
+    finally:
+        sbx.kill()
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The base URL of a file server on this host's own address: outside every sandbox."""
+    root = tmp_path_factory.mktemp("outside")
+    (root / "hello.txt").write_text("hello from outside")
+    handler = lambda *a: _Quiet(*a, directory=str(root))  # noqa: E731
+    server = http.server.ThreadingHTTPServer((host_address(), 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://{host_address()}:{server.server_address[1]}"
+    server.shutdown()
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_egress_rules_and_the_port_proxy_reach_through_the_vm(api: httpx.Client, node: Server, outside: str) -> None:
+    """A VM has no NIC: as under gVisor, its outbound connections go through the agent's proxy to
+    the node, which applies the sandbox's rules, and the port proxy reaches its ports through the
+    agent. Both hold across a pause and a fork."""
+    from e2b import Sandbox
+
+    wget = "busybox wget -q -T 20 -O -"
+    ip = outside.split("//")[1].split(":")[0]
+    shut = Sandbox.create(TEMPLATE)
+    sbx = Sandbox.create(TEMPLATE, network={"allow_out": [f"{ip}/32"]})
+    children: list[str] = []
+    try:
+        refused = shut.commands.run(f"{wget} {outside}/hello.txt 2>&1; echo exit=$?")
+        assert "hello from outside" not in refused.stdout and "exit=0" not in refused.stdout, refused.stdout
+        for target in (f"http://127.0.0.1:{node.port}/health", "http://169.254.169.254/latest/meta-data/"):
+            out = shut.commands.run(f"{wget} {target} 2>&1; echo exit=$?").stdout
+            assert "exit=0" not in out and "healthy" not in out, (target, out)
+        assert sbx.commands.run(f"{wget} {outside}/hello.txt").stdout == "hello from outside"
+
+        sbx.commands.run("mkdir -p /tmp/www && echo served-from-the-vm > /tmp/www/index.html")
+        sbx.commands.run("busybox httpd -p 8000 -h /tmp/www")
+        assert _through_proxy(node, sbx.sandbox_id, 8000) == "served-from-the-vm\n"
+        assert sbx.pause() is True
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert again.commands.run(f"{wget} {outside}/hello.txt").stdout == "hello from outside"
+        assert _through_proxy(node, sbx.sandbox_id, 8000) == "served-from-the-vm\n"  # httpd came along
+        r = api.post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 1})
+        assert r.status_code == 200, r.text
+        children.append(r.json()[0]["sandbox"]["sandboxID"])
+        child = Sandbox.connect(children[0])
+        assert child.commands.run(f"{wget} {outside}/hello.txt").stdout == "hello from outside"
+        child.commands.run("echo the-child > /tmp/www/index.html")
+        assert _through_proxy(node, children[0], 8000) == "the-child\n"
+        assert _through_proxy(node, sbx.sandbox_id, 8000) == "served-from-the-vm\n"
+    finally:
+        for sandbox_id in [shut.sandbox_id, sbx.sandbox_id, *children]:
+            Sandbox.kill(sandbox_id)
+
+
+def _through_proxy(node: Server, sandbox_id: str, port: int) -> str:
+    """The body the node's port proxy answers for ``port`` of the sandbox (E2B's routing headers),
+    once the server in it listens."""
+    headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": str(port)}
+    deadline = time.monotonic() + 60
+    while True:
+        r = httpx.get(f"{node.url}/index.html", headers=headers, timeout=60)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            assert r.status_code == 200, r.text
+            return r.text
+        time.sleep(0.5)
 
 
 class _E2b:

@@ -196,9 +196,9 @@ async def test_a_fork_child_has_the_sources_processes_and_files_then_diverges(vm
     child, link, layers, upper, forked = await fork_child(vm, "vm-child")
     try:
         # The source booted with its RAM in a file of its own: the image holds a copy of that file
-        # (which the child maps copy-on-write) and a stream of the devices' state alone.
+        # (which the child maps copy-on-write) and the devices' state alone.
         assert (forked / qemu.RAM_FILE).stat().st_size == 512 * 2**20
-        assert (forked / qemu.MEMORY).stat().st_size < 8 * 2**20
+        assert (forked / qemu.DEVICES).stat().st_size < 2**20
         assert vm.files.guest_written(layers[-1]) and vm.files.guest_written(upper)
         assert not vm.files.upper(upper).is_mount()  # the guest's, never the host's
         # The source's process came along, with its count, and goes on in the child.
@@ -217,9 +217,12 @@ async def test_a_fork_child_has_the_sources_processes_and_files_then_diverges(vm
         paused_at = await count(link)
         await link.freeze()
         await vm.driver.checkpoint(child, image_dir=image, leave_running=False)
-        # The child's RAM is private (its image's file, copied on write): its pause streams it.
-        assert not (image / qemu.RAM_FILE).exists()
-        assert (image / qemu.MEMORY).stat().st_size > 8 * 2**20
+        # The child's RAM is private (its image's file, copied on write): its pause writes a copy
+        # of that file with the pages the child wrote over it; the forked image is untouched.
+        ram = (image / qemu.RAM_FILE).stat()
+        assert ram.st_size == 512 * 2**20 and ram.st_ino != (forked / qemu.RAM_FILE).stat().st_ino
+        assert ram.st_blocks * 512 < 512 * 2**20  # sparse: the guest's untouched pages are holes
+        assert (image / qemu.DEVICES).stat().st_size < 2**20
         pid = int(child.extra["pid"])
         link.close("paused")
         await vm.driver.kill(child)
@@ -266,6 +269,31 @@ async def test_a_restore_refuses_what_does_not_fit_its_image(vm: Vm) -> None:
     for garbage in ("[]", "{", json.dumps({**meta, "lowers": 99}), json.dumps({**meta, "memory_mb": 1})):
         (image / qemu.META).write_text(garbage)
         assert not vm.driver.image_compatible(image)
+    # The image's files are hostile too: QEMU must map no file but the image's own RAM file, of
+    # the VM's size (QEMU would grow a shorter one), and read its own devices' state.
+    (image / qemu.META).write_text(json.dumps(meta))
+    ram = image / qemu.RAM_FILE
+    ram.rename(image / "ram.kept")
+    secret = vm.files.image("secret")
+    secret.mkdir(parents=True)
+    (secret / "host-file").write_bytes(b"host secret" * 1000)
+    own = rootfs_of(vm.files, vm.layers, vm.upper)
+    for words, plant in (
+        ("lacks its ram", lambda: None),
+        ("lacks its ram", lambda: ram.symlink_to(secret / "host-file")),
+        ("is 11000 bytes, not the VM's", lambda: os.link(secret / "host-file", ram)),
+        ("not a regular file", lambda: os.mkfifo(ram)),
+    ):
+        ram.unlink(missing_ok=True)
+        plant()
+        with pytest.raises(ImageIncompatible, match=words):
+            await vm.driver.restore(instance_id="never", rootfs=own, limits=Limits(), image_dir=image)
+    ram.unlink()
+    (image / "ram.kept").rename(ram)
+    (image / qemu.DEVICES).unlink()
+    with pytest.raises(ImageIncompatible, match="lacks its devices"):
+        await vm.driver.restore(instance_id="never", rootfs=own, limits=Limits(), image_dir=image)
+    assert (secret / "host-file").read_bytes() == b"host secret" * 1000
     assert not list(vm.driver.bundles.glob("never*"))  # nothing of the refused restores is left
     assert (await sh(vm, "echo still running")).output == "still running\n"
 
@@ -277,7 +305,7 @@ async def _nothing() -> None:
 async def test_a_checkpoint_that_fails_leaves_the_vm_running(vm: Vm) -> None:
     image = vm.files.image("image-taken")
     image.mkdir(parents=True)
-    (image / qemu.MEMORY).write_text("someone else's")  # the save cannot make its file
+    (image / qemu.DEVICES).write_text("someone else's")  # the save cannot make its file
     await vm.link.freeze()
     with pytest.raises(AenvError):
         await vm.driver.checkpoint(vm.instance, image_dir=image, leave_running=False)
