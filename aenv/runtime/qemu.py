@@ -60,7 +60,7 @@ from typing import Any
 from qemu.qmp import QMPClient, QMPError
 
 from aenv.errors import CheckpointRefused, ImageIncompatible, OperationTimeout, RuntimeFailure
-from aenv.runtime import guestbundle, hostexec, vmboot, vmdisks, vmram
+from aenv.runtime import guestbundle, hostexec, vmboot, vmcgroup, vmdisks, vmram
 from aenv.runtime.base import Instance, Limits, NothingToChoose, OwnBase, RootfsSpec, TeardownOnKill, Usage
 from aenv.storage.layers import copy_sparse
 
@@ -87,6 +87,10 @@ IMAGE_FORMAT = "devices+ram"  # in the mark: images of streamed RAM (earlier nod
 META = "vm.json"  # in an image: what the VM was (its disks, size, QEMU, kernel)
 META_MAX = 64 * 1024
 DEVICES_MAX = 64 * 2**20  # a devices' state is tens of KiB
+# What QEMU may hold besides its guest's RAM (its host cgroup's memory limit is the sum): its heap
+# and devices, and under TCG its translation cache.
+QEMU_OVERHEAD_MB = 256
+TB_CACHE_MB = 256
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # A small, quiet boot: the console only for what goes wrong, no reboot (a panic ends QEMU), the
 # CPU's random numbers trusted (the agent's Python asks for entropy at start), no probing of
@@ -158,6 +162,8 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         self.version = _qemu_version(found)
         self.tsc_khz = _host_tsc_khz()
         self.state_dir = state_dir
+        # This node's VMs' cgroups: aenv-vm/<scope>/ (another node on the host has its own).
+        self.scope = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
         self.bundles = state_dir / "qemu-instances"
         self.disks = state_dir / "qemu-disks"  # images of plain-directory layers and of guest bundles
         for d in (self.bundles, self.disks):
@@ -410,6 +416,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             guest_end.close()
             qmp_guest.close()
         vm = _Vm(proc, QMPClient(f"aenv-{instance_id}"), ram=own_ram, base=base)
+        self._vms[instance_id] = vm
         vm.meta = {
             "lowers": lowers,
             "layers": len(layers),
@@ -418,10 +425,10 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             "memory_mb": memory_mb,
             "append": append,
         }
-        self._vms[instance_id] = vm
         (bundle / "pid").write_text(f"{proc.pid} {_start_time(proc.pid)}")
         vm.tail = asyncio.ensure_future(_keep_tail(proc, vm.console))
         try:
+            self._contain(instance_id, proc.pid, limits.cpu_count, memory_mb)
             await asyncio.wait_for(vm.qmp.connect(qmp_host), QMP_TIMEOUT)
             if devices is not None:
                 await self._qmp(vm, "migrate-incoming", {"uri": f"fd:{devices}"})
@@ -437,6 +444,17 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         # A restore's machine is the image's, whatever was asked: the limits say what it has.
         sized = dataclasses.replace(limits, cpu_count=float(cpus), memory_mb=memory_mb) if image else limits
         return Instance(instance_id, reader, writer, rootfs, sized, bundle, {"pid": str(proc.pid)})
+
+    def _contain(self, instance_id: str, pid: int, cpus: float, memory_mb: int) -> None:
+        """QEMU into a cgroup of its own (aenv/runtime/vmcgroup.py): a quota of ``cpus``, and the
+        guest's RAM plus QEMU's own as its memory."""
+        host_mb = memory_mb + QEMU_OVERHEAD_MB + (0 if self.accel == "kvm" else TB_CACHE_MB)
+        try:
+            group = vmcgroup.create(self.scope, instance_id, cpus=cpus, memory_bytes=host_mb * 2**20)
+            if group is not None:
+                group.join(pid)
+        except OSError as exc:
+            raise RuntimeFailure(f"cannot put QEMU in its cgroup: {exc}") from exc
 
     async def _wait_loaded(self, vm: _Vm) -> None:
         """Until the incoming migration is loaded, then run the VM: it was saved stopped, which the
@@ -481,7 +499,8 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         self, instance_id: str, cpus: int, memory_mb: int, append: str, channel_fd: int, qmp_fd: int, initramfs: Path
     ) -> list[str]:
         kvm = self.accel == "kvm"
-        accel = ["-accel", "kvm", "-cpu", "host"] if kvm else ["-accel", "tcg,thread=multi", "-cpu", "max"]
+        tcg = f"tcg,thread=multi,tb-size={TB_CACHE_MB}"  # (QEMU's default: up to 1 GiB per VM)
+        accel = ["-accel", "kvm", "-cpu", "host"] if kvm else ["-accel", tcg, "-cpu", "max"]
         # fmt: off
         return [
             self.qemu,
@@ -632,6 +651,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
                 await asyncio.wait_for(vm.qmp.disconnect(), 5)
             if vm.tail is not None:
                 vm.tail.cancel()
+        await vmcgroup.remove(self.scope, instance_id)
         await asyncio.to_thread(shutil.rmtree, bundle, True)
 
     async def usage(self, instance: Instance) -> Usage:
@@ -661,6 +681,8 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             if path.is_dir() and path.name not in keep and path.name not in self._vms:
                 await self._teardown(path.name)
                 removed.append(path.name)
+        for name in vmcgroup.names(self.scope) - keep - set(self._vms) - set(removed):
+            await vmcgroup.remove(self.scope, name)  # a VM of a node that ended without its clean-up
         for src in self.disks.glob("layer-*.src"):  # images of directory layers that are gone
             with contextlib.suppress(OSError):
                 if not Path(src.read_text()).is_dir():

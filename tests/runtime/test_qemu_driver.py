@@ -26,7 +26,7 @@ from aenv.config import Settings
 from aenv.errors import AenvError, ImageIncompatible
 from aenv.node import agentlink
 from aenv.node.agentlink import AgentLink
-from aenv.runtime import qemu, vmboot
+from aenv.runtime import qemu, vmboot, vmcgroup
 from aenv.runtime.base import Instance, Limits, RootfsSpec
 from aenv.storage.layers import LayerStore
 from aenv.templates.builder import Ran, run_process
@@ -169,7 +169,9 @@ async def rising(link: AgentLink, above: int) -> int:
     raise AssertionError(f"the counting process is stuck at {above}")
 
 
-async def fork_child(vm: Vm, instance_id: str) -> tuple[Instance, AgentLink, list[str], str, Path]:
+async def fork_child(
+    vm: Vm, instance_id: str, limits: Limits | None = None
+) -> tuple[Instance, AgentLink, list[str], str, Path]:
     """As the node forks: freeze the agent, checkpoint leaving the VM running while the upper is
     copied into a layer, thaw; restore a child on the layers plus that copy, with a new upper."""
     image = vm.files.image(f"image-{instance_id}")
@@ -183,7 +185,7 @@ async def fork_child(vm: Vm, instance_id: str) -> tuple[Instance, AgentLink, lis
     await vm.link.unfreeze()
     layers, upper = [*vm.layers, *copies], await vm.files.new_upper(64)
     rootfs = rootfs_of(vm.files, layers, upper)
-    child = await vm.driver.restore(instance_id=instance_id, rootfs=rootfs, limits=Limits(), image_dir=image)
+    child = await vm.driver.restore(instance_id=instance_id, rootfs=rootfs, limits=limits or Limits(), image_dir=image)
     link = AgentLink(instance_id)
     await link.restored(child, fresh=True, config={})
     return child, link, layers, upper, image
@@ -239,6 +241,34 @@ async def test_a_fork_child_has_the_sources_processes_and_files_then_diverges(vm
     finally:
         link.close("the test is over")
         await vm.driver.kill(child)
+
+
+def limit(driver: qemu.QemuDriver, instance_id: str, v1: tuple[str, str], v2: str) -> str:
+    """A limit of an instance's QEMU cgroup: v1's (controller, file) or v2's file."""
+    parent = vmcgroup.ROOT / (vmcgroup.PARENT if vmcgroup.unified() else f"{v1[0]}/{vmcgroup.PARENT}")
+    group = parent / driver.scope / instance_id
+    return (group / (v2 if vmcgroup.unified() else v1[1])).read_text().strip()
+
+
+async def test_qemu_runs_in_a_cgroup_of_its_own(vm: Vm) -> None:
+    """The VM's size bounds its guest; the host bounds QEMU around it: 2 CPUs' quota, the guest's
+    512 MiB and QEMU's own (its heap, TCG's capped translation cache), its threads."""
+    pid, name = int(vm.instance.extra["pid"]), vm.instance.id
+    assert str(pid) in limit(vm.driver, name, ("pids", "cgroup.procs"), "cgroup.procs").split()
+    assert limit(vm.driver, name, ("cpu", "cpu.cfs_quota_us"), "cpu.max").split()[0] == "200000"
+    memory = (512 + qemu.QEMU_OVERHEAD_MB + qemu.TB_CACHE_MB) * 2**20
+    assert int(limit(vm.driver, name, ("memory", "memory.limit_in_bytes"), "memory.max")) == memory
+    assert int(limit(vm.driver, name, ("pids", "pids.max"), "pids.max")) == vmcgroup.TASKS
+    # A restore has the limits it is given: a fractional CPU is a fraction of one vCPU's time.
+    child, link, *_ = await fork_child(vm, "vm-half", limits=Limits(cpu_count=0.5))
+    try:
+        assert limit(vm.driver, "vm-half", ("cpu", "cpu.cfs_quota_us"), "cpu.max").split()[0] == "50000"
+        assert (await run_process(link, ["/bin/echo", "half"], cwd="/")).output == "half\n"
+    finally:
+        link.close("the test is over")
+        await vm.driver.kill(child)
+    with pytest.raises(FileNotFoundError):  # gone with its QEMU
+        limit(vm.driver, "vm-half", ("cpu", "cpu.cfs_quota_us"), "cpu.max")
 
 
 async def test_a_restore_refuses_what_does_not_fit_its_image(vm: Vm) -> None:
