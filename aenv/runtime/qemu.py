@@ -18,19 +18,22 @@ and these virtio-mmio devices, found in the guest by serial and by name:
 Stage two overlays the layers under the upper, mounts /proc, /sys, /dev and the bundle, brings up
 loopback (no other network: as runsc --network=none) and execs the agent as PID 1.
 
-**Checkpoints** go through QEMU's monitor (QMP, on a socket pair): the VM is stopped and migrated
-into ``<image>/memory`` (its RAM and device state; the disks are flushed by the migration), and
+**Checkpoints** go through QEMU's monitor (QMP, on a socket pair): the VM is stopped (its disks
+drained and flushed), its devices' state saved without RAM (``xen-save-devices-state``) into
+``<image>/devices``, its RAM into ``<image>/ram`` as a file (aenv/runtime/vmram.py: a booted VM's
+own file, or a restored VM's composed from the file it maps and the pages it wrote), and
 ``<image>/vm.json`` says how many layer disks it had, its size and its upper. A pause then ends
 QEMU; a snapshot or fork continues the VM once the node has copied its upper (which the copies are
-restored on). A restore starts QEMU with the same devices and ``-incoming`` from that file. The
-devices must match what the image was saved with, so a restore maps the node's layer list back:
-the image's lower disks first; then either the upper it was saved with (a resume), or one more
-layer, the saved upper sealed or copied, which the new upper becomes a copy-on-write overlay of
-(a create from a template, a fork child, a snapshot's restore).
+restored on). A restore maps the RAM file privately and loads the devices' state. The devices
+must match what the image was saved with, so a restore maps the node's layer list back: the
+image's lower disks first; then either the upper it was saved with (a resume), or one more layer,
+the saved upper sealed or copied, which the new upper becomes a copy-on-write overlay of (a create
+from a template, a fork child, a snapshot's restore).
 
-Limits: memory and vCPUs are the VM's size (-m, -smp; a restore keeps the image's), the disk quota
-is the upper's size; no CPU quota or host cgroup yet. Doze stops the QEMU process (SIGSTOP). Not
-yet: network, volumes, memory shared between restores of one image.
+Limits: memory and vCPUs are the VM's size (-m, -smp; a restore keeps the image's, so templates are
+snapshotted at their sandboxes' size), QEMU's host cgroup (aenv/runtime/vmcgroup.py) holds a CPU
+quota, its memory and threads, the disk quota is the upper's size. Doze stops the QEMU process
+(SIGSTOP). The network is the agent's, as under gVisor (no NIC). Not yet: volumes.
 """
 
 from __future__ import annotations
