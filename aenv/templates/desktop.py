@@ -207,7 +207,8 @@ def install_script(browser: str) -> str:
         "update-alternatives --set x-terminal-emulator /usr/bin/xfce4-terminal.wrapper || true",
         # Nor is Thunar started behind the session's back: xfdesktop asked D-Bus for it now and then
         # (a desktop under load had one running); `thunar` started by hand still runs.
-        "dpkg -L thunar | grep '^/usr/share/dbus-1/services/.*[.]service$' | xargs -r rm -f",
+        "rm -f /usr/share/dbus-1/services/org.xfce.Thunar*.service",
+        "rm -f /usr/share/dbus-1/services/org.xfce.FileManager.service",
         _file("/etc/xdg/xfce4/xfconf/xfce-perchannel-xml/xfce4-session.xml", SESSION_XML),
         # The panel's two plugins that run in processes of their own (a GTK each: ~30 MiB of RSS
         # apiece) run inside the panel instead.
