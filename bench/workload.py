@@ -72,8 +72,8 @@ KNOWN = {
     "ptrace-overlay-mem": Config("ptrace-overlay-mem", "ptrace", "--overlay2=root:memory"),
     # The microVM driver (a QEMU microvm per sandbox): TCG here, where no guest boots on /dev/kvm;
     # `qemu-kvm` on a host where one does. Its sandboxes are the template's size: 2 vCPUs, 2 GiB.
-    "qemu-tcg": Config("qemu-tcg", "qemu", "", (("driver", "qemu"), ("qemu_accel", "tcg"), *(QEMU_SIZE))),
-    "qemu-kvm": Config("qemu-kvm", "qemu", "", (("driver", "qemu"), ("qemu_accel", "kvm"), *(QEMU_SIZE))),
+    "qemu-tcg": Config("qemu-tcg", "qemu", "", (("driver", "qemu"), ("qemu_accel", "tcg"), *QEMU_SIZE)),
+    "qemu-kvm": Config("qemu-kvm", "qemu", "", (("driver", "qemu"), ("qemu_accel", "kvm"), *QEMU_SIZE)),
 }
 
 

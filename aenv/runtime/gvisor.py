@@ -37,14 +37,14 @@ from aenv.errors import (
     RuntimeFailure,
     snippet,
 )
-from aenv.runtime import guestbundle, hostexec, pidfds, platforms
+from aenv.runtime import cgroups, guestbundle, hostexec, pidfds, platforms
 from aenv.runtime.base import Instance, Limits, OwnBase, RootfsSpec, Usage, agent_pipes
 from aenv.storage.confined import View, dir_at, open_root
 from aenv.storage.datadir import SANDBOX_DIR, sandbox_dir
 
 log = logging.getLogger(__name__)
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_ROOT = cgroups.ROOT
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PROBE_WORK = "/work"  # where a platform probe's sandbox writes (a host directory of its bundle)
 CGROUP_PARENT = "aenv"
@@ -186,28 +186,9 @@ def _cgroup_dirs(instance_id: str) -> list[Path]:
 
 async def _remove_cgroups(instance_id: str) -> bool:
     """Remove an instance's cgroups, killing what still runs in them first (a sandbox whose runsc
-    died before it could, a probe of a node killed while it calibrated). A killed task leaves its
-    cgroup a moment after the signal: retried for up to a second."""
-    for _ in range(20):
-        left = []
-        for group in _cgroup_dirs(instance_id):
-            try:
-                group.rmdir()
-            except OSError:
-                left.append(group)
-        if not left:
-            return True
-        for group in left:
-            try:
-                tasks = (group / "cgroup.procs").read_text().split()
-            except OSError:
-                continue
-            for pid in tasks:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (OSError, ValueError):
-                    pass
-        await asyncio.sleep(0.05)
+    died before it could, a probe of a node killed while it calibrated)."""
+    if await cgroups.remove(_cgroup_dirs(instance_id)):
+        return True
     log.warning("instance %s: its cgroups outlived its tasks", instance_id)
     return False
 

@@ -378,9 +378,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
                 ram, share = Path(f"/proc/self/fd/{base}"), False
                 devices = _open_image_file(image / DEVICES, None)
         except BaseException:
-            for fd in (base, devices):
-                if fd is not None:
-                    os.close(fd)
+            _close(base, devices)
             raise
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         qmp_host, qmp_guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -411,9 +409,7 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
         except OSError as exc:
             host_end.close()
             qmp_host.close()
-            for fd in (base, devices):
-                if fd is not None:
-                    os.close(fd)
+            _close(base, devices)
             raise RuntimeFailure(f"cannot run {self.qemu}: {exc}", argv=argv) from exc
         finally:
             guest_end.close()
@@ -585,9 +581,8 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
             (image_dir / META).write_text(json.dumps({**vm.meta, "mark": self.image_mark}))
             started = time.monotonic()
             written = await asyncio.to_thread(self._save_ram, vm, image_dir / RAM_FILE, ends)
-            log.debug(
-                "qemu: RAM of %s saved in %.3fs (%d MiB written)", vm.meta, time.monotonic() - started, written >> 20
-            )
+            took = time.monotonic() - started
+            log.debug("qemu: RAM of image %s saved in %.3fs (%d MiB written)", image_dir.name, took, written >> 20)
         except OSError as exc:
             _drop_image(image_dir)
             await self._resume_after_failure(vm)
@@ -697,6 +692,12 @@ class QemuDriver(guestbundle.BundledGuests, TeardownOnKill, NothingToChoose):
 def _drop_image(image_dir: Path) -> None:
     for name in (DEVICES, META, RAM_FILE):
         (image_dir / name).unlink(missing_ok=True)
+
+
+def _close(*fds: int | None) -> None:
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
 
 
 def _open_image_file(path: Path, size: int | None) -> int:

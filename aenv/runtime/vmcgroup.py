@@ -10,24 +10,23 @@ from the host around it and what a fractional CPU limit means:
 - pids: QEMU's threads (a vCPU each, its I/O workers), whatever the guest runs.
 
 cgroup v1 (a directory per controller, as on this machine) or v2 (one directory), under
-``aenv-vm/<scope>/<instance>``: a scope per node (its state directory's), so that a node's clean-up
-never touches another's VMs on the same host. A host where none can be made (not root, a read-only /sys/fs/cgroup)
-runs VMs without, and says so once.
+``aenv-vm/<scope>/<instance>``: a scope per node (its state directory's), so that a node's
+clean-up never touches another's VMs on the same host. A host where none can be made (not root,
+a read-only /sys/fs/cgroup) runs VMs without, and says so once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import os
-import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from aenv.runtime import cgroups
+from aenv.runtime.cgroups import ROOT
 
 log = logging.getLogger(__name__)
 
-ROOT = Path("/sys/fs/cgroup")
 PARENT = "aenv-vm"
 V1 = ("cpu", "memory", "pids")
 PERIOD_US = 100_000
@@ -39,9 +38,7 @@ _warned = False
 class VmGroup:
     """One VM's cgroup: its directories (one per v1 controller, or one v2 group)."""
 
-    name: str
-    dirs: list[Path] = field(default_factory=list)
-    v2: bool = False
+    dirs: list[Path]
 
     def join(self, pid: int) -> None:
         for d in self.dirs:
@@ -61,11 +58,11 @@ def create(scope: str, name: str, *, cpus: float, memory_bytes: int, tasks: int 
     """A new cgroup ``aenv-vm/<scope>/<name>`` with these limits; None where the host lets none be
     made."""
     global _warned
-    group = VmGroup(name, v2=unified())
+    group = VmGroup([])
     quota = max(1000, int(cpus * PERIOD_US))
     try:
-        if group.v2:
-            parent = ROOT / PARENT / scope
+        if unified():
+            [parent] = _parents(scope)
             parent.mkdir(parents=True, exist_ok=True)
             for level in (ROOT, parent.parent, parent):  # the controllers handed down to the VMs' groups
                 (level / "cgroup.subtree_control").write_text("+cpu +memory +pids")
@@ -101,22 +98,12 @@ def create(scope: str, name: str, *, cpus: float, memory_bytes: int, tasks: int 
 async def remove(scope: str, name: str) -> None:
     """Remove a VM's cgroup (by name: also one a crashed node left), ending what still runs in it."""
     dirs = [parent / name for parent in _parents(scope)]
-    for _ in range(40):
-        left = [d for d in dirs if d.is_dir()]
-        for d in left:
-            try:
-                d.rmdir()
-            except OSError:
-                with contextlib.suppress(OSError, ValueError):
-                    for pid in (d / "cgroup.procs").read_text().split():
-                        os.kill(int(pid), signal.SIGKILL)
-        if not any(d.is_dir() for d in dirs):
-            for d in dirs:  # the scope too once its last VM is gone (a test's node, say)
-                with contextlib.suppress(OSError):
-                    d.parent.rmdir()
-            return
-        await asyncio.sleep(0.05)
-    log.warning("the cgroup of VM %s outlived its QEMU", name)
+    if not await cgroups.remove(dirs, tries=40):
+        log.warning("the cgroup of VM %s outlived its QEMU", name)
+        return
+    for d in dirs:  # the scope too once its last VM is gone (a test's node, say)
+        with contextlib.suppress(OSError):
+            d.parent.rmdir()
 
 
 def names(scope: str) -> set[str]:
