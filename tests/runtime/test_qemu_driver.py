@@ -320,7 +320,16 @@ async def test_a_restore_refuses_what_does_not_fit_its_image(vm: Vm) -> None:
             await vm.driver.restore(instance_id="never", rootfs=own, limits=Limits(), image_dir=image)
     ram.unlink()
     (image / "ram.kept").rename(ram)
-    (image / qemu.DEVICES).unlink()
+    devices = image / qemu.DEVICES
+    with open(devices, "r+b") as f:  # a devices' state past its bound (sparse: nothing written)
+        f.truncate(qemu.DEVICES_MAX + 1)
+    with pytest.raises(ImageIncompatible, match="devices is too big"):
+        await vm.driver.restore(instance_id="never", rootfs=own, limits=Limits(), image_dir=image)
+    devices.unlink()
+    devices.symlink_to(secret / "host-file")
+    with pytest.raises(ImageIncompatible, match="lacks its devices"):
+        await vm.driver.restore(instance_id="never", rootfs=own, limits=Limits(), image_dir=image)
+    devices.unlink()
     with pytest.raises(ImageIncompatible, match="lacks its devices"):
         await vm.driver.restore(instance_id="never", rootfs=own, limits=Limits(), image_dir=image)
     assert (secret / "host-file").read_bytes() == b"host secret" * 1000
